@@ -1,0 +1,3 @@
+from grpokit.cli.main import main
+
+main()

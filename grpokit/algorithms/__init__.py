@@ -1,0 +1,80 @@
+"""GRPO-family math as pure tensor functions: no models, engines, files or network; only torch.
+
+The variant names of each option live in registries (``ADVANTAGE_ESTIMATORS``, ``SCALE_MODES``,
+``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may extend.
+See docs/algorithms.md for the formulas next to their flags.
+"""
+
+from __future__ import annotations
+
+from grpokit.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    DEFAULT_SCALE,
+    SCALE_MODES,
+    AdvantageContext,
+    AdvantageOut,
+    Centered,
+    compute_advantages,
+    validate_advantage_options,
+)
+from grpokit.algorithms.ema import ema_update_
+from grpokit.algorithms.filters import (
+    entropy_mask,
+    entropy_threshold,
+    groups_with_signal,
+    overlong_mask,
+    validate_entropy_quantile,
+)
+from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
+from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
+from grpokit.algorithms.losses import (
+    IS_LEVELS,
+    LOSS_NORMALIZERS,
+    POLICY_LOSSES,
+    LossConfig,
+    LossInputs,
+    LossOut,
+    TokenLoss,
+    compute_policy_loss,
+    validate_loss_config,
+)
+from grpokit.algorithms.rollout_is import (
+    ROLLOUT_IS_MODES,
+    RolloutISOut,
+    rollout_importance_weights,
+    validate_rollout_is_options,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "DEFAULT_SCALE",
+    "IS_LEVELS",
+    "LOSS_NORMALIZERS",
+    "POLICY_LOSSES",
+    "ROLLOUT_IS_MODES",
+    "SCALE_MODES",
+    "AdvantageContext",
+    "AdvantageOut",
+    "Centered",
+    "LossConfig",
+    "LossInputs",
+    "LossOut",
+    "RolloutISOut",
+    "TokenLoss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "ema_update_",
+    "entropy_from_logits",
+    "entropy_mask",
+    "entropy_threshold",
+    "groups_with_signal",
+    "k3_kl",
+    "kl_reward_penalty",
+    "overlong_mask",
+    "rollout_importance_weights",
+    "selective_log_softmax",
+    "validate_advantage_options",
+    "validate_entropy_quantile",
+    "validate_loss_config",
+    "validate_rollout_is_options",
+]

@@ -1,0 +1,249 @@
+"""Policy losses of the GRPO family and their normalisation, as pure functions of per-token log-probs.
+
+One call: ratio r = exp(log-weight) at the chosen importance-sampling level → per-token loss of the loss type →
+× rollout IS weights → + β·k3 KL → × entropy mask → zero outside the mask → normaliser of the loss type.
+
+Importance-sampling levels (``--importance_sampling_level``):
+- ``token`` — GRPO (arXiv 2402.03300): r_t = π_θ/π_old per token.
+- ``sequence`` — GSPO (arXiv 2507.18071): one r per sequence, exp(mean_t log r_t). The paper's tiny clip range
+  (3e-4/4e-4) is not imposed; set ``--epsilon``/``--epsilon_high`` yourself.
+- ``sequence_token`` — GSPO-token: value sg[r_seq]·π_θ/sg[π_θ] = r_seq, gradient per token.
+
+Per-token losses (``--loss_type``; the registry maps each name to its family):
+- ``grpo``/``bnpo``/``dr_grpo``/``dapo`` — PPO clip: −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A). The asymmetric
+  range is DAPO's clip-higher (arXiv 2503.14476). With ``delta`` (two-sided clip, INTELLECT-2 arXiv 2505.07291,
+  TRL semantics) the unclipped term uses min(r, δ), which bounds the loss of negative-advantage tokens whose
+  ratio exploded.
+- ``cispo`` — CISPO (MiniMax-M1, arXiv 2506.13585): −sg[min(r, ε_high)]·A·log π_θ. The paper clips the weight
+  to [1−ε_low, 1+ε_high]; ms-swift and TRL (followed here) cap it from above only and read ``epsilon_high`` as the
+  absolute cap (ms-swift's docs use 5.0, from ScaleRL arXiv 2510.13786).
+- ``sapo`` — SAPO (arXiv 2511.20347): −σ(τ·(r−1))·(4/τ)·A with τ = τ_pos for A > 0 and τ_neg otherwise
+  (defaults 1.0 and 1.05, the paper's). The 4/τ factor makes the gradient at r = 1 equal to the plain
+  policy gradient; token level only.
+
+Normalisers (from ms-swift's ``_compute_loss_and_metrics``):
+- ``grpo``, ``sapo``: masked mean per sequence, then mean over the batch (the GRPO paper's 1/G Σ 1/|o_i| Σ_t).
+- ``bnpo``: token mean over the micro-batch (TRL's name).
+- ``dr_grpo``: sum / (B × max_completion_length). Dr. GRPO (arXiv 2503.20783) divides by a constant; ms-swift and
+  TRL use the micro-batch size times the max completion length.
+- ``dapo``, ``cispo``: sum / ``num_items`` — the trainer passes the global completion-token count of the
+  optimizer step, already divided for gradient accumulation and ranks, so that every token weighs the same
+  (DAPO's token-level loss).
+
+Beyond the papers: values at masked positions never reach the loss or its gradient (a fully masked row gives 0,
+not NaN, even if its log-probs are -inf), and the rollout IS weights multiply the policy term but not the KL term
+(ms-swift).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from grpokit.algorithms.kl import k3_kl
+from grpokit.errors import ConfigError
+from grpokit.registry import Registry
+
+
+@dataclass
+class LossConfig:
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo
+    importance_sampling_level: str = "token"  # token | sequence | sequence_token
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # clip-higher; for cispo the absolute cap on the IS weight (ms-swift docs: 5.0)
+    delta: float | None = None  # two-sided clip: cap on the unclipped ratio (TRL), must exceed 1 + epsilon_high
+    beta: float = 0.0  # k3 KL coefficient in the loss
+    tau_pos: float = 1.0  # sapo, A > 0
+    tau_neg: float = 1.05  # sapo, A <= 0
+    max_completion_length: int = 256  # dr_grpo normaliser
+
+
+@dataclass
+class LossInputs:
+    logps: Tensor  # [B, T] current policy (requires grad)
+    old_logps: Tensor  # [B, T] policy at rollout time (detached)
+    advantages: Tensor  # [B]
+    mask: Tensor  # [B, T] 1 = trained token (completion mask, with overlong filter applied)
+    ref_logps: Tensor | None = None  # [B, T] when beta != 0
+    rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term
+    num_items: float | None = None  # dapo/cispo denominator: global token count, scaled for accumulation/ranks
+    entropy_mask: Tensor | None = None  # [B, T] 0/1: zeroes low-entropy tokens' loss but keeps the normaliser
+
+
+@dataclass
+class LossOut:
+    loss: Tensor  # scalar
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    loss: Tensor  # [B, T] or [B, 1] per-token loss before masking
+    clipped: dict[str, Tensor]  # bool, broadcastable to [B, T]; logged as "clip_ratio/<name>_mean"
+
+
+LogWeightFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (log_ratio, logps, mask) -> log importance weight
+TokenLossFn = Callable[[Tensor, Tensor, Tensor, LossConfig], TokenLoss]  # (ratio, logps, adv [B,1], cfg)
+NormalizerFn = Callable[[Tensor, Tensor, LossInputs, LossConfig], Tensor]  # (per_token, mask, inputs, cfg)
+
+IS_LEVELS: Registry = Registry("importance sampling level", "--importance_sampling_level")
+POLICY_LOSSES: Registry = Registry("loss type", "--loss_type")
+LOSS_NORMALIZERS: Registry = Registry("loss type", "--loss_type")
+
+
+def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean over the last axis: [B, T] -> [B]; 0 for a fully masked row."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+@IS_LEVELS.register("token")
+def token_log_weights(log_ratio: Tensor, logps: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio  # [B, T]
+
+
+@IS_LEVELS.register("sequence")
+def sequence_log_weights(log_ratio: Tensor, logps: Tensor, mask: Tensor) -> Tensor:
+    return _sequence_mean(log_ratio, mask).unsqueeze(-1)  # [B, 1]
+
+
+@IS_LEVELS.register("sequence_token")
+def sequence_token_log_weights(log_ratio: Tensor, logps: Tensor, mask: Tensor) -> Tensor:
+    seq = _sequence_mean(log_ratio, mask).unsqueeze(-1).detach()  # [B, 1]
+    return logps - logps.detach() + seq  # [B, T]: value = sequence log ratio, gradient = d logps
+
+
+def ppo_clip_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
+    """−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), with r capped at δ in the first term when ``delta`` is set."""
+    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    loss = -torch.min(capped * adv, clipped * adv)
+    low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)
+    high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)
+    return TokenLoss(loss=loss, clipped={"low": low, "high": high, "region": low | high})
+
+
+def cispo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
+    """−sg[min(r, ε_high)]·A·log π: the capped weight is a constant, the gradient flows through log π only."""
+    weight = torch.clamp(ratio, max=cfg.epsilon_high).detach()
+    high = (ratio > cfg.epsilon_high) & (adv > 0)
+    return TokenLoss(loss=-weight * adv * logps, clipped={"high": high})
+
+
+def sapo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
+    """−σ(τ(r−1))·(4/τ)·A, τ = τ_pos for A > 0 else τ_neg."""
+    tau = torch.full_like(adv, cfg.tau_neg).masked_fill(adv > 0, cfg.tau_pos)  # [B, 1]
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return TokenLoss(loss=-gate * adv, clipped={})
+
+
+for _name in ("grpo", "bnpo", "dr_grpo", "dapo"):
+    POLICY_LOSSES[_name] = ppo_clip_loss
+POLICY_LOSSES["cispo"] = cispo_loss
+POLICY_LOSSES["sapo"] = sapo_loss
+
+
+def sequence_then_batch_mean(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossConfig) -> Tensor:
+    return _sequence_mean(per_token, mask).mean()
+
+
+def token_mean(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossConfig) -> Tensor:
+    return per_token.sum() / mask.sum().clamp(min=1.0)
+
+
+def max_length_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossConfig) -> Tensor:
+    return per_token.sum() / (per_token.shape[0] * cfg.max_completion_length)
+
+
+def global_token_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossConfig) -> Tensor:
+    if inp.num_items is None:
+        raise ConfigError(f"--loss_type {cfg.loss_type} divides by the global completion-token count; the trainer "
+                          "must pass LossInputs.num_items")
+    num_items = float(inp.num_items)
+    if num_items < 0:
+        raise ConfigError(f"LossInputs.num_items is {num_items}; it must be the (non-negative) global token count")
+    return per_token.sum() / (num_items if num_items > 0 else 1.0)  # 0 tokens: the sum is 0 too
+
+
+for _name, _fn in (("grpo", sequence_then_batch_mean), ("sapo", sequence_then_batch_mean), ("bnpo", token_mean),
+                   ("dr_grpo", max_length_normalized), ("dapo", global_token_normalized),
+                   ("cispo", global_token_normalized)):
+    LOSS_NORMALIZERS[_name] = _fn
+
+
+def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
+    """The scalar loss and detached metrics ("is_ratio/mean", "clip_ratio/*_mean", "kl") for one micro-batch."""
+    token_loss: TokenLossFn = POLICY_LOSSES.get_or_raise(cfg.loss_type)
+    normalize: NormalizerFn = LOSS_NORMALIZERS.get_or_raise(cfg.loss_type)
+    log_weights: LogWeightFn = IS_LEVELS.get_or_raise(cfg.importance_sampling_level)
+
+    dtype = inp.logps.dtype
+    mask = inp.mask.to(dtype)  # [B, T]
+    keep = mask > 0
+    logps = torch.where(keep, inp.logps, 0.0)  # padding may hold -inf or garbage: keep it out of values and grads
+    old = torch.where(keep, inp.old_logps.detach().to(dtype), 0.0)
+    ratio = torch.exp(log_weights(logps - old, logps, mask))  # [B, T] or [B, 1]
+    adv = inp.advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+
+    out = token_loss(ratio, logps, adv, cfg)
+    per_token = out.loss
+    if inp.rollout_is_weights is not None:
+        per_token = per_token * inp.rollout_is_weights.detach().to(dtype)
+    kl = None
+    if cfg.beta != 0.0:
+        if inp.ref_logps is None:
+            raise ConfigError(f"--beta {cfg.beta} puts a KL term in the loss, which needs ref_logps; pass them or "
+                              "use --beta 0")
+        kl = k3_kl(logps, torch.where(keep, inp.ref_logps.detach().to(dtype), 0.0))  # [B, T]
+        per_token = per_token + cfg.beta * kl
+    if inp.entropy_mask is not None:
+        per_token = per_token * inp.entropy_mask.detach().to(dtype)
+    per_token = torch.where(keep, per_token, 0.0)  # [B, T]
+    loss = normalize(per_token, mask, inp, cfg)
+    return LossOut(loss=loss, metrics=_metrics(ratio, out.clipped, kl, keep))
+
+
+@torch.no_grad()
+def _metrics(ratio: Tensor, clipped: dict[str, Tensor], kl: Tensor | None, keep: Tensor) -> dict[str, Tensor]:
+    count = keep.sum().clamp(min=1).to(ratio.dtype)
+
+    def masked_mean(x: Tensor) -> Tensor:
+        return torch.where(keep, x.to(ratio.dtype), 0.0).sum() / count
+
+    metrics = {"is_ratio/mean": masked_mean(ratio)}
+    for name, flags in clipped.items():
+        metrics[f"clip_ratio/{name}_mean"] = masked_mean(flags)
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl)
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def validate_loss_config(cfg: LossConfig) -> None:
+    """Raise ConfigError for unknown names, out-of-range values and combinations that would be ignored."""
+    POLICY_LOSSES.get_or_raise(cfg.loss_type)
+    LOSS_NORMALIZERS.get_or_raise(cfg.loss_type)
+    IS_LEVELS.get_or_raise(cfg.importance_sampling_level)
+    for flag, value in (("--epsilon", cfg.epsilon_low), ("--epsilon_high", cfg.epsilon_high), ("--beta", cfg.beta)):
+        if not value >= 0:  # also catches NaN
+            raise ConfigError(f"{flag} {value}: must be >= 0")
+    for flag, value in (("--tau_pos", cfg.tau_pos), ("--tau_neg", cfg.tau_neg)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value}: the SAPO gate temperature must be > 0 (paper: 1.0 and 1.05)")
+    if cfg.max_completion_length < 1:
+        raise ConfigError(f"--max_completion_length {cfg.max_completion_length}: must be >= 1")
+    family = POLICY_LOSSES[cfg.loss_type]
+    if cfg.delta is not None:
+        if family is not ppo_clip_loss:
+            raise ConfigError(f"--delta applies to the PPO-clip loss types (grpo, bnpo, dr_grpo, dapo), not "
+                              f"--loss_type {cfg.loss_type}; remove --delta")
+        if not cfg.delta > 1.0 + cfg.epsilon_high:
+            raise ConfigError(f"--delta {cfg.delta}: must exceed 1 + epsilon_high = {1.0 + cfg.epsilon_high:g}, or it "
+                              "would override the clip range (TRL: delta > 1 + epsilon)")
+    if family is cispo_loss and cfg.epsilon_high < 1.0:
+        raise ConfigError(f"--loss_type cispo reads --epsilon_high as the absolute cap on the IS weight; "
+                          f"{cfg.epsilon_high} < 1 would scale down every on-policy token; use e.g. --epsilon_high 5.0")
+    if family is sapo_loss and cfg.importance_sampling_level != "token":
+        raise ConfigError(f"--loss_type sapo gates each token's ratio, so --importance_sampling_level "
+                          f"{cfg.importance_sampling_level} (GSPO) does not combine with it; use token")

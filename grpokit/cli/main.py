@@ -1,0 +1,105 @@
+"""`grpokit train | rollout | infer`. Parsing only; help answers before torch is imported."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+USAGE = """usage: grpokit {train,rollout,infer} [options]
+
+  train     GRPO-family training (no options: the built-in demo)
+  rollout   serve rollouts over HTTP for --vllm_mode server
+  infer     completions and reward scores of a model on a dataset
+
+`grpokit COMMAND --help` lists a command's options."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"grpokit: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def infer_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpokit infer", description="Completions and reward scores on a dataset.")
+    p.add_argument("--model", default=None, help="model or checkpoint folder (full or LoRA adapter); "
+                                                 "default: the built-in demo model")
+    p.add_argument("--dataset", default="builtin:arithmetic:test", help="dataset spec, as for train")
+    p.add_argument("--reward_funcs", nargs="+", default=["accuracy"], help="reward functions that score")
+    p.add_argument("--max_new_tokens", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--limit", type=int, default=0, help="first N prompts only")
+    p.add_argument("--system", default=None)
+    p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--external_plugins", nargs="*", default=[])
+    p.add_argument("--output", default=None, help="write the scores and completions as JSON lines here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+
+    def error(message):
+        _fail(f"grpokit infer: {message} (see `grpokit infer --help`)")
+
+    p.error = error
+    return p
+
+
+def _quiet_third_party() -> None:
+    """Our own progress bar and summary are the output; silence per-file load/save bars of the libraries."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        if not argv:
+            argv = ["train"]
+        else:
+            print(USAGE)
+            return
+    command, rest = argv[0], argv[1:]
+    logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
+    from grpokit.errors import GrpokitError
+
+    _quiet_third_party()
+
+    try:
+        if command == "train":
+            from grpokit.config.parse import parse_train_args
+
+            cfg = parse_train_args(rest)
+            from grpokit.pipeline.train import run_train
+
+            run_train(cfg)
+        elif command == "infer":
+            args = infer_parser().parse_args(rest)
+            from grpokit.pipeline.infer import run_infer
+
+            run_infer(args)
+        elif command == "rollout":
+            from grpokit.server.cli import run_rollout_cli
+
+            run_rollout_cli(rest)
+        else:
+            _fail(f"unknown command {command!r}; use train, rollout or infer")
+    except GrpokitError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    main()

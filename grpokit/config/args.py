@@ -1,0 +1,195 @@
+"""Every option of `grpokit train`, grouped by concern, with ms-swift/TRL names.
+
+Each dataclass is one slice of the configuration; a component receives only the slice it needs. Help text is the
+field metadata, so `grpokit train --help` documents every flag. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _opt(default, help: str, **kw):  # noqa: A002 - mirrors argparse's name
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelArguments:
+    model: str | None = _opt(None, "policy model: a local folder in Hugging Face format (default: the built-in "
+                                   "SmolLM2-135M-Instruct demo model, converted once and cached)")
+    ref_model: str | None = _opt(None, "reference model for the KL term (default: a frozen copy of --model; with "
+                                       "LoRA the base model with adapters disabled)")
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
+        "auto", "weights/compute dtype; auto = bfloat16 where the device supports it well, else float32")
+    tuner_type: Literal["full", "lora"] = _opt("full", "full fine-tuning or LoRA adapters (peft)")
+    lora_rank: int = _opt(8, "LoRA rank r")
+    lora_alpha: int = _opt(32, "LoRA alpha")
+    lora_dropout: float = _opt(0.05, "LoRA dropout")
+    target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
+    gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
+    trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+
+
+@dataclass
+class DataArguments:
+    dataset: list[str] = _opt([], "training data: .jsonl/.json/.csv/.parquet files, builtin:<task>, or hub ids; "
+                                  "append #N to sub-sample N rows (default: builtin:arithmetic)")
+    val_dataset: list[str] = _opt([], "held-out data, same forms as --dataset")
+    system: str | None = _opt(None, "system prompt prepended to rows that have none")
+    max_length: int | None = _opt(None, "drop prompts longer than this many tokens (prompt + completion must fit)")
+    split_dataset_ratio: float = _opt(0.0, "hold out this fraction of --dataset as validation when --val_dataset "
+                                           "is not given")
+    dataset_shuffle: bool = _opt(True, "shuffle the training prompts each epoch")
+
+
+@dataclass
+class RolloutArguments:
+    num_generations: int = _opt(8, "completions sampled per prompt (the group size G)")
+    max_completion_length: int = _opt(512, "max new tokens per completion (per trajectory with "
+                                           "--completion_length_limit_scope total)")
+    temperature: float = _opt(1.0, "sampling temperature; training logits are divided by it too")
+    top_p: float = _opt(1.0, "nucleus sampling")
+    top_k: int = _opt(-1, "top-k sampling; -1 disables")
+    repetition_penalty: float = _opt(1.0, "repetition penalty (1 = none)")
+    stop_words: list[str] = _opt([], "extra stop strings")
+    use_vllm: bool = _opt(False, "generate with vLLM (colocate: in process; server: through grpokit rollout)")
+    vllm_mode: Literal["colocate", "server"] = _opt("colocate", "where rollouts run")
+    vllm_server_host: list[str] = _opt([], "rollout server host(s) for --vllm_mode server")
+    vllm_server_port: list[int] = _opt([8000], "rollout server port(s), one per host")
+    vllm_server_base_url: list[str] = _opt([], "rollout server base URL(s), instead of host/port")
+    vllm_server_timeout: float = _opt(240.0, "seconds to wait for a rollout server (start-up and each call)")
+    vllm_server_api_key: str | None = _opt(None, "API key for the rollout server (or GRPOKIT_API_KEY)")
+    vllm_gpu_memory_utilization: float = _opt(0.9, "vLLM GPU memory fraction (colocate)")
+    vllm_max_model_len: int | None = _opt(None, "vLLM max model length")
+    vllm_tensor_parallel_size: int = _opt(1, "vLLM tensor parallel size (colocate)")
+    vllm_enable_prefix_caching: bool = _opt(True, "vLLM prefix caching")
+    vllm_enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
+    sleep_level: int = _opt(0, "vLLM colocate: 0 keep, 1 offload weights, 2 drop weights while training")
+    weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket")
+    async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
+    multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
+    max_turns: int | None = _opt(None, "max turns per trajectory")
+    gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")
+    completion_length_limit_scope: Literal["total", "per_round"] = _opt(
+        "per_round", "total: max_completion_length bounds the whole trajectory; per_round: each turn")
+    loss_scale: Literal["default", "last_round"] = _opt("default", "last_round: only the last round trains "
+                                                                   "(thinking_tips_scheduler)")
+    structured_outputs_regex: str | None = _opt(None, "constrain completions to this regex")
+    structured_outputs_json: str | None = _opt(None, "constrain completions to JSON valid against this schema "
+                                                     "(JSON text or a .json file)")
+
+
+@dataclass
+class AlgorithmArguments:
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = _opt("grpo", "advantage estimator")
+    scale_rewards: Literal["group", "batch", "none", "gdpo"] | None = _opt(
+        None, "advantage scaling (default by estimator: grpo→group, rloo→none, reinforce_plus_plus→batch)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = _opt("grpo", "loss and its "
+                                                                                          "normalisation")
+    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = _opt(
+        "token", "token (GRPO), sequence (GSPO), sequence_token (GSPO-token)")
+    beta: float = _opt(0.04, "KL coefficient (k3 estimator); 0 skips the reference model")
+    epsilon: float = _opt(0.2, "PPO clip range (lower)")
+    epsilon_high: float | None = _opt(None, "upper clip range (clip-higher, DAPO); default = epsilon; cispo: "
+                                            "the cap on the IS weight")
+    delta: float | None = _opt(None, "two-sided clip: upper bound on the ratio for negative advantages")
+    tau_pos: float = _opt(1.0, "sapo temperature for positive advantages")
+    tau_neg: float = _opt(1.05, "sapo temperature for negative advantages")
+    kl_in_reward: bool = _opt(False, "subtract β·KL from the reward instead of adding it to the loss")
+    num_iterations: int = _opt(1, "updates per rollout (μ)")
+    dynamic_sample: bool = _opt(False, "DAPO dynamic sampling: resample groups whose rewards are all equal")
+    max_resample_times: int = _opt(3, "dynamic sampling: max extra rollout rounds per window")
+    overlong_filter: bool = _opt(False, "truncated completions contribute no loss")
+    top_entropy_quantile: float = _opt(1.0, "train only the top-q highest-entropy tokens (global quantile)")
+    log_entropy: bool = _opt(False, "log token entropy")
+    rollout_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = _opt(
+        None, "correct the rollout-vs-training mismatch with the engine's logprobs")
+    rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C")
+    sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
+    ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs")
+    ref_model_mixup_alpha: float = _opt(0.6, "ref ← α·policy + (1−α)·ref")
+
+
+@dataclass
+class RewardArguments:
+    reward_funcs: list[str] = _opt([], "reward functions from the orms registry (default: accuracy)")
+    reward_weights: list[float] = _opt([], "one weight per reward function, then per reward model (default 1)")
+    reward_model: list[str] = _opt([], "reward model folder(s) (sequence classification, frozen)")
+    reward_model_plugin: list[str] = _opt([], "rm_plugins name per reward model (default: default)")
+    external_plugins: list[str] = _opt([], "python files imported before anything is looked up")
+    cosine_min_len_value_wrong: float = _opt(-0.5, "cosine reward: value for a short wrong answer")
+    cosine_max_len_value_wrong: float = _opt(0.0, "cosine reward: value for a long wrong answer")
+    cosine_min_len_value_correct: float = _opt(1.0, "cosine reward: value for a short correct answer")
+    cosine_max_len_value_correct: float = _opt(0.5, "cosine reward: value for a long correct answer")
+    cosine_max_len: int | None = _opt(None, "cosine reward: length scale (default max_completion_length)")
+    repetition_n_grams: int = _opt(3, "repetition reward: n-gram size")
+    repetition_max_penalty: float = _opt(-1.0, "repetition reward: most negative value")
+    soft_max_length: int | None = _opt(None, "soft_overlong reward: max length (default max_completion_length)")
+    soft_cache_length: int | None = _opt(None, "soft_overlong reward: soft penalty window")
+    code_exec_timeout: float = _opt(5.0, "code_exec reward: seconds per program")
+    code_exec_memory_mb: int = _opt(512, "code_exec reward: memory limit per program")
+    code_exec_workers: int = _opt(2, "code_exec reward: programs run in parallel")
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = _opt("output", "where logs, checkpoints, plots and the final model go")
+    per_device_train_batch_size: int = _opt(8, "completions per micro-step per process")
+    gradient_accumulation_steps: int = _opt(1, "micro-steps per optimizer step")
+    steps_per_generation: int | None = _opt(None, "micro-steps per rollout (default gradient_accumulation_steps)")
+    generation_batch_size: int | None = _opt(None, "completions per rollout, all processes (alternative to "
+                                                   "steps_per_generation)")
+    learning_rate: float = _opt(1e-6, "peak learning rate")
+    lr_scheduler_type: str = _opt("linear", "transformers scheduler name: linear, cosine, constant, …")
+    warmup_ratio: float = _opt(0.0, "fraction of steps for linear warm-up")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.999, "AdamW beta2")
+    max_grad_norm: float = _opt(1.0, "gradient clipping (0 disables)")
+    num_train_epochs: float = _opt(1.0, "passes over the training prompts (ignored when max_steps > 0)")
+    max_steps: int = _opt(-1, "optimizer steps; overrides num_train_epochs when > 0")
+    optimizer: str = _opt("adamw", "optimizer name from the optimizers registry")
+    callbacks: list[str] = _opt([], "callback names from the callbacks registry")
+    logging_steps: int = _opt(1, "log every N optimizer steps")
+    save_steps: int = _opt(500, "checkpoint every N optimizer steps")
+    save_total_limit: int | None = _opt(None, "keep at most N checkpoints")
+    save_final_model: bool = _opt(True, "save the trained model to output_dir at the end")
+    eval_steps: int | None = _opt(None, "evaluate on --val_dataset every N steps (greedy accuracy with the rewards)")
+    seed: int = _opt(42, "random seed")
+    log_completions: bool = _opt(False, "write completions.jsonl")
+    resume_from_checkpoint: str | None = _opt(None, "checkpoint folder, or 'latest' for the newest in output_dir")
+    report_to: list[str] = _opt(["none"], "trackers through accelerate: none, tensorboard, wandb, …")
+    plots: bool = _opt(True, "write PNG plots of the main curves")
+    use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
+    deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
+    fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
+    disable_tqdm: bool = _opt(False, "no progress bar")
+
+
+ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,
+              TrainingArguments)
+
+
+@dataclass
+class TrainConfig:
+    """The parsed configuration: one attribute per concern."""
+
+    model: ModelArguments
+    data: DataArguments
+    rollout: RolloutArguments
+    algorithm: AlgorithmArguments
+    reward: RewardArguments
+    training: TrainingArguments
+
+    def flat(self) -> dict:
+        """All options in one dict (args.json; reward constructors pick their kwargs from it by name)."""
+        from dataclasses import asdict
+
+        out: dict = {}
+        for part in (self.model, self.data, self.rollout, self.algorithm, self.reward, self.training):
+            out.update(asdict(part))
+        return out

@@ -1,0 +1,112 @@
+"""Load the policy (+ LoRA), the reference model and the tokenizer from local Hugging Face folders."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from grpokit.config.args import ModelArguments
+from grpokit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(margs: ModelArguments, log=print) -> str:
+    if margs.model is not None:
+        return margs.model
+    from grpokit.pipeline.default_model import ensure_default_model
+
+    return str(ensure_default_model(log=log))
+
+
+def torch_dtype(name: str, for_training_weights: bool):
+    """Weights dtype. Full fine-tuning keeps float32 master weights and uses bf16 autocast instead."""
+    import torch
+
+    if name == "auto":
+        name = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if for_training_weights and name in ("bfloat16", "float16"):
+        return torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, padding_side="left")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, dtype, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).exists():
+        raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders; this machine "
+                          "may have no hub access)")
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model {path}: cannot load ({str(e).splitlines()[0]})") from e
+
+
+def load_policy(margs: ModelArguments, beta: float, log=print):
+    """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref."""
+    path = resolve_model_path(margs, log=log)
+    tokenizer = load_tokenizer(path, margs.trust_remote_code)
+    lora = margs.tuner_type == "lora"
+    model = load_causal_lm(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora),
+                           margs.trust_remote_code)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if margs.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if lora:
+            model.enable_input_require_grads()
+    if lora:
+        model = apply_lora(model, margs)
+    ref = None
+    if beta != 0 and not lora:
+        ref = load_causal_lm(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
+                             margs.trust_remote_code)
+        ref.requires_grad_(False).eval()
+    return model, tokenizer, ref
+
+
+def apply_lora(model, margs: ModelArguments):
+    from peft import LoraConfig, get_peft_model
+
+    targets = margs.target_modules
+    target = "all-linear" if targets == ["all-linear"] else targets
+    config = LoraConfig(r=margs.lora_rank, lora_alpha=margs.lora_alpha, lora_dropout=margs.lora_dropout,
+                        target_modules=target, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise ConfigError(f"--target_modules {' '.join(targets)}: {str(e).splitlines()[0]}") from e
+
+
+def load_for_inference(path: str, torch_dtype_name: str = "auto"):
+    """A trained folder: a full model, or a LoRA adapter folder (adapter_config.json) on its base."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--model {path}: no such folder")
+    dtype = torch_dtype(torch_dtype_name, for_training_weights=False)
+    if (p / "adapter_config.json").is_file():
+        import json
+
+        from peft import PeftModel
+
+        base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base_path or not Path(base_path).exists():
+            raise ConfigError(f"--model {path}: LoRA adapter whose base model {base_path!r} is not on this machine")
+        base = load_causal_lm(base_path, dtype)
+        model = PeftModel.from_pretrained(base, str(p)).merge_and_unload()
+        tok_path = str(p) if (p / "tokenizer_config.json").is_file() else base_path
+        return model, load_tokenizer(tok_path)
+    return load_causal_lm(str(p), dtype), load_tokenizer(str(p))

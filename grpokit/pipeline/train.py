@@ -1,0 +1,85 @@
+"""`grpokit train`: assemble data, models, rewards, scheduler and engine; pick the trainer; run."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from grpokit.config.args import TrainConfig
+from grpokit.config.parse import batch_plan
+
+logger = logging.getLogger("grpokit")
+
+
+def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
+    """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns."""
+    from grpokit.rewards import build_reward_funcs, check_reward_columns
+    from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
+
+    names = list(cfg.reward.reward_funcs or ([] if cfg.reward.reward_model else ["accuracy"]))
+    options = cfg.flat()
+    funcs = build_reward_funcs(names, options, tokenizer)
+    check_reward_columns(funcs, names, columns)
+    plugins = cfg.reward.reward_model_plugin or ["default"] * len(cfg.reward.reward_model)
+    for path, plugin_name in zip(cfg.reward.reward_model, plugins, strict=True):
+        rm, rm_tok = load_reward_model(path, cfg.model.torch_dtype)
+        plugin = rm_plugins.get_or_raise(plugin_name)(rm, rm_tok)
+        name = f"rm_{os.path.basename(os.path.normpath(path))}"
+        funcs.append(RewardModelReward(plugin, name))
+        names.append(name)
+    return funcs, names
+
+
+def build_scheduler(cfg: TrainConfig, tokenizer):
+    if not cfg.rollout.multi_turn_scheduler:
+        return None
+    from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
+
+    return build_multi_turn(cfg.rollout, tokenizer)
+
+
+def build_engine(cfg: TrainConfig):
+    """None means: the trainer's default in-process TransformersEngine on the live weights."""
+    r = cfg.rollout
+    if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
+        from grpokit.engines.client import RolloutClient
+
+        return RolloutClient.from_args(r)
+    if r.use_vllm:
+        from grpokit.errors import ConfigError
+
+        raise ConfigError("--use_vllm true --vllm_mode colocate: the in-process vLLM engine is not implemented yet; "
+                          "use the default transformers engine (omit --use_vllm)")
+    return None
+
+
+def run_train(cfg: TrainConfig):
+    from grpokit.data.loading import load_train_val
+    from grpokit.pipeline.models import load_policy
+    from grpokit.plugins.loader import load_plugins
+    from grpokit.trainers.callbacks import callbacks_map
+    from grpokit.trainers.factory import TrainerFactory
+
+    load_plugins(cfg.reward.external_plugins)  # before any registry lookup
+    plan = batch_plan(cfg)
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    log(plan.describe(), flush=True)
+    train_ds, val_ds = load_train_val(cfg.data.dataset or ["builtin:arithmetic"], cfg.data.val_dataset,
+                                      system=cfg.data.system, seed=cfg.training.seed,
+                                      split_dataset_ratio=cfg.data.split_dataset_ratio)
+    model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
+    engine = build_engine(cfg)
+    if engine is not None and getattr(engine, "engine_type", "") == "server":
+        from grpokit.engines.client import RemoteScheduler
+
+        scheduler = RemoteScheduler(engine)  # multi-turn runs inside the server, with its own scheduler
+    else:
+        scheduler = build_scheduler(cfg, tokenizer)
+    callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
+    trainer_cls = TrainerFactory.get_trainer_cls("grpo")
+    trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
+                          reward_funcs=funcs, reward_names=names, reward_weights=cfg.reward.reward_weights or None,
+                          ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks)
+    trainer.train()
+    return trainer

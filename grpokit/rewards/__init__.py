@@ -1,0 +1,42 @@
+"""Reward functions (``orms``), process rewards (``prms``), reward-model plugins (``rm_plugins``) and their runner.
+
+Importing this package registers the built-ins: accuracy, format, react_format, cosine, repetition, soft_overlong,
+toolbench, math, code_exec (in ``orms``) and arithmetic_steps (in ``prms``). See docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+from grpokit.rewards import code_exec, math_rewards, prm, shape_rewards, toolbench  # noqa: F401 (registers built-ins)
+from grpokit.rewards.base import ORM, PRM, TRAINER_KWARGS, AsyncORM, accepted_kwargs, orms, prms, required_columns
+from grpokit.rewards.build import build_reward_funcs, check_reward_columns, reward_name
+from grpokit.rewards.rm_plugin import (
+    DefaultRMPlugin,
+    GenRMPlugin,
+    RewardModelReward,
+    build_reward_model_reward,
+    load_reward_model,
+    rm_plugins,
+)
+from grpokit.rewards.runner import RewardRunner, is_async_reward
+
+__all__ = [
+    "ORM",
+    "PRM",
+    "TRAINER_KWARGS",
+    "AsyncORM",
+    "DefaultRMPlugin",
+    "GenRMPlugin",
+    "RewardModelReward",
+    "RewardRunner",
+    "accepted_kwargs",
+    "build_reward_funcs",
+    "build_reward_model_reward",
+    "check_reward_columns",
+    "is_async_reward",
+    "load_reward_model",
+    "orms",
+    "prms",
+    "required_columns",
+    "reward_name",
+    "rm_plugins",
+]

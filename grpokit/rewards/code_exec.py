@@ -1,0 +1,143 @@
+"""``code_exec``: run the completion's Python against the row's test cases in a local sandbox; score = pass rate.
+
+ms-swift's code rewards call a cloud service (E2B, Judge0); this one runs locally (see ``sandbox.py`` for what is
+and is not protected). The code is the completion's last fenced ``python`` block (``py``, ``python3`` or a bare
+fence also count), or the whole text when it has none. The ``test_cases`` column holds, per row, either
+
+- a list of ``{"input": stdin, "output": expected stdout}`` (each case runs in its own process; outputs are
+  compared line by line, ignoring trailing whitespace and blank lines at the end), also accepted as
+  ``{"inputs": [...], "outputs": [...]}`` or as the JSON text of either; or
+- a string of Python statements: the code runs, then each top-level ``assert`` is one test (other statements
+  are set-up; if one fails, the remaining asserts fail).
+
+A case that times out, runs out of memory, touches something the sandbox blocks, floods its output or crashes
+scores 0; these are counted per call in ``last_failures`` for the trainer to log. After a timeout the sample's
+remaining stdin cases are not run (counted as failed), so one infinite loop costs one timeout, not one per case.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from grpokit.errors import ConfigError
+from grpokit.rewards.base import ORM, orms
+from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, run_python, sandbox_layers
+
+_FENCE_RE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(completion: str) -> str:
+    """The last fenced python (or bare) code block of the completion, else the whole completion."""
+    blocks = _FENCE_RE.findall(completion)
+    return blocks[-1][1] if blocks else completion
+
+
+def normalize_test_cases(value: Any, index: int) -> list[tuple[str, str]] | str | None:
+    """Stdin cases as (input, output) pairs, assert statements as a string, or None (nothing to test)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text[:1] in "[{":
+            try:
+                return normalize_test_cases(json.loads(text), index)
+            except json.JSONDecodeError:
+                pass  # not JSON: Python statements (a dict/list literal would fail the assert check below too)
+        if not text:
+            return None
+        try:
+            ast.parse(text)
+        except SyntaxError as exc:
+            raise ValueError(f"test_cases[{index}]: not valid Python assert statements ({exc.msg}, line {exc.lineno})")
+        return text
+    if isinstance(value, dict) and "inputs" in value and "outputs" in value:
+        value = [{"input": i, "output": o} for i, o in zip(value["inputs"], value["outputs"], strict=True)]
+    elif isinstance(value, dict):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        cases = []
+        for k, case in enumerate(value):
+            if not isinstance(case, dict) or "input" not in case or "output" not in case:
+                raise ValueError(f"test_cases[{index}][{k}]: need a dict with 'input' and 'output', got {case!r:.80}")
+            cases.append((str(case["input"]), str(case["output"])))
+        return cases or None
+    raise ValueError(
+        f"test_cases[{index}]: need a list of {{'input', 'output'}} dicts or assert statements, "
+        f"got {type(value).__name__}"
+    )
+
+
+def same_output(actual: str, expected: str) -> bool:
+    """Line-by-line equality, ignoring trailing spaces on each line and blank lines at either end."""
+
+    def norm(s: str) -> list[str]:
+        return [line.rstrip() for line in s.replace("\r\n", "\n").strip("\n").split("\n")]
+
+    return norm(actual) == norm(expected)
+
+
+class CodeExecReward(ORM):
+    """Pass rate of the completion's code on the row's ``test_cases``, run in a local sandbox."""
+
+    def __init__(
+        self, code_exec_timeout: float = 5.0, code_exec_memory_mb: int = 512, code_exec_workers: int | None = None
+    ) -> None:
+        super().__init__()
+        if not float(code_exec_timeout) > 0:
+            raise ConfigError(f"--code_exec_timeout {code_exec_timeout}: must be > 0 seconds")
+        if int(code_exec_memory_mb) < 32:
+            raise ConfigError(f"--code_exec_memory_mb {code_exec_memory_mb}: must be ≥ 32 (Python itself needs ~20 MB)")
+        workers = min(4, os.cpu_count() or 1) if code_exec_workers is None else int(code_exec_workers)
+        if workers < 1:
+            raise ConfigError(f"--code_exec_workers {code_exec_workers}: must be ≥ 1")
+        try:
+            self.sandbox = sandbox_layers()  # which protections this host gives (logged by the trainer if it likes)
+        except OSError as exc:
+            raise ConfigError(f"--reward_funcs code_exec: {exc}") from exc
+        self.limits = SandboxLimits(timeout_s=float(code_exec_timeout), memory_mb=int(code_exec_memory_mb))
+        self.workers = workers
+        self.last_failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
+
+    def _score(self, completion: str, cases: list[tuple[str, str]] | str) -> tuple[float, Counter]:
+        code = extract_code(completion)
+        failures: Counter = Counter()
+        if isinstance(cases, str):
+            res = run_python(code, tests=cases, limits=self.limits)
+            if res.status != "ok":
+                failures[res.status] += 1
+                return 0.0, failures
+            n_asserts = sum(isinstance(s, ast.Assert) for s in ast.parse(cases).body) or 1
+            return len({k for k in res.asserts_passed if k < n_asserts}) / n_asserts, failures
+        passed = 0
+        for stdin, expected in cases:
+            res: SandboxResult = run_python(code, stdin=stdin, limits=self.limits)
+            if res.status != "ok":
+                failures[res.status] += 1
+                if res.status == "timeout":
+                    break
+            elif same_output(res.stdout, expected):
+                passed += 1
+        return passed / len(cases), failures
+
+    def __call__(self, completions: list[str], test_cases: list[Any], **kwargs: Any) -> list[float | None]:
+        normalized = [normalize_test_cases(v, i) for i, v in enumerate(test_cases)]
+        if len(normalized) != len(completions):
+            raise ValueError(f"test_cases has {len(normalized)} rows for {len(completions)} completions")
+        jobs = [(i, c, t) for i, (c, t) in enumerate(zip(completions, normalized)) if t is not None]
+        scores: list[float | None] = [None] * len(completions)
+        total: Counter = Counter()
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="code-exec") as pool:
+            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score(j[1], j[2]), jobs)):
+                scores[i] = score
+                total.update(failures)
+        self.last_failures = {k: total.get(k, 0) for k in FAILURE_KINDS}
+        return scores
+
+
+orms["code_exec"] = CodeExecReward

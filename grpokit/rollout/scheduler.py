@@ -1,0 +1,81 @@
+"""Schedulers turn requests into trajectories; the trainer and the rollout server only ever talk to one.
+
+``RolloutScheduler`` is single-turn: its ``run()`` makes one engine call. Multi-turn schedulers
+(``grpokit.rollout.multi_turn``) subclass it. ``run_trajectories`` drives any scheduler over a batch of requests
+concurrently, so the engine sees every trajectory's current turn in one batch — the same code in colocate mode
+and inside the rollout server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from grpokit.rollout.protocol import (
+    RequestConfig,
+    RolloutInferRequest,
+    RolloutOutput,
+    choice_logprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutScheduler:
+    """Single-turn scheduler: one engine call per request, all tokens trained."""
+
+    def __init__(self, infer_engine=None, max_turns: int | None = None, **kwargs) -> None:
+        self.infer_engine = infer_engine
+        self.max_turns = max_turns
+        self.options = kwargs  # the rest of the rollout options, for subclasses
+
+    @property
+    def tokenizer(self):
+        return getattr(self.infer_engine, "tokenizer", None)
+
+    async def on_trajectory_start(self, requests: list[RolloutInferRequest]) -> None:
+        """Hook before the first turn; may edit the requests in place (e.g. inject an environment's observation)."""
+
+    async def on_turn_end(self, infer_request, response_choice, current_turn: int) -> dict:
+        """Hook after each assistant turn: may return {'done': bool, 'rollout_infos': dict}."""
+        return {}
+
+    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
+                  **kwargs) -> RolloutOutput | list[RolloutOutput]:
+        await self.on_trajectory_start([infer_request])
+        response = await self.infer_engine.infer_async(infer_request, request_config)
+        choice = response.choices[0]
+        messages = [*infer_request.messages, {"role": "assistant", "content": choice.message["content"]}]
+        turn = await self.on_turn_end(infer_request, choice, 1)
+        lps = choice_logprobs(choice)
+        return RolloutOutput(
+            response=response,
+            messages=messages,
+            response_token_ids=[choice.token_ids],
+            response_loss_mask=[[1] * len(choice.token_ids)],
+            rollout_infos={**turn.get("rollout_infos", {}), "num_turns": 1},
+            rollout_logprobs=[lps] if lps else [],
+        )
+
+    async def async_infer(self, requests: Sequence[RolloutInferRequest],
+                          request_config: RequestConfig) -> list[RolloutOutput]:
+        """Run every request's trajectory concurrently; flatten outputs, tagged with request/prompt ids."""
+        if request_config.n != 1:
+            raise ValueError("schedulers sample one trajectory per request; repeat the request instead of n > 1")
+        results = await asyncio.gather(*(self._run_one(r, request_config) for r in requests))
+        return [o for outs in results for o in outs]
+
+    async def _run_one(self, request: RolloutInferRequest, config: RequestConfig) -> list[RolloutOutput]:
+        result = await self.run(request, config)
+        outputs = result if isinstance(result, list) else [result]
+        for o in outputs:
+            o.request_id = o.request_id or request.request_id
+            o.prompt_id = o.prompt_id or request.prompt_id
+        return outputs
+
+
+def run_trajectories(scheduler: RolloutScheduler, requests: Sequence[RolloutInferRequest],
+                     config: RequestConfig) -> list[RolloutOutput]:
+    """Synchronous entry for the trainer (colocate mode)."""
+    return asyncio.run(scheduler.async_infer(requests, config))

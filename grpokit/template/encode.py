@@ -1,0 +1,124 @@
+"""Chat encoding: messages (+ per-turn token ids and loss masks) → training tensors.
+
+The prompt is rendered by the tokenizer's chat template. The completion is never re-encoded when token ids
+exist: each assistant segment is taken as the engine produced it (``response_token_ids[k]`` with
+``response_loss_mask[k]``); only the text *between* assistant turns (end-of-turn markers, tool results, user
+tips, the next assistant header) is rendered by the template and tokenized, with loss mask 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpokit.errors import RolloutError
+from grpokit.rollout.protocol import RolloutOutput
+
+
+@dataclass
+class EncodedSample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]  # 1 = trained token
+    rollout_logprobs: list[float] | None = None  # one per completion token (NaN where the engine gave none)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ChatTemplate:
+    """Renders conversations with a Hugging Face tokenizer's chat template."""
+
+    def __init__(self, tokenizer, system: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.system = system
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise RolloutError("the tokenizer has no chat_template; use an instruct/chat model or set "
+                               "tokenizer.chat_template in the model folder")
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    # -- rendering -------------------------------------------------------------------------------------------
+    def with_system(self, messages: list[dict]) -> list[dict]:
+        if self.system and (not messages or messages[0]["role"] != "system"):
+            return [{"role": "system", "content": self.system}, *messages]
+        return messages
+
+    def render_prompt(self, messages: list[dict]) -> str:
+        """Text the model continues: a generation header, or the open last assistant message."""
+        messages = self.with_system(messages)
+        if messages[-1]["role"] == "assistant":
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        return self.tokenize(self.render_prompt(messages))
+
+    # -- trajectories ----------------------------------------------------------------------------------------
+    def encode_output(self, prompt_messages: list[dict], output: RolloutOutput) -> EncodedSample:
+        """Prompt ids + the trajectory's completion ids/masks, aligned token by token."""
+        prompt_ids = self.encode_prompt(prompt_messages)
+        segments = output.response_token_ids
+        masks = output.response_loss_mask or [[1] * len(s) for s in segments]
+        if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
+            raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
+                               f"differ from response_token_ids lengths {[len(s) for s in segments]}")
+        logprob_segments = output.rollout_logprobs if _logprobs_consistent(output, masks) else None
+        turns = self._assistant_turns(prompt_messages, output.messages, len(segments), output.request_id)
+        ids: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        for k, seg in enumerate(segments):
+            ids.extend(seg)
+            mask.extend(masks[k])
+            if logprob_segments is not None:
+                it = iter(logprob_segments[k])
+                lps.extend(next(it) if m else float("nan") for m in masks[k])
+            if k + 1 < len(segments):
+                between = self.encode_between(output.messages, turns[k], turns[k + 1], seg)
+                ids.extend(between)
+                mask.extend([0] * len(between))
+                lps.extend([float("nan")] * len(between))
+        return EncodedSample(prompt_ids, ids, mask, lps if logprob_segments is not None else None)
+
+    def _assistant_turns(self, prompt: list[dict], full: list[dict], n: int, rid: str) -> list[int]:
+        """Indices in ``full`` of the assistant messages that the n token segments stand for."""
+        start = len(prompt)
+        if prompt and prompt[-1]["role"] == "assistant":  # the first segment continues a prefilled reply
+            start -= 1
+        idx = [i for i in range(start, len(full)) if full[i]["role"] == "assistant"]
+        if n == 1 and not idx:  # single turn: the scheduler may not have appended the reply
+            return [len(full)]
+        if len(idx) != n:
+            raise RolloutError(f"request {rid}: {n} response_token_ids segment(s) but {len(idx)} assistant "
+                               "message(s) after the prompt; a scheduler must return one segment per assistant "
+                               "message (extend the last segment when it continues a message)")
+        return idx
+
+    def encode_between(self, full: list[dict], i: int, j: int, seg: list[int]) -> list[int]:
+        """Tokens after assistant message i (whose ids are ``seg``) up to where assistant message j starts."""
+        msgs = self.with_system(full)
+        off = len(msgs) - len(full)
+        before = self.render_prompt(msgs[: i + off])
+        content = msgs[i + off]["content"]
+        after = self.render_prompt(msgs[: j + off])
+        head = before + content
+        if not after.startswith(head):
+            raise RolloutError("the chat template does not render earlier turns unchanged (e.g. it strips "
+                               "<think> content from history); multi-turn token alignment needs a template "
+                               "that keeps past assistant messages verbatim")
+        text = after[len(head):]
+        if seg and seg[-1] == self.eos_token_id:  # the model already produced the end-of-turn token
+            eos_text = self.tokenizer.decode([self.eos_token_id])
+            if text.startswith(eos_text):
+                text = text[len(eos_text):]
+        return self.tokenize(text)
+
+
+def _logprobs_consistent(output: RolloutOutput, masks: list[list[int]]) -> bool:
+    """Rollout logprobs are usable when each segment has one per trained token (ms-swift's check)."""
+    lps = output.rollout_logprobs
+    if not lps or len(lps) != len(masks):
+        return False
+    return all(len(lp) == sum(m) for lp, m in zip(lps, masks))

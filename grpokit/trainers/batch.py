@@ -1,0 +1,103 @@
+"""The window's batch: rollouts encoded into padded tensors, and its micro-batch slices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from grpokit.template.encode import EncodedSample
+
+
+@dataclass
+class RolloutBatch:
+    """Tensors for one window (this process's share). Prompts are left-padded, completions right-padded."""
+
+    input_ids: torch.Tensor  # [N, P+C]
+    attention_mask: torch.Tensor  # [N, P+C]
+    position_ids: torch.Tensor  # [N, P+C]
+    completion_mask: torch.Tensor  # [N, C] float, 1 = trained token
+    truncated: torch.Tensor  # [N] bool, completion hit the length limit
+    advantages: torch.Tensor | None = None  # [N]
+    old_logps: torch.Tensor | None = None  # [N, C]
+    ref_logps: torch.Tensor | None = None  # [N, C]
+    rollout_logps: torch.Tensor | None = None  # [N, C] engine logprobs (NaN where missing)
+    num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
+    extra: dict[str, Any] = field(default_factory=dict)  # user tensors from _prepare_batch_inputs overrides
+
+    @property
+    def logits_to_keep(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> RolloutBatch:
+        """Rows ``idx`` of every per-sample tensor."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
+        out["extra"] = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.extra.items()}
+        return RolloutBatch(**out)
+
+    def split(self, n: int) -> list[RolloutBatch]:
+        """``n`` equal micro-batches, each trimmed to its own longest prompt and completion."""
+        size = len(self) // n
+        return [self.select(slice(i * size, (i + 1) * size)).trim() for i in range(n)]
+
+    def trim(self) -> RolloutBatch:
+        """Drop padding columns that no row of this batch uses (left of prompts, right of completions)."""
+        c = self.logits_to_keep
+        p = self.input_ids.shape[1] - c
+        used_p = self.attention_mask[:, :p].any(0).nonzero()
+        first = int(used_p[0]) if len(used_p) else p
+        used_c = self.attention_mask[:, p:].any(0).nonzero()
+        keep_c = max(1, int(used_c[-1]) + 1 if len(used_c) else 1)
+        cols = slice(first, p + keep_c)
+        out = replace(self, input_ids=self.input_ids[:, cols], attention_mask=self.attention_mask[:, cols],
+                      position_ids=self.position_ids[:, cols], completion_mask=self.completion_mask[:, :keep_c])
+        for name in ("old_logps", "ref_logps", "rollout_logps"):
+            v = getattr(out, name)
+            if v is not None:
+                setattr(out, name, v[:, :keep_c])
+        return out
+
+    def to(self, device) -> RolloutBatch:
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+
+def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
+            max_completion_length: int | None = None) -> RolloutBatch:
+    """Pad prompts on the left and completions on the right; positions count real tokens only."""
+    if max_completion_length is not None:
+        for s in samples:  # a multi-turn trajectory may exceed the total budget: cut it (the tail trains nothing)
+            if len(s.completion_ids) > max_completion_length:
+                s.completion_ids = s.completion_ids[:max_completion_length]
+                s.completion_mask = s.completion_mask[:max_completion_length]
+                if s.rollout_logprobs is not None:
+                    s.rollout_logprobs = s.rollout_logprobs[:max_completion_length]
+    n = len(samples)
+    p_len = max(len(s.prompt_ids) for s in samples)
+    c_len = max(1, max(len(s.completion_ids) for s in samples))
+    input_ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, p_len + c_len), dtype=torch.long)
+    cmask = torch.zeros((n, c_len), dtype=torch.float32)
+    have_lps = any(s.rollout_logprobs is not None for s in samples)
+    rollout = torch.full((n, c_len), float("nan")) if have_lps else None
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[i, p_len - p:p_len] = torch.tensor(s.prompt_ids, dtype=torch.long)
+        attention[i, p_len - p:p_len] = 1
+        if c:
+            input_ids[i, p_len:p_len + c] = torch.tensor(s.completion_ids, dtype=torch.long)
+            attention[i, p_len:p_len + c] = 1
+            cmask[i, :c] = torch.tensor(s.completion_mask, dtype=torch.float32)
+        if rollout is not None and s.rollout_logprobs is not None and c:
+            rollout[i, :c] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return RolloutBatch(input_ids, attention, position_ids, cmask, torch.tensor(truncated, dtype=torch.bool),
+                        rollout_logps=rollout)

@@ -1,0 +1,231 @@
+"""GRPOTrainer: an explicit training loop over `accelerate`.
+
+One rollout per window; the window's batch is reused for ``steps_per_generation × num_iterations`` micro-steps,
+then thrown away (the seed's buffered ``_prepare_inputs``, here visible in ``train()``). The math lives in
+``grpokit.algorithms``; this class is glue. Every ``_method`` below is an override point (see docs/plugins.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from grpokit.algorithms import (
+    LossConfig,
+    LossInputs,
+    compute_policy_loss,
+    entropy_from_logits,
+    entropy_mask,
+    entropy_threshold,
+    overlong_mask,
+    rollout_importance_weights,
+    selective_log_softmax,
+)
+from grpokit.config.args import TrainConfig
+from grpokit.config.parse import batch_plan
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.loop_setup import LoopSetupMixin
+from grpokit.trainers.rollout_step import RolloutStepMixin
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0  # optimizer steps done
+    max_steps: int = 0
+    prompts_consumed: int = 0  # position in the prompt stream (resumable)
+    windows: int = 0
+    last_logs: dict = field(default_factory=dict)
+
+
+class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
+    def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
+                 reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
+                 callbacks=None) -> None:
+        self.cfg = cfg
+        self.args = cfg.training
+        self.plan = batch_plan(cfg)
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.state = TrainerState()
+        self.callbacks = list(callbacks or [])
+        self.loss_cfg = LossConfig(
+            loss_type=cfg.algorithm.loss_type,
+            importance_sampling_level=cfg.algorithm.importance_sampling_level,
+            epsilon_low=cfg.algorithm.epsilon,
+            epsilon_high=cfg.algorithm.epsilon_high if cfg.algorithm.epsilon_high is not None else cfg.algorithm.epsilon,
+            delta=cfg.algorithm.delta,
+            beta=0.0 if cfg.algorithm.kl_in_reward else cfg.algorithm.beta,
+            tau_pos=cfg.algorithm.tau_pos,
+            tau_neg=cfg.algorithm.tau_neg,
+            max_completion_length=cfg.rollout.max_completion_length,
+        )
+        self._setup_accelerator_and_model(model, ref_model)
+        self._setup_rollout(scheduler, engine)
+        self._setup_rewards(reward_funcs, reward_names, reward_weights)
+        self._setup_outputs()
+
+    # ------------------------------------------------------------------------------------------------------
+    # the loop
+    # ------------------------------------------------------------------------------------------------------
+    def train(self) -> TrainerState:
+        self._maybe_resume()
+        self._call("on_train_begin")
+        bar = self._progress_bar()
+        while self.state.global_step < self.state.max_steps:
+            prompts = self._next_prompts()
+            micro_batches = self._prepare_inputs(prompts)  # rollout → rewards → advantages → logps, split
+            changed = False
+            for _ in range(self.cfg.algorithm.num_iterations):
+                for micro in micro_batches:
+                    self.training_step(self.model, micro)
+                    if self.accelerator.sync_gradients:
+                        changed = True
+                        self._on_optimizer_step(bar)
+                    if self.state.global_step >= self.state.max_steps:
+                        break
+                if self.state.global_step >= self.state.max_steps:
+                    break
+            if changed:
+                self._sync_weights()
+        bar.close()
+        self._finish()
+        return self.state
+
+    def training_step(self, model, inputs: RolloutBatch) -> torch.Tensor:
+        """One micro-step: loss, backward, and (every gradient_accumulation_steps) the optimizer step."""
+        t0 = time.perf_counter()
+        model.train()
+        with self.accelerator.accumulate(model):
+            with self.accelerator.autocast():
+                loss, metrics = self._compute_loss_and_metrics(model, inputs)
+            self.accelerator.backward(loss)
+            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:
+                grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
+                metrics["grad_norm"] = float(grad_norm)
+            self.optimizer.step()
+            if self.accelerator.sync_gradients:
+                self.lr_scheduler.step()
+            self.optimizer.zero_grad()
+        metrics["loss"] = loss.detach()
+        self._step_metrics.add(metrics)
+        self._timing["train"] += time.perf_counter() - t0
+        return loss.detach()
+
+    # ------------------------------------------------------------------------------------------------------
+    # forward and loss
+    # ------------------------------------------------------------------------------------------------------
+    def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
+        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs."""
+        return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
+                "position_ids": inputs.position_ids, "use_cache": False}
+
+    def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
+        """The one entry for old, ref and current logps: forward, keep completion logits, divide by the sampling
+        temperature, gather the sampled tokens' logprobs. Returns ([B, C] logps, [B, C] entropies or None)."""
+        c = inputs.logits_to_keep
+        kwargs = self._prepare_model_inputs(inputs)
+        logits = model(**kwargs, logits_to_keep=c + 1).logits[:, :-1, :]  # [B, C, V] predicts completion tokens
+        logits = logits.float() / self.cfg.rollout.temperature
+        targets = inputs.input_ids[:, -c:]
+        logps = selective_log_softmax(logits, targets)
+        entropies = None
+        if compute_entropy:
+            with torch.no_grad():
+                entropies = entropy_from_logits(logits)
+        return logps, entropies
+
+    @torch.no_grad()
+    def _batched_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """Logps over a whole window in micro-batch-sized chunks (no grad), in batch row order."""
+        out = torch.zeros_like(batch.completion_mask)
+        b = self.args.per_device_train_batch_size
+        for start in range(0, len(batch), b):
+            chunk = batch.select(slice(start, start + b)).trim().to(self.accelerator.device)
+            with self.accelerator.autocast():
+                lp, _ = self._get_per_token_logps_and_entropies(model, chunk)
+            out[start:start + b, : lp.shape[1]] = lp.float().cpu()
+        return out
+
+    def _compute_loss_and_metrics(self, model, inputs: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        a = self.cfg.algorithm
+        inputs = inputs.to(self.accelerator.device)
+        need_entropy = a.top_entropy_quantile < 1.0 or a.log_entropy
+        logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need_entropy)
+        mask = inputs.completion_mask
+        metrics: dict = {}
+        if a.overlong_filter:
+            mask = overlong_mask(mask, inputs.truncated)
+        if entropies is not None:
+            if a.log_entropy:
+                metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
+            if a.top_entropy_quantile < 1.0:
+                ent_all = self._gather_cat(entropies[mask.bool()])
+                thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
+                mask = mask * entropy_mask(entropies, mask, thr)
+        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+        is_weights = None
+        if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
+            rollout = torch.where(torch.isnan(inputs.rollout_logps), old, inputs.rollout_logps)
+            is_out = rollout_importance_weights(old, rollout, mask, a.rollout_importance_sampling_mode,
+                                                a.rollout_importance_sampling_threshold)
+            is_weights = is_out.weights
+            metrics.update(is_out.metrics)
+        out = compute_policy_loss(
+            LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
+                       ref_logps=inputs.ref_logps if self.loss_cfg.beta != 0 else None,
+                       rollout_is_weights=is_weights, num_items=inputs.num_items),
+            self.loss_cfg,
+        )
+        metrics.update(out.metrics)
+        return out.loss, metrics
+
+    def _gather_cat(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate a 1-D tensor of any length over processes."""
+        if self.accelerator.num_processes == 1:
+            return t
+        padded = self.accelerator.pad_across_processes(t.detach(), dim=0, pad_index=float("nan"))
+        allv = self.accelerator.gather(padded)
+        return allv[~torch.isnan(allv)]
+
+    # ------------------------------------------------------------------------------------------------------
+    # step bookkeeping
+    # ------------------------------------------------------------------------------------------------------
+    def _on_optimizer_step(self, bar) -> None:
+        self.state.global_step += 1
+        self._refresh_ref_model()
+        step = self.state.global_step
+        if step % self.args.logging_steps == 0 or step == self.state.max_steps:
+            logs = {**self._window_metrics, **self._step_metrics.pop(), **self._timing_metrics()}
+            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+            logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
+            self.state.last_logs = logs
+            if self.accelerator.is_main_process:
+                self._log_file.write(logs)
+                self.accelerator.log({k: v for k, v in logs.items() if k != "step"}, step=step)
+            self._call("on_log", logs)
+            bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}")
+        if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
+            self.evaluate()
+        if step % self.args.save_steps == 0 and step < self.state.max_steps:
+            self._save_checkpoint()
+        bar.update(1)
+        self._call("on_step_end")
+
+    def _refresh_ref_model(self) -> None:
+        a = self.cfg.algorithm
+        if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
+            from grpokit.algorithms import ema_update_
+
+            policy = self.accelerator.unwrap_model(self.model)
+            ema_update_(self.ref_model.parameters(), policy.parameters(), a.ref_model_mixup_alpha)
+
+    def _call(self, event: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, event)(self, *args)

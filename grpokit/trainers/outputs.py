@@ -1,0 +1,107 @@
+"""What a run leaves in output_dir: logging.jsonl, completions.jsonl, plots, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+class MetricsAccumulator:
+    """Averages scalar metrics over the micro-steps of one optimizer step."""
+
+    def __init__(self) -> None:
+        self._sum: dict[str, float] = defaultdict(float)
+        self._count: dict[str, int] = defaultdict(int)
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        for k, v in metrics.items():
+            v = float(v.item() if hasattr(v, "item") else v)
+            if math.isnan(v):
+                continue
+            self._sum[k] += v
+            self._count[k] += 1
+
+    def pop(self) -> dict[str, float]:
+        out = {k: self._sum[k] / self._count[k] for k in self._sum}
+        self._sum.clear()
+        self._count.clear()
+        return out
+
+
+class JsonlLog:
+    """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+PLOTS = {
+    "reward.png": ("reward", "reward (mean over completions)"),
+    "kl.png": ("kl", "KL(policy ‖ ref)"),
+    "completion_length.png": ("completions/mean_length", "completion length (tokens)"),
+    "loss.png": ("loss", "loss"),
+}
+
+
+def plot_curves(rows: list[dict], out_dir: Path) -> list[Path]:
+    """PNG plots of the main curves; skipped quietly for metrics that were never logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, (key, title) in PLOTS.items():
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(*zip(*pts), marker="o" if len(pts) < 40 else None)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str]) -> str:
+    lines = [f"done: {rows[-1]['step'] if rows else 0} optimizer steps; everything is in {output_dir}/"]
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    if rewards:
+        k = max(1, len(rewards) // 5)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        lines.append(f"  reward: {first:.3f} (first {k} step(s)) → {last:.3f} (last {k} step(s))")
+    for key, value in extra.items():
+        lines.append(f"  {key}: {value}")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""The rollout half of GRPOTrainer: prompts → trajectories → rewards → advantages → tensors for the window.
+
+Kept in its own file so each half of the trainer reads in one sitting; every method is an override point.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
+from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.rollout.scheduler import run_trajectories
+from grpokit.trainers.batch import RolloutBatch, collate
+
+logger = logging.getLogger(__name__)
+
+TRAINER_KWARGS = ("messages", "response_token_ids", "rollout_infos", "finish_reason", "is_truncated", "num_turns",
+                  "trainer_state", "completion_ids")
+
+
+class RolloutStepMixin:
+    # -- prompts ---------------------------------------------------------------------------------------------
+    def _next_prompts(self) -> list[dict]:
+        """This process's share of the next window's prompts, from a seeded per-epoch permutation."""
+        per_window = self.plan.prompts_per_rollout
+        n = len(self.train_dataset)
+        rows = []
+        for k in range(per_window):
+            pos = self.state.prompts_consumed + k
+            epoch, idx = divmod(pos, n)
+            order = self._epoch_order(epoch)
+            rows.append({"_prompt_index": pos, **self.train_dataset[int(order[idx])]})
+        self.state.prompts_consumed += per_window
+        share = per_window // self.accelerator.num_processes
+        rank = self.accelerator.process_index
+        return rows[rank * share:(rank + 1) * share]
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            if self.cfg.data.dataset_shuffle:
+                g = torch.Generator().manual_seed(self.args.seed + epoch)
+                self._orders = {epoch: torch.randperm(len(self.train_dataset), generator=g)}
+            else:
+                self._orders = {epoch: torch.arange(len(self.train_dataset))}
+        return self._orders[epoch]
+
+    # -- the window ------------------------------------------------------------------------------------------
+    def _prepare_inputs(self, prompts: list[dict]) -> list[RolloutBatch]:
+        """Generate and score one window, then cut it into steps_per_generation micro-batches."""
+        batch = self._generate_and_score_completions(prompts)
+        num_items = batch.extra.pop("num_items_per_micro", None)
+        micro_batches = batch.split(self.plan.steps_per_generation)
+        if num_items is not None:
+            for mb, n in zip(micro_batches, num_items, strict=True):
+                mb.num_items = n
+        return micro_batches
+
+    def _build_requests(self, prompts: list[dict]) -> list[RolloutInferRequest]:
+        g = self.cfg.rollout.num_generations
+        requests = []
+        for row in prompts:
+            data = {k: v for k, v in row.items() if k not in ("messages", "_prompt_index")}
+            for _ in range(g):
+                requests.append(RolloutInferRequest(messages=self.template.with_system(row["messages"]),
+                                                    data_dict=data, prompt_id=str(row["_prompt_index"])))
+        return requests
+
+    def _generate_completions(self, requests: list[RolloutInferRequest]) -> list[RolloutOutput]:
+        """Trajectories for the requests, through the scheduler (which drives the engine or a rollout client)."""
+        return run_trajectories(self.scheduler, requests, self.request_config)
+
+    def _generate_and_score_completions(self, prompts: list[dict]) -> RolloutBatch:
+        t0 = time.perf_counter()
+        self._timing = {k: 0.0 for k in ("rollout", "reward", "logps", "train")}
+        requests = self._build_requests(prompts)
+        outputs = self._generate_completions(requests)
+        self._timing["rollout"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        rewards_per_func = self._score_completions(requests, outputs)
+        self._timing["reward"] += time.perf_counter() - t1
+        if self.cfg.algorithm.dynamic_sample:
+            requests, outputs, rewards_per_func = self._dynamic_sampling(requests, outputs, rewards_per_func)
+        batch = self._prepare_batch_inputs(requests, outputs)
+        penalty = None
+        if self.cfg.algorithm.kl_in_reward and self.cfg.algorithm.beta != 0:
+            penalty = kl_reward_penalty(batch.old_logps, batch.ref_logps, batch.completion_mask,
+                                        self.cfg.algorithm.beta)
+        batch.advantages = self._compute_advantages(outputs, rewards_per_func, penalty)
+        self._set_num_items(batch)
+        self._record_window(requests, outputs, rewards_per_func, batch)
+        return batch
+
+    def _score_completions(self, requests, outputs: list[RolloutOutput]) -> torch.Tensor:
+        """[N, F] rewards (NaN = not scored) from every reward function and model; gym rewards as a last column."""
+        by_id = {r.request_id: r for r in requests}
+        completions = [o.messages[-1]["content"] if o.messages and o.messages[-1]["role"] == "assistant"
+                       else o.response.choices[0].message["content"] for o in outputs]
+        kwargs: dict[str, Any] = {}
+        columns = {k for r in requests for k in r.data_dict}
+        for col in columns:
+            kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
+        kwargs.update(
+            messages=[o.messages for o in outputs],
+            response_token_ids=[[t for seg in o.response_token_ids for t in seg] for o in outputs],
+            completion_ids=[[t for seg in o.response_token_ids for t in seg] for o in outputs],
+            rollout_infos=[o.rollout_infos for o in outputs],
+            finish_reason=[o.response.choices[0].finish_reason for o in outputs],
+            is_truncated=[o.response.choices[0].finish_reason == "length" for o in outputs],
+            num_turns=[o.rollout_infos.get("num_turns", 1) for o in outputs],
+            trainer_state=[{"global_step": self.state.global_step, "max_steps": self.state.max_steps}] * len(outputs),
+        )
+        scores = self.reward_runner.compute(completions, kwargs) if self.reward_runner else torch.zeros(len(outputs), 0)
+        if self._uses_env_reward:
+            env = torch.tensor([float(o.rollout_infos.get("total_reward", float("nan"))) for o in outputs])
+            scores = torch.cat([scores, env.unsqueeze(1)], dim=1)
+        return scores
+
+    def _dynamic_sampling(self, requests, outputs, rewards_per_func):
+        """DAPO: replace groups whose rewards are all equal by fresh ones, up to max_resample_times rounds."""
+        a = self.cfg.algorithm
+        target = len(outputs)
+        keep_r, keep_o, keep_s, spare = [], [], [], []
+        rounds = 0
+        while True:
+            rewards = torch.nansum(rewards_per_func * self._weights, dim=1)
+            gids = torch.tensor([int(o.prompt_id) for o in outputs])
+            signal = groups_with_signal(rewards, gids)
+            for i, (r, o) in enumerate(zip(requests, outputs)):
+                (keep_s if signal[i] else spare).append((r, o, rewards_per_func[i]))
+            if len(keep_s) >= target or rounds >= a.max_resample_times:
+                break
+            rounds += 1
+            requests = self._build_requests(self._next_prompts())
+            outputs = self._generate_completions(requests)
+            rewards_per_func = self._score_completions(requests, outputs)
+        chosen = (keep_s + spare)[:target]
+        self._dynamic_stats = {"dynamic_sampling/rounds": rounds,
+                               "dynamic_sampling/groups_without_signal": sum(1 for x in chosen[len(keep_s):]) / max(
+                                   1, self.cfg.rollout.num_generations)}
+        keep_r = [c[0] for c in chosen]
+        keep_o = [c[1] for c in chosen]
+        return keep_r, keep_o, torch.stack([c[2] for c in chosen])
+
+    def _compute_advantages(self, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
+                            penalty: torch.Tensor | None = None) -> torch.Tensor:
+        """Group-relative advantages over the global batch (gathered across processes), sliced back."""
+        a = self.cfg.algorithm
+        gids = torch.tensor([int(o.prompt_id) for o in outputs])
+        rid_map: dict[str, int] = {}
+        rids = torch.tensor([rid_map.setdefault(f"{self.accelerator.process_index}:{o.request_id}", len(rid_map))
+                             + self.accelerator.process_index * 10_000_000 for o in outputs])
+        local_n = len(outputs)
+        all_scores, all_g, all_r = (self._gather_rows(x) for x in (rewards_per_func, gids, rids))
+        all_pen = self._gather_rows(penalty) if penalty is not None else None
+        out = compute_advantages(all_scores, self._weights, all_g, estimator=a.advantage_estimator,
+                                 scale=a.scale_rewards, request_ids=all_r, reward_penalty=all_pen)
+        self._adv_metrics = out.metrics
+        self._window_rewards = out.rewards
+        start = self._row_offset(local_n)
+        return out.advantages[start:start + local_n].float()
+
+    def _prepare_batch_inputs(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
+        """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
+        by_id = {r.request_id: r for r in requests}
+        samples = [self.template.encode_output(by_id[o.request_id].messages, o) for o in outputs]
+        truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
+        limit = (self.cfg.rollout.max_completion_length
+                 if self.cfg.rollout.completion_length_limit_scope == "total" else None)
+        batch = collate(samples, self.template.pad_token_id, truncated, limit)
+        t0 = time.perf_counter()
+        if self._needs_old_logps():
+            batch.old_logps = self._batched_logps(self.model, batch)
+        if self.cfg.algorithm.beta != 0:
+            batch.ref_logps = self._ref_logps(batch)
+        self._timing["logps"] += time.perf_counter() - t0
+        return batch
+
+    def _needs_old_logps(self) -> bool:
+        """The policy drifts inside a window when it is updated more than once per rollout."""
+        a = self.cfg.algorithm
+        drift = a.num_iterations > 1 or self.plan.steps_per_generation > self.plan.gradient_accumulation_steps
+        return drift or (a.kl_in_reward and a.beta != 0) or self.async_generate
+
+    def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._batched_logps(self.ref_model, batch)
+        with self.accelerator.unwrap_model(self.model).disable_adapter():  # LoRA: the base is the reference
+            return self._batched_logps(self.model, batch)
+
+    def _set_num_items(self, batch: RolloutBatch) -> None:
+        """dapo/cispo divide by the global count of trained tokens in each optimizer step. Gradients are summed
+        over gradient_accumulation_steps micro-steps (accelerate divides each loss by that number) and averaged
+        over processes, so each micro-batch's denominator is scaled by both to give Σ token losses / count."""
+        if self.cfg.algorithm.loss_type not in ("dapo", "cispo"):
+            return
+        gas, world = self.plan.gradient_accumulation_steps, self.accelerator.num_processes
+        per_micro = batch.completion_mask.sum(1).reshape(self.plan.steps_per_generation, -1).sum(1)  # [S]
+        per_step_local = per_micro.reshape(-1, gas).sum(1)  # [S / gas]
+        per_step = self._gather_rows(per_step_local.unsqueeze(0)).sum(0)  # global count per optimizer step
+        batch.extra["num_items_per_micro"] = (per_step.repeat_interleave(gas) / (gas * world)).tolist()
+
+    def _record_window(self, requests, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
+                       batch: RolloutBatch) -> None:
+        """Window-level metrics (logged with each optimizer step of the window) and completions.jsonl rows."""
+        lengths = batch.completion_mask.sum(1)
+        all_scores = self._gather_rows(rewards_per_func)
+        all_len = self._gather_rows(lengths)
+        trunc = self._gather_rows(batch.truncated.float())
+        m: dict[str, float] = {"reward": float(self._window_rewards.mean()),
+                               "reward_std": float(self._window_rewards.std()) if len(self._window_rewards) > 1 else 0.0}
+        for j, name in enumerate(self.reward_names):
+            col = all_scores[:, j]
+            m[f"rewards/{name}/mean"] = float(col[~col.isnan()].mean()) if (~col.isnan()).any() else float("nan")
+        m.update({k: v for k, v in self._adv_metrics.items() if k != "reward/mean"})
+        m["completions/mean_length"] = float(all_len.mean())
+        m["completions/max_length"] = float(all_len.max())
+        m["completions/min_length"] = float(all_len.min())
+        m["completions/clipped_ratio"] = float(trunc.mean())
+        m.update(getattr(self, "_dynamic_stats", {}))
+        self._window_metrics = m
+        zero = m.get("frac_reward_zero_std", 0.0)
+        if zero > 0.8 and not self._warned_no_signal:
+            logger.warning("%.0f%% of groups have all-equal rewards and give no learning signal; consider more "
+                           "num_generations, a higher temperature, an easier task or a denser reward", 100 * zero)
+            self._warned_no_signal = True
+        if self.args.log_completions and self.accelerator.is_main_process:
+            by_id = {r.request_id: r for r in requests}
+            for i, o in enumerate(outputs):
+                row = {"step": self.state.global_step + 1,
+                       "prompt": by_id[o.request_id].messages[-1]["content"],
+                       "completion": o.messages[-1]["content"] if o.messages else "",
+                       "advantage": float(batch.advantages[i]),
+                       **{n: _num(rewards_per_func[i, j]) for j, n in enumerate(self.reward_names)}}
+                if len(o.messages) > len(by_id[o.request_id].messages) + 1:
+                    row["messages"] = o.messages
+                self._completions_file.write(row)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return t
+        from accelerate.utils import gather_object
+
+        return torch.cat(gather_object([t.cpu()]), dim=0)
+
+    def _row_offset(self, local_n: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return 0
+        from accelerate.utils import gather_object
+
+        sizes = gather_object([local_n])
+        return sum(sizes[: self.accelerator.process_index])
+
+    def _sync_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        self._timing["sync"] = self._timing.get("sync", 0.0) + time.perf_counter() - t0
+
+    @property
+    def request_config(self) -> RequestConfig:
+        r = self.cfg.rollout
+        return RequestConfig(n=1, max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
+                             top_k=r.top_k, repetition_penalty=r.repetition_penalty, stop=list(r.stop_words),
+                             logprobs=bool(self.cfg.algorithm.rollout_importance_sampling_mode),
+                             structured_outputs_regex=r.structured_outputs_regex,
+                             structured_outputs_json=r.structured_outputs_json)
+
+
+def _num(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if v != v else v

@@ -1,0 +1,235 @@
+"""`grpokit train` end to end on a tiny model: outputs, resume, the rollout window, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+PLUGIN = textwrap.dedent("""
+    import time
+    from grpokit.rewards import ORM, orms
+    from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
+
+    class LengthReward(ORM):
+        '''Varied scores from a random model: shorter completions score higher.'''
+        def __call__(self, completions, **kwargs):
+            return [1.0 / (1 + len(c)) for c in completions]
+
+    orms['len_reward'] = LengthReward
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, trainer):
+            time.sleep(0.7)
+
+    callbacks_map['slow'] = Slow
+""")
+
+
+def _base_args(model_dir: Path, data: Path, out: Path, plugin: Path) -> list[str]:
+    return ["--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
+            "--external_plugins", str(plugin), "--reward_funcs", "len_reward", "accuracy",
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
+            "--learning_rate", "1e-3", "--torch_dtype", "float32", "--logging_steps", "1", "--seed", "0",
+            "--disable_tqdm", "true"]
+
+
+@pytest.fixture
+def plugin_file(tmp_path) -> Path:
+    p = tmp_path / "spine_plugin.py"
+    p.write_text(PLUGIN)
+    return p
+
+
+def _cli(args: list[str], timeout: int = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    out = tmp_path / "run"
+    cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
+        "--max_steps", "3", "--save_steps", "2", "--save_total_limit", "1", "--log_completions", "true",
+        "--beta", "0.04"])
+    before = {n: p.detach().clone() for n, p in
+              __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
+    trainer = run_train(cfg)
+    assert trainer.state.global_step == 3
+    # every trainable parameter changed
+    after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    unchanged = [n for n, p in after.items() if p.requires_grad and torch.equal(p.detach().cpu(), before[n])]
+    assert not unchanged, unchanged
+    # files
+    args = json.loads((out / "args.json").read_text())
+    assert args["num_generations"] == 4 and args["reward_funcs"] == ["len_reward", "accuracy"]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "reward", "reward_std", "rewards/len_reward/mean", "rewards/accuracy/mean",
+                "frac_reward_zero_std", "kl", "clip_ratio/region_mean", "completions/mean_length",
+                "completions/max_length", "completions/clipped_ratio", "learning_rate", "timing/rollout",
+                "timing/reward", "timing/train"):
+        assert all(key in r for r in rows), key
+    comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(comps) == 3 * 8  # one window per step, 8 completions each
+    assert {"step", "prompt", "completion", "advantage", "len_reward", "accuracy"} <= set(comps[0])
+    ckpts = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert ckpts == ["checkpoint-3"]  # save_total_limit 1 removed checkpoint-2
+    for name in ("model.safetensors", "trainer_state.json", "tokenizer_config.json"):
+        assert (out / "checkpoint-3" / name).is_file(), name
+    assert any((out / "checkpoint-3" / "state").iterdir())
+    assert (out / "final_model" / "model.safetensors").is_file()
+    for plot in ("reward.png", "kl.png", "completion_length.png"):
+        assert (out / plot).stat().st_size > 1000, plot
+
+
+def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
+    out = tmp_path / "resume"
+    args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
+        "--max_steps", "6", "--save_steps", "2", "--callbacks", "slow"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (out / "checkpoint-2" / "trainer_state.json").exists():
+            assert proc.poll() is None, "run ended before its first checkpoint"
+            assert time.time() < deadline
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    killed_at = max(r["step"] for r in _rows(out))
+    assert killed_at < 6
+    res = _cli(args + ["--resume_from_checkpoint", "latest"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r["step"] for r in _rows(out) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+
+
+def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    seen: dict = {"infer_calls": 0, "micro": [], "first_ratio": []}
+
+    class Probe(GRPOTrainer):
+        def _generate_completions(self, requests):
+            seen["infer_calls"] += 1
+            return super()._generate_completions(requests)
+
+        def _compute_loss_and_metrics(self, model, inputs):
+            seen["micro"].append(inputs.input_ids.clone())
+            if inputs.old_logps is not None and len(seen["micro"]) % 4 == 1:
+                lp, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
+                mask = inputs.completion_mask.bool()
+                seen["first_ratio"].append(float((lp.detach() - inputs.old_logps)[mask].abs().max()))
+            return super()._compute_loss_and_metrics(model, inputs)
+
+    saved = dict(TrainerFactory.TRAINER_MAPPING)
+    TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
+    try:
+        cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, tmp_path / "w", plugin_file) + [
+            "--per_device_train_batch_size", "4", "--steps_per_generation", "4", "--max_steps", "8",
+            "--save_steps", "100", "--beta", "0"])
+        run_train(cfg)
+    finally:
+        TrainerFactory.TRAINER_MAPPING.clear()
+        TrainerFactory.TRAINER_MAPPING.update(saved)
+    assert seen["infer_calls"] == 2  # 8 micro-steps, one rollout per 4
+    assert len(seen["micro"]) == 8
+    window = seen["micro"][:4]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not torch.equal(window[i], window[j]) if window[i].shape == window[j].shape else True
+    # old logps are computed (the policy drifts inside the window) and equal the current ones on micro-step 1
+    assert seen["first_ratio"] and max(seen["first_ratio"]) < 1e-5
+
+
+def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    checks: dict = {}
+
+    class Probe(GRPOTrainer):
+        def _prepare_batch_inputs(self, requests, outputs):
+            batch = super()._prepare_batch_inputs(requests, outputs)
+            base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+            checks["base_logps"] = self._batched_logps(base, batch)
+            checks["ref_logps"] = batch.ref_logps
+            checks["mask"] = batch.completion_mask
+            return batch
+
+    saved = dict(TrainerFactory.TRAINER_MAPPING)
+    TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
+    try:
+        cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, tmp_path / "lora", plugin_file) + [
+            "--tuner_type", "lora", "--lora_rank", "4", "--max_steps", "2", "--beta", "0.1", "--save_steps", "100"])
+        trainer = run_train(cfg)
+    finally:
+        TrainerFactory.TRAINER_MAPPING.clear()
+        TrainerFactory.TRAINER_MAPPING.update(saved)
+    assert trainer.ref_model is None  # no second copy of the base weights
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base_weights = [n for n, _ in model.named_parameters() if "lora_" not in n]
+    n_layers_weights = len(list(AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters()))
+    assert len(base_weights) == n_layers_weights  # exactly one copy of every base tensor
+    mask = checks["mask"].bool()
+    assert torch.allclose(checks["ref_logps"][mask], checks["base_logps"][mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--reward_funcs", "nope"], "registered:"),
+    (["--dataset", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
+    (["--num_generations", "3"], "num_generations"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--no_such_flag", "1"], "--no_such_flag"),
+])
+def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, needle):
+    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(tmp_path / "bad"),
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_steps", "1"]
+    for flag, value in zip(extra[::2], extra[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    res = _cli(args, timeout=120)
+    assert res.returncode != 0
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1, res.stderr
+    assert "Traceback" not in res.stderr and needle in err[0]
+
+
+def test_dataset_without_prompt_column(tiny_model_dir, tmp_path):
+    data = tmp_path / "noprompt.jsonl"
+    data.write_text(json.dumps({"text": "hi", "solution": "1"}) + "\n")
+    res = _cli(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
+                "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_steps", "1"], timeout=120)
+    assert res.returncode != 0
+    assert len(res.stderr.strip().splitlines()) == 1 and "messages" in res.stderr
