@@ -167,6 +167,8 @@ def compute_advantages(
     rescale: ScaleMode = SCALE_MODES[scale]
 
     rpf, weights = _check_inputs(rewards_per_func, weights, group_ids, request_ids, reward_penalty, reward_names)
+    group_ids = group_ids.to(rpf.device)
+    request_ids = None if request_ids is None else request_ids.to(rpf.device)
     rewards = (rpf * weights).nansum(dim=1)  # [N]
     if reward_penalty is not None:
         rewards = rewards - reward_penalty.to(rewards)
@@ -199,7 +201,8 @@ def _check_inputs(
         raise RewardError(f"rewards_per_func must be [N, F] with N > 0 samples, got shape {tuple(rpf.shape)}")
     n, f = rpf.shape
     if weights.shape != (f,):
-        raise ConfigError(f"--reward_weights: {weights.numel()} weights for {f} reward functions; give one per function")
+        raise ConfigError(f"--reward_weights: {weights.numel()} weights for {f} reward functions; "
+                          "give one per function")
     for name, t in (("group_ids", group_ids), ("request_ids", request_ids), ("reward_penalty", reward_penalty)):
         if t is not None and t.shape != (n,):
             raise RewardError(f"{name} must have shape [{n}] (one per sample), got {tuple(t.shape)}")

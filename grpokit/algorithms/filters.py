@@ -24,7 +24,7 @@ from grpokit.errors import ConfigError
 
 def overlong_mask(mask: Tensor, truncated: Tensor) -> Tensor:
     """[B, T], [B] bool -> [B, T]: the mask with truncated rows zeroed."""
-    return mask * (~truncated.bool()).unsqueeze(-1).to(mask.dtype)
+    return mask * (~truncated.to(mask.device).bool()).unsqueeze(-1).to(mask.dtype)
 
 
 def validate_entropy_quantile(quantile: float) -> None:
@@ -58,6 +58,6 @@ def entropy_mask(entropies: Tensor, mask: Tensor, threshold: Tensor | float) -> 
 
 def groups_with_signal(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """[N] bool: the sample's group has reward std > 0 (DAPO dynamic sampling keeps these)."""
-    groups = Groups.from_ids(group_ids)
+    groups = Groups.from_ids(group_ids.to(rewards.device))
     std = group_stats(rewards.float(), groups).std  # [G]
     return (std > 0)[groups.index]

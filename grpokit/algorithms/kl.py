@@ -1,9 +1,9 @@
 """KL estimators between the policy and the reference model.
 
 - ``k3_kl`` is the per-token estimator GRPO (arXiv 2402.03300, eq. 4) puts in the loss:
-  KL ≈ π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased and non-negative. Difference from the paper: ms-swift's two clamps
-  (the log ratio to [−20, 20] before ``exp``, the result to [−10, 10]) so that one bad token cannot overflow the
-  loss; inside those ranges the value is exact.
+  KL ≈ π_ref/π_θ − log(π_ref/π_θ) − 1, unbiased and non-negative. Difference from the paper: ms-swift's two
+  clamps (the log ratio to [−20, 20] before ``exp``, the result to [−10, 10]) so that one bad token cannot
+  overflow the loss; inside those ranges the value is exact.
 - ``kl_reward_penalty`` is the k1 estimator summed over a sequence, β·Σ_t (log π_old − log π_ref), which
   ``--kl_in_reward`` subtracts from the reward before advantages (as in PPO-style RLHF and REINFORCE++,
   arXiv 2501.03262) instead of adding β·KL to the loss. It uses the rollout-time policy (``old_logps``) and

@@ -66,7 +66,7 @@ def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
 
 @torch.no_grad()
 def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
-    """Entropy −Σ p log p of each token's distribution: [B, T, V] -> [B, T] float32, ``chunk_size`` tokens at a time."""
+    """Entropy −Σ p log p per token: [B, T, V] -> [B, T] float32, computed ``chunk_size`` tokens at a time."""
     if chunk_size < 1:
         raise ValueError(f"entropy_from_logits: chunk_size must be >= 1, got {chunk_size}")
     b, t, _ = logits.shape

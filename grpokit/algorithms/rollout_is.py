@@ -2,8 +2,9 @@
 
 The engine (vLLM, or a server) samples from π_rollout, which differs from the trainer's π_old even with the same
 weights (kernels, precision). Truncated/masked importance sampling (Yao et al., "Your Efficient RL Framework
-Secretly Brings You Off-Policy RL Training", 2025; ms-swift ``--rollout_importance_sampling_mode``) multiplies
-the per-token loss by a detached weight built from ρ = π_old/π_rollout:
+Secretly Brings You Off-Policy RL Training", 2025, https://fengyao.notion.site/off-policy-rl, a blog post with
+no arXiv id; ms-swift ``--rollout_importance_sampling_mode``) multiplies the per-token loss by a detached weight
+built from ρ = π_old/π_rollout:
 
 - ``token_truncate``: w_t = min(ρ_t, C)
 - ``token_mask``: w_t = ρ_t if ρ_t ≤ C else 0

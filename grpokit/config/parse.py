@@ -194,16 +194,16 @@ def validate(cfg: TrainConfig) -> None:
     if r.temperature == 0:
         raise ConfigError("--temperature 0: greedy sampling gives every completion of a group the same reward and "
                           "no learning signal; use a temperature > 0 (e.g. 1.0)")
-    if not 0 < a.top_entropy_quantile <= 1:
-        raise ConfigError(f"--top_entropy_quantile {a.top_entropy_quantile}: must be in (0, 1]")
-    if a.kl_in_reward and (a.scale_rewards == "gdpo"):
-        raise ConfigError("--scale_rewards gdpo normalises each reward function separately and cannot include "
-                          "--kl_in_reward; turn one of them off")
+    gym = r.multi_turn_scheduler == "gym_scheduler"
+    if r.multi_turn_scheduler is None and (r.gym_env or r.loss_scale != "default" or r.max_turns):
+        raise ConfigError("--gym_env, --loss_scale and --max_turns act on multi-turn rollouts; add "
+                          "--multi_turn_scheduler NAME (e.g. gym_scheduler, thinking_tips_scheduler)")
     if w.reward_weights:
-        n = len(w.reward_funcs or ["accuracy"]) + len(w.reward_model)
+        funcs = w.reward_funcs or ([] if (w.reward_model or gym) else ["accuracy"])
+        n = len(funcs) + len(w.reward_model) + int(gym)
         if len(w.reward_weights) != n:
             raise ConfigError(f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "
-                              f"function(s) and model(s); give one weight each (functions first, then models)")
+                              f"function(s) and model(s); give one weight each (functions first, then models{', then gym_reward' if gym else ''})")
     if w.reward_model_plugin and len(w.reward_model_plugin) != len(w.reward_model):
         raise ConfigError(f"--reward_model_plugin has {len(w.reward_model_plugin)} name(s) for "
                           f"{len(w.reward_model)} --reward_model(s); give one each")
@@ -231,7 +231,37 @@ def validate(cfg: TrainConfig) -> None:
             t.resume_from_checkpoint).is_dir():
         raise ConfigError(f"--resume_from_checkpoint {t.resume_from_checkpoint}: no such folder; pass a "
                           "checkpoint-N folder or 'latest'")
+    _validate_algorithm(cfg)
     batch_plan(cfg)
+
+
+def loss_config(cfg: TrainConfig):
+    """The loss slice of the configuration (cispo's default cap is 5.0, as in ms-swift)."""
+    from grpokit.algorithms import LossConfig
+
+    a = cfg.algorithm
+    high = a.epsilon_high
+    if high is None:
+        high = 5.0 if a.loss_type == "cispo" else a.epsilon
+    return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
+                      epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
+                      beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+                      max_completion_length=cfg.rollout.max_completion_length)
+
+
+def _validate_algorithm(cfg: TrainConfig) -> None:
+    from grpokit.algorithms import (
+        validate_advantage_options,
+        validate_entropy_quantile,
+        validate_loss_config,
+        validate_rollout_is_options,
+    )
+
+    a = cfg.algorithm
+    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
+    validate_loss_config(loss_config(cfg))
+    validate_entropy_quantile(a.top_entropy_quantile)
+    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold)
 
 
 def _looks_like_hub_id(name: str) -> bool:

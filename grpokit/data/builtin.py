@@ -28,7 +28,9 @@ def _user(text: str) -> list[dict[str, str]]:
 
 def _check_split(task: str, split: str) -> None:
     if split not in SPLITS:
-        raise DataError(f"builtin:{task}:{split}: unknown split {split!r}; use builtin:{task} (train) or builtin:{task}:test")
+        raise DataError(
+            f"builtin:{task}:{split}: unknown split {split!r}; use builtin:{task} (train) or builtin:{task}:test"
+        )
 
 
 def _ordered(rows: list[Row], seed: int) -> list[Row]:

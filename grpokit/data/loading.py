@@ -37,13 +37,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _split_count(spec: str) -> tuple[str, int | None]:
+def _split_count(spec: str, option: str) -> tuple[str, int | None]:
     """``'data.jsonl#500'`` → ``('data.jsonl', 500)``; a spec without ``#`` → ``(spec, None)``."""
     if "#" not in spec or Path(spec).expanduser().exists():
         return spec, None
     base, _, count = spec.rpartition("#")
     if not count.isdigit() or int(count) == 0:
-        raise DataError(f"--dataset {spec!r}: the part after '#' must be a positive row count, e.g. {base}#500")
+        raise DataError(f"{option} {spec!r}: the part after '#' must be a positive row count, e.g. {base}#500")
     return base, int(count)
 
 
@@ -61,59 +61,66 @@ def _has_no_rows(path: Path, builder: str) -> bool:
     return not lines or "".join(lines).replace(" ", "") in ("[]", "{}")
 
 
-def _load_file(path: Path, spec: str) -> Dataset:
+def _load_file(path: Path, spec: str, option: str) -> Dataset:
     if path.is_dir():
         if (path / "state.json").exists() or (path / "dataset_info.json").exists():
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 if "train" not in loaded:
-                    raise DataError(f"--dataset {spec!r}: saved DatasetDict has no 'train' split ({list(loaded)})")
+                    raise DataError(f"{option} {spec!r}: saved DatasetDict has no 'train' split ({list(loaded)})")
                 loaded = loaded["train"]
             return loaded
         raise DataError(
-            f"--dataset {spec!r} is a folder but not one written by Dataset.save_to_disk; "
+            f"{option} {spec!r} is a folder but not one written by Dataset.save_to_disk; "
             f"pass the data file inside it ({', '.join(BUILDERS)})"
         )
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DataError(
-            f"--dataset {spec!r}: unsupported file type {path.suffix or '(none)'!r}; "
+            f"{option} {spec!r}: unsupported file type {path.suffix or '(none)'!r}; "
             f"use one of {', '.join(BUILDERS)}, builtin:<task> or a hub id org/name"
         )
-    if _has_no_rows(path, builder):
-        raise DataError(f"--dataset {spec!r}: the file has no rows; fill it or pick another dataset")
+    try:
+        empty = _has_no_rows(path, builder)
+    except Exception:  # unreadable: let the loader below report the real cause
+        empty = False
+    if empty:
+        raise DataError(f"{option} {spec!r}: the file has no rows; fill it or pick another dataset")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # pyarrow / json errors carry the real cause; keep it on one line
-        raise DataError(f"--dataset {spec!r}: could not read the {builder} file ({_one_line(exc)})") from exc
+        raise DataError(f"{option} {spec!r}: could not read the {builder} file ({_one_line(exc)})") from exc
 
 
-def _load_source(base: str, spec: str, seed: int) -> Dataset:
+def _load_source(base: str, spec: str, seed: int, option: str) -> Dataset:
     if base.startswith("builtin:"):
         name, _, split = base[len("builtin:") :].partition(":")
         return Dataset.from_list(builtin_rows(name, split or "train", seed))
     path = Path(base).expanduser()
     if path.exists():
-        return _load_file(path, spec)
+        return _load_file(path, spec, option)
     looks_local = base.startswith((".", "/", "~")) or path.suffix.lower() in BUILDERS
     if not looks_local and _HUB_ID.fullmatch(base):
         repo, _, subset = base.partition(":")
         return load_hub_dataset(repo, subset or None)
     raise DataError(
-        f"--dataset {spec!r}: file not found; pass an existing .jsonl/.json/.csv/.parquet file, "
+        f"{option} {spec!r}: file not found; pass an existing .jsonl/.json/.csv/.parquet file, "
         f"builtin:<task> ({', '.join(sorted(BUILTIN_TASKS))}) or a hub id org/name"
     )
 
 
-def load_dataset_spec(spec: str, *, seed: int = 42) -> Dataset:
-    """Load one ``--dataset`` spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked."""
-    base, count = _split_count(spec.strip())
-    ds = _load_source(base, spec, seed)
+def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -> Dataset:
+    """Load one spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked.
+
+    ``option`` is the flag named in error messages (``--dataset`` or ``--val_dataset``).
+    """
+    base, count = _split_count(spec.strip(), option)
+    ds = _load_source(base, spec, seed, option)
     if len(ds) == 0:
-        raise DataError(f"--dataset {spec!r} has no rows; check the file or pick another dataset")
+        raise DataError(f"{option} {spec!r} has no rows; check the file or pick another dataset")
     if count is not None:
         if count > len(ds):
-            logger.warning("--dataset %r asks for %d rows but has only %d; using all of them", spec, count, len(ds))
+            logger.warning("%s %r asks for %d rows but has only %d; using all of them", option, spec, count, len(ds))
         else:
             ds = ds.shuffle(seed=seed).select(range(count))
     return ds
@@ -215,9 +222,12 @@ def concat_datasets(parts: list[tuple[str, Dataset]]) -> Dataset:
     return datasets.concatenate_datasets(aligned)
 
 
-def _load_many(specs: list[str], system: str | None, seed: int) -> Dataset:
-    parts = [(repr(s), normalize_rows(load_dataset_spec(s, seed=seed), system, source=f"--dataset {s!r}"))
-             for s in specs]
+def _load_many(specs: list[str], system: str | None, seed: int, option: str) -> Dataset:
+    parts = []
+    for spec in specs:
+        source = f"{option} {spec!r}"
+        raw = load_dataset_spec(spec, seed=seed, option=option)
+        parts.append((source, normalize_rows(raw, system, source=source)))
     return concat_datasets(parts)
 
 
@@ -237,9 +247,9 @@ def load_train_val(
         raise ConfigError("--dataset is empty; pass a file, builtin:arithmetic or a hub id org/name")
     if not 0.0 <= split_dataset_ratio < 1.0:
         raise ConfigError(f"--split_dataset_ratio {split_dataset_ratio}: must be in [0, 1), e.g. 0.05")
-    train = _load_many(dataset, system, seed)
+    train = _load_many(dataset, system, seed, "--dataset")
     if val_dataset:
-        return train, _load_many(val_dataset, system, seed)
+        return train, _load_many(val_dataset, system, seed, "--val_dataset")
     if split_dataset_ratio == 0.0:
         return train, None
     n_val = max(1, round(len(train) * split_dataset_ratio))

@@ -119,9 +119,10 @@ class TransformersEngine(InferEngine):
 @contextlib.contextmanager
 def _no_gradient_checkpointing(model):
     """generate() needs the KV cache, which gradient checkpointing turns off; switch it off while sampling."""
-    gc_on = getattr(model, "is_activation_checkpointing", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the HF model
+    gc_on = getattr(base, "is_activation_checkpointing", None)
     if gc_on is None:  # transformers < 5
-        gc_on = getattr(model, "is_gradient_checkpointing", False)
+        gc_on = getattr(base, "is_gradient_checkpointing", False)
     if gc_on:
         model.gradient_checkpointing_disable()
     try:

@@ -40,7 +40,7 @@ Log = Callable[[str], None]
 
 
 def default_model_dir(cache_dir: str | None = None) -> Path:
-    """``<cache>/SmolLM2-135M-Instruct`` where cache is ``cache_dir``, else ``$GRPOKIT_CACHE``, else ~/.cache/grpokit."""
+    """``<cache>/SmolLM2-135M-Instruct``; cache is ``cache_dir``, else ``$GRPOKIT_CACHE``, else ~/.cache/grpokit."""
     root = cache_dir or os.environ.get("GRPOKIT_CACHE") or Path.home() / ".cache" / "grpokit"
     return Path(root).expanduser() / DEFAULT_MODEL_NAME
 

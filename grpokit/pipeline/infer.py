@@ -33,7 +33,7 @@ def evaluate_rows(engine, template, rows: list[dict], reward_runner, reward_name
     kwargs = {c: [r.get(c) for r in rows] for c in columns}
     kwargs.update(messages=[[*r["messages"], {"role": "assistant", "content": c}] for r, c in zip(rows, completions)],
                   finish_reason=finish, is_truncated=[f == "length" for f in finish],
-                  trainer_state=[{}] * len(rows), rollout_infos=[{}] * len(rows), num_turns=[1] * len(rows))
+                  trainer_state={}, rollout_infos=[{}] * len(rows), num_turns=[1] * len(rows))
     scores = reward_runner.compute(completions, kwargs) if reward_runner else torch.zeros(len(rows), 0)
     metrics = {}
     for j, name in enumerate(reward_names[: scores.shape[1]]):

@@ -16,7 +16,8 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
     from grpokit.rewards import build_reward_funcs, check_reward_columns
     from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
 
-    names = list(cfg.reward.reward_funcs or ([] if cfg.reward.reward_model else ["accuracy"]))
+    default = [] if (cfg.reward.reward_model or cfg.rollout.multi_turn_scheduler == "gym_scheduler") else ["accuracy"]
+    names = list(cfg.reward.reward_funcs or default)
     options = cfg.flat()
     funcs = build_reward_funcs(names, options, tokenizer)
     check_reward_columns(funcs, names, columns)

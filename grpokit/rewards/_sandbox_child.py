@@ -16,6 +16,9 @@ import os
 import resource
 import sys
 import traceback
+from typing import Any, Callable
+
+Report = Callable[..., None]
 
 _PROCESS_EVENTS = {
     "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
@@ -90,10 +93,10 @@ def _set_limits(cfg: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _make_hook(root: str, report):  # noqa: ANN001, ANN202 (stdlib-only file, kept plain)
+def _make_hook(root: str, report: Report) -> Callable[[str, tuple], None]:
     busy = [False]
 
-    def inside(path) -> bool:  # noqa: ANN001
+    def inside(path: Any) -> bool:
         if isinstance(path, int) or path is None:
             return True  # an already-open descriptor; opening it was checked
         p = os.path.realpath(os.fsdecode(path))
@@ -131,7 +134,7 @@ def _make_hook(root: str, report):  # noqa: ANN001, ANN202 (stdlib-only file, ke
     return hook
 
 
-def _run(source: str, tests_source, report) -> int:  # noqa: ANN001
+def _run(source: str, tests_source: str | None, report: Report) -> int:
     ns = {"__name__": "__main__", "__builtins__": builtins}
     status = _exec(source, "solution.py", ns, report)
     if tests_source is None or status != 0:
@@ -144,7 +147,7 @@ def _run(source: str, tests_source, report) -> int:  # noqa: ANN001
         try:
             exec(code, ns)
             ok, err = True, ""
-        except BaseException as exc:  # noqa: BLE001 (SystemExit too: a test must not end the run)
+        except BaseException as exc:  # SystemExit too: a test must not end the run
             ok, err = False, type(exc).__name__
         if isinstance(stmt, ast.Assert):
             report("assert", str(k), "pass" if ok else "fail", err)
@@ -157,7 +160,7 @@ def _run(source: str, tests_source, report) -> int:  # noqa: ANN001
     return 0
 
 
-def _exec(source: str, filename: str, ns: dict, report) -> int:  # noqa: ANN001
+def _exec(source: str, filename: str, ns: dict, report: Report) -> int:
     try:
         exec(compile(source, filename, "exec"), ns)
         return 0
@@ -169,11 +172,11 @@ def _exec(source: str, filename: str, ns: dict, report) -> int:  # noqa: ANN001
             print(code, file=sys.stderr)
             return 1
         return code & 0xFF or 1
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         report("exception", type(exc).__name__)
         try:
             traceback.print_exc()
-        except BaseException:  # noqa: BLE001 (e.g. no memory left to format the traceback)
+        except BaseException:  # e.g. no memory left to format the traceback
             pass
         return 1
 

@@ -19,7 +19,6 @@ A plugin registers a class (instantiated once by ``build_reward_funcs``) or a re
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 from grpokit.errors import ConfigError
@@ -108,9 +107,15 @@ prms: Registry = Registry("process reward model", "--reward_funcs")
 
 def _call_params(func: Any) -> list[inspect.Parameter]:
     """Parameters of a reward call: a function's, or the ``__call__`` of a class (without ``self``) or instance."""
-    if inspect.isclass(func):
-        return list(inspect.signature(func.__call__).parameters.values())[1:]
-    return list(inspect.signature(func).parameters.values())
+    try:
+        if inspect.isclass(func):
+            return list(inspect.signature(func.__call__).parameters.values())[1:]
+        return list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): assume (completions, **kwargs)
+        return [
+            inspect.Parameter("completions", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
 
 
 def _after_completions(params: list[inspect.Parameter]) -> list[inspect.Parameter]:

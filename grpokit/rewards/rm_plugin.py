@@ -3,7 +3,8 @@
 A plugin is called with full conversations (the completion is the last assistant message) and returns one float
 per conversation. ``rm_plugins[name](model_or_engine, tokenizer)`` builds one; ``RewardModelReward`` adapts it to
 the reward contract (``completions, messages``). The rewards layer does not build engines: for ``genrm`` the
-pipeline passes an engine with ``infer(requests, config)`` (``grpokit.engines``) that serves the judge model.
+pipeline passes an engine with ``infer(requests, config)`` (``grpokit.engines``) that serves the judge model; the
+request types come from ``grpokit.rollout.protocol`` (imported only when a judge is used).
 """
 
 from __future__ import annotations
@@ -214,6 +215,8 @@ def load_reward_model(path: str, torch_dtype: Any = None, device: Any = None) ->
     if device is not None:
         model = model.to(device)
     model.requires_grad_(False).eval()
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad token; its value never reaches the score
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -14,15 +14,17 @@ import inspect
 import logging
 import math
 import numbers
+import sys
 import threading
 from collections.abc import Awaitable
 from concurrent.futures import Future
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 _PREVIEW = 60
@@ -81,6 +83,8 @@ class RewardRunner:
 
     def compute(self, completions: list[str], kwargs: dict[str, Any]) -> torch.Tensor:
         """Score ``completions`` with every function; ``kwargs`` holds columns (lists of length N) and extras."""
+        import torch
+
         n = len(completions)
         scores = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)  # [N, F]
         async_idx = [i for i, a in enumerate(self._is_async) if a]
@@ -156,6 +160,8 @@ class RewardRunner:
     # -- checking ------------------------------------------------------------------------------------------------
 
     def _check(self, i: int, out: Any, completions: list[str]) -> torch.Tensor:
+        import torch
+
         name, n = self.names[i], len(completions)
         if isinstance(out, torch.Tensor):
             out = out.detach().float().cpu().reshape(-1).tolist()
@@ -206,7 +212,7 @@ class RewardRunner:
     def _warn_unscored(self, scores: torch.Tensor) -> None:
         if scores.numel() == 0:
             return
-        unscored = torch.isnan(scores).all(dim=1)  # [N]
+        unscored = scores.isnan().all(dim=1)  # [N]
         count = int(unscored.sum())
         if count:
             first = int(unscored.nonzero()[0, 0])
@@ -225,7 +231,8 @@ def _as_score(v: Any) -> Any:
     """float(v), NaN for None/NaN, or _BAD for anything else (strings, inf, containers)."""
     if v is None:
         return math.nan
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
+    torch = sys.modules.get("torch")  # a tensor can only come from an imported torch
+    if torch is not None and isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
     elif hasattr(v, "item") and getattr(v, "shape", None) == ():
         v = v.item()  # numpy scalar

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
 NOBODY = 65534
 STARTUP_ALLOWANCE_S = 0.5  # wall-clock time granted on top of the timeout for the interpreter to start
+_STDLIB_PROBE = "import os, sys; assert sys.version_info >= (3, 8); print(os.path.dirname(os.__file__))"
 FAILURE_KINDS = ("timeout", "memory", "blocked", "output_limit", "crash", "error")
 
 
@@ -87,7 +88,7 @@ def _stdlib_of(python: str) -> str | None:
         return os.path.dirname(os.__file__)
     try:
         out = subprocess.run(
-            [python, "-I", "-S", "-c", "import os,sys;assert sys.version_info>=(3,8);print(os.path.dirname(os.__file__))"],
+            [python, "-I", "-S", "-c", _STDLIB_PROBE],
             capture_output=True,
             text=True,
             timeout=10,
@@ -134,7 +135,9 @@ def sandbox_layers() -> dict[str, object]:
     }
 
 
-def run_python(code: str, stdin: str = "", tests: str | None = None, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_python(
+    code: str, stdin: str = "", tests: str | None = None, limits: SandboxLimits | None = None
+) -> SandboxResult:
     """Run ``code`` (fed ``stdin``) or, when ``tests`` is given, run ``code`` then each statement of ``tests``."""
     limits = limits or SandboxLimits()
     rt = _runtime()
@@ -180,7 +183,10 @@ def run_python(code: str, stdin: str = "", tests: str | None = None, limits: San
         for fd in (nonce_r, report_w):
             os.close(fd)
             fds.remove(fd)
-        os.write(nonce_w, nonce.encode())
+        try:
+            os.write(nonce_w, nonce.encode())
+        except OSError:  # the child died at start-up; _collect reports how
+            pass
         os.close(nonce_w)
         fds.remove(nonce_w)
         result = _collect(proc, report_r, nonce, limits, start)
@@ -204,7 +210,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _collect(proc: subprocess.Popen, report_r: int, nonce: str, limits: SandboxLimits, start: float) -> SandboxResult:
     deadline = start + limits.timeout_s + STARTUP_ALLOWANCE_S
-    bufs: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), report_r: bytearray()}
+    bufs: dict[int, bytearray] = {fd: bytearray() for fd in (proc.stdout.fileno(), proc.stderr.fileno(), report_r)}
     sel = selectors.DefaultSelector()
     for fd in bufs:
         sel.register(fd, selectors.EVENT_READ)

@@ -26,7 +26,8 @@ def token_lengths(
     if response_token_ids is not None:
         if len(response_token_ids) != len(completions):
             raise ValueError(
-                f"{reward}: response_token_ids has {len(response_token_ids)} entries for {len(completions)} completions"
+                f"{reward}: response_token_ids has {len(response_token_ids)} entries "
+                f"for {len(completions)} completions"
             )
         return [
             sum(len(seg) for seg in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids or [])

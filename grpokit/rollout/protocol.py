@@ -94,6 +94,9 @@ class RolloutOutput(BaseModel):
     rollout_logprobs: list[list[float]] = Field(default_factory=list)
     request_id: str = ""
     prompt_id: str = ""
+    # The prompt as the trajectory started (after on_trajectory_start edits, e.g. an env's first observation);
+    # the trainer encodes this as the prompt, in colocate and server mode alike.
+    prompt_messages: list[dict[str, Any]] | None = None
 
 
 def choice_logprobs(choice: ChatCompletionResponseChoice) -> list[float]:

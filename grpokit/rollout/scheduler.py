@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 class RolloutScheduler:
     """Single-turn scheduler: one engine call per request, all tokens trained."""
 
+    uses_env_reward = False  # True: rollout_infos['total_reward'] becomes the extra reward column 'gym_reward'
+
     def __init__(self, infer_engine=None, max_turns: int | None = None, **kwargs) -> None:
         self.infer_engine = infer_engine
         self.max_turns = max_turns
@@ -72,6 +74,8 @@ class RolloutScheduler:
         for o in outputs:
             o.request_id = o.request_id or request.request_id
             o.prompt_id = o.prompt_id or request.prompt_id
+            if o.prompt_messages is None:
+                o.prompt_messages = request.messages  # edited in place by on_trajectory_start, if at all
         return outputs
 
 

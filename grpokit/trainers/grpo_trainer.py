@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from grpokit.algorithms import (
-    LossConfig,
     LossInputs,
     compute_policy_loss,
     entropy_from_logits,
@@ -26,7 +25,7 @@ from grpokit.algorithms import (
     selective_log_softmax,
 )
 from grpokit.config.args import TrainConfig
-from grpokit.config.parse import batch_plan
+from grpokit.config.parse import batch_plan, loss_config
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.loop_setup import LoopSetupMixin
 from grpokit.trainers.rollout_step import RolloutStepMixin
@@ -55,17 +54,7 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         self.eval_dataset = eval_dataset
         self.state = TrainerState()
         self.callbacks = list(callbacks or [])
-        self.loss_cfg = LossConfig(
-            loss_type=cfg.algorithm.loss_type,
-            importance_sampling_level=cfg.algorithm.importance_sampling_level,
-            epsilon_low=cfg.algorithm.epsilon,
-            epsilon_high=cfg.algorithm.epsilon_high if cfg.algorithm.epsilon_high is not None else cfg.algorithm.epsilon,
-            delta=cfg.algorithm.delta,
-            beta=0.0 if cfg.algorithm.kl_in_reward else cfg.algorithm.beta,
-            tau_pos=cfg.algorithm.tau_pos,
-            tau_neg=cfg.algorithm.tau_neg,
-            max_completion_length=cfg.rollout.max_completion_length,
-        )
+        self.loss_cfg = loss_config(cfg)
         self._setup_accelerator_and_model(model, ref_model)
         self._setup_rollout(scheduler, engine)
         self._setup_rewards(reward_funcs, reward_names, reward_weights)
@@ -162,13 +151,14 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         metrics: dict = {}
         if a.overlong_filter:
             mask = overlong_mask(mask, inputs.truncated)
+        ent_mask = None
         if entropies is not None:
             if a.log_entropy:
                 metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
-            if a.top_entropy_quantile < 1.0:
+            if a.top_entropy_quantile < 1.0:  # threshold over the global batch (ms-swift: mask keeps normaliser)
                 ent_all = self._gather_cat(entropies[mask.bool()])
                 thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
-                mask = mask * entropy_mask(entropies, mask, thr)
+                ent_mask = entropy_mask(entropies, mask, thr)
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         is_weights = None
         if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
@@ -180,7 +170,7 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         out = compute_policy_loss(
             LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
                        ref_logps=inputs.ref_logps if self.loss_cfg.beta != 0 else None,
-                       rollout_is_weights=is_weights, num_items=inputs.num_items),
+                       rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask),
             self.loss_cfg,
         )
         metrics.update(out.metrics)

@@ -91,7 +91,7 @@ class LoopSetupMixin:
 
         funcs = list(funcs or [])
         self.reward_names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
-        self._uses_env_reward = self.cfg.rollout.multi_turn_scheduler == "gym_scheduler"
+        self._uses_env_reward = bool(getattr(self.scheduler, "uses_env_reward", False))
         if self._uses_env_reward:
             self.reward_names.append("gym_reward")
         w = list(weights) if weights else [1.0] * len(self.reward_names)

@@ -111,7 +111,7 @@ class RolloutStepMixin:
             finish_reason=[o.response.choices[0].finish_reason for o in outputs],
             is_truncated=[o.response.choices[0].finish_reason == "length" for o in outputs],
             num_turns=[o.rollout_infos.get("num_turns", 1) for o in outputs],
-            trainer_state=[{"global_step": self.state.global_step, "max_steps": self.state.max_steps}] * len(outputs),
+            trainer_state={"global_step": self.state.global_step, "max_steps": self.state.max_steps},
         )
         scores = self.reward_runner.compute(completions, kwargs) if self.reward_runner else torch.zeros(len(outputs), 0)
         if self._uses_env_reward:
@@ -166,7 +166,8 @@ class RolloutStepMixin:
     def _prepare_batch_inputs(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
         """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
         by_id = {r.request_id: r for r in requests}
-        samples = [self.template.encode_output(by_id[o.request_id].messages, o) for o in outputs]
+        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o)
+                   for o in outputs]
         truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
         limit = (self.cfg.rollout.max_completion_length
                  if self.cfg.rollout.completion_length_limit_scope == "total" else None)

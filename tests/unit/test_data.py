@@ -304,3 +304,8 @@ def test_builtin_content_is_fixed_and_seed_only_orders(name):
     assert a == b and a != c
     canon = lambda rows: sorted(json.dumps(r, sort_keys=True) for r in rows)  # noqa: E731
     assert canon(a) == canon(c)
+
+
+def test_val_dataset_errors_name_their_option(tmp_path):
+    with pytest.raises(DataError, match=r"^--val_dataset '.*nope\.jsonl': file not found"):
+        load_train_val(["builtin:arithmetic#2"], [str(tmp_path / "nope.jsonl")], system=None, seed=0)

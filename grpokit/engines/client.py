@@ -1,0 +1,381 @@
+"""Trainer side of server mode: ``RolloutClient`` talks HTTP to one or several ``grpokit rollout`` servers.
+
+It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``reset_prefix_cache``, ``close``) and
+returns whole trajectories with ``infer_trajectories``; ``RemoteScheduler`` wraps it so that the trainer, which
+only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
+
+Requests are split across servers keeping each ``prompt_id`` group on one server, sent in parallel, and the
+outputs come back in request order. Every call has a timeout; connect errors, dropped connections and
+429/502/503/504 are retried a few times with exponential backoff, inside that timeout. A dead server becomes a
+``ServerError`` that names host:port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from grpokit.engines.base import InferEngine
+from grpokit.errors import ConfigError, ServerError
+from grpokit.rollout.protocol import (
+    ChatCompletionResponse,
+    RequestConfig,
+    RolloutInferRequest,
+    RolloutOutput,
+)
+from grpokit.rollout.scheduler import RolloutScheduler
+
+logger = logging.getLogger(__name__)
+
+RETRY_STATUS = {429, 502, 503, 504}
+RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                httpx.WriteError, httpx.PoolTimeout)
+_RETRY = object()  # marker: the answer asks for another attempt
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str
+
+    @property
+    def host(self) -> str:
+        return httpx.URL(self.base_url).host
+
+    @property
+    def port(self) -> int:
+        url = httpx.URL(self.base_url)
+        return url.port or (443 if url.scheme == "https" else 80)
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def endpoints_from(base_urls: Sequence[str] = (), hosts: Sequence[str] = (),
+                   ports: Sequence[int] = ()) -> list[Endpoint]:
+    """Base URLs, or hosts with one port each (or one port for all)."""
+    if base_urls:
+        return [Endpoint(u.rstrip("/")) for u in base_urls]
+    if not hosts:
+        raise ConfigError("no rollout server: give --vllm_server_host H --vllm_server_port P or --vllm_server_base_url")
+    ports = list(ports) or [8000]
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    if len(ports) != len(hosts):
+        raise ConfigError(f"{len(hosts)} --vllm_server_host value(s) but {len(ports)} --vllm_server_port value(s); "
+                          "give one port, or one per host")
+    return [Endpoint(f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}") for h, p in zip(hosts, ports)]
+
+
+class _Attempts:
+    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``."""
+
+    def __init__(self, ep: Endpoint, what: str, timeout_s: float, retries: int, backoff_s: float) -> None:
+        self.ep, self.what, self.timeout_s, self.retries, self.backoff_s = ep, what, timeout_s, retries, backoff_s
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout_s
+        self.failures = 0
+
+    def remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.5)
+
+    def wait_after(self, problem: Any) -> float:
+        """Seconds to sleep before the next attempt; raises ServerError when no attempt is left."""
+        self.failures += 1
+        wait = self.backoff_s * 2 ** (self.failures - 1)
+        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
+        if (self.failures > self.retries and not busy) or time.monotonic() + wait >= self.deadline:
+            raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {self.failures} "
+                              f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(problem)}); check "
+                              f"that `grpokit rollout` is running there and reachable")
+        return wait
+
+    def outcome(self, resp: httpx.Response) -> Any:
+        """The JSON answer, ``_RETRY`` for a transient status, or ServerError for a refusal."""
+        if resp.status_code in RETRY_STATUS:
+            return _RETRY
+        if resp.status_code >= 400:
+            raise ServerError(f"rollout server {self.ep.label} refused {self.what}: {_describe(resp)}")
+        try:
+            return resp.json()
+        except ValueError as e:
+            raise ServerError(f"rollout server {self.ep.label} answered {self.what} with non-JSON "
+                              f"({resp.text[:80]!r})") from e
+
+    def timed_out(self, e: Exception) -> ServerError:
+        return ServerError(f"rollout server {self.ep.label} did not finish {self.what} within {self.timeout_s:g}s "
+                           f"({_describe(e)}); raise --vllm_server_timeout or send smaller batches")
+
+
+def _describe(problem: Any) -> str:
+    if isinstance(problem, httpx.Response):
+        try:
+            message = problem.json().get("error") or problem.text
+        except (ValueError, AttributeError):
+            message = problem.text
+        return f"HTTP {problem.status_code}: {str(message)[:300]}"
+    return f"{type(problem).__name__}: {problem}"
+
+
+def split_requests(requests: Sequence[RolloutInferRequest], n_servers: int) -> list[list[int]]:
+    """Indices per server: whole ``prompt_id`` groups, each to the least-loaded server so far, in order."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(r.prompt_id, []).append(i)
+    parts: list[list[int]] = [[] for _ in range(n_servers)]
+    for idx in groups.values():
+        min(parts, key=len).extend(idx)
+    return [sorted(p) for p in parts]
+
+
+def _positions(requests: Sequence[RolloutInferRequest], idx: list[int], outputs: list[RolloutOutput]) -> list[int]:
+    """The request position of each output. Outputs come in request order (one or more per request)."""
+    pos, j = [], 0
+    for o in outputs:
+        k = j
+        while k < len(idx) and requests[idx[k]].request_id != o.request_id:
+            k += 1
+        if k < len(idx):
+            j = k
+        pos.append(idx[min(j, len(idx) - 1)])
+    return pos
+
+
+class RolloutClient(InferEngine):
+    """HTTP client of one or several rollout servers, usable wherever an ``InferEngine`` is."""
+
+    engine_type = "server"
+
+    def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
+                 timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
+                 backoff_s: float = 0.5, wait: bool = True) -> None:
+        super().__init__()
+        self.endpoints = endpoints_from(base_urls, hosts, ports)
+        self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
+        api_key = api_key or os.environ.get("GRPOKIT_API_KEY") or None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=self._headers, timeout=self.timeout)
+        self._infos: list[dict] | None = None
+        from grpokit.server.weight_sender import WeightSender
+
+        post = lambda i, path, body, t: self._request(i, "POST", path, body, timeout=t, retries=0)  # noqa: E731
+        self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout)
+        if wait:
+            self.wait_for_server()
+
+    @classmethod
+    def from_args(cls, r) -> RolloutClient:
+        """From ``RolloutArguments`` (``vllm_server_*`` and ``weight_sync_bucket_mb``); waits for the servers."""
+        return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
+                   timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb)
+
+    # -- HTTP ----------------------------------------------------------------------------------------------
+    def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,
+                 retries: int | None = None) -> Any:
+        ep = self.endpoints[i]
+        att = _Attempts(ep, f"{method} {path}", self.timeout if timeout is None else timeout,
+                        self.max_retries if retries is None else retries, self.backoff_s)
+        while True:
+            try:
+                resp = self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining())
+                result = att.outcome(resp)
+                if result is not _RETRY:
+                    return result
+                problem: Any = resp
+            except RETRY_ERRORS as e:
+                problem = e
+            except httpx.TimeoutException as e:
+                raise att.timed_out(e) from e
+            except httpx.HTTPError as e:
+                raise ServerError(f"rollout server {ep.label}: {method} {path} failed ({_describe(e)})") from e
+            time.sleep(att.wait_after(problem))
+
+    async def _request_async(self, http: httpx.AsyncClient, i: int, path: str, body: Any) -> Any:
+        ep = self.endpoints[i]
+        att = _Attempts(ep, f"POST {path}", self.timeout, self.max_retries, self.backoff_s)
+        while True:
+            try:
+                resp = await http.post(ep.base_url + path, json=body, timeout=att.remaining())
+                result = att.outcome(resp)
+                if result is not _RETRY:
+                    return result
+                problem: Any = resp
+            except RETRY_ERRORS as e:
+                problem = e
+            except httpx.TimeoutException as e:
+                raise att.timed_out(e) from e
+            except httpx.HTTPError as e:
+                raise ServerError(f"rollout server {ep.label}: POST {path} failed ({_describe(e)})") from e
+            await asyncio.sleep(att.wait_after(problem))
+
+    def wait_for_server(self, timeout: float | None = None) -> None:
+        """Poll ``/health/`` on every server until it answers; ServerError naming host:port after ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for ep in self.endpoints:
+            last: Any = None
+            while True:
+                try:
+                    resp = self._http.get(ep.base_url + "/health/", timeout=min(5.0, max(timeout, 0.5)))
+                    if resp.status_code == 200:
+                        break
+                    if resp.status_code == 401:
+                        raise ServerError(f"rollout server {ep.label} rejected the API key; give the key of "
+                                          "`grpokit rollout --api_key` as --vllm_server_api_key (or GRPOKIT_API_KEY)")
+                    last = resp
+                except httpx.HTTPError as e:
+                    last = e
+                if time.monotonic() + 0.5 >= deadline:
+                    raise ServerError(
+                        f"rollout server {ep.label} is not reachable after {timeout:g}s ({_describe(last)}); start it "
+                        f"with `grpokit rollout --model M --host {ep.host} --port {ep.port}` or fix "
+                        "--vllm_server_host/--vllm_server_port (--vllm_server_timeout sets the wait)")
+                time.sleep(0.5)
+
+    # -- engine interface ----------------------------------------------------------------------------------
+    def engine_info(self, refresh: bool = False) -> dict:
+        """``/get_engine_type/`` of the first server (engine, multi-turn, gym env, max_turns, dtype, device)."""
+        if self._infos is None or refresh:
+            self._infos = [self._request(i, "GET", "/get_engine_type/") for i in range(len(self.endpoints))]
+        return {**self._infos[0], "num_servers": len(self.endpoints)}
+
+    def _max_batch(self) -> int:
+        self.engine_info()
+        return min(int(info.get("max_batch_requests") or 4096) for info in self._infos)
+
+    async def _infer_positions(self, requests: Sequence[RolloutInferRequest],
+                               config: RequestConfig) -> list[tuple[int, RolloutOutput]]:
+        requests = list(requests)
+        if not requests:
+            return []
+        max_batch = await asyncio.to_thread(self._max_batch)
+        conf = config.model_dump(mode="json")
+        calls = []
+        for server, idx in enumerate(split_requests(requests, len(self.endpoints))):
+            for start in range(0, len(idx), max_batch):
+                calls.append((server, idx[start:start + max_batch]))
+        async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
+            answers = await asyncio.gather(*(self._request_async(
+                http, server, "/infer/", {"requests": [requests[j].model_dump(mode="json") for j in idx],
+                                          "request_config": conf}) for server, idx in calls))
+        tagged: list[tuple[int, RolloutOutput]] = []
+        for (server, idx), answer in zip(calls, answers, strict=True):
+            try:
+                outputs = [RolloutOutput.model_validate(o) for o in answer]
+            except (TypeError, ValueError) as e:
+                raise ServerError(f"rollout server {self.endpoints[server].label} answered /infer/ with outputs "
+                                  f"that are not RolloutOutput ({str(e).splitlines()[0]})") from e
+            tagged.extend(zip(_positions(requests, idx, outputs), outputs))
+        tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
+        return tagged
+
+    async def infer_trajectories_async(self, requests: Sequence[RolloutInferRequest],
+                                       config: RequestConfig) -> list[RolloutOutput]:
+        """Whole trajectories from the servers' schedulers, in request order (several per request possible)."""
+        return [o for _, o in await self._infer_positions(requests, config)]
+
+    def infer_trajectories(self, requests: Sequence[RolloutInferRequest],
+                           config: RequestConfig) -> list[RolloutOutput]:
+        """Synchronous ``infer_trajectories_async``."""
+        return _run(self.infer_trajectories_async(requests, config))
+
+    def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
+        """One response per request with ``config.n`` choices (each choice is one trajectory's last turn)."""
+        n = config.n
+        single = config.model_copy(update={"n": 1})
+        copies = [r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests for _ in range(n)]
+        tagged = _run(self._infer_positions(copies, single))
+        by_copy: dict[int, RolloutOutput] = {}
+        for pos, out in tagged:
+            by_copy.setdefault(pos, out)
+        responses = []
+        for i in range(len(requests)):
+            outs = [by_copy.get(i * n + k) for k in range(n)]
+            if any(o is None for o in outs):
+                raise ServerError(f"the rollout server returned no output for request {requests[i].request_id}")
+            choices = [o.response.choices[-1].model_copy(update={"index": k}) for k, o in enumerate(outs)]
+            responses.append(ChatCompletionResponse(model=outs[0].response.model, choices=choices,
+                                                    prompt_token_ids=outs[0].response.prompt_token_ids))
+        return responses
+
+    def sync_weights(self, model) -> None:
+        """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
+        from grpokit.engines.weights import iter_sync_weights
+
+        if _dist_rank() != 0:  # only rank 0 sends; sharded (DTensor) weights still need every rank to gather
+            if any(hasattr(p, "full_tensor") for p in model.parameters()):
+                for _ in iter_sync_weights(model):
+                    pass
+            return
+        from grpokit.server.weight_sync import parse_dtype
+
+        dtypes = {info.get("torch_dtype") for info in self._all_infos()}
+        wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
+        t0 = time.perf_counter()
+        n = self._sender.sync(model, wire_dtype=wire, backend=self._backend(model))
+        logger.debug("weight sync: %d tensors to %d server(s) in %.2fs", n, len(self.endpoints),
+                     time.perf_counter() - t0)
+
+    def reset_prefix_cache(self) -> None:
+        for i in range(len(self.endpoints)):
+            self._request(i, "POST", "/reset_prefix_cache/", {})
+
+    def close(self) -> None:
+        """Close the weight-sync group (on the servers too) and the HTTP connections. Idempotent."""
+        try:
+            self._sender.close(notify=True)
+        finally:
+            self._http.close()
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _all_infos(self) -> list[dict]:
+        self.engine_info()
+        return self._infos
+
+    def _backend(self, model) -> str:
+        import torch
+
+        on_gpu = next(model.parameters()).is_cuda
+        servers_gpu = all(str(info.get("device", "cpu")).startswith("cuda") for info in self._all_infos())
+        nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+        return "nccl" if on_gpu and servers_gpu and nccl else "gloo"
+
+
+class RemoteScheduler(RolloutScheduler):
+    """The trainer's scheduler in server mode: every trajectory (single- or multi-turn) runs on the servers."""
+
+    def __init__(self, client: RolloutClient, **kwargs) -> None:
+        super().__init__(infer_engine=client, **kwargs)
+
+    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
+                  **kwargs) -> list[RolloutOutput]:
+        return await self.infer_engine.infer_trajectories_async([infer_request], request_config)
+
+    async def async_infer(self, requests: Sequence[RolloutInferRequest],
+                          request_config: RequestConfig) -> list[RolloutOutput]:
+        return await self.infer_engine.infer_trajectories_async(requests, request_config)
+
+
+def _run(coro):
+    """Run a coroutine to completion from sync code, also when an event loop is already running here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,309 @@
+"""Multi-turn rollouts: ``MultiTurnScheduler``'s default loop, its ``step()`` contract, and the ``multi_turns``
+registry that ``--multi_turn_scheduler`` names are looked up in.
+
+One trajectory = turns until the scheduler says stop. Each turn is one engine call; between turns ``step()``
+builds the next request (append a tool result, a tip, an environment observation, or continue the last assistant
+message). Text and tokens travel side by side: the loop keeps ``messages`` for rewards and the next turn, and per
+assistant message one segment of token ids + loss mask (+ logprobs) exactly as the engine produced them, so the
+trainer never re-encodes a completion (``ChatTemplate.encode_output``).
+
+Three ways to customise (``docs/multi_turn.md``): implement ``step()`` (and ``check_finished()``) and keep this
+loop; override ``run()`` entirely (it may return several ``RolloutOutput``s); or put environment logic in the
+hooks ``on_trajectory_start``/``on_turn_end``.
+
+Per-trajectory state lives in ``run()``'s locals, never on ``self``: one scheduler instance runs every
+trajectory of a batch concurrently.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpokit.errors import ConfigError, RolloutError
+from grpokit.registry import Registry
+from grpokit.rollout.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    RequestConfig,
+    RolloutInferRequest,
+    RolloutOutput,
+    choice_logprobs,
+)
+from grpokit.rollout.scheduler import RolloutScheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TURNS = 3
+LENGTH_SCOPES = ("total", "per_round")
+LOSS_SCALES = ("default", "last_round")
+
+multi_turns = Registry("multi-turn scheduler", "--multi_turn_scheduler")
+
+
+@dataclass
+class Trajectory:
+    """Token bookkeeping of one trajectory: one segment per assistant message after the prompt."""
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    loss_mask: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    infos: dict[str, Any] = field(default_factory=dict)
+    between_tokens: int = 0  # template tokens between assistant messages (tool results, headers); mask 0
+
+    def add_turn(self, ids: list[int], mask: list[int], lps: list[float], continuation: bool) -> None:
+        """Extend the last segment when the turn continued an assistant message, else open a new one."""
+        if continuation and self.token_ids:
+            self.token_ids[-1].extend(ids)
+            self.loss_mask[-1].extend(mask)
+            self.logprobs[-1].extend(lps)
+        else:
+            self.token_ids.append(list(ids))
+            self.loss_mask.append(list(mask))
+            self.logprobs.append(list(lps))
+
+    def completion_length(self) -> int:
+        """Tokens the trainer will see after the prompt so far (model, inserted and template tokens)."""
+        return sum(len(s) for s in self.token_ids) + self.between_tokens
+
+    def checked_logprobs(self) -> tuple[list[list[float]], bool]:
+        """(logprobs, dropped): usable only when each segment has one logprob per mask-1 token."""
+        if not any(self.logprobs):
+            return [], False
+        if all(len(lp) == sum(m) for lp, m in zip(self.logprobs, self.loss_mask, strict=True)):
+            return self.logprobs, False
+        return [], True
+
+
+@dataclass
+class StepResult:
+    """``step()``'s dict, validated: the next request and this turn's tokens as they will be trained."""
+
+    infer_request: RolloutInferRequest
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    rollout_infos: dict[str, Any]
+
+
+class MultiTurnScheduler(RolloutScheduler):
+    """Base class of multi-turn schedulers; the default ``run()`` drives the turn loop.
+
+    Subclasses implement ``step()`` (what the next request is) and may override ``check_finished()`` (default:
+    the model hit its token limit, or ``max_turns`` turns were played). ``max_turns`` is enforced by ``run()``
+    whatever ``check_finished()`` says. ``stop_words`` are added to every turn's stop strings.
+    """
+
+    stop_words: tuple[str, ...] = ()
+
+    def __init__(self, infer_engine=None, max_turns: int | None = None, tokenizer=None, rollout_args=None,
+                 **kwargs) -> None:
+        scope = kwargs.pop("completion_length_limit_scope", None)
+        loss_scale = kwargs.pop("loss_scale", None)
+        max_turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
+        if max_turns < 1:
+            raise ConfigError(f"--max_turns {max_turns}: must be ≥ 1")
+        super().__init__(infer_engine, max_turns, **kwargs)
+        self._tokenizer = tokenizer
+        self.rollout_args = rollout_args
+        self.completion_length_limit_scope = scope or getattr(rollout_args, "completion_length_limit_scope",
+                                                              None) or "per_round"
+        self.loss_scale = loss_scale or getattr(rollout_args, "loss_scale", None) or "default"
+        if self.completion_length_limit_scope not in LENGTH_SCOPES:
+            raise ConfigError(f"--completion_length_limit_scope {self.completion_length_limit_scope!r}: use one of "
+                              f"{', '.join(LENGTH_SCOPES)}")
+        if self.loss_scale not in LOSS_SCALES:
+            raise ConfigError(f"--loss_scale {self.loss_scale!r}: use one of {', '.join(LOSS_SCALES)}")
+        self._template = None
+
+    # -- tokenizer and template ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (the one that made the token ids), else the one given at construction."""
+        engine_tok = getattr(self.infer_engine, "tokenizer", None)
+        return engine_tok if engine_tok is not None else self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of inserted text (tips, tool output inside an assistant message), no special tokens added."""
+        if self.tokenizer is None:
+            raise RolloutError(f"{type(self).__name__}: inserting text into a completion needs a tokenizer; pass "
+                               "tokenizer= to the scheduler or use an engine that has one")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def chat_template(self):
+        """The ChatTemplate that renders text between assistant turns (the engine's, else built once)."""
+        engine_template = getattr(self.infer_engine, "template", None)
+        if engine_template is not None and hasattr(engine_template, "encode_between"):
+            return engine_template
+        if self._template is None or self._template.tokenizer is not self.tokenizer:
+            if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+                return None
+            from grpokit.template.encode import ChatTemplate
+
+            self._template = ChatTemplate(self.tokenizer)
+        return self._template
+
+    # -- the contract --------------------------------------------------------------------------------------
+    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
+             current_turn: int) -> dict:
+        """The next turn's request. Returns ``{'infer_request': ...}`` plus optionally ``response_token_ids``
+        and ``response_loss_mask`` (same length; they replace this turn's tokens, e.g. cut + inserted text with
+        mask 0), ``rollout_logprobs`` (one per mask-1 token) and ``rollout_infos`` (merged into the output's)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement step(infer_request, response_choice, current_turn) -> "
+            "{'infer_request': next_request, ...} (or override run())")
+
+    def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
+                       current_turn: int) -> bool:
+        """Stop when the model ran out of tokens or ``max_turns`` turns were played."""
+        return response_choice.finish_reason == "length" or current_turn >= self.max_turns
+
+    async def on_trajectory_end(self, infer_request: RolloutInferRequest) -> None:
+        """Hook after the last turn, also when the trajectory failed (release per-trajectory resources)."""
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
+                  **kwargs) -> RolloutOutput | list[RolloutOutput]:
+        """Play one trajectory: infer → append/continue → on_turn_end → stop? → step() → next turn."""
+        await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
+        request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
+        traj = Trajectory()
+        budget = (request.request_config or request_config).max_tokens
+        total = self.completion_length_limit_scope == "total"
+        turn = 1
+        try:
+            while True:
+                remaining = budget - traj.completion_length() if total else None
+                response = await self._infer_turn(request, request_config, remaining)
+                choice = response.choices[0]
+                continuation = request.messages[-1]["role"] == "assistant"
+                _append_completion(request.messages, choice, continuation)
+                turn_result = await self.on_turn_end(request, choice, turn) or {}
+                traj.infos.update(turn_result.get("rollout_infos") or {})
+                if turn_result.get("done") is not None:
+                    stop, reason = bool(turn_result["done"]), "done"
+                else:
+                    stop, reason = self.check_finished(request, choice, turn), "finished"
+                if not stop and turn >= self.max_turns:
+                    stop, reason = True, "max_turns"
+                model_turn = (list(choice.token_ids), [1] * len(choice.token_ids), choice_logprobs(choice))
+                if not stop and total and remaining - len(choice.token_ids) <= 0:
+                    stop, reason = True, "length_budget"
+                if stop:
+                    traj.add_turn(*model_turn, continuation)
+                    return self._output(traj, request.messages, response, turn, reason)
+                before_step = copy.deepcopy(request.messages)
+                result = self._check_step(self.step(request, choice, turn), choice, turn)
+                between = self._between_length(result, traj, continuation) if total else 0
+                if total and budget - traj.completion_length() - len(result.token_ids) - between <= 0:
+                    traj.add_turn(*model_turn, continuation)  # no room for another turn: end as the model left it
+                    return self._output(traj, before_step, response, turn, "length_budget")
+                traj.add_turn(result.token_ids, result.loss_mask, result.logprobs, continuation)
+                traj.between_tokens += between
+                traj.infos.update(result.rollout_infos)
+                request = result.infer_request
+                turn += 1
+        finally:
+            await self.on_trajectory_end(request)
+
+    async def _infer_turn(self, request: RolloutInferRequest, request_config: RequestConfig,
+                          remaining: int | None) -> ChatCompletionResponse:
+        """One engine call with this turn's max_tokens (what is left of the budget) and stop strings."""
+        own = request.request_config
+        base = own or request_config
+        update: dict[str, Any] = {}
+        if remaining is not None and remaining < base.max_tokens:
+            update["max_tokens"] = remaining
+        extra_stops = [s for s in self.stop_words if s not in base.stop]
+        if extra_stops:
+            update["stop"] = [*base.stop, *extra_stops]
+        cfg = base.model_copy(update=update) if update else base
+        request.request_config = cfg if own is not None else None
+        try:
+            return await self.infer_engine.infer_async(request, cfg)
+        finally:
+            request.request_config = own
+
+    def _check_step(self, ret: Any, choice: ChatCompletionResponseChoice, turn: int) -> StepResult:
+        """Validate ``step()``'s dict; RolloutError naming the scheduler and the turn otherwise."""
+        where = f"{type(self).__name__}.step() at turn {turn}"
+        if not isinstance(ret, dict) or ret.get("infer_request") is None:
+            raise RolloutError(f"{where} returned {type(ret).__name__} without 'infer_request'; return "
+                               "{'infer_request': next_request, ...}")
+        req = ret["infer_request"]
+        if isinstance(req, dict):
+            req = RolloutInferRequest.model_validate(req)
+        if not isinstance(req, RolloutInferRequest):
+            raise RolloutError(f"{where}: 'infer_request' is a {type(req).__name__}, not a RolloutInferRequest")
+        ids, mask = ret.get("response_token_ids"), ret.get("response_loss_mask")
+        if ids is not None and mask is None:
+            raise RolloutError(f"{where} returned response_token_ids without response_loss_mask; return both, "
+                               "same length (1 = trained, 0 = inserted text)")
+        ids = list(choice.token_ids) if ids is None else list(ids)
+        mask = [1] * len(ids) if mask is None else list(mask)
+        if len(mask) != len(ids):
+            raise RolloutError(f"{where}: response_loss_mask has {len(mask)} entries for {len(ids)} "
+                               "response_token_ids; they must have the same length")
+        if any(m not in (0, 1) for m in mask):
+            raise RolloutError(f"{where}: response_loss_mask must hold only 0 and 1")
+        lps = ret.get("rollout_logprobs")
+        lps = choice_logprobs(choice) if lps is None else [float(x) for x in lps]
+        infos = ret.get("rollout_infos") or {}
+        if not isinstance(infos, dict):
+            raise RolloutError(f"{where}: rollout_infos must be a dict, got {type(infos).__name__}")
+        return StepResult(req, ids, mask, lps, infos)
+
+    def _between_length(self, result: StepResult, traj: Trajectory, continuation: bool) -> int:
+        """Template tokens from the end of the last assistant message to the next turn's generation header
+        (0 when the next turn continues the assistant message or no chat template is known)."""
+        messages = result.infer_request.messages
+        template = self.chat_template()
+        if template is None or messages[-1]["role"] == "assistant":
+            return 0
+        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+        if last is None:
+            return 0
+        seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
+        return len(template.encode_between(messages, last, len(messages), seg))
+
+    def _output(self, traj: Trajectory, messages: list[dict], response: ChatCompletionResponse, turn: int,
+                reason: str) -> RolloutOutput:
+        """Pack the trajectory; apply loss_scale and the logprob-count check."""
+        if self.loss_scale == "last_round":
+            for k in range(len(traj.loss_mask) - 1):
+                traj.loss_mask[k] = [0] * len(traj.loss_mask[k])
+                traj.logprobs[k] = []
+        logprobs, dropped = traj.checked_logprobs()
+        infos = {**traj.infos, "num_turns": turn, "stop_reason": reason}
+        if dropped:
+            infos["logprobs_dropped"] = infos.get("logprobs_dropped", 0) + 1
+            logger.debug("%s: rollout logprobs do not match the trained tokens; dropped", type(self).__name__)
+        if reason == "length_budget" and response.choices[0].finish_reason != "length":
+            choice = response.choices[0].model_copy(update={"finish_reason": "length"})
+            response = response.model_copy(update={"choices": [choice, *response.choices[1:]]})
+        return RolloutOutput(response=response, messages=messages, response_token_ids=traj.token_ids,
+                             response_loss_mask=traj.loss_mask, rollout_infos=infos, rollout_logprobs=logprobs)
+
+
+def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoice, continuation: bool) -> None:
+    """Add the turn's text: extend the open assistant message, or append a new one."""
+    text = choice.message.get("content") or ""
+    if continuation:
+        messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + text}
+    else:
+        messages.append({"role": "assistant", "content": text})
+
+
+def build_scheduler(rollout_args, tokenizer) -> MultiTurnScheduler:
+    """The scheduler named by ``--multi_turn_scheduler``; the trainer sets ``infer_engine`` later."""
+    cls = multi_turns.get_or_raise(rollout_args.multi_turn_scheduler)
+    return cls(infer_engine=None, max_turns=rollout_args.max_turns, tokenizer=tokenizer, rollout_args=rollout_args)
+
+
+from grpokit.rollout import builtin_schedulers  # noqa: E402,F401 - registers the built-ins in multi_turns

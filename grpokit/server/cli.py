@@ -1,0 +1,113 @@
+"""`grpokit rollout`: serve rollouts over HTTP for ``--vllm_mode server``. Parsing and checks only; torch, the model
+and the web stack are imported after the options are known to be sound."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+from grpokit.errors import ConfigError
+
+
+def rollout_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="grpokit rollout",
+        description="Serve rollouts (single- or multi-turn) to a trainer started with --vllm_mode server; "
+                    "receives new weights after each optimizer step. See docs/server_mode.md.")
+    p.add_argument("--model", required=True, help="local Hugging Face model folder to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                   help="inference backend (vllm: not implemented yet)")
+    p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--multi_turn_scheduler", default=None, help="multi-turn scheduler name (multi_turns registry)")
+    p.add_argument("--max_turns", type=int, default=None, help="max turns per trajectory (multi-turn only)")
+    p.add_argument("--gym_env", default=None, help="environment name (envs registry) for gym_scheduler")
+    p.add_argument("--completion_length_limit_scope", default=None, choices=["total", "per_round"],
+                   help="multi-turn: max_tokens bounds the whole trajectory (total) or each turn (per_round)")
+    p.add_argument("--loss_scale", default=None, choices=["default", "last_round"],
+                   help="multi-turn: last_round trains on the last round only")
+    p.add_argument("--external_plugins", nargs="*", default=[], help="python files imported before any lookup")
+    p.add_argument("--api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every request (default: env GRPOKIT_API_KEY)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow binding a non-loopback address without an API key")
+    p.add_argument("--max_batch_requests", type=int, default=4096,
+                   help="most requests in one /infer/ call (more: 413)")
+    p.add_argument("--max_inflight_requests", type=int, default=0,
+                   help="most requests in flight over all calls (more: 429, the client retries); 0 = 4x the above")
+    p.add_argument("--max_body_mb", type=float, default=64.0, help="largest request body (more: 413)")
+    p.add_argument("--max_batch_size", type=int, default=256, help="sequences per generate() call")
+
+    def error(message: str) -> None:
+        raise ConfigError(f"grpokit rollout: {message} (see `grpokit rollout --help`)")
+
+    p.error = error
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+def check_security(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse to expose an unauthenticated server beyond this machine unless asked to."""
+    if not is_loopback(host) and not api_key and not insecure:
+        raise ConfigError(f"--host {host} exposes the rollout server beyond this machine without an API key; pass "
+                          "--api_key KEY (or set GRPOKIT_API_KEY) and give the trainer --vllm_server_api_key KEY, "
+                          "or pass --insecure on a trusted network")
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"--host {host} --port {port}: cannot bind ({e.strerror}); pick another --port or "
+                              "stop the process that holds it") from e
+
+
+def options_from_argv(argv: list[str]):
+    """Parse and check the options (no model is loaded)."""
+    from grpokit.server.state import ServerOptions
+
+    a = rollout_parser().parse_args(argv)
+    if not 0 < a.port < 65536:
+        raise ConfigError(f"--port {a.port}: must be in 1..65535")
+    api_key = a.api_key or os.environ.get("GRPOKIT_API_KEY") or None
+    check_security(a.host, api_key, a.insecure)
+    return ServerOptions(model=a.model, host=a.host, port=a.port, engine=a.engine,
+                         multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
+                         completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
+                         external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
+                         max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
+                         max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size)
+
+
+def run_rollout_cli(argv: list[str]) -> None:
+    """Entry of `grpokit rollout`: check options, load the model, serve until interrupted."""
+    options = options_from_argv(argv)
+    check_port_free(options.host, options.port)
+    import uvicorn
+
+    from grpokit.server.app import create_app
+    from grpokit.server.state import build_state
+
+    state = build_state(options)
+    app = create_app(state)
+    auth = "API key required" if options.api_key else "no API key"
+    turns = f", multi-turn: {options.multi_turn_scheduler}" if options.multi_turn_scheduler else ""
+    print(f"grpokit rollout: serving {options.model} ({options.engine}{turns}) on "
+          f"http://{options.host}:{options.port} ({auth})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)

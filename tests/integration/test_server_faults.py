@@ -1,0 +1,127 @@
+"""A real rollout server under bad input, a missing key, a crash mid-use, and bad start-up options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_server_support import free_port, rollout_server
+
+from grpokit.engines.client import RolloutClient
+from grpokit.errors import ServerError
+from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.testing import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny, tmp_path_factory):
+    """API key from the environment, at most 8 requests per call, bodies up to 0.05 MB."""
+    with rollout_server(tiny, tmp_path_factory.mktemp("logs"), "--max_batch_requests", "8", "--max_body_mb", "0.05",
+                        env={"GRPOKIT_API_KEY": KEY}) as s:
+        yield s
+
+
+def _msg(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+JSON = {"Content-Type": "application/json", **AUTH}
+BAD = [
+    ("bad JSON", {"content": b'{"requests": [{"messages": '}, JSON, 422, "not valid JSON"),
+    ("wrong type", {"json": {"requests": [_msg("x")], "request_config": {"temperature": "hot"}}}, AUTH, 422,
+     "request_config.temperature"),
+    ("unknown field", {"json": {"requests": [{**_msg("x"), "priority": 1}]}}, AUTH, 422, "requests.0.priority"),
+    ("oversized body", {"json": {"requests": [_msg("z" * 60_000)]}}, AUTH, 413, "--max_body_mb"),
+    ("too many requests", {"json": {"requests": [_msg(str(i)) for i in range(9)]}}, AUTH, 413,
+     "--max_batch_requests 8"),
+    ("missing key", {"json": {"requests": [_msg("x")]}}, {}, 401, "API key"),
+    ("wrong key", {"json": {"requests": [_msg("x")]}}, {"Authorization": "Bearer nope"}, 401, "API key"),
+]
+
+
+@pytest.mark.parametrize("case, kwargs, headers, status, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(guarded, case, kwargs, headers, status, words):
+    resp = httpx.post(guarded.url + "/infer/", headers=headers, timeout=30, **kwargs)
+    assert resp.status_code == status, resp.text
+    assert words in resp.json()["error"]
+    assert guarded.healthy(AUTH)
+    good = httpx.post(guarded.url + "/infer/", headers=AUTH, timeout=60,
+                      json={"requests": [_msg("ok")], "request_config": {"max_tokens": 2}})
+    assert good.status_code == 200 and len(good.json()) == 1
+
+
+def test_client_with_the_key_works_and_without_it_is_told_why(guarded):
+    client = RolloutClient(base_urls=[guarded.url], api_key=KEY, timeout=30)
+    try:
+        outs = client.infer_trajectories([RolloutInferRequest(**_msg("hi"))], RequestConfig(max_tokens=2))
+        assert len(outs) == 1
+        # 20 requests > --max_batch_requests 8: the client splits them into calls the server accepts
+        many = [RolloutInferRequest(**_msg(f"q{i}"), request_id=f"r{i}") for i in range(20)]
+        assert [o.request_id for o in client.infer_trajectories(many, RequestConfig(max_tokens=2))] == \
+            [f"r{i}" for i in range(20)]
+    finally:
+        client.close()
+    with pytest.raises(ServerError, match=f"127.0.0.1:{guarded.port} rejected the API key"):
+        RolloutClient(base_urls=[guarded.url], api_key="wrong", timeout=10)
+
+
+def test_server_killed_mid_use_raises_server_error_without_hanging(tiny, tmp_path):
+    timeout = 30.0
+    with rollout_server(tiny, tmp_path) as server:
+        client = RolloutClient(base_urls=[server.url], timeout=timeout, backoff_s=0.2)
+        model = torch.nn.Linear(2, 2)  # never reaches the server: the sync fails on the first call
+        requests = [RolloutInferRequest(**_msg(f"long {i}")) for i in range(64)]
+        caught: dict = {}
+
+        def run() -> None:
+            try:
+                client.infer_trajectories(requests, RequestConfig(max_tokens=1000, temperature=1.0))
+            except Exception as e:  # noqa: BLE001 - inspected below
+                caught["error"] = e
+            caught["t"] = time.monotonic()
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        time.sleep(1.5)  # the batch is generating now
+        killed_at = time.monotonic()
+        server.proc.kill()
+        worker.join(timeout + 10)
+        assert not worker.is_alive(), "the client hung after the server died"
+        assert isinstance(caught.get("error"), ServerError), caught
+        assert f"127.0.0.1:{server.port}" in str(caught["error"])
+        assert caught["t"] - killed_at < timeout
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match=f"127.0.0.1:{server.port}"):
+            client.sync_weights(model)
+        assert time.monotonic() - t0 < timeout
+        client._http.close()
+
+
+def test_unreachable_at_start_names_host_and_port():
+    port = free_port()
+    with pytest.raises(ServerError, match=f"127.0.0.1:{port} is not reachable .*--host 127.0.0.1 --port {port}"):
+        RolloutClient(hosts=["127.0.0.1"], ports=[port], timeout=2)
+
+
+def test_cli_refuses_to_expose_a_server_without_a_key(tiny):
+    env_cmd = [sys.executable, "-m", "grpokit", "rollout", "--model", str(tiny), "--host", "0.0.0.0"]
+    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--api_key" in lines[0] and "--insecure" in lines[0], proc.stderr

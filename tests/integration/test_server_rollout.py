@@ -1,0 +1,181 @@
+"""A real rollout server (subprocess, tiny model): weight sync (full and LoRA merged), concurrent load, and
+three training steps of `grpokit train --vllm_mode server` against it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+
+import httpx
+import pytest
+import torch
+from test_server_support import rollout_server
+
+from grpokit.config.parse import parse_train_args
+from grpokit.engines.client import RemoteScheduler, RolloutClient
+from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.rollout.scheduler import run_trajectories
+from grpokit.template.encode import ChatTemplate
+from grpokit.testing import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [RolloutInferRequest(messages=[{"role": "user", "content": "What is 12 + 7?"}])]
+GREEDY = RequestConfig(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    with rollout_server(tiny, tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    c = RolloutClient(base_urls=[server.url], timeout=60)
+    yield c
+    c.close()
+
+
+def _greedy(engine) -> list[int]:
+    return engine.infer(PROMPT, GREEDY)[0].choices[0].token_ids
+
+
+def _local(model, tiny) -> TransformersEngine:
+    return TransformersEngine(model, ChatTemplate(load_tokenizer(str(tiny))))
+
+
+def test_full_sync_matches_a_local_engine_over_three_rounds(tiny, client):
+    torch.set_num_threads(1)
+    model = load_causal_lm(str(tiny), torch.float32)
+    local = _local(model, tiny)
+    client._sender.bucket_bytes = 64 * 1024  # several buckets (the embedding alone is 128 KB: it goes alone)
+    client.sync_weights(model)  # the server may hold weights of another test: start from the file's
+    before = _greedy(client)
+    assert before == _greedy(local)
+    for round_ in range(3):
+        gen = torch.Generator().manual_seed(round_)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        client.sync_weights(model)
+        after = _greedy(client)
+        assert after == _greedy(local), f"round {round_}: server and local greedy completions differ"
+        assert after != before, f"round {round_}: the update did not change the server's completion"
+        before = after
+    info = client.engine_info(refresh=True)
+    assert info["communicator"] is True and info["weight_version"] >= 4
+
+
+def test_lora_merged_sync_matches_the_merged_model(tiny, client):
+    from peft import LoraConfig, get_peft_model
+
+    torch.set_num_threads(1)
+    base = load_causal_lm(str(tiny), torch.float32)
+    original = {n: p.detach().clone() for n, p in base.named_parameters()}
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero (no change); make the adapter matter
+                p.copy_(torch.randn(p.shape, generator=gen))
+    client.sync_weights(load_causal_lm(str(tiny), torch.float32))  # the server starts from the plain base
+    before = _greedy(client)
+    client.sync_weights(model)
+    merged = copy.deepcopy(model).merge_and_unload()
+    after = _greedy(client)
+    assert after == _greedy(_local(merged, tiny))
+    assert after != before
+    unwrapped = model.get_base_model()  # the adapter was unmerged again: base weights as loaded
+    for name, p in unwrapped.named_parameters():
+        if "lora_" not in name:
+            key = name.replace(".base_layer", "")
+            assert torch.allclose(p, original[key], atol=1e-5), name
+
+
+def test_three_training_steps_against_the_server(tiny, server, tmp_path):
+    from grpokit.pipeline.train import run_train
+
+    torch.set_num_threads(1)
+    version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
+    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
+                            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
+                            str(server.port), "--max_steps", "3", "--num_generations", "4",
+                            "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+                            "--output_dir", str(tmp_path / "out"), "--save_final_model", "false",
+                            "--vllm_server_timeout", "60"])
+    trainer = run_train(cfg)
+    try:
+        assert isinstance(trainer.engine, RolloutClient) and isinstance(trainer.scheduler, RemoteScheduler)
+        info = trainer.engine.engine_info(refresh=True)
+        assert info["weight_version"] >= version + 3  # one sync per optimizer step
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        assert _greedy(trainer.engine) == _greedy(_local(policy, tiny))
+    finally:
+        trainer.engine.close()
+
+
+def test_remote_scheduler_returns_trajectories_in_order(client):
+    requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"What is {i} + 1?"}],
+                                    request_id=f"r{i}", prompt_id=f"p{i // 2}") for i in range(6)]
+    outs = run_trajectories(RemoteScheduler(client), requests, RequestConfig(max_tokens=4, logprobs=True))
+    assert [o.request_id for o in outs] == [f"r{i}" for i in range(6)]
+    assert all(len(o.response_token_ids[0]) == len(o.rollout_logprobs[0]) > 0 for o in outs)
+
+
+def test_two_servers_split_requests_and_both_get_the_weights(tiny, server, tmp_path):
+    torch.set_num_threads(1)
+    model = load_causal_lm(str(tiny), torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    expected = _greedy(_local(model, tiny))
+    with rollout_server(tiny, tmp_path) as second:
+        both = RolloutClient(base_urls=[server.url, second.url], timeout=60)
+        try:
+            both.sync_weights(model)  # one group of 3 ranks: the trainer and two servers
+            for url in (server.url, second.url):
+                single = RolloutClient(base_urls=[url], timeout=30)
+                assert _greedy(single) == expected, url
+                single._http.close()
+            requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
+                                            prompt_id=f"p{i % 3}") for i in range(12)]
+            outs = both.infer_trajectories(requests, RequestConfig(max_tokens=3))
+            assert [o.request_id for o in outs] == [f"r{i}" for i in range(12)]
+            assert second.healthy() and both.engine_info(refresh=True)["num_servers"] == 2
+        finally:
+            both.close()
+
+
+def test_eight_concurrent_clients_fifty_requests_each(server):
+    config = RequestConfig(max_tokens=4, temperature=1.0)
+
+    def one_client(c: int) -> list[tuple[str, str]]:
+        client = RolloutClient(base_urls=[server.url], timeout=120)
+        got = []
+        try:
+            for batch in range(5):  # 5 calls x 10 requests = 50
+                reqs = [RolloutInferRequest(messages=[{"role": "user", "content": f"client {c} item {batch}-{k}"}],
+                                            request_id=f"c{c}-{batch}-{k}") for k in range(10)]
+                outs = client.infer_trajectories(reqs, config)
+                got.extend((r.request_id, o.request_id) for r, o in zip(reqs, outs, strict=True))
+                assert all(o.messages[0]["content"] == r.messages[0]["content"] for r, o in zip(reqs, outs))
+        finally:
+            client.close()
+        return got
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(one_client, range(8)))
+    pairs = [p for r in results for p in r]
+    assert len(pairs) == 400 and all(a == b for a, b in pairs)
+    assert len({a for a, _ in pairs}) == 400
+    assert server.healthy()

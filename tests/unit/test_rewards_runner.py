@@ -1,0 +1,220 @@
+"""RewardRunner (sync + async, error messages) and reward construction / column checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import pytest
+import torch
+
+from grpokit.errors import ConfigError, RewardError
+from grpokit.rewards import (
+    ORM,
+    AsyncORM,
+    RewardRunner,
+    build_reward_funcs,
+    check_reward_columns,
+    orms,
+    required_columns,
+)
+from grpokit.rewards.shape_rewards import CosineReward
+
+
+class Sleepy(AsyncORM):
+    def __init__(self, seconds: float, value: float) -> None:
+        super().__init__()
+        self.seconds, self.value = seconds, value
+
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(self.seconds)
+        return [self.value] * len(completions)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+# --- compute -------------------------------------------------------------------------------------------------------
+
+
+def test_compute_shape_nan_and_kwargs_filtering():
+    seen = {}
+
+    def only_solution(completions, solution):  # no **kwargs: gets only what it names
+        seen["solution"] = solution
+        return [1.0 if c == s else None for c, s in zip(completions, solution)]
+
+    async def async_half(completions, **kwargs):
+        return [0.5, float("nan"), 0.5]
+
+    with RewardRunner([length_reward, only_solution, async_half], ["len", "exact", "half"]) as runner:
+        scores = runner.compute(["ab", "c", ""], {"solution": ["ab", "x", ""], "trainer_state": {"global_step": 1}})
+    assert scores.shape == (3, 3) and scores.dtype == torch.float32  # [N, F]
+    assert scores[:, 0].tolist() == [2.0, 1.0, 0.0]
+    assert scores[0, 1] == 1.0 and math.isnan(scores[1, 1]) and scores[2, 1] == 1.0  # None -> NaN
+    assert math.isnan(scores[1, 2])  # NaN passes through
+    assert seen["solution"] == ["ab", "x", ""]
+
+
+def test_async_rewards_run_concurrently():
+    # One 1 s reward alone, then two 1 s rewards together: together must take < 1.5x the single time.
+    single = RewardRunner([Sleepy(1.0, 1.0)], ["a"])
+    start = time.perf_counter()
+    single.compute(["x", "y"], {})
+    t_single = time.perf_counter() - start
+    single.close()
+
+    pair = RewardRunner([Sleepy(1.0, 1.0), Sleepy(1.0, 2.0)], ["a", "b"])
+    start = time.perf_counter()
+    scores = pair.compute(["x", "y"], {})
+    t_pair = time.perf_counter() - start
+    pair.close()
+    assert scores.tolist() == [[1.0, 2.0], [1.0, 2.0]]
+    assert t_pair / t_single < 1.5, (t_single, t_pair)
+
+
+def test_loop_thread_is_long_lived_and_closes():
+    runner = RewardRunner([Sleepy(0.0, 1.0)], ["a"])
+    thread = runner._loop.thread
+    runner.compute(["x"], {})
+    runner.compute(["y"], {})
+    assert runner._loop.thread is thread and thread.is_alive()  # one loop for every batch
+    runner.close()
+    assert not thread.is_alive()
+
+
+def test_warns_once_when_a_sample_is_unscored(caplog):
+    def none_for_b(completions, **kwargs):
+        return [None if c == "b" else 1.0 for c in completions]
+
+    runner = RewardRunner([none_for_b, lambda completions, **kw: [None] * len(completions)], ["f", "g"])
+    with caplog.at_level(logging.WARNING, logger="grpokit.rewards.runner"):
+        runner.compute(["a", "b", "b"], {})
+    warnings = [r for r in caplog.records if "no score" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "2 of 3 samples" in warnings[0].getMessage() and "sample 1" in warnings[0].getMessage()
+
+
+# --- errors --------------------------------------------------------------------------------------------------------
+
+
+def test_wrong_number_of_scores():
+    runner = RewardRunner([lambda completions, **kw: [1.0]], ["short"])
+    with pytest.raises(RewardError) as err:
+        runner.compute(["a", "b", "c"], {})
+    msg = str(err.value)
+    assert "'short'" in msg and "1 scores for 3 completions" in msg and "sample without a score: 1" in msg
+    assert "\n" not in msg
+
+
+def test_raising_reward_names_first_failing_sample():
+    def picky(completions, solution, **kwargs):
+        for c in completions:
+            if c == "boom":
+                raise ValueError("cannot score boom")
+        return [1.0] * len(completions)
+
+    runner = RewardRunner([picky], ["picky"])
+    with pytest.raises(RewardError) as err:
+        runner.compute(["ok", "ok", "boom", "boom"], {"solution": ["s"] * 4})
+    msg = str(err.value)
+    assert "'picky'" in msg and "ValueError" in msg and "first failing sample 2" in msg and "'boom'" in msg
+
+
+def test_raising_async_reward_is_reported():
+    async def broken(completions, **kwargs):
+        raise KeyError("missing")
+
+    runner = RewardRunner([Sleepy(0.0, 1.0), broken], ["fine", "broken"])
+    with pytest.raises(RewardError, match=r"'broken' raised KeyError.*first failing sample 0"):
+        runner.compute(["a"], {})
+    runner.close()
+
+
+def test_non_numeric_and_infinite_scores():
+    with pytest.raises(RewardError, match=r"'text'.*sample 1 got score 'high'"):
+        RewardRunner([lambda completions, **kw: [1.0, "high"]], ["text"]).compute(["a", "b"], {})
+    with pytest.raises(RewardError, match=r"'inf'.*sample 0"):
+        RewardRunner([lambda completions, **kw: [float("inf")]], ["inf"]).compute(["a"], {})
+    with pytest.raises(RewardError, match="not a list"):
+        RewardRunner([lambda completions, **kw: 1.0], ["scalar"]).compute(["a"], {})
+
+
+def test_tensor_and_bool_scores_are_accepted():
+    runner = RewardRunner([lambda completions, **kw: torch.tensor([0.5, 1.0]), lambda completions, **kw: [True, False]],
+                          ["t", "b"])  # fmt: skip
+    assert runner.compute(["a", "b"], {}).tolist() == [[0.5, 1.0], [1.0, 0.0]]
+
+
+# --- construction --------------------------------------------------------------------------------------------------
+
+
+def test_unknown_reward_name_lists_registered():
+    with pytest.raises(ConfigError) as err:
+        build_reward_funcs(["acuracy"], {})
+    msg = str(err.value)
+    assert "'acuracy'" in msg and "accuracy" in msg and "format" in msg and "arithmetic_steps" in msg
+    assert "\n" not in msg
+
+
+def test_build_picks_constructor_options_by_name():
+    tok = object()
+    options = {"cosine_max_len": 100, "max_completion_length": 64, "unrelated": 1, "repetition_n_grams": 2}
+    cosine, rep, fmt, fn = build_reward_funcs(["cosine", "repetition", "format", length_reward], options, tok)
+    assert isinstance(cosine, CosineReward) and cosine.max_len == 100 and cosine.tokenizer is tok
+    assert rep.n == 2 and rep.max_penalty == -1.0  # default kept when the option is absent
+    assert isinstance(fmt, orms["format"])
+    assert fn is length_reward  # plain functions are used as they are
+
+
+def test_build_reports_missing_and_bad_options():
+    with pytest.raises(ConfigError, match="soft_max_length"):
+        build_reward_funcs(["soft_overlong"], {})
+    with pytest.raises(ConfigError, match="code_exec_timeout"):
+        build_reward_funcs(["code_exec"], {"code_exec_timeout": 0})
+
+
+def test_build_passes_args_namespace_to_ms_swift_style_rewards():
+    class Scaled(ORM):
+        def __init__(self, args=None, **kwargs):
+            super().__init__(args)
+            self.scale = args.reward_scale
+
+        def __call__(self, completions, **kwargs):
+            return [self.scale] * len(completions)
+
+    orms["test_scaled"] = Scaled
+    try:
+        (func,) = build_reward_funcs(["test_scaled"], {"reward_scale": 3.0})
+        assert func(["a"]) == [3.0]
+    finally:
+        del orms["test_scaled"]
+
+
+def test_required_columns():
+    def f(completions, solution, test_cases, hint=None, **kwargs): ...
+
+    class C(ORM):
+        def __call__(self, completions, target, nums, **kwargs): ...
+
+    assert required_columns(f) == {"solution", "test_cases"}
+    assert required_columns(C) == {"target", "nums"}  # the class
+    assert required_columns(C()) == {"target", "nums"}  # an instance
+    assert required_columns(orms["accuracy"]) == {"solution"}
+    assert required_columns(orms["format"]) == set()
+
+
+def test_check_reward_columns():
+    funcs = build_reward_funcs(["format", "accuracy"], {})
+    check_reward_columns(funcs, ["format", "accuracy"], {"messages", "solution"})  # fine
+    with pytest.raises(ConfigError) as err:
+        check_reward_columns(funcs, ["format", "accuracy"], {"messages", "prompt"})
+    msg = str(err.value)
+    assert "accuracy" in msg and "solution" in msg and "messages, prompt" in msg and "\n" not in msg
+
+    def needs_trainer_keys(completions, messages, response_token_ids, trainer_state, **kw): ...
+
+    check_reward_columns([needs_trainer_keys], ["t"], set())  # the trainer always supplies these

@@ -1,0 +1,158 @@
+"""The rollout server's HTTP layer on a fake engine (no model): validation, limits, auth, weight-sync checks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from grpokit.engines.base import InferEngine
+from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
+from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.server.app import create_app
+from grpokit.server.state import ServerOptions, ServerState
+
+KEY = "s3cret"
+
+
+class EchoEngine(InferEngine):
+    """Answers each request with its last message reversed."""
+
+    engine_type = "echo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.device = torch.device("cpu")
+        self.resets = 0
+
+    def infer(self, requests, config):
+        return [ChatCompletionResponse(choices=[ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": r.messages[-1]["content"][::-1]}, finish_reason="stop",
+            token_ids=[1, 2, 3])]) for r in requests]
+
+    def check_weights(self, metas):
+        return [f"{m.name}: no such parameter in the served model" for m in metas if m.name != "w"]
+
+    def load_weights(self, named):
+        raise AssertionError("no broadcast in these tests")
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def make_client(**overrides) -> tuple[TestClient, ServerState]:
+    options = ServerOptions(model="echo", **{"max_batch_requests": 4, "max_body_mb": 0.01, **overrides})
+    engine = EchoEngine()
+    state = ServerState(options, engine, RolloutScheduler(engine))
+    return TestClient(create_app(state)), state
+
+
+def _req(text: str, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+def _healthy(client: TestClient, headers: dict | None = None) -> bool:
+    return client.get("/health/", headers=headers or {}).json() == {"status": "ok"}
+
+
+@pytest.fixture()
+def client() -> TestClient:
+    return make_client()[0]
+
+
+def test_infer_returns_outputs_in_request_order(client):
+    body = {"requests": [_req("abc", request_id="r1"), _req("xyz", request_id="r2")],
+            "request_config": {"max_tokens": 3, "temperature": 0}}
+    out = client.post("/infer/", json=body).json()
+    assert [o["messages"][-1]["content"] for o in out] == ["cba", "zyx"]
+    assert [o["request_id"] for o in out] == ["r1", "r2"]
+    assert out[0]["response_token_ids"] == [[1, 2, 3]] and out[0]["response_loss_mask"] == [[1, 1, 1]]
+
+
+def test_engine_type_reports_the_server_setup(client):
+    info = client.get("/get_engine_type/").json()
+    assert info["engine_type"] == "echo" and info["enable_multi_turn"] is False and info["max_turns"] is None
+    assert info["communicator"] is False and info["max_batch_requests"] == 4
+
+
+@pytest.mark.parametrize("payload, status, words", [
+    (b'{"requests": [', 422, "not valid JSON"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"max_tokens": "many"}}',
+     422, "request_config.max_tokens"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "colour": "red"}]}', 422, "requests.0.colour"),
+    (b'{"requests": [], "extra": 1}', 422, "extra"),
+    (b'{"requests": [{"messages": []}]}', 422, "at least one message"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"n": 2}}', 400,
+     "repeat the request"),
+])
+def test_bad_bodies_get_a_4xx_with_a_message_and_the_server_keeps_serving(client, payload, status, words):
+    resp = client.post("/infer/", content=payload, headers={"Content-Type": "application/json"})
+    assert resp.status_code == status
+    assert words in resp.json()["error"]
+    assert _healthy(client)
+
+
+def test_non_json_content_type_is_refused(client):
+    resp = client.post("/infer/", content=b"requests=1", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 415 and "application/json" in resp.json()["error"]
+    assert _healthy(client)
+
+
+def test_oversized_body_is_refused_declared_or_streamed(client):
+    big = {"requests": [_req("x" * 20_000)]}  # > 0.01 MB = 10485 bytes
+    resp = client.post("/infer/", json=big)
+    assert resp.status_code == 413 and "--max_body_mb" in resp.json()["error"]
+
+    def chunks():  # no Content-Length: counted while reading
+        yield b'{"requests": [{"messages": [{"role": "user", "content": "'
+        for _ in range(30):
+            yield b"y" * 1000
+        yield b'"}]}]}'
+
+    resp = client.post("/infer/", content=chunks(), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413
+    assert _healthy(client)
+
+
+def test_too_many_requests_per_call_and_in_flight():
+    client, state = make_client()
+    resp = client.post("/infer/", json={"requests": [_req(str(i)) for i in range(5)]})
+    assert resp.status_code == 413 and "--max_batch_requests 4" in resp.json()["error"]
+    state.inflight = 15  # max_inflight_requests defaults to 4 x 4 = 16: two more do not fit
+    resp = client.post("/infer/", json={"requests": [_req("a"), _req("b")]})
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    state.inflight = 0
+    assert client.post("/infer/", json={"requests": [_req("a"), _req("b")]}).status_code == 200
+
+
+def test_api_key_is_required_on_every_endpoint():
+    client, _ = make_client(api_key=KEY)
+    assert client.get("/health/").status_code == 401
+    assert client.get("/health/", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    resp = client.post("/infer/", json={"requests": [_req("a")]}, headers={"Authorization": f"Basic {KEY}"})
+    assert resp.status_code == 401 and "Authorization: Bearer" in resp.json()["error"]
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert client.post("/infer/", json={"requests": [_req("a")]}, headers=ok).status_code == 200
+    assert _healthy(client, ok)
+
+
+def _weights_body(name: str, dry_run: bool) -> dict:
+    meta = {"name": name, "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+    return {"buckets": [{"nbytes": 8, "tensors": [meta]}], "dry_run": dry_run}
+
+
+def test_update_weights_checks_names_and_needs_a_group(client):
+    resp = client.post("/update_weights/", json=_weights_body("nope", dry_run=True))
+    assert resp.status_code == 422 and "nope: no such parameter" in resp.json()["error"]
+    assert client.post("/update_weights/", json=_weights_body("w", dry_run=True)).json() == {"ok": True, "group": None}
+    resp = client.post("/update_weights/", json=_weights_body("w", dry_run=False))
+    assert resp.status_code == 409 and "/init_communicator/" in resp.json()["error"]
+    bad = {"host": "127.0.0.1", "port": 1, "rank": 2, "world_size": 2, "group": "g"}
+    assert client.post("/init_communicator/", json=bad).status_code == 422
+    nccl = {**bad, "rank": 1, "backend": "nccl"}
+    assert "needs the served model on a GPU" in client.post("/init_communicator/", json=nccl).json()["error"]
+    assert client.post("/close_communicator/").json() == {"ok": True}
+    assert client.post("/reset_prefix_cache/").json() == {"ok": True}

@@ -1,0 +1,105 @@
+"""RolloutClient without a server: splitting, re-ordering, retries that end, and `grpokit rollout` option checks."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from grpokit.engines.client import RolloutClient, _positions, endpoints_from, split_requests
+from grpokit.errors import ConfigError, ServerError
+from grpokit.rollout.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    RequestConfig,
+    RolloutInferRequest,
+    RolloutOutput,
+)
+from grpokit.server.cli import options_from_argv
+
+
+def _req(prompt_id: str, request_id: str) -> RolloutInferRequest:
+    return RolloutInferRequest(messages=[{"role": "user", "content": "q"}], prompt_id=prompt_id,
+                               request_id=request_id)
+
+
+def _out(request_id: str) -> RolloutOutput:
+    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": ""}, finish_reason="stop",
+                                          token_ids=[])
+    return RolloutOutput(response=ChatCompletionResponse(choices=[choice]), messages=[], request_id=request_id)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_split_keeps_prompt_groups_together_and_balances():
+    # groups in first-seen order: a (idx 0,2), b (1,3), c (4), d (5,6,7); 2 servers
+    # a -> server 0 (2), b -> server 1 (2), c -> server 0 (3: the tie goes to the first), d -> server 1 (5)
+    pids = ["a", "b", "a", "b", "c", "d", "d", "d"]
+    requests = [_req(p, f"r{i}") for i, p in enumerate(pids)]
+    assert split_requests(requests, 2) == [[0, 2, 4], [1, 3, 5, 6, 7]]
+    assert split_requests(requests, 1) == [list(range(8))]
+
+
+def test_positions_follow_request_ids_with_several_outputs_per_request():
+    requests = [_req("a", "r0"), _req("a", "r1"), _req("b", "r2")]
+    idx = [0, 2]  # this server got requests 0 and 2; request r2 produced two outputs
+    assert _positions(requests, idx, [_out("r0"), _out("r2"), _out("r2")]) == [0, 2, 2]
+    # an output whose id is unknown stays with the request before it
+    assert _positions(requests, idx, [_out("r0"), _out("zz"), _out("r2")]) == [0, 0, 2]
+
+
+def test_endpoints_from_hosts_ports_and_urls():
+    eps = endpoints_from(hosts=["10.0.0.1", "10.0.0.2"], ports=[9000])
+    assert [e.label for e in eps] == ["10.0.0.1:9000", "10.0.0.2:9000"]
+    assert endpoints_from(base_urls=["http://h:81/"])[0].base_url == "http://h:81"
+    with pytest.raises(ConfigError, match="one port, or one per host"):
+        endpoints_from(hosts=["a", "b", "c"], ports=[1, 2])
+
+
+def test_unreachable_at_start_names_host_and_port_within_the_timeout():
+    port = _closed_port()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=f"127.0.0.1:{port}.*--port {port}"):
+        RolloutClient(hosts=["127.0.0.1"], ports=[port], timeout=1.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_dead_server_raises_after_bounded_retries():
+    port = _closed_port()
+    client = RolloutClient(hosts=["127.0.0.1"], ports=[port], timeout=10, backoff_s=0.05, wait=False)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=f"127.0.0.1:{port} did not answer .* after 4 attempt"):
+        client.infer_trajectories([_req("a", "r0")], RequestConfig(max_tokens=2))
+    assert time.monotonic() - t0 < 5  # 3 retries: 0.05 + 0.1 + 0.2 s of backoff
+    client.close()
+
+
+def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
+    monkeypatch.delenv("GRPOKIT_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="--host 0.0.0.0 .* --api_key"):
+        options_from_argv(["--model", "m", "--host", "0.0.0.0"])
+    assert options_from_argv(["--model", "m", "--host", "0.0.0.0", "--insecure"]).insecure
+    assert options_from_argv(["--model", "m", "--host", "0.0.0.0", "--api_key", "k"]).api_key == "k"
+    monkeypatch.setenv("GRPOKIT_API_KEY", "from-env")
+    assert options_from_argv(["--model", "m", "--host", "10.1.2.3"]).api_key == "from-env"
+    assert options_from_argv(["--model", "m", "--host", "::1"]).host == "::1"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "m", "--engine", "vllm"], "not implemented yet"),
+    (["--model", "m", "--max_turns", "3"], "--max_turns 3 needs --multi_turn_scheduler"),
+    (["--model", "m", "--gym_env", "e"], "needs --multi_turn_scheduler gym_scheduler"),
+    (["--model", "m", "--port", "70000"], "--port 70000"),
+    (["--model", "m", "--max_batch_requests", "0"], "--max_batch_requests 0"),
+    (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
+    ([], "--model"),
+])
+def test_rollout_option_errors_are_one_line(argv, words):
+    with pytest.raises(ConfigError, match=words.replace("-", r"\-")) as e:
+        options_from_argv(argv)
+    assert "\n" not in str(e.value)

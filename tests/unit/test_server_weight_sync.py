@@ -1,0 +1,157 @@
+"""Weight sync without HTTP: bucket planning, byte packing, and a real gloo group between two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
+from grpokit.errors import ServerError
+from grpokit.server.bodies import InitCommunicatorBody, UpdateWeightsBody
+from grpokit.server.weight_sender import WeightSender
+from grpokit.server.weight_sync import WeightReceiver, pack, plan_buckets, unpack
+
+torch.set_num_threads(1)
+
+
+def test_plan_buckets_aligns_and_splits():
+    # a: 3 float32 = 12 B at 0; b: 5 bf16 = 10 B at align16(12) = 16 -> bucket 1 is 26 B (<= 40)
+    # c: 4 float32 = 16 B would start at align16(26) = 32, end 48 > 40 -> bucket 2, offset 0
+    # d: 20 float32 = 80 B > 40 on its own: bucket 3 (a tensor larger than the limit travels alone)
+    specs = [("a", (3,), torch.float32), ("b", (5,), torch.bfloat16), ("c", (2, 2), torch.float32),
+             ("d", (20,), torch.float32)]
+    buckets = plan_buckets(specs, bucket_bytes=40)
+    assert [b.nbytes for b in buckets] == [26, 16, 80]
+    assert [(m.name, m.offset, m.nbytes) for m in buckets[0].tensors] == [("a", 0, 12), ("b", 16, 10)]
+    assert buckets[1].tensors[0].shape == [2, 2] and buckets[2].tensors[0].dtype == "float32"
+
+
+def test_pack_unpack_round_trip_mixed_dtypes():
+    tensors = {"w": torch.randn(3, 5), "h": torch.randn(7).to(torch.bfloat16), "s": torch.tensor(2.5),
+               "i": torch.arange(6, dtype=torch.int64).view(2, 3)}
+    (bucket,) = plan_buckets([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], bucket_bytes=1 << 20)
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for meta in bucket.tensors:
+        pack(buf, meta, tensors[meta.name])
+    for meta in bucket.tensors:
+        got = unpack(buf, meta)
+        assert got.dtype == tensors[meta.name].dtype and torch.equal(got, tensors[meta.name])
+
+
+def test_pack_casts_to_the_wire_dtype():
+    (bucket,) = plan_buckets([("w", (2,), torch.bfloat16)], bucket_bytes=64)
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack(buf, bucket.tensors[0], torch.tensor([1.0, 0.5]))  # float32 in, bf16 on the wire
+    assert unpack(buf, bucket.tensors[0]).tolist() == [1.0, 0.5]
+
+
+def test_plain_name_strips_peft_wrappers():
+    assert plain_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert plain_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    assert plain_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert plain_name("base_model.model.lm_head.original_module.weight") is None
+
+
+class _FakePeft(nn.Module):
+    """Has the peft surface iter_sync_weights uses: merge_adapter adds 1 to the base weight, unmerge removes it."""
+
+    peft_config = {"default": None}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = nn.Module()
+        self.base_model.model.proj = nn.Module()
+        self.base_model.model.proj.base_layer = nn.Linear(2, 2, bias=False)
+        self.base_model.model.proj.lora_A = nn.Linear(2, 1, bias=False)
+        self.base_model.model.proj.base_layer.weight.data = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # exact +-1
+        self.merged = 0
+
+    def merge_adapter(self):
+        self.merged += 1
+        self.base_model.model.proj.base_layer.weight.data += 1
+
+    def unmerge_adapter(self):
+        self.merged -= 1
+        self.base_model.model.proj.base_layer.weight.data -= 1
+
+
+def test_iter_sync_weights_merges_while_open_and_unmerges_after():
+    model = _FakePeft()
+    base = model.base_model.model.proj.base_layer.weight.detach().clone()
+    got = {name: t.clone() for name, t in iter_sync_weights(model)}
+    assert list(got) == ["proj.weight"]  # lora_A skipped, prefixes stripped
+    assert torch.equal(got["proj.weight"], base + 1) and model.merged == 0
+    assert torch.equal(model.base_model.model.proj.base_layer.weight, base)
+    gen = iter_sync_weights(model)
+    next(gen)
+    gen.close()  # closing early unmerges too
+    assert model.merged == 0
+
+
+def _tiny_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3, bias=False))
+
+
+def _loopback_post(receivers: list[WeightReceiver], targets: list[nn.Module]):
+    """The HTTP calls of WeightSender answered in process, the way the server's endpoints answer them."""
+
+    def post(i: int, path: str, body: dict, timeout: float):
+        rec, params = receivers[i], dict(targets[i].named_parameters())
+        if path == "/init_communicator/":
+            rec.open(InitCommunicatorBody(**body), torch.device("cpu"))
+            return {"ok": True}
+        if path == "/update_weights/":
+            upd = UpdateWeightsBody(**body)
+            if upd.dry_run:
+                return {"ok": True, "group": rec.group}
+            return {"loaded": rec.receive(upd, lambda named: [params[n].data.copy_(t) for n, t in named])}
+        if path == "/close_communicator/":
+            rec.close()
+            return {"ok": True}
+        raise AssertionError(path)
+
+    return post
+
+
+def test_sender_receiver_over_gloo_two_servers_several_buckets():
+    source, targets = _tiny_net(0), [_tiny_net(1), _tiny_net(2)]
+    receivers = [WeightReceiver(), WeightReceiver()]
+    sender = WeightSender([("127.0.0.1", 1), ("127.0.0.1", 2)], _loopback_post(receivers, targets),
+                          bucket_mb=1, timeout_s=20)
+    sender.bucket_bytes = 64  # force several buckets: 4x8 float32 = 128 B alone, then the rest
+    try:
+        for round_ in range(2):
+            with torch.no_grad():
+                for p in source.parameters():
+                    p.add_(0.1 * (round_ + 1))
+            assert sender.sync(source) == 3
+            for target in targets:
+                for (n, p), (_, q) in zip(source.named_parameters(), target.named_parameters()):
+                    assert torch.equal(p, q), n
+        first_group = sender.group
+        receivers[1].close()  # a server that lost its group (e.g. restarted): the next sync builds a new one
+        sender.sync(source)
+        assert sender.group != first_group and receivers[1].group == sender.group
+    finally:
+        sender.close()
+    assert all(not r.is_open for r in receivers)
+
+
+def test_sender_reports_a_refused_update_without_waiting_for_the_timeout():
+    source = _tiny_net(0)
+
+    def post(i, path, body, timeout):
+        raise ServerError("rollout server 127.0.0.1:9: refused POST /update_weights/: HTTP 422: no such parameter")
+
+    sender = WeightSender([("127.0.0.1", 9)], post, bucket_mb=1, timeout_s=30)
+    with pytest.raises(ServerError, match="127.0.0.1:9"):
+        sender.sync(source)
+
+
+def test_named_sync_tensors_plain_model_keeps_names():
+    net = _tiny_net(0)
+    assert [n for n, _ in named_sync_tensors(net)] == ["0.weight", "0.bias", "2.weight"]
