@@ -195,6 +195,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--temperature 0: greedy sampling gives every completion of a group the same reward and "
                           "no learning signal; use a temperature > 0 (e.g. 1.0)")
     gym = r.multi_turn_scheduler == "gym_scheduler"
+    if r.vllm_mode == "server" and (r.multi_turn_scheduler or r.gym_env or r.max_turns):
+        raise ConfigError("in server mode the rollout server runs the trajectories: pass --multi_turn_scheduler, "
+                          "--max_turns and --gym_env to `grpokit rollout`, not to `grpokit train`")
     if r.multi_turn_scheduler is None and (r.gym_env or r.loss_scale != "default" or r.max_turns):
         raise ConfigError("--gym_env, --loss_scale and --max_turns act on multi-turn rollouts; add "
                           "--multi_turn_scheduler NAME (e.g. gym_scheduler, thinking_tips_scheduler)")

@@ -356,6 +356,10 @@ class RemoteScheduler(RolloutScheduler):
     def __init__(self, client: RolloutClient, **kwargs) -> None:
         super().__init__(infer_engine=client, **kwargs)
 
+    @property
+    def uses_env_reward(self) -> bool:  # the server's scheduler decides (e.g. gym_scheduler)
+        return bool(self.infer_engine.engine_info().get("uses_env_reward", False))
+
     async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
                   **kwargs) -> list[RolloutOutput]:
         return await self.infer_engine.infer_trajectories_async([infer_request], request_config)

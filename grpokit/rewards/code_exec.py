@@ -139,5 +139,10 @@ class CodeExecReward(ORM):
         self.last_failures = {k: total.get(k, 0) for k in FAILURE_KINDS}
         return scores
 
+    @property
+    def last_metrics(self) -> dict[str, int]:
+        """Logged by the trainer as rewards/code_exec/sandbox_<kind> each step."""
+        return {f"sandbox_{k}": v for k, v in self.last_failures.items()}
+
 
 orms["code_exec"] = CodeExecReward

@@ -79,6 +79,7 @@ class ServerState:
             "multi_turn_scheduler": o.multi_turn_scheduler,
             "max_turns": o.max_turns,
             "use_gym_env": bool(o.gym_env),
+            "uses_env_reward": bool(getattr(self.scheduler, "uses_env_reward", False)),
             "gym_env": o.gym_env,
             "completion_length_limit_scope": getattr(self.scheduler, "completion_length_limit_scope", None),
             "loss_scale": getattr(self.scheduler, "loss_scale", None),

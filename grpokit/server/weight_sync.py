@@ -127,7 +127,7 @@ class Communicator:
                 pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
         except Exception as e:  # noqa: BLE001 - c10d raises several types; all mean the rendezvous failed
             raise ServerError(f"weight sync: rendezvous of {world_size} ranks ({backend}) through the store at "
-                              f"{where} failed after {timeout_s:.0f}s as rank {rank}: {_first_line(e)}") from e
+                              f"{where} failed after {timeout_s:g}s as rank {rank}: {_first_line(e)}") from e
         return cls(store, pg, rank, world_size, backend, device, where)
 
     def broadcast(self, buf_B: torch.Tensor) -> None:

@@ -65,6 +65,8 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
     # ------------------------------------------------------------------------------------------------------
     def train(self) -> TrainerState:
         self._maybe_resume()
+        if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
+            self._sync_weights()
         self._call("on_train_begin")
         bar = self._progress_bar()
         while self.state.global_step < self.state.max_steps:

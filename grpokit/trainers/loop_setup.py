@@ -31,7 +31,10 @@ class LoopSetupMixin:
 
         t, m = self.args, self.cfg.model
         report = [r for r in t.report_to if r != "none"]
-        mixed = "bf16" if (m.torch_dtype == "bfloat16" and next(model.parameters()).dtype == torch.float32) else "no"
+        from grpokit.pipeline.models import resolve_dtype_name
+
+        wants_bf16 = resolve_dtype_name(m.torch_dtype) == "bfloat16"
+        mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
         self.accelerator = Accelerator(
             gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=t.use_cpu, mixed_precision=mixed,
             log_with=report or None, project_dir=t.output_dir, **self._plugin_kwargs())
@@ -208,6 +211,7 @@ class LoopSetupMixin:
                 extra["completions"] = str(self.output_dir / "completions.jsonl")
             print(summary_text([r for r in rows if "loss" in r], self.output_dir, extra), flush=True)
         self._call("on_train_end")
+        self.engine.close()
         if self.reward_runner is not None:
             self.reward_runner.close()
         self.accelerator.end_training()

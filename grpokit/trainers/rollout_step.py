@@ -222,6 +222,9 @@ class RolloutStepMixin:
         m["completions/min_length"] = float(all_len.min())
         m["completions/clipped_ratio"] = float(trunc.mean())
         m.update(getattr(self, "_dynamic_stats", {}))
+        for name, func in zip(self.reward_names, self.reward_runner.funcs if self.reward_runner else []):
+            for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures
+                m[f"rewards/{name}/{key}"] = float(value)
         self._window_metrics = m
         zero = m.get("frac_reward_zero_std", 0.0)
         if zero > 0.8 and not self._warned_no_signal:

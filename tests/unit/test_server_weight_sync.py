@@ -155,3 +155,19 @@ def test_sender_reports_a_refused_update_without_waiting_for_the_timeout():
 def test_named_sync_tensors_plain_model_keeps_names():
     net = _tiny_net(0)
     assert [n for n, _ in named_sync_tensors(net)] == ["0.weight", "0.bias", "2.weight"]
+
+
+def test_failed_rendezvous_names_the_store_within_its_timeout():
+    import socket
+    import time
+
+    from grpokit.server.weight_sync import Communicator
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=f"store at 127.0.0.1:{port} failed after 0.5s as rank 1"):
+        Communicator.create(store_host="127.0.0.1", store_port=port, rank=1, world_size=2, backend="gloo",
+                            group="g", timeout_s=0.5, local_host="127.0.0.1")
+    assert time.monotonic() - t0 < 10
