@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from grpokit.engines.base import InferEngine
+from grpokit.engines.structured import StructuredOutputs
 from grpokit.rollout.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -26,7 +27,9 @@ class TransformersEngine(InferEngine):
         self.tokenizer = template.tokenizer
         self.max_batch_size = max_batch_size
         self._unwrap = unwrap or (lambda m: m)  # e.g. accelerator.unwrap_model
-        self.logits_processor_factory = None  # set by structured outputs (see engines/structured.py)
+        # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
+        self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
+                                                          template.pad_token_id)
 
     # ------------------------------------------------------------------------------------------------------
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:

@@ -1,11 +1,73 @@
-"""Map --deepspeed / --fsdp onto accelerate's own plugins (no home-made parallelism)."""
+"""Many processes: map --deepspeed / --fsdp onto accelerate's own plugins, refuse what cannot work, and the few
+collectives the loop needs (metrics averaged over ranks, objects gathered, a full state dict for saving).
+
+No home-made parallelism: DDP, FSDP2 and DeepSpeed are accelerate's. What each rank does is in docs/distributed.md.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from grpokit.errors import ConfigError
+
+_SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
+                 "rollouts on a `grpokit rollout` server (--vllm_mode server, see docs/distributed.md)")
+
+
+def deepspeed_stage(spec: str) -> int:
+    """The ZeRO stage of ``--deepspeed zero2|zero3|file.json``."""
+    if spec in ("zero2", "zero3"):
+        return int(spec[-1])
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--deepspeed {spec}: use zero2, zero3 or the path of a DeepSpeed JSON file")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--deepspeed {spec}: not valid JSON ({e})") from e
+    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
+    if not isinstance(stage, int):
+        raise ConfigError(f"--deepspeed {spec}: zero_optimization.stage must be an integer 0-3, got {stage!r}")
+    return stage
+
+
+def deepspeed_plugin(args):
+    """accelerate's ``DeepSpeedPlugin`` for ``args.deepspeed``; "auto" batch/accumulation/clipping values are
+    filled from the training options (accelerate cannot infer the micro-batch: the loop has no DataLoader)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    stage = deepspeed_stage(args.deepspeed)
+    if stage == 3:
+        raise ConfigError(f"--deepspeed {args.deepspeed}: ZeRO-3 partitions the parameters and grpokit does not "
+                          "gather them for generation or weight sync; use --deepspeed zero2, or --fsdp with "
+                          "--vllm_mode server")
+    clip = args.max_grad_norm if args.max_grad_norm > 0 else None
+    if args.deepspeed in ("zero2", "zero3"):
+        plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                 gradient_clipping=clip, zero3_init_flag=False)
+    else:
+        plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed,
+                                 gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                 gradient_clipping=clip)
+    ds = plugin.deepspeed_config
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+    if ds.get("gradient_accumulation_steps") not in ("auto", args.gradient_accumulation_steps):
+        raise ConfigError(f"--deepspeed {args.deepspeed}: gradient_accumulation_steps "
+                          f"{ds['gradient_accumulation_steps']} in the file differs from --gradient_accumulation_steps "
+                          f"{args.gradient_accumulation_steps}; set it to \"auto\" in the file")
+    return plugin
+
+
+def fsdp_plugin():
+    """accelerate's FSDP2 plugin, sharding each decoder layer (the model's ``_no_split_modules``)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          reshard_after_forward=True)
 
 
 def accelerate_plugins(args) -> dict:
@@ -13,23 +75,79 @@ def accelerate_plugins(args) -> dict:
     if args.deepspeed and args.fsdp:
         raise ConfigError("--deepspeed and --fsdp both set: choose one")
     if args.deepspeed:
+        plugin = deepspeed_plugin(args)  # a bad spec or ZeRO-3 is reported before the missing package
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
-                              "(pip install deepspeed)")
-        from accelerate.utils import DeepSpeedPlugin
-
-        if args.deepspeed in ("zero2", "zero3"):
-            plugin = DeepSpeedPlugin(zero_stage=int(args.deepspeed[-1]),
-                                     gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                     gradient_clipping=args.max_grad_norm or None,
-                                     zero3_init_flag=False)
-        elif Path(args.deepspeed).is_file():
-            plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed)
-        else:
-            raise ConfigError(f"--deepspeed {args.deepspeed}: use zero2, zero3 or a DeepSpeed JSON file path")
+                              "(pip install deepspeed), or drop --deepspeed to train with plain DDP")
         return {"deepspeed_plugin": plugin}
     if args.fsdp:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        return {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}
+        return {"fsdp_plugin": fsdp_plugin()}
     return {}
+
+
+def check_backend(accelerator, args) -> None:
+    """Refuse a --deepspeed/--fsdp that accelerate quietly dropped (it runs them only on GPUs), and ZeRO-3 that
+    came from an `accelerate config` file rather than from the flag."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    where = f"{accelerator.num_processes} process(es) on {accelerator.device.type}"
+    if args.fsdp and kind != DistributedType.FSDP:
+        raise ConfigError(f"--fsdp: accelerate runs FSDP only across 2 or more GPU processes, here {where}; "
+                          "launch with torchrun/accelerate launch on GPUs, or drop --fsdp (plain DDP)")
+    if args.deepspeed and kind != DistributedType.DEEPSPEED:
+        raise ConfigError(f"--deepspeed {args.deepspeed}: accelerate runs DeepSpeed only on GPUs, here {where}; "
+                          "drop --deepspeed (plain DDP) on CPU")
+    if kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit does not gather partitioned "
+                          "parameters for generation or weight sync; use ZeRO-2 or FSDP with --vllm_mode server")
+
+
+def shards_parameters(accelerator) -> bool:
+    """True when each rank holds only a shard of the weights (FSDP, DeepSpeed ZeRO-3)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return True
+    return (accelerator.distributed_type == DistributedType.DEEPSPEED
+            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
+def check_engine(accelerator, engine) -> None:
+    """The in-process transformers engine generates with the live weights: they must be whole on each rank."""
+    if shards_parameters(accelerator) and getattr(engine, "engine_type", "") == "transformers":
+        raise ConfigError(f"{accelerator.distributed_type.value} shards the parameters, but the in-process "
+                          f"transformers engine generates with the live (sharded) weights; {_SHARDED_HINT}")
+
+
+def full_state_dict(accelerator, model) -> dict | None:
+    """The whole state dict for ``save_pretrained`` when parameters are sharded (a collective: call on every
+    rank), else None (save the unwrapped model as it is)."""
+    if not shards_parameters(accelerator):
+        return None
+    return accelerator.get_state_dict(model)
+
+
+def gather_objects(accelerator, items: list) -> list:
+    """Concatenate a picklable list over processes, in rank order (every rank gets the whole list)."""
+    if accelerator.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return gather_object(list(items))
+
+
+def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric averaged over the ranks that report it (a rank's value is already its micro-step mean)."""
+    if accelerator.num_processes == 1:
+        return metrics
+    per_rank: list[dict[str, Any]] = gather_objects(accelerator, [metrics])
+    keys = list(dict.fromkeys(k for m in per_rank for k in m))
+    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in keys}
+
+
+def scalar(x) -> float:
+    """A Python float from a number, tensor or (replicated) DTensor."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x)

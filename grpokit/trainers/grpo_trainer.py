@@ -27,6 +27,7 @@ from grpokit.algorithms import (
 from grpokit.config.args import TrainConfig
 from grpokit.config.parse import batch_plan, loss_config
 from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.loop_setup import LoopSetupMixin
 from grpokit.trainers.rollout_step import RolloutStepMixin
 
@@ -99,7 +100,8 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
             self.accelerator.backward(loss)
             if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:
                 grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
-                metrics["grad_norm"] = float(grad_norm)
+                if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
+                    metrics["grad_norm"] = scalar(grad_norm)
             self.optimizer.step()
             if self.accelerator.sync_gradients:
                 self.lr_scheduler.step()
@@ -194,7 +196,8 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         self._refresh_ref_model()
         step = self.state.global_step
         if step % self.args.logging_steps == 0 or step == self.state.max_steps:
-            logs = {**self._window_metrics, **self._step_metrics.pop(), **self._timing_metrics()}
+            step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
+            logs = {**self._window_metrics, **step_metrics, **self._timing_metrics()}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs

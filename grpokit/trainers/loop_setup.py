@@ -15,6 +15,7 @@ from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
+from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, full_state_dict
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.outputs import JsonlLog, MetricsAccumulator, plot_curves, summary_text
 
@@ -37,8 +38,12 @@ class LoopSetupMixin:
         mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
         self.accelerator = Accelerator(
             gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=t.use_cpu, mixed_precision=mixed,
-            log_with=report or None, project_dir=t.output_dir, **self._plugin_kwargs())
-        set_seed(t.seed, device_specific=False)
+            log_with=report or None, project_dir=t.output_dir, **self._plugin_kwargs(),
+            # the loop steps the scheduler once per optimizer step; accelerate would otherwise step it once per
+            # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
+            step_scheduler_with_optimizer=False)
+        check_backend(self.accelerator, t)
+        set_seed(t.seed, device_specific=True)  # seed + rank: ranks sample different completions
         if self.plan.prompts_per_rollout % self.accelerator.num_processes:
             raise ConfigError(
                 f"{self.plan.prompts_per_rollout} prompts per rollout cannot be split over "
@@ -63,8 +68,6 @@ class LoopSetupMixin:
         self.template = ChatTemplate(self.tokenizer)
 
     def _plugin_kwargs(self) -> dict:
-        from grpokit.trainers.distributed import accelerate_plugins
-
         return accelerate_plugins(self.args)
 
     @staticmethod
@@ -80,6 +83,7 @@ class LoopSetupMixin:
 
     def _setup_rollout(self, scheduler, engine) -> None:
         self.engine = engine or TransformersEngine(self.model, self.template, unwrap=self.accelerator.unwrap_model)
+        check_engine(self.accelerator, self.engine)
         self.scheduler = scheduler or RolloutScheduler(self.engine)
         if self.scheduler.infer_engine is None:
             self.scheduler.infer_engine = self.engine
@@ -137,8 +141,10 @@ class LoopSetupMixin:
         ckpt = self.output_dir / f"checkpoint-{step}"
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(ckpt / "state"))
+        state_dict = full_state_dict(self.accelerator, self.model)  # a collective when weights are sharded
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(ckpt, safe_serialization=True)
+            self.accelerator.unwrap_model(self.model).save_pretrained(ckpt, state_dict=state_dict,
+                                                                      safe_serialization=True)
             self.tokenizer.save_pretrained(ckpt)
             loop = {"global_step": step, "prompts_consumed": self.state.prompts_consumed,
                     "max_steps": self.state.max_steps, "python_random": repr(random.getstate()[1][:3])}
@@ -196,10 +202,12 @@ class LoopSetupMixin:
         self.accelerator.wait_for_everyone()
         final_ckpt = self._save_checkpoint()
         extra = {"logs": str(self.output_dir / "logging.jsonl"), "last checkpoint": str(final_ckpt)}
+        state_dict = full_state_dict(self.accelerator, self.model) if self.args.save_final_model else None
         if self.accelerator.is_main_process:
             if self.args.save_final_model:
                 final = self.output_dir / "final_model"
-                self.accelerator.unwrap_model(self.model).save_pretrained(final, safe_serialization=True)
+                self.accelerator.unwrap_model(self.model).save_pretrained(final, state_dict=state_dict,
+                                                                          safe_serialization=True)
                 self.tokenizer.save_pretrained(final)
                 extra["final model"] = str(final)
             rows = self._log_file.rows()

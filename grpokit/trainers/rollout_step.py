@@ -15,6 +15,7 @@ from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
+from grpokit.trainers.distributed import gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,19 @@ class RolloutStepMixin:
         return scores
 
     def _dynamic_sampling(self, requests, outputs, rewards_per_func):
-        """DAPO: replace groups whose rewards are all equal by fresh ones, up to max_resample_times rounds."""
+        """DAPO: replace groups whose rewards are all equal by fresh ones, up to max_resample_times rounds.
+
+        With many processes every round is gathered, so all ranks pick the same groups from the global batch (as
+        one process would) and stay in step on the prompt stream; each rank then keeps its slice."""
         a = self.cfg.algorithm
-        target = len(outputs)
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        target = len(outputs) * world
         keep_r, keep_o, keep_s, spare = [], [], [], []
         rounds = 0
         while True:
+            if world > 1:
+                requests, outputs = (gather_objects(self.accelerator, x) for x in (requests, outputs))
+                rewards_per_func = self._gather_rows(rewards_per_func)
             rewards = torch.nansum(rewards_per_func * self._weights, dim=1)
             gids = torch.tensor([int(o.prompt_id) for o in outputs])
             signal = groups_with_signal(rewards, gids)
@@ -141,6 +149,8 @@ class RolloutStepMixin:
         self._dynamic_stats = {"dynamic_sampling/rounds": rounds,
                                "dynamic_sampling/groups_without_signal": sum(1 for x in chosen[len(keep_s):]) / max(
                                    1, self.cfg.rollout.num_generations)}
+        share = target // world  # whole groups: target and every group-ordered block are multiples of G
+        chosen = chosen[rank * share:(rank + 1) * share]
         keep_r = [c[0] for c in chosen]
         keep_o = [c[1] for c in chosen]
         return keep_r, keep_o, torch.stack([c[2] for c in chosen])
@@ -227,12 +237,13 @@ class RolloutStepMixin:
                 m[f"rewards/{name}/{key}"] = float(value)
         self._window_metrics = m
         zero = m.get("frac_reward_zero_std", 0.0)
-        if zero > 0.8 and not self._warned_no_signal:
+        if zero > 0.8 and not self._warned_no_signal and self.accelerator.is_main_process:
             logger.warning("%.0f%% of groups have all-equal rewards and give no learning signal; consider more "
                            "num_generations, a higher temperature, an easier task or a denser reward", 100 * zero)
             self._warned_no_signal = True
-        if self.args.log_completions and self.accelerator.is_main_process:
+        if self.args.log_completions:  # every rank builds its rows, the main process writes all of them
             by_id = {r.request_id: r for r in requests}
+            rows = []
             for i, o in enumerate(outputs):
                 row = {"step": self.state.global_step + 1,
                        "prompt": by_id[o.request_id].messages[-1]["content"],
@@ -241,6 +252,8 @@ class RolloutStepMixin:
                        **{n: _num(rewards_per_func[i, j]) for j, n in enumerate(self.reward_names)}}
                 if len(o.messages) > len(by_id[o.request_id].messages) + 1:
                     row["messages"] = o.messages
+                rows.append(row)
+            for row in gather_objects(self.accelerator, rows):  # a collective; writes only on the main process
                 self._completions_file.write(row)
 
     # -- helpers ---------------------------------------------------------------------------------------------
