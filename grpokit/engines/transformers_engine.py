@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from grpokit.engines.base import InferEngine
+from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.rollout.protocol import (
     ChatCompletionResponse,
@@ -27,6 +28,7 @@ class TransformersEngine(InferEngine):
         self.tokenizer = template.tokenizer
         self.max_batch_size = max_batch_size
         self._unwrap = unwrap or (lambda m: m)  # e.g. accelerator.unwrap_model
+        self.share_prompts = True  # prefill each distinct prompt once (engines/prefix.py)
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
         self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
                                                           template.pad_token_id)
@@ -87,7 +89,11 @@ class TransformersEngine(InferEngine):
         model.eval()
         try:
             with _no_gradient_checkpointing(model):
-                gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+                ids, att = input_ids.to(device), attention.to(device)
+                cache = prefill_shared_prompts(model, ids, att) if self.share_prompts else None
+                if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on
+                    kwargs[cache_kwarg(model)] = cache
+                gen = model.generate(input_ids=ids, attention_mask=att, **kwargs)
         finally:
             model.train(was_training)
         new = gen.sequences[:, width:].cpu()

@@ -29,6 +29,7 @@ from grpokit.config.parse import batch_plan, loss_config
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.loop_setup import LoopSetupMixin
+from grpokit.engines.prefix import completion_logits
 from grpokit.trainers.rollout_step import RolloutStepMixin
 
 logger = logging.getLogger(__name__)
@@ -117,15 +118,15 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
         """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs."""
         return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
-                "position_ids": inputs.position_ids, "use_cache": False}
+                "position_ids": inputs.position_ids}
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
         """The one entry for old, ref and current logps: forward, keep completion logits, divide by the sampling
         temperature, gather the sampled tokens' logprobs. Returns ([B, C] logps, [B, C] entropies or None)."""
         c = inputs.logits_to_keep
         kwargs = self._prepare_model_inputs(inputs)
-        logits = model(**kwargs, logits_to_keep=c + 1).logits[:, :-1, :]  # [B, C, V] predicts completion tokens
-        logits = logits.float() / self.cfg.rollout.temperature
+        logits = completion_logits(model, logits_to_keep=c, share_prompts=self._share_prompts(model), **kwargs)
+        logits = logits.float() / self.cfg.rollout.temperature  # [B, C, V] predicts the completion tokens
         targets = inputs.input_ids[:, -c:]
         logps = selective_log_softmax(logits, targets)
         entropies = None
@@ -133,6 +134,14 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
             with torch.no_grad():
                 entropies = entropy_from_logits(logits)
         return logps, entropies
+
+    def _share_prompts(self, model) -> bool:
+        """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
+        DDP/FSDP/DeepSpeed wrappers (their hooks expect one forward per backward) or gradient checkpointing."""
+        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp:
+            return False
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return not getattr(base, "is_activation_checkpointing", False)
 
     @torch.no_grad()
     def _batched_logps(self, model, batch: RolloutBatch) -> torch.Tensor:

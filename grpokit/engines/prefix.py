@@ -1,0 +1,74 @@
+"""Completion logits with each distinct prompt computed once.
+
+The ``num_generations`` completions of a group share their prompt, and prompts are often longer than the
+completions (system prompt, instructions). The plain forward recomputes the prompt once per completion. Here the
+distinct prompts of a batch run once (with gradient), their KV cache is indexed out to every row, and only the
+completion tokens run per row. Autograd flows through the cache, so values and gradients equal the plain forward's
+(up to floating-point summation order) — a test checks both.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _first_occurrence(inverse: torch.Tensor, n_unique: int) -> torch.Tensor:
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((n_unique,), inverse.numel(), dtype=torch.long, device=inverse.device)
+    return first.scatter_reduce(0, inverse, rows, reduce="amin")
+
+
+def shared_prompts(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each distinct prompt [U], row → distinct prompt [B]) when sharing saves work, else None."""
+    prompt_len = input_ids.shape[1] - logits_to_keep
+    if prompt_len <= 0:
+        return None
+    uniq, inverse = torch.unique(input_ids[:, :prompt_len], dim=0, return_inverse=True)
+    if 2 * len(uniq) > input_ids.shape[0]:  # fewer than two rows per prompt on average: not worth it
+        return None
+    return _first_occurrence(inverse, len(uniq)), inverse
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      logits_to_keep: int, share_prompts: bool = True, **model_kwargs) -> torch.Tensor:
+    """Logits [B, C, V] at the positions that predict the last C = ``logits_to_keep`` tokens."""
+    c = logits_to_keep
+    plan = shared_prompts(input_ids, c) if share_prompts else None
+    if plan is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=c + 1, use_cache=False, **model_kwargs)
+        return out.logits[:, :-1, :]
+    first, inverse = plan
+    cache_kw = cache_kwarg(model)
+    p = input_ids.shape[1] - c
+    head = model(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p],
+                 position_ids=position_ids[first, :p], use_cache=True, logits_to_keep=1, **model_kwargs)
+    cache = head.past_key_values
+    cache.batch_select_indices(inverse)  # every row gets its prompt's keys/values (differentiable indexing)
+    tail = model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=position_ids[:, p:],
+                 use_cache=True, logits_to_keep=c, **{cache_kw: cache}, **model_kwargs)
+    return torch.cat([head.logits[inverse], tail.logits[:, :-1, :]], dim=1)
+
+
+def prefill_shared_prompts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """For generation: a KV cache of every row's prompt but its last token, each distinct prompt computed once
+    (None when prompts are mostly distinct). ``generate(..., cache=it)`` then starts from the last token."""
+    plan = shared_prompts(input_ids, 1)
+    if plan is None:
+        return None
+    first, inverse = plan
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1],
+                position_ids=position_ids[first, :-1], use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(inverse)
+    return cache
+
+
+def cache_kwarg(model) -> str:
+    """transformers ≥ 5.2x names the cache argument ``cache``; older versions ``past_key_values``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
