@@ -13,15 +13,15 @@ Loading is ``--external_plugins``' job: this file is imported as the top-level m
 on ``sys.path`` (so the sibling ``countdown_check.py`` imports as ``countdown_check``), before anything is looked
 up. What it registers:
 
-| registry                          | name                | what                                                 |
-|-----------------------------------|---------------------|------------------------------------------------------|
-| ``orms``                          | ``countdown``       | 1 when the equation uses each number once and hits the target |
-| ``orms``                          | ``countdown_judge`` | async judge: partial credit for closeness to the target |
-| ``multi_turns``                   | ``countdown_retry`` | a wrong answer gets the checker's verdict and another try |
-| ``envs``                          | ``countdown``       | the same game as a gym env (``--multi_turn_scheduler gym_scheduler --gym_env countdown``) |
-| ``TrainerFactory.TRAINER_MAPPING``| ``grpo``            | ``plugin.CountdownTrainer``: logs how advantages spread over tokens |
-| ``optimizers_map``                | ``lion``            | Lion (sign of interpolated momentum, arXiv:2302.06675) |
-| ``callbacks_map``                 | ``reward_summary``  | writes ``reward_summary.json`` (the reward curve, best step) |
+| registry          | name              | what                                                              |
+|-------------------|-------------------|-------------------------------------------------------------------|
+| orms              | countdown         | 1 when the equation uses each number once and hits the target     |
+| orms              | countdown_judge   | async judge: partial credit for getting close to the target       |
+| multi_turns       | countdown_retry   | a wrong answer gets the checker's verdict and another try         |
+| envs              | countdown         | the same game as a gym env (gym_scheduler --gym_env countdown)    |
+| TRAINER_MAPPING   | grpo              | plugin.CountdownTrainer: logs how advantages spread over tokens   |
+| optimizers_map    | lion              | Lion: the sign of interpolated momentum (arXiv:2302.06675)        |
+| callbacks_map     | reward_summary    | writes output_dir/reward_summary.json (reward curve, best step)   |
 
 docs/plugins.md explains every extension point.
 """

@@ -117,11 +117,12 @@ class BatchPlan:
         return self.micro_steps_per_window // self.gradient_accumulation_steps
 
     def describe(self) -> str:
-        w = f" × {self.world_size} processes" if self.world_size > 1 else ""
+        w = f" over {self.world_size} processes" if self.world_size > 1 else ""
+        micro = "micro-step" if self.steps_per_generation == 1 else "micro-steps"
         return (
             f"batch plan: {self.prompts_per_rollout} prompts × {self.num_generations} generations = "
             f"{self.generation_batch_size} completions per rollout{w}; "
-            f"{self.steps_per_generation} micro-steps of {self.per_device_train_batch_size} per process"
+            f"{self.steps_per_generation} {micro} of {self.per_device_train_batch_size} per process"
             f"{f' × {self.num_iterations} iterations' if self.num_iterations > 1 else ''}; "
             f"{self.optimizer_steps_per_window} optimizer step(s) per rollout "
             f"(gradient_accumulation_steps={self.gradient_accumulation_steps})"

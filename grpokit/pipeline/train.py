@@ -23,12 +23,45 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
     check_reward_columns(funcs, names, columns)
     plugins = cfg.reward.reward_model_plugin or ["default"] * len(cfg.reward.reward_model)
     for path, plugin_name in zip(cfg.reward.reward_model, plugins, strict=True):
-        rm, rm_tok = load_reward_model(path, cfg.model.torch_dtype)
-        plugin = rm_plugins.get_or_raise(plugin_name)(rm, rm_tok)
+        plugin_cls = rm_plugins.get_or_raise(plugin_name)
+        if plugin_name == "genrm":  # a generative judge: a causal LM behind its own engine
+            plugin = plugin_cls(_judge_engine(path, cfg.model.torch_dtype), None)
+        else:
+            rm, rm_tok = load_reward_model(path, cfg.model.torch_dtype)
+            plugin = plugin_cls(rm, rm_tok)
         name = f"rm_{os.path.basename(os.path.normpath(path))}"
         funcs.append(RewardModelReward(plugin, name))
         names.append(name)
     return funcs, names
+
+
+def _judge_engine(path: str, dtype_name: str):
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.pipeline.models import load_causal_lm, load_tokenizer, torch_dtype
+    from grpokit.template.encode import ChatTemplate
+
+    model = load_causal_lm(path, torch_dtype(dtype_name, for_training_weights=False))
+    model.requires_grad_(False).eval()
+    return TransformersEngine(model, ChatTemplate(load_tokenizer(path)))
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Registry names that plugins may add, checked right after the plugins load (before any model loads)."""
+    from grpokit.rewards.rm_plugin import rm_plugins
+    from grpokit.trainers.callbacks import callbacks_map
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.optimizers import optimizers_map
+
+    optimizers_map.get_or_raise(cfg.training.optimizer)
+    for name in cfg.training.callbacks:
+        callbacks_map.get_or_raise(name)
+    for name in cfg.reward.reward_model_plugin:
+        rm_plugins.get_or_raise(name)
+    if cfg.rollout.multi_turn_scheduler and cfg.rollout.vllm_mode != "server":
+        from grpokit.rollout.multi_turn import multi_turns
+
+        multi_turns.get_or_raise(cfg.rollout.multi_turn_scheduler)
+    TrainerFactory.get_trainer_cls("grpo")
 
 
 def build_scheduler(cfg: TrainConfig, tokenizer):
@@ -46,11 +79,21 @@ def build_engine(cfg: TrainConfig):
         from grpokit.engines.client import RolloutClient
 
         return RolloutClient.from_args(r)
-    if r.use_vllm:
+    if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
+        from grpokit.engines.vllm_engine import VllmEngine
         from grpokit.errors import ConfigError
+        from grpokit.pipeline.models import resolve_model_path
 
-        raise ConfigError("--use_vllm true --vllm_mode colocate: the in-process vLLM engine is not implemented yet; "
-                          "use the default transformers engine (omit --use_vllm)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("--use_vllm true --vllm_mode colocate with several training processes is not "
+                              "implemented; run one process, or serve rollouts with `grpokit rollout --engine vllm` "
+                              "and train with --vllm_mode server")
+        if r.sleep_level == 2 and cfg.training.eval_steps:
+            raise ConfigError(f"--sleep_level 2 with --eval_steps {cfg.training.eval_steps}: evaluation runs between "
+                              "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
+                              "use --sleep_level 1")
+        return VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
+                                            seed=cfg.training.seed)
     return None
 
 
@@ -62,6 +105,7 @@ def run_train(cfg: TrainConfig):
     from grpokit.trainers.factory import TrainerFactory
 
     load_plugins(cfg.reward.external_plugins)  # before any registry lookup
+    check_names(cfg)
     plan = batch_plan(cfg)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     log(plan.describe(), flush=True)

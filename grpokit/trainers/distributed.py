@@ -52,14 +52,18 @@ def deepspeed_plugin(args):
         plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
                                  gradient_clipping=clip)
-    ds = plugin.deepspeed_config
+    _fill_deepspeed_config(plugin.deepspeed_config, args, f"--deepspeed {args.deepspeed}")
+    return plugin
+
+
+def _fill_deepspeed_config(ds: dict, args, source: str) -> None:
+    """Set the micro-batch size accelerate cannot infer; refuse an accumulation that disagrees with the loop's."""
     if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         ds["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-    if ds.get("gradient_accumulation_steps") not in ("auto", args.gradient_accumulation_steps):
-        raise ConfigError(f"--deepspeed {args.deepspeed}: gradient_accumulation_steps "
-                          f"{ds['gradient_accumulation_steps']} in the file differs from --gradient_accumulation_steps "
-                          f"{args.gradient_accumulation_steps}; set it to \"auto\" in the file")
-    return plugin
+    if ds.get("gradient_accumulation_steps", "auto") not in ("auto", args.gradient_accumulation_steps):
+        raise ConfigError(f"{source}: gradient_accumulation_steps {ds['gradient_accumulation_steps']} in the file "
+                          f"differs from --gradient_accumulation_steps {args.gradient_accumulation_steps}; set it "
+                          "to \"auto\" in the file")
 
 
 def fsdp_plugin():
@@ -86,8 +90,8 @@ def accelerate_plugins(args) -> dict:
 
 
 def check_backend(accelerator, args) -> None:
-    """Refuse a --deepspeed/--fsdp that accelerate quietly dropped (it runs them only on GPUs), and ZeRO-3 that
-    came from an `accelerate config` file rather than from the flag."""
+    """Refuse a --deepspeed/--fsdp that accelerate quietly dropped (it runs them only on GPUs); a DeepSpeed set-up
+    from an `accelerate config` file gets the same ZeRO-3 refusal and micro-batch size as the flag's."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
@@ -98,9 +102,12 @@ def check_backend(accelerator, args) -> None:
     if args.deepspeed and kind != DistributedType.DEEPSPEED:
         raise ConfigError(f"--deepspeed {args.deepspeed}: accelerate runs DeepSpeed only on GPUs, here {where}; "
                           "drop --deepspeed (plain DDP) on CPU")
-    if kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit does not gather partitioned "
-                          "parameters for generation or weight sync; use ZeRO-2 or FSDP with --vllm_mode server")
+    if kind == DistributedType.DEEPSPEED and not args.deepspeed:
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin.zero_stage == 3:
+            raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit does not gather partitioned "
+                              "parameters for generation or weight sync; use ZeRO-2, or FSDP with --vllm_mode server")
+        _fill_deepspeed_config(plugin.deepspeed_config, args, "the accelerate config's DeepSpeed settings")
 
 
 def shards_parameters(accelerator) -> bool:

@@ -71,25 +71,33 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
             self._sync_weights()
         self._call("on_train_begin")
         bar = self._progress_bar()
-        while self.state.global_step < self.state.max_steps:
-            prompts = self._next_prompts()
-            micro_batches = self._prepare_inputs(prompts)  # rollout → rewards → advantages → logps, split
-            changed = False
-            for _ in range(self.cfg.algorithm.num_iterations):
-                for micro in micro_batches:
-                    self.training_step(self.model, micro)
-                    if self.accelerator.sync_gradients:
-                        changed = True
-                        self._on_optimizer_step(bar)
-                    if self.state.global_step >= self.state.max_steps:
-                        break
-                if self.state.global_step >= self.state.max_steps:
-                    break
-            if changed:
-                self._sync_weights()
-        bar.close()
+        try:
+            while self.state.global_step < self.state.max_steps:
+                prompts = self._next_prompts()
+                micro_batches = self._prepare_inputs(prompts)  # rollout → rewards → advantages → logps, split
+                self.state.windows += 1
+                if self._train_on_window(micro_batches, bar):
+                    self._sync_weights()
+        except BaseException:
+            bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
+            raise
+        finally:
+            bar.close()
         self._finish()
         return self.state
+
+    def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
+        """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights."""
+        changed = False
+        for _ in range(self.cfg.algorithm.num_iterations):
+            for micro in micro_batches:
+                self.training_step(self.model, micro)
+                if self.accelerator.sync_gradients:
+                    changed = True
+                    self._on_optimizer_step(bar)
+                if self.state.global_step >= self.state.max_steps:
+                    return changed
+        return changed
 
     def training_step(self, model, inputs: RolloutBatch) -> torch.Tensor:
         """One micro-step: loss, backward, and (every gradient_accumulation_steps) the optimizer step."""

@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -133,7 +134,8 @@ class LoopSetupMixin:
         from tqdm.auto import tqdm
 
         return tqdm(total=self.state.max_steps, initial=self.state.global_step, desc="train", unit="step",
-                    disable=self.args.disable_tqdm or not self.accelerator.is_main_process, dynamic_ncols=True)
+                    disable=self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty(),
+                    dynamic_ncols=True)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def _save_checkpoint(self) -> Path:

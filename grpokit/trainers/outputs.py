@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,7 @@ class MetricsAccumulator:
 
     def add(self, metrics: dict[str, Any]) -> None:
         for k, v in metrics.items():
-            v = float(v.item() if hasattr(v, "item") else v)
-            if math.isnan(v):
-                continue
+            v = float(v.item() if hasattr(v, "item") else v)  # NaN is kept: a NaN loss must show in the log
             self._sum[k] += v
             self._count[k] += 1
 

@@ -275,6 +275,8 @@ class RolloutStepMixin:
     def _sync_weights(self) -> None:
         t0 = time.perf_counter()
         self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
+            self.accelerator.wait_for_everyone()  # from it before the push is done
         self._timing["sync"] = self._timing.get("sync", 0.0) + time.perf_counter() - t0
 
     @property

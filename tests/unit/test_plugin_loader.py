@@ -328,3 +328,44 @@ def test_reward_summary_callback_writes_the_curve(example, tmp_path):
     assert summary == {"best_step": 2, "best_reward": 0.75,
                        "curve": [{"step": 1, "reward": 0.25, "rewards/countdown/mean": 0.25},
                                  {"step": 2, "reward": 0.75, "rewards/countdown/mean": 0.75}]}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# docs/plugins.md: every example compiles; the module-level ones run and register what they say
+# ------------------------------------------------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+
+
+def _doc_blocks() -> list[str]:
+    import re
+
+    return re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+
+
+def test_docs_examples_compile_and_register(isolated):
+    import inspect
+
+    blocks = _doc_blocks()
+    assert len(blocks) >= 20
+    ran = 0
+    for i, block in enumerate(blocks):
+        code = compile(block, f"docs/plugins.md[python block {i}]", "exec")
+        if block.lstrip().startswith(("import", "from")):  # a whole plugin file: run it
+            exec(code, {"__name__": f"docs_example_{i}"})
+            ran += 1
+    assert ran >= 10
+    for registry, name in [(orms, "brevity"), (orms, "mentions_target"), (orms, "http_judge"),
+                           (prms, "addition_steps"), (rm_plugins, "length_penalized"),
+                           (multi_turns, "ask_to_shorten"), (envs, "echo"), (optimizers_map, "sgd_nesterov"),
+                           (callbacks_map, "stop_at_reward")]:
+        assert name in registry, name
+    assert TrainerFactory.TRAINER_MAPPING["grpo"].endswith(".MyTrainer")
+    # two of them by hand: Brevity(max_words=50): 10 words → 1; 75 → 2 - 1.5 = 0.5; 120 → 0
+    brevity = orms["brevity"]()
+    assert brevity(["w " * 10, "w " * 75, "w " * 120]) == [1.0, 0.5, 0.0]
+    assert brevity.last_metrics == {"mean_words": (10 + 75 + 120) / 3}
+    # AdditionSteps takes the weakest step: 2+2=4 right, 3+3=7 wrong → min = 0; no steps → not scored
+    steps = prms["addition_steps"]()
+    assert steps(["Step 1: 2 + 2 = 4\nStep 2: 3 + 3 = 7", "Step 1: 1 + 1 = 2", "no steps"]) == [0.0, 1.0, None]
+    assert inspect.iscoroutinefunction(orms["http_judge"].__call__)
+    assert orms["mentions_target"](["it is 24", "no"], target=[24, 24]) == [1.0, 0.0]
