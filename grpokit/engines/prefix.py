@@ -45,7 +45,7 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     p = input_ids.shape[1] - c
     head = model(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p],
                  position_ids=position_ids[first, :p], use_cache=True, logits_to_keep=1, **model_kwargs)
-    cache = head.past_key_values
+    cache = _output_cache(head)
     cache.batch_select_indices(inverse)  # every row gets its prompt's keys/values (differentiable indexing)
     tail = model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=position_ids[:, p:],
                  use_cache=True, logits_to_keep=c, **{cache_kw: cache}, **model_kwargs)
@@ -62,7 +62,7 @@ def prefill_shared_prompts(model, input_ids: torch.Tensor, attention_mask: torch
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1],
                 position_ids=position_ids[first, :-1], use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = _output_cache(out)
     cache.batch_select_indices(inverse)
     return cache
 
@@ -72,3 +72,9 @@ def cache_kwarg(model) -> str:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    """The KV cache of a model output (``cache`` in transformers ≥ 5.2x, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values

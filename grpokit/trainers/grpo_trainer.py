@@ -73,8 +73,7 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         bar = self._progress_bar()
         try:
             while self.state.global_step < self.state.max_steps:
-                prompts = self._next_prompts()
-                micro_batches = self._prepare_inputs(prompts)  # rollout → rewards → advantages → logps, split
+                micro_batches = self._next_window()  # rollout → rewards → advantages → logps, split
                 self.state.windows += 1
                 if self._train_on_window(micro_batches, bar):
                     self._sync_weights()
@@ -83,8 +82,46 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
             raise
         finally:
             bar.close()
+            self._drain_async()
         self._finish()
         return self.state
+
+    def _next_window(self) -> list[RolloutBatch]:
+        """The next window's micro-batches. With --async_generate the rollout of the window after it starts now,
+        in a background thread, and overlaps with training on this one (it samples from weights one window
+        old)."""
+        if not self.async_generate:
+            return self._prepare_inputs(self._next_prompts())
+        if self._pending is None:
+            self._pending = self._submit_rollout()
+        future, prompts, submitted_at = self._pending
+        t0 = time.perf_counter()
+        rollout = future.result()
+        wait = time.perf_counter() - t0
+        self._pending = self._submit_rollout()
+        micro_batches = self._prepare_inputs(prompts, rollout)
+        self._window_metrics.update({"async/staleness": self.state.global_step - submitted_at,
+                                     "async/wait_s": wait,
+                                     "async/time_saved_s": max(0.0, rollout.timing["rollout"] - wait)})
+        return micro_batches
+
+    def _submit_rollout(self):
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpokit-rollout")
+        prompts = self._next_prompts()
+        return self._executor.submit(self._rollout_window, prompts), prompts, self.state.global_step
+
+    def _drain_async(self) -> None:
+        """Wait for a rollout still in flight (its prompts were never trained on; a checkpoint does not count
+        them as consumed)."""
+        if self._pending is not None:
+            self._pending[0].exception()  # wait; an error there no longer matters
+            self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
         """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights."""

@@ -89,6 +89,12 @@ class LoopSetupMixin:
         if self.scheduler.infer_engine is None:
             self.scheduler.infer_engine = self.engine
         self.async_generate = self.cfg.rollout.async_generate
+        if self.async_generate and self.engine.engine_type == "transformers":
+            raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
+                              "server, or --use_vllm true): the in-process transformers engine samples from the "
+                              "live training weights, which change while the next window would be generating")
+        self._pending = None  # (future, prompts, step submitted) of the rollout generated ahead
+        self._executor = None
         self._orders: dict = {}
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
         self._window_metrics: dict = {}
@@ -148,7 +154,8 @@ class LoopSetupMixin:
             self.accelerator.unwrap_model(self.model).save_pretrained(ckpt, state_dict=state_dict,
                                                                       safe_serialization=True)
             self.tokenizer.save_pretrained(ckpt)
-            loop = {"global_step": step, "prompts_consumed": self.state.prompts_consumed,
+            in_flight = self.plan.prompts_per_rollout if self._pending is not None else 0  # not trained on yet
+            loop = {"global_step": step, "prompts_consumed": self.state.prompts_consumed - in_flight,
                     "max_steps": self.state.max_steps, "python_random": repr(random.getstate()[1][:3])}
             (ckpt / STATE_FILE).write_text(json.dumps(loop, indent=2))
             self._rotate_checkpoints()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,9 +51,10 @@ class RolloutStepMixin:
         return self._orders[epoch]
 
     # -- the window ------------------------------------------------------------------------------------------
-    def _prepare_inputs(self, prompts: list[dict]) -> list[RolloutBatch]:
-        """Generate and score one window, then cut it into steps_per_generation micro-batches."""
-        batch = self._generate_and_score_completions(prompts)
+    def _prepare_inputs(self, prompts: list[dict], rollout: WindowRollout | None = None) -> list[RolloutBatch]:
+        """Generate and score one window (or take the one generated ahead), cut into steps_per_generation
+        micro-batches."""
+        batch = self._generate_and_score_completions(prompts, rollout)
         num_items = batch.extra.pop("num_items_per_micro", None)
         micro_batches = batch.split(self.plan.steps_per_generation)
         if num_items is not None:
@@ -74,15 +76,22 @@ class RolloutStepMixin:
         """Trajectories for the requests, through the scheduler (which drives the engine or a rollout client)."""
         return run_trajectories(self.scheduler, requests, self.request_config)
 
-    def _generate_and_score_completions(self, prompts: list[dict]) -> RolloutBatch:
+    def _rollout_window(self, prompts: list[dict]) -> WindowRollout:
+        """Trajectories and their rewards. Touches only the engine and the rewards, never the training model,
+        so --async_generate can run it in a background thread."""
         t0 = time.perf_counter()
-        self._timing = {k: 0.0 for k in ("rollout", "reward", "logps", "train")}
         requests = self._build_requests(prompts)
         outputs = self._generate_completions(requests)
-        self._timing["rollout"] += time.perf_counter() - t0
         t1 = time.perf_counter()
         rewards_per_func = self._score_completions(requests, outputs)
-        self._timing["reward"] += time.perf_counter() - t1
+        return WindowRollout(requests, outputs, rewards_per_func,
+                             {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
+
+    def _generate_and_score_completions(self, prompts: list[dict],
+                                        rollout: WindowRollout | None = None) -> RolloutBatch:
+        rollout = rollout or self._rollout_window(prompts)
+        self._timing = {"logps": 0.0, "train": 0.0, **rollout.timing}
+        requests, outputs, rewards_per_func = rollout.requests, rollout.outputs, rollout.rewards_per_func
         if self.cfg.algorithm.dynamic_sample:
             requests, outputs, rewards_per_func = self._dynamic_sampling(requests, outputs, rewards_per_func)
         batch = self._prepare_batch_inputs(requests, outputs)
@@ -183,7 +192,10 @@ class RolloutStepMixin:
                  if self.cfg.rollout.completion_length_limit_scope == "total" else None)
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
         t0 = time.perf_counter()
-        if self._needs_old_logps():
+        if self.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
+            # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
+            batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
+        elif self._needs_old_logps():
             batch.old_logps = self._batched_logps(self.model, batch)
         if self.cfg.algorithm.beta != 0:
             batch.ref_logps = self._ref_logps(batch)
@@ -284,9 +296,25 @@ class RolloutStepMixin:
         r = self.cfg.rollout
         return RequestConfig(n=1, max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p,
                              top_k=r.top_k, repetition_penalty=r.repetition_penalty, stop=list(r.stop_words),
-                             logprobs=bool(self.cfg.algorithm.rollout_importance_sampling_mode),
+                             logprobs=bool(self.cfg.algorithm.rollout_importance_sampling_mode
+                                           or self.async_generate),
                              structured_outputs_regex=r.structured_outputs_regex,
                              structured_outputs_json=r.structured_outputs_json)
+
+
+@dataclass
+class WindowRollout:
+    """One window's trajectories and rewards, before any use of the training model."""
+
+    requests: list[RolloutInferRequest]
+    outputs: list[RolloutOutput]
+    rewards_per_func: torch.Tensor  # [N, F]
+    timing: dict[str, float]
+
+
+def _complete(rollout_logps: torch.Tensor | None, mask: torch.Tensor) -> bool:
+    """Every trained token has an engine logprob."""
+    return rollout_logps is not None and not torch.isnan(rollout_logps[mask.bool()]).any()
 
 
 def _num(x: torch.Tensor) -> float | None:

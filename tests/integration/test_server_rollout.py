@@ -112,15 +112,51 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path):
                             "--per_device_train_batch_size", "8", "--max_completion_length", "8",
                             "--output_dir", str(tmp_path / "out"), "--save_final_model", "false",
                             "--vllm_server_timeout", "60"])
-    trainer = run_train(cfg)
+    trainer = run_train(cfg)  # closes its client (and the server's sync group) at the end
+    assert isinstance(trainer.engine, RolloutClient) and isinstance(trainer.scheduler, RemoteScheduler)
+    check = RolloutClient(base_urls=[server.url], timeout=60)
     try:
-        assert isinstance(trainer.engine, RolloutClient) and isinstance(trainer.scheduler, RemoteScheduler)
-        info = trainer.engine.engine_info(refresh=True)
+        info = check.engine_info(refresh=True)
         assert info["weight_version"] >= version + 3  # one sync per optimizer step
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        assert _greedy(trainer.engine) == _greedy(_local(policy, tiny))
+        assert _greedy(check) == _greedy(_local(policy, tiny))
     finally:
-        trainer.engine.close()
+        check.close()
+
+
+def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
+    import json
+
+    from grpokit.pipeline.train import run_train
+
+    torch.set_num_threads(1)
+    out = tmp_path / "async"
+    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
+                            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
+                            str(server.port), "--max_steps", "4", "--num_generations", "4",
+                            "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+                            "--output_dir", str(out), "--save_final_model", "false", "--save_steps", "2",
+                            "--vllm_server_timeout", "60", "--async_generate", "true"])
+    trainer = run_train(cfg)
+    rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["async/staleness"] == 0  # the first window is generated before any update
+    assert all(r["async/staleness"] == 1 for r in rows[1:])  # later ones sample from weights one step old
+    assert all("async/time_saved_s" in r and "async/wait_s" in r for r in rows)
+    # the checkpoint does not count the window that was generated ahead but never trained on
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["prompts_consumed"] == 2 * trainer.plan.prompts_per_rollout
+
+
+def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
+    from grpokit.errors import ConfigError
+    from grpokit.pipeline.train import run_train
+
+    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--num_generations", "4",
+                            "--per_device_train_batch_size", "8", "--max_steps", "1", "--async_generate", "true",
+                            "--output_dir", str(tmp_path / "o")])
+    with pytest.raises(ConfigError, match="async_generate"):
+        run_train(cfg)
 
 
 def test_remote_scheduler_returns_trajectories_in_order(client):
