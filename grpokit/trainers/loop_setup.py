@@ -94,6 +94,7 @@ class LoopSetupMixin:
                               "server, or --use_vllm true): the in-process transformers engine samples from the "
                               "live training weights, which change while the next window would be generating")
         self._pending = None  # (future, prompts, step submitted) of the rollout generated ahead
+        self._last_sync_s = 0.0
         self._executor = None
         self._orders: dict = {}
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}

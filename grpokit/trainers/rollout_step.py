@@ -90,7 +90,8 @@ class RolloutStepMixin:
     def _generate_and_score_completions(self, prompts: list[dict],
                                         rollout: WindowRollout | None = None) -> RolloutBatch:
         rollout = rollout or self._rollout_window(prompts)
-        self._timing = {"logps": 0.0, "train": 0.0, **rollout.timing}
+        # the weight sync that ended the previous window is reported with this one
+        self._timing = {"logps": 0.0, "train": 0.0, **rollout.timing, "sync": self._last_sync_s}
         requests, outputs, rewards_per_func = rollout.requests, rollout.outputs, rollout.rewards_per_func
         if self.cfg.algorithm.dynamic_sample:
             requests, outputs, rewards_per_func = self._dynamic_sampling(requests, outputs, rewards_per_func)
@@ -289,7 +290,7 @@ class RolloutStepMixin:
         self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
         if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
             self.accelerator.wait_for_everyone()  # from it before the push is done
-        self._timing["sync"] = self._timing.get("sync", 0.0) + time.perf_counter() - t0
+        self._last_sync_s = time.perf_counter() - t0
 
     @property
     def request_config(self) -> RequestConfig:

@@ -1,0 +1,177 @@
+"""Wall time per optimizer step and peak memory: grpokit, and TRL's GRPOTrainer at the same settings.
+
+Each framework runs in its own fresh process, one after the other, in one invocation, on the same model,
+prompts, reward, batch, num_generations, max_completion_length, loss and step count. Reported: median seconds
+per step (the first step is warm-up and excluded), grpokit's split into rollout / reward / logps / train / other,
+peak resident memory, and the ratio grpokit / TRL.
+
+    python bench/bench_step.py --model tiny --steps 8
+    python bench/bench_step.py --model smollm --steps 6 --lora
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = "builtin:arithmetic"
+
+
+def resolve_model(name: str, workdir: Path) -> str:
+    if name == "tiny":
+        from grpokit.testing import build_tiny_model
+
+        return str(build_tiny_model(workdir / "tiny", hidden_size=128, num_layers=2))
+    if name == "smollm":
+        from grpokit.pipeline.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    return name
+
+
+def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+    from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
+
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, trainer):
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, trainer):
+            stamps.append(time.perf_counter())
+
+    callbacks_map["bench_stamp"] = Stamp
+    args = ["--model", a.model_path, "--dataset", PROMPTS, "--reward_funcs", "accuracy",
+            "--num_generations", str(a.num_generations), "--per_device_train_batch_size", str(a.batch),
+            "--max_completion_length", str(a.max_completion_length), "--max_steps", str(a.steps),
+            "--learning_rate", str(a.lr), "--beta", "0", "--loss_type", "grpo", "--torch_dtype", "float32",
+            "--output_dir", str(out / "grpokit"), "--save_steps", "100000", "--save_final_model", "false",
+            "--plots", "false", "--disable_tqdm", "true", "--callbacks", "bench_stamp", "--seed", "0"]
+    if a.lora:
+        args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
+    run_train(parse_train_args(args))
+    rows = [json.loads(x) for x in (out / "grpokit" / "logging.jsonl").read_text().splitlines()]
+    steps = [b - a_ for a_, b in zip(stamps, stamps[1:])]
+    split = {k.split("/")[1]: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith("timing/")}
+    return {"step_s": steps, "split": split}
+
+
+def run_trl(a: argparse.Namespace, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpokit.data.loading import load_dataset_spec, normalize_rows
+    from grpokit.rewards.math_rewards import MathAccuracy
+
+    rows = normalize_rows(load_dataset_spec(PROMPTS, seed=0), None)
+    ds = Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
+    acc = MathAccuracy()
+
+    def accuracy(completions, solution, **kwargs):
+        return acc([c[-1]["content"] for c in completions], solution=solution)
+
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, *args, **kwargs):
+            stamps.append(time.perf_counter())
+
+    cfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=a.batch,
+                     num_generations=a.num_generations, max_completion_length=a.max_completion_length,
+                     max_steps=a.steps, learning_rate=a.lr, beta=0.0, loss_type="grpo", use_cpu=True, bf16=False,
+                     logging_steps=1, report_to=[], save_strategy="no", seed=0, temperature=1.0,
+                     gradient_accumulation_steps=1, use_vllm=False, disable_tqdm=True)
+    peft = None
+    if a.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=a.model_path, reward_funcs=[accuracy], args=cfg, train_dataset=ds,
+                          peft_config=peft, callbacks=[Stamp()])
+    trainer.train()
+    return {"step_s": [b - a_ for a_, b in zip(stamps, stamps[1:])]}
+
+
+def child(a: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    out = Path(a.workdir)
+    result = (run_grpokit if a.framework == "grpokit" else run_trl)(a, out)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (out / f"{a.framework}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny, smollm, or a model folder")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--num_generations", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16, help="completions per step")
+    p.add_argument("--max_completion_length", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--framework", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--model_path", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.framework:
+        return child(a)
+    work = Path(tempfile.mkdtemp(prefix="grpokit-bench-"))
+    a.model_path = resolve_model(a.model, work)
+    results = {}
+    for fw in a.frameworks:
+        if fw == "trl":
+            import importlib.util
+
+            if importlib.util.find_spec("trl") is None:
+                print("trl is not installed: skipping the side-by-side run (pip install trl)")
+                continue
+        cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path", a.model_path,
+               *sys.argv[1:]]
+        subprocess.run(cmd, check=True, env={**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"})
+        results[fw] = json.loads((work / f"{fw}.json").read_text())
+    report(a, results)
+
+
+def report(a: argparse.Namespace, results: dict) -> None:
+    print(f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
+          f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps, "
+          f"{'LoRA r16' if a.lora else 'full'}, {a.threads} threads")
+    med = {}
+    for fw, r in results.items():
+        steps = r["step_s"][1:] or r["step_s"]
+        med[fw] = statistics.median(steps)
+        print(f"  {fw:8s} median {med[fw]:.3f} s/step   peak RSS {r['peak_rss_mb']:.0f} MB")
+        if "split" in r:
+            split = r["split"]
+            other = med[fw] - sum(split.values())
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+            print(f"           split: {parts}, other {other:.3f} ({100 * other / med[fw]:.1f}%)")
+    if "grpokit" in med and "trl" in med:
+        print(f"  ratio grpokit/trl: time {med['grpokit'] / med['trl']:.2f}×, memory "
+              f"{results['grpokit']['peak_rss_mb'] / results['trl']['peak_rss_mb']:.2f}×")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results, "median_s": med}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
