@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 USAGE = """usage: grpokit {train,rollout,infer} [options]
 
@@ -51,6 +52,8 @@ def _quiet_third_party() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("accelerate").setLevel(logging.ERROR)
+    # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` when wrapping a model
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 

@@ -1,0 +1,103 @@
+"""Options: flags, YAML (flags win), the built-in demo defaults, validation messages, the batch plan, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from grpokit.config.parse import batch_plan, parse_train_args
+from grpokit.errors import ConfigError
+
+
+def test_no_model_and_no_dataset_is_the_demo():
+    cfg = parse_train_args([])
+    assert cfg.model.model is None  # → the built-in SmolLM2 demo model
+    assert cfg.data.dataset == ["builtin:arithmetic"] and cfg.data.val_dataset == ["builtin:arithmetic:test"]
+    assert cfg.model.tuner_type == "lora" and cfg.reward.reward_funcs == ["accuracy"]
+    # a demo option can still be overridden by a flag
+    assert parse_train_args(["--max_steps", "3"]).training.max_steps == 3
+
+
+def test_yaml_gives_defaults_and_flags_win(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("dataset: [builtin:countdown]\nnum_generations: 4\nlearning_rate: 3.0e-6\n"
+                        "per_device_train_batch_size: 8\n")
+    cfg = parse_train_args(["--config", str(cfg_file), "--num_generations", "2"])
+    assert cfg.data.dataset == ["builtin:countdown"]
+    assert cfg.rollout.num_generations == 2  # the flag
+    assert cfg.training.learning_rate == 3e-6  # the file
+    assert cfg.model.tuner_type == "full"  # a dataset was given: not the demo
+
+
+def test_yaml_unknown_key_names_it_and_suggests(tmp_path):
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text("num_generation: 4\n")
+    with pytest.raises(ConfigError, match="num_generation.*did you mean num_generations"):
+        parse_train_args(["--config", str(cfg_file)])
+
+
+def test_unknown_flag_suggests_the_close_one():
+    with pytest.raises(ConfigError, match="--lerning_rate; did you mean --learning_rate"):
+        parse_train_args(["--dataset", "builtin:arithmetic", "--lerning_rate", "1e-5"])
+
+
+def test_indivisible_generation_batch_says_which_numbers_work():
+    with pytest.raises(ConfigError) as e:
+        parse_train_args(["--dataset", "builtin:arithmetic", "--per_device_train_batch_size", "12",
+                          "--num_generations", "8"])
+    msg = str(e.value)
+    assert "generation batch 12" in msg and "num_generations 8" in msg and "8 or 16" in msg
+
+
+def test_batch_plan_counts():
+    cfg = parse_train_args(["--dataset", "builtin:arithmetic", "--per_device_train_batch_size", "4",
+                            "--num_generations", "4", "--gradient_accumulation_steps", "2",
+                            "--steps_per_generation", "4", "--num_iterations", "2"])
+    plan = batch_plan(cfg, world=2)
+    assert plan.generation_batch_size == 4 * 4 * 2
+    assert plan.prompts_per_rollout == 8
+    assert plan.micro_steps_per_window == 8 and plan.optimizer_steps_per_window == 4
+    text = plan.describe()
+    assert "8 prompts × 4 generations = 32 completions per rollout over 2 processes" in text
+
+
+def test_steps_per_generation_must_fill_whole_optimizer_steps():
+    with pytest.raises(ConfigError, match="multiple of gradient_accumulation_steps 2"):
+        parse_train_args(["--dataset", "builtin:arithmetic", "--gradient_accumulation_steps", "2",
+                          "--steps_per_generation", "3", "--num_generations", "4", "--per_device_train_batch_size",
+                          "4"])
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--temperature", "0"], "--temperature 0"),
+    (["--num_generations", "1", "--per_device_train_batch_size", "4"], "--num_generations 1"),
+    (["--reward_weights", "1", "2"], "--reward_weights has 2"),
+    (["--gym_env", "guess_number"], "--multi_turn_scheduler"),
+    (["--vllm_mode", "server"], "--vllm_server_host"),
+    (["--resume_from_checkpoint", "/nope"], "/nope"),
+])
+def test_bad_values_are_named(flags, needle):
+    with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
+        parse_train_args(["--dataset", "builtin:arithmetic", *flags])
+
+
+def test_help_answers_before_torch_is_imported():
+    code = ("import sys; from grpokit.cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert "train" in out.stdout and "rollout" in out.stdout and "infer" in out.stdout
+    assert time.perf_counter() - t0 < 30
+
+
+def test_train_help_lists_the_ms_swift_flags():
+    out = subprocess.run([sys.executable, "-m", "grpokit", "train", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    for flag in ("--num_generations", "--reward_funcs", "--multi_turn_scheduler", "--steps_per_generation",
+                 "--loss_type", "--vllm_mode", "--external_plugins", "--resume_from_checkpoint"):
+        assert flag in out.stdout, flag
