@@ -236,7 +236,23 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--resume_from_checkpoint {t.resume_from_checkpoint}: no such folder; pass a "
                           "checkpoint-N folder or 'latest'")
     _validate_algorithm(cfg)
+    _validate_structured(cfg)
     batch_plan(cfg)
+
+
+def _validate_structured(cfg: TrainConfig) -> None:
+    """A bad regex/schema fails here, before any model loads; a schema file is read now (a rollout server may
+    not have the file)."""
+    r = cfg.rollout
+    if not (r.structured_outputs_regex or r.structured_outputs_json):
+        return
+    import json
+
+    from grpokit.engines.structured import check_structured_options, load_json_schema
+
+    if r.structured_outputs_json:
+        r.structured_outputs_json = json.dumps(load_json_schema(r.structured_outputs_json))
+    check_structured_options(r.structured_outputs_regex, r.structured_outputs_json)
 
 
 def loss_config(cfg: TrainConfig):

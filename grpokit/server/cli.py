@@ -21,7 +21,8 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
-                   help="inference backend (vllm: not implemented yet)")
+                   help="inference backend: transformers (any device) or vllm (needs vllm installed; "
+                        "docs/vllm.md)")
     p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--multi_turn_scheduler", default=None, help="multi-turn scheduler name (multi_turns registry)")
     p.add_argument("--max_turns", type=int, default=None, help="max turns per trajectory (multi-turn only)")
@@ -40,7 +41,8 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_inflight_requests", type=int, default=0,
                    help="most requests in flight over all calls (more: 429, the client retries); 0 = 4x the above")
     p.add_argument("--max_body_mb", type=float, default=64.0, help="largest request body (more: 413)")
-    p.add_argument("--max_batch_size", type=int, default=256, help="sequences per generate() call")
+    p.add_argument("--max_batch_size", type=int, default=256,
+                   help="sequences per generate() call (vllm: max_num_seqs)")
 
     def error(message: str) -> None:
         raise ConfigError(f"grpokit rollout: {message} (see `grpokit rollout --help`)")

@@ -63,8 +63,12 @@ class ServedTransformersEngine(TransformersEngine):
 
 def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256):
     """Load ``model_path`` and wrap it in the engine named ``engine``."""
+    if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
+        from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
+
+        return VllmEngine(model_path, VllmSettings(dtype=torch_dtype_name, max_num_seqs=max_batch_size))
     if engine != "transformers":
-        raise ConfigError(f"--engine {engine}: unknown engine; use transformers")
+        raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
     from grpokit.pipeline.models import load_causal_lm, load_tokenizer, torch_dtype
     from grpokit.template.encode import ChatTemplate
 

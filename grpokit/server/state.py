@@ -30,10 +30,8 @@ class ServerOptions:
     max_batch_size: int = 256
 
     def __post_init__(self) -> None:
-        if self.engine == "vllm":
-            raise ConfigError("--engine vllm: the vLLM engine is not implemented yet; use --engine transformers")
-        if self.engine != "transformers":
-            raise ConfigError(f"--engine {self.engine}: unknown engine; use transformers")
+        if self.engine not in ("transformers", "vllm"):
+            raise ConfigError(f"--engine {self.engine}: unknown engine; use transformers or vllm")
         if self.max_batch_requests < 1:
             raise ConfigError(f"--max_batch_requests {self.max_batch_requests}: must be at least 1")
         if self.max_inflight_requests < 0:

