@@ -56,8 +56,11 @@ class LoopSetupMixin:
             raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
         optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
         warmup = math.ceil(t.warmup_ratio * self.state.max_steps)
-        scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=self.state.max_steps)
+        try:
+            scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                      num_training_steps=self.state.max_steps)
+        except ValueError as e:
+            raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self.ref_model = None

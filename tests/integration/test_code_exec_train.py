@@ -1,0 +1,32 @@
+"""Training with the sandboxed code_exec reward: failing programs score 0, are counted, and training goes on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    rows = [{"query": f"Write a program that prints {k} + 1.", "test_cases": [{"input": "", "output": str(k + 1)}]}
+            for k in range(4)]
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    # a random model writes no valid program: every sample fails in the sandbox (syntax errors and the like)
+    run_train(parse_train_args([
+        "--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "code_exec", "format",
+        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
+        "--max_steps", "2", "--output_dir", str(out), "--code_exec_timeout", "2", "--code_exec_workers", "2",
+        "--disable_tqdm", "true", "--beta", "0"]))
+    logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2]
+    for r in logs:
+        assert r["rewards/code_exec/mean"] == 0.0
+        failures = sum(v for k, v in r.items() if k.startswith("rewards/code_exec/sandbox_"))
+        assert failures == 4  # all four programs of the window failed and were counted, by kind
