@@ -91,7 +91,7 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "m", "--engine", "vllm"], "not implemented yet"),
+    (["--model", "m", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
     (["--model", "m", "--max_turns", "3"], "--max_turns 3 needs --multi_turn_scheduler"),
     (["--model", "m", "--gym_env", "e"], "needs --multi_turn_scheduler gym_scheduler"),
     (["--model", "m", "--port", "70000"], "--port 70000"),
