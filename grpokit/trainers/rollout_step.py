@@ -20,9 +20,6 @@ from grpokit.trainers.distributed import gather_objects
 
 logger = logging.getLogger(__name__)
 
-TRAINER_KWARGS = ("messages", "response_token_ids", "rollout_infos", "finish_reason", "is_truncated", "num_turns",
-                  "trainer_state", "completion_ids")
-
 
 class RolloutStepMixin:
     # -- prompts ---------------------------------------------------------------------------------------------
@@ -138,7 +135,7 @@ class RolloutStepMixin:
         a = self.cfg.algorithm
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         target = len(outputs) * world
-        keep_r, keep_o, keep_s, spare = [], [], [], []
+        keep_s, spare = [], []  # (request, output, rewards) of groups with / without a learning signal
         rounds = 0
         while True:
             if world > 1:
@@ -155,15 +152,13 @@ class RolloutStepMixin:
             requests = self._build_requests(self._next_prompts())
             outputs = self._generate_completions(requests)
             rewards_per_func = self._score_completions(requests, outputs)
-        chosen = (keep_s + spare)[:target]
+        chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
+        filler = max(0, len(chosen) - len(keep_s))
         self._dynamic_stats = {"dynamic_sampling/rounds": rounds,
-                               "dynamic_sampling/groups_without_signal": sum(1 for x in chosen[len(keep_s):]) / max(
-                                   1, self.cfg.rollout.num_generations)}
+                               "dynamic_sampling/groups_without_signal": filler / self.cfg.rollout.num_generations}
         share = target // world  # whole groups: target and every group-ordered block are multiples of G
         chosen = chosen[rank * share:(rank + 1) * share]
-        keep_r = [c[0] for c in chosen]
-        keep_o = [c[1] for c in chosen]
-        return keep_r, keep_o, torch.stack([c[2] for c in chosen])
+        return [c[0] for c in chosen], [c[1] for c in chosen], torch.stack([c[2] for c in chosen])
 
     def _compute_advantages(self, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
                             penalty: torch.Tensor | None = None) -> torch.Tensor:
