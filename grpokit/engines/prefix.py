@@ -14,6 +14,16 @@ import inspect
 import torch
 
 
+# Below this size the extra prompt-only forward costs more than it saves: measured here, a 0.5M-parameter model
+# sampled 1.56x raw HF speed without sharing and 1.06x with it; SmolLM2-135M went from 0.95x to 1.25x with it.
+SHARE_MIN_PARAMS = 10_000_000
+
+
+def worth_sharing(model) -> bool:
+    """Whether computing distinct prompts once pays off for a model of this size."""
+    return sum(p.numel() for p in model.parameters()) >= SHARE_MIN_PARAMS
+
+
 def _first_occurrence(inverse: torch.Tensor, n_unique: int) -> torch.Tensor:
     rows = torch.arange(inverse.numel(), device=inverse.device)
     first = torch.full((n_unique,), inverse.numel(), dtype=torch.long, device=inverse.device)

@@ -8,7 +8,7 @@ import json
 import torch
 
 from grpokit.engines.base import InferEngine
-from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts
+from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.rollout.protocol import (
     ChatCompletionResponse,
@@ -29,7 +29,8 @@ class TransformersEngine(InferEngine):
         self.tokenizer = template.tokenizer
         self.max_batch_size = max_batch_size
         self._unwrap = unwrap or (lambda m: m)  # e.g. accelerator.unwrap_model
-        self.share_prompts = True  # prefill each distinct prompt once (engines/prefix.py)
+        self.share_prompts: bool | None = None  # prefill each distinct prompt once; None: when the model is big
+        # enough for it to pay off (engines/prefix.py)
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
         self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
                                                           template.pad_token_id)
@@ -97,7 +98,8 @@ class TransformersEngine(InferEngine):
         try:
             with _no_gradient_checkpointing(model), _lora_merged(model):
                 ids, att = input_ids.to(device), attention.to(device)
-                cache = prefill_shared_prompts(model, ids, att) if self.share_prompts else None
+                share = worth_sharing(model) if self.share_prompts is None else self.share_prompts
+                cache = prefill_shared_prompts(model, ids, att) if share else None
                 if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on
                     kwargs[cache_kwarg(model)] = cache
                 gen = model.generate(input_ids=ids, attention_mask=att, **kwargs)

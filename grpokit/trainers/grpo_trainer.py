@@ -29,7 +29,7 @@ from grpokit.config.parse import batch_plan, loss_config
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.loop_setup import LoopSetupMixin
-from grpokit.engines.prefix import completion_logits
+from grpokit.engines.prefix import completion_logits, worth_sharing
 from grpokit.trainers.rollout_step import RolloutStepMixin
 
 logger = logging.getLogger(__name__)
@@ -182,8 +182,9 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
 
     def _share_prompts(self, model) -> bool:
         """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
-        DDP/FSDP/DeepSpeed wrappers (their hooks expect one forward per backward) or gradient checkpointing."""
-        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp:
+        DDP/FSDP/DeepSpeed wrappers (their hooks expect one forward per backward) or gradient checkpointing, and
+        only for models big enough for it to pay off."""
+        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp or not worth_sharing(model):
             return False
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return not getattr(base, "is_activation_checkpointing", False)

@@ -72,6 +72,7 @@ def test_engine_greedy_output_is_the_same_with_shared_prefill(tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine = TransformersEngine(model, ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_dir)))
+    engine.share_prompts = True  # forced: a tiny model is below the size where "auto" shares
     reqs = [RolloutInferRequest(messages=[{"role": "user", "content": text}])
             for text in ("What is 1 + 2?", "Hi there, what is seven plus eight?") for _ in range(3)]
     cfg = RequestConfig(max_tokens=8, temperature=0.0, logprobs=True)
@@ -83,3 +84,14 @@ def test_engine_greedy_output_is_the_same_with_shared_prefill(tiny_model_dir):
         la = [x["logprob"] for x in a.choices[0].logprobs["content"]]
         lb = [x["logprob"] for x in b.choices[0].logprobs["content"]]
         assert torch.allclose(torch.tensor(la), torch.tensor(lb), atol=1e-4)
+
+
+def test_sharing_is_automatic_only_for_models_big_enough(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.engines.prefix import SHARE_MIN_PARAMS, worth_sharing
+
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert sum(p.numel() for p in tiny.parameters()) < SHARE_MIN_PARAMS and not worth_sharing(tiny)
+    big = torch.nn.Linear(4000, 3000)  # 12M parameters
+    assert worth_sharing(big)
