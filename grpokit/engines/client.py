@@ -331,6 +331,7 @@ class RolloutClient(InferEngine):
 
     def close(self) -> None:
         """Close the weight-sync group (on the servers too) and the HTTP connections. Idempotent."""
+        super().close()
         try:
             self._sender.close(notify=True)
         finally:

@@ -324,6 +324,7 @@ class VllmEngine(InferEngine):
 
     def close(self) -> None:
         """Shut vLLM down and release its process-wide state (so that another engine can start here)."""
+        super().close()
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
