@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 
 import torch
 
@@ -39,13 +38,7 @@ class TransformersEngine(InferEngine):
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         if not requests:
             return []
-        encoded: dict[str, list[int]] = {}  # a group's requests share their messages: render and tokenize once
-        prompts = []
-        for r in requests:
-            key = json.dumps(r.messages, sort_keys=True, default=str)
-            if key not in encoded:
-                encoded[key] = self.template.encode_prompt(r.messages)
-            prompts.append(encoded[key])
+        prompts = [self.template.encode_prompt(r.messages) for r in requests]  # memoised: a group renders once
         flat = [p for p in prompts for _ in range(config.n)]
         choices: list[ChatCompletionResponseChoice] = []
         for start in range(0, len(flat), self.max_batch_size):

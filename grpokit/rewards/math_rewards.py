@@ -77,22 +77,27 @@ def _plain(text: str) -> str:
 
 def answer_matches(completion: str, solution: str) -> bool:
     """True when the completion's extracted answer equals the solution (math-verify, else plain text)."""
-    from math_verify import parse, verify
-
-    timeout = _timeout()
-    gold = _parse_gold(str(solution), timeout)
+    gold = _parse_gold(str(solution), _timeout())
     if not gold:  # not math: compare the tagged/boxed answer, or the whole reply, as text
         tags = _ANSWER_RE.findall(completion)
         answer = tags[-1] if tags else (last_boxed(completion) or completion)
         return _plain(answer) == _plain(str(solution))
     answer = extract_answer(completion)
-    if answer is None:
-        return False
+    return answer is not None and _verified(answer, str(solution))
+
+
+@functools.lru_cache(maxsize=65536)
+def _verified(answer: str, solution: str) -> bool:
+    """math-verify's verdict on an extracted answer, memoised: the completions of a group mostly repeat a few
+    answers, and each parse + verify costs ~1-3 ms."""
+    from math_verify import parse, verify
+
+    timeout = _timeout()
     pred = parse(answer, parsing_timeout=timeout)
     if not pred:
         return False
     try:
-        return bool(verify(list(gold), pred, timeout_seconds=timeout))
+        return bool(verify(list(_parse_gold(solution, timeout)), pred, timeout_seconds=timeout))
     except Exception:  # math-verify raises on exotic expressions; an unverifiable answer is not correct
         return False
 

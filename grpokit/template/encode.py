@@ -8,6 +8,7 @@ tips, the next assistant header) is rendered by the template and tokenized, with
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,12 +25,18 @@ class EncodedSample:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+_PROMPT_MEMO_SIZE = 4096
+
+
 class ChatTemplate:
     """Renders conversations with a Hugging Face tokenizer's chat template."""
 
     def __init__(self, tokenizer, system: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.system = system
+        # messages → prompt ids. The num_generations requests of a group share their prompt, which the engine
+        # encodes to sample and the trainer again to build the batch; rendering the template costs ~0.5 ms each.
+        self._prompt_ids: dict[str, list[int]] = {}
         if getattr(tokenizer, "chat_template", None) is None:
             raise RolloutError("the tokenizer has no chat_template; use an instruct/chat model or set "
                                "tokenizer.chat_template in the model folder")
@@ -53,7 +60,14 @@ class ChatTemplate:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
-        return self.tokenize(self.render_prompt(messages))
+        key = json.dumps(messages, sort_keys=True, default=str)
+        ids = self._prompt_ids.get(key)
+        if ids is None:
+            ids = self.tokenize(self.render_prompt(messages))
+            if len(self._prompt_ids) >= _PROMPT_MEMO_SIZE:
+                self._prompt_ids.clear()
+            self._prompt_ids[key] = ids
+        return list(ids)
 
     # -- trajectories ----------------------------------------------------------------------------------------
     def encode_output(self, prompt_messages: list[dict], output: RolloutOutput) -> EncodedSample:

@@ -80,24 +80,23 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
                 s.completion_mask = s.completion_mask[:max_completion_length]
                 if s.rollout_logprobs is not None:
                     s.rollout_logprobs = s.rollout_logprobs[:max_completion_length]
-    n = len(samples)
     p_len = max(len(s.prompt_ids) for s in samples)
     c_len = max(1, max(len(s.completion_ids) for s in samples))
-    input_ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, p_len + c_len), dtype=torch.long)
-    cmask = torch.zeros((n, c_len), dtype=torch.float32)
     have_lps = any(s.rollout_logprobs is not None for s in samples)
-    rollout = torch.full((n, c_len), float("nan")) if have_lps else None
-    for i, s in enumerate(samples):
+    ids, att, cmask, lps = [], [], [], []  # padded rows as lists, made tensors in one call each
+    for s in samples:
         p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[i, p_len - p:p_len] = torch.tensor(s.prompt_ids, dtype=torch.long)
-        attention[i, p_len - p:p_len] = 1
-        if c:
-            input_ids[i, p_len:p_len + c] = torch.tensor(s.completion_ids, dtype=torch.long)
-            attention[i, p_len:p_len + c] = 1
-            cmask[i, :c] = torch.tensor(s.completion_mask, dtype=torch.float32)
-        if rollout is not None and s.rollout_logprobs is not None and c:
-            rollout[i, :c] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        left, right = p_len - p, c_len - c
+        ids.append([pad_id] * left + s.prompt_ids + s.completion_ids + [pad_id] * right)
+        att.append([0] * left + [1] * (p + c) + [0] * right)
+        cmask.append([float(m) for m in s.completion_mask] + [0.0] * right)
+        if have_lps:
+            lps.append((s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c)
+                       + [float("nan")] * right)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention = torch.tensor(att, dtype=torch.long)
+    rollout = torch.tensor(lps, dtype=torch.float32) if have_lps else None
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return RolloutBatch(input_ids, attention, position_ids, cmask, torch.tensor(truncated, dtype=torch.bool),
+    return RolloutBatch(input_ids, attention, position_ids, torch.tensor(cmask, dtype=torch.float32),
+                        torch.tensor(truncated, dtype=torch.bool),
                         rollout_logps=rollout)
