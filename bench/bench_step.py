@@ -1,12 +1,14 @@
 """Wall time per optimizer step and peak memory: grpokit, and TRL's GRPOTrainer at the same settings.
 
 Each framework runs in its own fresh process, one after the other, in one invocation, on the same model,
-prompts, reward, batch, num_generations, max_completion_length, loss and step count. Reported: median seconds
-per step (the first step is warm-up and excluded), grpokit's split into rollout / reward / logps / train / other,
-peak resident memory, and the ratio grpokit / TRL.
+prompts, reward, batch, num_generations, max_completion_length, loss and step count. With ``--rounds R`` the
+frameworks alternate R times (grpokit, trl, grpokit, trl, ...), so that slow spells of a noisy machine hit both.
+Reported: median seconds per step over all rounds (the first step of each run is warm-up and excluded),
+grpokit's split into rollout / reward / logps / train / other, peak resident memory, the ratio grpokit / TRL
+and its spread over rounds.
 
-    python bench/bench_step.py --model tiny --steps 8
-    python bench/bench_step.py --model smollm --steps 6 --lora
+    python bench/bench_step.py --model tiny --steps 12 --rounds 3
+    python bench/bench_step.py --model smollm --steps 5 --lora --lr 2e-4
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
     run_train(parse_train_args(args))
     rows = [json.loads(x) for x in (out / "grpokit" / "logging.jsonl").read_text().splitlines()]
     steps = [b - a_ for a_, b in zip(stamps, stamps[1:])]
-    split = {k.split("/")[1]: statistics.median(r[k] for r in rows[1:]) for k in rows[0] if k.startswith("timing/")}
+    keys = [k for k in rows[0] if k.startswith("timing/")]
+    split = []  # one per step, in step order
+    for r, t in zip(rows, steps):
+        phases = {k.split("/")[1]: r[k] for k in keys}
+        split.append({**phases, "other": t - sum(phases.values())})  # bookkeeping outside the timed phases
     return {"step_s": steps, "split": split}
 
 
@@ -107,12 +113,32 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
     return {"step_s": [b - a_ for a_, b in zip(stamps, stamps[1:])]}
 
 
+def time_generate() -> list[float]:
+    """Record the seconds of every HF ``generate`` call (both frameworks sample with it here)."""
+    from transformers.generation.utils import GenerationMixin
+
+    calls: list[float] = []
+    generate = GenerationMixin.generate
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - t0)
+
+    GenerationMixin.generate = timed
+    return calls
+
+
 def child(a: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(a.threads)
     out = Path(a.workdir)
+    generate_s = time_generate()
     result = (run_grpokit if a.framework == "grpokit" else run_trl)(a, out)
+    result["generate_s"] = generate_s
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"{a.framework}.json").write_text(json.dumps(result))
 
@@ -128,6 +154,7 @@ def main() -> None:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
+    p.add_argument("--rounds", type=int, default=1, help="alternate the frameworks this many times")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--framework", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -137,38 +164,46 @@ def main() -> None:
         return child(a)
     work = Path(tempfile.mkdtemp(prefix="grpokit-bench-"))
     a.model_path = resolve_model(a.model, work)
-    results = {}
-    for fw in a.frameworks:
-        if fw == "trl":
-            import importlib.util
+    frameworks = list(a.frameworks)
+    if "trl" in frameworks:
+        import importlib.util
 
-            if importlib.util.find_spec("trl") is None:
-                print("trl is not installed: skipping the side-by-side run (pip install trl)")
-                continue
-        cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path", a.model_path,
-               *sys.argv[1:]]
-        subprocess.run(cmd, check=True, env={**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"})
-        results[fw] = json.loads((work / f"{fw}.json").read_text())
+        if importlib.util.find_spec("trl") is None:
+            print("trl is not installed: skipping the side-by-side run (pip install trl)")
+            frameworks.remove("trl")
+    results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
+    for _ in range(a.rounds):
+        for fw in frameworks:
+            cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
+                   a.model_path, *sys.argv[1:]]
+            subprocess.run(cmd, check=True, env={**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"})
+            results[fw].append(json.loads((work / f"{fw}.json").read_text()))
     report(a, results)
 
 
-def report(a: argparse.Namespace, results: dict) -> None:
+def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     print(f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
-          f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps, "
-          f"{'LoRA r16' if a.lora else 'full'}, {a.threads} threads")
-    med = {}
-    for fw, r in results.items():
-        steps = r["step_s"][1:] or r["step_s"]
+          f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps × "
+          f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads")
+    med, per_round, rss = {}, {}, {}
+    for fw, runs in results.items():
+        steps = [s for r in runs for s in (r["step_s"][1:] or r["step_s"])]
         med[fw] = statistics.median(steps)
-        print(f"  {fw:8s} median {med[fw]:.3f} s/step   peak RSS {r['peak_rss_mb']:.0f} MB")
-        if "split" in r:
-            split = r["split"]
-            other = med[fw] - sum(split.values())
+        per_round[fw] = [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs]
+        rss[fw] = max(r["peak_rss_mb"] for r in runs)
+        gen = [g for r in runs for g in r.get("generate_s", [])[1:]]
+        gen_text = f"   in HF generate {statistics.median(gen):.3f} s/call" if gen else ""
+        print(f"  {fw:8s} median {med[fw]:.3f} s/step   peak RSS {rss[fw]:.0f} MB{gen_text}")
+        splits = [s for r in runs for s in r.get("split", [])[1:]]
+        if splits:
+            split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             parts = ", ".join(f"{k} {v:.3f}" for k, v in split.items())
-            print(f"           split: {parts}, other {other:.3f} ({100 * other / med[fw]:.1f}%)")
+            print(f"           split (medians per step): {parts} ({100 * split['other'] / med[fw]:.1f}% other)")
     if "grpokit" in med and "trl" in med:
-        print(f"  ratio grpokit/trl: time {med['grpokit'] / med['trl']:.2f}×, memory "
-              f"{results['grpokit']['peak_rss_mb'] / results['trl']['peak_rss_mb']:.2f}×")
+        ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
+        spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+        print(f"  ratio grpokit/trl: time {med['grpokit'] / med['trl']:.2f}×{spread}, memory "
+              f"{rss['grpokit'] / rss['trl']:.2f}×")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results, "median_s": med}, indent=2))
 
