@@ -178,15 +178,16 @@ class LoopSetupMixin:
 
     def _maybe_resume(self) -> None:
         path = self.args.resume_from_checkpoint
-        if not path:
-            return
         if path == "latest":
             ckpts = sorted(self.output_dir.glob("checkpoint-*/" + STATE_FILE),
                            key=lambda p: int(p.parent.name.split("-")[-1]))
             if not ckpts:
                 logger.warning("--resume_from_checkpoint latest: no checkpoint in %s; starting fresh", self.output_dir)
-                return
-            path = str(ckpts[-1].parent)
+            path = str(ckpts[-1].parent) if ckpts else None
+        if not path:  # a fresh run: rows an earlier run left in output_dir must not mix into its logs and plots
+            self._log_file.truncate_after(0)
+            self._completions_file.truncate_after(0)
+            return
         ckpt = Path(path)
         if not (ckpt / STATE_FILE).is_file():
             raise ConfigError(f"--resume_from_checkpoint {path}: not a grpokit checkpoint (no {STATE_FILE})")

@@ -124,6 +124,10 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
     assert steps == [1, 2, 3, 4, 5, 6]
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6
+    # a fresh (not resumed) run into the same folder starts its logs anew: no rows of the earlier run in them
+    res = _cli(_base_args(tiny_model_dir, math_jsonl, out, plugin_file) + ["--max_steps", "2", "--save_steps", "9"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _rows(out)] == [1, 2]
 
 
 def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
