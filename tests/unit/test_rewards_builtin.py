@@ -48,6 +48,17 @@ def test_accuracy_math_equivalence_and_text_solutions():
     assert acc(completions, solution=solutions) == [1.0, 1.0, 1.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize(("answer", "gold"), [("12", "12"), ("12", "13"), ("-3", "-3"), ("-3", "3"), ("007", "7"),
+                                            ("-0", "0"), ("123456789012345678901", "123456789012345678901"),
+                                            ("10", " 10 ")])
+def test_integer_shortcut_agrees_with_math_verify(answer, gold):
+    from math_verify import parse, verify
+
+    from grpokit.rewards.math_rewards import _verified
+
+    assert _verified(answer, gold) == bool(verify(parse(gold), parse(answer)))
+
+
 def test_accuracy_none_solution_is_unscored():
     assert orms["accuracy"]()(["12"], solution=[None]) == [None]
 
