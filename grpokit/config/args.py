@@ -138,6 +138,8 @@ class RewardArguments:
 @dataclass
 class TrainingArguments:
     output_dir: str = _opt("output", "where logs, checkpoints, plots and the final model go")
+    overwrite_output_dir: bool = _opt(False, "a fresh run may delete the checkpoints and logs an earlier run left "
+                                             "in output_dir (otherwise it refuses to start)")
     per_device_train_batch_size: int = _opt(8, "completions per micro-step per process")
     gradient_accumulation_steps: int = _opt(1, "micro-steps per optimizer step")
     steps_per_generation: int | None = _opt(None, "micro-steps per rollout (default gradient_accumulation_steps)")

@@ -235,9 +235,24 @@ def validate(cfg: TrainConfig) -> None:
             t.resume_from_checkpoint).is_dir():
         raise ConfigError(f"--resume_from_checkpoint {t.resume_from_checkpoint}: no such folder; pass a "
                           "checkpoint-N folder or 'latest'")
+    if not t.resume_from_checkpoint:
+        earlier_run_checkpoints(t.output_dir, t.overwrite_output_dir)
     _validate_algorithm(cfg)
     _validate_structured(cfg)
     batch_plan(cfg)
+
+
+def earlier_run_checkpoints(output_dir: str | Path, overwrite: bool) -> list[Path]:
+    """Checkpoints an earlier run left in ``output_dir``, which a fresh run may replace only when told to:
+    otherwise rotation would delete the new run's checkpoints in favour of the earlier run's higher-numbered ones
+    and ``--resume_from_checkpoint latest`` would pick those up."""
+    earlier = sorted(Path(output_dir).glob("checkpoint-*"), key=lambda p: p.name)
+    if earlier and not overwrite:
+        names = ", ".join(p.name for p in earlier[:3]) + (", …" if len(earlier) > 3 else "")
+        raise ConfigError(f"--output_dir {output_dir} holds checkpoints of an earlier run ({names}): continue it with "
+                          "--resume_from_checkpoint latest, choose another --output_dir, or pass "
+                          "--overwrite_output_dir true to delete them")
+    return earlier
 
 
 def _validate_structured(cfg: TrainConfig) -> None:

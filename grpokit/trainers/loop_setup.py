@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.config.parse import earlier_run_checkpoints
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
@@ -176,6 +177,18 @@ class LoopSetupMixin:
         for old in ckpts[:-limit]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _clear_earlier_run(self) -> None:
+        """A fresh run starts with an output_dir of its own: an earlier run's checkpoints are deleted when
+        --overwrite_output_dir allows it (refused otherwise), and its log rows dropped so they cannot mix into
+        this run's logs and plots."""
+        earlier = earlier_run_checkpoints(self.output_dir, self.args.overwrite_output_dir)
+        if self.accelerator.is_main_process:
+            for old in earlier:
+                shutil.rmtree(old, ignore_errors=True)
+            self._log_file.truncate_after(0)
+            self._completions_file.truncate_after(0)
+        self.accelerator.wait_for_everyone()
+
     def _maybe_resume(self) -> None:
         path = self.args.resume_from_checkpoint
         if path == "latest":
@@ -184,9 +197,8 @@ class LoopSetupMixin:
             if not ckpts:
                 logger.warning("--resume_from_checkpoint latest: no checkpoint in %s; starting fresh", self.output_dir)
             path = str(ckpts[-1].parent) if ckpts else None
-        if not path:  # a fresh run: rows an earlier run left in output_dir must not mix into its logs and plots
-            self._log_file.truncate_after(0)
-            self._completions_file.truncate_after(0)
+        if not path:
+            self._clear_earlier_run()
             return
         ckpt = Path(path)
         if not (ckpt / STATE_FILE).is_file():

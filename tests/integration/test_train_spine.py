@@ -124,9 +124,18 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
     assert steps == [1, 2, 3, 4, 5, 6]
     state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6
-    # a fresh (not resumed) run into the same folder starts its logs anew: no rows of the earlier run in them
-    res = _cli(_base_args(tiny_model_dir, math_jsonl, out, plugin_file) + ["--max_steps", "2", "--save_steps", "9"])
+    # a fresh (not resumed) run into the same folder is refused before any model loads: rotation would delete
+    # its checkpoints in favour of the earlier run's and 'latest' would resume the earlier run
+    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + ["--max_steps", "2", "--save_steps", "9",
+                                                                         "--save_total_limit", "1"]
+    res = _cli(fresh)
+    assert res.returncode != 0
+    assert "checkpoints of an earlier run" in res.stderr and "--overwrite_output_dir true" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # told to, it replaces them: only its own checkpoint and log rows remain
+    res = _cli(fresh + ["--overwrite_output_dir", "true"])
     assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert [r["step"] for r in _rows(out)] == [1, 2]
 
 

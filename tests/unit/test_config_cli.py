@@ -101,3 +101,14 @@ def test_train_help_lists_the_ms_swift_flags():
     for flag in ("--num_generations", "--reward_funcs", "--multi_turn_scheduler", "--steps_per_generation",
                  "--loss_type", "--vllm_mode", "--external_plugins", "--resume_from_checkpoint"):
         assert flag in out.stdout, flag
+
+
+def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_path):
+    from grpokit.config.parse import earlier_run_checkpoints
+
+    assert earlier_run_checkpoints(tmp_path, overwrite=False) == []
+    for n in (2, 4, 6, 8):
+        (tmp_path / f"checkpoint-{n}").mkdir()
+    with pytest.raises(ConfigError, match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
+        earlier_run_checkpoints(tmp_path, overwrite=False)
+    assert len(earlier_run_checkpoints(tmp_path, overwrite=True)) == 4
