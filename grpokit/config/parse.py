@@ -242,11 +242,17 @@ def validate(cfg: TrainConfig) -> None:
     batch_plan(cfg)
 
 
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """The ``checkpoint-N`` folders in ``output_dir``, oldest step first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
 def earlier_run_checkpoints(output_dir: str | Path, overwrite: bool) -> list[Path]:
     """Checkpoints an earlier run left in ``output_dir``, which a fresh run may replace only when told to:
     otherwise rotation would delete the new run's checkpoints in favour of the earlier run's higher-numbered ones
     and ``--resume_from_checkpoint latest`` would pick those up."""
-    earlier = sorted(Path(output_dir).glob("checkpoint-*"), key=lambda p: p.name)
+    earlier = checkpoint_dirs(output_dir)
     if earlier and not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", …" if len(earlier) > 3 else "")
         raise ConfigError(f"--output_dir {output_dir} holds checkpoints of an earlier run ({names}): continue it with "

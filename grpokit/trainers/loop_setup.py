@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config.parse import earlier_run_checkpoints
+from grpokit.config.parse import checkpoint_dirs, earlier_run_checkpoints
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
@@ -173,8 +173,7 @@ class LoopSetupMixin:
         limit = self.args.save_total_limit
         if not limit:
             return
-        ckpts = sorted(self.output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        for old in ckpts[:-limit]:
+        for old in checkpoint_dirs(self.output_dir)[:-limit]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _clear_earlier_run(self) -> None:
@@ -192,11 +191,10 @@ class LoopSetupMixin:
     def _maybe_resume(self) -> None:
         path = self.args.resume_from_checkpoint
         if path == "latest":
-            ckpts = sorted(self.output_dir.glob("checkpoint-*/" + STATE_FILE),
-                           key=lambda p: int(p.parent.name.split("-")[-1]))
+            ckpts = [c for c in checkpoint_dirs(self.output_dir) if (c / STATE_FILE).is_file()]
             if not ckpts:
                 logger.warning("--resume_from_checkpoint latest: no checkpoint in %s; starting fresh", self.output_dir)
-            path = str(ckpts[-1].parent) if ckpts else None
+            path = str(ckpts[-1]) if ckpts else None
         if not path:
             self._clear_earlier_run()
             return
