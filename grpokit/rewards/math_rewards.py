@@ -71,22 +71,26 @@ def _parse_gold(solution: str, timeout: int | None) -> tuple:
     return tuple(parse(tags[-1] if tags else solution, parsing_timeout=timeout))
 
 
+_INTEGER_RE = re.compile(r"-?\d+")
+
+
 def _plain(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().strip(".!").strip().lower()
 
 
 def answer_matches(completion: str, solution: str) -> bool:
     """True when the completion's extracted answer equals the solution (math-verify, else plain text)."""
-    gold = _parse_gold(str(solution), _timeout())
+    solution = str(solution)
+    if _INTEGER_RE.fullmatch(solution.strip()):  # math for sure: skip parsing the gold (~3 ms for each new one)
+        answer = extract_answer(completion)
+        return answer is not None and _verified(answer, solution)
+    gold = _parse_gold(solution, _timeout())
     if not gold:  # not math: compare the tagged/boxed answer, or the whole reply, as text
         tags = _ANSWER_RE.findall(completion)
         answer = tags[-1] if tags else (last_boxed(completion) or completion)
-        return _plain(answer) == _plain(str(solution))
+        return _plain(answer) == _plain(solution)
     answer = extract_answer(completion)
-    return answer is not None and _verified(answer, str(solution))
-
-
-_INTEGER_RE = re.compile(r"-?\d+")
+    return answer is not None and _verified(answer, solution)
 
 
 @functools.lru_cache(maxsize=65536)

@@ -8,7 +8,7 @@ import pytest
 
 from grpokit.errors import ConfigError
 from grpokit.rewards import orms, prms
-from grpokit.rewards.math_rewards import extract_answer, last_boxed, last_number
+from grpokit.rewards.math_rewards import answer_matches, extract_answer, last_boxed, last_number
 from grpokit.rewards.shape_rewards import CosineReward, RepetitionPenalty, SoftOverlong
 from grpokit.rewards.toolbench import argument_f1, parse_react, rouge_l
 
@@ -57,6 +57,18 @@ def test_integer_shortcut_agrees_with_math_verify(answer, gold):
     from grpokit.rewards.math_rewards import _verified
 
     assert _verified(answer, gold) == bool(verify(parse(gold), parse(answer)))
+
+
+@pytest.mark.parametrize("completion", ["so 2", "\\boxed{\\frac{4}{2}}", "<answer>2.0</answer>", "two", "",
+                                        "\\boxed{3}", "<answer>1,000</answer>"])
+@pytest.mark.parametrize("gold", ["2", "1000", " 2 "])
+def test_integer_gold_verdict_agrees_with_math_verify(completion, gold):
+    """An integer solution is not parsed by math-verify first (it is math for sure); the verdict is unchanged."""
+    from math_verify import parse, verify
+
+    answer = extract_answer(completion)
+    expected = answer is not None and bool(verify(parse(gold), parse(answer)))
+    assert answer_matches(completion, gold) == expected
 
 
 def test_accuracy_none_solution_is_unscored():
