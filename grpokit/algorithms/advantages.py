@@ -100,7 +100,8 @@ def reinforce_plus_plus_baseline(ctx: AdvantageContext) -> Centered:
 
 @SCALE_MODES.register("group")
 def scale_by_group_std(c: Centered, ctx: AdvantageContext) -> Tensor:
-    std = group_stats(c.std_source, ctx.groups).std[ctx.groups.index]  # [M]
+    stats = ctx.reward_stats if c.std_source is ctx.rewards else group_stats(c.std_source, ctx.groups)
+    std = stats.std[ctx.groups.index]  # [M]
     return c.advantages / (std + ctx.eps)
 
 
@@ -238,10 +239,12 @@ def _batch_stats(x: Tensor) -> GroupStats:
 def _metrics(ctx: AdvantageContext, advantages: Tensor, reward_names: Sequence[str] | None) -> dict[str, float]:
     group_std = ctx.reward_stats.std  # [G]
     adv_stats = _batch_stats(advantages)
+    # the summed reward and each function's, [M, 1 + F], in one NaN-aware pass
+    reward_stats = _batch_stats(torch.cat([ctx.rewards[:, None], ctx.rewards_per_func], dim=1))
     values = {
-        "reward/mean": _batch_stats(ctx.rewards).mean[0],
+        "reward/mean": reward_stats.mean[0, 0],
         "reward/std": group_std.mean(),
-        "reward/batch_std": _batch_stats(ctx.rewards).std[0],
+        "reward/batch_std": reward_stats.std[0, 0],
         "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).to(group_std.dtype).mean(),
         "advantages/mean": adv_stats.mean[0],
         "advantages/std": adv_stats.std[0],
@@ -249,11 +252,12 @@ def _metrics(ctx: AdvantageContext, advantages: Tensor, reward_names: Sequence[s
         "advantages/max": advantages.max(),
     }
     if reward_names is not None:
-        func_stats = _batch_stats(ctx.rewards_per_func)  # [1, F], NaN-aware
-        nan = torch.full_like(func_stats.mean, float("nan"))
-        scored = func_stats.n > 0  # a function that scored nothing reports NaN, not 0
+        scored = reward_stats.n[0, 1:] > 0  # a function that scored nothing reports NaN, not 0
+        nan = torch.full_like(reward_stats.mean[0, 1:], float("nan"))
+        means = torch.where(scored, reward_stats.mean[0, 1:], nan)
+        stds = torch.where(scored, reward_stats.std[0, 1:], nan)
         for i, name in enumerate(reward_names):
-            values[f"rewards/{name}/mean"] = torch.where(scored, func_stats.mean, nan)[0, i]
-            values[f"rewards/{name}/std"] = torch.where(scored, func_stats.std, nan)[0, i]
+            values[f"rewards/{name}/mean"] = means[i]
+            values[f"rewards/{name}/std"] = stds[i]
     floats = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
     return dict(zip(values.keys(), floats, strict=True))
