@@ -110,3 +110,26 @@ def test_infer_on_loop_thread_runs_on_the_callers_thread():
     _run_twice(engine)
     assert [t for t, _ in engine.seen] == [threading.current_thread()] * 2
     assert engine._worker is None  # never started
+
+
+def test_rollouts_reuse_one_event_loop_per_thread_and_leave_sigint_alone():
+    import asyncio
+    import signal
+
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    class LoopEngine(WhereEngine):
+        def infer(self, requests, config):
+            loops.append(asyncio.get_event_loop())
+            return super().infer(requests, config)
+
+    engine = LoopEngine()
+    engine.infer_on_loop_thread = True
+    handler = signal.getsignal(signal.SIGINT)
+    _run_twice(engine)
+    other = threading.Thread(target=_run_twice, args=(engine,))
+    other.start()
+    other.join()
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert loops[0] is loops[1] and loops[2] is loops[3] and loops[0] is not loops[2]
+    assert len(engine.seen) == 4
