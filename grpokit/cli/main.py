@@ -38,6 +38,8 @@ def infer_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="write the scores and completions as JSON lines here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
+                   help="grpokit's decode loop for Llama/Qwen2/Qwen3 models (false: HF generate)")
 
     def error(message):
         _fail(f"grpokit infer: {message} (see `grpokit infer --help`)")

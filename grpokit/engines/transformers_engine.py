@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from grpokit.engines.base import InferEngine
+from grpokit.engines.fast_decode import FastDecoder, Unsupported, sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.rollout.protocol import (
@@ -16,6 +18,8 @@ from grpokit.rollout.protocol import (
     RolloutInferRequest,
 )
 from grpokit.template.encode import ChatTemplate
+
+logger = logging.getLogger(__name__)
 
 
 class TransformersEngine(InferEngine):
@@ -33,6 +37,9 @@ class TransformersEngine(InferEngine):
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
         self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
                                                           template.pad_token_id)
+        self.fast_decode = True  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
+        self._fallback_reasons: set[str] = set()
+        self._stop_criteria: dict[tuple[str, ...], object] = {}
 
     # ------------------------------------------------------------------------------------------------------
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
@@ -57,72 +64,105 @@ class TransformersEngine(InferEngine):
         device = next(model.parameters()).device
         pad = self.template.pad_token_id
         width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):  # left padding
-            input_ids[row, width - len(p):] = torch.tensor(p)
-            attention[row, width - len(p):] = 1
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         greedy = config.temperature == 0
+        structured = self.logits_processor_factory(config, width) if self.logits_processor_factory else None
+        stopping = self._stopping(config.stop)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        ids, att = input_ids.to(device), attention.to(device)
+        fast = self._fast_decoder(model)  # reads LoRA updates itself: no merge, and no dropout, so the model's
+        if fast is not None:  # train/eval mode and gradient checkpointing do not matter here
+            procs = sampling_processors(greedy=greedy, temperature=config.temperature, top_k=config.top_k,
+                                        top_p=config.top_p, repetition_penalty=config.repetition_penalty,
+                                        extra=structured)
+            new, logprobs = fast.generate(ids, att, config.max_tokens, eos_token_id=self.template.eos_token_id,
+                                          pad_token_id=pad, greedy=greedy, processors=procs, stopping=stopping,
+                                          want_logprobs=config.logprobs)
+        else:
+            with _no_gradient_checkpointing(model), _lora_merged(model):
+                new, logprobs = self._hf_generate(model, ids, att, config, greedy, structured, stopping)
+        rows = [self._trim(row) for row in new.tolist()]
+        texts = self.tokenizer.batch_decode([ids for ids, _ in rows], skip_special_tokens=True)
+        lps = [None] * len(rows) if logprobs is None else logprobs.float().cpu().tolist()
+        return [self._choice(ids, finish, text, lp, config)
+                for (ids, finish), text, lp in zip(rows, texts, lps, strict=True)]
+
+    def _hf_generate(self, model, ids, att, config: RequestConfig, greedy: bool, structured, stopping):
+        """HF ``generate``: (new tokens [B, T], log-probabilities of them under the processed logits or None)."""
+        width = ids.shape[1]
         kwargs = dict(
             max_new_tokens=config.max_tokens,
             do_sample=not greedy,
-            pad_token_id=pad,
+            pad_token_id=self.template.pad_token_id,
             eos_token_id=self.template.eos_token_id,
             use_cache=True,
             return_dict_in_generate=True,
             output_scores=config.logprobs,
             repetition_penalty=config.repetition_penalty,
         )
-        if not greedy:
-            kwargs.update(temperature=config.temperature, top_p=config.top_p,
-                          top_k=config.top_k if config.top_k > 0 else None)
+        if not greedy:  # top-k off is 0 for HF generate (-1 or 0 in RequestConfig)
+            kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=max(config.top_k, 0))
         else:  # silence generation_config sampling defaults in greedy mode
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        if config.stop:
-            kwargs.update(stop_strings=list(config.stop), tokenizer=self.tokenizer)
-        if self.logits_processor_factory is not None:
-            lp = self.logits_processor_factory(config, width)
-            if lp is not None:
-                kwargs["logits_processor"] = lp
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
+        if stopping is not None:
+            kwargs["stopping_criteria"] = stopping
+        if structured is not None:
+            kwargs["logits_processor"] = structured
+        share = worth_sharing(model) if self.share_prompts is None else self.share_prompts
+        cache = prefill_shared_prompts(model, ids, att) if share else None
+        if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on
+            kwargs[cache_kwarg(model)] = cache
         was_training = model.training
         model.eval()
         try:
-            with _no_gradient_checkpointing(model), _lora_merged(model):
-                ids, att = input_ids.to(device), attention.to(device)
-                share = worth_sharing(model) if self.share_prompts is None else self.share_prompts
-                cache = prefill_shared_prompts(model, ids, att) if share else None
-                if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on
-                    kwargs[cache_kwarg(model)] = cache
-                gen = model.generate(input_ids=ids, attention_mask=att, **kwargs)
+            gen = model.generate(input_ids=ids, attention_mask=att, **kwargs)
         finally:
             model.train(was_training)
-        new = gen.sequences[:, width:].cpu()
-        logprobs = None
-        if config.logprobs:
-            scores = torch.stack(gen.scores, dim=1).float()  # [B, T, V] processed (temperature, top-k/p) logits
-            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1).to(scores.device)).squeeze(-1)
-            logprobs = logprobs.cpu()
-        return [self._choice(new[row], None if logprobs is None else logprobs[row], config)
-                for row in range(new.shape[0])]
+        new = gen.sequences[:, width:]
+        if not config.logprobs:
+            return new, None
+        scores = torch.stack(gen.scores, dim=1).float()  # [B, T, V] processed (temperature, top-k/p) logits
+        return new, torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
 
-    def _choice(self, ids_T: torch.Tensor, lp_T: torch.Tensor | None, config: RequestConfig):
-        ids = ids_T.tolist()
+    def _fast_decoder(self, model) -> FastDecoder | None:
+        if not self.fast_decode:
+            return None
+        try:
+            return FastDecoder(model)
+        except Unsupported as e:
+            if str(e) not in self._fallback_reasons:
+                self._fallback_reasons.add(str(e))
+                logger.info("transformers engine: sampling with HF generate, not grpokit's fast decode loop: %s", e)
+            return None
+
+    def _stopping(self, stop: list[str] | None):
+        """HF's stop-string criterion for these strings (built once per set: building it scans the vocabulary)."""
+        if not stop:
+            return None
+        key = tuple(stop)
+        if key not in self._stop_criteria:
+            from transformers import StoppingCriteriaList, StopStringCriteria
+
+            self._stop_criteria[key] = StoppingCriteriaList([StopStringCriteria(self.tokenizer, list(stop))])
+        return self._stop_criteria[key]
+
+    def _trim(self, ids: list[int]) -> tuple[list[int], str]:
+        """A row's tokens up to its end (eos kept, padding dropped) and why it ended."""
         eos, pad = self.template.eos_token_id, self.template.pad_token_id
-        finish = "length"
         if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-            finish = "stop"
-        elif pad != eos and pad in ids:  # finished early by a stop string; the rest is padding
-            ids = ids[: ids.index(pad)]
-            finish = "stop"
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            return ids[: ids.index(eos) + 1], "stop"
+        if pad != eos and pad in ids:  # finished early by a stop string; the rest is padding
+            return ids[: ids.index(pad)], "stop"
+        return ids, "length"
+
+    def _choice(self, ids: list[int], finish: str, text: str, lp: list[float] | None, config: RequestConfig):
         if finish == "length" and config.stop and any(text.endswith(s) for s in config.stop):
             finish = "stop"
         lps = None
-        if lp_T is not None:
-            lps = {"content": [{"token_id": t, "logprob": float(v)} for t, v in zip(ids, lp_T[: len(ids)].tolist())]}
+        if lp is not None:
+            lps = {"content": [{"token_id": t, "logprob": v} for t, v in zip(ids, lp)]}
         return ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason=finish,
                                             token_ids=ids, logprobs=lps)
 

@@ -43,6 +43,8 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_body_mb", type=float, default=64.0, help="largest request body (more: 413)")
     p.add_argument("--max_batch_size", type=int, default=256,
                    help="sequences per generate() call (vllm: max_num_seqs)")
+    p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
+                   help="transformers engine: grpokit's decode loop for Llama/Qwen2/Qwen3 (false: HF generate)")
 
     def error(message: str) -> None:
         raise ConfigError(f"grpokit rollout: {message} (see `grpokit rollout --help`)")
@@ -93,7 +95,8 @@ def options_from_argv(argv: list[str]):
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
-                         max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size)
+                         max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,
+                         fast_decode=a.fast_decode == "true")
 
 
 def run_rollout_cli(argv: list[str]) -> None:

@@ -28,6 +28,7 @@ class ServerOptions:
     max_body_mb: float = 64.0
     torch_dtype: str = "auto"
     max_batch_size: int = 256
+    fast_decode: bool = True  # transformers engine: grpokit's decode loop where the model allows it
 
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "vllm"):
@@ -121,4 +122,6 @@ def build_state(options: ServerOptions) -> ServerState:
                           "model folder)")
     load_plugins(options.external_plugins)
     engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size)
+    if hasattr(engine, "fast_decode"):
+        engine.fast_decode = options.fast_decode
     return ServerState(options, engine, build_scheduler(options, engine))

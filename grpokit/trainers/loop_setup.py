@@ -88,6 +88,8 @@ class LoopSetupMixin:
 
     def _setup_rollout(self, scheduler, engine) -> None:
         self.engine = engine or TransformersEngine(self.model, self.template, unwrap=self.accelerator.unwrap_model)
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.fast_decode = self.cfg.rollout.fast_decode
         check_engine(self.accelerator, self.engine)
         self.engine.infer_on_loop_thread = True  # our own rollout loop: generate on this thread (engines/base.py)
         self.scheduler = scheduler or RolloutScheduler(self.engine)

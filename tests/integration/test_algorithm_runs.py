@@ -107,3 +107,26 @@ def test_invalid_combinations_fail_at_start(tiny_model_dir, math_jsonl, extra, n
 
     with pytest.raises(ConfigError, match=needle):
         parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), *extra])
+
+
+@pytest.mark.parametrize("fast", ["true", "false"])
+def test_fast_decode_flag_chooses_the_sampler(tiny_model_dir, math_jsonl, tmp_path, plugin, monkeypatch, fast):
+    from transformers.generation.utils import GenerationMixin
+
+    from grpokit.engines.fast_decode import FastDecoder
+
+    calls = {"fast": 0, "hf": 0}
+    fast_generate, hf_generate = FastDecoder.generate, GenerationMixin.generate
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(FastDecoder, "generate", counting("fast", fast_generate))
+    monkeypatch.setattr(GenerationMixin, "generate", counting("hf", hf_generate))
+    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin, ["--fast_decode", fast])
+    assert trainer.engine.fast_decode is (fast == "true")
+    assert calls == ({"fast": 1, "hf": 0} if fast == "true" else {"fast": 0, "hf": 1})  # one window: 2 steps
+    assert all(math.isfinite(r["loss"]) for r in rows)

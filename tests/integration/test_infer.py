@@ -28,6 +28,19 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
     assert {"prompt", "completion", "accuracy"} <= set(lines[1])
 
 
+def test_infer_greedy_completions_are_the_same_with_hf_generate(tiny_model_dir, math_jsonl, tmp_path):
+    """--fast_decode reaches `grpokit infer`; both samplers give the same greedy text (token-level equivalence on
+    models with varied output is tested in tests/unit/test_fast_decode.py)."""
+    rows = {}
+    for flag in ("true", "false"):
+        out = tmp_path / f"fast_{flag}.jsonl"
+        res = _infer("--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--limit", "4",
+                     "--max_new_tokens", "8", "--output", str(out), "--fast_decode", flag)
+        assert res.returncode == 0, res.stderr[-2000:]
+        rows[flag] = [json.loads(x) for x in out.read_text().splitlines()][1:]
+    assert [r["completion"] for r in rows["true"]] == [r["completion"] for r in rows["false"]]
+
+
 def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train

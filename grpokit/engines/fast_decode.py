@@ -1,0 +1,395 @@
+"""A lean decode loop for Llama-family decoders, used by the transformers engine instead of HF ``generate``.
+
+HF ``generate`` runs the model's general forward once per new token: attention-mask construction, a KV cache
+that grows by one ``torch.cat`` per layer per token, module hooks and output objects. On a small model that
+per-call work, not arithmetic, is the decode time (bench/bench_engine.py). This loop does the same arithmetic
+in fewer operations:
+
+- q/k/v and gate/up run as one matmul each (their weights concatenated once per call, LoRA updates added);
+- the KV cache is preallocated and written in place; the rotary tables for every position are computed once,
+  by the model's own rotary module (so its RoPE variant and scaling are the model's);
+- each distinct prompt is prefilled once and its cache copied out to the rows that share it;
+- a token is drawn by inverse CDF: one uniform number per row, not one per vocabulary entry.
+
+The logits processors, stop-string criteria and sampling warpers are HF's own classes, applied in the order
+``generate`` applies them, so the distribution sampled is ``generate``'s (tests compare logits and sampled
+frequencies). Only the random stream differs.
+
+Building a ``FastDecoder`` raises ``Unsupported`` for anything this file does not reproduce exactly, and the engine
+then uses HF ``generate``: another architecture, sliding-window attention, RoPE tables that depend on the sequence
+length, quantised or sharded weights, adapters other than plain LoRA on linear layers (DoRA, LoRA on the
+embedding, other peft tuners), or a model ``generation_config`` option not implemented here. LoRA adapters are
+not merged into the model: their update is added as the fused weights are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
+# generation_config fields that make HF generate add a processor or change the search; not implemented here.
+HF_ONLY_GENERATION_OPTIONS = (
+    "min_length", "min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "forced_bos_token_id",
+    "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty",
+    "renormalize_logits", "remove_invalid_values", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "watermarking_config", "num_beams", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens", "max_time",
+    "stop_strings", "num_return_sequences",
+)
+CACHE_CHUNK = 256  # the KV cache grows by this many positions at a time
+
+
+class Unsupported(Exception):
+    """This model (or its current state) is outside what the lean loop reproduces exactly."""
+
+
+@dataclass
+class _Dense:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _Norm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # As the HF RMSNorm of these models: statistics in float32, weight applied in the input dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    attn_norm: _Norm
+    qkv: _Dense
+    qk_norm: _Norm | None  # Qwen3: one RMSNorm over the head dim, q's weight on q heads and k's on k heads
+    scaling: float
+    out: _Dense
+    mlp_norm: _Norm
+    gate_up: _Dense
+    act: object
+    down: _Dense
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the HF model
+
+
+def _plain(module, kind: type, shape: tuple[int, ...], name: str):
+    """The plain torch layer behind ``module`` (a peft layer gives its base layer) and the LoRA factors its
+    forward adds to the base weight: [(A, B, scale)], empty when none applies."""
+    lora = []
+    if getattr(module, "base_layer", None) is not None:
+        if kind is not torch.nn.Linear:
+            raise Unsupported(f"{name}: adapters on a {kind.__name__} layer")
+        lora = _lora_factors(module, name)
+        module = module.base_layer
+    if type(module) is not kind:
+        raise Unsupported(f"{name}: {type(module).__name__} layers")
+    w = module.weight
+    if tuple(w.shape) != shape or hasattr(w, "ds_id") or type(w.data) is not torch.Tensor:
+        raise Unsupported(f"{name}: sharded or reshaped weights ({tuple(w.shape)}, expected {shape})")
+    return module, lora
+
+
+def _lora_factors(module, name: str) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A [r, in], B [out, r], scale) of each active adapter of a peft LoRA layer: its forward adds
+    x·(B·A·scale)ᵀ to the base layer's output. Empty when merged (already in the base weight) or disabled."""
+    if not hasattr(module, "lora_A") or not hasattr(module, "scaling"):
+        raise Unsupported(f"{name}: {type(module).__name__} adapters (LoRA only)")
+    if module.disable_adapters:
+        if module.merged:
+            raise Unsupported(f"{name}: LoRA adapters merged but disabled")
+        return []
+    if module.merged:
+        return []
+    if getattr(module, "fan_in_fan_out", False):
+        raise Unsupported(f"{name}: fan_in_fan_out LoRA layers")
+    factors = []
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A:
+            continue
+        if module.use_dora.get(adapter) or getattr(module, "lora_bias", {}).get(adapter) \
+                or adapter in (getattr(module, "lora_variant", None) or {}):
+            raise Unsupported(f"{name}: DoRA, a LoRA bias or another LoRA variant (adapter {adapter!r})")
+        factors.append((module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter])))
+    return factors
+
+
+def _write_weight(out: torch.Tensor, weight: torch.Tensor, lora: list) -> None:
+    """out = weight + Σ scale·B·A, in one pass over ``out``."""
+    if not lora:
+        out.copy_(weight)
+        return
+    for i, (a, b, scale) in enumerate(lora):
+        base = weight if i == 0 else out
+        if out.device.type == "cpu" and out.dtype in (torch.float16, torch.bfloat16):  # slow half matmuls on CPU
+            out.copy_(base + (b.float() @ a.float() * scale).to(out.dtype))
+        else:
+            torch.addmm(base, b, a, alpha=scale, out=out)
+
+
+def _dense(modules: list, shapes: list[tuple[int, int]], name: str) -> _Dense:
+    """One linear map for several same-input linears (their outputs concatenated), LoRA updates added. The base
+    weights are only read: with LoRA the sum is written to a new tensor, so nothing is merged and unmerged."""
+    parts = [_plain(m, torch.nn.Linear, s, name) for m, s in zip(modules, shapes, strict=True)]
+    if len(parts) == 1 and not parts[0][1]:
+        return _Dense(parts[0][0].weight, parts[0][0].bias)
+    first = parts[0][0].weight
+    weight = first.new_empty((sum(s[0] for s in shapes), shapes[0][1]))
+    row = 0
+    for (layer, lora), (rows, _) in zip(parts, shapes, strict=True):
+        _write_weight(weight[row:row + rows], layer.weight, lora)
+        row += rows
+    biases = [layer.bias for layer, _ in parts]
+    if all(b is None for b in biases):
+        return _Dense(weight, None)
+    bias = torch.cat([b if b is not None else first.new_zeros(rows)
+                      for b, (rows, _) in zip(biases, shapes, strict=True)])
+    return _Dense(weight, bias)
+
+
+def _norm(module, size: int, name: str) -> _Norm:
+    w = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if w is None or eps is None or tuple(w.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
+        raise Unsupported(f"{name}: {type(module).__name__} is not the RMSNorm of these models")
+    return _Norm(w, float(eps))
+
+
+def _check_config(model) -> None:
+    cfg = model.config
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        raise Unsupported(f"architecture {arch} (supported: {', '.join(ARCHITECTURES)})")
+    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types",
+                                                                                              None) or []):
+        raise Unsupported("sliding-window attention layers")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        raise Unsupported(f"weights spread over devices {sorted(map(str, devices))} (device_map or offloading)")
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        raise Unsupported(f"rope type {rope!r} (its tables depend on the sequence length)")
+    defaults = GenerationConfig()
+    gc = getattr(model, "generation_config", None)
+    for key in HF_ONLY_GENERATION_OPTIONS:
+        value = getattr(gc, key, None)
+        if value is not None and value != getattr(defaults, key, None):
+            raise Unsupported(f"generation_config.{key}={value!r}")
+
+
+class FastDecoder:
+    """The model's decoder stack as flat weights, read from the live parameters when built (build one per call:
+    the weights change with every optimizer step and LoRA merge)."""
+
+    @torch.no_grad()
+    def __init__(self, model) -> None:
+        model = _base(model)
+        _check_config(model)
+        cfg = model.config
+        self.hidden = cfg.hidden_size
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
+        h, hd, nq, nkv = self.hidden, self.head_dim, self.n_heads, self.n_kv
+        inner = model.model
+        self.rotary = inner.rotary_emb
+        self.embed = _plain(inner.embed_tokens, torch.nn.Embedding, (cfg.vocab_size, h), "embed_tokens")[0].weight
+        self.final_norm = _norm(inner.norm, h, "norm")
+        self.lm_head = _dense([model.lm_head], [(cfg.vocab_size, h)], "lm_head")
+        act = F.silu if cfg.hidden_act in ("silu", "swish") else inner.layers[0].mlp.act_fn
+        self.layers = [self._layer(i, layer, h, hd, nq, nkv, act) for i, layer in enumerate(inner.layers)]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    @staticmethod
+    def _layer(i: int, layer, h: int, hd: int, nq: int, nkv: int, act) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = None
+        if hasattr(attn, "q_norm"):
+            qn, kn = _norm(attn.q_norm, hd, f"layers.{i}.q_norm"), _norm(attn.k_norm, hd, f"layers.{i}.k_norm")
+            if qn.eps != kn.eps:
+                raise Unsupported(f"layers.{i}: q_norm and k_norm with different eps")
+            qk_norm = _Norm(torch.cat([qn.weight.expand(nq, hd), kn.weight.expand(nkv, hd)]), qn.eps)
+        inter = (getattr(mlp.down_proj, "base_layer", None) or mlp.down_proj).in_features
+        return _Layer(
+            attn_norm=_norm(layer.input_layernorm, h, f"layers.{i}.input_layernorm"),
+            qkv=_dense([attn.q_proj, attn.k_proj, attn.v_proj], [(nq * hd, h), (nkv * hd, h), (nkv * hd, h)],
+                       f"layers.{i}.self_attn"),
+            qk_norm=qk_norm,
+            scaling=float(getattr(attn, "scaling", hd ** -0.5)),
+            out=_dense([attn.o_proj], [(h, nq * hd)], f"layers.{i}.o_proj"),
+            mlp_norm=_norm(layer.post_attention_layernorm, h, f"layers.{i}.post_attention_layernorm"),
+            gate_up=_dense([mlp.gate_proj, mlp.up_proj], [(inter, h), (inter, h)], f"layers.{i}.mlp"),
+            act=act,
+            down=_dense([mlp.down_proj], [(h, inter)], f"layers.{i}.down_proj"),
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and a sign-folded sin, [B, L, 1, head_dim], so that rope(x) = x·cos + roll(x, half)·sin."""
+        cos, sin = self.rotary(self.embed, positions)
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        return cos[:, :, None], sin[:, :, None]
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """KV cache room for ``length`` positions (grown in CACHE_CHUNK steps, keeping what is written)."""
+        have = self.k_cache[0].shape[2] if self.k_cache else 0
+        if have >= length:
+            return
+        size = max(length, have + CACHE_CHUNK)
+        shape = (rows, self.n_kv, size, self.head_dim)
+        for caches in (self.k_cache, self.v_cache):
+            for i in range(len(self.layers)):
+                new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if have:
+                    new[:, :, :have] = caches[i]
+                    caches[i] = new
+                else:
+                    caches.append(new)
+
+    def _forward(self, x: torch.Tensor, start: int, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [B, n, H] after the decoder stack, for tokens at cache positions start..start+n-1."""
+        b, n, _ = x.shape
+        nq, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        end = start + n
+        for layer, kc, vc in zip(self.layers, k_cache, v_cache, strict=True):
+            qkv = layer.qkv(layer.attn_norm(x)).view(b, n, nq + 2 * nkv, hd)
+            qk, v = qkv.split([nq + nkv, nkv], dim=2)
+            if layer.qk_norm is not None:
+                qk = layer.qk_norm(qk)
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin).transpose(1, 2)
+            kc[:, :, start:end] = qk[:, nq:]
+            vc[:, :, start:end] = v.transpose(1, 2)
+            o = F.scaled_dot_product_attention(qk[:, :nq], kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
+                                               scale=layer.scaling, enable_gqa=nq != nkv)
+            x = x + layer.out(o.transpose(1, 2).reshape(b, n, nq * hd))
+            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
+            x = x + layer.down(layer.act(gate) * up)
+        return x
+
+    def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(hidden_last)).float()
+
+    def _prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, cos, sin, total: int) -> torch.Tensor:
+        """Run the prompts; fill the cache of every row; logits of each row's last prompt token [B, V].
+        Rows with the same prompt (a group's num_generations copies) run once."""
+        b, p = input_ids.shape
+        uniq, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
+        shared = 2 * len(uniq) <= b
+        if shared:
+            first = torch.full((len(uniq),), b, dtype=torch.long, device=input_ids.device)
+            first = first.scatter_reduce(0, inverse, torch.arange(b, device=input_ids.device), reduce="amin")
+        rows = first if shared else slice(None)
+        ids, valid = input_ids[rows], key_valid[rows]
+        r = ids.shape[0]
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+        # padding queries (left of a shorter prompt) attend to themselves only: finite, and never read
+        mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)
+        shape = (r, self.n_kv, p, self.head_dim)
+        k_tmp = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        v_tmp = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        hidden = self._forward(F.embedding(ids, self.embed), 0, mask[:, None], cos[rows, :p], sin[rows, :p],
+                               k_tmp, v_tmp)
+        logits = self._logits(hidden[:, -1])
+        self.k_cache, self.v_cache = [], []
+        self._reserve(b, min(total, p + CACHE_CHUNK))
+        for dst, src in zip(self.k_cache + self.v_cache, k_tmp + v_tmp, strict=True):
+            dst[:, :, :p] = src[inverse] if shared else src
+        return logits[inverse] if shared else logits
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
+                 eos_token_id: int, pad_token_id: int, greedy: bool,
+                 processors: LogitsProcessorList | None = None, stopping: StoppingCriteriaList | None = None,
+                 want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """New tokens [B, T'] (pad after a row finishes; T' < max_new_tokens when every row stopped early) and,
+        with ``want_logprobs``, each token's log-probability under the processed distribution [B, T'].
+        ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers included)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        b, p = input_ids.shape
+        t_max = max_new_tokens
+        dev = input_ids.device
+        key_valid = torch.cat([attention_mask.bool(), torch.ones(b, t_max, dtype=torch.bool, device=dev)], dim=1)
+        positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self._rope_tables(positions)
+        seqs = torch.cat([input_ids, input_ids.new_full((b, t_max), pad_token_id)], dim=1)  # what processors see
+        uniform = None if greedy else torch.rand(t_max, b, 1, device=dev)
+        try:
+            logits = self._prefill(input_ids, key_valid[:, :p], cos, sin, p + t_max)
+            unfinished = torch.ones(b, dtype=torch.bool, device=dev)
+            tokens, logprobs = [], []
+            for t in range(t_max):
+                cur = p + t
+                scores = processors(seqs[:, :cur], logits) if processors else logits
+                tok = scores.argmax(-1) if greedy else _inverse_cdf(scores.softmax(-1), uniform[t])
+                if want_logprobs:
+                    logprobs.append(scores.log_softmax(-1).gather(1, tok[:, None])[:, 0])
+                tok = torch.where(unfinished, tok, pad_token_id)
+                seqs[:, cur] = tok
+                tokens.append(tok)
+                unfinished &= tok != eos_token_id
+                if stopping:
+                    unfinished &= ~stopping(seqs[:, :cur + 1], scores)
+                if t == t_max - 1 or not bool(unfinished.any()):
+                    break
+                self._reserve(b, cur + 1)
+                hidden = self._forward(F.embedding(tok[:, None], self.embed), cur,
+                                       key_valid[:, None, None, :cur + 1], cos[:, cur:cur + 1],
+                                       sin[:, cur:cur + 1], self.k_cache, self.v_cache)
+                logits = self._logits(hidden[:, -1])
+        finally:
+            self.k_cache, self.v_cache = [], []
+        new = torch.stack(tokens, dim=1)
+        return new, (torch.stack(logprobs, dim=1) if want_logprobs else None)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from ``probs`` [B, V] given uniforms ``u`` [B, 1] in [0, 1): the first index whose
+    cumulative probability exceeds u·total. Zero-probability entries add nothing to the running sum, so they are
+    never the first to exceed it; u·total is kept strictly below the total against float rounding."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0]
+
+
+
+def sampling_processors(*, greedy: bool, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
+                        extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
+    """The processors HF ``generate`` builds for these settings, in its order: repetition penalty, the caller's
+    own processors (``extra``), then for sampling temperature, top-k and top-p."""
+    procs = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    procs.extend(extra or [])
+    if not greedy:
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            procs.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+    return procs
