@@ -336,7 +336,7 @@ class FastDecoder:
         positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
         cos, sin = self._rope_tables(positions)
         seqs = torch.cat([input_ids, input_ids.new_full((b, t_max), pad_token_id)], dim=1)  # what processors see
-        uniform = None if greedy else torch.rand(t_max, b, 1, device=dev)
+        uniform = None if greedy else torch.rand(t_max, b, 1, device=dev, dtype=torch.float64)
         try:
             logits = self._prefill(input_ids, key_valid[:, :p], cos, sin, p + t_max)
             unfinished = torch.ones(b, dtype=torch.bool, device=dev)
@@ -369,8 +369,10 @@ class FastDecoder:
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from ``probs`` [B, V] given uniforms ``u`` [B, 1] in [0, 1): the first index whose
     cumulative probability exceeds u·total. Zero-probability entries add nothing to the running sum, so they are
-    never the first to exceed it; u·total is kept strictly below the total against float rounding."""
-    cdf = probs.cumsum(-1)
+    never the first to exceed it; u·total is kept strictly below the total against float rounding. The running
+    sum is in float64: in float32, once it passes 0.5 a token of probability below ~3e-8 would add nothing and
+    never be drawn."""
+    cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]

@@ -32,8 +32,8 @@ class TransformersEngine(InferEngine):
         self.tokenizer = template.tokenizer
         self.max_batch_size = max_batch_size
         self._unwrap = unwrap or (lambda m: m)  # e.g. accelerator.unwrap_model
-        self.share_prompts: bool | None = None  # prefill each distinct prompt once; None: when the model is big
-        # enough for it to pay off (engines/prefix.py)
+        self.share_prompts: bool | None = None  # on HF generate: prefill each distinct prompt once; None: when the
+        # model is big enough for it to pay off (engines/prefix.py). The fast loop always shares.
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
         self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
                                                           template.pad_token_id)

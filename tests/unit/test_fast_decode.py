@@ -72,8 +72,9 @@ def test_sampled_tokens_logprobs_equal_the_models_forward(arch, shared):
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def _check_logprobs(model, shared: bool) -> None:
-    ids, att = _prompts(shared)
+def _check_logprobs(model, shared: bool, device: str = "cpu") -> None:
+    model = model.to(device)
+    ids, att = (t.to(device) for t in _prompts(shared))
     torch.manual_seed(0)
     new, lps = FastDecoder(model).generate(ids, att, 6, eos_token_id=-1, pad_token_id=0, greedy=False,
                                            want_logprobs=True)
@@ -93,6 +94,15 @@ def test_kv_cache_growth_keeps_what_is_written(monkeypatch):
 
     monkeypatch.setattr(fd, "CACHE_CHUNK", 2)
     _check_logprobs(_model("qwen3"), shared=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama+lora"])
+def test_on_cuda_logprobs_equal_the_models_forward(arch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = _model(arch.split("+")[0])
+    _check_logprobs(_lora(model) if arch.endswith("+lora") else model, shared=True, device="cuda")
 
 
 def test_sampling_matches_the_processed_distribution():
