@@ -3,6 +3,7 @@
 The batch is what a GRPO step generates: P prompts × G completions each. Raw HF ``generate`` gets the expanded,
 left-padded batch (what a trainer built on it does); the engine gets the same requests. Greedy decoding makes both
 produce the same tokens, so tokens/s compare like for like. Each variant runs R times, interleaved; medians.
+The engine runs with its own decode loop (engines/fast_decode.py, the default) and on HF ``generate``.
 
     python bench/bench_engine.py --model smollm --prompts 2 --generations 8 --max_new_tokens 16
 """
@@ -60,17 +61,18 @@ def main() -> None:
             count += row.index(template.eos_token_id) + 1 if template.eos_token_id in row else len(row)
         return count
 
-    def engine(share: bool):
+    def engine(fast: bool, share: bool | None = None):
         eng = TransformersEngine(model, template)
-        eng.share_prompts = share
+        eng.fast_decode, eng.share_prompts = fast, share
 
         def run() -> int:
             return sum(len(r.choices[0].token_ids) for r in eng.infer(requests, config))
 
         return run
 
-    variants = {"raw HF generate": raw, "grpokit engine": engine(True), "grpokit engine, no prompt sharing":
-                engine(False)}
+    variants = {"raw HF generate": raw, "grpokit engine (fast decode loop)": engine(True),
+                "grpokit engine on HF generate": engine(False), "grpokit engine on HF generate, no sharing":
+                engine(False, share=False)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {}
     for _ in range(a.repeats):
@@ -83,7 +85,7 @@ def main() -> None:
     base = tokens["raw HF generate"] / statistics.median(times["raw HF generate"])
     for name in variants:
         tps = tokens[name] / statistics.median(times[name])
-        print(f"  {name:34s} {tokens[name]:5d} tokens  {tps:8.1f} tok/s  ({tps / base:.2f}× raw)")
+        print(f"  {name:42s} {tokens[name]:5d} tokens  {tps:8.1f} tok/s  ({tps / base:.2f}× raw)")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
             "--num_generations", str(a.num_generations), "--per_device_train_batch_size", str(a.batch),
             "--max_completion_length", str(a.max_completion_length), "--max_steps", str(a.steps),
             "--learning_rate", str(a.lr), "--beta", "0", "--loss_type", "grpo", "--torch_dtype", "float32",
-            "--output_dir", str(out / "grpokit"), "--save_steps", "100000", "--save_final_model", "false",
+            "--output_dir", str(out / "grpokit"), "--overwrite_output_dir", "true", "--save_steps", "100000",
+            "--save_final_model", "false",
             "--plots", "false", "--disable_tqdm", "true", "--callbacks", "bench_stamp", "--seed", "0"]
     if a.lora:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
@@ -114,20 +115,25 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
 
 
 def time_generate() -> list[float]:
-    """Record the seconds of every HF ``generate`` call (both frameworks sample with it here)."""
+    """Record the seconds of every decode loop: HF ``generate`` (TRL here, and grpokit with --fast_decode false)
+    and grpokit's own loop (``FastDecoder.generate``)."""
     from transformers.generation.utils import GenerationMixin
 
+    from grpokit.engines.fast_decode import FastDecoder
+
     calls: list[float] = []
-    generate = GenerationMixin.generate
 
-    def timed(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return generate(self, *args, **kwargs)
-        finally:
-            calls.append(time.perf_counter() - t0)
+    def timed(generate):
+        def wrapper(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return generate(self, *args, **kwargs)
+            finally:
+                calls.append(time.perf_counter() - t0)
+        return wrapper
 
-    GenerationMixin.generate = timed
+    GenerationMixin.generate = timed(GenerationMixin.generate)
+    FastDecoder.generate = timed(FastDecoder.generate)
     return calls
 
 
@@ -192,13 +198,19 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
         per_round[fw] = [statistics.median(r["step_s"][1:] or r["step_s"]) for r in runs]
         rss[fw] = max(r["peak_rss_mb"] for r in runs)
         gen = [g for r in runs for g in r.get("generate_s", [])[1:]]
-        gen_text = f"   in HF generate {statistics.median(gen):.3f} s/call" if gen else ""
+        gen_text = f"   in the decode loop {statistics.median(gen):.3f} s/call" if gen else ""
         print(f"  {fw:8s} median {med[fw]:.3f} s/step   peak RSS {rss[fw]:.0f} MB{gen_text}")
         splits = [s for r in runs for s in r.get("split", [])[1:]]
         if splits:
             split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             parts = ", ".join(f"{k} {v:.3f}" for k, v in split.items())
             print(f"           split (medians per step): {parts} ({100 * split['other'] / med[fw]:.1f}% other)")
+            # pipeline overhead: the step outside the decode loop and the train phase (forward, backward,
+            # optimizer); one rollout per step at these settings, so steps and decode calls pair up
+            outside = [step - g - s["train"] for r in runs
+                       for step, g, s in zip(r["step_s"][1:], r["generate_s"][1:], r["split"][1:])]
+            print(f"           outside the decode loop and the train phase: {statistics.median(outside):.4f} s/step "
+                  f"({100 * statistics.median(outside) / med[fw]:.1f}% of the step)")
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
