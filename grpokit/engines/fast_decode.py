@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -39,14 +39,16 @@ from transformers.generation import (
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
-# generation_config fields that make HF generate add a processor or change the search; not implemented here.
-HF_ONLY_GENERATION_OPTIONS = (
-    "min_length", "min_new_tokens", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "forced_bos_token_id",
-    "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty",
-    "renormalize_logits", "remove_invalid_values", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
-    "watermarking_config", "num_beams", "penalty_alpha", "dola_layers", "prompt_lookup_num_tokens", "max_time",
-    "stop_strings", "num_return_sequences",
-)
+# generation_config fields that make HF generate add a processor or change the search (not implemented here),
+# with the value that does nothing (besides None and empty): many saved configs spell the defaults out.
+HF_ONLY_GENERATION_OPTIONS = {
+    "min_length": 0, "min_new_tokens": 0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None, "renormalize_logits": False, "remove_invalid_values": False,
+    "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+    "watermarking_config": None, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
+    "prompt_lookup_num_tokens": None, "max_time": None, "stop_strings": None, "num_return_sequences": 1,
+}
 CACHE_CHUNK = 256  # the KV cache grows by this many positions at a time
 
 
@@ -188,11 +190,10 @@ def _check_config(model) -> None:
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope not in STATIC_ROPE:
         raise Unsupported(f"rope type {rope!r} (its tables depend on the sequence length)")
-    defaults = GenerationConfig()
     gc = getattr(model, "generation_config", None)
-    for key in HF_ONLY_GENERATION_OPTIONS:
+    for key, neutral in HF_ONLY_GENERATION_OPTIONS.items():
         value = getattr(gc, key, None)
-        if value is not None and value != getattr(defaults, key, None):
+        if value is not None and value != neutral and not (isinstance(value, (list, tuple, dict)) and not value):
             raise Unsupported(f"generation_config.{key}={value!r}")
 
 

@@ -181,6 +181,14 @@ def test_models_it_cannot_reproduce_are_refused(case):
         FastDecoder(model)
 
 
+def test_generation_config_spelling_out_defaults_is_accepted():
+    model = _model("qwen3")
+    for key, value in {"min_length": 0, "num_beams": 1, "typical_p": 1.0, "no_repeat_ngram_size": 0,
+                       "remove_invalid_values": False, "bad_words_ids": [], "num_return_sequences": 1}.items():
+        setattr(model.generation_config, key, value)
+    FastDecoder(model)
+
+
 def _engine(model_dir, lora: bool, fast: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
