@@ -37,6 +37,8 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from grpokit.engines.prefix import shared_prompts
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
 # generation_config fields that make HF generate add a processor or change the search (not implemented here),
@@ -297,11 +299,9 @@ class FastDecoder:
         """Run the prompts; fill the cache of every row; logits of each row's last prompt token [B, V].
         Rows with the same prompt (a group's num_generations copies) run once."""
         b, p = input_ids.shape
-        uniq, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
-        shared = 2 * len(uniq) <= b
-        if shared:
-            first = torch.full((len(uniq),), b, dtype=torch.long, device=input_ids.device)
-            first = first.scatter_reduce(0, inverse, torch.arange(b, device=input_ids.device), reduce="amin")
+        plan = shared_prompts(input_ids, 0)  # (first row of each distinct prompt, row → prompt), or None
+        shared = plan is not None
+        first, inverse = plan if shared else (None, None)
         rows = first if shared else slice(None)
         ids, valid = input_ids[rows], key_valid[rows]
         r = ids.shape[0]

@@ -61,8 +61,9 @@ class ServedTransformersEngine(TransformersEngine):
         return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device)}
 
 
-def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256):
-    """Load ``model_path`` and wrap it in the engine named ``engine``."""
+def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
+                        fast_decode: bool = True):
+    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``: transformers only)."""
     if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
         from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 
@@ -78,4 +79,6 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
         model = model.to("cuda")
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size)
+    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size)
+    served.fast_decode = fast_decode
+    return served

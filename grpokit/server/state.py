@@ -121,7 +121,6 @@ def build_state(options: ServerOptions) -> ServerState:
         raise ConfigError(f"--model {options.model}: no such folder (grpokit rollout serves a local Hugging Face "
                           "model folder)")
     load_plugins(options.external_plugins)
-    engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size)
-    if hasattr(engine, "fast_decode"):
-        engine.fast_decode = options.fast_decode
+    engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size,
+                                 options.fast_decode)
     return ServerState(options, engine, build_scheduler(options, engine))
