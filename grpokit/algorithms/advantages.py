@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpokit.algorithms._groups import Groups, GroupStats, group_stats
+from grpokit.algorithms._groups import Groups, GroupStats, batch_stats, group_stats
 from grpokit.errors import ConfigError, RewardError, RolloutError
 from grpokit.registry import Registry
 
@@ -107,7 +107,7 @@ def scale_by_group_std(c: Centered, ctx: AdvantageContext) -> Tensor:
 
 @SCALE_MODES.register("batch")
 def scale_by_batch_std(c: Centered, ctx: AdvantageContext) -> Tensor:
-    std = _batch_stats(c.std_source).std  # [1]
+    std = batch_stats(c.std_source).std  # [1]
     return c.advantages / (std + ctx.eps)
 
 
@@ -123,7 +123,7 @@ def gdpo_scaling(c: Centered, ctx: AdvantageContext) -> Tensor:
     st = group_stats(rpf, ctx.groups)  # [G, F]
     z = (rpf - st.mean[ctx.groups.index]) / (st.std[ctx.groups.index] + GDPO_EPS)
     summed = (torch.nan_to_num(z, nan=0.0) * ctx.weights).sum(dim=1)  # [M]
-    bs = _batch_stats(summed)
+    bs = batch_stats(summed)
     return (summed - bs.mean) / (bs.std + GDPO_EPS)
 
 
@@ -174,18 +174,20 @@ def compute_advantages(
     if reward_penalty is not None:
         rewards = rewards - reward_penalty.to(rewards)
 
-    rep, sample_to_rep = _trajectory_index(group_ids, request_ids)  # [M], [N]
-    groups = Groups.from_ids(group_ids[rep])
-    traj_rewards = rewards[rep]  # [M]
+    rep, sample_to_rep = _trajectory_index(group_ids, request_ids)  # [M], [N]; None: one sample per trajectory
+    groups = Groups.from_ids(group_ids if rep is None else group_ids[rep])
+    traj_rewards = rewards if rep is None else rewards[rep]  # [M]
     ctx = AdvantageContext(
         rewards=traj_rewards,
-        rewards_per_func=rpf[rep],
+        rewards_per_func=rpf if rep is None else rpf[rep],
         weights=weights,
         groups=groups,
         reward_stats=group_stats(traj_rewards, groups),
         eps=eps,
     )
-    advantages = rescale(estimate(ctx), ctx)[sample_to_rep]  # [N]
+    advantages = rescale(estimate(ctx), ctx)
+    if sample_to_rep is not None:
+        advantages = advantages[sample_to_rep]  # [N]
     metrics = _metrics(ctx, advantages, reward_names)
     return AdvantageOut(advantages=advantages, rewards=rewards, metrics=metrics)
 
@@ -213,13 +215,16 @@ def _check_inputs(
     return rpf.to(dtype), weights.to(device=rpf.device, dtype=dtype)
 
 
-def _trajectory_index(group_ids: Tensor, request_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Representative sample of each trajectory (its last one, in batch order) and each sample's trajectory."""
-    n = group_ids.shape[0]
-    arange = torch.arange(n, device=group_ids.device)
+def _trajectory_index(group_ids: Tensor, request_ids: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Representative sample of each trajectory (its last one, in batch order) and each sample's trajectory;
+    (None, None) when every sample is its own trajectory."""
     if request_ids is None:
-        return arange, arange
+        return None, None
+    n = group_ids.shape[0]
     uniq, inverse = torch.unique(request_ids, return_inverse=True)
+    if uniq.numel() == n:
+        return None, None
+    arange = torch.arange(n, device=group_ids.device)
     last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=group_ids.device)
     last = last.scatter_reduce(0, inverse, arange, reduce="amax", include_self=True)  # [U]
     rep, order = last.sort()
@@ -232,32 +237,23 @@ def _trajectory_index(group_ids: Tensor, request_ids: Tensor | None) -> tuple[Te
     return rep, sample_to_rep
 
 
-def _batch_stats(x: Tensor) -> GroupStats:
-    return group_stats(x, Groups.single(x.shape[0], x.device))
-
-
 def _metrics(ctx: AdvantageContext, advantages: Tensor, reward_names: Sequence[str] | None) -> dict[str, float]:
     group_std = ctx.reward_stats.std  # [G]
-    adv_stats = _batch_stats(advantages)
-    # the summed reward and each function's, [M, 1 + F], in one NaN-aware pass
-    reward_stats = _batch_stats(torch.cat([ctx.rewards[:, None], ctx.rewards_per_func], dim=1))
-    values = {
-        "reward/mean": reward_stats.mean[0, 0],
-        "reward/std": group_std.mean(),
-        "reward/batch_std": reward_stats.std[0, 0],
-        "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).to(group_std.dtype).mean(),
-        "advantages/mean": adv_stats.mean[0],
-        "advantages/std": adv_stats.std[0],
-        "advantages/min": advantages.min(),
-        "advantages/max": advantages.max(),
-    }
+    f = ctx.rewards_per_func.shape[1]
+    # the summed reward, each function's and (one row per trajectory) the advantages: [M, 1 + F (+ 1)], one pass
+    joint = advantages.shape[0] == ctx.rewards.shape[0]
+    columns = [ctx.rewards[:, None], ctx.rewards_per_func] + ([advantages[:, None]] if joint else [])
+    stats = batch_stats(torch.cat(columns, dim=1))
+    adv = stats if joint else batch_stats(advantages[:, None])
+    flat = torch.cat([stats.mean[0, :1 + f], stats.std[0, :1 + f], stats.n[0, 1:1 + f], adv.mean[0, -1:],
+                      adv.std[0, -1:], group_std.mean()[None], (group_std <= 1e-8).to(group_std.dtype).mean()[None],
+                      advantages.min()[None], advantages.max()[None]]).tolist()  # one conversion for all of them
+    means, stds, scored, rest = flat[:1 + f], flat[1 + f:2 + 2 * f], flat[2 + 2 * f:2 + 3 * f], flat[2 + 3 * f:]
+    out = {"reward/mean": means[0], "reward/std": rest[2], "reward/batch_std": stds[0],
+           "frac_reward_zero_std": rest[3],  # isclose(std, 0); std >= 0
+           "advantages/mean": rest[0], "advantages/std": rest[1], "advantages/min": rest[4], "advantages/max": rest[5]}
     if reward_names is not None:
-        scored = reward_stats.n[0, 1:] > 0  # a function that scored nothing reports NaN, not 0
-        nan = torch.full_like(reward_stats.mean[0, 1:], float("nan"))
-        means = torch.where(scored, reward_stats.mean[0, 1:], nan)
-        stds = torch.where(scored, reward_stats.std[0, 1:], nan)
-        for i, name in enumerate(reward_names):
-            values[f"rewards/{name}/mean"] = means[i]
-            values[f"rewards/{name}/std"] = stds[i]
-    floats = torch.stack([v.detach().to(torch.float64) for v in values.values()]).tolist()
-    return dict(zip(values.keys(), floats, strict=True))
+        for i, name in enumerate(reward_names):  # a function that scored nothing reports NaN, not 0
+            out[f"rewards/{name}/mean"] = means[1 + i] if scored[i] else float("nan")
+            out[f"rewards/{name}/std"] = stds[1 + i] if scored[i] else float("nan")
+    return out

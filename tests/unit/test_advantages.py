@@ -297,6 +297,40 @@ def test_vectorised_matches_loop(seed):
                                    msg=f"{estimator}/{scale} seed {seed}")
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_usual_layout_matches_loop(seed):
+    """G consecutive groups of K, no NaN, one sample per trajectory: the reshaped path of group_stats."""
+    rng = random.Random(seed)
+    k, g, f = rng.randint(2, 6), rng.randint(1, 4), rng.randint(1, 2)
+    gids = [10 + 3 * j for j in range(g) for _ in range(k)]
+    rpf = [[rng.choice([0.0, 0.5, 1.0]) + (rng.random() if rng.random() < 0.3 else 0) for _ in range(f)]
+           for _ in range(g * k)]
+    w = [rng.uniform(0.2, 2.0) for _ in range(f)]
+    for estimator, scale in COMBOS:
+        expected = loop_advantages(rpf, w, gids, estimator, scale, None, None)
+        for rids in (None, ids(list(range(g * k)))):
+            out = compute_advantages(t(rpf), t(w), ids(gids), estimator=estimator, scale=scale, request_ids=rids)
+            torch.testing.assert_close(out.advantages, t(expected), atol=1e-6, rtol=1e-6,
+                                       msg=f"{estimator}/{scale} seed {seed}")
+
+
+def test_group_layout_detection_and_both_statistics_paths_agree():
+    from grpokit.algorithms._groups import Groups, group_stats
+
+    assert Groups.from_ids(ids([7, 7, 9, 9])).size == 2
+    assert Groups.from_ids(ids([7, 9, 7, 9])).size is None  # interleaved
+    assert Groups.from_ids(ids([7, 7, 9])).size is None  # unequal sizes
+    x = torch.tensor([[0.1, 1.0], [0.1, 2.0], [0.1, 4.0], [0.3, 0.0], [0.7, 1.0], [0.2, 5.0]], dtype=torch.float64)
+    groups = Groups.from_ids(ids([0, 0, 0, 1, 1, 1]))
+    general = Groups(index=groups.index, count=groups.count)  # same groups, no layout hint
+    fast, slow = group_stats(x, groups), group_stats(x, general)
+    for a, b in ((fast.mean, slow.mean), (fast.std, slow.std), (fast.n, slow.n)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert fast.std[0, 0].item() == 0.0 and fast.mean[0, 0].item() == 0.1  # equal values: exact
+    x[4, 1] = NAN  # NaN takes the general path
+    torch.testing.assert_close(group_stats(x, groups).n, torch.tensor([[3.0, 3.0], [3.0, 2.0]], dtype=torch.float64))
+
+
 def test_registries_hold_the_names():
     assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_plus_plus"}
     assert set(SCALE_MODES) == {"group", "batch", "none", "gdpo"}
