@@ -154,14 +154,19 @@ def _dense(modules: list, shapes: list[tuple[int, int]], name: str) -> _Dense:
     """One linear map for several same-input linears (their outputs concatenated), LoRA updates added. The base
     weights are only read: with LoRA the sum is written to a new tensor, so nothing is merged and unmerged."""
     parts = [_plain(m, torch.nn.Linear, s, name) for m, s in zip(modules, shapes, strict=True)]
-    if len(parts) == 1 and not parts[0][1]:
-        return _Dense(parts[0][0].weight, parts[0][0].bias)
     first = parts[0][0].weight
-    weight = first.new_empty((sum(s[0] for s in shapes), shapes[0][1]))
-    row = 0
-    for (layer, lora), (rows, _) in zip(parts, shapes, strict=True):
-        _write_weight(weight[row:row + rows], layer.weight, lora)
-        row += rows
+    if len({layer.weight.device for layer, _ in parts}) != 1:
+        raise Unsupported(f"{name}: weights on several devices")
+    if not any(lora for _, lora in parts):
+        if len(parts) == 1:
+            return _Dense(first, parts[0][0].bias)
+        weight = torch.cat([layer.weight for layer, _ in parts])
+    else:
+        weight = first.new_empty((sum(s[0] for s in shapes), shapes[0][1]))
+        row = 0
+        for (layer, lora), (rows, _) in zip(parts, shapes, strict=True):
+            _write_weight(weight[row:row + rows], layer.weight, lora)
+            row += rows
     biases = [layer.bias for layer, _ in parts]
     if all(b is None for b in biases):
         return _Dense(weight, None)
@@ -186,9 +191,9 @@ def _check_config(model) -> None:
     if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types",
                                                                                               None) or []):
         raise Unsupported("sliding-window attention layers")
-    devices = {p.device for p in model.parameters()}
-    if len(devices) != 1 or next(iter(devices)).type == "meta":
-        raise Unsupported(f"weights spread over devices {sorted(map(str, devices))} (device_map or offloading)")
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1:
+        raise Unsupported(f"weights spread over devices {sorted(devices)} (device_map or offloading)")
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope not in STATIC_ROPE:
         raise Unsupported(f"rope type {rope!r} (its tables depend on the sequence length)")
@@ -221,6 +226,11 @@ class FastDecoder:
         self.layers = [self._layer(i, layer, h, hd, nq, nkv, act) for i, layer in enumerate(inner.layers)]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
+        devices = {self.device, self.lm_head.weight.device, self.final_norm.weight.device}
+        devices.update(t.device for x in self.layers for t in (x.attn_norm.weight, x.qkv.weight, x.out.weight,
+                                                               x.mlp_norm.weight, x.gate_up.weight, x.down.weight))
+        if len(devices) != 1 or self.device.type == "meta":
+            raise Unsupported(f"weights on devices {sorted(map(str, devices))} (device_map or offloading)")
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 

@@ -18,6 +18,7 @@ from grpokit.rollout.protocol import (
     RolloutInferRequest,
 )
 from grpokit.template.encode import ChatTemplate
+from grpokit.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +26,12 @@ logger = logging.getLogger(__name__)
 class TransformersEngine(InferEngine):
     engine_type = "transformers"
 
-    def __init__(self, model, template: ChatTemplate, max_batch_size: int = 256, unwrap=None) -> None:
+    def __init__(self, model, template: ChatTemplate, max_batch_size: int = 256) -> None:
         super().__init__()
         self.model = model
         self.template = template
         self.tokenizer = template.tokenizer
         self.max_batch_size = max_batch_size
-        self._unwrap = unwrap or (lambda m: m)  # e.g. accelerator.unwrap_model
         self.share_prompts: bool | None = None  # on HF generate: prefill each distinct prompt once; None: when the
         # model is big enough for it to pay off (engines/prefix.py). The fast loop always shares.
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
@@ -45,7 +45,7 @@ class TransformersEngine(InferEngine):
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         if not requests:
             return []
-        prompts = [self.template.encode_prompt(r.messages) for r in requests]  # memoised: a group renders once
+        prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: a group renders once
         flat = [p for p in prompts for _ in range(config.n)]
         choices: list[ChatCompletionResponseChoice] = []
         for start in range(0, len(flat), self.max_batch_size):
@@ -60,12 +60,13 @@ class TransformersEngine(InferEngine):
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], config: RequestConfig) -> list[ChatCompletionResponseChoice]:
-        model = self._unwrap(self.model)
+        model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)
         device = next(model.parameters()).device
         pad = self.template.pad_token_id
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        input_ids = long_tensor(t for p in prompts for t in [pad] * (width - len(p)) + p).view(len(prompts), width)
+        attention = (torch.arange(width) >= width - long_tensor(lengths)[:, None]).long()  # left padding
         greedy = config.temperature == 0
         structured = self.logits_processor_factory(config, width) if self.logits_processor_factory else None
         stopping = self._stopping(config.stop)

@@ -168,7 +168,7 @@ class VllmEngine(InferEngine):
         if not requests:
             return []
         params = self._sampling_params(config, len(requests))
-        prompts = [self.template.encode_prompt(r.messages) for r in requests]
+        prompts = self.template.encode_prompts([r.messages for r in requests])
         with self.lock:
             self._wake_for_rollout()
             try:

@@ -7,12 +7,23 @@ with little change. Everything here is a pydantic model: the same classes valida
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid as _uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 FinishReason = Literal["stop", "length"]
+
+_ID_PREFIX = _uuid.uuid4().hex[:16]  # random per import; with the pid, unique across processes and forks
+_ID_COUNTER = itertools.count()
+
+
+def new_id() -> str:
+    """A unique id (32 hex digits), several times cheaper than ``uuid4().hex``: a rollout makes a few per
+    trajectory."""
+    return f"{_ID_PREFIX}{os.getpid() & 0xFFFFFF:06x}{next(_ID_COUNTER) & 0x3FFFFFFFFF:010x}"
 
 
 class RequestConfig(BaseModel):
@@ -42,8 +53,8 @@ class RolloutInferRequest(BaseModel):
 
     messages: list[dict[str, Any]]
     data_dict: dict[str, Any] = Field(default_factory=dict)
-    request_id: str = Field(default_factory=lambda: _uuid.uuid4().hex)
-    prompt_id: str = Field(default_factory=lambda: _uuid.uuid4().hex)
+    request_id: str = Field(default_factory=new_id)
+    prompt_id: str = Field(default_factory=new_id)
     # Optional per-request sampling override set by a scheduler for one turn (e.g. a structured-output regex).
     request_config: RequestConfig | None = None
 
@@ -72,7 +83,7 @@ class ChatCompletionResponseChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _uuid.uuid4().hex)
+    id: str = Field(default_factory=new_id)
     model: str = ""
     choices: list[ChatCompletionResponseChoice]
     prompt_token_ids: list[int] | None = None

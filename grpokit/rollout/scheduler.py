@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from grpokit.rollout.protocol import (
+    ChatCompletionResponse,
     RequestConfig,
     RolloutInferRequest,
     RolloutOutput,
@@ -48,18 +49,8 @@ class RolloutScheduler:
                   **kwargs) -> RolloutOutput | list[RolloutOutput]:
         await self.on_trajectory_start([infer_request])
         response = await self.infer_engine.infer_async(infer_request, request_config)
-        choice = response.choices[0]
-        messages = [*infer_request.messages, {"role": "assistant", "content": choice.message["content"]}]
-        turn = await self.on_turn_end(infer_request, choice, 1)
-        lps = choice_logprobs(choice)
-        return RolloutOutput(
-            response=response,
-            messages=messages,
-            response_token_ids=[choice.token_ids],
-            response_loss_mask=[[1] * len(choice.token_ids)],
-            rollout_infos={**turn.get("rollout_infos", {}), "num_turns": 1},
-            rollout_logprobs=[lps] if lps else [],
-        )
+        turn = await self.on_turn_end(infer_request, response.choices[0], 1)
+        return _single_turn_output(infer_request, response, turn.get("rollout_infos", {}))
 
     async def async_infer(self, requests: Sequence[RolloutInferRequest],
                           request_config: RequestConfig) -> list[RolloutOutput]:
@@ -71,13 +62,41 @@ class RolloutScheduler:
 
     async def _run_one(self, request: RolloutInferRequest, config: RequestConfig) -> list[RolloutOutput]:
         result = await self.run(request, config)
-        outputs = result if isinstance(result, list) else [result]
-        for o in outputs:
-            o.request_id = o.request_id or request.request_id
-            o.prompt_id = o.prompt_id or request.prompt_id
-            if o.prompt_messages is None:
-                o.prompt_messages = request.messages  # edited in place by on_trajectory_start, if at all
-        return outputs
+        return _tag(result if isinstance(result, list) else [result], request)
+
+    def runs_plain(self, requests: Sequence[RolloutInferRequest]) -> bool:
+        """True when a batch's trajectories are exactly one engine call with the shared config: this class's
+        own ``run``, no hook overridden, no per-request sampling override, an engine that samples on the
+        caller's thread. ``run_trajectories`` then calls the engine once directly instead of going through
+        the event loop, with the same result."""
+        cls = type(self)
+        own = all(getattr(cls, name) is getattr(RolloutScheduler, name)
+                  for name in ("run", "on_trajectory_start", "on_turn_end", "async_infer", "_run_one"))
+        return (own and getattr(self.infer_engine, "infer_on_loop_thread", False)
+                and all(r.request_config is None for r in requests))
+
+
+def _single_turn_output(request: RolloutInferRequest, response: ChatCompletionResponse,
+                        rollout_infos: dict) -> RolloutOutput:
+    choice = response.choices[0]
+    lps = choice_logprobs(choice)
+    return RolloutOutput(
+        response=response,
+        messages=[*request.messages, {"role": "assistant", "content": choice.message["content"]}],
+        response_token_ids=[choice.token_ids],
+        response_loss_mask=[[1] * len(choice.token_ids)],
+        rollout_infos={**rollout_infos, "num_turns": 1},
+        rollout_logprobs=[lps] if lps else [],
+    )
+
+
+def _tag(outputs: list[RolloutOutput], request: RolloutInferRequest) -> list[RolloutOutput]:
+    for o in outputs:
+        o.request_id = o.request_id or request.request_id
+        o.prompt_id = o.prompt_id or request.prompt_id
+        if o.prompt_messages is None:
+            o.prompt_messages = request.messages  # edited in place by on_trajectory_start, if at all
+    return outputs
 
 
 _thread_loops = threading.local()
@@ -88,7 +107,12 @@ def run_trajectories(scheduler: RolloutScheduler, requests: Sequence[RolloutInfe
     """Synchronous entry for the trainer (colocate mode), on an event loop kept per calling thread.
     ``asyncio.run`` would make and close a loop every window and, on the main thread, swap the SIGINT handler,
     which formats the finished task's result (the trajectories) into an error message it then discards: about a
-    millisecond a step on the tiny benchmark model (16 trajectories)."""
+    millisecond a step on the tiny benchmark model (16 trajectories). A plain single-turn batch skips the loop
+    (``RolloutScheduler.runs_plain``): one engine call."""
+    if config.n == 1 and scheduler.runs_plain(requests):  # (n > 1 is refused by async_infer)
+        responses = scheduler.infer_engine.infer(list(requests), config)
+        return [o for r, resp in zip(requests, responses, strict=True)
+                for o in _tag([_single_turn_output(r, resp, {})], r)]
     loop = getattr(_thread_loops, "loop", None)
     if loop is None or loop.is_closed():
         loop = _thread_loops.loop = asyncio.new_event_loop()

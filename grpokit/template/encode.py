@@ -60,14 +60,20 @@ class ChatTemplate:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_prompt(self, messages: list[dict]) -> list[int]:
-        key = json.dumps(messages, sort_keys=True, default=str)
-        ids = self._prompt_ids.get(key)
-        if ids is None:
-            ids = self.tokenize(self.render_prompt(messages))
-            if len(self._prompt_ids) >= _PROMPT_MEMO_SIZE:
+        return self.encode_prompts([messages])[0]
+
+    def encode_prompts(self, conversations: list[list[dict]]) -> list[list[int]]:
+        """Prompt ids of each conversation (copies: callers may edit them). Memoised; the conversations not seen
+        yet are rendered one by one and tokenized in one call."""
+        keys = [_memo_key(m) for m in conversations]
+        missing = {k: m for k, m in zip(keys, conversations, strict=True) if k not in self._prompt_ids}
+        if missing:
+            texts = [self.render_prompt(m) for m in missing.values()]
+            if len(self._prompt_ids) + len(missing) > _PROMPT_MEMO_SIZE:
                 self._prompt_ids.clear()
-            self._prompt_ids[key] = ids
-        return list(ids)
+            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            self._prompt_ids.update(zip(missing, ids, strict=True))
+        return [list(self._prompt_ids[k]) for k in keys]
 
     # -- trajectories ----------------------------------------------------------------------------------------
     def encode_output(self, prompt_messages: list[dict], output: RolloutOutput) -> EncodedSample:
@@ -128,6 +134,16 @@ class ChatTemplate:
             if text.startswith(eos_text):
                 text = text[len(eos_text):]
         return self.tokenize(text)
+
+
+def _memo_key(messages: list[dict]) -> tuple | str:
+    """A hashable key of a conversation: (role, content) pairs for plain text messages, else its JSON text."""
+    key = []
+    for m in messages:
+        if len(m) != 2 or type(m.get("role")) is not str or type(m.get("content")) is not str:
+            return json.dumps(messages, sort_keys=True, default=str)
+        key.append((m["role"], m["content"]))
+    return tuple(key)
 
 
 def _logprobs_consistent(output: RolloutOutput, masks: list[list[int]]) -> bool:

@@ -59,6 +59,23 @@ def test_encode_prompt_memo_hands_out_copies(tiny_template):
     assert tiny_template.encode_prompt([{"role": "user", "content": "what is 2 + 4"}]) != first[:-1]
 
 
+def test_encode_prompts_batch_equals_one_by_one_and_keys_see_every_field(tiny_template):
+    convs = [[{"role": "user", "content": f"what is {i} + 1"}] for i in range(3)]
+    with_tool = [{"role": "user", "content": "what is 0 + 1", "name": "x"}]  # not a plain (role, content) pair
+    batch = tiny_template.encode_prompts([convs[0], convs[1], convs[0], convs[2], with_tool])
+    single = [tiny_template.tokenize(tiny_template.render_prompt(c)) for c in (*convs, with_tool)]
+    assert batch == [single[0], single[1], single[0], single[2], single[3]]
+    assert len(tiny_template._prompt_ids) == 4  # one entry per distinct conversation
+
+
+def test_list_to_tensor_helpers():
+    from grpokit.tensors import float_tensor, long_tensor
+
+    assert long_tensor([3, True, -2**40]).tolist() == [3, 1, -2**40] and long_tensor([]).dtype == torch.long
+    lp = float_tensor([0.5, float("nan")])
+    assert lp.dtype == torch.float32 and lp[0] == 0.5 and math.isnan(lp[1])
+
+
 @pytest.fixture
 def tiny_template(tmp_path_factory):
     from grpokit.pipeline.models import load_tokenizer
@@ -82,10 +99,17 @@ class WhereEngine(InferEngine):
         return [ChatCompletionResponse(choices=[choice], prompt_token_ids=[1]) for _ in requests]
 
 
-def _run_twice(engine: InferEngine) -> None:
+class HookedScheduler(RolloutScheduler):
+    """Single-turn with a hook: its trajectories run on the event loop, not the direct path."""
+
+    async def on_turn_end(self, infer_request, response_choice, current_turn):
+        return {"rollout_infos": {"hooked": True}}
+
+
+def _run_twice(engine: InferEngine, scheduler_cls=HookedScheduler) -> None:
     requests = [RolloutInferRequest(messages=[{"role": "user", "content": "hi"}]) for _ in range(3)]
     for _ in range(2):
-        run_trajectories(RolloutScheduler(engine), requests, RequestConfig(max_tokens=4))
+        run_trajectories(scheduler_cls(engine), requests, RequestConfig(max_tokens=4))
 
 
 def test_infer_runs_on_one_long_lived_thread_with_the_callers_torch_thread_count():
@@ -104,12 +128,49 @@ def test_infer_runs_on_one_long_lived_thread_with_the_callers_torch_thread_count
     assert engine._worker is None  # close() stopped it
 
 
-def test_infer_on_loop_thread_runs_on_the_callers_thread():
+@pytest.mark.parametrize("scheduler_cls", [HookedScheduler, RolloutScheduler])
+def test_infer_on_loop_thread_runs_on_the_callers_thread(scheduler_cls):
     engine = WhereEngine()
     engine.infer_on_loop_thread = True
-    _run_twice(engine)
+    _run_twice(engine, scheduler_cls)
     assert [t for t, _ in engine.seen] == [threading.current_thread()] * 2
     assert engine._worker is None  # never started
+
+
+def test_plain_single_turn_batch_skips_the_event_loop_with_the_same_trajectories(monkeypatch):
+    class TokenEngine(WhereEngine):
+        def infer(self, requests, config):
+            out = super().infer(requests, config)
+            for k, (r, resp) in enumerate(zip(requests, out)):
+                resp.choices[0].token_ids = [k, len(r.messages)]
+                resp.choices[0].message["content"] = f"answer {k}"
+            return out
+
+    def requests():
+        return [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
+                                    prompt_id=str(i // 2)) for i in range(4)]
+
+    engine = TokenEngine()
+    engine.infer_on_loop_thread = True
+    direct = run_trajectories(RolloutScheduler(engine), requests(), RequestConfig(max_tokens=4))
+    assert len(engine.seen) == 1  # one engine call for the batch
+    monkeypatch.setattr(RolloutScheduler, "runs_plain", lambda self, requests: False)
+    looped = run_trajectories(RolloutScheduler(engine), requests(), RequestConfig(max_tokens=4))
+    strip = lambda outs: [o.model_dump(exclude={"response": {"id"}}) for o in outs]  # noqa: E731
+    assert strip(direct) == strip(looped)
+    assert [o.request_id for o in direct] == ["r0", "r1", "r2", "r3"]
+    assert [o.prompt_id for o in direct] == ["0", "0", "1", "1"]
+    assert direct[3].messages[-1] == {"role": "assistant", "content": "answer 3"}
+    assert direct[3].response_token_ids == [[3, 1]] and direct[3].response_loss_mask == [[1, 1]]
+    # a hook, a per-request override or an engine on its own thread each take the event loop
+    assert not HookedScheduler(engine).runs_plain(requests())
+    overridden = requests()
+    overridden[0].request_config = RequestConfig(max_tokens=2)
+    monkeypatch.undo()
+    assert RolloutScheduler(engine).runs_plain(requests())
+    assert not RolloutScheduler(engine).runs_plain(overridden)
+    engine.infer_on_loop_thread = False
+    assert not RolloutScheduler(engine).runs_plain(requests())
 
 
 def test_rollouts_reuse_one_event_loop_per_thread_and_leave_sigint_alone():

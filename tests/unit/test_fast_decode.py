@@ -158,9 +158,17 @@ def test_eos_and_stop_criteria_end_rows_as_generate_does():
     assert short.tolist() == free[:, :3].tolist()  # every row stopped: no further forward
 
 
-@pytest.mark.parametrize("case", ["sliding_window", "generation_option", "dora", "architecture"])
+@pytest.mark.parametrize("case", ["sliding_window", "generation_option", "dora", "architecture", "offloaded",
+                                  "two_devices"])
 def test_models_it_cannot_reproduce_are_refused(case):
-    if case == "architecture":
+    if case == "offloaded":  # accelerate's offloading leaves the weights on the meta device
+        model = _model("qwen3").to("meta")
+        match = "meta"
+    elif case == "two_devices":
+        model = _model("qwen3")
+        model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}
+        match = "spread over devices"
+    elif case == "architecture":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
