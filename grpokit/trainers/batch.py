@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from grpokit.template.encode import EncodedSample
+from grpokit.tensors import float_tensor, long_tensor
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RolloutBatch:
 
     def split(self, n: int) -> list[RolloutBatch]:
         """``n`` equal micro-batches, each trimmed to its own longest prompt and completion."""
+        if n == 1:
+            return [self.trim()]
         size = len(self) // n
         return [self.select(slice(i * size, (i + 1) * size)).trim() for i in range(n)]
 
@@ -83,20 +86,23 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
     p_len = max(len(s.prompt_ids) for s in samples)
     c_len = max(1, max(len(s.completion_ids) for s in samples))
     have_lps = any(s.rollout_logprobs is not None for s in samples)
-    ids, att, cmask, lps = [], [], [], []  # padded rows as lists, made tensors in one call each
+    ids: list[int] = []  # padded rows, flat: one tensor call per field
+    att: list[int] = []
+    cmask: list[float] = []
+    lps: list[float] = []
     for s in samples:
         p, c = len(s.prompt_ids), len(s.completion_ids)
         left, right = p_len - p, c_len - c
-        ids.append([pad_id] * left + s.prompt_ids + s.completion_ids + [pad_id] * right)
-        att.append([0] * left + [1] * (p + c) + [0] * right)
-        cmask.append([float(m) for m in s.completion_mask] + [0.0] * right)
+        ids += [pad_id] * left + s.prompt_ids + s.completion_ids + [pad_id] * right
+        att += [0] * left + [1] * (p + c) + [0] * right
+        cmask += s.completion_mask + [0] * right
         if have_lps:
-            lps.append((s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c)
-                       + [float("nan")] * right)
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    attention = torch.tensor(att, dtype=torch.long)
-    rollout = torch.tensor(lps, dtype=torch.float32) if have_lps else None
+            lps += (s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c) \
+                + [float("nan")] * right
+    n, width = len(samples), p_len + c_len
+    input_ids = long_tensor(ids).view(n, width)
+    attention = long_tensor(att).view(n, width)
+    rollout = float_tensor(lps).view(n, c_len) if have_lps else None
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return RolloutBatch(input_ids, attention, position_ids, torch.tensor(cmask, dtype=torch.float32),
-                        torch.tensor(truncated, dtype=torch.bool),
-                        rollout_logps=rollout)
+    return RolloutBatch(input_ids, attention, position_ids, float_tensor(cmask).view(n, c_len),
+                        torch.tensor(truncated, dtype=torch.bool), rollout_logps=rollout)

@@ -83,6 +83,8 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         finally:
             bar.close()
             self._drain_async()
+            self._log_file.close()
+            self._completions_file.close()
         self._finish()
         return self.state
 
@@ -273,8 +275,7 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
             from grpokit.algorithms import ema_update_
 
-            policy = self.accelerator.unwrap_model(self.model)
-            ema_update_(self.ref_model.parameters(), policy.parameters(), a.ref_model_mixup_alpha)
+            ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
 
     def _call(self, event: str, *args) -> None:
         for cb in self.callbacks:

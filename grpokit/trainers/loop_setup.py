@@ -63,6 +63,8 @@ class LoopSetupMixin:
         except ValueError as e:
             raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        # the model inside any DDP/DeepSpeed wrapper, fixed from here on (unwrap_model walks every module: ~0.1 ms)
+        self.policy = self.accelerator.unwrap_model(self.model)
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self.ref_model = None
         if self.cfg.algorithm.beta != 0 and not self._is_peft(model):
@@ -87,7 +89,7 @@ class LoopSetupMixin:
         return max(1, windows * self.plan.optimizer_steps_per_window)
 
     def _setup_rollout(self, scheduler, engine) -> None:
-        self.engine = engine or TransformersEngine(self.model, self.template, unwrap=self.accelerator.unwrap_model)
+        self.engine = engine or TransformersEngine(self.policy, self.template)
         if isinstance(self.engine, TransformersEngine):
             self.engine.fast_decode = self.cfg.rollout.fast_decode
         check_engine(self.accelerator, self.engine)
@@ -209,7 +211,7 @@ class LoopSetupMixin:
         self.state.prompts_consumed = loop["prompts_consumed"]
         self._log_file.truncate_after(self.state.global_step)
         self._completions_file.truncate_after(self.state.global_step)
-        self.engine.sync_weights(self.accelerator.unwrap_model(self.model))
+        self.engine.sync_weights(self.policy)
         logger.info("resumed from %s at step %d", ckpt, self.state.global_step)
 
     # -- the end ---------------------------------------------------------------------------------------------

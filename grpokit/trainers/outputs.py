@@ -29,28 +29,38 @@ class MetricsAccumulator:
 
 
 class JsonlLog:
-    """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped."""
+    """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped. The file stays
+    open between writes (each line is flushed): opening it per line cost a few tenths of a millisecond a step."""
 
     def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path
         self.enabled = enabled
+        self._file = None
 
     def write(self, row: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+            if self._file is None:
+                self._file = self.path.open("a", encoding="utf-8")
+            self._file.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def truncate_after(self, step: int) -> None:
+        self.close()
         if not (self.enabled and self.path.exists()):
             return
-        kept = [line for line in self.path.read_text().splitlines()
+        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def rows(self) -> list[dict]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _jsonable(x):
