@@ -114,27 +114,34 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
     return {"step_s": [b - a_ for a_, b in zip(stamps, stamps[1:])]}
 
 
-def time_generate() -> list[float]:
+def _timed(owner, name: str, calls: list[float]) -> None:
+    method = getattr(owner, name)
+
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - t0)
+
+    setattr(owner, name, wrapper)
+
+
+def time_generate() -> tuple[list[float], list[float]]:
     """Record the seconds of every decode loop: HF ``generate`` (TRL here, and grpokit with --fast_decode false)
-    and grpokit's own loop (``FastDecoder.generate``)."""
+    and grpokit's own loop (``FastDecoder.generate``); and of every call of grpokit's transformers engine
+    (``TransformersEngine.infer``: messages in, completions out, the decode loop included)."""
     from transformers.generation.utils import GenerationMixin
 
     from grpokit.engines.fast_decode import FastDecoder
+    from grpokit.engines.transformers_engine import TransformersEngine
 
-    calls: list[float] = []
-
-    def timed(generate):
-        def wrapper(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return generate(self, *args, **kwargs)
-            finally:
-                calls.append(time.perf_counter() - t0)
-        return wrapper
-
-    GenerationMixin.generate = timed(GenerationMixin.generate)
-    FastDecoder.generate = timed(FastDecoder.generate)
-    return calls
+    decode: list[float] = []
+    engine: list[float] = []
+    _timed(GenerationMixin, "generate", decode)
+    _timed(FastDecoder, "generate", decode)
+    _timed(TransformersEngine, "infer", engine)
+    return decode, engine
 
 
 def child(a: argparse.Namespace) -> None:
@@ -142,9 +149,10 @@ def child(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(a.threads)
     out = Path(a.workdir)
-    generate_s = time_generate()
+    generate_s, engine_s = time_generate()
     result = (run_grpokit if a.framework == "grpokit" else run_trl)(a, out)
     result["generate_s"] = generate_s
+    result["engine_s"] = engine_s
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"{a.framework}.json").write_text(json.dumps(result))
 
@@ -211,6 +219,12 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
                        for step, g, s in zip(r["step_s"][1:], r["generate_s"][1:], r["split"][1:])]
             print(f"           outside the decode loop and the train phase: {statistics.median(outside):.4f} s/step "
                   f"({100 * statistics.median(outside) / med[fw]:.1f}% of the step)")
+            # the same, with the engine's request handling (prompt encoding, building the sampling weights,
+            # decoding the text) counted as generation: the trainer's own pipeline around the engine
+            around = [step - e - s["train"] for r in runs
+                      for step, e, s in zip(r["step_s"][1:], r["engine_s"][1:], r["split"][1:])]
+            print(f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
+                  f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)")
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
