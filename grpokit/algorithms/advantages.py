@@ -245,13 +245,15 @@ def _metrics(ctx: AdvantageContext, advantages: Tensor, reward_names: Sequence[s
     columns = [ctx.rewards[:, None], ctx.rewards_per_func] + ([advantages[:, None]] if joint else [])
     stats = batch_stats(torch.cat(columns, dim=1))
     adv = stats if joint else batch_stats(advantages[:, None])
-    flat = torch.cat([stats.mean[0, :1 + f], stats.std[0, :1 + f], stats.n[0, 1:1 + f], adv.mean[0, -1:],
-                      adv.std[0, -1:], group_std.mean()[None], (group_std <= 1e-8).to(group_std.dtype).mean()[None],
-                      advantages.min()[None], advantages.max()[None]]).tolist()  # one conversion for all of them
-    means, stds, scored, rest = flat[:1 + f], flat[1 + f:2 + 2 * f], flat[2 + 2 * f:2 + 3 * f], flat[2 + 3 * f:]
-    out = {"reward/mean": means[0], "reward/std": rest[2], "reward/batch_std": stds[0],
-           "frac_reward_zero_std": rest[3],  # isclose(std, 0); std >= 0
-           "advantages/mean": rest[0], "advantages/std": rest[1], "advantages/min": rest[4], "advantages/max": rest[5]}
+    parts = [stats.mean[0, :1 + f], stats.std[0, :1 + f], stats.n[0, 1:1 + f],
+             torch.stack([adv.mean[0, -1], adv.std[0, -1], advantages.min(), advantages.max(), group_std.mean(),
+                          (group_std <= 1e-8).to(group_std.dtype).mean()])]  # isclose(std, 0); std >= 0
+    values = iter(torch.cat(parts).tolist())  # one conversion for all of them
+    means, stds, scored, scalars = ([next(values) for _ in range(p.numel())] for p in parts)
+    out = {"reward/mean": means[0], "reward/batch_std": stds[0]}
+    keys = ("advantages/mean", "advantages/std", "advantages/min", "advantages/max", "reward/std",
+            "frac_reward_zero_std")
+    out.update(zip(keys, scalars, strict=True))
     if reward_names is not None:
         for i, name in enumerate(reward_names):  # a function that scored nothing reports NaN, not 0
             out[f"rewards/{name}/mean"] = means[1 + i] if scored[i] else float("nan")

@@ -297,6 +297,26 @@ def test_vectorised_matches_loop(seed):
                                    msg=f"{estimator}/{scale} seed {seed}")
 
 
+@pytest.mark.parametrize("rids", [None, [0, 1, 2, 3, 3]])
+def test_metrics_by_hand(rids):
+    """One group, trajectory rewards 1, 0, 1, 0 (with rids, the last trajectory is two samples)."""
+    n = 5 if rids else 4
+    rewards = [[1.0], [0.0], [1.0], [0.0], [0.0]][:n]
+    out = compute_advantages(t(rewards), t([1.0]), ids([0] * n), request_ids=None if rids is None else ids(rids),
+                             reward_names=["acc"])
+    std = math.sqrt(1 / 3)  # Bessel, over the four trajectories
+    a = 0.5 / (std + EPS)
+    close(out.advantages, [a, -a, a, -a, -a][:n])
+    m = out.metrics
+    assert m["reward/mean"] == pytest.approx(0.5) and m["rewards/acc/mean"] == pytest.approx(0.5)
+    assert m["reward/std"] == pytest.approx(std) and m["reward/batch_std"] == pytest.approx(std)
+    assert m["rewards/acc/std"] == pytest.approx(std) and m["frac_reward_zero_std"] == 0.0
+    adv = [a, -a, a, -a, -a][:n]  # advantage statistics are over samples
+    assert m["advantages/mean"] == pytest.approx(statistics.mean(adv), abs=1e-6)
+    assert m["advantages/std"] == pytest.approx(statistics.stdev(adv))
+    assert m["advantages/min"] == pytest.approx(-a) and m["advantages/max"] == pytest.approx(a)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_usual_layout_matches_loop(seed):
     """G consecutive groups of K, no NaN, one sample per trajectory: the reshaped path of group_stats."""
