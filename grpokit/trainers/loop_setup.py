@@ -63,7 +63,8 @@ class LoopSetupMixin:
         except ValueError as e:
             raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
         self.model, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        # the model inside any DDP/DeepSpeed wrapper, fixed from here on (unwrap_model walks every module: ~0.1 ms)
+        # the model inside any DDP/DeepSpeed wrapper, fixed from here on (unwrap_model walks every module and
+        # probes imports on each call)
         self.policy = self.accelerator.unwrap_model(self.model)
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self.ref_model = None

@@ -35,7 +35,7 @@ class RolloutStepMixin:
         return [{"_prompt_index": pos, **row} for pos, row in zip(positions, self._rows(indices), strict=True)]
 
     def _rows(self, indices: list[int]) -> list[dict]:
-        """Dataset rows by index; one read for a 🤗 Dataset (a read per row costs ~0.1 ms there)."""
+        """Dataset rows by index; one read for a ``datasets.Dataset`` (a read per row costs ~0.1 ms there)."""
         ds = self.train_dataset
         if not hasattr(ds, "column_names") or not indices:
             return [ds[i] for i in indices]
