@@ -157,7 +157,8 @@ class TrainingArguments:
     max_grad_norm: float = _opt(1.0, "gradient clipping (0 disables)")
     num_train_epochs: float = _opt(1.0, "passes over the training prompts (ignored when max_steps > 0)")
     max_steps: int = _opt(-1, "optimizer steps; overrides num_train_epochs when > 0")
-    optimizer: str = _opt("adamw", "optimizer name from the optimizers registry")
+    optimizer: str = _opt("adamw", "optimizer name from the optimizers registry (`adamw` takes torch's fused "
+                                   "kernel where it can)")
     callbacks: list[str] = _opt([], "callback names from the callbacks registry")
     logging_steps: int = _opt(1, "log every N optimizer steps")
     save_steps: int = _opt(500, "checkpoint every N optimizer steps")
