@@ -186,7 +186,11 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
         DDP/FSDP/DeepSpeed wrappers (their hooks expect one forward per backward) or gradient checkpointing, and
         only for models big enough for it to pay off."""
-        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp or not worth_sharing(model):
+        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp:
+            return False
+        if id(model) not in self._worth_sharing:  # counted once per model: its parameters do not change
+            self._worth_sharing[id(model)] = worth_sharing(model)
+        if not self._worth_sharing[id(model)]:
             return False
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return not getattr(base, "is_activation_checkpointing", False)

@@ -66,6 +66,7 @@ class LoopSetupMixin:
         # the model inside any DDP/DeepSpeed wrapper, fixed from here on (unwrap_model walks every module and
         # probes imports on each call)
         self.policy = self.accelerator.unwrap_model(self.model)
+        self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
         self._trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         self.ref_model = None
         if self.cfg.algorithm.beta != 0 and not self._is_peft(model):
@@ -107,6 +108,7 @@ class LoopSetupMixin:
         self._last_sync_s = 0.0
         self._executor = None
         self._orders: dict = {}
+        self._read_ahead: dict[int, dict] = {}  # prompt-stream position → dataset row, read ahead
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
         self._window_metrics: dict = {}
         self._warned_no_signal = False
