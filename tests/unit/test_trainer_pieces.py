@@ -1,4 +1,4 @@
-"""Trainer pieces that need no model: the prompt stream and the JSON-lines logs."""
+"""Trainer pieces that need no model: the prompt stream, the JSON-lines logs and the AdamW builder."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from grpokit.trainers.optimizers import build_adamw
 from grpokit.trainers.outputs import JsonlLog
 from grpokit.trainers.rollout_step import RolloutStepMixin
 
@@ -22,6 +23,7 @@ class Stream(RolloutStepMixin):
         self.cfg = SimpleNamespace(data=SimpleNamespace(dataset_shuffle=shuffle))
         self.args = SimpleNamespace(seed=3)
         self._orders = {}
+        self._read_ahead = {}
 
 
 def _expected(n: int, per_window: int, windows: int, world: int, rank: int) -> list[list[int]]:
@@ -48,6 +50,24 @@ def test_prompt_stream_follows_the_seeded_permutation_across_epochs(as_list, wor
     assert stream.state.prompts_consumed == 16
 
 
+def test_prompt_stream_reads_the_dataset_once_for_many_windows(monkeypatch):
+    from grpokit.trainers import rollout_step
+
+    monkeypatch.setattr(rollout_step, "PROMPT_READ_AHEAD_ROWS", 6)  # three windows of two
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(7)]
+    stream = Stream(Dataset.from_list(rows), per_window=2, world=1, rank=0)
+    reads = []
+    real_rows = stream._rows
+    monkeypatch.setattr(stream, "_rows", lambda indices: reads.append(indices) or real_rows(indices))
+    got = [stream._next_prompts() for _ in range(7)]  # 14 positions: two epochs
+    assert [len(r) for r in reads] == [6, 6, 6]  # windows 1-3, 4-6, 7-9
+    want = _expected(7, 2, 7, 1, 0)
+    assert [[r["solution"] for r in w] for w in got] == [[str(i) for i in w] for w in want]
+    assert len(stream._read_ahead) == 4  # windows 8 and 9
+    stream.state.prompts_consumed = 2  # a resume: positions map to rows, so a rewind reads them again
+    assert [r["solution"] for r in stream._next_prompts()] == [str(i) for i in want[1]]
+
+
 def test_jsonl_log_appends_flushed_lines_and_truncates_on_resume(tmp_path):
     log = JsonlLog(tmp_path / "log.jsonl")
     for step in (1, 2, 3):
@@ -62,3 +82,38 @@ def test_jsonl_log_appends_flushed_lines_and_truncates_on_resume(tmp_path):
     off = JsonlLog(tmp_path / "off.jsonl", enabled=False)
     off.write({"step": 1})
     assert not (tmp_path / "off.jsonl").exists()
+
+
+ADAMW_ARGS = SimpleNamespace(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99)
+
+
+def test_adamw_takes_the_fused_kernel_and_updates_as_the_per_tensor_loop_does():
+    torch.manual_seed(0)
+    start = [torch.randn(7, 3), torch.randn(5)]
+    fused_params = [torch.nn.Parameter(t.clone()) for t in start]
+    loop_params = [torch.nn.Parameter(t.clone()) for t in start]
+    fused = build_adamw(fused_params, ADAMW_ARGS)
+    loop = torch.optim.AdamW(loop_params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+    assert fused.param_groups[0]["fused"] is True
+    for _ in range(3):
+        grads = [torch.randn_like(t) for t in start]
+        for params, opt in ((fused_params, fused), (loop_params, loop)):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for a, b, before in zip(fused_params, loop_params, start, strict=True):
+        assert not torch.equal(a, before)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_falls_back_to_the_per_tensor_loop_when_the_fused_kernel_is_refused(monkeypatch):
+    real = torch.optim.AdamW
+
+    def no_fused(params, fused=None, **kwargs):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(params, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    opt = build_adamw((p for p in [torch.nn.Parameter(torch.zeros(2))]), ADAMW_ARGS)  # a generator is fine too
+    assert not opt.param_groups[0]["fused"] and len(opt.param_groups[0]["params"]) == 1
