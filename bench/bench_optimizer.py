@@ -5,6 +5,7 @@ copies of the weights. Reported: the median per variant and the ratio. With ``--
 (r16, all linear layers) are trainable, as in the demo.
 
     python bench/bench_optimizer.py --model tiny --repeats 50
+    python bench/bench_optimizer.py --model smollm --lora --repeats 10
     python bench/bench_optimizer.py --model smollm --repeats 5
 """
 
