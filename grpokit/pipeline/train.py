@@ -112,6 +112,9 @@ def run_train(cfg: TrainConfig):
     train_ds, val_ds = load_train_val(cfg.data.dataset or ["builtin:arithmetic"], cfg.data.val_dataset,
                                       system=cfg.data.system, seed=cfg.training.seed,
                                       split_dataset_ratio=cfg.data.split_dataset_ratio)
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)

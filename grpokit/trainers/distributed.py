@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
+from grpokit.config.parse import world_size
 from grpokit.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 _SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
                  "rollouts on a `grpokit rollout` server (--vllm_mode server, see docs/distributed.md)")
 
@@ -89,13 +93,45 @@ def accelerate_plugins(args) -> dict:
     return {}
 
 
+def has_accelerator() -> bool:
+    """Whether torch sees a GPU or another accelerator (CUDA, ROCm, XPU, MPS, a TPU through torch_xla, ...)."""
+    import torch
+    from accelerate.utils import is_torch_xla_available
+
+    if is_torch_xla_available():
+        return True
+    if hasattr(torch, "accelerator"):  # torch >= 2.6: every device type torch knows, plug-ins included
+        return torch.accelerator.is_available()
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return (torch.cuda.is_available() or bool(xpu and xpu.is_available())
+            or bool(mps and mps.is_available()))
+
+
+def use_cpu(args) -> bool:
+    """accelerate's ``cpu`` argument: --use_cpu, or on by itself when a launcher started several processes on a
+    machine without accelerators. accelerate forms its gloo group of CPU processes only with cpu=True; without it
+    each process would train its own copy of the model."""
+    if args.use_cpu or world_size() == 1 or has_accelerator():
+        return args.use_cpu
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info("%d processes and no GPU: training on CPU in one gloo group, as with --use_cpu true",
+                    world_size())
+    return True
+
+
 def check_backend(accelerator, args) -> None:
-    """Refuse a --deepspeed/--fsdp that accelerate quietly dropped (it runs them only on GPUs); a DeepSpeed set-up
-    from an `accelerate config` file gets the same ZeRO-3 refusal and micro-batch size as the flag's."""
+    """Refuse processes that accelerate left out of a group (each would train a copy of its own) and a
+    --deepspeed/--fsdp that it quietly dropped (it runs them only on GPUs); a DeepSpeed set-up from an
+    `accelerate config` file gets the same ZeRO-3 refusal and micro-batch size as the flag's."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
     where = f"{accelerator.num_processes} process(es) on {accelerator.device.type}"
+    if world_size() > 1 and accelerator.num_processes == 1:
+        raise ConfigError(f"the launcher started {world_size()} processes (WORLD_SIZE) but accelerate "
+                          f"joined them in no group ({kind.value}, {where}): each would train a copy of its own; "
+                          "add --use_cpu true to train them together on CPU (gloo), or launch one process")
     if args.fsdp and kind != DistributedType.FSDP:
         raise ConfigError(f"--fsdp: accelerate runs FSDP only across 2 or more GPU processes, here {where}; "
                           "launch with torchrun/accelerate launch on GPUs, or drop --fsdp (plain DDP)")

@@ -17,7 +17,7 @@ from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
-from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, full_state_dict
+from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, full_state_dict, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.outputs import JsonlLog, MetricsAccumulator, plot_curves, summary_text
 
@@ -39,7 +39,7 @@ class LoopSetupMixin:
         wants_bf16 = resolve_dtype_name(m.torch_dtype) == "bfloat16"
         mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
         self.accelerator = Accelerator(
-            gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=t.use_cpu, mixed_precision=mixed,
+            gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=use_cpu(t), mixed_precision=mixed,
             log_with=report or None, project_dir=t.output_dir, **self._plugin_kwargs(),
             # the loop steps the scheduler once per optimizer step; accelerate would otherwise step it once per
             # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
