@@ -1,7 +1,9 @@
 """Policy losses of the GRPO family and their normalisation, as pure functions of per-token log-probs.
 
-One call: ratio r = exp(log-weight) at the chosen importance-sampling level → per-token loss of the loss type →
-× rollout IS weights → + β·k3 KL → × entropy mask → zero outside the mask → normaliser of the loss type.
+One call: ratio r = exp(log-weight) at the chosen importance-sampling level → per-token policy loss of the loss
+type → × entropy mask → × rollout IS weights → + β·k3 KL → zero outside the mask → normaliser of the loss type.
+The entropy mask and the rollout IS weights act on the policy term only; the β·KL term is added after them, on every
+trained token, in TRL's order (``GRPOTrainer._compute_loss``).
 
 Importance-sampling levels (``--importance_sampling_level``):
 - ``token`` — GRPO (arXiv 2402.03300): r_t = π_θ/π_old per token.
@@ -31,8 +33,8 @@ Normalisers (from ms-swift's ``_compute_loss_and_metrics``):
   (DAPO's token-level loss).
 
 Beyond the papers: values at masked positions never reach the loss or its gradient (a fully masked row gives 0,
-not NaN, even if its log-probs are -inf), and the rollout IS weights multiply the policy term but not the KL term
-(ms-swift).
+not NaN, even if its log-probs are -inf), and the rollout IS weights multiply the policy term but not the KL term.
+That is TRL's choice; ms-swift multiplies the KL term by them too (it applies the weights after adding β·KL).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class LossInputs:
     ref_logps: Tensor | None = None  # [B, T] when beta != 0
     rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term
     num_items: float | None = None  # dapo/cispo denominator: global token count, scaled for accumulation/ranks
-    entropy_mask: Tensor | None = None  # [B, T] 0/1: zeroes low-entropy tokens' loss but keeps the normaliser
+    entropy_mask: Tensor | None = None  # [B, T] 0/1: zeroes low-entropy tokens' policy loss, keeps the normaliser
 
 
 @dataclass
@@ -188,18 +190,18 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     adv = inp.advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
 
     out = token_loss(ratio, logps, adv, cfg)
-    per_token = out.loss
+    per_token = out.loss  # [B, T] or [B, 1]: the policy term
+    if inp.entropy_mask is not None:
+        per_token = per_token * inp.entropy_mask.detach().to(dtype)
     if inp.rollout_is_weights is not None:
         per_token = per_token * inp.rollout_is_weights.detach().to(dtype)
     kl = None
-    if cfg.beta != 0.0:
+    if cfg.beta != 0.0:  # after the masks and weights: β·KL reaches every trained token unweighted
         if inp.ref_logps is None:
             raise ConfigError(f"--beta {cfg.beta} puts a KL term in the loss, which needs ref_logps; pass them or "
                               "use --beta 0")
         kl = k3_kl(logps, torch.where(keep, inp.ref_logps.detach().to(dtype), 0.0))  # [B, T]
         per_token = per_token + cfg.beta * kl
-    if inp.entropy_mask is not None:
-        per_token = per_token * inp.entropy_mask.detach().to(dtype)
     per_token = torch.where(keep, per_token, 0.0)  # [B, T]
     loss = normalize(per_token, mask, inp, cfg)
     return LossOut(loss=loss, metrics=_metrics(ratio, out.clipped, kl, keep))

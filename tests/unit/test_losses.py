@@ -247,6 +247,21 @@ def test_entropy_mask_zero_gradient_keeps_normaliser():
     assert grad[0, 1] == 0 and grad[0, 0] != 0 and grad[1, 0] != 0
 
 
+def test_entropy_mask_leaves_kl_term():
+    # on-policy batch, policy term -A = [-1, -1 | +1]; entropy mask drops token (0,1). ref = logp − ln2 on every
+    # token → k3 = e^{-ln2} + ln2 − 1 = 0.5 + ln2 − 1 = 0.193147 per trained token, masked or not; β = 0.1.
+    # grpo: row 0 = (−1 + 0 + 2·0.1·kl)/2, row 1 = (+1 + 0.1·kl)/1 → loss = (row0 + row1)/2
+    # gradient at the dropped token (0,1): policy 0; β·d(k3)/dlogp = 0.1·(1 − e^{ref−logp}) = 0.1·0.5, × 1/(2·2)
+    inp = batch()
+    inp.old_logps = inp.logps.detach().clone()
+    inp.ref_logps = inp.logps.detach() - LN(2.0)
+    inp.entropy_mask = t([[1, 0, 0], [1, 0, 0]])
+    out, grad = run(LossConfig(beta=0.1), inp)
+    kl = 0.5 + LN(2) - 1
+    assert out.loss.item() == pytest.approx(((-1 + 0.2 * kl) / 2 + 1 + 0.1 * kl) / 2, abs=1e-12)
+    assert grad[0, 1].item() == pytest.approx(0.1 * 0.5 / 4, abs=1e-12)
+
+
 @pytest.mark.parametrize("cfg, flag", [
     (LossConfig(epsilon_low=-0.1), "--epsilon"),
     (LossConfig(epsilon_high=-1.0), "--epsilon_high"),
