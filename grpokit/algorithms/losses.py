@@ -83,8 +83,8 @@ class LossOut:
 
 @dataclass(frozen=True)
 class TokenLoss:
-    loss: Tensor  # [B, T] or [B, 1] per-token loss before masking
-    clipped: dict[str, Tensor]  # bool, broadcastable to [B, T]; logged as "clip_ratio/<name>_mean"
+    loss: Tensor  # [B, T] or [B, 1] per-token policy loss before masking
+    logged: dict[str, Tensor]  # metric name -> [B, T] or [B, 1] values (e.g. clip flags), logged as their mean
 
 
 LogWeightFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (log_ratio, logps, mask) -> log importance weight
@@ -124,21 +124,22 @@ def ppo_clip_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) ->
     loss = -torch.min(capped * adv, clipped * adv)
     low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)
     high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)
-    return TokenLoss(loss=loss, clipped={"low": low, "high": high, "region": low | high})
+    return TokenLoss(loss=loss, logged={"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                                        "clip_ratio/region_mean": low | high})
 
 
 def cispo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
     """−sg[min(r, ε_high)]·A·log π: the capped weight is a constant, the gradient flows through log π only."""
     weight = torch.clamp(ratio, max=cfg.epsilon_high).detach()
-    high = (ratio > cfg.epsilon_high) & (adv > 0)
-    return TokenLoss(loss=-weight * adv * logps, clipped={"high": high})
+    capped = (ratio > cfg.epsilon_high) & (adv > 0)
+    return TokenLoss(loss=-weight * adv * logps, logged={"cispo_clip_ratio": capped})  # TRL's and ms-swift's name
 
 
 def sapo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
     """−σ(τ(r−1))·(4/τ)·A, τ = τ_pos for A > 0 else τ_neg."""
     tau = torch.full_like(adv, cfg.tau_neg).masked_fill(adv > 0, cfg.tau_pos)  # [B, 1]
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    return TokenLoss(loss=-gate * adv, clipped={})
+    return TokenLoss(loss=-gate * adv, logged={})
 
 
 for _name in ("grpo", "bnpo", "dr_grpo", "dapo"):
@@ -176,7 +177,7 @@ for _name, _fn in (("grpo", sequence_then_batch_mean), ("sapo", sequence_then_ba
 
 
 def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
-    """The scalar loss and detached metrics ("is_ratio/mean", "clip_ratio/*_mean", "kl") for one micro-batch."""
+    """The scalar loss and detached metrics ("is_ratio/mean", the loss type's clip ratios, "kl") of a micro-batch."""
     token_loss: TokenLossFn = POLICY_LOSSES.get_or_raise(cfg.loss_type)
     normalize: NormalizerFn = LOSS_NORMALIZERS.get_or_raise(cfg.loss_type)
     log_weights: LogWeightFn = IS_LEVELS.get_or_raise(cfg.importance_sampling_level)
@@ -204,21 +205,24 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(keep, per_token, 0.0)  # [B, T]
     loss = normalize(per_token, mask, inp, cfg)
-    return LossOut(loss=loss, metrics=_metrics(ratio, out.clipped, kl, keep))
+    return LossOut(loss=loss, metrics=_metrics(ratio, out.logged, kl, keep))
 
 
 @torch.no_grad()
-def _metrics(ratio: Tensor, clipped: dict[str, Tensor], kl: Tensor | None, keep: Tensor) -> dict[str, Tensor]:
+def _metrics(ratio: Tensor, logged: dict[str, Tensor], kl: Tensor | None, keep: Tensor) -> dict[str, Tensor]:
+    """Means over the micro-batch as TRL's ``global_masked_mean``: a [B, T] value is averaged over the trained
+    tokens, a [B, 1] value (sequence-level ratio: one clip decision per sequence) over the B sequences."""
     count = keep.sum().clamp(min=1).to(ratio.dtype)
 
-    def masked_mean(x: Tensor) -> Tensor:
-        return torch.where(keep, x.to(ratio.dtype), 0.0).sum() / count
+    def mean(x: Tensor) -> Tensor:
+        x = x.to(ratio.dtype)
+        if x.shape[-1] == 1 and keep.shape[-1] > 1:  # per sequence (with T = 1 a sequence is its one token)
+            return x.mean()
+        return torch.where(keep, x, 0.0).sum() / count
 
-    metrics = {"is_ratio/mean": masked_mean(ratio)}
-    for name, flags in clipped.items():
-        metrics[f"clip_ratio/{name}_mean"] = masked_mean(flags)
+    metrics = {"is_ratio/mean": mean(ratio), **{name: mean(x) for name, x in logged.items()}}
     if kl is not None:
-        metrics["kl"] = masked_mean(kl)
+        metrics["kl"] = mean(kl)
     return {k: v.detach() for k, v in metrics.items()}
 
 

@@ -108,9 +108,9 @@ def test_cispo_values_and_detached_weight():
     # gradient = -w·A/6 exactly: the weight is a constant. If it carried gradient, the unclipped tokens would
     # get an extra -A·r·logπ/6 (d(r·logπ)/dlogπ = r·logπ + r).
     torch.testing.assert_close(grad, t([[-1.2 / 6, -0.5 / 6, 0.0], [0.5 / 6, 0.0, 0.0]]))
-    # only the cap from above is a clip, counted where A > 0: token (0,0)
-    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
-    assert "clip_ratio/low_mean" not in out.metrics
+    # only the cap from above is a clip, counted where A > 0: token (0,0); named as in TRL and ms-swift
+    assert out.metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 3)
+    assert not any(k.startswith("clip_ratio") for k in out.metrics)
 
 
 def test_sapo_soft_gate():
@@ -150,7 +150,39 @@ def test_gspo_sequence_ratio():
     tok, _ = run(LossConfig(importance_sampling_level="sequence_token"))
     assert seq.loss.item() == pytest.approx(expected)
     assert tok.loss.item() == pytest.approx(expected)  # same value
-    assert seq.metrics["is_ratio/mean"].item() == pytest.approx((2 * math.sqrt(0.75) + 0.5) / 3)
+    assert seq.metrics["is_ratio/mean"].item() == pytest.approx((math.sqrt(0.75) + 0.5) / 2)  # per sequence
+    assert tok.metrics["is_ratio/mean"].item() == pytest.approx((2 * math.sqrt(0.75) + 0.5) / 3)  # per token
+
+
+def clip_batch():
+    """Rows of 3, 1 and 2 tokens with ratios 2 (A=+1), 0.5 (A=−1) and 1 (A=+1), and an empty row."""
+    old = t([[0.0] * 3] * 4)
+    logps = t([[LN(2.0)] * 3, [LN(0.5), 0, 0], [0.0] * 3, [0.0] * 3]).requires_grad_(True)
+    mask = t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    return LossInputs(logps=logps, old_logps=old, advantages=t([1.0, -1.0, 1.0, 1.0]), mask=mask, num_items=6.0)
+
+
+@pytest.mark.parametrize("level, low, high, ratio_mean", [
+    # one decision per sequence, over the 4 rows of the micro-batch (TRL: the empty row counts, ratio 1,
+    # unclipped): row 0 r_seq = 2 > 1.2 with A > 0 → high; row 1 r_seq = 0.5 < 0.8 with A < 0 → low
+    ("sequence", 1 / 4, 1 / 4, (2 + 0.5 + 1 + 1) / 4),
+    # sequence_token: the same r_seq on every token, counted per trained token (ms-swift): 6 tokens, 3 high, 1 low
+    ("sequence_token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+    ("token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+])
+def test_clip_ratios_count_sequences_at_sequence_level(level, low, high, ratio_mean):
+    out, _ = run(LossConfig(importance_sampling_level=level), clip_batch())
+    assert out.metrics["clip_ratio/low_mean"].item() == pytest.approx(low)
+    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(high)
+    assert out.metrics["clip_ratio/region_mean"].item() == pytest.approx(low + high)
+    assert out.metrics["is_ratio/mean"].item() == pytest.approx(ratio_mean)
+
+
+def test_cispo_clip_ratio_counts_sequences_at_sequence_level():
+    # cap 1.5: only row 0 (r_seq = 2, A > 0) is capped → 1 of 4 sequences (per token it would be 3 of 6)
+    out, _ = run(LossConfig(loss_type="cispo", epsilon_high=1.5, importance_sampling_level="sequence"),
+                 clip_batch())
+    assert out.metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 4)
 
 
 def test_gspo_token_value_is_sequence_ratio_gradient_is_per_token():
