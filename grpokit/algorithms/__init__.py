@@ -22,6 +22,7 @@ from grpokit.algorithms.filters import (
     entropy_mask,
     entropy_threshold,
     groups_with_signal,
+    loss_mask,
     overlong_mask,
     validate_entropy_quantile,
 )
@@ -36,6 +37,9 @@ from grpokit.algorithms.losses import (
     LossOut,
     TokenLoss,
     compute_policy_loss,
+    num_items_per_micro_batch,
+    step_token_counts,
+    uses_global_token_count,
     validate_loss_config,
 )
 from grpokit.algorithms.rollout_is import (
@@ -70,9 +74,13 @@ __all__ = [
     "groups_with_signal",
     "k3_kl",
     "kl_reward_penalty",
+    "loss_mask",
+    "num_items_per_micro_batch",
     "overlong_mask",
     "rollout_importance_weights",
     "selective_log_softmax",
+    "step_token_counts",
+    "uses_global_token_count",
     "validate_advantage_options",
     "validate_entropy_quantile",
     "validate_loss_config",

@@ -28,9 +28,10 @@ Normalisers (from ms-swift's ``_compute_loss_and_metrics``):
 - ``bnpo``: token mean over the micro-batch (TRL's name).
 - ``dr_grpo``: sum / (B × max_completion_length). Dr. GRPO (arXiv 2503.20783) divides by a constant; ms-swift and
   TRL use the micro-batch size times the max completion length.
-- ``dapo``, ``cispo``: sum / ``num_items`` — the trainer passes the global completion-token count of the
-  optimizer step, already divided for gradient accumulation and ranks, so that every token weighs the same
-  (DAPO's token-level loss).
+- ``dapo``, ``cispo``: sum / ``num_items`` — the trainer passes the global count of trained tokens of the
+  optimizer step (``step_token_counts`` of the loss mask, so without the rows --overlong_filter drops, as TRL),
+  already divided for gradient accumulation and ranks (``num_items_per_micro_batch``), so that every token
+  weighs the same (DAPO's token-level loss).
 
 Beyond the papers: values at masked positions never reach the loss or its gradient (a fully masked row gives 0,
 not NaN, even if its log-probs are -inf), and the rollout IS weights multiply the policy term but not the KL term.
@@ -168,6 +169,28 @@ def global_token_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cf
     if num_items < 0:
         raise ConfigError(f"LossInputs.num_items is {num_items}; it must be the (non-negative) global token count")
     return per_token.sum() / (num_items if num_items > 0 else 1.0)  # 0 tokens: the sum is 0 too
+
+
+def uses_global_token_count(loss_type: str) -> bool:
+    """The loss type divides by ``LossInputs.num_items``, so the trainer must count each step's tokens."""
+    return LOSS_NORMALIZERS.get(loss_type) is global_token_normalized
+
+
+def step_token_counts(mask: Tensor, micro_batches: int, gradient_accumulation_steps: int) -> Tensor:
+    """[N, T] loss mask of one window, its micro-batches in row order -> [micro_batches / gas] trained tokens of
+    each optimizer step on this process. Pass the mask the loss trains on (``loss_mask``): tokens of truncated
+    rows under --overlong_filter are not trained, so they are not counted either."""
+    per_micro = mask.sum(1).reshape(micro_batches, -1).sum(1)  # [S]
+    return per_micro.reshape(-1, gradient_accumulation_steps).sum(1)  # [S / gas]
+
+
+def num_items_per_micro_batch(step_counts: Tensor, gradient_accumulation_steps: int, world_size: int) -> list[float]:
+    """[S / gas] global trained-token counts per optimizer step -> ``num_items`` of each of the S micro-batches.
+
+    accelerate divides each micro-step's loss by gas and DDP averages gradients over the ranks, so each count is
+    divided by gas × world: the step's gradient is then Σ token losses / count, every token weighing the same."""
+    scale = gradient_accumulation_steps * world_size
+    return (step_counts.repeat_interleave(gradient_accumulation_steps) / scale).tolist()
 
 
 for _name, _fn in (("grpo", sequence_then_batch_mean), ("sapo", sequence_then_batch_mean), ("bnpo", token_mean),
