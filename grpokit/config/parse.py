@@ -277,7 +277,8 @@ def _validate_structured(cfg: TrainConfig) -> None:
 
 
 def loss_config(cfg: TrainConfig):
-    """The loss slice of the configuration (cispo's default cap is 5.0, as in ms-swift)."""
+    """The loss slice of the configuration. cispo's default cap 5.0 is grpokit's: the value the docs of ms-swift
+    (CISPO page) and TRL (epsilon_high) recommend after ScaleRL; the code of both falls back to --epsilon."""
     from grpokit.algorithms import LossConfig
 
     a = cfg.algorithm
