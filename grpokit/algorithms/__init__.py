@@ -1,8 +1,8 @@
 """GRPO-family math as pure tensor functions: no models, engines, files or network; only torch.
 
 The variant names of each option live in registries (``ADVANTAGE_ESTIMATORS``, ``SCALE_MODES``,
-``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may extend.
-See docs/algorithms.md for the formulas next to their flags.
+``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``LOSS_CHECKS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may
+extend. See docs/algorithms.md for the formulas next to their flags.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
 from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.algorithms.losses import (
     IS_LEVELS,
+    LOSS_CHECKS,
     LOSS_NORMALIZERS,
     POLICY_LOSSES,
     LossConfig,
     LossInputs,
     LossOut,
+    PolicyTerms,
     TokenLoss,
     compute_policy_loss,
     num_items_per_micro_batch,
@@ -53,6 +55,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DEFAULT_SCALE",
     "IS_LEVELS",
+    "LOSS_CHECKS",
     "LOSS_NORMALIZERS",
     "POLICY_LOSSES",
     "ROLLOUT_IS_MODES",
@@ -63,6 +66,7 @@ __all__ = [
     "LossConfig",
     "LossInputs",
     "LossOut",
+    "PolicyTerms",
     "RolloutISOut",
     "TokenLoss",
     "compute_advantages",

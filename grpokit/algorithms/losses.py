@@ -22,9 +22,10 @@ Per-token losses (``--loss_type``; the registry maps each name to its family):
   ``epsilon_high`` help give, after ScaleRL (arXiv 2510.13786); the code of both falls back to ``epsilon``.
 - ``sapo`` — SAPO (arXiv 2511.20347): −σ(τ·(r−1))·(4/τ)·A with τ = τ_pos for A > 0 and τ_neg otherwise
   (defaults 1.0 and 1.05, the paper's). The 4/τ factor makes the gradient at r = 1 equal to the plain
-  policy gradient; token level only.
+  policy gradient. The paper gates token ratios; like TRL, a sequence-level ratio is accepted (one gate per
+  sequence), with a warning.
 
-Normalisers (from ms-swift's ``_compute_loss_and_metrics``):
+Normalisers (ms-swift's ``_compute_loss_and_metrics``, TRL's ``_compute_loss``):
 - ``grpo``, ``sapo``: masked mean per sequence, then mean over the batch (the GRPO paper's 1/G Σ 1/|o_i| Σ_t).
 - ``bnpo``: token mean over the micro-batch (TRL's name).
 - ``dr_grpo``: sum / (B × max_completion_length). Dr. GRPO (arXiv 2503.20783) divides by a constant; ms-swift and
@@ -41,6 +42,7 @@ That is TRL's choice; ms-swift multiplies the KL term by them too (it applies th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +52,8 @@ from torch import Tensor
 from grpokit.algorithms.kl import k3_kl
 from grpokit.errors import ConfigError
 from grpokit.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,18 +88,32 @@ class LossOut:
 
 
 @dataclass(frozen=True)
+class PolicyTerms:
+    """What a per-token loss reads. [B, T] tensors hold 0 outside the mask."""
+
+    ratio: Tensor  # [B, T] or [B, 1] importance weight at --importance_sampling_level
+    logps: Tensor  # [B, T] log π_θ, carries the gradient
+    log_ratio: Tensor  # [B, T] per-token log π_θ − log π_old, whatever the level
+    adv: Tensor  # [B, 1] detached
+    mask: Tensor  # [B, T] float 0/1
+    rollout_is_weights: Tensor | None = None  # [B, T] detached
+
+
+@dataclass(frozen=True)
 class TokenLoss:
     loss: Tensor  # [B, T] or [B, 1] per-token policy loss before masking
     logged: dict[str, Tensor]  # metric name -> [B, T] or [B, 1] values (e.g. clip flags), logged as their mean
 
 
 LogWeightFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (log_ratio, logps, mask) -> log importance weight
-TokenLossFn = Callable[[Tensor, Tensor, Tensor, LossConfig], TokenLoss]  # (ratio, logps, adv [B,1], cfg)
+TokenLossFn = Callable[[PolicyTerms, LossConfig], TokenLoss]
 NormalizerFn = Callable[[Tensor, Tensor, LossInputs, LossConfig], Tensor]  # (per_token, mask, inputs, cfg)
+LossCheckFn = Callable[[LossConfig], None]  # raises ConfigError, or logs a warning
 
 IS_LEVELS: Registry = Registry("importance sampling level", "--importance_sampling_level")
 POLICY_LOSSES: Registry = Registry("loss type", "--loss_type")
 LOSS_NORMALIZERS: Registry = Registry("loss type", "--loss_type")
+LOSS_CHECKS: Registry = Registry("loss type", "--loss_type")  # optional, per loss type: run by validate_loss_config
 
 
 def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -119,8 +137,9 @@ def sequence_token_log_weights(log_ratio: Tensor, logps: Tensor, mask: Tensor) -
     return logps - logps.detach() + seq  # [B, T]: value = sequence log ratio, gradient = d logps
 
 
-def ppo_clip_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
+def ppo_clip_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
     """−min(r·A, clip(r, 1−ε_low, 1+ε_high)·A), with r capped at δ in the first term when ``delta`` is set."""
+    ratio, adv = terms.ratio, terms.adv
     clipped = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
     capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
     loss = -torch.min(capped * adv, clipped * adv)
@@ -130,17 +149,19 @@ def ppo_clip_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) ->
                                         "clip_ratio/region_mean": low | high})
 
 
-def cispo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
+def cispo_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
     """−sg[min(r, ε_high)]·A·log π: the capped weight is a constant, the gradient flows through log π only."""
+    ratio, adv = terms.ratio, terms.adv
     weight = torch.clamp(ratio, max=cfg.epsilon_high).detach()
     capped = (ratio > cfg.epsilon_high) & (adv > 0)
-    return TokenLoss(loss=-weight * adv * logps, logged={"cispo_clip_ratio": capped})  # TRL's and ms-swift's name
+    return TokenLoss(loss=-weight * adv * terms.logps, logged={"cispo_clip_ratio": capped})  # TRL's, ms-swift's name
 
 
-def sapo_loss(ratio: Tensor, logps: Tensor, adv: Tensor, cfg: LossConfig) -> TokenLoss:
-    """−σ(τ(r−1))·(4/τ)·A, τ = τ_pos for A > 0 else τ_neg."""
+def sapo_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
+    """−σ(τ(r−1))·(4/τ)·A, τ = τ_pos for A > 0 else τ_neg; r of any level ([B, T] or [B, 1])."""
+    adv = terms.adv
     tau = torch.full_like(adv, cfg.tau_neg).masked_fill(adv > 0, cfg.tau_pos)  # [B, 1]
-    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    gate = torch.sigmoid(tau * (terms.ratio - 1.0)) * (4.0 / tau)
     return TokenLoss(loss=-gate * adv, logged={})
 
 
@@ -211,15 +232,17 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     keep = mask > 0
     logps = torch.where(keep, inp.logps, 0.0)  # padding may hold -inf or garbage: keep it out of values and grads
     old = torch.where(keep, inp.old_logps.detach().to(dtype), 0.0)
-    ratio = torch.exp(log_weights(logps - old, logps, mask))  # [B, T] or [B, 1]
+    log_ratio = logps - old  # [B, T]
+    ratio = torch.exp(log_weights(log_ratio, logps, mask))  # [B, T] or [B, 1]
     adv = inp.advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+    rollout_w = None if inp.rollout_is_weights is None else inp.rollout_is_weights.detach().to(dtype)  # [B, T]
 
-    out = token_loss(ratio, logps, adv, cfg)
+    out = token_loss(PolicyTerms(ratio, logps, log_ratio, adv, mask, rollout_w), cfg)
     per_token = out.loss  # [B, T] or [B, 1]: the policy term
     if inp.entropy_mask is not None:
         per_token = per_token * inp.entropy_mask.detach().to(dtype)
-    if inp.rollout_is_weights is not None:
-        per_token = per_token * inp.rollout_is_weights.detach().to(dtype)
+    if rollout_w is not None:
+        per_token = per_token * rollout_w
     kl = None
     if cfg.beta != 0.0:  # after the masks and weights: β·KL reaches every trained token unweighted
         if inp.ref_logps is None:
@@ -251,7 +274,8 @@ def _metrics(ratio: Tensor, logged: dict[str, Tensor], kl: Tensor | None, keep: 
 
 
 def validate_loss_config(cfg: LossConfig) -> None:
-    """Raise ConfigError for unknown names, out-of-range values and combinations that would be ignored."""
+    """Raise ConfigError for unknown names, out-of-range values and combinations that would be ignored; log a
+    warning (as TRL does) for an importance-sampling level the loss type's paper does not use."""
     POLICY_LOSSES.get_or_raise(cfg.loss_type)
     LOSS_NORMALIZERS.get_or_raise(cfg.loss_type)
     IS_LEVELS.get_or_raise(cfg.importance_sampling_level)
@@ -263,17 +287,45 @@ def validate_loss_config(cfg: LossConfig) -> None:
             raise ConfigError(f"{flag} {value}: the SAPO gate temperature must be > 0 (paper: 1.0 and 1.05)")
     if cfg.max_completion_length < 1:
         raise ConfigError(f"--max_completion_length {cfg.max_completion_length}: must be >= 1")
-    family = POLICY_LOSSES[cfg.loss_type]
     if cfg.delta is not None:
-        if family is not ppo_clip_loss:
-            raise ConfigError(f"--delta applies to the PPO-clip loss types (grpo, bnpo, dr_grpo, dapo), not "
-                              f"--loss_type {cfg.loss_type}; remove --delta")
+        if POLICY_LOSSES[cfg.loss_type] is not ppo_clip_loss:
+            ppo = ", ".join(sorted(name for name, fn in POLICY_LOSSES.items() if fn is ppo_clip_loss))
+            raise ConfigError(f"--delta applies to the PPO-clip loss types ({ppo}), not --loss_type "
+                              f"{cfg.loss_type}; remove --delta")
         if not cfg.delta > 1.0 + cfg.epsilon_high:
             raise ConfigError(f"--delta {cfg.delta}: must exceed 1 + epsilon_high = {1.0 + cfg.epsilon_high:g}, or it "
                               "would override the clip range (TRL: delta > 1 + epsilon)")
-    if family is cispo_loss and cfg.epsilon_high < 1.0:
+    check: LossCheckFn | None = LOSS_CHECKS.get(cfg.loss_type)
+    if check is not None:
+        check(cfg)
+
+
+def warn_unless_level(cfg: LossConfig, levels: tuple[str, ...], why: str) -> None:
+    """Log a warning when --importance_sampling_level is not one of ``levels`` (TRL warns, it does not refuse)."""
+    if cfg.importance_sampling_level not in levels:
+        logger.warning("--loss_type %s with --importance_sampling_level %s: %s", cfg.loss_type,
+                       cfg.importance_sampling_level, why)
+
+
+def _check_token_sum(cfg: LossConfig) -> None:
+    warn_unless_level(cfg, ("token",), "this normaliser sums per-token terms, so a sequence-level ratio counts each "
+                      "sequence once per token (its length) instead of once, as GSPO does; for the GSPO paper's "
+                      "setup use --loss_type grpo")
+
+
+def _check_cispo(cfg: LossConfig) -> None:
+    if cfg.epsilon_high < 1.0:
         raise ConfigError(f"--loss_type cispo reads --epsilon_high as the absolute cap on the IS weight; "
                           f"{cfg.epsilon_high} < 1 would scale down every on-policy token; use e.g. --epsilon_high 5.0")
-    if family is sapo_loss and cfg.importance_sampling_level != "token":
-        raise ConfigError(f"--loss_type sapo gates each token's ratio, so --importance_sampling_level "
-                          f"{cfg.importance_sampling_level} (GSPO) does not combine with it; use token")
+    _check_token_sum(cfg)
+
+
+def _check_sapo(cfg: LossConfig) -> None:
+    warn_unless_level(cfg, ("token",), "the SAPO paper gates each token's ratio; here each sequence's ratio gets "
+                      "one gate, as TRL computes it")
+
+
+for _name in ("bnpo", "dr_grpo", "dapo"):
+    LOSS_CHECKS[_name] = _check_token_sum
+LOSS_CHECKS["cispo"] = _check_cispo
+LOSS_CHECKS["sapo"] = _check_sapo

@@ -81,3 +81,33 @@ def test_entropy_mask_masks_policy_term_not_kl(loss_type, beta):
     # the β·KL gradient reaches tokens the entropy mask drops
     dropped = (d["mask"] > 0) & (d["ent"] == 0)
     assert dropped.any() and (grad[dropped] != 0).any() == (beta != 0)
+
+
+def trl_ratio(d, level):
+    """TRL's coef_1: exp of the token log-ratio, or of its masked mean per sequence ([B, 1])."""
+    log_ratio = d["logps"] - d["old"]
+    if level == "sequence":
+        log_ratio = ((log_ratio * d["mask"]).sum(-1) / d["mask"].sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return torch.exp(log_ratio)
+
+
+def trl_sapo(d, level, beta, entropy, tau_pos=1.0, tau_neg=1.05):
+    """−σ(τ(r−1))·4/τ·A with τ by the sign of A, at either level; × entropy mask, + β·k3, grpo aggregation."""
+    a = d["adv"].unsqueeze(1)
+    tau = torch.where(a > 0, tau_pos, tau_neg).to(torch.float64)
+    policy = -torch.sigmoid(tau * (trl_ratio(d, level) - 1)) * 4 / tau * a
+    if entropy:
+        policy = policy * d["ent"]
+    return trl_normalise(policy + beta * trl_k3(d["logps"], d["ref"]), d["mask"], "sapo", None)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("beta, entropy", [(0.0, False), (0.3, True)])
+def test_sapo_matches_trl_at_both_levels(level, beta, entropy):
+    d = make_batch(1)
+    out, grad = grpokit_loss(d, LossConfig(loss_type="sapo", importance_sampling_level=level, beta=beta),
+                             entropy=entropy)
+    want, want_grad = reference_grad(trl_sapo, d, level=level, beta=beta, entropy=entropy)
+    torch.testing.assert_close(out.loss, want, **TOL)
+    torch.testing.assert_close(grad, want_grad, **TOL)
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from grpokit.algorithms import (
     IS_LEVELS,
+    LOSS_CHECKS,
     LOSS_NORMALIZERS,
     POLICY_LOSSES,
     LossConfig,
@@ -237,7 +239,6 @@ def test_global_normaliser_needs_num_items(loss_type):
 
 @pytest.mark.parametrize("loss_type, level", [
     (lt, lv) for lt in sorted(POLICY_LOSSES) for lv in ("token", "sequence", "sequence_token")
-    if lt != "sapo" or lv == "token"  # sapo is token-level only
 ])
 def test_fully_masked_row_no_nan(loss_type, level):
     # add a third row that is entirely padding (-inf log-probs): loss and gradient finite, its gradient 0
@@ -306,7 +307,8 @@ def test_entropy_mask_leaves_kl_term():
     (LossConfig(loss_type="cispo", epsilon_high=5.0, delta=8.0), "--delta applies"),
     (LossConfig(delta=1.1), "must exceed 1 \\+ epsilon_high"),
     (LossConfig(loss_type="cispo"), "cispo reads --epsilon_high"),
-    (LossConfig(loss_type="sapo", importance_sampling_level="sequence"), "sapo"),
+    (LossConfig(loss_type="sapo", delta=4.0), "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, "
+                                              "grpo\\)"),
 ])
 def test_validate_loss_config_rejects(cfg, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -316,11 +318,29 @@ def test_validate_loss_config_rejects(cfg, flag):
 def test_validate_loss_config_accepts_defaults_and_variants():
     for cfg in (LossConfig(), LossConfig(loss_type="dapo", epsilon_high=0.28), LossConfig(delta=4.0),
                 LossConfig(loss_type="cispo", epsilon_high=5.0), LossConfig(loss_type="sapo"),
+                LossConfig(loss_type="sapo", importance_sampling_level="sequence"),  # as TRL, with a warning
                 LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4)):
         validate_loss_config(cfg)
+
+
+@pytest.mark.parametrize("loss_type, level, warns", [
+    ("sapo", "token", False), ("sapo", "sequence", True),
+    ("grpo", "sequence", False), ("dapo", "sequence", True), ("bnpo", "sequence_token", True),
+    ("cispo", "sequence", True), ("dr_grpo", "token", False),
+])
+def test_unusual_is_level_warns_not_refuses(caplog, loss_type, level, warns):
+    # TRL logs a warning (it does not raise) when a loss runs at a level its paper does not use
+    caplog.set_level(logging.WARNING, logger="grpokit.algorithms.losses")
+    validate_loss_config(LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0
+                                    if loss_type == "cispo" else 0.2))
+    messages = [r.getMessage() for r in caplog.records]
+    assert bool(messages) == warns
+    if warns:
+        assert f"--loss_type {loss_type} with --importance_sampling_level {level}" in messages[0]
 
 
 def test_registries_cover_every_loss_type():
     names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"}
     assert set(POLICY_LOSSES) == names and set(LOSS_NORMALIZERS) == names
+    assert set(LOSS_CHECKS) <= names
     assert set(IS_LEVELS) == {"token", "sequence", "sequence_token"}
