@@ -44,6 +44,7 @@ from grpokit.algorithms.losses import (
     uses_global_token_count,
     validate_loss_config,
 )
+from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,
     RolloutISOut,
@@ -89,4 +90,5 @@ __all__ = [
     "validate_entropy_quantile",
     "validate_loss_config",
     "validate_rollout_is_options",
+    "vespo_weights",
 ]

@@ -24,6 +24,7 @@ Per-token losses (``--loss_type``; the registry maps each name to its family):
   (defaults 1.0 and 1.05, the paper's). The 4/τ factor makes the gradient at r = 1 equal to the plain
   policy gradient. The paper gates token ratios; like TRL, a sequence-level ratio is accepted (one gate per
   sequence), with a warning.
+- ``luspo``, ``vespo`` — in ``losses_sequence.py``, registered into the same registries.
 
 Normalisers (ms-swift's ``_compute_loss_and_metrics``, TRL's ``_compute_loss``):
 - ``grpo``, ``sapo``: masked mean per sequence, then mean over the batch (the GRPO paper's 1/G Σ 1/|o_i| Σ_t).
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LossConfig:
-    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo
     importance_sampling_level: str = "token"  # token | sequence | sequence_token
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # clip-higher; for cispo the absolute cap on the IS weight (docs of both: 5.0)
@@ -67,6 +68,11 @@ class LossConfig:
     tau_pos: float = 1.0  # sapo, A > 0
     tau_neg: float = 1.05  # sapo, A <= 0
     max_completion_length: int = 256  # dr_grpo normaliser
+    vespo_k_pos: float = 2.0  # vespo Gamma kernel, A >= 0: power k (TRL's names and defaults)
+    vespo_lambda_pos: float = 3.0  # vespo, A >= 0: decay λ
+    vespo_k_neg: float = 3.0  # vespo, A < 0
+    vespo_lambda_neg: float = 2.0  # vespo, A < 0
+    rollout_importance_sampling_mode: str | None = None  # vespo folds token-level rollout IS weights into its W
 
 
 @dataclass
@@ -103,6 +109,7 @@ class PolicyTerms:
 class TokenLoss:
     loss: Tensor  # [B, T] or [B, 1] per-token policy loss before masking
     logged: dict[str, Tensor]  # metric name -> [B, T] or [B, 1] values (e.g. clip flags), logged as their mean
+    includes_rollout_is: bool = False  # the loss folded PolicyTerms.rollout_is_weights in itself (vespo)
 
 
 LogWeightFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # (log_ratio, logps, mask) -> log importance weight
@@ -241,7 +248,7 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     per_token = out.loss  # [B, T] or [B, 1]: the policy term
     if inp.entropy_mask is not None:
         per_token = per_token * inp.entropy_mask.detach().to(dtype)
-    if rollout_w is not None:
+    if rollout_w is not None and not out.includes_rollout_is:
         per_token = per_token * rollout_w
     kl = None
     if cfg.beta != 0.0:  # after the masks and weights: β·KL reaches every trained token unweighted

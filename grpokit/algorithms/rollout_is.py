@@ -66,6 +66,7 @@ class _ModeOut:
 
 ModeFn = Callable[[Tensor, Tensor, float], _ModeOut]  # (log_ratio [B,T], mask [B,T], threshold)
 ROLLOUT_IS_MODES: Registry = Registry("rollout importance sampling mode", "--rollout_importance_sampling_mode")
+TOKEN_LEVEL_MODES = ("token_truncate", "token_mask")  # a weight per token of ρ_t alone (vespo multiplies them up)
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

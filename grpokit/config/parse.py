@@ -288,7 +288,10 @@ def loss_config(cfg: TrainConfig):
     return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
                       epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
                       beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
-                      max_completion_length=cfg.rollout.max_completion_length)
+                      max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
+                      vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                      vespo_lambda_neg=a.vespo_lambda_neg,
+                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode)
 
 
 def _validate_algorithm(cfg: TrainConfig) -> None:

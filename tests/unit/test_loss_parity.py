@@ -8,6 +8,8 @@ holds finite values because TRL's formulas multiply by the mask (a -inf there wo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -111,3 +113,72 @@ def test_sapo_matches_trl_at_both_levels(level, beta, entropy):
     torch.testing.assert_close(out.loss, want, **TOL)
     torch.testing.assert_close(grad, want_grad, **TOL)
 
+
+def trl_luspo(d, delta=None, eps=0.2):
+    """Sequence level: PPO clip of the [B, 1] ratio (δ-capped first term), × each sequence's length, mean over B."""
+    a = d["adv"].unsqueeze(1)
+    r = trl_ratio(d, "sequence")  # [B, 1]
+    first = r if delta is None else torch.clamp(r, max=delta)
+    per_seq = -torch.minimum(first * a, torch.clamp(r, 1 - eps, 1 + eps) * a)  # [B, 1]
+    return (per_seq * d["mask"].sum(1, keepdim=True)).mean()
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+@pytest.mark.parametrize("delta", [None, 1.25])
+def test_luspo_matches_trl_in_the_papers_setup(seed, delta):
+    # sequence ratios: seed 0 [1.16, 0.90, 0.73, 0.83], seed 2 [0.84, 1.17, 1.60, 1.01]. With these advantages
+    # seed 0 clips row 2 from below (A < 0, r < 0.8); seed 2 clips row 2 at 1.2 and, with δ = 1.25, caps its
+    # unclipped term (A < 0, r > δ)
+    d = {**make_batch(seed), "adv": torch.tensor([0.9, -1.3, -0.4, 0.2], dtype=torch.float64)}
+    out, grad = grpokit_loss(d, LossConfig(loss_type="luspo", importance_sampling_level="sequence", delta=delta))
+    want, want_grad = reference_grad(trl_luspo, d, delta=delta)
+    torch.testing.assert_close(out.loss, want, **TOL)
+    torch.testing.assert_close(grad, want_grad, **TOL)
+
+
+def trl_vespo(d, beta, entropy, is_ratio=None, num_items=11.0, k=(2.0, 3.0), lam=(3.0, 2.0)):
+    """TRL's get_gamma_weights (product ratio W, optional token IS ratio folded in log space, Gamma kernel by the
+    sign of A, all without gradient), then −φ·A·log π × entropy mask + β·k3 over the global token count."""
+    a = d["adv"].unsqueeze(1)
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        seq = (torch.clamp(d["logps"] - d["old"], -20, 20) * d["mask"]).sum(-1, keepdim=True)
+        if is_ratio is not None:  # TRL's ratio is 1 on padding: its log adds nothing there
+            seq = seq + torch.clamp(torch.log(is_ratio), floor, 20).sum(-1, keepdim=True)
+        log_w = torch.clamp(seq, floor, 20)
+        k_ = torch.where(a >= 0, k[0], k[1]).to(torch.float64)
+        lam_ = torch.where(a >= 0, lam[0], lam[1]).to(torch.float64).clamp(min=1e-4)
+        phi = torch.exp(lam_ + k_ * log_w - lam_ * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)
+    policy = -phi * a * d["logps"]
+    if entropy:
+        policy = policy * d["ent"]
+    return trl_normalise(policy + beta * trl_k3(d["logps"], d["ref"]), d["mask"], "vespo", num_items)
+
+
+def test_vespo_matches_trl_with_entropy_mask_and_kl():
+    d = make_batch(3)
+    out, grad = grpokit_loss(d, LossConfig(loss_type="vespo", beta=0.3), entropy=True)
+    want, want_grad = reference_grad(trl_vespo, d, beta=0.3, entropy=True)
+    torch.testing.assert_close(out.loss, want, **TOL)
+    torch.testing.assert_close(grad, want_grad, **TOL)
+
+
+@pytest.mark.parametrize("k, lam", [((2.0, 3.0), (3.0, 2.0)), ((0.5, 4.0), (1.5, 0.0))])
+def test_vespo_matches_trl_with_token_rollout_weights(k, lam):
+    # token_truncate/token_mask weights: one truncated at C = 1.2, one masked to 0. grpokit's weights are 0 on
+    # padding (rollout_importance_weights), TRL's are 1 there; both mean "no factor". λ_neg = 0 meets the 1e-4
+    # floor (validate_loss_config refuses it; the loss itself follows TRL).
+    d = make_batch(4)
+    g = torch.Generator().manual_seed(5)
+    w = torch.clamp(torch.exp((torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 0.8), max=1.2)
+    w[1, 2] = 0.0  # masked by token_mask
+    logps = d["logps"].clone().requires_grad_(True)
+    cfg = LossConfig(loss_type="vespo", vespo_k_pos=k[0], vespo_k_neg=k[1], vespo_lambda_pos=lam[0],
+                     vespo_lambda_neg=lam[1])
+    out = compute_policy_loss(LossInputs(logps=logps, old_logps=d["old"], advantages=d["adv"], mask=d["mask"],
+                                         rollout_is_weights=w * d["mask"], num_items=11.0), cfg)
+    grad = torch.autograd.grad(out.loss, logps)[0]
+    trl_w = torch.where(d["mask"] > 0, w, 1.0)
+    want, want_grad = reference_grad(trl_vespo, d, beta=0.0, entropy=False, is_ratio=trl_w, k=k, lam=lam)
+    torch.testing.assert_close(out.loss, want, **TOL)
+    torch.testing.assert_close(grad, want_grad, **TOL)

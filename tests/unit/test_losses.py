@@ -307,8 +307,13 @@ def test_entropy_mask_leaves_kl_term():
     (LossConfig(loss_type="cispo", epsilon_high=5.0, delta=8.0), "--delta applies"),
     (LossConfig(delta=1.1), "must exceed 1 \\+ epsilon_high"),
     (LossConfig(loss_type="cispo"), "cispo reads --epsilon_high"),
-    (LossConfig(loss_type="sapo", delta=4.0), "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, "
-                                              "grpo\\)"),
+    (LossConfig(loss_type="vespo", delta=4.0), "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, "
+                                               "grpo, luspo\\)"),
+    (LossConfig(loss_type="vespo", vespo_k_pos=-1.0), "--vespo_k_pos -1.0"),
+    (LossConfig(loss_type="vespo", vespo_lambda_neg=0.0), "--vespo_lambda_neg 0.0"),
+    (LossConfig(loss_type="vespo", vespo_lambda_pos=float("nan")), "--vespo_lambda_pos nan"),
+    (LossConfig(loss_type="vespo", rollout_importance_sampling_mode="sequence_truncate"),
+     "--rollout_importance_sampling_mode sequence_truncate does not fit; use token_truncate or token_mask"),
 ])
 def test_validate_loss_config_rejects(cfg, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -319,11 +324,15 @@ def test_validate_loss_config_accepts_defaults_and_variants():
     for cfg in (LossConfig(), LossConfig(loss_type="dapo", epsilon_high=0.28), LossConfig(delta=4.0),
                 LossConfig(loss_type="cispo", epsilon_high=5.0), LossConfig(loss_type="sapo"),
                 LossConfig(loss_type="sapo", importance_sampling_level="sequence"),  # as TRL, with a warning
-                LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4)):
+                LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+                LossConfig(loss_type="luspo", importance_sampling_level="sequence", delta=1.5),
+                LossConfig(loss_type="vespo", rollout_importance_sampling_mode="token_mask")):
         validate_loss_config(cfg)
 
 
 @pytest.mark.parametrize("loss_type, level, warns", [
+    ("luspo", "sequence", False), ("luspo", "token", True), ("luspo", "sequence_token", True),
+    ("vespo", "token", False), ("vespo", "sequence", True),
     ("sapo", "token", False), ("sapo", "sequence", True),
     ("grpo", "sequence", False), ("dapo", "sequence", True), ("bnpo", "sequence_token", True),
     ("cispo", "sequence", True), ("dr_grpo", "token", False),
@@ -340,7 +349,7 @@ def test_unusual_is_level_warns_not_refuses(caplog, loss_type, level, warns):
 
 
 def test_registries_cover_every_loss_type():
-    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"}
+    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
     assert set(POLICY_LOSSES) == names and set(LOSS_NORMALIZERS) == names
     assert set(LOSS_CHECKS) <= names
     assert set(IS_LEVELS) == {"token", "sequence", "sequence_token"}

@@ -48,8 +48,8 @@ def test_num_items_per_micro_batch():
 
 
 def test_uses_global_token_count():
-    assert {lt for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo") if uses_global_token_count(lt)} == {
-        "dapo", "cispo"}
+    names = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    assert {lt for lt in names if uses_global_token_count(lt)} == {"dapo", "cispo", "vespo"}
     assert not uses_global_token_count("no_such_loss")
 
 
