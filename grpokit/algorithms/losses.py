@@ -82,8 +82,8 @@ class LossInputs:
     advantages: Tensor  # [B]
     mask: Tensor  # [B, T] 1 = trained token (completion mask, with overlong filter applied)
     ref_logps: Tensor | None = None  # [B, T] when beta != 0
-    rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term
-    num_items: float | None = None  # dapo/cispo denominator: global token count, scaled for accumulation/ranks
+    rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term (vespo: joins its W)
+    num_items: float | None = None  # dapo/cispo/vespo denominator: global token count, scaled for accumulation/ranks
     entropy_mask: Tensor | None = None  # [B, T] 0/1: zeroes low-entropy tokens' policy loss, keeps the normaliser
 
 
@@ -95,14 +95,14 @@ class LossOut:
 
 @dataclass(frozen=True)
 class PolicyTerms:
-    """What a per-token loss reads. [B, T] tensors hold 0 outside the mask."""
+    """What a per-token loss reads; ``logps`` and ``log_ratio`` hold 0 outside the mask."""
 
     ratio: Tensor  # [B, T] or [B, 1] importance weight at --importance_sampling_level
     logps: Tensor  # [B, T] log π_θ, carries the gradient
     log_ratio: Tensor  # [B, T] per-token log π_θ − log π_old, whatever the level
     adv: Tensor  # [B, 1] detached
     mask: Tensor  # [B, T] float 0/1
-    rollout_is_weights: Tensor | None = None  # [B, T] detached
+    rollout_is_weights: Tensor | None = None  # [B, T] detached, as passed in LossInputs (multiply by mask)
 
 
 @dataclass(frozen=True)
