@@ -1,8 +1,8 @@
 """GRPO-family math as pure tensor functions: no models, engines, files or network; only torch.
 
 The variant names of each option live in registries (``ADVANTAGE_ESTIMATORS``, ``SCALE_MODES``,
-``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may extend.
-See docs/algorithms.md for the formulas next to their flags.
+``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``LOSS_CHECKS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may
+extend. See docs/algorithms.md for the formulas next to their flags.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from grpokit.algorithms.filters import (
     entropy_mask,
     entropy_threshold,
     groups_with_signal,
+    loss_mask,
     overlong_mask,
     validate_entropy_quantile,
 )
@@ -29,15 +30,21 @@ from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
 from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.algorithms.losses import (
     IS_LEVELS,
+    LOSS_CHECKS,
     LOSS_NORMALIZERS,
     POLICY_LOSSES,
     LossConfig,
     LossInputs,
     LossOut,
+    PolicyTerms,
     TokenLoss,
     compute_policy_loss,
+    num_items_per_micro_batch,
+    step_token_counts,
+    uses_global_token_count,
     validate_loss_config,
 )
+from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,
     RolloutISOut,
@@ -49,6 +56,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DEFAULT_SCALE",
     "IS_LEVELS",
+    "LOSS_CHECKS",
     "LOSS_NORMALIZERS",
     "POLICY_LOSSES",
     "ROLLOUT_IS_MODES",
@@ -59,6 +67,7 @@ __all__ = [
     "LossConfig",
     "LossInputs",
     "LossOut",
+    "PolicyTerms",
     "RolloutISOut",
     "TokenLoss",
     "compute_advantages",
@@ -70,11 +79,16 @@ __all__ = [
     "groups_with_signal",
     "k3_kl",
     "kl_reward_penalty",
+    "loss_mask",
+    "num_items_per_micro_batch",
     "overlong_mask",
     "rollout_importance_weights",
     "selective_log_softmax",
+    "step_token_counts",
+    "uses_global_token_count",
     "validate_advantage_options",
     "validate_entropy_quantile",
     "validate_loss_config",
     "validate_rollout_is_options",
+    "vespo_weights",
 ]

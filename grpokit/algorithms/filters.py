@@ -1,7 +1,9 @@
 """Token and sample filters: overlong filtering and dynamic sampling (DAPO), high-entropy token masks.
 
-- ``overlong_mask`` — DAPO (arXiv 2503.14476) "overlong filtering": truncated completions get no loss. As in
-  ms-swift the truncated rows leave the loss mask itself, so they also leave the normaliser.
+- ``overlong_mask``/``loss_mask`` — DAPO (arXiv 2503.14476) "overlong filtering": truncated completions get no
+  loss. The truncated rows leave the loss mask itself, so they leave every normaliser too, including the global
+  token count of dapo/cispo/vespo: the trainer counts the tokens of ``loss_mask``, the mask the loss trains on
+  (TRL counts its loss mask after ``mask_truncated_completions`` the same way; ms-swift's count keeps them).
 - ``groups_with_signal`` — DAPO dynamic sampling keeps groups whose rewards are not all equal (reward std > 0);
   the trainer resamples the rest up to ``--max_resample_times``. The paper filters on accuracy being neither 0
   nor 1, which is the same test for 0/1 rewards. A group of one has std 0 and no signal.
@@ -25,6 +27,12 @@ from grpokit.errors import ConfigError
 def overlong_mask(mask: Tensor, truncated: Tensor) -> Tensor:
     """[B, T], [B] bool -> [B, T]: the mask with truncated rows zeroed."""
     return mask * (~truncated.to(mask.device).bool()).unsqueeze(-1).to(mask.dtype)
+
+
+def loss_mask(completion_mask: Tensor, truncated: Tensor, overlong_filter: bool) -> Tensor:
+    """[B, T], [B] bool -> [B, T]: the tokens the loss trains on (truncated rows out under --overlong_filter).
+    The loss and the token count of the global-token normaliser both read this one mask."""
+    return overlong_mask(completion_mask, truncated) if overlong_filter else completion_mask
 
 
 def validate_entropy_quantile(quantile: float) -> None:

@@ -16,10 +16,25 @@ built from ρ = π_old/π_rollout:
 of 2, the geometric mean is on the token ratios' scale. Log ratios are clamped to [−20, 20] before ``exp``
 (ms-swift's safety bound), and weights are 0 on padding.
 
-Metrics (masked over trained tokens): ``kl`` = mean log ρ, ``k3_kl`` = mean(ρ − log ρ − 1), ``weight_mean``,
-``weight_max``, ``clipped_frac`` (tokens with ρ_t > C for token modes, sequences with ρ_seq > C for sequence
-modes), and ``ess`` = 1 / mean((w'/mean w')²) with w' = clamp(w, 1/C, C) (ms-swift's effective sample size, 1 when
-all weights are equal).
+Metrics, logged as ``rollout_correction/<name>`` with ms-swift's names and formulas
+(``GRPOTrainer._compute_rollout_offpolicy_metrics`` and ``_compute_is_correction_metrics``). Token means are over
+the trained tokens; sequence means are over every row of the micro-batch, an empty row counting with ratio 1
+(ms-swift's ``.mean()`` over the batch). With s_old, s_rollout the per-sequence mean log-probs:
+
+- ``kl`` = mean_t(−log ρ_t), the k1 estimate of KL(π_rollout ‖ π_old) (the tokens were sampled from π_rollout);
+  ``k3_kl`` = mean_t(ρ − log ρ − 1), the k3 estimate of the same KL, clamped like the loss's k3.
+- ``training_ppl`` = mean_seq exp(−s_old), ``training_log_ppl`` = mean_seq(−s_old); ``rollout_ppl``,
+  ``rollout_log_ppl`` the same with s_rollout; ``log_ppl_diff`` = mean_seq(s_rollout − s_old),
+  ``log_ppl_abs_diff`` = mean_seq|s_rollout − s_old|, ``ppl_ratio`` = mean_seq exp(s_rollout − s_old).
+- ``chi2_token`` = mean_t ρ_t² − 1; ``chi2_seq`` = mean_seq ρ_seq² − 1 with the geometric-mean ρ_seq.
+- ``is_weight_mean`` = mean_t w_t; ``ess`` = 1 / mean_t((w'/mean w')²) with w' = clamp(w, 1/C, C) (1 when all
+  weights are equal, and for a micro-batch without trained tokens); ``clipped_frac``: tokens with ρ_t > C for
+  the token modes, sequences with ρ_seq > C for the sequence modes.
+
+ms-swift's ``log_ppl_diff_max``/``_min`` are left out: grpokit averages every metric over micro-steps and ranks,
+which would make them neither a maximum nor a minimum. TRL logs the same gap differently
+(``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``); grpokit follows
+ms-swift, whose option names it uses.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpokit.algorithms.kl import k3_kl
 from grpokit.errors import ConfigError
 from grpokit.registry import Registry
 
@@ -50,20 +66,25 @@ class _ModeOut:
 
 ModeFn = Callable[[Tensor, Tensor, float], _ModeOut]  # (log_ratio [B,T], mask [B,T], threshold)
 ROLLOUT_IS_MODES: Registry = Registry("rollout importance sampling mode", "--rollout_importance_sampling_mode")
+TOKEN_LEVEL_MODES = ("token_truncate", "token_mask")  # a weight per token of ρ_t alone (vespo multiplies them up)
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _row_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, T] -> [B]: mean over each row's trained tokens; 0 for an empty row."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
 def _sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    """Geometric-mean ratio per sequence [B]."""
-    return torch.exp((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))
+    """Geometric-mean ratio per sequence [B] (1 for an empty row)."""
+    return torch.exp(_row_mean(log_ratio, mask))
 
 
 def _sequence_clipped_frac(seq_ratio: Tensor, mask: Tensor, threshold: float) -> Tensor:
-    has_tokens = (mask.sum(-1) > 0).to(mask.dtype)  # [B]
-    return ((seq_ratio > threshold).to(mask.dtype) * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    return (seq_ratio > threshold).to(mask.dtype).mean()  # over every row, as ms-swift
 
 
 @ROLLOUT_IS_MODES.register("token_truncate")
@@ -106,26 +127,46 @@ def validate_rollout_is_options(mode: str | None, threshold: float) -> None:
 @torch.no_grad()
 def rollout_importance_weights(old_logps: Tensor, rollout_logps: Tensor, mask: Tensor, mode: str,
                                threshold: float) -> RolloutISOut:
-    """Detached weights [B, T] from ρ = exp(old − rollout), and ``rollout_is/*`` metrics."""
+    """Detached weights [B, T] from ρ = exp(old − rollout), and ``rollout_correction/*`` metrics."""
     validate_rollout_is_options(mode, threshold)
     apply_mode: ModeFn = ROLLOUT_IS_MODES.get_or_raise(mode)
     dtype = torch.promote_types(old_logps.dtype, torch.float32)
     maskf = (mask > 0).to(dtype)  # [B, T]
-    log_ratio = torch.where(maskf > 0, old_logps.to(dtype) - rollout_logps.to(dtype), 0.0)
-    log_ratio = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    old = torch.where(maskf > 0, old_logps.to(dtype), 0.0)  # padding may hold -inf
+    rollout = torch.where(maskf > 0, rollout_logps.to(dtype), 0.0)
+    log_ratio = (old - rollout).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T] log ρ, 0 on padding
     out = apply_mode(log_ratio, maskf, threshold)
     weights = out.weights * maskf  # 0 on padding
+    metrics = {**_offpolicy_metrics(old, rollout, maskf), **_weight_metrics(weights, maskf, threshold),
+               "clipped_frac": out.clipped_frac}
+    return RolloutISOut(weights=weights.to(old_logps.dtype),
+                        metrics={f"rollout_correction/{k}": v for k, v in metrics.items()})
 
-    ess_w = weights.clamp(min=1.0 / threshold, max=threshold)
-    ess_w = ess_w / (_masked_mean(ess_w, maskf) + 1e-8)
-    has_tokens = maskf.sum() > 0
-    ess = torch.where(has_tokens, 1.0 / _masked_mean(ess_w.square(), maskf).clamp(min=1e-10), 1.0)
-    metrics = {
-        "rollout_is/kl": _masked_mean(log_ratio, maskf),
-        "rollout_is/k3_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, maskf),
-        "rollout_is/weight_mean": _masked_mean(weights, maskf),
-        "rollout_is/weight_max": torch.where(maskf > 0, weights, 0.0).max(),
-        "rollout_is/clipped_frac": out.clipped_frac,
-        "rollout_is/ess": ess,
+
+def _offpolicy_metrics(old: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The gap between π_old and π_rollout: [B, T] log-probs (0 on padding), [B, T] 0/1 mask -> scalars."""
+    log_ratio = old - rollout  # [B, T] log ρ, unclamped as in ms-swift's kl
+    s_old, s_rollout = _row_mean(old, mask), _row_mean(rollout, mask)  # [B]
+    diff = s_rollout - s_old  # [B] log(training ppl / rollout ppl)
+    rho = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))  # [B, T]
+    rho_seq = torch.exp(_row_mean(log_ratio, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND))  # [B]
+    return {
+        "kl": _masked_mean(-log_ratio, mask),
+        "k3_kl": _masked_mean(k3_kl(rollout, old), mask),  # k3 with d = old − rollout = log ρ
+        "training_ppl": torch.exp(-s_old).mean(),
+        "training_log_ppl": (-s_old).mean(),
+        "rollout_ppl": torch.exp(-s_rollout).mean(),
+        "rollout_log_ppl": (-s_rollout).mean(),
+        "log_ppl_diff": diff.mean(),
+        "log_ppl_abs_diff": diff.abs().mean(),
+        "ppl_ratio": torch.exp(diff).mean(),
+        "chi2_token": _masked_mean(rho.square(), mask) - 1.0,
+        "chi2_seq": rho_seq.square().mean() - 1.0,
     }
-    return RolloutISOut(weights=weights.to(old_logps.dtype), metrics=metrics)
+
+
+def _weight_metrics(weights: Tensor, mask: Tensor, threshold: float) -> dict[str, Tensor]:
+    ess_w = weights.clamp(min=1.0 / threshold, max=threshold)
+    ess_w = ess_w / (_masked_mean(ess_w, mask) + 1e-8)
+    ess = torch.where(mask.sum() > 0, 1.0 / _masked_mean(ess_w.square(), mask).clamp(min=1e-10), 1.0)
+    return {"is_weight_mean": _masked_mean(weights, mask), "ess": ess}

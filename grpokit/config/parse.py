@@ -277,7 +277,8 @@ def _validate_structured(cfg: TrainConfig) -> None:
 
 
 def loss_config(cfg: TrainConfig):
-    """The loss slice of the configuration (cispo's default cap is 5.0, as in ms-swift)."""
+    """The loss slice of the configuration. cispo's default cap 5.0 is grpokit's: the value the docs of ms-swift
+    (CISPO page) and TRL (epsilon_high) recommend after ScaleRL; the code of both falls back to --epsilon."""
     from grpokit.algorithms import LossConfig
 
     a = cfg.algorithm
@@ -287,7 +288,10 @@ def loss_config(cfg: TrainConfig):
     return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
                       epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
                       beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
-                      max_completion_length=cfg.rollout.max_completion_length)
+                      max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
+                      vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                      vespo_lambda_neg=a.vespo_lambda_neg,
+                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode)
 
 
 def _validate_algorithm(cfg: TrainConfig) -> None:

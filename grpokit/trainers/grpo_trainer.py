@@ -20,7 +20,7 @@ from grpokit.algorithms import (
     entropy_from_logits,
     entropy_mask,
     entropy_threshold,
-    overlong_mask,
+    loss_mask,
     rollout_importance_weights,
     selective_log_softmax,
 )
@@ -212,10 +212,8 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         inputs = inputs.to(self.accelerator.device)
         need_entropy = a.top_entropy_quantile < 1.0 or a.log_entropy
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need_entropy)
-        mask = inputs.completion_mask
+        mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as _set_num_items counts
         metrics: dict = {}
-        if a.overlong_filter:
-            mask = overlong_mask(mask, inputs.truncated)
         ent_mask = None
         if entropies is not None:
             if a.log_entropy:

@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
+from grpokit.algorithms import (
+    compute_advantages,
+    groups_with_signal,
+    kl_reward_penalty,
+    loss_mask,
+    num_items_per_micro_batch,
+    step_token_counts,
+    uses_global_token_count,
+)
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
@@ -224,16 +232,16 @@ class RolloutStepMixin:
             return self._batched_logps(self.model, batch)
 
     def _set_num_items(self, batch: RolloutBatch) -> None:
-        """dapo/cispo divide by the global count of trained tokens in each optimizer step. Gradients are summed
-        over gradient_accumulation_steps micro-steps (accelerate divides each loss by that number) and averaged
-        over processes, so each micro-batch's denominator is scaled by both to give Σ token losses / count."""
-        if self.cfg.algorithm.loss_type not in ("dapo", "cispo"):
+        """dapo/cispo/vespo divide by the global count of trained tokens (the loss mask, after --overlong_filter)
+        in each optimizer step; see step_token_counts and num_items_per_micro_batch."""
+        a = self.cfg.algorithm
+        if not uses_global_token_count(a.loss_type):
             return
         gas, world = self.plan.gradient_accumulation_steps, self.accelerator.num_processes
-        per_micro = batch.completion_mask.sum(1).reshape(self.plan.steps_per_generation, -1).sum(1)  # [S]
-        per_step_local = per_micro.reshape(-1, gas).sum(1)  # [S / gas]
+        mask = loss_mask(batch.completion_mask, batch.truncated, a.overlong_filter)
+        per_step_local = step_token_counts(mask, self.plan.steps_per_generation, gas)  # [S / gas]
         per_step = self._gather_rows(per_step_local.unsqueeze(0)).sum(0)  # global count per optimizer step
-        batch.extra["num_items_per_micro"] = (per_step.repeat_interleave(gas) / (gas * world)).tolist()
+        batch.extra["num_items_per_micro"] = num_items_per_micro_batch(per_step, gas, world)
 
     def _record_window(self, requests, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
                        batch: RolloutBatch) -> None:

@@ -175,20 +175,47 @@ def rollout_case():
 def test_token_truncate_weights_and_metrics():
     out = rollout_importance_weights(*rollout_case(), mode="token_truncate", threshold=2.0)
     torch.testing.assert_close(out.weights, t([[2.0, 0.5, 0.0], [1.5, 0.0, 0.0]]))  # 0 on padding
-    m = {k: v.item() for k, v in out.metrics.items()}
-    assert m["rollout_is/clipped_frac"] == pytest.approx(1 / 3)
-    assert m["rollout_is/weight_mean"] == pytest.approx(4 / 3)
-    assert m["rollout_is/weight_max"] == pytest.approx(2.0)
-    assert m["rollout_is/kl"] == pytest.approx(LN(2.25) / 3)  # mean log ρ = (ln3 + ln.5 + ln1.5)/3
-    assert m["rollout_is/k3_kl"] == pytest.approx((2 - LN(2.25)) / 3)  # mean(ρ − ln ρ − 1)
+    m = {k.removeprefix("rollout_correction/"): v.item() for k, v in out.metrics.items()}
+    assert m["clipped_frac"] == pytest.approx(1 / 3)  # ρ = 3 > 2: 1 of 3 trained tokens
+    assert m["is_weight_mean"] == pytest.approx(4 / 3)  # (2 + .5 + 1.5)/3
     # ESS: w' = clamp(w, 1/2, 2) = [2, .5, 1.5], mean 4/3 → [1.5, .375, 1.125], mean square 3.65625/3
-    assert m["rollout_is/ess"] == pytest.approx(3 / 3.65625, rel=1e-6)
+    assert m["ess"] == pytest.approx(3 / 3.65625, rel=1e-6)
+
+
+def test_rollout_correction_metrics_as_ms_swift():
+    # log ρ = [ln3, ln.5 | ln1.5] (π_rollout's log-probs are 0 here). KL(π_rollout ‖ π_old) estimates:
+    #   kl = mean(−log ρ) = −(ln3 + ln.5 + ln1.5)/3 = −ln2.25/3 = −0.27031 (negative: k1 is noisy on 3 tokens)
+    #   k3_kl = mean(ρ − ln ρ − 1) = (3 + .5 + 1.5 − 3 − ln2.25)/3 = (2 − ln2.25)/3
+    # per-sequence mean log-probs: s_old = [(ln3 + ln.5)/2, ln1.5] = [ln1.5/2, ln1.5], s_rollout = [0, 0]
+    #   training_log_ppl = mean(−s_old) = −(ln1.5/2 + ln1.5)/2 = −0.75·ln1.5
+    #   training_ppl = mean(exp(−s_old)) = (1/√1.5 + 1/1.5)/2;  rollout_ppl = 1, rollout_log_ppl = 0
+    #   log_ppl_diff = mean(s_rollout − s_old) = −0.75·ln1.5, its abs version +0.75·ln1.5
+    #   ppl_ratio = mean(exp(s_rollout − s_old)) = (1/√1.5 + 1/1.5)/2
+    # chi2_token = mean(ρ²) − 1 = (9 + .25 + 2.25)/3 − 1;  chi2_seq = mean(ρ_seq²) − 1 = (1.5 + 2.25)/2 − 1
+    out = rollout_importance_weights(*rollout_case(), mode="token_truncate", threshold=2.0)
+    m = {k.removeprefix("rollout_correction/"): v.item() for k, v in out.metrics.items()}
+    assert all(k.startswith("rollout_correction/") for k in out.metrics)
+    ppl = (1 / math.sqrt(1.5) + 1 / 1.5) / 2
+    expected = {"kl": -LN(2.25) / 3, "k3_kl": (2 - LN(2.25)) / 3, "training_log_ppl": -0.75 * LN(1.5),
+                "training_ppl": ppl, "rollout_ppl": 1.0, "rollout_log_ppl": 0.0,
+                "log_ppl_diff": -0.75 * LN(1.5), "log_ppl_abs_diff": 0.75 * LN(1.5), "ppl_ratio": ppl,
+                "chi2_token": 11.5 / 3 - 1, "chi2_seq": 0.875}
+    assert {k: m[k] for k in expected} == pytest.approx(expected, abs=1e-12)
+    assert set(m) == {*expected, "is_weight_mean", "ess", "clipped_frac"}
+
+
+def test_rollout_kl_sign():
+    # π_rollout puts more mass than π_old on what it sampled (ρ = 0.5 on each token): KL(π_rollout ‖ π_old) > 0
+    old, mask = t([[LN(0.25), LN(0.25)]]), t([[1, 1]])
+    out = rollout_importance_weights(old, t([[LN(0.5), LN(0.5)]]), mask, mode="token_truncate", threshold=2.0)
+    assert out.metrics["rollout_correction/kl"].item() == pytest.approx(LN(2.0))  # mean(−ln 0.5)
+    assert out.metrics["rollout_correction/k3_kl"].item() == pytest.approx(0.5 + LN(2) - 1)  # ρ − ln ρ − 1
 
 
 def test_token_mask():
     out = rollout_importance_weights(*rollout_case(), mode="token_mask", threshold=2.0)
     torch.testing.assert_close(out.weights, t([[0.0, 0.5, 0.0], [1.5, 0.0, 0.0]]))
-    assert out.metrics["rollout_is/clipped_frac"].item() == pytest.approx(1 / 3)
+    assert out.metrics["rollout_correction/clipped_frac"].item() == pytest.approx(1 / 3)
 
 
 def test_sequence_modes_use_geometric_mean():
@@ -196,23 +223,36 @@ def test_sequence_modes_use_geometric_mean():
     r0 = math.sqrt(1.5)
     trunc = rollout_importance_weights(*rollout_case(), mode="sequence_truncate", threshold=1.3)
     torch.testing.assert_close(trunc.weights, t([[r0, r0, 0.0], [1.3, 0.0, 0.0]]))
-    assert trunc.metrics["rollout_is/clipped_frac"].item() == pytest.approx(1 / 2)
+    assert trunc.metrics["rollout_correction/clipped_frac"].item() == pytest.approx(1 / 2)
     # sequence_mask keeps the token ratios of kept sequences and drops row 1 entirely
     masked = rollout_importance_weights(*rollout_case(), mode="sequence_mask", threshold=1.3)
     torch.testing.assert_close(masked.weights, t([[3.0, 0.5, 0.0], [0.0, 0.0, 0.0]]))
-    assert masked.metrics["rollout_is/clipped_frac"].item() == pytest.approx(1 / 2)
+    assert masked.metrics["rollout_correction/clipped_frac"].item() == pytest.approx(1 / 2)
+
+
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_sequence_clipped_frac_counts_every_row(mode):
+    # an empty third row (e.g. dropped by --overlong_filter) has ρ_seq = 1 ≤ C and counts as unclipped, as in
+    # ms-swift's mean over the batch: 1 of 3 rows over C = 1.3
+    old, rollout, mask = rollout_case()
+    pad = t([[0.0, 0.0, 0.0]])
+    out = rollout_importance_weights(torch.cat([old, pad]), torch.cat([rollout, pad]), torch.cat([mask, pad]),
+                                     mode=mode, threshold=1.3)
+    assert out.metrics["rollout_correction/clipped_frac"].item() == pytest.approx(1 / 3)
 
 
 def test_rollout_is_on_policy_and_empty_rows():
-    # identical log-probs: every weight 1, ESS 1, nothing clipped; an all-padding row changes nothing
+    # identical log-probs: every weight 1, ESS 1, nothing clipped, no gap; an all-padding row changes nothing
     old = t([[-1.0, -2.0], [0.0, 0.0]])
     mask = t([[1, 1], [0, 0]])
     for mode in ROLLOUT_IS_MODES:
         out = rollout_importance_weights(old, old.clone(), mask, mode=mode, threshold=2.0)
         torch.testing.assert_close(out.weights, mask)
-        assert out.metrics["rollout_is/ess"].item() == pytest.approx(1.0)
-        assert out.metrics["rollout_is/clipped_frac"].item() == 0.0
-        assert out.metrics["rollout_is/kl"].item() == 0.0
+        m = {k.removeprefix("rollout_correction/"): v.item() for k, v in out.metrics.items()}
+        assert m["ess"] == pytest.approx(1.0)
+        assert m["clipped_frac"] == 0.0
+        assert m["kl"] == 0.0 and m["k3_kl"] == 0.0 and m["chi2_token"] == 0.0 and m["chi2_seq"] == 0.0
+        assert m["log_ppl_diff"] == 0.0 and m["ppl_ratio"] == 1.0
 
 
 def test_rollout_is_validation():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from grpokit.algorithms import (
     IS_LEVELS,
+    LOSS_CHECKS,
     LOSS_NORMALIZERS,
     POLICY_LOSSES,
     LossConfig,
@@ -108,9 +110,9 @@ def test_cispo_values_and_detached_weight():
     # gradient = -w·A/6 exactly: the weight is a constant. If it carried gradient, the unclipped tokens would
     # get an extra -A·r·logπ/6 (d(r·logπ)/dlogπ = r·logπ + r).
     torch.testing.assert_close(grad, t([[-1.2 / 6, -0.5 / 6, 0.0], [0.5 / 6, 0.0, 0.0]]))
-    # only the cap from above is a clip, counted where A > 0: token (0,0)
-    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
-    assert "clip_ratio/low_mean" not in out.metrics
+    # only the cap from above is a clip, counted where A > 0: token (0,0); named as in TRL and ms-swift
+    assert out.metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 3)
+    assert not any(k.startswith("clip_ratio") for k in out.metrics)
 
 
 def test_sapo_soft_gate():
@@ -150,7 +152,39 @@ def test_gspo_sequence_ratio():
     tok, _ = run(LossConfig(importance_sampling_level="sequence_token"))
     assert seq.loss.item() == pytest.approx(expected)
     assert tok.loss.item() == pytest.approx(expected)  # same value
-    assert seq.metrics["is_ratio/mean"].item() == pytest.approx((2 * math.sqrt(0.75) + 0.5) / 3)
+    assert seq.metrics["is_ratio/mean"].item() == pytest.approx((math.sqrt(0.75) + 0.5) / 2)  # per sequence
+    assert tok.metrics["is_ratio/mean"].item() == pytest.approx((2 * math.sqrt(0.75) + 0.5) / 3)  # per token
+
+
+def clip_batch():
+    """Rows of 3, 1 and 2 tokens with ratios 2 (A=+1), 0.5 (A=−1) and 1 (A=+1), and an empty row."""
+    old = t([[0.0] * 3] * 4)
+    logps = t([[LN(2.0)] * 3, [LN(0.5), 0, 0], [0.0] * 3, [0.0] * 3]).requires_grad_(True)
+    mask = t([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    return LossInputs(logps=logps, old_logps=old, advantages=t([1.0, -1.0, 1.0, 1.0]), mask=mask, num_items=6.0)
+
+
+@pytest.mark.parametrize("level, low, high, ratio_mean", [
+    # one decision per sequence, over the 4 rows of the micro-batch (TRL: the empty row counts, ratio 1,
+    # unclipped): row 0 r_seq = 2 > 1.2 with A > 0 → high; row 1 r_seq = 0.5 < 0.8 with A < 0 → low
+    ("sequence", 1 / 4, 1 / 4, (2 + 0.5 + 1 + 1) / 4),
+    # sequence_token: the same r_seq on every token, counted per trained token (ms-swift): 6 tokens, 3 high, 1 low
+    ("sequence_token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+    ("token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+])
+def test_clip_ratios_count_sequences_at_sequence_level(level, low, high, ratio_mean):
+    out, _ = run(LossConfig(importance_sampling_level=level), clip_batch())
+    assert out.metrics["clip_ratio/low_mean"].item() == pytest.approx(low)
+    assert out.metrics["clip_ratio/high_mean"].item() == pytest.approx(high)
+    assert out.metrics["clip_ratio/region_mean"].item() == pytest.approx(low + high)
+    assert out.metrics["is_ratio/mean"].item() == pytest.approx(ratio_mean)
+
+
+def test_cispo_clip_ratio_counts_sequences_at_sequence_level():
+    # cap 1.5: only row 0 (r_seq = 2, A > 0) is capped → 1 of 4 sequences (per token it would be 3 of 6)
+    out, _ = run(LossConfig(loss_type="cispo", epsilon_high=1.5, importance_sampling_level="sequence"),
+                 clip_batch())
+    assert out.metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 4)
 
 
 def test_gspo_token_value_is_sequence_ratio_gradient_is_per_token():
@@ -205,7 +239,6 @@ def test_global_normaliser_needs_num_items(loss_type):
 
 @pytest.mark.parametrize("loss_type, level", [
     (lt, lv) for lt in sorted(POLICY_LOSSES) for lv in ("token", "sequence", "sequence_token")
-    if lt != "sapo" or lv == "token"  # sapo is token-level only
 ])
 def test_fully_masked_row_no_nan(loss_type, level):
     # add a third row that is entirely padding (-inf log-probs): loss and gradient finite, its gradient 0
@@ -247,6 +280,21 @@ def test_entropy_mask_zero_gradient_keeps_normaliser():
     assert grad[0, 1] == 0 and grad[0, 0] != 0 and grad[1, 0] != 0
 
 
+def test_entropy_mask_leaves_kl_term():
+    # on-policy batch, policy term -A = [-1, -1 | +1]; entropy mask drops token (0,1). ref = logp − ln2 on every
+    # token → k3 = e^{-ln2} + ln2 − 1 = 0.5 + ln2 − 1 = 0.193147 per trained token, masked or not; β = 0.1.
+    # grpo: row 0 = (−1 + 0 + 2·0.1·kl)/2, row 1 = (+1 + 0.1·kl)/1 → loss = (row0 + row1)/2
+    # gradient at the dropped token (0,1): policy 0; β·d(k3)/dlogp = 0.1·(1 − e^{ref−logp}) = 0.1·0.5, × 1/(2·2)
+    inp = batch()
+    inp.old_logps = inp.logps.detach().clone()
+    inp.ref_logps = inp.logps.detach() - LN(2.0)
+    inp.entropy_mask = t([[1, 0, 0], [1, 0, 0]])
+    out, grad = run(LossConfig(beta=0.1), inp)
+    kl = 0.5 + LN(2) - 1
+    assert out.loss.item() == pytest.approx(((-1 + 0.2 * kl) / 2 + 1 + 0.1 * kl) / 2, abs=1e-12)
+    assert grad[0, 1].item() == pytest.approx(0.1 * 0.5 / 4, abs=1e-12)
+
+
 @pytest.mark.parametrize("cfg, flag", [
     (LossConfig(epsilon_low=-0.1), "--epsilon"),
     (LossConfig(epsilon_high=-1.0), "--epsilon_high"),
@@ -259,7 +307,13 @@ def test_entropy_mask_zero_gradient_keeps_normaliser():
     (LossConfig(loss_type="cispo", epsilon_high=5.0, delta=8.0), "--delta applies"),
     (LossConfig(delta=1.1), "must exceed 1 \\+ epsilon_high"),
     (LossConfig(loss_type="cispo"), "cispo reads --epsilon_high"),
-    (LossConfig(loss_type="sapo", importance_sampling_level="sequence"), "sapo"),
+    (LossConfig(loss_type="vespo", delta=4.0), "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, "
+                                               "grpo, luspo\\)"),
+    (LossConfig(loss_type="vespo", vespo_k_pos=-1.0), "--vespo_k_pos -1.0"),
+    (LossConfig(loss_type="vespo", vespo_lambda_neg=0.0), "--vespo_lambda_neg 0.0"),
+    (LossConfig(loss_type="vespo", vespo_lambda_pos=float("nan")), "--vespo_lambda_pos nan"),
+    (LossConfig(loss_type="vespo", rollout_importance_sampling_mode="sequence_truncate"),
+     "--rollout_importance_sampling_mode sequence_truncate does not fit; use token_truncate or token_mask"),
 ])
 def test_validate_loss_config_rejects(cfg, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -269,11 +323,33 @@ def test_validate_loss_config_rejects(cfg, flag):
 def test_validate_loss_config_accepts_defaults_and_variants():
     for cfg in (LossConfig(), LossConfig(loss_type="dapo", epsilon_high=0.28), LossConfig(delta=4.0),
                 LossConfig(loss_type="cispo", epsilon_high=5.0), LossConfig(loss_type="sapo"),
-                LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4)):
+                LossConfig(loss_type="sapo", importance_sampling_level="sequence"),  # as TRL, with a warning
+                LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+                LossConfig(loss_type="luspo", importance_sampling_level="sequence", delta=1.5),
+                LossConfig(loss_type="vespo", rollout_importance_sampling_mode="token_mask")):
         validate_loss_config(cfg)
 
 
+@pytest.mark.parametrize("loss_type, level, warns", [
+    ("luspo", "sequence", False), ("luspo", "token", True), ("luspo", "sequence_token", True),
+    ("vespo", "token", False), ("vespo", "sequence", True),
+    ("sapo", "token", False), ("sapo", "sequence", True),
+    ("grpo", "sequence", False), ("dapo", "sequence", True), ("bnpo", "sequence_token", True),
+    ("cispo", "sequence", True), ("dr_grpo", "token", False),
+])
+def test_unusual_is_level_warns_not_refuses(caplog, loss_type, level, warns):
+    # TRL logs a warning (it does not raise) when a loss runs at a level its paper does not use
+    caplog.set_level(logging.WARNING, logger="grpokit.algorithms.losses")
+    validate_loss_config(LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0
+                                    if loss_type == "cispo" else 0.2))
+    messages = [r.getMessage() for r in caplog.records]
+    assert bool(messages) == warns
+    if warns:
+        assert f"--loss_type {loss_type} with --importance_sampling_level {level}" in messages[0]
+
+
 def test_registries_cover_every_loss_type():
-    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"}
+    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
     assert set(POLICY_LOSSES) == names and set(LOSS_NORMALIZERS) == names
+    assert set(LOSS_CHECKS) <= names
     assert set(IS_LEVELS) == {"token", "sequence", "sequence_token"}

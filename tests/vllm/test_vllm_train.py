@@ -1,7 +1,7 @@
 """Training with vLLM rollouts on a tiny model: colocate (`--use_vllm true`) and server mode (`grpokit rollout
 --engine vllm` as a subprocess). After every weight sync the engine's greedy completion must equal the policy's own
 (Hugging Face generate on the trainer's weights), and the engine's sampled logprobs must match the trainer's
-recomputed ones (logged as rollout_is/* by --rollout_importance_sampling_mode)."""
+recomputed ones (logged as rollout_correction/* by --rollout_importance_sampling_mode)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def _logged_steps(out: Path) -> list[dict]:
 def _check_mismatch(rows: list[dict]) -> None:
     assert len(rows) == 3
     for row in rows:
-        assert abs(row["rollout_is/kl"]) < KL_TOL and row["rollout_is/k3_kl"] < KL_TOL, row
-    print("mismatch per step:", [(r["step"], r["rollout_is/kl"], r["rollout_is/k3_kl"]) for r in rows])
+        assert abs(row["rollout_correction/kl"]) < KL_TOL and row["rollout_correction/k3_kl"] < KL_TOL, row
+    print("mismatch per step:", [(r["step"], r["rollout_correction/kl"], r["rollout_correction/k3_kl"]) for r in rows])
 
 
 def test_colocate_training_keeps_vllm_in_step(tiny128, tmp_path, monkeypatch):
