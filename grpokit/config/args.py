@@ -87,13 +87,14 @@ class RolloutArguments:
 
 @dataclass
 class AlgorithmArguments:
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = _opt("grpo", "advantage estimator")
-    scale_rewards: Literal["group", "batch", "none", "gdpo"] | None = _opt(
-        None, "advantage scaling (default by estimator: grpo→group, rloo→none, reinforce_plus_plus→batch)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = _opt("grpo", "loss and its "
-                                                                                          "normalisation")
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = _opt(
-        "token", "token (GRPO), sequence (GSPO), sequence_token (GSPO-token)")
+    # names from registries that plugins may extend: checked after --external_plugins load (config/names.py)
+    advantage_estimator: str = _opt("grpo", "advantage estimator (ADVANTAGE_ESTIMATORS)")
+    scale_rewards: str | None = _opt(
+        None, "advantage scaling (SCALE_MODES; default by estimator: grpo→group, rloo→none, "
+              "reinforce_plus_plus→batch, any other→group)")
+    loss_type: str = _opt("grpo", "loss and its normalisation (POLICY_LOSSES and LOSS_NORMALIZERS)")
+    importance_sampling_level: str = _opt(
+        "token", "importance sampling level (IS_LEVELS): token = GRPO, sequence = GSPO, sequence_token = GSPO-token")
     beta: float = _opt(0.04, "KL coefficient (k3 estimator); 0 skips the reference model")
     epsilon: float = _opt(0.2, "PPO clip range (lower)")
     epsilon_high: float | None = _opt(None, "upper clip range (clip-higher, DAPO); default = epsilon; cispo: "
@@ -108,9 +109,8 @@ class AlgorithmArguments:
     overlong_filter: bool = _opt(False, "truncated completions contribute no loss")
     top_entropy_quantile: float = _opt(1.0, "train only the top-q highest-entropy tokens (global quantile)")
     log_entropy: bool = _opt(False, "log token entropy")
-    rollout_importance_sampling_mode: Literal[
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = _opt(
-        None, "correct the rollout-vs-training mismatch with the engine's logprobs")
+    rollout_importance_sampling_mode: str | None = _opt(
+        None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C")
     sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
     ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs")
