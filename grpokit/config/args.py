@@ -173,7 +173,8 @@ class TrainingArguments:
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
     deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
     fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
-    disable_tqdm: bool = _opt(False, "no progress bar")
+    disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
+                                     "not a terminal (first and last step, then a step 30 s after the last line)")
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,
