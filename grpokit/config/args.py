@@ -65,7 +65,9 @@ class RolloutArguments:
     vllm_server_base_url: list[str] = _opt([], "rollout server base URL(s), instead of host/port")
     vllm_server_timeout: float = _opt(240.0, "seconds to wait for a rollout server (start-up and each call)")
     vllm_server_api_key: str | None = _opt(None, "API key for the rollout server (or GRPOKIT_API_KEY)")
-    vllm_gpu_memory_utilization: float = _opt(0.9, "vLLM GPU memory fraction (colocate)")
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "colocate: fraction of the GPU's memory vLLM reserves next to training (weights + KV cache; on a CPU "
+             "the fraction of RAM, unless VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)")
     vllm_max_model_len: int | None = _opt(None, "vLLM max model length")
     vllm_tensor_parallel_size: int = _opt(1, "vLLM tensor parallel size (colocate)")
     vllm_enable_prefix_caching: bool = _opt(True, "vLLM prefix caching")

@@ -219,3 +219,64 @@ def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_pa
     with pytest.raises(ConfigError, match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
         earlier_run_checkpoints(tmp_path, overwrite=False)
     assert len(earlier_run_checkpoints(tmp_path, overwrite=True)) == 4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM colocate: the memory default and the error that names our option (tests/vllm starts the real engine)
+# ------------------------------------------------------------------------------------------------------------
+GPU_STARTUP = ("Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory utilization "
+               "(0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+GPU_KV = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+          "engine.")
+
+
+def test_colocate_memory_default_leaves_room_for_training():
+    cfg = parse_train_args([*ARITH, "--use_vllm", "true"])
+    assert cfg.rollout.vllm_gpu_memory_utilization == 0.3  # TRL's default for vLLM next to training
+
+
+@pytest.mark.parametrize("device, text, needles", [
+    ("cuda", GPU_STARTUP, ["--vllm_gpu_memory_utilization 0.9: vLLM could not start with this memory fraction"
+                           " (Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory "
+                           "utilization (0.9, 71.2 GiB)); lower it (e.g. --vllm_gpu_memory_utilization 0.45) or "
+                           "free memory that other processes hold"]),
+    ("cuda", GPU_KV, ["(No available memory for the cache blocks); raise it, or lower --vllm_max_model_len"]),
+    ("cpu", GPU_KV, ["raise it, or lower --vllm_max_model_len; on a CPU", "VLLM_CPU_KVCACHE_SPACE=<GiB>"]),
+])
+def test_vllm_memory_errors_name_our_option_value_and_fix(device, text, needles):
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+
+    settings = VllmSettings(gpu_memory_utilization=0.9, memory_option="--vllm_gpu_memory_utilization")
+    message = str(_start_error(ValueError(text), "/m", settings, torch.device(device)))
+    assert message.startswith("--vllm_gpu_memory_utilization 0.9: ")
+    for needle in needles:
+        assert needle in message, message
+    assert ("VLLM_CPU_KVCACHE_SPACE" in message) == (device == "cpu")
+    assert "`gpu_memory_utilization`" not in message
+
+
+def test_other_vllm_start_errors_name_the_model():
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+
+    error = _start_error(ValueError("head size 16 is not supported\nmore"), "/m", VllmSettings(), torch.device("cpu"))
+    assert str(error) == "vLLM cannot serve /m: ValueError: head size 16 is not supported"
+
+
+@pytest.mark.parametrize("value, space, warned", [(0.5, "2", True), (0.3, "2", False), (0.5, "", False)])
+def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monkeypatch, caplog, value, space,
+                                                                          warned):
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
+    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization")
+    with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
+        _warn_if_memory_ignored(settings, torch.device("cpu"))
+    expected = (f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
+                "sets vLLM's KV cache (GiB) instead")
+    assert (expected in caplog.messages) == warned
