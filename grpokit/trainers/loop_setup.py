@@ -149,7 +149,7 @@ class LoopSetupMixin:
     def _timing_metrics(self) -> dict:
         return {f"timing/{k}": round(v, 4) for k, v in self._timing.items()}
 
-    PROGRESS_INTERVAL_S = 30.0  # without a terminal: at least one progress line per this many seconds
+    PROGRESS_INTERVAL_S = 30.0  # plain lines: a line for the first step that ends this long after the last line
 
     def _progress_bar(self):
         """A tqdm bar on a terminal; plain lines (``PlainProgress``) when stderr is not one or with
