@@ -65,7 +65,9 @@ class RolloutArguments:
     vllm_server_base_url: list[str] = _opt([], "rollout server base URL(s), instead of host/port")
     vllm_server_timeout: float = _opt(240.0, "seconds to wait for a rollout server (start-up and each call)")
     vllm_server_api_key: str | None = _opt(None, "API key for the rollout server (or GRPOKIT_API_KEY)")
-    vllm_gpu_memory_utilization: float = _opt(0.9, "vLLM GPU memory fraction (colocate)")
+    vllm_gpu_memory_utilization: float = _opt(
+        0.3, "colocate: fraction of the GPU's memory vLLM reserves next to training (weights + KV cache; on a CPU "
+             "the fraction of RAM, unless VLLM_CPU_KVCACHE_SPACE sets the KV cache in GiB)")
     vllm_max_model_len: int | None = _opt(None, "vLLM max model length")
     vllm_tensor_parallel_size: int = _opt(1, "vLLM tensor parallel size (colocate)")
     vllm_enable_prefix_caching: bool = _opt(True, "vLLM prefix caching")
@@ -87,13 +89,14 @@ class RolloutArguments:
 
 @dataclass
 class AlgorithmArguments:
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus"] = _opt("grpo", "advantage estimator")
-    scale_rewards: Literal["group", "batch", "none", "gdpo"] | None = _opt(
-        None, "advantage scaling (default by estimator: grpo→group, rloo→none, reinforce_plus_plus→batch)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = _opt("grpo", "loss and its "
-                                                                                          "normalisation")
-    importance_sampling_level: Literal["token", "sequence", "sequence_token"] = _opt(
-        "token", "token (GRPO), sequence (GSPO), sequence_token (GSPO-token)")
+    # names from registries that plugins may extend: checked after --external_plugins load (config/names.py)
+    advantage_estimator: str = _opt("grpo", "advantage estimator (ADVANTAGE_ESTIMATORS)")
+    scale_rewards: str | None = _opt(
+        None, "advantage scaling (SCALE_MODES; default by estimator: grpo→group, rloo→none, "
+              "reinforce_plus_plus→batch, any other→group)")
+    loss_type: str = _opt("grpo", "loss and its normalisation (POLICY_LOSSES and LOSS_NORMALIZERS)")
+    importance_sampling_level: str = _opt(
+        "token", "importance sampling level (IS_LEVELS): token = GRPO, sequence = GSPO, sequence_token = GSPO-token")
     beta: float = _opt(0.04, "KL coefficient (k3 estimator); 0 skips the reference model")
     epsilon: float = _opt(0.2, "PPO clip range (lower)")
     epsilon_high: float | None = _opt(None, "upper clip range (clip-higher, DAPO); default = epsilon; cispo: "
@@ -112,9 +115,8 @@ class AlgorithmArguments:
     overlong_filter: bool = _opt(False, "truncated completions contribute no loss")
     top_entropy_quantile: float = _opt(1.0, "train only the top-q highest-entropy tokens (global quantile)")
     log_entropy: bool = _opt(False, "log token entropy")
-    rollout_importance_sampling_mode: Literal[
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = _opt(
-        None, "correct the rollout-vs-training mismatch with the engine's logprobs")
+    rollout_importance_sampling_mode: str | None = _opt(
+        None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C")
     sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
     ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs")
@@ -177,7 +179,8 @@ class TrainingArguments:
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
     deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
     fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
-    disable_tqdm: bool = _opt(False, "no progress bar")
+    disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
+                                     "not a terminal (first and last step, then a step 30 s after the last line)")
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from grpokit.config.args import ALL_GROUPS, TrainConfig
+from grpokit.config.names import REGISTRIES, check_loss_type_pair, help_suffix
 from grpokit.errors import ConfigError
 
 DEMO_YAML = Path(__file__).with_name("demo.yaml")
@@ -30,7 +31,24 @@ def _make_parser(prog: str):
 
     parser = Parser(ALL_GROUPS, prog=prog)
     parser.add_argument("--config", type=str, default=None, help="YAML file of options; flags override it")
+    for action in parser._actions:
+        if action.dest in REGISTRIES:  # registry names: listed, checked after the plugins load
+            action.help += help_suffix(action.dest)
+            action.metavar = "NAME"
     return parser
+
+
+def _load_plugins_for_help(argv: list[str]) -> None:
+    """`grpokit train --external_plugins p.py --help`: load the plugins first, so the help lists their names."""
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--external_plugins", "--external-plugins", nargs="*", default=[])
+    known, _ = pre.parse_known_args(argv)
+    if known.external_plugins:
+        from grpokit.plugins.loader import load_plugins_once
+
+        load_plugins_once(known.external_plugins)
 
 
 def _known_flags(parser) -> list[str]:
@@ -70,6 +88,8 @@ def _load_yaml(path: str, parser) -> dict:
 
 def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train") -> TrainConfig:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        _load_plugins_for_help(argv)
     parser = _make_parser(prog)
     pre, _ = parser.parse_known_args(argv)
     defaults: dict = {}
@@ -177,7 +197,8 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cheap checks that need no model: ranges, clashes, files that must exist."""
+    """Checks that need no model: ranges, clashes, files that must exist; then the --external_plugins are
+    imported and the registry names (--loss_type, --advantage_estimator, ...) checked against what is registered."""
     t, r, a, w, m = cfg.training, cfg.rollout, cfg.algorithm, cfg.reward, cfg.model
     for name, value in [("num_generations", r.num_generations), ("max_completion_length", r.max_completion_length),
                         ("per_device_train_batch_size", t.per_device_train_batch_size),
@@ -215,9 +236,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--model {m.model}: no such folder; pass a local model folder in Hugging Face format")
     if m.model is not None and Path(m.model).is_dir() and not (Path(m.model) / "config.json").is_file():
         raise ConfigError(f"--model {m.model}: folder has no config.json; pass a Hugging Face model folder")
-    for path in w.external_plugins:
-        if not Path(path).is_file():
-            raise ConfigError(f"--external_plugins {path}: file not found")
     for path in w.reward_model:
         if not Path(path).exists():
             raise ConfigError(f"--reward_model {path}: not found; pass a local sequence-classification model folder")
@@ -237,6 +255,9 @@ def validate(cfg: TrainConfig) -> None:
                           "checkpoint-N folder or 'latest'")
     if not t.resume_from_checkpoint:
         earlier_run_checkpoints(t.output_dir, t.overwrite_output_dir)
+    from grpokit.plugins.loader import load_plugins_once
+
+    load_plugins_once(w.external_plugins)  # they may register the names checked next
     _validate_algorithm(cfg)
     _validate_structured(cfg)
     batch_plan(cfg)
@@ -303,6 +324,7 @@ def _validate_algorithm(cfg: TrainConfig) -> None:
     )
 
     a = cfg.algorithm
+    check_loss_type_pair(a.loss_type)
     validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
     validate_loss_config(loss_config(cfg))
     validate_entropy_quantile(a.top_entropy_quantile)

@@ -52,7 +52,10 @@ class VllmSettings:
     """What ``vllm.LLM`` is built with (``--vllm_*`` options of ``grpokit train``)."""
 
     dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16, else float32 (as the trainer decides)
+    # vLLM's default (0.9) for an engine with the device to itself (`grpokit rollout`); colocate passes
+    # --vllm_gpu_memory_utilization (0.3). On a CPU it is the fraction of RAM unless VLLM_CPU_KVCACHE_SPACE is set.
     gpu_memory_utilization: float = 0.9
+    memory_option: str | None = None  # the option that set gpu_memory_utilization, for error messages
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
@@ -132,10 +135,11 @@ class VllmEngine(InferEngine):
                       structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
         if s.sleep_level and self.sleep_supported:
             kwargs["enable_sleep_mode"] = True
+        _warn_if_memory_ignored(s, self.device)
         try:
             self.llm = self._run(vllm.LLM, **kwargs)
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"vLLM cannot serve {model_path}: {_first_line(e)}") from e
+            raise _start_error(e, model_path, s, self.device) from e
         self.template = ChatTemplate(tokenizer if tokenizer is not None else load_tokenizer(model_path))
         self.tokenizer = self.template.tokenizer
         self.lock = threading.RLock()  # one generate / weight load at a time
@@ -160,7 +164,8 @@ class VllmEngine(InferEngine):
         settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
                                 enable_prefix_caching=r.vllm_enable_prefix_caching,
-                                enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed)
+                                enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed,
+                                memory_option="--vllm_gpu_memory_utilization")
         return cls(model_path, settings)
 
     # -- sampling --------------------------------------------------------------------------------------------
@@ -351,6 +356,34 @@ def _shutdown(llm) -> None:
         destroy_distributed_environment()
     except Exception:  # noqa: BLE001
         logger.debug("vLLM distributed teardown failed", exc_info=True)
+
+
+def _warn_if_memory_ignored(s: VllmSettings, device: torch.device) -> None:
+    """On a CPU, VLLM_CPU_KVCACHE_SPACE replaces the memory fraction: say so when the option was changed."""
+    from grpokit.config.args import RolloutArguments
+
+    default = RolloutArguments.__dataclass_fields__["vllm_gpu_memory_utilization"].default
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if device.type == "cpu" and space and s.memory_option and s.gpu_memory_utilization != default:
+        logger.warning("%s %s has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE=%s sets vLLM's KV cache (GiB) instead",
+                       s.memory_option, s.gpu_memory_utilization, space)
+
+
+def _start_error(e: BaseException, model_path: str, s: VllmSettings, device: torch.device) -> ConfigError:
+    """vLLM's start-up error as a ConfigError; a memory error names our option, its value and the fix."""
+    text = _first_line(e)
+    if "memory" not in text.lower():
+        return ConfigError(f"vLLM cannot serve {model_path}: {text}")
+    flag, value = s.memory_option or "gpu_memory_utilization", s.gpu_memory_utilization
+    cause = str(e).strip().splitlines()[0].split(". ")[0]  # vLLM's numbers; its advice names its own flags
+    if "less than desired" in cause:  # the fraction could not be reserved at start-up: other memory is in use
+        fix = f"lower it (e.g. {flag} {value / 2:.2g}) or free memory that other processes hold"
+    else:  # what the fraction leaves after the weights (on a CPU: after this whole process) is too small a KV cache
+        fix = "raise it" + (", or lower --vllm_max_model_len" if s.memory_option else "")
+    if device.type == "cpu":
+        fix += ("; on a CPU it is the fraction of the machine's RAM that vLLM may reserve, and "
+                "VLLM_CPU_KVCACHE_SPACE=<GiB> sets the KV cache size instead")
+    return ConfigError(f"{flag} {value}: vLLM could not start with this memory fraction ({cause}); {fix}")
 
 
 def _first_line(e: BaseException) -> str:

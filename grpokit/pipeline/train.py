@@ -100,11 +100,11 @@ def build_engine(cfg: TrainConfig):
 def run_train(cfg: TrainConfig):
     from grpokit.data.loading import load_train_val
     from grpokit.pipeline.models import load_policy
-    from grpokit.plugins.loader import load_plugins
+    from grpokit.plugins.loader import load_plugins_once
     from grpokit.trainers.callbacks import callbacks_map
     from grpokit.trainers.factory import TrainerFactory
 
-    load_plugins(cfg.reward.external_plugins)  # before any registry lookup
+    load_plugins_once(cfg.reward.external_plugins)  # before any registry lookup (parsing loaded them already)
     check_names(cfg)
     plan = batch_plan(cfg)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)

@@ -3,7 +3,8 @@
 A plugin file ``my_plugin.py`` becomes the module ``my_plugin`` (so ``TrainerFactory.TRAINER_MAPPING['grpo'] =
 'my_plugin.MyTrainer'`` resolves), and files next to it import as siblings (``from my_helpers import x``).
 Importing runs the file's registrations (``orms['name'] = ...``); files load in the order given, so a later file
-sees (and may replace) what an earlier one registered. Loading the same file again re-runs it.
+sees (and may replace) what an earlier one registered. Loading the same file again re-runs it
+(``load_plugins_once`` skips files already imported).
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def load_plugins(paths: list[str]) -> list[str]:
         _LOADED[name] = path
         names.append(name)
     return names
+
+
+def load_plugins_once(paths: list[str]) -> list[str]:
+    """``load_plugins`` for the files this process has not imported yet. ``grpokit train`` imports the plugins
+    while it checks the options (their registrations add names that options select) and the pipeline asks for
+    them again before it builds the run: the second request must not re-run the registrations."""
+    todo = [raw for raw in paths if not _already_loaded(Path(raw).resolve())]
+    load_plugins(todo)
+    return [Path(raw).resolve().stem for raw in paths]
+
+
+def _already_loaded(path: Path) -> bool:
+    """The file's module is still the one imported from it (tests may remove plugin modules to undo a load)."""
+    module = sys.modules.get(path.stem)
+    origin = getattr(module, "__file__", None)
+    return _LOADED.get(path.stem) == path and origin is not None and Path(origin).resolve() == path
 
 
 def _check_name_free(name: str, path: Path, raw: str) -> None:

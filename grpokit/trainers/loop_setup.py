@@ -19,7 +19,7 @@ from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, full_state_dict, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
-from grpokit.trainers.outputs import JsonlLog, MetricsAccumulator, plot_curves, summary_text
+from grpokit.trainers.outputs import JsonlLog, MetricsAccumulator, PlainProgress, plot_curves, summary_text
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
@@ -149,12 +149,18 @@ class LoopSetupMixin:
     def _timing_metrics(self) -> dict:
         return {f"timing/{k}": round(v, 4) for k, v in self._timing.items()}
 
+    PROGRESS_INTERVAL_S = 30.0  # plain lines: a line for the first step that ends this long after the last line
+
     def _progress_bar(self):
+        """A tqdm bar on a terminal; plain lines (``PlainProgress``) when stderr is not one or with
+        --disable_tqdm true; nothing on the other processes."""
+        main = self.accelerator.is_main_process
+        if main and (self.args.disable_tqdm or not sys.stderr.isatty()):
+            return PlainProgress(self.state.max_steps, self.state.global_step, self.PROGRESS_INTERVAL_S)
         from tqdm.auto import tqdm
 
         return tqdm(total=self.state.max_steps, initial=self.state.global_step, desc="train", unit="step",
-                    disable=self.args.disable_tqdm or not self.accelerator.is_main_process or not sys.stderr.isatty(),
-                    dynamic_ncols=True)
+                    disable=not main, dynamic_ncols=True)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def _save_checkpoint(self) -> Path:

@@ -45,6 +45,10 @@ def plugins(tmp_path_factory) -> dict[str, Path]:
         "raises_on_import": "import os\nraise RuntimeError('GRPOKIT_DEMO_KEY is not set')\n",
         "bad_trainer": "from grpokit.trainers.factory import TrainerFactory\n"
                        "TrainerFactory.TRAINER_MAPPING['grpo'] = 'no_such_module.Trainer'\n",
+        "own_loss": "from grpokit.algorithms import LOSS_NORMALIZERS, POLICY_LOSSES, TokenLoss\n"
+                    "from grpokit.algorithms.losses import token_mean\n"
+                    "POLICY_LOSSES['gk_cli_pg'] = lambda ratio, logps, adv, cfg: TokenLoss(-ratio * adv, {})\n"
+                    "LOSS_NORMALIZERS['gk_cli_pg'] = token_mean\n",
     }
     out = {}
     for name, code in files.items():
@@ -99,6 +103,13 @@ CASES = {
     "unknown callback": (
         lambda p, tmp: ["--reward_funcs", "format", "--callbacks", "early_stop"],
         lambda p, tmp: ["--callbacks 'early_stop': unknown callback"]),
+    "unknown loss type, with a plugin's": (
+        lambda p, tmp: ["--external_plugins", str(p["own_loss"]), "--loss_type", "vanila_pg"],
+        lambda p, tmp: ["--loss_type 'vanila_pg': unknown loss type; registered: ", "dr_grpo, ", ", grpo, ",
+                        "gk_cli_pg"]),
+    "unknown advantage estimator": (
+        lambda p, tmp: ["--advantage_estimator", "rlo"],
+        lambda p, tmp: ["--advantage_estimator 'rlo': unknown advantage estimator; registered: ", "rloo"]),
     "trainer mapping not importable": (
         lambda p, tmp: ["--external_plugins", str(p["bad_trainer"]), "--reward_funcs", "format"],
         lambda p, tmp: ["TRAINER_MAPPING['grpo'] = 'no_such_module.Trainer' cannot be imported",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from grpokit.trainers.optimizers import optimizers_map
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin" / "plugin.py"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 REGISTRIES = (orms, prms, rm_plugins, multi_turns, envs, callbacks_map, optimizers_map,
               TrainerFactory.TRAINER_MAPPING)
 
@@ -110,3 +115,35 @@ def test_example_plugin_trains_with_its_own_components(tiny_model_dir, tmp_path,
     summary = json.loads((out / "reward_summary.json").read_text())
     assert [p["step"] for p in summary["curve"]] == [1, 2]
     assert summary["best_reward"] == max(r["reward"] for r in rows)
+
+
+def _docs_block(registered_name: str) -> str:
+    """The python block of docs/plugins.md that registers this name."""
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
+    return next(b for b in blocks if f'.register("{registered_name}")' in b)
+
+
+def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_dir, math_jsonl, tmp_path):
+    """`grpokit train --external_plugins my_algos.py --loss_type vanilla_pg --advantage_estimator above_mean`,
+    with the two examples of docs/plugins.md as the plugin (plus a reward that varies on a random model)."""
+    plugin = tmp_path / "my_algos.py"
+    plugin.write_text(_docs_block("vanilla_pg") + "\n" + _docs_block("above_mean") + SIGNAL_PLUGIN)
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
+            "--external_plugins", str(plugin), "--loss_type", "vanilla_pg", "--advantage_estimator", "above_mean",
+            "--reward_funcs", "shorter_is_better", "--num_generations", "4", "--per_device_train_batch_size", "8",
+            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--beta", "0",
+            "--torch_dtype", "float32", "--seed", "0", "--plots", "false", "--save_final_model", "false"]
+    res = subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = json.loads((out / "args.json").read_text())
+    assert (saved["loss_type"], saved["advantage_estimator"]) == ("vanilla_pg", "above_mean")
+    rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and "is_ratio/mean" in r
+        # vanilla_pg reports no clipping; the PPO-clip default logs clip_ratio/low_mean, high_mean, region_mean
+        assert not [k for k in r if k.startswith("clip_ratio/")], r
+        # above_mean clamps at 0: no negative advantage, though the rewards differ within groups
+        assert r["advantages/min"] >= 0.0 and r["advantages/max"] > 0.0, r

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from grpokit.config.names import BUILTIN_NAMES, REGISTRIES, registered_names
 from grpokit.config.parse import batch_plan, parse_train_args
 from grpokit.errors import ConfigError
 
@@ -95,12 +96,118 @@ def test_help_answers_before_torch_is_imported():
     assert time.perf_counter() - t0 < 30
 
 
-def test_train_help_lists_the_ms_swift_flags():
-    out = subprocess.run([sys.executable, "-m", "grpokit", "train", "--help"], capture_output=True, text=True,
-                         timeout=120)
+def _train_help(*extra: str) -> tuple[str, bool]:
+    """`grpokit train [extra] --help` in a fresh interpreter: the text, and whether torch got imported."""
+    code = ("import sys; from grpokit.cli.main import main\n"
+            f"try:\n    main(['train', *{list(extra)!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    return text, "torch imported: True" in text
+
+
+def test_train_help_lists_the_ms_swift_flags_and_builtin_names_without_torch():
+    text, torch_imported = _train_help()
     for flag in ("--num_generations", "--reward_funcs", "--multi_turn_scheduler", "--steps_per_generation",
                  "--loss_type", "--vllm_mode", "--external_plugins", "--resume_from_checkpoint"):
-        assert flag in out.stdout, flag
+        assert flag in text, flag
+    assert not torch_imported
+    for option, names in BUILTIN_NAMES.items():
+        assert f"registered: {', '.join(names)} (a plugin may add more)" in text, option
+
+
+def test_train_help_with_a_plugin_lists_its_names(algo_plugin):
+    text, _ = _train_help("--external_plugins", str(algo_plugin))
+    assert "registered: grpo, bnpo, dr_grpo, dapo, cispo, sapo, gk_pg" in text
+    assert "registered: grpo, rloo, reinforce_plus_plus, gk_above_mean" in text
+
+
+def test_builtin_names_for_help_are_what_grpokit_registers():
+    """BUILTIN_NAMES is the torch-free copy that --help shows; a loss/estimator added to grpokit/algorithms must be
+    added there too."""
+    import grpokit.algorithms as alg
+
+    for option, attrs in REGISTRIES.items():
+        registries = [getattr(alg, attr) for attr in attrs]
+        own = {n for n in registered_names(option)
+               if all(getattr(r[n], "__module__", "").startswith("grpokit.") for r in registries)}
+        assert own == set(BUILTIN_NAMES[option]), (
+            f"grpokit registers {sorted(own)} for --{option}: update BUILTIN_NAMES in grpokit/config/names.py")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# registry names: checked after --external_plugins load
+# ------------------------------------------------------------------------------------------------------------
+ALGO_PLUGIN = """
+from grpokit.algorithms import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, POLICY_LOSSES, Centered, TokenLoss
+from grpokit.algorithms.losses import token_mean
+
+POLICY_LOSSES["gk_pg"] = lambda ratio, logps, adv, cfg: TokenLoss(loss=-ratio * adv, clipped={})
+LOSS_NORMALIZERS["gk_pg"] = token_mean
+POLICY_LOSSES["gk_half"] = POLICY_LOSSES["gk_pg"]          # no normaliser
+ADVANTAGE_ESTIMATORS["gk_above_mean"] = lambda ctx: Centered(
+    (ctx.rewards - ctx.reward_stats.mean[ctx.groups.index]).clamp(min=0.0), ctx.rewards)
+"""
+
+
+@pytest.fixture
+def algo_plugin(tmp_path):
+    """A plugin file that registers a loss and an estimator; the registries are restored afterwards."""
+    import grpokit.algorithms as alg
+
+    registries = [getattr(alg, attr) for attrs in REGISTRIES.values() for attr in attrs]
+    saved = [dict(r) for r in registries]
+    path = tmp_path / "gk_algo_plugin.py"
+    path.write_text(ALGO_PLUGIN)
+    yield path
+    for registry, before in zip(registries, saved, strict=True):
+        dict.clear(registry)
+        dict.update(registry, before)
+    sys.modules.pop("gk_algo_plugin", None)
+
+
+ARITH = ["--dataset", "builtin:arithmetic"]
+
+
+def test_plugin_names_are_accepted_once_the_plugin_loads(algo_plugin):
+    with pytest.raises(ConfigError, match=r"^--loss_type 'gk_pg': unknown loss type; registered: "):
+        parse_train_args([*ARITH, "--loss_type", "gk_pg"])  # not registered before the plugin loads
+    cfg = parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_pg",
+                            "--advantage_estimator", "gk_above_mean"])
+    assert (cfg.algorithm.loss_type, cfg.algorithm.advantage_estimator) == ("gk_pg", "gk_above_mean")
+
+
+@pytest.mark.parametrize("option", list(REGISTRIES))
+def test_unknown_name_lists_the_registered_ones_with_the_plugins(algo_plugin, option):
+    import grpokit.algorithms as alg
+
+    with pytest.raises(ConfigError) as e:
+        parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), f"--{option}", "nope"])
+    registry = getattr(alg, REGISTRIES[option][0])
+    assert str(e.value) == f"--{option} 'nope': unknown {registry.kind}; registered: {', '.join(sorted(registry))}"
+    if option in ("loss_type", "advantage_estimator"):
+        assert "gk_" in str(e.value)
+
+
+def test_loss_without_normaliser_names_the_missing_half(algo_plugin):
+    with pytest.raises(ConfigError, match=r"'gk_half' is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS"):
+        parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_half"])
+
+
+def test_parsing_and_the_pipeline_import_a_plugin_once(tmp_path):
+    from grpokit.plugins.loader import load_plugins_once
+
+    (tmp_path / "gk_count_runs.py").write_text("import builtins\n"
+                                               "builtins.gk_runs = getattr(builtins, 'gk_runs', 0) + 1\n")
+    import builtins
+
+    try:
+        cfg = parse_train_args([*ARITH, "--external_plugins", str(tmp_path / "gk_count_runs.py")])
+        assert load_plugins_once(cfg.reward.external_plugins) == ["gk_count_runs"]  # what run_train calls
+        assert builtins.gk_runs == 1
+    finally:
+        sys.modules.pop("gk_count_runs", None)
+        builtins.__dict__.pop("gk_runs", None)
 
 
 def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_path):
@@ -112,3 +219,64 @@ def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_pa
     with pytest.raises(ConfigError, match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
         earlier_run_checkpoints(tmp_path, overwrite=False)
     assert len(earlier_run_checkpoints(tmp_path, overwrite=True)) == 4
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM colocate: the memory default and the error that names our option (tests/vllm starts the real engine)
+# ------------------------------------------------------------------------------------------------------------
+GPU_STARTUP = ("Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory utilization "
+               "(0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+GPU_KV = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+          "engine.")
+
+
+def test_colocate_memory_default_leaves_room_for_training():
+    cfg = parse_train_args([*ARITH, "--use_vllm", "true"])
+    assert cfg.rollout.vllm_gpu_memory_utilization == 0.3  # TRL's default for vLLM next to training
+
+
+@pytest.mark.parametrize("device, text, needles", [
+    ("cuda", GPU_STARTUP, ["--vllm_gpu_memory_utilization 0.9: vLLM could not start with this memory fraction"
+                           " (Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory "
+                           "utilization (0.9, 71.2 GiB)); lower it (e.g. --vllm_gpu_memory_utilization 0.45) or "
+                           "free memory that other processes hold"]),
+    ("cuda", GPU_KV, ["(No available memory for the cache blocks); raise it, or lower --vllm_max_model_len"]),
+    ("cpu", GPU_KV, ["raise it, or lower --vllm_max_model_len; on a CPU", "VLLM_CPU_KVCACHE_SPACE=<GiB>"]),
+])
+def test_vllm_memory_errors_name_our_option_value_and_fix(device, text, needles):
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+
+    settings = VllmSettings(gpu_memory_utilization=0.9, memory_option="--vllm_gpu_memory_utilization")
+    message = str(_start_error(ValueError(text), "/m", settings, torch.device(device)))
+    assert message.startswith("--vllm_gpu_memory_utilization 0.9: ")
+    for needle in needles:
+        assert needle in message, message
+    assert ("VLLM_CPU_KVCACHE_SPACE" in message) == (device == "cpu")
+    assert "`gpu_memory_utilization`" not in message
+
+
+def test_other_vllm_start_errors_name_the_model():
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+
+    error = _start_error(ValueError("head size 16 is not supported\nmore"), "/m", VllmSettings(), torch.device("cpu"))
+    assert str(error) == "vLLM cannot serve /m: ValueError: head size 16 is not supported"
+
+
+@pytest.mark.parametrize("value, space, warned", [(0.5, "2", True), (0.3, "2", False), (0.5, "", False)])
+def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monkeypatch, caplog, value, space,
+                                                                          warned):
+    import torch
+
+    from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
+    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization")
+    with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
+        _warn_if_memory_ignored(settings, torch.device("cpu"))
+    expected = (f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
+                "sets vLLM's KV cache (GiB) instead")
+    assert (expected in caplog.messages) == warned

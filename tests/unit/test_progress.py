@@ -1,0 +1,93 @@
+"""Progress without a terminal: plain lines from PlainProgress, on a clock the tests drive (no sleeping)."""
+
+from __future__ import annotations
+
+import io
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from grpokit.trainers.outputs import PlainProgress, progress_line
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(total: int, seconds_per_step: float, steps: int, initial: int = 0, interval_s: float = 30.0):
+    clock, out = FakeClock(), io.StringIO()
+    bar = PlainProgress(total, initial, interval_s=interval_s, stream=out, clock=clock)
+    for i in range(steps):
+        clock.now += seconds_per_step
+        bar.set_postfix(reward=f"{(initial + i + 1) / 10:.3f}", loss="0.0100")
+        bar.update(1)
+    return bar, clock, out
+
+
+def _steps(out: io.StringIO) -> list[int]:
+    return [int(re.match(r"train: step (\d+)/", line).group(1)) for line in out.getvalue().splitlines()]
+
+
+def test_a_line_for_the_first_step_then_once_30_s_have_passed_then_the_last_step():
+    _, _, out = _run(total=10, seconds_per_step=7.0, steps=10)
+    # lines at 7 s (step 1), at 42 s (step 6: the first step 30 s or more after 7 s) and at the last step
+    assert _steps(out) == [1, 6, 10]
+    assert out.getvalue().splitlines()[1] == ("train: step 6/10 (60%) | reward 0.600 | loss 0.0100 | "
+                                              "42s elapsed, 7.00 s/step, ETA 28s")
+
+
+def test_steps_slower_than_the_interval_get_a_line_each():
+    _, _, out = _run(total=4, seconds_per_step=45.0, steps=4)
+    assert _steps(out) == [1, 2, 3, 4]
+
+
+def test_the_interval_is_a_parameter():
+    _, _, out = _run(total=100, seconds_per_step=1.0, steps=25, interval_s=10.0)
+    assert _steps(out) == [1, 11, 21]
+
+
+def test_close_reports_the_step_reached_unless_an_error_ended_the_run():
+    bar, _, out = _run(total=100, seconds_per_step=1.0, steps=3)
+    bar.close()
+    assert _steps(out) == [1, 3]
+    bar, _, out = _run(total=100, seconds_per_step=1.0, steps=3)
+    bar.leave = False  # what the loop sets when an exception ends training
+    bar.close()
+    assert _steps(out) == [1]
+
+
+def test_a_resumed_run_counts_its_rate_from_its_own_steps():
+    _, _, out = _run(total=6, seconds_per_step=0.5, steps=2, initial=4)
+    assert out.getvalue().splitlines() == [
+        "train: step 5/6 (83%) | reward 0.500 | loss 0.0100 | 0s elapsed, 2.00 steps/s, ETA 0s",
+        "train: step 6/6 (100%) | reward 0.600 | loss 0.0100 | 1s elapsed, 2.00 steps/s, ETA 0s"]
+
+
+def test_long_runs_show_minutes_and_hours():
+    assert progress_line(10, 1000, 10, 3725.0, {}) == ("train: step 10/1000 (1%) | 1h02m05s elapsed, 372.50 s/step, "
+                                                       "ETA 102h26m15s")
+
+
+@pytest.mark.parametrize("main, tty, disable_tqdm, expected", [
+    (True, True, False, "bar"),
+    (True, False, False, "lines"),  # a file, a pipe, nohup
+    (True, True, True, "lines"),  # --disable_tqdm true: no bar, plain lines instead
+    (False, False, False, "nothing"),  # only the main process reports
+    (False, True, True, "nothing"),
+])
+def test_progress_kind_by_terminal_flag_and_process(monkeypatch, main, tty, disable_tqdm, expected):
+    from grpokit.trainers.loop_setup import LoopSetupMixin
+
+    monkeypatch.setattr("sys.stderr", SimpleNamespace(isatty=lambda: tty, write=lambda s: len(s), flush=lambda: None))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=main),
+                              args=SimpleNamespace(disable_tqdm=disable_tqdm),
+                              state=SimpleNamespace(max_steps=5, global_step=0), PROGRESS_INTERVAL_S=30.0)
+    bar = LoopSetupMixin._progress_bar(trainer)
+    kind = "lines" if isinstance(bar, PlainProgress) else ("nothing" if bar.disable else "bar")
+    bar.close()
+    assert kind == expected
