@@ -5,7 +5,8 @@ The parent ships this file's text on a pipe together with the job (the program, 
 standard library only, because it may run under a system interpreter. Order:
 
 1. the bootstrap (``sandbox.BOOT``) has read the job from its pipe into ``JOB``;
-2. set the rlimits, then load the exec-refusing seccomp filter (``prctl``); if that fails, exit 121 unrun;
+2. (privileged fallback only) drop to the slot uid; set the rlimits, then load the exec-refusing seccomp filter
+   (``prctl``); if any of it fails, exit 121 without running the program;
 3. install the audit hook (an extra layer for clearer errors; nothing relies on it);
 4. run the program, then each step: ``exec`` runs set-up code, ``eval`` evaluates an expression and reports its
    value as tagged JSON. Only exact builtin types are encoded; anything else is reported as unserialisable.
@@ -137,9 +138,20 @@ def _run_steps(steps: list, ns: dict) -> None:
                 return  # a failed set-up step fails everything after it
 
 
+def _drop_uid(uid: int) -> None:
+    """Privileged fallback only: become the slot uid, which clears every capability; refuse to go on otherwise."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getgroups():
+        raise OSError("could not drop to the sandbox uid")
+
+
 def main(job: dict) -> None:
     REPORT_FD[0] = int(job["report_fd"])
     try:
+        if job.get("drop_uid") is not None:
+            _drop_uid(int(job["drop_uid"]))
         _set_limits(job["limits"])
         if job.get("exec_filter"):
             _load_exec_filter(bytes.fromhex(job["exec_filter"]))

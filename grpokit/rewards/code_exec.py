@@ -33,7 +33,7 @@ from typing import Any
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
-from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, run_job
+from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, ready, run_job
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class CodeExecReward(ORM):
         if workers < 1:
             raise ConfigError(f"--code_exec_workers {code_exec_workers}: must be ≥ 1")
         try:
-            self.runtime = isolation.resolve(str(code_exec_isolation))
+            self.runtime = ready(str(code_exec_isolation))
         except isolation.IsolationUnavailable as exc:
             raise ConfigError(str(exc)) from None
         if self.runtime.mode == "none":

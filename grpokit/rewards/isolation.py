@@ -8,7 +8,9 @@ how to get it. Modes:
   links), a private size-limited tmpfs at ``/tmp`` (the work dir), a fresh ``/proc`` that shows the sandbox only,
   a minimal read-only ``/dev``, no capabilities, no nested user namespaces, and the seccomp filter of
   ``seccomp_filter``. When the trainer runs as root, bubblewrap itself is started as a per-slot uid, so the
-  sandbox owns nothing on the host.
+  sandbox owns nothing on the host. If that uid may not create user namespaces (they are disabled for
+  unprivileged users), root runs bubblewrap without a user namespace and the harness drops to the slot uid
+  (``setresuid``, which clears every capability) before it reads the program.
 - ``none``: no isolation at all (rlimits and the audit hook only). Unsafe; logged as a warning at every start.
 """
 
@@ -46,6 +48,7 @@ class Runtime:
     bwrap: str | None = None
     mounts: tuple[str, ...] = ()
     as_root: bool = False  # root parent: each concurrent slot runs as its own uid
+    privileged: bool = False  # root runs bwrap itself (no unprivileged user namespaces); the harness drops the uid
 
     def slot_uid(self, slot: int) -> int | None:
         if not self.as_root:
@@ -136,16 +139,29 @@ def resolve(mode: str = "bwrap") -> Runtime:
     return Runtime("bwrap", python, bwrap, _mounts(prefix), as_root)
 
 
+def hint_for(error: str) -> str:
+    """What to do about a bubblewrap error line (empty when there is nothing specific to say)."""
+    if "namespace" in error or "Operation not permitted" in error or "Permission denied" in error:
+        return (" (bubblewrap needs unprivileged user namespaces: `sysctl -w kernel.unprivileged_userns_clone=1` "
+                "and user.max_user_namespaces > 0; on Ubuntu 24.04+ also kernel.apparmor_restrict_unprivileged_"
+                "userns=0; in a container, a seccomp profile that allows unshare)")
+    return ""
+
+
 def bwrap_args(rt: Runtime, uid: int | None, disk_bytes: int, seccomp_fd: int, status_fd: int) -> list[str]:
     """The bubblewrap part of the command (everything before the interpreter)."""
-    ids = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
+    if rt.privileged:  # no user namespace: keep only what the harness needs to drop to the slot uid, first thing
+        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        ids = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
+        user = ["--unshare-user", "--disable-userns", *ids, "--cap-drop", "ALL"]
     return [
-        rt.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup-try", "--disable-userns", *ids, "--die-with-parent", "--new-session", "--as-pid-1",
-        "--cap-drop", "ALL", "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+        rt.bwrap, *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
+        "--hostname", "sandbox", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
         "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
         *rt.mounts, "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
-        "--size", str(disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/",
+        "--perms", "1777", "--size", str(disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/",
         "--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--",
     ]  # fmt: skip
 
@@ -164,3 +180,36 @@ def describe(rt: Runtime) -> dict[str, object]:
         "audit_hook": True,
         "rlimits": True,
     }
+
+
+def _proc_status(pid: str) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
+
+
+def live_sandbox_processes(rt: Runtime | None = None) -> list[int]:
+    """Pids on the host that belong to this process's sandboxes: those running as its slot uids (root), else its
+    descendants. Other processes' sandboxes are never counted, so concurrent trainers or test runs do not mix."""
+    rt = rt or resolve("bwrap")
+    uids = rt.slot_uids() if rt.as_root else None
+    parents: dict[int, int] = {}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        st = _proc_status(pid)
+        if not st:
+            continue
+        if uids is not None and int(st.get("Uid", "-1").split()[0]) in uids:
+            found.append(int(pid))
+        parents[int(pid)] = int(st.get("PPid", "0").strip() or 0)
+    if uids is None:
+        me = os.getpid()
+        for pid in parents:
+            p, seen = parents.get(pid), 0
+            while p and p != me and seen < 64:
+                p, seen = parents.get(p), seen + 1
+            if p == me:
+                found.append(pid)
+    return sorted(found)

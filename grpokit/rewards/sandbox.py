@@ -11,6 +11,8 @@ everything else in it has.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from grpokit.rewards import isolation, seccomp_filter
 from grpokit.rewards._sandbox_child import HARNESS_FAILED
+from grpokit.rewards.isolation import live_sandbox_processes  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ class _Slots:
 _SLOTS = _Slots()
 
 
-def _job(code: str, steps: list | None, limits: SandboxLimits, rt: isolation.Runtime, report_fd: int) -> bytes:
+def _job(code: str, steps: list | None, limits: SandboxLimits, rt: isolation.Runtime, report_fd: int,
+         uid: int | None) -> bytes:  # fmt: skip
     lim = {
         "cpu_s": max(1, math.ceil(limits.timeout_s)),
         "mem_bytes": int(limits.memory_mb) << 20,
@@ -96,7 +100,7 @@ def _job(code: str, steps: list | None, limits: SandboxLimits, rt: isolation.Run
     }
     exec_bpf = seccomp_filter.exec_filter().hex() if rt.mode == "bwrap" else None
     job = {"harness": HARNESS, "code": code, "steps": steps, "limits": lim, "exec_filter": exec_bpf,
-           "report_fd": report_fd}  # fmt: skip
+           "report_fd": report_fd, "drop_uid": uid if rt.privileged else None}  # fmt: skip
     return json.dumps(job).encode()
 
 
@@ -151,14 +155,14 @@ def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> San
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp", "TMPDIR": workdir or "/tmp"}
     if workdir and uid is not None:
         os.chown(workdir, uid, uid)
-    ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None and not rt.privileged else {}
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             pass_fds=child_fds, start_new_session=True, cwd=workdir or "/", env=env, **ids)  # fmt: skip
     _close(fds, *child_fds)
     out = _Collector(proc, limits, start, rep_r, status_r)
     try:
-        out.run({job_w: _job(code, steps, limits, rt, rep_w), proc.stdin.fileno(): stdin.encode()})
+        out.run({job_w: _job(code, steps, limits, rt, rep_w, uid), proc.stdin.fileno(): stdin.encode()})
     finally:
         out.reap()
     fds.remove(job_w)  # closed by the collector
@@ -370,39 +374,35 @@ def run_python(
     return res
 
 
-def _proc_status(pid: str) -> dict[str, str]:
+def _trial(rt: isolation.Runtime) -> str | None:
+    """None when ``rt`` runs a program, else the reason it does not (one line)."""
     try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
-            return dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
-        return {}
+        res = run_job("print(6 * 7)", limits=SandboxLimits(timeout_s=20), rt=rt)
+    except OSError as exc:
+        return str(exc)
+    if res.status == "ok" and res.stdout.strip() == "42":
+        return None
+    return (res.stderr.strip().splitlines() or [f"status {res.status}"])[-1][:300]
 
 
-def live_sandbox_processes(rt: isolation.Runtime | None = None) -> list[int]:
-    """Pids on the host that belong to this process's sandboxes: those running as its slot uids (root), else its
-    descendants. Other processes' sandboxes are never counted, so concurrent trainers or test runs do not mix."""
-    rt = rt or isolation.resolve("bwrap")
-    uids = rt.slot_uids() if rt.as_root else None
-    parents: dict[int, int] = {}
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        st = _proc_status(pid)
-        if not st:
-            continue
-        if uids is not None and int(st.get("Uid", "-1").split()[0]) in uids:
-            found.append(int(pid))
-        parents[int(pid)] = int(st.get("PPid", "0").strip() or 0)
-    if uids is None:
-        me = os.getpid()
-        for pid in parents:
-            p, seen = parents.get(pid), 0
-            while p and p != me and seen < 64:
-                p, seen = parents.get(p), seen + 1
-            if p == me:
-                found.append(pid)
-    return sorted(found)
+@functools.lru_cache(maxsize=4)
+def ready(isolation_mode: str = "bwrap") -> isolation.Runtime:
+    """The runtime for ``isolation_mode`` after one trial run; IsolationUnavailable (one line) when it fails.
+    As root without unprivileged user namespaces, falls back to running bubblewrap as root (see isolation.py)."""
+    rt = isolation.resolve(isolation_mode)
+    why = _trial(rt)
+    if why is not None and rt.mode == "bwrap" and rt.as_root:
+        fallback = dataclasses.replace(rt, privileged=True)
+        if _trial(fallback) is None:
+            logger.info("code sandbox: no user namespaces for unprivileged uids (%s); bubblewrap runs as root and "
+                        "each program drops to its slot uid", why)
+            return fallback
+    if why is not None:
+        raise isolation.IsolationUnavailable(f"code_exec: the {isolation_mode} sandbox does not start on this host: "
+                                             f"{why}{isolation.hint_for(why)}")
+    return rt
 
 
 def sandbox_layers(isolation_mode: str = "bwrap") -> dict[str, object]:
     """Which protections are active on this host (for logs and docs); raises IsolationUnavailable."""
-    return isolation.describe(isolation.resolve(isolation_mode))
+    return isolation.describe(ready(isolation_mode))

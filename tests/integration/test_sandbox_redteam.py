@@ -6,6 +6,7 @@ bounded in count and time."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -15,11 +16,12 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from grpokit.rewards import isolation
+from grpokit.rewards import grader, isolation
 from grpokit.rewards.code_exec import CodeExecReward
 from grpokit.rewards.sandbox import SandboxLimits, live_sandbox_processes, run_job
 
@@ -194,3 +196,21 @@ def test_the_checks_see_escapes_without_isolation(outside):
             if p.name != "listener.sock":
                 p.unlink()
         outside.connections = before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback is for root without unprivileged user namespaces")
+def test_privileged_fallback_holds(outside):
+    """Root running bubblewrap itself (no user namespace; the harness drops to the slot uid) holds as well."""
+    rt = dataclasses.replace(isolation.resolve("bwrap"), privileged=True)
+    plan = grader.plan_asserts(TESTS)
+    picked = [c for name in ("1_process_creation", "2_audit_hook_off", "3_writes_outside", "4_survivors",
+                             "5_unix_sockets_network", "7_spoofed_results") for _, c in _programs(name, outside)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: run_job(c, steps=plan.steps, limits=SandboxLimits(timeout_s=2), rt=rt),
+                                picked + [RIGHT]))  # fmt: skip
+    scores = [len(grader.passed_asserts(plan, r.steps)) if r.status == "ok" else 0 for r in results]
+    assert scores == [0] * len(picked) + [3]
+    assert live_sandbox_processes(rt) == []
+    assert outside.escapes() == []
+    uid = run_job("import os\nprint(os.getresuid(), os.getgroups())", rt=rt).stdout
+    assert "0" not in uid.split("(")[1].split(")")[0].split(", ") and "[]" in uid

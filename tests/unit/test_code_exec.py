@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -12,7 +14,7 @@ import pytest
 from grpokit.errors import ConfigError
 from grpokit.rewards import isolation, orms
 from grpokit.rewards.code_exec import CodeExecReward, extract_code, normalize_test_cases, same_output
-from grpokit.rewards.sandbox import live_sandbox_processes, run_python, sandbox_layers
+from grpokit.rewards.sandbox import live_sandbox_processes, ready, run_python, sandbox_layers
 
 
 def _isolation_missing() -> str | None:
@@ -162,6 +164,7 @@ def test_isolation_refuses_without_bwrap(monkeypatch, caplog):
     monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
     monkeypatch.setattr(isolation.os.path, "exists", lambda p: False if p == "/usr/bin/bwrap" else os.path.lexists(p))
     isolation.resolve.cache_clear()
+    ready.cache_clear()
     try:
         with pytest.raises(ConfigError, match=r"bubblewrap is missing; install it with `apt-get install bubblewrap`"):
             CodeExecReward(code_exec_isolation="bwrap")
@@ -173,6 +176,28 @@ def test_isolation_refuses_without_bwrap(monkeypatch, caplog):
         assert unsafe([fenced("print(int(input()) * 2)")], test_cases=[DOUBLE]) == [1.0]
     finally:
         isolation.resolve.cache_clear()
+        ready.cache_clear()
+
+
+def test_refuses_in_one_line_when_bwrap_cannot_build_the_sandbox(monkeypatch):
+    folder = tempfile.mkdtemp(prefix="grpokit-fake-bwrap-")
+    try:
+        os.chmod(folder, 0o755)
+        fake = os.path.join(folder, "bwrap")
+        with open(fake, "w") as f:
+            f.write("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+        os.chmod(fake, 0o755)
+        real = isolation.resolve("bwrap")
+        monkeypatch.setattr(isolation, "resolve", lambda mode="bwrap": dataclasses.replace(real, bwrap=fake))
+        ready.cache_clear()
+        with pytest.raises(ConfigError) as err:
+            CodeExecReward()
+        msg = str(err.value)
+        assert "\n" not in msg and "does not start on this host: bwrap: No permissions" in msg
+        assert "unprivileged user namespaces" in msg
+    finally:
+        ready.cache_clear()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_assert_grading_happens_in_the_parent(reward):
@@ -181,3 +206,20 @@ def test_assert_grading_happens_in_the_parent(reward):
             "builtins.abs = lambda x: Yes()\ndef f(n): return Yes()\ndef g(n): return 7\ndef h(): return 3")
     right = "def f(n): return 2 ** n - 1\ndef g(n): return 0.25\ndef h(): return 3"
     assert reward([fenced(liar), fenced(right)], test_cases=[tests, tests]) == pytest.approx([1 / 3, 1.0])
+
+
+def test_api_keys_on_the_command_line_warn(caplog, tmp_path):
+    # issue 17, class 6: a key in argv is readable by every process on the host through /proc/PID/cmdline
+    from grpokit.config.parse import parse_train_args
+    from grpokit.server.cli import options_from_argv
+
+    caplog.set_level("WARNING")
+    with pytest.raises(ConfigError):  # the model folder is missing; the warning comes first
+        parse_train_args(["--model", str(tmp_path / "none"), "--vllm_server_api_key", "k"])
+    assert "--vllm_server_api_key on the command line" in caplog.text and "GRPOKIT_API_KEY" in caplog.text
+    caplog.clear()
+    assert options_from_argv(["--model", "m", "--api_key", "k"]).api_key == "k"
+    assert "--api_key on the command line" in caplog.text
+    caplog.clear()
+    options_from_argv(["--model", "m"])
+    assert "command line" not in caplog.text
