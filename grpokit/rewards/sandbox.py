@@ -161,11 +161,13 @@ def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> San
                             pass_fds=child_fds, start_new_session=True, cwd=workdir or "/", env=env, **ids)  # fmt: skip
     _close(fds, *child_fds)
     out = _Collector(proc, limits, start, rep_r, status_r)
+    for fd in (job_w, status_r):  # the collector closes these two; a second close could hit another thread's fd
+        if fd is not None:
+            fds.remove(fd)
     try:
         out.run({job_w: _job(code, steps, limits, rt, rep_w, uid), proc.stdin.fileno(): stdin.encode()})
     finally:
         out.reap()
-    fds.remove(job_w)  # closed by the collector
     result = out.result()
     result.elapsed_s = time.monotonic() - start
     return result

@@ -57,6 +57,11 @@ NO_AUDIT_HOOK = {  # 2. the audit hook switched off from inside, then the real t
     "ctypes_unshare_user": LIBC + "print(libc.unshare(0x10000000 | 0x00020000))",
     "ctypes_ptrace_init": LIBC + "print(libc.ptrace(16, 1, 0, 0))",
     "ctypes_segfault": LIBC + "ctypes.string_at(0)",
+    "x32_abi_fork": LIBC + "import os\nif libc.syscall(0x40000000 | 57) == 0:\n    open('{HOST}/h8', 'w')",
+    "i386_abi_fork": LIBC + "import mmap\nm = mmap.mmap(-1, 4096, prot=7)\n"
+                            "m.write(bytes([0xb8, 2, 0, 0, 0, 0xcd, 0x80, 0xc3]))  # mov eax, 2; int 0x80; ret\n"
+                            "if ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(m)))() == 0:\n"
+                            "    open('{HOST}/h9', 'w')",
 }
 
 WRITES = {  # 3. writes outside the work dir

@@ -223,3 +223,16 @@ def test_api_keys_on_the_command_line_warn(caplog, tmp_path):
     caplog.clear()
     options_from_argv(["--model", "m"])
     assert "command line" not in caplog.text
+
+
+def test_many_slots_at_once():
+    # 8 threads share the parent's fd table: each run must close exactly its own pipes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpokit.rewards.sandbox import SandboxLimits, run_job
+
+    lim = SandboxLimits(timeout_s=5, memory_mb=128)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: run_job(f"print({i} * 2)", limits=lim).stdout, range(24)))
+    assert outs == [f"{i * 2}\n" for i in range(24)]
+    assert sandbox_processes() == []
