@@ -8,7 +8,7 @@ Two numbers per sandbox, on a trivial program (``print(int(input()) * 2)``):
   ``--burst`` executions.
 
     python bench/bench_sandbox.py                      # as root, as CI runs
-    python bench/bench_sandbox.py --repeats 60 --slots 8 --burst 160
+    python bench/bench_sandbox.py --repeats 60 --slots 8 --burst 160 --ballast-mb 2000
 """
 
 from __future__ import annotations
@@ -73,7 +73,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--burst", type=int, default=80)
+    p.add_argument("--ballast-mb", type=int, default=0, help="memory the parent holds, as a trainer with a model does")
     a = p.parse_args()
+    ballast = bytearray(a.ballast_mb << 20)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1  # touch every page: a fork has to copy its page tables
     fns = runners(a.old_rev)
     for fn in fns.values():
         one(fn)  # warm up (interpreter checks, filters)

@@ -142,7 +142,7 @@ def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> San
     job_r, job_w = _pipe(fds)
     rep_r, rep_w = _pipe(fds)
     child_fds = [job_r, rep_w]
-    argv: list[str] = []
+    argv, ids = isolation.drop_to(rt, uid)
     status_r = None
     if rt.mode == "bwrap":
         sc_r, sc_w = _pipe(fds)
@@ -150,12 +150,11 @@ def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> San
         _close(fds, sc_w)
         status_r, status_w = _pipe(fds)
         child_fds += [sc_r, status_w]
-        argv = isolation.bwrap_args(rt, uid, limits.max_disk_bytes, sc_r, status_w)
+        argv += isolation.bwrap_args(rt, uid, limits.max_disk_bytes, sc_r, status_w)
     argv += [rt.python, "-I", "-S", "-B", "-X", "utf8", "-c", BOOT, str(job_r)]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp", "TMPDIR": workdir or "/tmp"}
     if workdir and uid is not None:
         os.chown(workdir, uid, uid)
-    ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None and not rt.privileged else {}
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             pass_fds=child_fds, start_new_session=True, cwd=workdir or "/", env=env, **ids)  # fmt: skip
