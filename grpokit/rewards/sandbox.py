@@ -195,6 +195,11 @@ class _Collector:
         pending = {fd: memoryview(data) for fd, data in writes.items()}
         try:
             self._loop(sel, pending)
+            if self.status_r is None and not (self.timed_out or self.too_much):  # no status pipe: wait for exit
+                try:
+                    self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.timed_out = True
         finally:
             sel.close()
             for fd in pending:
@@ -207,7 +212,10 @@ class _Collector:
             os.close(fd)
 
     def _loop(self, sel, pending: dict[int, memoryview]) -> None:
-        reading = set(self.bufs)
+        """Until the deadline, or until every output is at EOF and the child has exited: bwrap's status pipe
+        closes only when bwrap exits (the sandboxed program never holds it), so a program that closes its
+        outputs and keeps running is still waited for, and then counts as a timeout."""
+        reading = set(self.bufs) | ({self.status_r} if self.status_r is not None else set())
         while reading:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -223,12 +231,11 @@ class _Collector:
                 if fd == self.status_r:
                     self.status += chunk
                     self._watch_child()
-                    if not chunk:
-                        sel.unregister(fd)
-                    continue
                 if not chunk:
                     sel.unregister(fd)
                     reading.discard(fd)
+                    continue
+                if fd == self.status_r:
                     continue
                 self.bufs[fd] += chunk
                 if len(self.bufs[fd]) > self.limits.max_output_bytes:

@@ -104,6 +104,8 @@ SURVIVORS = {  # 4. processes that outlive the call or hurt batch-mates
                         "        open(d + '/tests.py', 'w').write('assert True')\n    except OSError:\n        pass",
     "sleep_past_deadline": "import atexit, time\natexit.register(time.sleep, 30)\ntime.sleep(30)",
     "setsid_then_loop": "import os\nos.setsid()\nwhile True:\n    pass",
+    "close_outputs_and_linger": "import os, time\nfor fd in range(64):\n    try:\n        os.close(fd)\n"
+                                "    except OSError:\n        pass\ntime.sleep(30)",
 }
 
 UNIX_SOCKETS = {  # 5. host unix sockets by path, abstract sockets, and the network

@@ -236,3 +236,20 @@ def test_many_slots_at_once():
         outs = list(pool.map(lambda i: run_job(f"print({i} * 2)", limits=lim).stdout, range(24)))
     assert outs == [f"{i * 2}\n" for i in range(24)]
     assert sandbox_processes() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback is for root")
+def test_root_falls_back_when_user_namespaces_are_off(monkeypatch, caplog):
+    from grpokit.rewards import sandbox
+
+    real = sandbox._trial
+    monkeypatch.setattr(sandbox, "_trial", lambda rt: real(rt) if rt.privileged else "bwrap: setting up uid map")
+    sandbox.ready.cache_clear()
+    caplog.set_level("INFO")
+    try:
+        rt = sandbox.ready("bwrap")
+        assert rt.privileged and "bubblewrap runs as root" in caplog.text
+        res = sandbox.run_job("import os\nprint(os.getuid())", rt=rt)
+        assert int(res.stdout) in rt.slot_uids()
+    finally:
+        sandbox.ready.cache_clear()
