@@ -13,17 +13,21 @@ builtin types (a value the parent cannot decode fails the assert), so comparison
 only the values of its own leaves, and the expected values are never shown to it.
 
 Simple test-level assignments (``expected = [1, 2]``) are evaluated here too and never sent. HumanEval's
-``def check(candidate): …`` + ``check(f)`` is inlined so that its asserts count one by one. Tests with no assert
-at all pass when every set-up step runs; that verdict comes from inside the sandbox and is only as strong as it.
+``def check(candidate): …`` + ``check(f)`` is inlined, and ``for x, y in [...]: assert …`` over constants is
+unrolled, so that their asserts count one by one. Tests with no assert at all pass when every set-up step runs;
+that verdict comes from inside the sandbox and is only as strong as it.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.rewards._grader_eval import Evaluator, _Fail, _bound_inside, _literal, decode  # noqa: F401 (decode: API)
+from grpokit.rewards._grader_eval import Evaluator, _bind, _bound_inside, _Fail, _literal, decode  # noqa: F401
+
+MAX_UNROLL = 1000  # items of a test-level ``for`` loop over constants that are unrolled into asserts
 
 
 @dataclass
@@ -97,18 +101,43 @@ def _exec_step(stmt: ast.stmt, env: dict[str, Any]) -> str:
     return "\n".join([*prelude, ast.unparse(stmt)])
 
 
+def _unrolled(stmt: ast.stmt, env: dict[str, Any]) -> list[tuple[ast.expr, dict]] | None:
+    """``for v in <iterable the parent computes>: assert …`` -> (test, loop bindings) per item and assert."""
+    if not (isinstance(stmt, ast.For) and not stmt.orelse and all(isinstance(b, ast.Assert) for b in stmt.body)):
+        return None
+    ev = Evaluator(env, None)
+    if not ev.parent_only(stmt.iter, {}):
+        return None
+    try:
+        items = list(itertools.islice(ev.ev(stmt.iter, {}), MAX_UNROLL + 1))
+        out = []
+        for item in items:
+            local: dict[str, Any] = {}
+            _bind(stmt.target, item, local)
+            out += [(a.test, local) for a in stmt.body]
+    except Exception:  # noqa: BLE001 - not unrollable: the loop runs in the sandbox as set-up
+        return None
+    return out if len(items) <= MAX_UNROLL else None
+
+
+def _add_check(plan: Plan, test: ast.expr, env: dict[str, Any]) -> None:
+    check = Check(test, env)
+    try:
+        Evaluator(check.env, None, plan, check).ev(test, {})
+    except Exception:  # noqa: BLE001 - _Fail, or an error in the tests themselves: this assert fails, not the run
+        check.broken = True
+    plan.checks.append(check)
+
+
 def plan_asserts(tests: str) -> Plan:
     plan, env = Plan(), {}
     for stmt in _inline_check(ast.parse(tests).body):
+        unrolled = _unrolled(stmt, env)
         if isinstance(stmt, ast.Assert):
-            check = Check(stmt.test, dict(env))
-            try:
-                Evaluator(check.env, None, plan, check).ev(stmt.test, {})
-            except _Fail:
-                check.broken = True
-            except Exception:  # noqa: BLE001 - an error in the tests themselves fails the assert, not the run
-                check.broken = True
-            plan.checks.append(check)
+            _add_check(plan, stmt.test, dict(env))
+        elif unrolled is not None:
+            for test, local in unrolled:
+                _add_check(plan, test, {**env, **local})
         elif not _env_assignment(stmt, env):
             plan.steps.append(["exec", _exec_step(stmt, env)])
             for name in _bound_names(stmt):

@@ -64,6 +64,10 @@ def test_setup_statements_and_humaneval_check():
              "    helper = 3\n    assert candidate(helper) == 6\ncheck(double)")
     assert simulate(tests, {"double": lambda x: 2 * x}) == {0, 1, 2}
     assert simulate(tests, {"double": lambda x: x + 1}) == {0}
+    loop = "cases = [(1, 2), (5, 10)]\nfor x, y in cases:\n    assert double(x) == y\n    assert double(x) > 0"
+    assert simulate(loop, {"double": lambda x: 2 * x}) == {0, 1, 2, 3}
+    assert simulate(loop, {"double": lambda x: x + 1}) == {0, 1, 3}
+    assert all("10" not in src for _, src in plan_asserts(loop).steps)  # expected values stay outside
     failing_setup = "x = g()\nassert f(x) == 2\nassert f(1) == 2"
     assert simulate(failing_setup, {"f": lambda x: 2, "g": lambda: 1 / 0}) == set()  # set-up fails: all after fail
 
