@@ -182,7 +182,8 @@ def describe(rt: Runtime) -> dict[str, object]:
     iso = rt.mode == "bwrap"
     return {
         "isolation": rt.mode,
-        "namespaces": ["user", "pid", "mount", "net", "ipc", "uts", "cgroup"] if iso else [],
+        "namespaces": ["pid", "mount", "net", "ipc", "uts", "cgroup"] + ["user"] * (not rt.privileged) if iso else [],
+        "root_fallback": rt.privileged,
         "network_namespace": iso,
         "seccomp": iso,
         "private_tmpfs": iso,
