@@ -105,7 +105,7 @@ def outside():
 
 @pytest.fixture(scope="module")
 def reward():
-    return CodeExecReward(code_exec_timeout=2, code_exec_memory_mb=256, code_exec_workers=4)
+    return CodeExecReward(code_exec_timeout=3, code_exec_memory_mb=256, code_exec_workers=4)  # slack for a busy host
 
 
 def _programs(name: str, outside: Outside) -> list[tuple[str, str]]:
