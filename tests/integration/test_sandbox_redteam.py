@@ -1,4 +1,4 @@
-"""Red team for the code_exec sandbox (issue 17): 80 hostile programs across the issue's 8 classes, each result
+"""Red team for the code_exec sandbox (issue 17): 83 hostile programs across the issue's 8 classes, each result
 checked from outside the sandbox: marker files on the host, connections reaching loopback/unix listeners, the
 process table, secrets in the output, and the scores (hostile = wrong answers score 0, while right answers run
 beside them and score 1). The listeners bind 127.0.0.1 / a unix path / an abstract name only; every loop here is
