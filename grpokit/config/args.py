@@ -142,6 +142,9 @@ class RewardArguments:
     code_exec_timeout: float = _opt(5.0, "code_exec reward: seconds per program")
     code_exec_memory_mb: int = _opt(512, "code_exec reward: memory limit per program")
     code_exec_workers: int = _opt(2, "code_exec reward: programs run in parallel")
+    code_exec_isolation: str = _opt("bwrap", "code_exec reward: bwrap (each program in a bubblewrap sandbox with "
+                                             "seccomp; refuses to start without it) or none (UNSAFE: no isolation, "
+                                             "warned at every start)")
 
 
 @dataclass

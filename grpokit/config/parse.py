@@ -8,6 +8,7 @@ demo (`demo.yaml`).
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import yaml
 from grpokit.config.args import ALL_GROUPS, TrainConfig
 from grpokit.config.names import REGISTRIES, check_loss_type_pair, help_suffix
 from grpokit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 DEMO_YAML = Path(__file__).with_name("demo.yaml")
 
@@ -96,6 +99,9 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
     if pre.config:
         defaults.update(_load_yaml(pre.config, parser))
     user_keys = set(defaults) | {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
+    if any(a.split("=", 1)[0] == "--vllm_server_api_key" for a in argv):
+        logger.warning("--vllm_server_api_key on the command line is readable by every process on this host "
+                       "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead")
     if "model" not in user_keys and "dataset" not in user_keys:
         demo = yaml.safe_load(DEMO_YAML.read_text())
         defaults = {**demo, **defaults}

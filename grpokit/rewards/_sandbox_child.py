@@ -1,179 +1,121 @@
-"""Child side of the code sandbox: set limits, drop privileges, install an audit hook, run the untrusted code.
+"""Harness that runs inside the code sandbox: lock the process down, run the untrusted code, report on a pipe.
 
-Started by ``grpokit.rewards.sandbox`` as ``python -I -S -B -X utf8 _sandbox_child.py CONFIG_JSON``; it uses the
-standard library only. It reports to the parent on a private pipe, each line prefixed with a nonce that it read
-from another pipe (and closed) before the untrusted code starts, so that the code cannot forge a report by
-printing or by writing to the report pipe. Order matters: everything that needs privileges or reads our own files
-happens before the audit hook goes in, and the hook goes in right before the untrusted code runs.
+The parent ships this file's text on a pipe together with the job (the program, its limits, the BPF that refuses
+``execve``, and in assert mode the steps to run), so nothing of the job touches a file system. It uses the
+standard library only, because it may run under a system interpreter. Order:
+
+1. the bootstrap (``sandbox.BOOT``) has read the job from its pipe into ``JOB``;
+2. (privileged fallback only) drop to the slot uid; set the rlimits, then load the exec-refusing seccomp filter
+   (``prctl``); if any of it fails, exit 121 without running the program;
+3. install the audit hook (an extra layer for clearer errors; nothing relies on it);
+4. run the program, then each step: ``exec`` runs set-up code, ``eval`` evaluates an expression and reports its
+   value as tagged JSON. Only exact builtin types are encoded; anything else is reported as unserialisable.
+
+Reports are JSON lines on the report pipe. The parent trusts none of them beyond "these are the values the
+program's code produced": the expected values never enter the sandbox, and the parent does every comparison.
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
 import json
 import os
 import resource
 import sys
 import traceback
-from typing import Any, Callable
 
-Report = Callable[..., None]
-
-_PROCESS_EVENTS = {
-    "os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-    "os.kill", "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit", "os.setuid",
-    "os.setgid", "os.setreuid", "os.setresuid", "os.chroot", "os.unshare", "os.setns",
-}  # fmt: skip
-_BLOCKED_PREFIXES = ("socket.", "ctypes.")
-_BLOCKED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi", "_testinternalcapi"}
-# event -> positions of its path arguments that must lie inside the working directory
-_WRITE_PATH_EVENTS = {
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,), "os.chown": (0,),
-    "os.truncate": (0,), "os.utime": (0,), "os.chflags": (0,), "os.lchflags": (0,), "os.setxattr": (0,),
-    "os.removexattr": (0,), "os.rename": (0, 1), "os.link": (0, 1), "os.symlink": (1,), "os.mkfifo": (0,),
-    "os.mknod": (0,), "shutil.rmtree": (0,), "sqlite3.connect": (0,),
-}  # fmt: skip
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+HARNESS_FAILED = 121
+_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen"}
+_NAME_EVENTS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
+_BLOCKED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess"}
+_TAGGED = {tuple: "tuple", set: "set", frozenset: "frozenset"}
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    nonce = os.read(cfg["nonce_fd"], 128).decode().strip()
-    os.close(cfg["nonce_fd"])
-    report_fd = cfg["report_fd"]
+REPORT_FD = [4]
 
-    def report(*parts: str) -> None:
-        try:
-            os.write(report_fd, (" ".join((nonce, *parts)) + "\n").encode())
-        except OSError:
-            pass
 
-    root = os.path.realpath(cfg["workdir"])
-    with open(os.path.join(root, "solution.py"), encoding="utf-8") as f:
-        source = f.read()
-    tests_source = None
-    if cfg["mode"] == "asserts":
-        with open(os.path.join(root, "tests.py"), encoding="utf-8") as f:
-            tests_source = f.read()
-    else:
-        fd = os.open(os.path.join(root, "input.txt"), os.O_RDONLY)
-        os.dup2(fd, 0)
-        os.close(fd)
-
-    _set_limits(cfg)
-    if cfg["drop_uid"] is not None and os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(cfg["drop_uid"])
-        os.setuid(cfg["drop_uid"])
-    report("uid", str(os.geteuid()))
-    os.chdir(root)
-    os.environ.clear()
-    os.environ.update({"HOME": root, "TMPDIR": root, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-    sys.argv = ["solution.py"]
-
-    sys.addaudithook(_make_hook(root, report))
-    status = _run(source, tests_source, report)
+def _report(obj: dict) -> None:
     try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except Exception:
-        status = status or 1
-    report("exit", str(status))
-    os._exit(status)
+        os.write(REPORT_FD[0], (json.dumps(obj) + "\n").encode())
+    except (OSError, ValueError, TypeError):
+        pass
 
 
-def _set_limits(cfg: dict) -> None:
-    cpu = int(cfg["cpu_s"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL one second later
-    resource.setrlimit(resource.RLIMIT_AS, (cfg["mem_bytes"], cfg["mem_bytes"]))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize_bytes"], cfg["fsize_bytes"]))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"]))
-    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["nproc"], cfg["nproc"]))
+def _set_limits(lim: dict) -> None:
+    cpu = int(lim["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
+    for res, key in ((resource.RLIMIT_AS, "mem_bytes"), (resource.RLIMIT_FSIZE, "fsize_bytes"),
+                     (resource.RLIMIT_NOFILE, "nofile"), (resource.RLIMIT_NPROC, "nproc")):  # fmt: skip
+        resource.setrlimit(res, (lim[key], lim[key]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _make_hook(root: str, report: Report) -> Callable[[str, tuple], None]:
-    busy = [False]
+def _load_exec_filter(bpf: bytes) -> None:
+    import ctypes
 
-    def inside(path: Any) -> bool:
-        if isinstance(path, int) or path is None:
-            return True  # an already-open descriptor; opening it was checked
-        p = os.path.realpath(os.fsdecode(path))
-        return p == root or p.startswith(root + os.sep)
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    def why_blocked(event: str, args: tuple) -> str | None:
-        if event in _PROCESS_EVENTS or event.startswith(_BLOCKED_PREFIXES):
-            return event
-        if event == "import" and args and str(args[0]).split(".")[0] in _BLOCKED_MODULES:
-            return f"import:{args[0]}"
-        if event == "open":
-            path, mode, flags = args[0], args[1], args[2] if len(args) > 2 else 0
-            writes = (isinstance(mode, str) and any(ch in mode for ch in "wax+")) or bool((flags or 0) & _WRITE_FLAGS)
-            if writes and not inside(path):
-                return f"open-write:{os.fsdecode(path)}"
-        positions = _WRITE_PATH_EVENTS.get(event)
-        if positions:
-            for i in positions:
-                if i < len(args) and isinstance(args[i], (str, bytes, os.PathLike)) and not inside(args[i]):
-                    return f"{event}:{os.fsdecode(args[i])}"
-        return None
-
-    def hook(event: str, args: tuple) -> None:
-        if busy[0]:
-            return
-        busy[0] = True
-        try:
-            reason = why_blocked(event, args)
-        finally:
-            busy[0] = False
-        if reason is not None:
-            report("blocked", reason.replace("\n", " ")[:200])
-            raise PermissionError(f"sandbox: {reason} is not allowed")
-
-    return hook
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
 
 
-def _run(source: str, tests_source: str | None, report: Report) -> int:
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    status = _exec(source, "solution.py", ns, report)
-    if tests_source is None or status != 0:
-        return status
-    stmts = ast.parse(tests_source).body
-    n_asserts = sum(isinstance(s, ast.Assert) for s in stmts)
-    k = 0
-    for stmt in stmts:
-        code = compile(ast.Module(body=[stmt], type_ignores=[]), "tests.py", "exec")
-        try:
-            exec(code, ns)
-            ok, err = True, ""
-        except BaseException as exc:  # SystemExit too: a test must not end the run
-            ok, err = False, type(exc).__name__
-        if isinstance(stmt, ast.Assert):
-            report("assert", str(k), "pass" if ok else "fail", err)
-            k += 1
-        elif not ok:
-            report("setup_fail", err)
-            return 0
-    if n_asserts == 0:
-        report("assert", "0", "pass")
-    return 0
+def _hook(event: str, args: tuple) -> None:
+    reason = None
+    if event in _PROCESS_EVENTS or event in _NAME_EVENTS or event.startswith("ctypes."):
+        reason = event
+    elif event == "socket.__new__" and len(args) > 1 and args[1] not in (1, -1):  # AF_UNIX only
+        reason = f"socket family {args[1]}"
+    elif event == "import" and args and str(args[0]).split(".")[0] in _BLOCKED_MODULES:
+        reason = f"import {args[0]}"
+    if reason is not None:
+        _report({"blocked": reason[:200]})
+        raise PermissionError(f"sandbox: {reason} is not allowed")
 
 
-def _exec(source: str, filename: str, ns: dict, report: Report) -> int:
+def encode(value: object, depth: int = 0) -> object:
+    """Tagged JSON for exact builtin types; TypeError for anything else (subclasses included)."""
+    if depth > 200:
+        raise TypeError("nested too deeply")
+    t = type(value)
+    if value is None or t in (bool, int, float, str):
+        return value
+    if t is list:
+        return [encode(v, depth + 1) for v in value]
+    if t in _TAGGED:
+        return {"__t": _TAGGED[t], "v": [encode(v, depth + 1) for v in value]}
+    if t is dict:
+        return {"__t": "dict", "v": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if t is bytes:
+        return {"__t": "bytes", "v": value.hex()}
+    if t is complex:
+        return {"__t": "complex", "v": [value.real, value.imag]}
+    raise TypeError(f"cannot serialise {t.__name__}")
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None or code == 0:
+        return 0
+    if not isinstance(code, int):
+        print(code, file=sys.stderr)
+        return 1
+    return code & 0xFF or 1
+
+
+def _run_program(source: str, ns: dict) -> int:
     try:
-        exec(compile(source, filename, "exec"), ns)
+        exec(compile(source, "solution.py", "exec"), ns)
         return 0
     except SystemExit as exc:
-        code = exc.code
-        if code is None or code == 0:
-            return 0
-        if not isinstance(code, int):
-            print(code, file=sys.stderr)
-            return 1
-        return code & 0xFF or 1
+        return _exit_code(exc)
     except BaseException as exc:
-        report("exception", type(exc).__name__)
+        _report({"exception": type(exc).__name__})
         try:
             traceback.print_exc()
         except BaseException:  # e.g. no memory left to format the traceback
@@ -181,5 +123,55 @@ def _exec(source: str, filename: str, ns: dict, report: Report) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    main()
+def _run_steps(steps: list, ns: dict) -> None:
+    for k, (kind, src) in enumerate(steps):
+        try:
+            if kind == "exec":
+                exec(compile(src, "tests.py", "exec"), ns)
+                _report({"k": k, "ok": True})
+            else:
+                line = json.dumps({"k": k, "v": encode(eval(compile(src, "tests.py", "eval"), ns))})
+                os.write(REPORT_FD[0], (line + "\n").encode())
+        except BaseException as exc:  # SystemExit too: a test must not end the run
+            _report({"k": k, "err": type(exc).__name__})
+            if kind == "exec":
+                return  # a failed set-up step fails everything after it
+
+
+def _drop_uid(uid: int) -> None:
+    """Privileged fallback only: become the slot uid, which clears every capability; refuse to go on otherwise."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getgroups():
+        raise OSError("could not drop to the sandbox uid")
+
+
+def main(job: dict) -> None:
+    REPORT_FD[0] = int(job["report_fd"])
+    try:
+        if job.get("drop_uid") is not None:
+            _drop_uid(int(job["drop_uid"]))
+        _set_limits(job["limits"])
+        if job.get("exec_filter"):
+            _load_exec_filter(bytes.fromhex(job["exec_filter"]))
+    except BaseException as exc:
+        _report({"fatal": f"{type(exc).__name__}: {exc}"})
+        os._exit(HARNESS_FAILED)
+    sys.argv = ["solution.py"]
+    sys.addaudithook(_hook)
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    status = _run_program(job["code"], ns)
+    if status == 0 and job.get("steps") is not None:
+        _run_steps(job["steps"], ns)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        status = status or 1
+    _report({"exit": status})
+    os._exit(status)
+
+
+if __name__ == "__sandbox__":
+    main(globals()["JOB"])

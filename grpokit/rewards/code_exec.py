@@ -1,14 +1,18 @@
 """``code_exec``: run the completion's Python against the row's test cases in a local sandbox; score = pass rate.
 
-ms-swift's code rewards call a cloud service (E2B, Judge0); this one runs locally (see ``sandbox.py`` for what is
-and is not protected). The code is the completion's last fenced ``python`` block (``py``, ``python3`` or a bare
-fence also count), or the whole text when it has none. The ``test_cases`` column holds, per row, either
+ms-swift's code rewards call a cloud service (E2B, Judge0); this one runs locally, each program in its own
+bubblewrap sandbox (``isolation.py``: namespaces, seccomp, rlimits, a private tmpfs; docs/rewards.md lists the
+guarantees). Without bubblewrap it refuses to start unless ``--code_exec_isolation none`` (unsafe) is given.
+
+The code is the completion's last fenced ``python`` block (``py``, ``python3`` or a bare fence also count), or
+the whole text when it has none. The ``test_cases`` column holds, per row, either
 
 - a list of ``{"input": stdin, "output": expected stdout}`` (each case runs in its own process; outputs are
   compared line by line, ignoring trailing whitespace and blank lines at the end), also accepted as
   ``{"inputs": [...], "outputs": [...]}`` or as the JSON text of either; or
 - a string of Python statements: the code runs, then each top-level ``assert`` is one test (other statements
-  are set-up; if one fails, the remaining asserts fail).
+  are set-up; if one fails, the remaining asserts fail). The asserts are graded in this process
+  (``grader.py``): the sandbox only evaluates the parts that call the program and sends back their values.
 
 A case that times out, runs out of memory, touches something the sandbox blocks, floods its output or crashes
 scores 0; these are counted per call in ``last_failures`` for the trainer to log. After a timeout the sample's
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -27,7 +32,10 @@ from typing import Any
 
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import ORM, orms
-from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, run_python, sandbox_layers
+from grpokit.rewards import grader, isolation
+from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, ready, run_job
+
+logger = logging.getLogger(__name__)
 
 _FENCE_RE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -86,8 +94,9 @@ class CodeExecReward(ORM):
     """Pass rate of the completion's code on the row's ``test_cases``, run in a local sandbox."""
 
     def __init__(
-        self, code_exec_timeout: float = 5.0, code_exec_memory_mb: int = 512, code_exec_workers: int | None = None
-    ) -> None:
+        self, code_exec_timeout: float = 5.0, code_exec_memory_mb: int = 512, code_exec_workers: int | None = None,
+        code_exec_isolation: str = "bwrap",
+    ) -> None:  # fmt: skip
         super().__init__()
         if not float(code_exec_timeout) > 0:
             raise ConfigError(f"--code_exec_timeout {code_exec_timeout}: must be > 0 seconds")
@@ -97,9 +106,13 @@ class CodeExecReward(ORM):
         if workers < 1:
             raise ConfigError(f"--code_exec_workers {code_exec_workers}: must be ≥ 1")
         try:
-            self.sandbox = sandbox_layers()  # which protections this host gives (logged by the trainer if it likes)
-        except OSError as exc:
-            raise ConfigError(f"--reward_funcs code_exec: {exc}") from exc
+            self.runtime = ready(str(code_exec_isolation))
+        except isolation.IsolationUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+        if self.runtime.mode == "none":
+            logger.warning("code_exec: --code_exec_isolation none: untrusted code runs WITHOUT isolation (no "
+                           "namespaces, no seccomp); it can read and write what this user can and reach the network")
+        self.sandbox = isolation.describe(self.runtime)  # which protections are active (for logs)
         self.limits = SandboxLimits(timeout_s=float(code_exec_timeout), memory_mb=int(code_exec_memory_mb))
         self.workers = workers
         self.last_failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
@@ -108,15 +121,15 @@ class CodeExecReward(ORM):
         code = extract_code(completion)
         failures: Counter = Counter()
         if isinstance(cases, str):
-            res = run_python(code, tests=cases, limits=self.limits)
+            plan = grader.plan_asserts(cases)
+            res = run_job(code, steps=plan.steps, limits=self.limits, rt=self.runtime)
             if res.status != "ok":
                 failures[res.status] += 1
                 return 0.0, failures
-            n_asserts = sum(isinstance(s, ast.Assert) for s in ast.parse(cases).body) or 1
-            return len({k for k in res.asserts_passed if k < n_asserts}) / n_asserts, failures
+            return len(grader.passed_asserts(plan, res.steps)) / grader.n_asserts(plan), failures
         passed = 0
         for stdin, expected in cases:
-            res: SandboxResult = run_python(code, stdin=stdin, limits=self.limits)
+            res: SandboxResult = run_job(code, stdin=stdin, limits=self.limits, rt=self.runtime)
             if res.status != "ok":
                 failures[res.status] += 1
                 if res.status == "timeout":

@@ -1,57 +1,59 @@
-"""Run untrusted Python in a local sandbox: a throwaway directory, OS limits, no network, an audit hook.
+"""Run untrusted Python in a sandbox that the kernel enforces (see ``isolation.py`` for the layers).
 
-Layers, outermost first (each one that the host allows; ``sandbox_layers()`` says which are active):
+``run_job(code, stdin, steps, limits)`` runs one program once: in stdio mode (``steps=None``) with ``stdin`` as its
+input, in step mode followed by the grader's set-up and expression steps (see ``grader.py``). Nothing is written
+to the host's file system: the harness and the job travel on a pipe, results come back on another.
 
-1. ``unshare --net`` (when running as root): the child gets an empty network namespace.
-2. A fresh session (``start_new_session``); on timeout or too much output the whole process group is killed.
-3. Limits set in the child before the code runs: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), file size
-   (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), processes (RLIMIT_NPROC), no core dumps. Pipe reads are capped.
-4. When running as root: the child drops to uid/gid 65534 (nobody) after setting the limits, so RLIMIT_NPROC
-   holds and file permissions apply. The interpreter must be readable by nobody; if the project's interpreter is
-   not (e.g. under /root), a system ``python3`` is used for the child, which then has the standard library only.
-5. A Python audit hook refuses sockets and name lookups, process creation (fork, exec, spawn, system, Popen),
-   signals to other processes, raising limits, ctypes, and writes/renames/deletes outside the working directory.
-
-Limits are set in the child (``_sandbox_child.py``) rather than in ``preexec_fn``: the parent calls this from a
-thread pool, and ``preexec_fn`` is not safe in a threaded parent.
+Every run takes a slot (its own uid when the trainer is root). When the call returns, the sandbox's PID namespace
+is gone: the parent kills its init through a pidfd and waits for it, and a namespace's init exits only after
+everything else in it has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
 import os
-import secrets
+import select
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
-import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpokit.rewards import isolation, seccomp_filter
+from grpokit.rewards._sandbox_child import HARNESS_FAILED
+from grpokit.rewards.isolation import live_sandbox_processes  # noqa: F401 (part of this module's API)
+
 logger = logging.getLogger(__name__)
 
-CHILD_SCRIPT = str(Path(__file__).with_name("_sandbox_child.py"))
-NOBODY = 65534
-STARTUP_ALLOWANCE_S = 0.5  # wall-clock time granted on top of the timeout for the interpreter to start
-_STDLIB_PROBE = "import os, sys; assert sys.version_info >= (3, 8); print(os.path.dirname(os.__file__))"
-FAILURE_KINDS = ("timeout", "memory", "blocked", "output_limit", "crash", "error")
+HARNESS = Path(__file__).with_name("_sandbox_child.py").read_text(encoding="utf-8")
+BOOT = (
+    "import json,sys;J=json.loads(open(int(sys.argv[1]),'rb').read());"
+    "exec(compile(J.pop('harness'),'_sandbox_child.py','exec'),{'__name__':'__sandbox__','JOB':J})"
+)
+REAP_WAIT_S = 5.0  # how long bwrap gets to reap the sandbox's init after the kill
+STARTUP_ALLOWANCE_S = 0.5  # wall-clock time granted on top of the timeout for the sandbox to start
+FAILURE_KINDS = ("timeout", "memory", "blocked", "output_limit", "crash", "error", "killed")
+_SIG = {s: 128 + s for s in (signal.SIGKILL, signal.SIGXCPU, signal.SIGXFSZ, signal.SIGSYS)}
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     timeout_s: float = 5.0
     memory_mb: int = 512
-    max_output_bytes: int = 1 << 20  # per stream (stdout, stderr)
+    max_output_bytes: int = 1 << 20  # per stream (stdout, stderr, reports)
     max_file_bytes: int = 16 << 20
+    max_disk_bytes: int = 64 << 20  # the private /tmp of one run
     max_open_files: int = 64
-    max_processes: int = 64  # RLIMIT_NPROC counts threads of the uid, across all sandboxes at once
+    max_processes: int = 64  # threads, per slot uid
 
 
 @dataclass
@@ -62,224 +64,353 @@ class SandboxResult:
     returncode: int | None = None
     asserts_passed: set[int] = field(default_factory=set)
     blocked: list[str] = field(default_factory=list)
+    steps: dict[int, dict] = field(default_factory=dict)  # step index -> its first report
     elapsed_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class _Runtime:
-    python: str
-    drop_uid: int | None
-    prefix: tuple[str, ...]  # e.g. ("unshare", "--net", "--")
+class _Slots:
+    """Lowest free slot number; a slot is held for the length of one run."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.used: set[int] = set()
+
+    def acquire(self) -> int:
+        with self.lock:
+            slot = next(i for i in range(len(self.used) + 1) if i not in self.used)
+            self.used.add(slot)
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self.lock:
+            self.used.discard(slot)
 
 
-def _reachable_by_others(path: str, need: int) -> bool:
-    """True when every directory above ``path`` is searchable by others and ``path`` has the ``need`` bits."""
-    p = Path(path)
-    try:
-        if not p.stat().st_mode & need:
-            return False
-        return all(parent.stat().st_mode & stat.S_IXOTH for parent in p.parents)
-    except OSError:
-        return False
+_SLOTS = _Slots()
 
 
-def _stdlib_of(python: str) -> str | None:
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
-        return os.path.dirname(os.__file__)
-    try:
-        out = subprocess.run(
-            [python, "-I", "-S", "-c", _STDLIB_PROBE],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-@functools.lru_cache(maxsize=1)
-def _runtime() -> _Runtime:
-    if os.name != "posix":
-        raise OSError("the code sandbox needs Linux (resource limits, process groups)")
-    if os.geteuid() != 0:
-        return _Runtime(sys.executable, None, ())
-    prefix: tuple[str, ...] = ()
-    unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "--net", "--", "true"], capture_output=True).returncode == 0:
-        prefix = (unshare, "--net", "--")
-    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        real = os.path.realpath(python)
-        if not os.path.exists(real) or not _reachable_by_others(real, stat.S_IXOTH):
-            continue
-        stdlib = _stdlib_of(python)
-        if stdlib and _reachable_by_others(os.path.realpath(stdlib), stat.S_IROTH | stat.S_IXOTH):
-            return _Runtime(python, NOBODY, prefix)
-    logger.warning(
-        "code sandbox: no Python interpreter is readable by uid %d, so sandboxed code runs as root "
-        "(audit hook and limits still apply, RLIMIT_NPROC does not)",
-        NOBODY,
-    )
-    return _Runtime(sys.executable, None, prefix)
-
-
-def sandbox_layers() -> dict[str, object]:
-    """Which protections are active on this host (for logs and docs)."""
-    rt = _runtime()
-    return {
-        "network_namespace": bool(rt.prefix),
-        "uid": rt.drop_uid if rt.drop_uid is not None else os.geteuid(),
-        "python": rt.python,
-        "audit_hook": True,
-        "rlimits": True,
+def _job(code: str, steps: list | None, limits: SandboxLimits, rt: isolation.Runtime, report_fd: int,
+         uid: int | None) -> bytes:  # fmt: skip
+    lim = {
+        "cpu_s": max(1, math.ceil(limits.timeout_s)),
+        "mem_bytes": int(limits.memory_mb) << 20,
+        "fsize_bytes": limits.max_file_bytes,
+        "nofile": limits.max_open_files,
+        "nproc": limits.max_processes,
     }
+    exec_bpf = seccomp_filter.exec_filter().hex() if rt.mode == "bwrap" else None
+    job = {"harness": HARNESS, "code": code, "steps": steps, "limits": lim, "exec_filter": exec_bpf,
+           "report_fd": report_fd, "drop_uid": uid if rt.privileged else None}  # fmt: skip
+    return json.dumps(job).encode()
 
 
-def run_python(
-    code: str, stdin: str = "", tests: str | None = None, limits: SandboxLimits | None = None
-) -> SandboxResult:
-    """Run ``code`` (fed ``stdin``) or, when ``tests`` is given, run ``code`` then each statement of ``tests``."""
+def run_job(
+    code: str, stdin: str = "", steps: list | None = None, limits: SandboxLimits | None = None,
+    rt: isolation.Runtime | None = None,
+) -> SandboxResult:  # fmt: skip
     limits = limits or SandboxLimits()
-    rt = _runtime()
-    workdir = tempfile.mkdtemp(prefix="grpokit-sbx-")
+    rt = rt or isolation.resolve("bwrap")
+    slot = _SLOTS.acquire()
     fds: list[int] = []
+    workdir = tempfile.mkdtemp(prefix="grpokit-sbx-") if rt.mode == "none" else None
     try:
-        Path(workdir, "solution.py").write_text(code, encoding="utf-8")
-        if tests is None:
-            Path(workdir, "input.txt").write_text(stdin, encoding="utf-8")
-        else:
-            Path(workdir, "tests.py").write_text(tests, encoding="utf-8")
-        if rt.drop_uid is not None:
-            os.chown(workdir, rt.drop_uid, rt.drop_uid)
-        nonce = secrets.token_hex(16)
-        nonce_r, nonce_w = os.pipe()
-        report_r, report_w = os.pipe()
-        fds += [nonce_r, nonce_w, report_r, report_w]
-        cfg = {
-            "workdir": workdir,
-            "mode": "stdio" if tests is None else "asserts",
-            "cpu_s": max(1, math.ceil(limits.timeout_s)),
-            "mem_bytes": int(limits.memory_mb) << 20,
-            "fsize_bytes": limits.max_file_bytes,
-            "nofile": limits.max_open_files,
-            "nproc": limits.max_processes,
-            "nonce_fd": nonce_r,
-            "report_fd": report_w,
-            "drop_uid": rt.drop_uid,
-        }
-        cmd = [*rt.prefix, rt.python, "-I", "-S", "-B", "-X", "utf8", CHILD_SCRIPT, json.dumps(cfg)]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
-        start = time.monotonic()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(nonce_r, report_w),
-            start_new_session=True,
-            cwd=workdir,
-            env=env,
-        )
-        for fd in (nonce_r, report_w):
-            os.close(fd)
-            fds.remove(fd)
-        try:
-            os.write(nonce_w, nonce.encode())
-        except OSError:  # the child died at start-up; _collect reports how
-            pass
-        os.close(nonce_w)
-        fds.remove(nonce_w)
-        result = _collect(proc, report_r, nonce, limits, start)
-        result.elapsed_s = time.monotonic() - start
-        return result
+        return _spawn_and_collect(code, stdin, steps, limits, rt, rt.slot_uid(slot), fds, workdir)
     finally:
         for fd in fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        _SLOTS.release(slot)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _pipe(fds: list[int]) -> tuple[int, int]:
+    r, w = os.pipe()
+    fds += [r, w]
+    return r, w
+
+
+def _close(fds: list[int], *which: int) -> None:
+    for fd in which:
+        os.close(fd)
+        fds.remove(fd)
+
+
+def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> SandboxResult:
+    job_r, job_w = _pipe(fds)
+    rep_r, rep_w = _pipe(fds)
+    child_fds = [job_r, rep_w]
+    argv, ids = isolation.drop_to(rt, uid)
+    status_r = None
+    if rt.mode == "bwrap":
+        sc_r, sc_w = _pipe(fds)
+        os.write(sc_w, seccomp_filter.main_filter())  # a few hundred bytes: fits the pipe buffer
+        _close(fds, sc_w)
+        status_r, status_w = _pipe(fds)
+        child_fds += [sc_r, status_w]
+        argv += isolation.bwrap_args(rt, uid, limits.max_disk_bytes, sc_r, status_w)
+    argv += [rt.python, "-I", "-S", "-B", "-X", "utf8", "-c", BOOT, str(job_r)]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp", "TMPDIR": workdir or "/tmp"}
+    if workdir and uid is not None:
+        os.chown(workdir, uid, uid)
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            pass_fds=child_fds, start_new_session=True, cwd=workdir or "/", env=env, **ids)  # fmt: skip
+    _close(fds, *child_fds)
+    out = _Collector(proc, limits, start, rep_r, status_r)
+    for fd in (job_w, status_r):  # the collector closes these two; a second close could hit another thread's fd
+        if fd is not None:
+            fds.remove(fd)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child is not reaped yet, so its pid (= group id) is still ours
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _collect(proc: subprocess.Popen, report_r: int, nonce: str, limits: SandboxLimits, start: float) -> SandboxResult:
-    deadline = start + limits.timeout_s + STARTUP_ALLOWANCE_S
-    bufs: dict[int, bytearray] = {fd: bytearray() for fd in (proc.stdout.fileno(), proc.stderr.fileno(), report_r)}
-    sel = selectors.DefaultSelector()
-    for fd in bufs:
-        sel.register(fd, selectors.EVENT_READ)
-    timed_out = too_much = False
-    try:
-        while sel.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                timed_out = True
-                break
-            for key, _ in sel.select(timeout=remaining):
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                bufs[key.fd] += chunk
-                if len(bufs[key.fd]) > limits.max_output_bytes:
-                    too_much = True
-            if too_much:
-                break
+        out.run({job_w: _job(code, steps, limits, rt, rep_w, uid), proc.stdin.fileno(): stdin.encode()})
     finally:
-        sel.close()
-        _kill_group(proc)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    stdout_b, stderr_b, report_b = (bytes(b) for b in bufs.values())  # insertion order: stdout, stderr, report
-    return _classify(proc.returncode, stdout_b, stderr_b, report_b, nonce, timed_out, too_much, limits)
+        out.reap()
+    result = out.result()
+    result.elapsed_s = time.monotonic() - start
+    return result
 
 
-def _classify(
-    rc: int | None,
-    stdout_b: bytes,
-    stderr_b: bytes,
-    report_b: bytes,
-    nonce: str,
-    timed_out: bool,
-    too_much: bool,
-    limits: SandboxLimits,
-) -> SandboxResult:
-    cap = limits.max_output_bytes
-    res = SandboxResult(
-        status="ok",
-        stdout=stdout_b[:cap].decode("utf-8", "replace"),
-        stderr=stderr_b[:cap].decode("utf-8", "replace"),
-        returncode=rc,
-    )
-    exceptions = []
+class _Collector:
+    """Feeds the child's input pipes, reads its outputs under a deadline, then makes sure it is all gone."""
+
+    def __init__(self, proc, limits: SandboxLimits, start: float, rep_r: int, status_r: int | None) -> None:
+        self.proc, self.limits, self.status_r = proc, limits, status_r
+        self.deadline = start + limits.timeout_s + STARTUP_ALLOWANCE_S
+        self.bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), rep_r: bytearray()}
+        self.status = bytearray()
+        self.timed_out = self.too_much = False
+        self.pidfd: int | None = None
+
+    def run(self, writes: dict[int, bytes]) -> None:
+        sel = selectors.DefaultSelector()
+        for fd in self.bufs:
+            sel.register(fd, selectors.EVENT_READ)
+        if self.status_r is not None:
+            sel.register(self.status_r, selectors.EVENT_READ)
+        for fd in writes:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_WRITE)
+        pending = {fd: memoryview(data) for fd, data in writes.items()}
+        try:
+            self._loop(sel, pending)
+            if self.status_r is None and not (self.timed_out or self.too_much):  # no status pipe: wait for exit
+                try:
+                    self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.timed_out = True
+        finally:
+            sel.close()
+            for fd in pending:
+                self._close_writer(fd)
+
+    def _close_writer(self, fd: int) -> None:
+        if fd == self.proc.stdin.fileno():
+            self.proc.stdin.close()
+        else:
+            os.close(fd)
+
+    def _loop(self, sel, pending: dict[int, memoryview]) -> None:
+        """Until the deadline, or until every output is at EOF and the child has exited: bwrap's status pipe
+        closes only when bwrap exits (the sandboxed program never holds it), so a program that closes its
+        outputs and keeps running is still waited for, and then counts as a timeout."""
+        reading = set(self.bufs) | ({self.status_r} if self.status_r is not None else set())
+        while reading:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                return
+            for key, _ in sel.select(timeout=remaining):
+                fd = key.fd
+                if fd in pending:
+                    if not self._write(fd, pending):
+                        sel.unregister(fd)
+                    continue
+                chunk = os.read(fd, 65536)
+                if fd == self.status_r:
+                    self.status += chunk
+                    self._watch_child()
+                if not chunk:
+                    sel.unregister(fd)
+                    reading.discard(fd)
+                    continue
+                if fd == self.status_r:
+                    continue
+                self.bufs[fd] += chunk
+                if len(self.bufs[fd]) > self.limits.max_output_bytes:
+                    self.too_much = True
+                    return
+
+    def _write(self, fd: int, pending: dict[int, memoryview]) -> bool:
+        """Write what the pipe takes; False (and the pipe closed) when done or the reader is gone."""
+        try:
+            n = os.write(fd, pending[fd][:65536])
+            pending[fd] = pending[fd][n:]
+        except (BrokenPipeError, BlockingIOError) as exc:
+            if isinstance(exc, BlockingIOError):
+                return True
+            pending[fd] = memoryview(b"")
+        if len(pending[fd]):
+            return True
+        del pending[fd]
+        self._close_writer(fd)
+        return False
+
+    def _watch_child(self) -> None:
+        """Hold a pidfd on the sandbox's init (from bwrap's status line) so it can be killed without pid reuse."""
+        if self.pidfd is not None:
+            return
+        docs = _json_docs(bytes(self.status))
+        if any("exit-code" in d for d in docs):
+            return  # already over: bwrap reaped it
+        for doc in docs:
+            if "child-pid" in doc:
+                try:
+                    self.pidfd = os.pidfd_open(int(doc["child-pid"]))
+                except (OSError, ValueError):
+                    pass
+
+    def reap(self) -> None:
+        """Kill the sandbox's init (its whole PID namespace dies with it) and let bwrap reap it: killing bwrap
+        first would leave the init to the host's pid 1, which in a container may never reap it."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=REAP_WAIT_S if self.pidfd is not None else 0)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # not reaped yet, so the group id is still ours
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        if self.pidfd is not None:  # the init of a PID namespace exits only after all its other processes
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            poller.poll(int(REAP_WAIT_S * 1000))
+            os.close(self.pidfd)
+        if self.status_r is not None:
+            os.close(self.status_r)
+
+    def result(self) -> SandboxResult:
+        out, err, rep = (bytes(b) for b in self.bufs.values())
+        return classify(self.proc.returncode, out, err, rep, self.timed_out, self.too_much, self.limits)
+
+
+def _json_docs(data: bytes) -> list[dict]:
+    docs, dec, text, i = [], json.JSONDecoder(), data.decode("utf-8", "replace"), 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return docs
+        try:
+            doc, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return docs
+        if isinstance(doc, dict):
+            docs.append(doc)
+
+
+def _reports(report_b: bytes) -> list[dict]:
+    out = []
     for line in report_b.decode("utf-8", "replace").splitlines():
-        parts = line.split(" ")
-        if len(parts) < 2 or parts[0] != nonce:
-            continue  # not written by our preamble
-        kind, args = parts[1], parts[2:]
-        if kind == "blocked":
-            res.blocked.append(" ".join(args))
-        elif kind == "exception":
-            exceptions.extend(args)
-        elif kind == "assert" and len(args) >= 2 and args[1] == "pass" and args[0].isdigit():
-            res.asserts_passed.add(int(args[0]))
-    if too_much or rc == -signal.SIGXFSZ:
+        try:
+            doc = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def classify(rc, stdout_b, stderr_b, report_b, timed_out, too_much, limits: SandboxLimits) -> SandboxResult:
+    cap = limits.max_output_bytes
+    res = SandboxResult("ok", stdout_b[:cap].decode("utf-8", "replace"), stderr_b[:cap].decode("utf-8", "replace"), rc)
+    exceptions, fatal = [], None
+    for doc in _reports(report_b):
+        if isinstance(doc.get("k"), int) and doc["k"] not in res.steps:
+            res.steps[doc["k"]] = doc
+        elif "blocked" in doc:
+            res.blocked.append(str(doc["blocked"]))
+        elif "exception" in doc:
+            exceptions.append(str(doc["exception"]))
+        elif "fatal" in doc:
+            fatal = str(doc["fatal"])
+    died_of = {-s: s for s in _SIG} | {v: s for s, v in _SIG.items()}
+    sig = died_of.get(rc)
+    if too_much or sig == signal.SIGXFSZ:
         res.status = "output_limit"
-    elif timed_out or rc in (-signal.SIGXCPU, -signal.SIGKILL):
+    elif timed_out or sig == signal.SIGXCPU:
         res.status = "timeout"  # wall limit (we killed it) or CPU limit (the kernel did)
-    elif res.blocked:
-        res.status = "blocked"
+    elif sig == signal.SIGSYS or res.blocked:
+        res.status = "blocked"  # seccomp killed it, or the audit hook refused something
+    elif sig == signal.SIGKILL:
+        res.status = "killed"  # not by us: the OOM killer or another process
     elif "MemoryError" in exceptions or b"MemoryError" in stderr_b or b"Cannot allocate memory" in stderr_b:
         res.status = "memory"
-    elif rc is not None and rc < 0:
+    elif rc == HARNESS_FAILED and fatal:
+        logger.warning("code sandbox: the harness could not lock the process down: %s", fatal)
+        res.status = "error"
+    elif rc is not None and (rc < 0 or rc > 128):
         res.status = "crash"
     elif exceptions or rc != 0:
         res.status = "error"
     return res
+
+
+def run_python(
+    code: str, stdin: str = "", tests: str | None = None, limits: SandboxLimits | None = None,
+    isolation_mode: str = "bwrap",
+) -> SandboxResult:  # fmt: skip
+    """Run ``code`` fed ``stdin``; or, with ``tests`` (assert statements), grade it (``asserts_passed``)."""
+    rt = isolation.resolve(isolation_mode)
+    if tests is None:
+        return run_job(code, stdin=stdin, limits=limits, rt=rt)
+    from grpokit.rewards import grader
+
+    plan = grader.plan_asserts(tests)
+    res = run_job(code, steps=plan.steps, limits=limits, rt=rt)
+    if res.status == "ok":
+        res.asserts_passed = grader.passed_asserts(plan, res.steps)
+    return res
+
+
+def _trial(rt: isolation.Runtime) -> str | None:
+    """None when ``rt`` runs a program, else the reason it does not (one line)."""
+    try:
+        res = run_job("print(6 * 7)", limits=SandboxLimits(timeout_s=20), rt=rt)
+    except OSError as exc:
+        return str(exc)
+    if res.status == "ok" and res.stdout.strip() == "42":
+        return None
+    return (res.stderr.strip().splitlines() or [f"status {res.status}"])[-1][:300]
+
+
+@functools.lru_cache(maxsize=4)
+def ready(isolation_mode: str = "bwrap") -> isolation.Runtime:
+    """The runtime for ``isolation_mode`` after one trial run; IsolationUnavailable (one line) when it fails.
+    As root without unprivileged user namespaces, falls back to running bubblewrap as root (see isolation.py)."""
+    rt = isolation.resolve(isolation_mode)
+    why = _trial(rt)
+    if why is not None and rt.mode == "bwrap" and rt.as_root:
+        fallback = dataclasses.replace(rt, privileged=True)
+        if _trial(fallback) is None:
+            logger.info("code sandbox: no user namespaces for unprivileged uids (%s); bubblewrap runs as root and "
+                        "each program drops to its slot uid", why)
+            return fallback
+    if why is not None:
+        raise isolation.IsolationUnavailable(f"code_exec: the {isolation_mode} sandbox does not start on this host: "
+                                             f"{why}{isolation.hint_for(why)}")
+    return rt
+
+
+def sandbox_layers(isolation_mode: str = "bwrap") -> dict[str, object]:
+    """Which protections are active on this host (for logs and docs); raises IsolationUnavailable."""
+    return isolation.describe(ready(isolation_mode))

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import socket
 import sys
 
 from grpokit.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def rollout_parser() -> argparse.ArgumentParser:
@@ -88,6 +91,9 @@ def options_from_argv(argv: list[str]):
     a = rollout_parser().parse_args(argv)
     if not 0 < a.port < 65536:
         raise ConfigError(f"--port {a.port}: must be in 1..65535")
+    if a.api_key:
+        logger.warning("--api_key on the command line is readable by every process on this host "
+                       "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead")
     api_key = a.api_key or os.environ.get("GRPOKIT_API_KEY") or None
     check_security(a.host, api_key, a.insecure)
     return ServerOptions(model=a.model, host=a.host, port=a.port, engine=a.engine,

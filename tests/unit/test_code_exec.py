@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -11,11 +12,20 @@ import uuid
 import pytest
 
 from grpokit.errors import ConfigError
-from grpokit.rewards import orms
+from grpokit.rewards import isolation, orms
 from grpokit.rewards.code_exec import CodeExecReward, extract_code, normalize_test_cases, same_output
-from grpokit.rewards.sandbox import run_python, sandbox_layers
+from grpokit.rewards.sandbox import live_sandbox_processes, ready, run_python, sandbox_layers
 
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs Linux")
+
+def _isolation_missing() -> str | None:
+    try:
+        isolation.resolve("bwrap")
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_isolation_missing() is not None, reason=str(_isolation_missing()))
 
 DOUBLE = [{"input": "2\n", "output": "4\n"}, {"input": "21\n", "output": "42"}]
 
@@ -24,18 +34,10 @@ def fenced(code: str) -> str:
     return f"Here is my solution:\n```python\n{code}\n```\nDone."
 
 
-def sandbox_processes() -> list[str]:
-    """Command lines of live processes running the sandbox child script."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "_sandbox_child.py" in cmd:
-            found.append(cmd)
-    return found
+def sandbox_processes() -> list[int]:
+    """Live processes of THIS test process's sandboxes (by slot uid as root, else by descent), so a second copy of
+    the suite running on the same host neither shows up here nor hides a leak of ours."""
+    return live_sandbox_processes()
 
 
 @pytest.fixture(scope="module")
@@ -103,23 +105,25 @@ def test_fork_bomb_leaves_no_processes(reward):
 
 
 def test_network_is_blocked(reward):
-    code = "import socket\ns = socket.socket()\ns.connect(('1.1.1.1', 80))\nprint(4)"
-    sneaky = "import socket\ntry:\n    socket.getaddrinfo('example.com', 80)\nexcept Exception:\n    pass\nprint(4)"
+    code = "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint(4)"  # loopback only, ever
+    sneaky = "import socket\ntry:\n    socket.getaddrinfo('localhost', 80)\nexcept Exception:\n    pass\nprint(4)"
     assert reward([fenced(code), fenced(sneaky)], test_cases=[[DOUBLE[0]]] * 2) == [0.0, 0.0]
     assert reward.last_failures["blocked"] == 2  # a caught refusal still fails the case
 
 
-def test_writes_outside_the_workdir_fail_and_inside_work(reward):
+def test_writes_stay_inside_the_sandbox(reward):
+    # /tmp inside is a private tmpfs: the write "succeeds" there, and the host's /tmp never sees it
     target = os.path.join(tempfile.gettempdir(), f"grpokit-escape-{uuid.uuid4().hex}.txt")
-    escape = f"open({target!r}, 'w').write('pwned')\nprint(4)"
-    via_symlink = f"import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('pwned')\nprint(4)"
+    private = f"open({target!r}, 'w').write('pwned')\nprint(4)"
+    read_only = "open('/usr/grpokit-escape.txt', 'w').write('pwned')\nprint(4)"
+    via_symlink = "import os\nos.symlink('/etc/grpokit-escape', 'link')\nopen('link', 'w').write('pwned')\nprint(4)"
     inside = "open('scratch.txt', 'w').write('4')\nprint(open('scratch.txt').read())"
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "grpokit-sbx-*")))
-    out = reward([fenced(escape), fenced(via_symlink), fenced(inside)], test_cases=[[DOUBLE[0]]] * 3)
-    assert out == [0.0, 0.0, 1.0]
-    assert not os.path.exists(target)
-    assert reward.last_failures["blocked"] == 2
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "grpokit-sbx-*"))) == before  # work dirs removed
+    out = reward([fenced(private), fenced(read_only), fenced(via_symlink), fenced(inside)],
+                 test_cases=[[DOUBLE[0]]] * 4)  # fmt: skip
+    assert out == [1.0, 0.0, 0.0, 1.0]
+    assert not os.path.exists(target) and not os.path.exists("/usr/grpokit-escape.txt")
+    assert not os.path.exists("/etc/grpokit-escape")
+    assert reward.last_failures["error"] == 2  # read-only file system
 
 
 def test_output_flood_is_capped(reward):
@@ -142,13 +146,110 @@ def test_helpers_and_bad_input():
     assert orms["code_exec"] is CodeExecReward
 
 
-def test_os_layers_when_available():
-    # Below the audit hook: with root, the child runs as nobody in an empty network namespace.
+def test_os_layers():
     layers = sandbox_layers()
-    res = run_python("import os\nprint(os.getuid())\nprint(open('/proc/net/dev').read())")
-    assert res.status == "ok"
-    uid_line, net_dev = res.stdout.split("\n", 1)
-    assert int(uid_line) == layers["uid"]
-    interfaces = [line.split(":")[0].strip() for line in net_dev.splitlines() if ":" in line]
-    if layers["network_namespace"]:
-        assert interfaces == ["lo"]  # no route out even for code that got past the hook
+    assert layers["isolation"] == "bwrap" and layers["seccomp"] and layers["network_namespace"]
+    res = run_python("import os\nprint(os.getuid())\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
+                     "[l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
+                     "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))")
+    assert res.status == "ok", res.stderr
+    uid_line, interfaces, pids = res.stdout.splitlines()
+    if os.geteuid() == 0:
+        assert int(uid_line) in isolation.resolve("bwrap").slot_uids()  # its own uid, not root, not nobody
+    assert interfaces == "['lo']"  # an empty network namespace
+    assert pids == "['1']"  # a fresh /proc: the program is pid 1 of its own namespace, nothing of the host
+
+
+def test_isolation_refuses_without_bwrap(monkeypatch, caplog):
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
+    monkeypatch.setattr(isolation.os.path, "exists", lambda p: False if p == "/usr/bin/bwrap" else os.path.lexists(p))
+    isolation.resolve.cache_clear()
+    ready.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"bubblewrap is missing; install it with `apt-get install bubblewrap`"):
+            CodeExecReward(code_exec_isolation="bwrap")
+        with pytest.raises(ConfigError, match="choose one of bwrap, none"):
+            CodeExecReward(code_exec_isolation="docker")
+        caplog.set_level("WARNING")
+        unsafe = CodeExecReward(code_exec_isolation="none", code_exec_timeout=2)
+        assert "WITHOUT isolation" in caplog.text
+        assert unsafe([fenced("print(int(input()) * 2)")], test_cases=[DOUBLE]) == [1.0]
+    finally:
+        isolation.resolve.cache_clear()
+        ready.cache_clear()
+
+
+def test_refuses_in_one_line_when_bwrap_cannot_build_the_sandbox(monkeypatch):
+    folder = tempfile.mkdtemp(prefix="grpokit-fake-bwrap-")
+    try:
+        os.chmod(folder, 0o755)
+        fake = os.path.join(folder, "bwrap")
+        with open(fake, "w") as f:
+            f.write("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+        os.chmod(fake, 0o755)
+        real = isolation.resolve("bwrap")
+        monkeypatch.setattr(isolation, "resolve", lambda mode="bwrap": dataclasses.replace(real, bwrap=fake))
+        ready.cache_clear()
+        with pytest.raises(ConfigError) as err:
+            CodeExecReward()
+        msg = str(err.value)
+        assert "\n" not in msg and "does not start on this host: bwrap: No permissions" in msg
+        assert "unprivileged user namespaces" in msg
+    finally:
+        ready.cache_clear()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_assert_grading_happens_in_the_parent(reward):
+    tests = "expected = 8191\nassert f(13) == expected\nassert abs(g(1) - 0.25) < 1e-9\nassert h() == 3"
+    liar = ("import builtins\nclass Yes:\n    def __eq__(self, o): return True\n    def __lt__(self, o): return True\n"
+            "builtins.abs = lambda x: Yes()\ndef f(n): return Yes()\ndef g(n): return 7\ndef h(): return 3")
+    right = "def f(n): return 2 ** n - 1\ndef g(n): return 0.25\ndef h(): return 3"
+    assert reward([fenced(liar), fenced(right)], test_cases=[tests, tests]) == pytest.approx([1 / 3, 1.0])
+
+
+def test_api_keys_on_the_command_line_warn(caplog, tmp_path):
+    # issue 17, class 6: a key in argv is readable by every process on the host through /proc/PID/cmdline
+    from grpokit.config.parse import parse_train_args
+    from grpokit.server.cli import options_from_argv
+
+    caplog.set_level("WARNING")
+    with pytest.raises(ConfigError):  # the model folder is missing; the warning comes first
+        parse_train_args(["--model", str(tmp_path / "none"), "--vllm_server_api_key", "k"])
+    assert "--vllm_server_api_key on the command line" in caplog.text and "GRPOKIT_API_KEY" in caplog.text
+    caplog.clear()
+    assert options_from_argv(["--model", "m", "--api_key", "k"]).api_key == "k"
+    assert "--api_key on the command line" in caplog.text
+    caplog.clear()
+    options_from_argv(["--model", "m"])
+    assert "command line" not in caplog.text
+
+
+def test_many_slots_at_once():
+    # 8 threads share the parent's fd table: each run must close exactly its own pipes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpokit.rewards.sandbox import SandboxLimits, run_job
+
+    lim = SandboxLimits(timeout_s=5, memory_mb=128)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: run_job(f"print({i} * 2)", limits=lim).stdout, range(24)))
+    assert outs == [f"{i * 2}\n" for i in range(24)]
+    assert sandbox_processes() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback is for root")
+def test_root_falls_back_when_user_namespaces_are_off(monkeypatch, caplog):
+    from grpokit.rewards import sandbox
+
+    real = sandbox._trial
+    monkeypatch.setattr(sandbox, "_trial", lambda rt: real(rt) if rt.privileged else "bwrap: setting up uid map")
+    sandbox.ready.cache_clear()
+    caplog.set_level("INFO")
+    try:
+        rt = sandbox.ready("bwrap")
+        assert rt.privileged and "bubblewrap runs as root" in caplog.text
+        res = sandbox.run_job("import os\nprint(os.getuid())", rt=rt)
+        assert int(res.stdout) in rt.slot_uids()
+    finally:
+        sandbox.ready.cache_clear()

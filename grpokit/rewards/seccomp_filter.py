@@ -1,0 +1,121 @@
+"""Seccomp filters for the code sandbox, compiled to BPF by libseccomp (through ctypes; no Python binding needed).
+
+Two programs, both deny lists on top of the user/PID/mount/network namespaces that bubblewrap sets up:
+
+- ``main_filter()`` goes to ``bwrap --seccomp FD`` and holds from the interpreter's first instruction: no process
+  creation other than threads, no sockets but AF_UNIX, no ptrace/namespace/mount/kernel-module/BPF/io_uring calls.
+- ``exec_filter()`` refuses ``execve``/``execveat``. It cannot go to bwrap (bwrap must still exec the
+  interpreter), so the sandbox harness loads it with ``prctl`` before the untrusted code is even read.
+
+Refused calls kill the whole process (SIGSYS, reported as status "blocked"); ``clone3`` fails with ENOSYS instead,
+so that glibc falls back to ``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386)
+hit libseccomp's bad-architecture action, which kills too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import functools
+import os
+import tempfile
+
+KILL_PROCESS = 0x80000000
+ALLOW = 0x7FFF0000
+_CMP_NE = 1
+_CMP_MASKED_EQ = 7
+_CLONE_THREAD = 0x00010000
+_AF_UNIX = 1
+
+# calls a sandboxed program never needs; each one kills it
+_DENIED = (
+    "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
+    "fsmount", "fsconfig", "fspick", "mount_setattr", "bpf", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key", "request_key",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "syslog", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
+    "sethostname", "setdomainname", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
+)  # fmt: skip
+_EXEC = ("execve", "execveat")
+
+
+class SeccompUnavailable(OSError):
+    """libseccomp could not be loaded or refused a rule."""
+
+
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL:
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise SeccompUnavailable(f"libseccomp not found ({exc}); install it with `apt-get install libseccomp2`")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCmp)]  # fmt: skip
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def _errno_action(code: int) -> int:
+    return 0x00050000 | (code & 0xFFFF)
+
+
+class _Filter:
+    def __init__(self) -> None:
+        self.lib = _lib()
+        self.ctx = self.lib.seccomp_init(ALLOW)
+        if not self.ctx:
+            raise SeccompUnavailable("seccomp_init failed")
+
+    def rule(self, action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+        nr = self.lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:  # not a call on this architecture (e.g. fork on aarch64): nothing to refuse
+            return
+        arr = (_ArgCmp * max(1, len(cmps)))(*[_ArgCmp(*c) for c in cmps])
+        rc = self.lib.seccomp_rule_add_array(self.ctx, action, nr, len(cmps), arr)
+        if rc < 0:
+            raise SeccompUnavailable(f"libseccomp refused the rule for {name}: {os.strerror(-rc)}")
+
+    def export(self) -> bytes:
+        with tempfile.TemporaryFile() as f:
+            rc = self.lib.seccomp_export_bpf(self.ctx, f.fileno())
+            if rc < 0:
+                raise SeccompUnavailable(f"seccomp_export_bpf failed: {os.strerror(-rc)}")
+            f.seek(0)
+            return f.read()
+
+    def __del__(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.seccomp_release(self.ctx)
+
+
+@functools.lru_cache(maxsize=1)
+def main_filter() -> bytes:
+    """BPF for ``bwrap --seccomp``: everything but exec (see the module docstring)."""
+    f = _Filter()
+    for name in _DENIED:
+        f.rule(KILL_PROCESS, name)
+    f.rule(KILL_PROCESS, "clone", (0, _CMP_MASKED_EQ, _CLONE_THREAD, 0))  # a new process, not a thread
+    f.rule(_errno_action(errno.ENOSYS), "clone3")
+    for call in ("socket", "socketpair"):
+        f.rule(KILL_PROCESS, call, (0, _CMP_NE, _AF_UNIX, 0))
+    return f.export()
+
+
+@functools.lru_cache(maxsize=1)
+def exec_filter() -> bytes:
+    """BPF that refuses starting a new program; loaded by the harness inside the sandbox."""
+    f = _Filter()
+    for name in _EXEC:
+        f.rule(KILL_PROCESS, name)
+    return f.export()

@@ -1,0 +1,199 @@
+"""Hostile programs for the code_exec red-team suite (test_sandbox_redteam.py), one list per issue-17 class.
+
+Each program is a *wrong* solution (``f`` returns 0; the right one is 2**n - 1) that first tries something
+hostile. Placeholders: {HOST} a host directory (mode 777) that nothing may write to, {PORT} a TCP listener on
+127.0.0.1, {UNIX} a unix socket path on the host, {ABSTRACT} an abstract unix socket name, {SECRET} never appears
+here: class 6 programs search for it and print what they find.
+"""
+
+WRONG = "\ndef f(n):\n    return 0\n"
+
+# switches the audit hook off: the kernel layers must hold without it
+NO_HOOK = """
+import gc
+for _o in gc.get_objects():
+    if getattr(_o, "__name__", None) == "_hook" and hasattr(_o, "__code__"):
+        _o.__code__ = (lambda event, args: None).__code__
+"""
+LIBC = NO_HOOK + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+PROCESS = {  # 1. process creation by every route
+    "os_system": "import os\nos.system('touch {HOST}/p1')",
+    "subprocess_run": "import subprocess\nsubprocess.run(['sh', '-c', 'touch {HOST}/p2'])",
+    "posixsubprocess_builtin_no_import_event": (
+        "import _imp, importlib.machinery as m, sys\n"
+        "ps = _imp.create_builtin(m.ModuleSpec('_posixsubprocess', None)) if '_posixsubprocess' in "
+        "sys.builtin_module_names else None\nsys.modules['_posixsubprocess'] = ps\n"
+        "import subprocess\nsubprocess.run(['touch', '{HOST}/p3'])"),
+    "posix_spawn": "import os\nos.posix_spawn('/bin/sh', ['sh', '-c', 'touch {HOST}/p4'], {{}})",
+    "fork_exec": "import os\nif os.fork() == 0:\n    os.execv('/bin/sh', ['sh', '-c', 'touch {HOST}/p5'])",
+    "pty_fork": "import pty, os\npid, fd = pty.fork()\nif pid == 0:\n    os.execv('/bin/touch', ['touch', '{HOST}/p6'])",
+    "multiprocessing": "import multiprocessing as mp\nmp.Process(target=open, args=('{HOST}/p7', 'w')).start()",
+    "execv_self": "import os\nos.execv('/bin/sh', ['sh', '-c', 'touch {HOST}/p8'])",
+    "spawnv": "import os\nos.spawnv(os.P_NOWAIT, '/bin/touch', ['touch', '{HOST}/p9'])",
+    "forkpty": "import os\npid, fd = os.forkpty()\nif pid == 0:\n    os.execv('/bin/touch', ['touch', '{HOST}/p10'])",
+    "fork_bomb": "import os\nwhile True:\n    os.fork()",
+    "os_system_no_hook": NO_HOOK + "import os\nos.system('touch {HOST}/p11')",
+    "fork_no_hook": NO_HOOK + "import os\nif os.fork() == 0:\n    open('{HOST}/p12', 'w')",
+    "posix_spawn_no_hook": NO_HOOK + "import os\nos.posix_spawn('/bin/touch', ['touch', '{HOST}/p13'], {{}})",
+    "subprocess_no_hook": NO_HOOK + "import subprocess\nsubprocess.run(['/bin/touch', '{HOST}/p14'])",
+    "thread_bomb": "import threading, time\nfor _ in range(10000):\n    threading.Thread(target=time.sleep, args=(5,)).start()",
+}
+
+NO_AUDIT_HOOK = {  # 2. the audit hook switched off from inside, then the real thing
+    "code_object_then_shell": NO_HOOK + "import subprocess\nsubprocess.run(['sh', '-c', 'touch {HOST}/h1'])",
+    "closure_state_cleared": (
+        "import gc\nfor o in gc.get_objects():\n    if getattr(o, '__name__', None) == '_hook':\n"
+        "        g = o.__globals__\n        g['_PROCESS_EVENTS'].clear(); g['_NAME_EVENTS'].clear()\n"
+        "        g['_BLOCKED_MODULES'].clear()\nimport subprocess\nsubprocess.run(['touch', '{HOST}/h2'])"),
+    "monkeypatched_helper": (
+        "import gc\nfor o in gc.get_objects():\n    if getattr(o, '__name__', None) == '_hook':\n"
+        "        o.__globals__['_report'] = lambda obj: None\n        o.__globals__['_PROCESS_EVENTS'] = set()\n"
+        "import os\nos.system('touch {HOST}/h3')"),
+    "ctypes_system": LIBC + "libc.system(b'touch {HOST}/h4')",
+    "ctypes_fork_syscall": LIBC + "if libc.syscall(57) == 0:\n    libc.execv(b'/bin/touch', None)",
+    "ctypes_clone_sigchld": LIBC + "libc.syscall(56, 17, 0, 0, 0, 0)\nopen('{HOST}/h6', 'w')",
+    "ctypes_execve": LIBC + "libc.execve(b'/bin/touch', (ctypes.c_char_p * 3)(b'touch', b'{HOST}/h7', None), None)",
+    "ctypes_unshare_user": LIBC + "print(libc.unshare(0x10000000 | 0x00020000))",
+    "ctypes_ptrace_init": LIBC + "print(libc.ptrace(16, 1, 0, 0))",
+    "ctypes_segfault": LIBC + "ctypes.string_at(0)",
+    "x32_abi_fork": LIBC + "import os\nif libc.syscall(0x40000000 | 57) == 0:\n    open('{HOST}/h8', 'w')",
+    "i386_abi_fork": LIBC + "import mmap\nm = mmap.mmap(-1, 4096, prot=7)\n"
+                            "m.write(bytes([0xb8, 2, 0, 0, 0, 0xcd, 0x80, 0xc3]))  # mov eax, 2; int 0x80; ret\n"
+                            "if ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(m)))() == 0:\n"
+                            "    open('{HOST}/h9', 'w')",
+}
+
+WRITES = {  # 3. writes outside the work dir
+    "plain_open": "import os\nos.makedirs('{HOST}', exist_ok=True)\nopen('{HOST}/w1', 'w').write('x')",
+    "dir_fd_open": "import os\nfd = os.open('/', os.O_RDONLY)\nos.makedirs('{HOST}', exist_ok=True)\n"
+                   "os.close(os.open('{HOST}'[1:] + '/w2', os.O_CREAT | os.O_WRONLY, dir_fd=fd))\n"
+                   "os.close(os.open('etc/grpokit-w2', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
+    "rename_dir_fds": "import os\nopen('w3', 'w').write('x')\nsrc = os.open('.', os.O_RDONLY)\n"
+                      "dst = os.open('/etc', os.O_RDONLY)\nos.rename('w3', 'grpokit-w3', src_dir_fd=src, dst_dir_fd=dst)",
+    "symlink_race": (
+        "import os, threading\nstop = False\ndef flip():\n    while not stop:\n"
+        "        for t in ('/etc/grpokit-w4', 'ok'):\n            try:\n                os.remove('l')\n"
+        "            except OSError:\n                pass\n            os.symlink(t, 'l')\n"
+        "threading.Thread(target=flip).start()\nfor _ in range(3000):\n    try:\n"
+        "        open('l', 'w').write('x')\n    except OSError:\n        pass\nstop = True"),
+    "proc_root_traversal": "open('/proc/1/root/../../..{HOST}/w5', 'w').write('x')",
+    "usr_and_etc": "for p in ('/usr/grpokit-w6', '/etc/grpokit-w6', '/grpokit-w6'):\n    try:\n"
+                   "        open(p, 'w').write('x')\n    except OSError as e:\n        print(p, e)",
+    "dev_shm_and_dev": "for p in ('/dev/shm/grpokit-w7', '/dev/grpokit-w7'):\n    try:\n"
+                       "        open(p, 'w').write('x')\n    except OSError as e:\n        print(p, e)",
+    "ctypes_mount_tmpfs": LIBC + "print(libc.mount(b'none', b'/usr', b'tmpfs', 0, None))\n"
+                                 "open('/usr/grpokit-w8', 'w').write('x')",
+    "chmod_system_file": "import os\nos.chmod('/usr/bin', 0o777)",
+    "hardlink_interpreter": "import os, sys\nos.link(sys.executable, 'py')\nopen('py', 'ab').write(b'x')",
+}
+
+SURVIVORS = {  # 4. processes that outlive the call or hurt batch-mates
+    "setsid_double_fork": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+                          "        time.sleep(1.5)\n        open('{HOST}/s1', 'w')",
+    "setsid_double_fork_no_hook": NO_HOOK + "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+                                  "    if os.fork() == 0:\n        time.sleep(1.5)\n        open('{HOST}/s1b', 'w')",
+    "lingering_thread": "import threading, time\nthreading.Thread(target=lambda: (time.sleep(1.5), "
+                        "open('{HOST}/s2', 'w'))).start()",
+    "ignores_signals_and_loops": "import signal\nfor s in (signal.SIGTERM, signal.SIGXCPU, signal.SIGINT):\n"
+                                 "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass",
+    "kill_everyone": "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print(e)",
+    "kill_visible_pids": "import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) != os.getpid():\n"
+                         "        os.kill(int(p), signal.SIGKILL)\nprint(sorted(os.listdir('/proc')))",
+    "rewrite_siblings": "import glob\nfor d in glob.glob('/tmp/*') + glob.glob('/proc/*/root/tmp/*'):\n    try:\n"
+                        "        open(d + '/tests.py', 'w').write('assert True')\n    except OSError:\n        pass",
+    "sleep_past_deadline": "import atexit, time\natexit.register(time.sleep, 30)\ntime.sleep(30)",
+    "setsid_then_loop": "import os\nos.setsid()\nwhile True:\n    pass",
+    "close_outputs_and_linger": "import os, time\nfor fd in range(64):\n    try:\n        os.close(fd)\n"
+                                "    except OSError:\n        pass\ntime.sleep(30)",
+}
+
+UNIX_SOCKETS = {  # 5. host unix sockets by path, abstract sockets, and the network
+    "unix_path": "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('{UNIX}')",
+    "unix_abstract": "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('\\0{ABSTRACT}')",
+    "unix_path_no_hook": NO_HOOK + "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('{UNIX}')",
+    "well_known_sockets": "import socket, glob\nfor p in glob.glob('/run/**', recursive=True) + "
+                          "glob.glob('/var/run/**', recursive=True) + ['/var/run/docker.sock']:\n"
+                          "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(p)\n        print('connected', p)\n"
+                          "    except OSError:\n        pass",
+    "tcp_loopback": "import socket\nsocket.create_connection(('127.0.0.1', {PORT}), timeout=1)",
+    "tcp_loopback_no_hook": NO_HOOK + "import socket\nsocket.create_connection(('127.0.0.1', {PORT}), timeout=1)",
+    "tcp6_loopback": NO_HOOK + "import socket\nsocket.create_connection(('::1', {PORT}), timeout=1)",
+    "netlink": NO_HOOK + "import socket\nsocket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)",
+    "inherited_fds": "import os, socket\nfor fd in map(int, os.listdir('/proc/self/fd')):\n    try:\n"
+                     "        socket.socket(fileno=fd).connect(('127.0.0.1', {PORT}))\n    except Exception:\n        pass",
+}
+
+SECRETS = {  # 6. secrets of other processes (each prints whatever it finds)
+    "proc_cmdlines": "import os\nfor p in os.listdir('/proc'):\n    try:\n"
+                     "        print(open(f'/proc/{{p}}/cmdline', 'rb').read())\n    except OSError:\n        pass",
+    "proc_environs": "import os\nfor p in os.listdir('/proc'):\n    try:\n"
+                     "        print(open(f'/proc/{{p}}/environ', 'rb').read())\n    except OSError:\n        pass",
+    "own_environment": "import os\nprint(dict(os.environ))",
+    "host_home_and_work": "import os\nfor d in ('/root', '/home', '/work', '/tmp', '/run', '/var'):\n    try:\n"
+                          "        print(d, os.listdir(d))\n    except OSError as e:\n        print(d, e)",
+    "parent_memory": "import os\nfor p in ('/proc/1/mem', '/proc/1/environ', '/proc/self/environ'):\n    try:\n"
+                     "        print(p, open(p, 'rb').read(4096))\n    except OSError as e:\n        print(p, e)",
+}
+
+SPOOF = {  # 7. wrong code that tries to make the grader say "pass" (no ``WRONG`` appended: each defines f)
+    "always_equal": "class Yes:\n    def __eq__(self, o): return True\n    def __lt__(self, o): return True\n"
+                    "def f(n):\n    return Yes()",
+    "int_subclass": "class Yes(int):\n    def __eq__(self, o): return True\n    __hash__ = int.__hash__\n"
+                    "def f(n):\n    return Yes(0)",
+    "rebind_builtins": "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.isinstance = lambda *a: True\n"
+                       "builtins.type = lambda *a: int\ndef f(n):\n    return 0",
+    "read_tests_file": "import glob, os\nprint(glob.glob('/tmp/**', recursive=True), os.listdir('.'))\n"
+                       "def f(n):\n    return int(open('tests.py').read().split('==')[1].split()[0])",
+    "gc_find_job": "import gc\njob = [o for o in gc.get_objects() if isinstance(o, dict) and 'steps' in o]\n"
+                   "EXP = [int(t) for j in job for k, s in (j['steps'] or []) for t in s.replace(')', ' ').split() "
+                   "if t.isdigit()]\ndef f(n):\n    return max(EXP or [0])",
+    "gc_scan_strings": "import gc, re\nNUMS = [int(t) for o in gc.get_objects() if isinstance(o, (list, dict, tuple)) "
+                       "for x in (o.values() if isinstance(o, dict) else o) if isinstance(x, str) "
+                       "for t in re.findall(r'\\d{{3,6}}', x)]\ndef f(n):\n    return max(NUMS or [0])",
+    # forged reports on every fd: values the parent must not take as a pass (forging a plain 8191 would just be
+    # returning the right answer, which is not a spoof)
+    "forge_report_lines": "import os\nFAKE = ['{{\"__t\": \"eq\", \"v\": 1}}', '{{\"__t\": \"int\", \"v\": 8191}}', "
+                          "'NaN', '[8191]', '\"8191\"', '{{\"__t\": \"tuple\", \"v\": 8191}}']\n"
+                          "for fd in range(3, 64):\n    for k in range(8):\n        for v in FAKE:\n            try:\n"
+                          "                os.write(fd, ('{{\"k\": %d, \"v\": %s}}\\n' % (k, v)).encode())\n"
+                          "                os.write(fd, ('{{\"k\": %d, \"ok\": true}}\\n' % k).encode())\n"
+                          "            except OSError:\n                pass\ndef f(n):\n    return 0",
+    "fake_json_stdout": "for k in range(8):\n    print('{{\"k\": %d, \"v\": 8191}}' % k)\nprint('{{\"exit\": 0}}')\n"
+                        "def f(n):\n    return 0",
+    "exit_before_tests": "import os\nos._exit(0)\ndef f(n):\n    return 8191",
+    "patch_json_dumps": "import json\njson.dumps = lambda *a, **k: '{{\"k\": 0, \"v\": {{\"__t\": \"eq\", \"v\": 1}}}}'\n"
+                        "def f(n):\n    return 0",
+    "patch_encoder": "import gc\nclass Yes(int):\n    def __eq__(self, o): return True\n    __hash__ = int.__hash__\n"
+                     "for o in gc.get_objects():\n    if getattr(o, '__name__', None) == 'encode' and "
+                     "'_TAGGED' in getattr(o, '__globals__', {{}}):\n"
+                     "        o.__code__ = (lambda value, depth=0: value).__code__\ndef f(n):\n    return Yes(0)",
+    "nan_and_exit": "import sys\ndef f(n):\n    if n == 1:\n        sys.exit(0)\n    return float('nan')",
+}
+
+DISK = {  # 8. total disk use
+    "many_files": "n = 0\ntry:\n    for i in range(100):\n        open(f'big{{i}}', 'wb').write(b'x' * (8 << 20))\n"
+                  "        n += 8 << 20\nexcept OSError as e:\n    print(e)\nprint('WROTE', n)",
+    "one_huge_file": "open('huge', 'wb').write(b'x' * (200 << 20))",
+    "dev_shm_fill": "try:\n    open('/dev/shm/x', 'wb').write(b'x' * (100 << 20))\nexcept OSError as e:\n    print(e)",
+    "fast_small_files": "import os\ntry:\n    for i in range(100000):\n        with open(f's{{i}}', 'wb') as fh:\n"
+                        "            fh.write(os.urandom(4096))\nexcept OSError as e:\n    print(e)",
+}
+
+ALREADY_HELD = {  # what the old sandbox already stopped; kept so that it stays stopped
+    "infinite_loop": "while True:\n    pass",
+    "memory_bomb": "a = []\nwhile True:\n    a.append(' ' * 10**6)",
+    "output_flood": "while True:\n    print('x' * 10000)",
+    "deep_recursion": "import sys\nsys.setrecursionlimit(10**6)\ndef r(n):\n    return r(n + 1)\nr(0)",
+    "stdin_read": "import sys\nprint(sys.stdin.read())",
+}
+
+CLASSES = {
+    "1_process_creation": PROCESS, "2_audit_hook_off": NO_AUDIT_HOOK, "3_writes_outside": WRITES,
+    "4_survivors": SURVIVORS, "5_unix_sockets_network": UNIX_SOCKETS, "6_secrets": SECRETS,
+    "7_spoofed_results": SPOOF, "8_disk": DISK, "0_already_held": ALREADY_HELD,
+}  # fmt: skip
+
+
+def render(code: str, **values: str) -> str:
+    return code.format(**values)
