@@ -27,6 +27,7 @@ from grpokit.server.weight_sync import RendezvousBusy
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does
+PEER_FAILED = 424  # Failed Dependency: the weight-sync peer (the trainer's store or group) failed, not this server
 
 
 def create_app(state: ServerState) -> ErrorMiddleware:
@@ -133,9 +134,9 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         try:
             await asyncio.to_thread(state.receiver.open, body, device)
         except RendezvousBusy as e:
-            raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from e
-        except GrpokitError as e:
-            raise HTTPException(504, str(e)) from e
+            raise HTTPException(429, str(e), headers={"Retry-After": "5"}) from e
+        except GrpokitError as e:  # the store the body names did not answer, or refused
+            raise HTTPException(PEER_FAILED, str(e)) from e
         return {"ok": True, "group": body.group, "timeout_s": state.receiver.timeout_for(body)}
 
     @app.post("/update_weights/")
@@ -158,8 +159,9 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
         try:
             loaded = await asyncio.to_thread(receive)
-        except GrpokitError as e:
-            raise HTTPException(500, f"{e}; the weight-sync group is closed, the trainer re-creates it") from e
+        except GrpokitError as e:  # the trainer's end of the group failed or went away
+            raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") \
+                from e
         state.weight_version += 1
         return {"ok": True, "loaded": loaded, "weight_version": state.weight_version}
 
