@@ -213,8 +213,9 @@ class GrammarLogitsProcessor:
         m = self.matchers[row]
         mask = m.compute_bitmask()
         if m.is_error():
-            raise ConfigError(f"structured outputs: the grammar failed while sampling "
-                              f"({_first_error_line(m.get_error())}); simplify the regex or schema")
+            raise ConfigError(f"structured outputs: the grammar allows no continuation here (llguidance: "
+                              f"{_first_error_line(m.get_error())}); check that the regex or schema matches text "
+                              "this model's tokens can spell")
         return mask
 
     def _consume(self, row: int, token: int) -> None:
