@@ -45,6 +45,7 @@ class TransformersEngine(InferEngine):
         self._fallback_reasons: set[str] = set()
         self._stop_criteria: OrderedDict[tuple[str, ...], object] = OrderedDict()
         self.max_model_len: int | None = None  # set (rollout server): prompt + max_tokens must fit, else ConfigError
+        self.max_prefill_bytes: int | None = None  # set (rollout server): bounds one generate call's prefill
         self._max_token_chars: int | None = None
 
     # ------------------------------------------------------------------------------------------------------
@@ -56,8 +57,7 @@ class TransformersEngine(InferEngine):
         events = self.cancel_events(requests)
         flat_events = None if events is None else [e for e in events for _ in range(config.n)]
         choices: list[ChatCompletionResponseChoice] = []
-        for start in range(0, len(flat), self.max_batch_size):
-            stop = slice(start, start + self.max_batch_size)
+        for stop in self._chunks(flat):
             choices.extend(self._generate(flat[stop], config, None if flat_events is None else flat_events[stop]))
         out = []
         for i, p in enumerate(prompts):
@@ -66,6 +66,27 @@ class TransformersEngine(InferEngine):
                 c.index = k
             out.append(ChatCompletionResponse(choices=group, prompt_token_ids=p))
         return out
+
+    def _chunks(self, flat: list[list[int]]):
+        """Slices of rows for one generate call each: at most ``max_batch_size`` rows and, with
+        ``max_prefill_bytes`` set, a prefill whose attention (distinct prompts × width² cells, each a float32
+        score per head plus a mask byte, as CPU attention materialises them) fits in it. A row alone always runs."""
+        if self.max_prefill_bytes is None:
+            yield from (slice(i, i + self.max_batch_size) for i in range(0, len(flat), self.max_batch_size))
+            return
+        cell = 4 * getattr(self.model.config, "num_attention_heads", 1) + 1
+        start = 0
+        while start < len(flat):
+            end, distinct, width = start, set(), 0
+            while end < len(flat) and end - start < self.max_batch_size:
+                key, new_width = tuple(flat[end]), max(width, len(flat[end]))
+                count = len(distinct) + (key not in distinct)
+                if end > start and count * new_width * new_width * cell > self.max_prefill_bytes:
+                    break
+                distinct.add(key)
+                width, end = new_width, end + 1
+            yield slice(start, end)
+            start = end
 
     def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
         """Per request, a ``threading.Event`` set when its caller gave up (its rows stop at the next token), or

@@ -45,6 +45,9 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help="sequences per generate() call (vllm: max_num_seqs)")
     p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
                    help="transformers engine: grpokit's decode loop for Llama/Qwen2/Qwen3 (false: HF generate)")
+    p.add_argument("--max_prefill_mb", type=float, default=128.0,
+                   help="transformers engine: a batch is split so that one call's prefill attention (CPU: a float32 "
+                        "score per head per prompt-token pair) stays below this")
     p.add_argument("--max_weight_bucket_mb", type=float, default=1024.0,
                    help="largest weight-sync bucket of several tensors the trainer may announce (more: 422)")
     p.add_argument("--max_sync_timeout_s", type=float, default=300.0,
@@ -132,6 +135,7 @@ def options_from_argv(argv: list[str]):
                           "--engine transformers")
     return ServerOptions(model=a.model, host=a.host, port=a.port, engine=engine, **vllm,
                          max_weight_bucket_mb=a.max_weight_bucket_mb, max_sync_timeout_s=a.max_sync_timeout_s,
+                         max_prefill_mb=a.max_prefill_mb,
                          multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,

@@ -52,8 +52,10 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
     """``TransformersEngine`` on a model of its own. ``lock`` keeps sampling and weight loading apart, so that no
     ``generate`` call ever sees half-updated weights."""
 
-    def __init__(self, model, template, max_batch_size: int = 256, max_model_len: int | None = None) -> None:
+    def __init__(self, model, template, max_batch_size: int = 256, max_model_len: int | None = None,
+                 max_prefill_mb: float = 128.0) -> None:
         super().__init__(model, template, max_batch_size=max_batch_size)
+        self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
         self._init_cancel()
         self.lock = threading.Lock()
         model.requires_grad_(False).eval()
@@ -113,9 +115,10 @@ def model_context(model, limit: int | None) -> int:
 
 
 def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
-                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None):
-    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``: transformers only;
-    ``vllm``: further ``VllmSettings`` fields)."""
+                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None,
+                        max_prefill_mb: float = 128.0):
+    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
+    transformers only; ``vllm``: further ``VllmSettings`` fields)."""
     if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
         from grpokit.server.vllm_served import ServedVllmEngine
 
@@ -132,7 +135,7 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size,
-                                      max_model_len=max_model_len)
+                                      max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
     served.fast_decode = fast_decode
     return served
 

@@ -30,6 +30,7 @@ class ServerOptions:
     torch_dtype: str = "auto"
     max_batch_size: int = 256
     fast_decode: bool = True  # transformers engine: grpokit's decode loop where the model allows it
+    max_prefill_mb: float = 128.0  # transformers engine: attention memory of one generate call's prefill
     max_weight_bucket_mb: float = 1024.0  # largest weight-sync bucket holding several tensors
     max_sync_timeout_s: float = 300.0  # caps the timeout_s of /init_communicator/ (rendezvous, each broadcast)
     # swift rollout's vLLM options, same names; max_model_len also bounds the transformers engine's context
@@ -65,6 +66,8 @@ class ServerOptions:
                                   "multi-turn trajectories)")
 
     def _check_limits(self) -> None:
+        if self.max_prefill_mb <= 0:
+            raise ConfigError(f"--max_prefill_mb {self.max_prefill_mb}: must be positive")
         if self.max_weight_bucket_mb <= 0:
             raise ConfigError(f"--max_weight_bucket_mb {self.max_weight_bucket_mb}: must be positive")
         if not 0 < self.max_sync_timeout_s <= MAX_SYNC_TIMEOUT_S:
@@ -91,6 +94,9 @@ class ServerOptions:
                               "concurrent trajectories for the in-process engine itself")
         if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: must be in (0, 1]")
+        if self.engine == "vllm" and self.max_prefill_mb != 128.0:
+            raise ConfigError(f"--max_prefill_mb {self.max_prefill_mb} applies to --engine transformers only (vLLM "
+                              "schedules its own prefill)")
         if self.engine != "vllm":
             used = [flag for flag, on in (("--vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization
                                            is not None),
@@ -181,5 +187,6 @@ def build_state(options: ServerOptions) -> ServerState:
                           "model folder)")
     load_plugins(options.external_plugins)
     engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size,
-                                 options.fast_decode, options.vllm_max_model_len, options.vllm_settings())
+                                 options.fast_decode, options.vllm_max_model_len, options.vllm_settings(),
+                                 options.max_prefill_mb)
     return ServerState(options, engine, build_scheduler(options, engine))

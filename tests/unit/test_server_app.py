@@ -205,3 +205,20 @@ def test_buckets_of_several_tensors_are_capped():
     assert resp.status_code == 422 and "exceeds --max_weight_bucket_mb" in resp.json()["error"]
     alone = {"nbytes": 8, "tensors": [_meta()]}  # one tensor may exceed the cap (its shape bounds it)
     assert client.post("/update_weights/", json={"buckets": [alone], "dry_run": True}).status_code == 200
+
+
+def test_a_batch_is_split_so_that_its_prefill_fits_the_budget():
+    from types import SimpleNamespace
+
+    from grpokit.engines.transformers_engine import TransformersEngine
+
+    engine = SimpleNamespace(max_batch_size=4, max_prefill_bytes=None,
+                             model=SimpleNamespace(config=SimpleNamespace(num_attention_heads=1)))
+    flat = [[1] * 10] * 3 + [[2] * 10, [3] * 10, [4] * 20]
+
+    def chunks() -> list[tuple[int, int]]:
+        return [(c.start, min(c.stop, len(flat))) for c in TransformersEngine._chunks(engine, flat)]
+
+    assert chunks() == [(0, 4), (4, 6)]  # max_batch_size only
+    engine.max_prefill_bytes = 2 * 10 * 10 * 5  # two distinct 10-token prompts (5 bytes a cell with one head)
+    assert chunks() == [(0, 4), (4, 5), (5, 6)]  # copies of a prompt count once; a row alone always runs

@@ -96,8 +96,8 @@ def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypa
     assert finished.wait(1.0), "the engine was still generating 1 s after the client disconnected"
     assert probe.steps < 900
     monkeypatch.setattr(engine, "infer", original)
-    short = httpx.post(url + "/infer/", timeout=10, json={"requests": [{"messages": [{"role": "user", "content": "hi"}]}],
-                                                          "request_config": {"max_tokens": 2}})
+    body = {"requests": [{"messages": [{"role": "user", "content": "hi"}]}], "request_config": {"max_tokens": 2}}
+    short = httpx.post(url + "/infer/", timeout=10, json=body)
     assert short.status_code == 200 and len(short.json()) == 1
     assert state.inflight == 0 and not engine._cancel
 
