@@ -77,9 +77,12 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
 
 
 def vllm_installed() -> bool:
+    """The vllm package is installed (without importing it: that takes seconds). A folder named vllm on the path
+    (e.g. tests/vllm under pytest) is a namespace package without an origin, not vLLM."""
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def default_engine() -> str:

@@ -127,3 +127,17 @@ def test_engine_defaults_to_vllm_when_installed_and_a_missing_vllm_is_one_line(m
     with pytest.raises(ConfigError, match="vllm package is not installed") as e:
         options_from_argv(["--model", "m", "--engine", "vllm"])
     assert "\n" not in str(e.value)
+
+
+def test_a_folder_named_vllm_is_not_an_installed_vllm(tmp_path, monkeypatch):
+    import importlib.util
+
+    from grpokit.server.cli import vllm_installed
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:
+        pytest.skip("vllm is installed here")
+    (tmp_path / "vllm").mkdir()  # what pytest's rootdir puts on the path: tests/vllm
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not vllm_installed()
+    assert options_from_argv(["--model", "m"]).engine == "transformers"
