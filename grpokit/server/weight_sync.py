@@ -8,6 +8,10 @@ One sync = one ``POST /update_weights/`` per server carrying every bucket's meta
 byte offsets), then one broadcast per bucket of a flat ``uint8`` tensor of at most ``weight_sync_bucket_mb``
 (a single tensor larger than that travels alone). Each tensor starts at a 16-byte aligned offset so that the
 receiver can view the bytes as the tensor's dtype without a copy, then ``param.data.copy_`` it in place.
+
+The metadata is validated whole before any broadcast (``bodies.py`` and the served engine's ``check_weights``).
+The receiver's rendezvous runs in a thread of its own under a server-side deadline (c10d can wait forever on a
+store that accepts and never answers), and its lock covers only the swap of a finished group.
 """
 
 from __future__ import annotations
