@@ -41,11 +41,15 @@ MAX_SCHEMA_CHARS = 65536
 MAX_MESSAGES = 4096
 MAX_ROLE_CHARS = 64
 MAX_ID_CHARS = 256
+MAX_JSON_DEPTH = 32  # nesting of free-form values (message fields, data_dict)
 
 
-def check_utf8(value: Any, where: str) -> None:
+def check_utf8(value: Any, where: str, depth: int = 0) -> None:
     """ValueError naming ``where`` when a string inside ``value`` cannot be UTF-8 (a lone surrogate from a JSON
-    ``\\ud800`` escape): no tokenizer and no JSON answer can carry it."""
+    ``\\ud800`` escape: no tokenizer and no JSON answer can carry it), or when ``value`` nests deeper than
+    ``MAX_JSON_DEPTH`` (the answer that echoes it could not be serialised)."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -54,11 +58,11 @@ def check_utf8(value: Any, where: str) -> None:
                              "valid Unicode text") from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            check_utf8(k, where)
-            check_utf8(v, f"{where}.{k}")
+            check_utf8(k, where, depth + 1)
+            check_utf8(v, f"{where}.{k}", depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            check_utf8(v, f"{where}[{i}]")
+            check_utf8(v, f"{where}[{i}]", depth + 1)
 
 
 Text = Annotated[str, AfterValidator(lambda s: (check_utf8(s, "text"), s)[1])]

@@ -104,6 +104,8 @@ CASES = [
     (3, "NUL in the host", "/init_communicator/", {**INIT, "host": "127.0.0.1\u0000x"}, 422, "host"),
     (3, "timeout_s 1e300", "/init_communicator/", {**INIT, "timeout_s": 1e300}, 422, "timeout_s"),
     (3, "rank outside the world", "/init_communicator/", {**INIT, "rank": 5}, 422, "below world_size"),
+    (3, "message field nested 500 deep", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "x",'
+                                                    b' "x": ' + b"[" * 500 + b"]" * 500 + b"}]}]}", 422, "nested"),
     (4, "unknown path", "/nope/", {}, 404, "Not Found"),
     (4, "JSON nested 100k deep", "/infer/", b"[" * 100_000 + b"]" * 100_000, 400, "parsing the body"),
     (4, "truncated JSON", "/infer/", b'{"requests": [', 422, "not valid JSON"),

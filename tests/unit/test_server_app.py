@@ -99,6 +99,8 @@ def test_engine_type_reports_the_server_setup(client):
     (b'{"requests": [{"messages": [{"role": "user", "content": "\\ud800"}]}]}', 422, "lone UTF-16 surrogate"),
     (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
      b'"request_config": {"structured_outputs_json": "/etc/passwd"}}', 422, "file paths are read only"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x", "extra": ' + b"[" * 500 + b"]" * 500 + b'}]}]}',
+     422, "nested deeper than 32 levels"),
 ])
 def test_bad_bodies_get_a_4xx_with_a_message_and_the_server_keeps_serving(client, payload, status, words):
     resp = client.post("/infer/", content=payload, headers={"Content-Type": "application/json"})
