@@ -7,12 +7,14 @@ thing on both. Regexes use Rust ``regex`` syntax (no look-around, no back-refere
 whitespace between tokens), as with vLLM's ``disable_any_whitespace``.
 
 A constraint is checked before any sampling: an invalid regex or schema raises ``ConfigError`` (``grpokit train``
-fails at start-up; the rollout server answers 400).
+fails at start-up; the rollout server answers 400). A schema is read from a file only by ``load_json_schema``, which
+``grpokit train`` calls on its own option; a request carries the schema itself, and errors never repeat it.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +25,7 @@ from grpokit.errors import ConfigError, RolloutError
 
 # JSON compiled without free whitespace: a model cannot pad a completion with blanks until max_tokens runs out.
 JSON_OPTIONS = {"whitespace_flexible": False}
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,25 @@ def constraint_of(regex: str | None, schema: dict | str | None) -> Constraint | 
             raise ConfigError("structured_outputs_regex is empty; pass a pattern or leave the option unset")
         return Constraint("regex", regex)
     if schema is not None:
-        return Constraint("json", json.dumps(load_json_schema(schema), sort_keys=True))
+        return Constraint("json", json.dumps(_schema_object(schema), sort_keys=True))
     return None
+
+
+def _schema_object(value: dict | str) -> dict[str, Any]:
+    """A schema given in a request: a dict or JSON text, never a path (the server does not read its own files)."""
+    if isinstance(value, dict):
+        return value
+    if not value.lstrip().startswith("{"):
+        raise ConfigError("structured_outputs_json: a request carries the JSON schema itself, as a JSON object or "
+                          "JSON text; a file path is read only from grpokit train's --structured_outputs_json")
+    try:
+        schema = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"structured_outputs_json: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
+            from e
+    if not isinstance(schema, dict):
+        raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
+    return schema
 
 
 def constraint_from_config(config) -> Constraint | None:
@@ -113,14 +133,16 @@ def check_constraint(constraint: Constraint, lltokenizer=None) -> None:
     llg = _llguidance()
     try:
         grammar = constraint.grammar()
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise ConfigError(f"{constraint.option}: {_first_error_line(str(e))}") from e
     problem = llg.LLMatcher.validate_grammar(grammar, lltokenizer)
     if problem and not problem.startswith("WARNING"):
-        shown = constraint.text if len(constraint.text) <= 80 else constraint.text[:77] + "..."
+        # a regex is shown (shortened); a schema is not repeated back
+        shown = ("schema" if constraint.kind == "json" else
+                 repr(constraint.text if len(constraint.text) <= 80 else constraint.text[:77] + "..."))
         hint = ("Rust regex syntax: no look-around or back-references" if constraint.kind == "regex"
                 else "a JSON schema (draft 2020-12 subset that llguidance supports)")
-        raise ConfigError(f"{constraint.option} {shown!r}: {_first_error_line(problem)}; expected {hint}")
+        raise ConfigError(f"{constraint.option} {shown}: {_first_error_line(problem)}; expected {hint}")
 
 
 def check_structured_options(regex: str | None, schema: dict | str | None) -> Constraint | None:
@@ -153,7 +175,7 @@ class GrammarLogitsProcessor:
     logprobs are those of the constrained distribution.
     """
 
-    def __init__(self, lltokenizer, grammar: str, prompt_width: int, end_ids: set[int]) -> None:
+    def __init__(self, lltokenizer, grammar: str, prompt_width: int, end_ids: set[int], eos_token_id: int) -> None:
         llg = _llguidance()
         self._llg = llg
         self._root = llg.LLMatcher(lltokenizer, grammar, log_level=0)
@@ -161,6 +183,7 @@ class GrammarLogitsProcessor:
             raise ConfigError(f"structured outputs: {_first_error_line(self._root.get_error())}")
         self.prompt_width = prompt_width
         self.end_ids = end_ids
+        self.eos_token_id = eos_token_id
         self.matchers: list = []
         self.done: list[bool] = []
 
@@ -176,12 +199,24 @@ class GrammarLogitsProcessor:
         rows = [r for r in range(batch) if not self.done[r]]
         if not rows:
             return scores_BV
-        packed = torch.stack([torch.frombuffer(bytearray(self.matchers[r].compute_bitmask()), dtype=torch.uint8)
+        packed = torch.stack([torch.frombuffer(bytearray(self._bitmask(r)), dtype=torch.uint8)
                               for r in rows])  # [R, W]
         allowed_RV = allowed_from_bitmask(packed, scores_BV.shape[1]).to(scores_BV.device)
+        dead = ~allowed_RV.any(dim=1)  # the grammar allows no token here (e.g. the model's vocabulary cannot
+        if bool(dead.any()):  # spell what it needs): end the row instead of sampling from nothing (NaN)
+            allowed_RV[dead, self.eos_token_id] = True
         index = torch.tensor(rows, device=scores_BV.device)
         sub = scores_BV.index_select(0, index).masked_fill(~allowed_RV, float("-inf"))
         return scores_BV.index_copy(0, index, sub)
+
+    def _bitmask(self, row: int) -> bytes:
+        m = self.matchers[row]
+        mask = m.compute_bitmask()
+        if m.is_error():
+            raise ConfigError(f"structured outputs: the grammar allows no continuation here (llguidance: "
+                              f"{_first_error_line(m.get_error())}); check that the regex or schema matches text "
+                              "this model's tokens can spell")
+        return mask
 
     def _consume(self, row: int, token: int) -> None:
         if self.done[row]:
@@ -204,7 +239,7 @@ class StructuredOutputs:
         self.end_ids = {eos_token_id} | ({pad_token_id} if pad_token_id is not None else set())
         self.eos_token_id = eos_token_id
         self._lltokenizer = None
-        self._checked: dict[Constraint, str] = {}  # constraint → compiled grammar
+        self._checked: OrderedDict[Constraint, str] = OrderedDict()  # constraint → compiled grammar (the latest few)
 
     @property
     def lltokenizer(self):
@@ -224,6 +259,10 @@ class StructuredOutputs:
         if grammar is None:
             check_constraint(constraint, self.lltokenizer)
             grammar = self._checked[constraint] = constraint.grammar()
+            while len(self._checked) > GRAMMAR_CACHE_SIZE:  # requests may each carry a new one: keep memory bounded
+                self._checked.popitem(last=False)
+        else:
+            self._checked.move_to_end(constraint)
         return grammar
 
     def __call__(self, config, prompt_width: int):
@@ -233,4 +272,5 @@ class StructuredOutputs:
         from transformers import LogitsProcessorList
 
         grammar = self.grammar_for(constraint)
-        return LogitsProcessorList([GrammarLogitsProcessor(self.lltokenizer, grammar, prompt_width, self.end_ids)])
+        return LogitsProcessorList([GrammarLogitsProcessor(self.lltokenizer, grammar, prompt_width, self.end_ids,
+                                                           self.eos_token_id)])

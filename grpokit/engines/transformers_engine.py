@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 
 import torch
+from transformers import StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported, sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
+from grpokit.errors import ConfigError
 from grpokit.rollout.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -21,6 +24,7 @@ from grpokit.template.encode import ChatTemplate
 from grpokit.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
+STOP_CACHE_SIZE = 32  # stop-string criteria kept (each one scanned the vocabulary once)
 
 
 class TransformersEngine(InferEngine):
@@ -39,17 +43,22 @@ class TransformersEngine(InferEngine):
                                                           template.pad_token_id)
         self.fast_decode = True  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
         self._fallback_reasons: set[str] = set()
-        self._stop_criteria: dict[tuple[str, ...], object] = {}
+        self._stop_criteria: OrderedDict[tuple[str, ...], object] = OrderedDict()
+        self.max_model_len: int | None = None  # set (rollout server): prompt + max_tokens must fit, else ConfigError
+        self.max_prefill_bytes: int | None = None  # set (rollout server): bounds one generate call's prefill
+        self._max_token_chars: int | None = None
 
     # ------------------------------------------------------------------------------------------------------
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         if not requests:
             return []
-        prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: a group renders once
+        prompts = self._encode(requests, config.max_tokens)
         flat = [p for p in prompts for _ in range(config.n)]
+        events = self.cancel_events(requests)
+        flat_events = None if events is None else [e for e in events for _ in range(config.n)]
         choices: list[ChatCompletionResponseChoice] = []
-        for start in range(0, len(flat), self.max_batch_size):
-            choices.extend(self._generate(flat[start:start + self.max_batch_size], config))
+        for stop in self._chunks(flat):
+            choices.extend(self._generate(flat[stop], config, None if flat_events is None else flat_events[stop]))
         out = []
         for i, p in enumerate(prompts):
             group = choices[i * config.n:(i + 1) * config.n]
@@ -58,8 +67,65 @@ class TransformersEngine(InferEngine):
             out.append(ChatCompletionResponse(choices=group, prompt_token_ids=p))
         return out
 
+    def _chunks(self, flat: list[list[int]]):
+        """Slices of rows for one generate call each: at most ``max_batch_size`` rows and, with
+        ``max_prefill_bytes`` set, a prefill whose attention (distinct prompts × width² cells, each a float32
+        score per head plus a mask byte, as CPU attention materialises them) fits in it. A row alone always runs."""
+        if self.max_prefill_bytes is None:
+            yield from (slice(i, i + self.max_batch_size) for i in range(0, len(flat), self.max_batch_size))
+            return
+        cell = 4 * getattr(self.model.config, "num_attention_heads", 1) + 1
+        start = 0
+        while start < len(flat):
+            end, distinct, width = start, set(), 0
+            while end < len(flat) and end - start < self.max_batch_size:
+                key, new_width = tuple(flat[end]), max(width, len(flat[end]))
+                count = len(distinct) + (key not in distinct)
+                if end > start and count * new_width * new_width * cell > self.max_prefill_bytes:
+                    break
+                distinct.add(key)
+                width, end = new_width, end + 1
+            yield slice(start, end)
+            start = end
+
+    def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
+        """Per request, a ``threading.Event`` set when its caller gave up (its rows stop at the next token), or
+        None. The rollout server's engine overrides this; here nothing is ever cancelled."""
+        return None
+
+    def _encode(self, requests: list[RolloutInferRequest], max_tokens: int) -> list[list[int]]:
+        """Prompt ids (memoised: a group renders once); ConfigError when the template cannot render a request or,
+        with ``max_model_len`` set, when a prompt plus ``max_tokens`` does not fit in it."""
+        if self.max_model_len is not None:
+            self._check_text_size(requests, max_tokens)
+        try:
+            prompts = self.template.encode_prompts([r.messages for r in requests])
+        except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception: a bad conversation
+            raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
+                              f"{str(e)[:200]}") from e
+        if self.max_model_len is not None:
+            for i, p in enumerate(prompts):
+                if len(p) + max_tokens > self.max_model_len:
+                    raise ConfigError(context_message(i, len(p), max_tokens, self.max_model_len))
+        return prompts
+
+    def _check_text_size(self, requests: list[RolloutInferRequest], max_tokens: int) -> None:
+        """Refuse, before tokenizing, text too long to fit whatever the tokenization: no token spells more than
+        ``_max_token_chars`` characters."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+        budget = self.max_model_len * self._max_token_chars
+        for i, r in enumerate(requests):
+            chars = sum(len(m["content"]) for m in r.messages if isinstance(m.get("content"), str))
+            if chars > budget:
+                raise ConfigError(context_message(i, f"at least {-(-chars // self._max_token_chars)}", max_tokens,
+                                                  self.max_model_len))
+
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], config: RequestConfig) -> list[ChatCompletionResponseChoice]:
+    def _generate(self, prompts: list[list[int]], config: RequestConfig,
+                  events: list | None = None) -> list[ChatCompletionResponseChoice]:
+        if events is not None and all(e is not None and e.is_set() for e in events):
+            return [self._choice([], "stop", "", None, config) for _ in prompts]  # every caller is gone
         model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)
         device = next(model.parameters()).device
         pad = self.template.pad_token_id
@@ -69,7 +135,7 @@ class TransformersEngine(InferEngine):
         attention = (torch.arange(width) >= width - long_tensor(lengths)[:, None]).long()  # left padding
         greedy = config.temperature == 0
         structured = self.logits_processor_factory(config, width) if self.logits_processor_factory else None
-        stopping = self._stopping(config.stop)
+        stopping = self._stopping(config.stop, events)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         ids, att = input_ids.to(device), attention.to(device)
@@ -138,16 +204,25 @@ class TransformersEngine(InferEngine):
                 logger.info("transformers engine: sampling with HF generate, not grpokit's fast decode loop: %s", e)
             return None
 
-    def _stopping(self, stop: list[str] | None):
-        """HF's stop-string criterion for these strings (built once per set: building it scans the vocabulary)."""
-        if not stop:
-            return None
-        key = tuple(stop)
-        if key not in self._stop_criteria:
-            from transformers import StoppingCriteriaList, StopStringCriteria
+    def _stopping(self, stop: list[str] | None, events: list | None = None):
+        """HF's stop-string criterion for these strings (built once per set: building it scans the vocabulary),
+        plus one that ends the rows whose caller gave up."""
+        from transformers import StoppingCriteriaList
 
-            self._stop_criteria[key] = StoppingCriteriaList([StopStringCriteria(self.tokenizer, list(stop))])
-        return self._stop_criteria[key]
+        criteria = []
+        if stop:
+            key = tuple(stop)
+            if key not in self._stop_criteria:
+                from transformers import StopStringCriteria
+
+                self._stop_criteria[key] = StopStringCriteria(self.tokenizer, list(stop))
+                while len(self._stop_criteria) > STOP_CACHE_SIZE:
+                    self._stop_criteria.popitem(last=False)
+            self._stop_criteria.move_to_end(key)
+            criteria.append(self._stop_criteria[key])
+        if events is not None and any(e is not None for e in events):
+            criteria.append(_Cancelled(events))
+        return StoppingCriteriaList(criteria) if criteria else None
 
     def _trim(self, ids: list[int]) -> tuple[list[int], str]:
         """A row's tokens up to its end (eos kept, padding dropped) and why it ended."""
@@ -166,6 +241,25 @@ class TransformersEngine(InferEngine):
             lps = {"content": [{"token_id": t, "logprob": v} for t, v in zip(ids, lp)]}
         return ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason=finish,
                                             token_ids=ids, logprobs=lps)
+
+
+def context_message(index: int, prompt_tokens, max_tokens: int, max_model_len: int) -> str:
+    """The 400 answer for a request that does not fit in the context (vLLM's wording, both numbers named)."""
+    total = f" = {prompt_tokens + max_tokens}" if isinstance(prompt_tokens, int) else ""
+    return (f"request {index}: this model's maximum context length is {max_model_len} tokens, but the request "
+            f"needs {prompt_tokens} prompt tokens + max_tokens {max_tokens}{total}; shorten the prompt or lower "
+            "max_tokens")
+
+
+class _Cancelled(StoppingCriteria):
+    """A stopping criterion: row i is done once ``events[i]`` is set (its HTTP client disconnected)."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        done = [e is not None and e.is_set() for e in self.events]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 @contextlib.contextmanager

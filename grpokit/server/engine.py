@@ -1,34 +1,76 @@
-"""The engine a rollout server owns: it loads the model, samples, and takes new weights in place."""
+"""The engine a rollout server owns: it loads the model, samples, and takes new weights in place.
+
+Two things set a served engine apart from the trainer's: every request must fit in the context
+(``max_model_len``: prompt + max_tokens, else ConfigError, answered 400), and a request whose HTTP client went away
+is cancelled (``CANCEL`` holds the calling request's event; its rows stop at the next token).
+"""
 
 from __future__ import annotations
 
 import threading
+from contextvars import ContextVar
 
 import torch
 
-from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError
 from grpokit.rollout.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 from grpokit.server.bodies import TensorMeta
 from grpokit.server.weight_sync import dtype_name, parse_dtype
 
+# The event of the HTTP call being served (set when its client disconnects); the app sets it around each call.
+CANCEL: ContextVar[threading.Event | None] = ContextVar("grpokit_cancel", default=None)
 
-class ServedTransformersEngine(TransformersEngine):
+
+class CancellableRequests:
+    """Mixin: ``infer_async`` remembers the calling HTTP request's cancel event for each engine request, so that
+    ``cancel_events`` can hand them to the sampler. Entries live until the batch holding them has run."""
+
+    def _init_cancel(self) -> None:
+        self._cancel: dict[int, tuple[RolloutInferRequest, threading.Event]] = {}
+
+    async def infer_async(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
+        event = CANCEL.get()
+        if event is not None:
+            self._cancel[id(request)] = (request, event)  # the request is kept alive: its id stays unique
+        response = await super().infer_async(request, config)
+        self._cancel.pop(id(request), None)
+        return response
+
+    def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
+        events = [self._cancel.get(id(r), (None, None))[1] for r in requests]
+        return events if any(e is not None for e in events) else None
+
+    def _forget(self, requests: list[RolloutInferRequest]) -> None:
+        for r in requests:
+            entry = self._cancel.get(id(r))
+            if entry is not None and entry[1].is_set():
+                self._cancel.pop(id(r), None)  # a cancelled call never comes back for it
+
+
+class ServedTransformersEngine(CancellableRequests, TransformersEngine):
     """``TransformersEngine`` on a model of its own. ``lock`` keeps sampling and weight loading apart, so that no
     ``generate`` call ever sees half-updated weights."""
 
-    def __init__(self, model, template, max_batch_size: int = 256) -> None:
+    def __init__(self, model, template, max_batch_size: int = 256, max_model_len: int | None = None,
+                 max_prefill_mb: float = 128.0) -> None:
         super().__init__(model, template, max_batch_size=max_batch_size)
+        self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
+        self._init_cancel()
         self.lock = threading.Lock()
         model.requires_grad_(False).eval()
         # remove_duplicate=False: tied weights answer to both names (embed_tokens and lm_head)
         self._params = dict(model.named_parameters(remove_duplicate=False))
         first = next(iter(self._params.values()))
         self.dtype, self.device = first.dtype, first.device
+        self.max_model_len = model_context(model, max_model_len)
 
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
-        with self.lock:
-            return super().infer(requests, config)
+        try:
+            with self.lock:
+                return super().infer(requests, config)
+        finally:
+            self._forget(requests)
 
     def check_weights(self, metas: list[TensorMeta]) -> list[str]:
         """Problems with loading these tensors (unknown name, other shape, dtype that cannot cast); [] if none."""
@@ -58,16 +100,29 @@ class ServedTransformersEngine(TransformersEngine):
             torch.cuda.synchronize(self.device)
 
     def info(self) -> dict:
-        return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device)}
+        return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device), "max_model_len": self.max_model_len}
+
+
+def model_context(model, limit: int | None) -> int:
+    """The context a transformers model serves: its ``max_position_embeddings``, or ``limit`` when smaller."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and positions is not None and limit > positions:
+        raise ConfigError(f"--vllm_max_model_len {limit}: the model has {positions} positions "
+                          "(max_position_embeddings); use at most that")
+    if limit is None and positions is None:
+        raise ConfigError("the model's config has no max_position_embeddings: give --vllm_max_model_len N")
+    return limit if limit is not None else positions
 
 
 def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
-                        fast_decode: bool = True):
-    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``: transformers only)."""
+                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None,
+                        max_prefill_mb: float = 128.0):
+    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
+    transformers only; ``vllm``: further ``VllmSettings`` fields)."""
     if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
-        from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
+        from grpokit.server.vllm_served import ServedVllmEngine
 
-        return VllmEngine(model_path, VllmSettings(dtype=torch_dtype_name, max_num_seqs=max_batch_size))
+        return ServedVllmEngine.build(model_path, torch_dtype_name, max_batch_size, max_model_len, vllm or {})
     if engine != "transformers":
         raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
     from grpokit.pipeline.models import load_causal_lm, load_tokenizer, torch_dtype
@@ -79,6 +134,10 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
         model = model.to("cuda")
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size)
+    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size,
+                                      max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
     served.fast_decode = fast_decode
     return served
+
+
+__all__ = ["CANCEL", "ServedTransformersEngine", "build_served_engine", "context_message", "model_context"]

@@ -21,7 +21,7 @@ import torch
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors
 from grpokit.errors import ServerError
-from grpokit.server.bodies import InitCommunicatorBody, UpdateWeightsBody, WeightBucket
+from grpokit.server.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
 from grpokit.server.weight_sync import Communicator, local_address_towards, pack, plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class WeightSender:
             timeout_s=self.timeout_s, local_host=host, store=store))
         for i in range(len(self.endpoints)):
             body = InitCommunicatorBody(host=host, port=port, rank=i + 1, world_size=world, backend=backend,
-                                        group=group, timeout_s=self.timeout_s).model_dump()
+                                        group=group, timeout_s=min(self.timeout_s, MAX_SYNC_TIMEOUT_S)).model_dump()
             calls.start(i, lambda i=i, body=body: self.post(i, "/init_communicator/", body, self.timeout_s + 5))
         results = calls.wait(self.timeout_s + 10, f"the rendezvous at {host}:{port}")
         self.comm, self.group = results["trainer"], group

@@ -87,12 +87,34 @@ def test_engine_type_reports_the_server_setup(client):
     (b'{"requests": [{"messages": []}]}', 422, "at least one message"),
     (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"n": 2}}', 400,
      "repeat the request"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 3}}]}', 400,
+     "requests[0].request_config.n 3"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 20000}}]}', 422,
+     "less than or equal to 1024 (got 20000)"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"max_tokens": 1e15}}',
+     422, "request_config.max_tokens"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"temperature": 1e-300}}',
+     422, "must be 0 (greedy) or at least 0.01"),
+    (b'{"requests": [{"messages": [{"role": 7, "content": "x"}]}]}', 422, "role must be a string"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "\\ud800"}]}]}', 422, "lone UTF-16 surrogate"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+     b'"request_config": {"structured_outputs_json": "/etc/passwd"}}', 422, "file paths are read only"),
+    (b'{"requests": [{"messages": [{"role": "user", "content": "x", "extra": ' + b"[" * 500 + b"]" * 500 + b'}]}]}',
+     422, "nested deeper than 32 levels"),
 ])
 def test_bad_bodies_get_a_4xx_with_a_message_and_the_server_keeps_serving(client, payload, status, words):
     resp = client.post("/infer/", content=payload, headers={"Content-Type": "application/json"})
     assert resp.status_code == status
     assert words in resp.json()["error"]
     assert _healthy(client)
+
+
+def test_text_parts_are_joined_and_the_router_answers_json(client):
+    body = {"requests": [_req([{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}])]}
+    assert client.post("/infer/", json=body).json()[0]["messages"][-1]["content"] == "c\nba"
+    assert client.get("/nope").json() == {"error": "Not Found"}
+    assert client.put("/infer/").json() == {"error": "Method Not Allowed"}
+    assert "/infer/" in client.get("/openapi.json").json()["paths"]
 
 
 def test_non_json_content_type_is_refused(client):
@@ -151,8 +173,54 @@ def test_update_weights_checks_names_and_needs_a_group(client):
     resp = client.post("/update_weights/", json=_weights_body("w", dry_run=False))
     assert resp.status_code == 409 and "/init_communicator/" in resp.json()["error"]
     bad = {"host": "127.0.0.1", "port": 1, "rank": 2, "world_size": 2, "group": "g"}
-    assert client.post("/init_communicator/", json=bad).status_code == 422
+    assert "below world_size 2" in client.post("/init_communicator/", json=bad).json()["error"]
+    for field, value in (("host", "a\x00b"), ("host", "h/x"), ("timeout_s", 1e300), ("group", "a b")):
+        assert field in client.post("/init_communicator/", json={**bad, "rank": 1, field: value}).json()["error"]
     nccl = {**bad, "rank": 1, "backend": "nccl"}
     assert "needs the served model on a GPU" in client.post("/init_communicator/", json=nccl).json()["error"]
     assert client.post("/close_communicator/").json() == {"ok": True}
     assert client.post("/reset_prefix_cache/").json() == {"ok": True}
+
+
+def _meta(name="w", **kw) -> dict:
+    return {"name": name, "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, **kw}
+
+
+@pytest.mark.parametrize("buckets, words", [
+    ([{"nbytes": 8, "tensors": [_meta(nbytes=12)]}], "is 8 bytes, not nbytes 12"),
+    ([{"nbytes": 1 << 40, "tensors": [_meta()]}], "tensors end at byte 8"),
+    ([{"nbytes": 10, "tensors": [_meta(offset=2)]}], "not a multiple of 4"),
+    ([{"nbytes": 12, "tensors": [_meta(), _meta("v", offset=4)]}], "overlap"),
+    ([{"nbytes": 8, "tensors": [_meta()]}, {"nbytes": 8, "tensors": [_meta()]}], "w: sent twice"),
+    ([{"nbytes": 8, "tensors": [_meta(dtype="complex64")]}], "dtype"),
+    ([{"nbytes": 0, "tensors": []}], "at least 1 item"),
+])
+def test_weight_metadata_is_checked_whole_before_any_broadcast(client, buckets, words):
+    resp = client.post("/update_weights/", json={"buckets": buckets})
+    assert resp.status_code == 422 and words in resp.json()["error"]
+
+
+def test_buckets_of_several_tensors_are_capped():
+    client, _ = make_client(max_weight_bucket_mb=1e-5)  # ~10 bytes
+    two = {"nbytes": 24, "tensors": [_meta(), _meta("w2", offset=16)]}
+    resp = client.post("/update_weights/", json={"buckets": [two], "dry_run": True})
+    assert resp.status_code == 422 and "exceeds --max_weight_bucket_mb" in resp.json()["error"]
+    alone = {"nbytes": 8, "tensors": [_meta()]}  # one tensor may exceed the cap (its shape bounds it)
+    assert client.post("/update_weights/", json={"buckets": [alone], "dry_run": True}).status_code == 200
+
+
+def test_a_batch_is_split_so_that_its_prefill_fits_the_budget():
+    from types import SimpleNamespace
+
+    from grpokit.engines.transformers_engine import TransformersEngine
+
+    engine = SimpleNamespace(max_batch_size=4, max_prefill_bytes=None,
+                             model=SimpleNamespace(config=SimpleNamespace(num_attention_heads=1)))
+    flat = [[1] * 10] * 3 + [[2] * 10, [3] * 10, [4] * 20]
+
+    def chunks() -> list[tuple[int, int]]:
+        return [(c.start, min(c.stop, len(flat))) for c in TransformersEngine._chunks(engine, flat)]
+
+    assert chunks() == [(0, 4), (4, 6)]  # max_batch_size only
+    engine.max_prefill_bytes = 2 * 10 * 10 * 5  # two distinct 10-token prompts (5 bytes a cell with one head)
+    assert chunks() == [(0, 4), (4, 5), (5, 6)]  # copies of a prompt count once; a row alone always runs

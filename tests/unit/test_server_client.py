@@ -97,9 +97,47 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
     (["--model", "m", "--port", "70000"], "--port 70000"),
     (["--model", "m", "--max_batch_requests", "0"], "--max_batch_requests 0"),
     (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--model", "m", "--vllm_tensor_parallel_size", "2"], "tensor parallelism is not implemented yet"),
+    (["--model", "m", "--vllm_data_parallel_size", "2"],
+     "not implemented yet in grpokit rollout; start one grpokit rollout per device"),
+    (["--model", "m", "--vllm_enable_lora", "true"], "--vllm_enable_lora true: sending LoRA adapters"),
+    (["--model", "m", "--vllm_use_async_engine", "true"], "AsyncLLMEngine is not implemented yet"),
+    (["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
+     "applies to --engine vllm only"),
+    (["--model", "m", "--vllm_gpu_memory_utilization", "1.5"], "must be in (0, 1]"),
+    (["--model", "m", "--max_sync_timeout_s", "1e9"], "--max_sync_timeout_s"),
     ([], "--model"),
 ])
-def test_rollout_option_errors_are_one_line(argv, words):
-    with pytest.raises(ConfigError, match=words.replace("-", r"\-")) as e:
+def test_rollout_option_errors_are_one_line(argv, words, monkeypatch):
+    monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
+    with pytest.raises(ConfigError) as e:
         options_from_argv(argv)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_engine_defaults_to_vllm_when_installed_and_a_missing_vllm_is_one_line(monkeypatch):
+    monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: True)
+    vllm = options_from_argv(["--model", "m", "--vllm_gpu_memory_utilization", "0.5", "--vllm_max_model_len", "512",
+                              "--vllm_enable_prefix_caching", "false"])
+    assert vllm.engine == "vllm" and vllm.vllm_settings() == {"gpu_memory_utilization": 0.5,
+                                                              "enable_prefix_caching": False}
+    assert vllm.vllm_max_model_len == 512
+    monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
+    assert options_from_argv(["--model", "m"]).engine == "transformers"
+    with pytest.raises(ConfigError, match="vllm package is not installed") as e:
+        options_from_argv(["--model", "m", "--engine", "vllm"])
     assert "\n" not in str(e.value)
+
+
+def test_a_folder_named_vllm_is_not_an_installed_vllm(tmp_path, monkeypatch):
+    import importlib.util
+
+    from grpokit.server.cli import vllm_installed
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:
+        pytest.skip("vllm is installed here")
+    (tmp_path / "vllm").mkdir()  # what pytest's rootdir puts on the path: tests/vllm
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not vllm_installed()
+    assert options_from_argv(["--model", "m"]).engine == "transformers"

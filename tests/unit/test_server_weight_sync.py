@@ -12,8 +12,6 @@ from grpokit.server.bodies import InitCommunicatorBody, UpdateWeightsBody
 from grpokit.server.weight_sender import WeightSender
 from grpokit.server.weight_sync import WeightReceiver, pack, plan_buckets, unpack
 
-torch.set_num_threads(1)
-
 
 def test_plan_buckets_aligns_and_splits():
     # a: 3 float32 = 12 B at 0; b: 5 bf16 = 10 B at align16(12) = 16 -> bucket 1 is 26 B (<= 40)
@@ -171,3 +169,60 @@ def test_failed_rendezvous_names_the_store_within_its_timeout():
         Communicator.create(store_host="127.0.0.1", store_port=port, rank=1, world_size=2, backend="gloo",
                             group="g", timeout_s=0.5, local_host="127.0.0.1")
     assert time.monotonic() - t0 < 10
+
+
+def test_stuck_rendezvous_are_bounded_and_closed_when_they_return(monkeypatch):
+    import threading
+
+    from grpokit.server import weight_sync
+    from grpokit.server.weight_sync import RendezvousBusy
+
+    release, closed = threading.Event(), []
+
+    class FakeComm:
+        def close(self):
+            closed.append(self)
+
+    def create(**kwargs):
+        release.wait(30)  # a peer that never answers, until the test lets go
+        return FakeComm()
+
+    monkeypatch.setattr(weight_sync.Communicator, "create", staticmethod(create))
+    monkeypatch.setattr(weight_sync, "local_address_towards", lambda host, port: "127.0.0.1")
+    receiver = WeightReceiver(max_timeout_s=0.1)
+    receiver.GRACE_S = 0.0
+    body = InitCommunicatorBody(host="127.0.0.1", port=1, rank=1, world_size=2, group="g", timeout_s=60)
+    for _ in range(WeightReceiver.MAX_PENDING):
+        with pytest.raises(ServerError, match="did not finish within 0.1s"):
+            receiver.open(body, torch.device("cpu"))
+    with pytest.raises(RendezvousBusy, match="earlier rendezvous"):
+        receiver.open(body, torch.device("cpu"))
+    receiver.close()  # answers at once although two rendezvous are still running
+    release.set()
+    for _ in range(200):
+        if len(closed) == WeightReceiver.MAX_PENDING:
+            break
+        threading.Event().wait(0.05)
+    assert len(closed) == WeightReceiver.MAX_PENDING and not receiver.is_open  # abandoned groups closed themselves
+
+
+def test_close_during_a_sync_leaves_the_group_to_the_sync(monkeypatch):
+    from grpokit.server import weight_sync
+
+    receiver = WeightReceiver()
+    closed = []
+
+    class FakeComm:
+        device = torch.device("cpu")
+
+        def broadcast(self, buf):
+            receiver.close()  # /close_communicator/ arrives mid-sync: it must not close the group under us
+            assert not closed
+
+        def close(self):
+            closed.append(True)
+
+    receiver.comm, receiver.group = FakeComm(), "g"
+    (bucket,) = plan_buckets([("w", (2,), torch.float32)], bucket_bytes=64)
+    assert receiver.receive(UpdateWeightsBody(buckets=[bucket]), lambda named: None) == 1
+    assert closed == [True] and not receiver.is_open

@@ -1,0 +1,56 @@
+"""``grpokit rollout --engine vllm``: the vLLM engine with the server's request checks (imported only then).
+
+vLLM samples a batch in one blocking call, so a disconnected client's requests are dropped only while they wait
+for the engine (not once their batch is generating), and the context check runs here, before vLLM sees the batch.
+"""
+
+from __future__ import annotations
+
+from grpokit.engines.transformers_engine import context_message
+from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
+from grpokit.errors import ConfigError
+from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
+from grpokit.server.engine import CancellableRequests
+
+
+class ServedVllmEngine(CancellableRequests, VllmEngine):
+    @classmethod
+    def build(cls, model_path: str, dtype: str, max_num_seqs: int, max_model_len: int | None,
+              extra: dict) -> ServedVllmEngine:
+        settings = VllmSettings(dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **extra)
+        engine = cls(model_path, settings)
+        engine._init_cancel()
+        engine.max_model_len = engine._context_length()
+        return engine
+
+    def _context_length(self) -> int:
+        for owner in (getattr(self.llm, "llm_engine", None), self.llm):
+            config = getattr(owner, "model_config", None)
+            if getattr(config, "max_model_len", None):
+                return int(config.max_model_len)
+        if self.settings.max_model_len:
+            return int(self.settings.max_model_len)
+        raise ConfigError("cannot tell vLLM's max_model_len; give --vllm_max_model_len N")
+
+    def infer(self, requests, config: RequestConfig) -> list[ChatCompletionResponse]:
+        try:
+            prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: no second render
+        except Exception as e:  # noqa: BLE001 - a conversation the template cannot render
+            raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
+                              f"{str(e)[:200]}") from e
+        for i, p in enumerate(prompts):
+            if len(p) + config.max_tokens > self.max_model_len:
+                raise ConfigError(context_message(i, len(p), config.max_tokens, self.max_model_len))
+        events = self.cancel_events(requests) or [None] * len(requests)
+        live = [i for i, e in enumerate(events) if e is None or not e.is_set()]
+        try:
+            out = super().infer([requests[i] for i in live], config) if live else []
+        finally:
+            self._forget(requests)
+        answers = dict(zip(live, out, strict=True))
+        gone = ChatCompletionResponseChoice(message={"role": "assistant", "content": ""}, finish_reason="stop",
+                                            token_ids=[])
+        return [answers.get(i) or ChatCompletionResponse(choices=[gone]) for i in range(len(requests))]
+
+    def info(self) -> dict:
+        return {**super().info(), "max_model_len": self.max_model_len}

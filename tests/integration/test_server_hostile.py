@@ -1,0 +1,228 @@
+"""The hand-written hostile set: bad and hostile requests of the seven kinds the server once mishandled, sent to a
+real `grpokit rollout` (tiny model, API key, 127.0.0.1) running under `prlimit --as=4G`. Every one gets its 4xx (or
+its 200 where the input is fine), the error bodies are JSON, the connection keeps serving, nothing fails to
+allocate, and the peak RSS stays below twice the idle figure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from test_server_support import free_port
+
+from grpokit.testing import build_tiny_model
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")]
+
+KEY = "hostile-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SYNC_CAP_S = 2.0
+
+
+def _msg(text, role="user") -> dict:
+    return {"messages": [{"role": role, "content": text}]}
+
+
+def _infer(config: dict | None = None, **request) -> dict:
+    return {"requests": [{**_msg("hi"), **request}], "request_config": {"max_tokens": 4, **(config or {})}}
+
+
+def _weights(*tensors: dict, nbytes: int | None = None, dry_run: bool = True) -> dict:
+    end = max(t["offset"] + t["nbytes"] for t in tensors)
+    return {"buckets": [{"nbytes": end if nbytes is None else nbytes, "tensors": list(tensors)}], "dry_run": dry_run}
+
+
+LM = {"name": "lm_head.weight", "dtype": "float32", "shape": [512, 64], "offset": 0, "nbytes": 512 * 64 * 4}
+INIT = {"host": "127.0.0.1", "port": 9, "rank": 1, "world_size": 2, "group": "g"}
+
+# (class, name, path, json body or raw bytes, expected status, words in the error)
+CASES = [
+    (1, "max_tokens 1e8", "/infer/", _infer({"max_tokens": 10**8}), 422, "max_tokens"),
+    (1, "max_tokens 1e15", "/infer/", _infer({"max_tokens": 10**15}), 422, "max_tokens"),
+    (1, "60k-token prompt", "/infer/", {"requests": [_msg("hello " * 60000)]}, 400, "maximum context length is"),
+    (1, "prompt + max_tokens over the context", "/infer/", _infer({"max_tokens": 1020}), 400, "max_tokens 1020"),
+    (1, "64 distinct 960-token prompts in one call", "/infer/",
+     {"requests": [_msg(f"{i} " + "what is the answer " * 235) for i in range(64)],
+      "request_config": {"max_tokens": 1}}, 200, ""),
+    (1, "n 20000", "/infer/", _infer({"n": 20000}), 422, "request_config.n"),
+    (1, "1000 stop strings", "/infer/", _infer({"stop": ["x"] * 1000}), 422, "request_config.stop"),
+    (1, "100k-character regex", "/infer/", _infer({"structured_outputs_regex": "a" * 100_000}), 422, "regex"),
+    (1, "5000 messages", "/infer/", {"requests": [{"messages": [{"role": "user", "content": "x"}] * 5000}]}, 422,
+     "5000 messages"),
+    (1, "1 TiB bucket", "/update_weights/", _weights({**LM, "shape": [1 << 40], "dtype": "uint8",
+                                                      "nbytes": 1 << 40}), 422, "shape"),
+    (1, "bucket larger than its tensors", "/update_weights/", _weights(LM, nbytes=1 << 40), 422, "tensors end"),
+    (1, "tensor bigger than 1 TiB", "/update_weights/", _weights({**LM, "shape": [1 << 41], "nbytes": 1 << 43}),
+     422, "nbytes"),
+    (2, "per-request n 20000", "/infer/", _infer(request_config={"n": 20000}), 422, "requests.0.request_config.n"),
+    (2, "per-request n 2", "/infer/", _infer(request_config={"n": 2}), 400, "requests[0].request_config.n 2"),
+    (2, "per-request max_tokens 1e8", "/infer/", _infer(request_config={"max_tokens": 10**8}), 422, "max_tokens"),
+    (2, "per-request subnormal temperature", "/infer/", _infer(request_config={"temperature": 5e-324}), 422,
+     "temperature"),
+    (3, "subnormal temperature", "/infer/", _infer({"temperature": 5e-324}), 422, "at least 0.01"),
+    (3, "subnormal repetition penalty", "/infer/", _infer({"repetition_penalty": 5e-324}), 422,
+     "repetition_penalty"),
+    (3, "NaN temperature", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+                                      b'"request_config": {"temperature": NaN}}', 422, "temperature"),
+    (3, "infinite top_p", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+                                     b'"request_config": {"top_p": Infinity}}', 422, "top_p"),
+    (3, "top_k -5", "/infer/", _infer({"top_k": -5}), 422, "top_k"),
+    (3, "seed 2**70", "/infer/", _infer({"seed": 2**70}), 422, "seed"),
+    (3, "empty stop string", "/infer/", _infer({"stop": [""]}), 422, "stop"),
+    (3, "content null", "/infer/", {"requests": [_msg(None)]}, 422, "content must be a string"),
+    (3, "role not a string", "/infer/", {"requests": [_msg("x", role=5)]}, 422, "role must be a string"),
+    (3, "content as text parts", "/infer/", {"requests": [_msg([{"type": "text", "text": "a"}])],
+                                              "request_config": {"max_tokens": 2}}, 200, ""),
+    (3, "content with an image part", "/infer/", {"requests": [_msg([{"type": "image_url", "image_url": "x"}])]},
+     422, "only text parts"),
+    (3, "lone surrogate", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "a\\ud800"}]}]}',
+     422, "lone UTF-16 surrogate"),
+    (3, "surrogate in a stop string", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "a"}]}],'
+                                                 b' "request_config": {"stop": ["\\udfff"]}}', 422, "surrogate"),
+    (3, "regex with no match in the vocabulary", "/infer/",
+     _infer({"structured_outputs_regex": r"[^\x00-\x{10FFFF}]"}), 400, "allows no continuation"),
+    (3, "regex with no closing", "/infer/", _infer({"structured_outputs_regex": "[0-9"}), 400, "unclosed"),
+    (3, "weights: shape and nbytes disagree", "/update_weights/", _weights({**LM, "nbytes": 8}), 422,
+     "not nbytes 8"),
+    (3, "weights: misaligned offset", "/update_weights/", _weights({**LM, "offset": 2}, nbytes=2 + LM["nbytes"]),
+     422, "not a multiple of 4"),
+    (3, "weights: overlapping tensors", "/update_weights/", _weights(LM, {**LM, "name": "model.norm.weight",
+     "shape": [64], "nbytes": 256, "offset": 16}), 422, "overlap"),
+    (3, "weights: a name twice", "/update_weights/", {"buckets": [_weights(LM)["buckets"][0]] * 2}, 422,
+     "sent twice"),
+    (3, "weights: unknown dtype", "/update_weights/", _weights({**LM, "dtype": "complex128"}), 422, "dtype"),
+    (3, "NUL in the host", "/init_communicator/", {**INIT, "host": "127.0.0.1\u0000x"}, 422, "host"),
+    (3, "timeout_s 1e300", "/init_communicator/", {**INIT, "timeout_s": 1e300}, 422, "timeout_s"),
+    (3, "rank outside the world", "/init_communicator/", {**INIT, "rank": 5}, 422, "below world_size"),
+    (3, "message field nested 500 deep", "/infer/", b'{"requests": [{"messages": [{"role": "user", "content": "x",'
+                                                    b' "x": ' + b"[" * 500 + b"]" * 500 + b"}]}]}", 422, "nested"),
+    (4, "unknown path", "/nope/", {}, 404, "Not Found"),
+    (4, "JSON nested 100k deep", "/infer/", b"[" * 100_000 + b"]" * 100_000, 400, "parsing the body"),
+    (4, "truncated JSON", "/infer/", b'{"requests": [', 422, "not valid JSON"),
+    (4, "unknown field", "/infer/", {**_infer(), "priority": 1}, 422, "priority"),
+    (5, "schema path to a system file", "/infer/", _infer({"structured_outputs_json": "/etc/passwd"}), 422,
+     "file paths are read only"),
+    (5, "schema path that does not exist", "/infer/", _infer({"structured_outputs_json": "/nope/s.json"}), 422,
+     "file paths are read only"),
+    (5, "schema path, relative", "/infer/", _infer({"structured_outputs_json": "schema.json"}), 422,
+     "file paths are read only"),
+    (5, "schema that llguidance refuses", "/infer/", _infer({"structured_outputs_json": {"type": "objectx",
+                                                                                          "secret": "s3cr3t"}}),
+     400, "structured_outputs_json schema"),
+    (6, "rendezvous timeout 1e9", "/init_communicator/", {**INIT, "timeout_s": 1e9}, 422, "timeout_s"),
+]
+
+
+@contextlib.contextmanager
+def limited_server(model_dir, log_path):
+    """`grpokit rollout` under prlimit --as=4G; killed on exit."""
+    port = free_port()
+    cmd = ["prlimit", f"--as={4 << 30}", sys.executable, "-m", "grpokit", "rollout", "--model", str(model_dir),
+           "--port", str(port), "--torch_dtype", "float32", "--engine", "transformers", "--api_key", KEY,
+           "--max_sync_timeout_s", str(SYNC_CAP_S)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health/", headers=AUTH, timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.3)
+        yield proc, url, port
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def _memory(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) in kB, of the python process under prlimit (prlimit execs it: same pid)."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0])
+    return fields
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tmp_path_factory):
+    tiny = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    with limited_server(tiny, tmp_path_factory.mktemp("logs") / "rollout.log") as s:
+        yield s
+
+
+def _send(client: httpx.Client, path: str, body) -> httpx.Response:
+    if path == "/nope/":
+        return client.get(path)
+    if isinstance(body, bytes):
+        return client.post(path, content=body, headers={"Content-Type": "application/json"})
+    return client.post(path, json=body)
+
+
+def test_the_hostile_set_gets_4xx_within_bounded_memory(hostile_server):
+    proc, url, port = hostile_server
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        assert client.post("/infer/", json=_infer({"max_tokens": 32})).status_code == 200  # warm-up
+        idle_kb = _memory(proc.pid)["VmRSS"]
+        assert client.post("/infer/", json=_infer()).status_code == 200
+        assert httpx.post(url + "/infer/", json=_infer(), timeout=10).status_code == 401  # no key
+        wrong = []
+        for kind, name, path, body, status, words in CASES:
+            resp = _send(client, path, body)  # one keep-alive connection for all: it must survive each answer
+            if resp.status_code != status or (status >= 400 and words not in resp.json().get("error", "")):
+                wrong.append((kind, name, resp.status_code, resp.text[:200]))
+            if status >= 400:
+                assert resp.headers["content-type"] == "application/json", name
+        assert not wrong, wrong
+        leaks = [_send(client, "/infer/", _infer({"structured_outputs_json": p})).json()["error"]
+                 for p in ("/etc/passwd", "/nope/s.json")]
+        assert leaks[0] == leaks[1] and "root:" not in leaks[0]  # no file read, no existence oracle
+        refused = _send(client, "/infer/", _infer({"structured_outputs_json": {"type": "objectx", "secret": "s3cr3t"}}))
+        assert "s3cr3t" not in refused.text  # the schema is not repeated back
+        _silent_store_answers_within_the_cap(client)
+        _a_disconnected_request_leaves_the_engine_free(client, port)
+        assert client.get("/health/").json() == {"status": "ok"}
+    assert proc.poll() is None
+    peak_kb = _memory(proc.pid)["VmHWM"]
+    print(f"\nhostile set: {len(CASES)} cases + 4 checks; idle RSS {idle_kb} kB, peak RSS {peak_kb} kB")
+    assert peak_kb <= 2 * idle_kb, f"peak RSS {peak_kb} kB above twice the idle {idle_kb} kB"
+
+
+def _silent_store_answers_within_the_cap(client: httpx.Client) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)  # accepts (the kernel completes the handshake) and never answers
+        body = {**INIT, "port": listener.getsockname()[1], "timeout_s": 600}
+        t0 = time.monotonic()
+        resp = client.post("/init_communicator/", json=body)
+        took = time.monotonic() - t0
+    assert resp.status_code == 424 and f"within {SYNC_CAP_S:g}s" in resp.json()["error"], resp.text
+    assert took < SYNC_CAP_S + 3
+
+
+def _a_disconnected_request_leaves_the_engine_free(client: httpx.Client, port: int) -> None:
+    data = json.dumps(_infer({"max_tokens": 1000, "temperature": 1.0})).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"POST /infer/ HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                 f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    threading.Event().wait(0.5)  # let it reach the engine (the unit test checks the timing with events)
+    sock.close()
+    t0 = time.monotonic()
+    assert client.post("/infer/", json=_infer({"max_tokens": 2})).status_code == 200
+    assert time.monotonic() - t0 < 5
