@@ -145,15 +145,30 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     from grpokit.trainers.factory import TrainerFactory
     from grpokit.trainers.grpo_trainer import GRPOTrainer
 
-    seen: dict = {"infer_calls": 0, "micro": [], "first_ratio": []}
+    seen: dict = {"infer_calls": 0, "windows": [], "micro": [], "first_ratio": []}
+
+    def rows(batch) -> list[tuple[list[int], list[float]]]:
+        """Each row's real tokens (padding dropped) and its completion mask up to its last trained token."""
+        out = []
+        for ids, att, cmask in zip(batch.input_ids, batch.attention_mask, batch.completion_mask, strict=True):
+            mask = cmask.tolist()
+            while mask and mask[-1] == 0:
+                mask.pop()
+            out.append((ids[att.bool()].tolist(), mask))
+        return out
 
     class Probe(GRPOTrainer):
         def _generate_completions(self, requests):
             seen["infer_calls"] += 1
             return super()._generate_completions(requests)
 
+        def _generate_and_score_completions(self, prompts, rollout=None):
+            batch = super()._generate_and_score_completions(prompts, rollout)
+            seen["windows"].append(rows(batch))
+            return batch
+
         def _compute_loss_and_metrics(self, model, inputs):
-            seen["micro"].append(inputs.input_ids.clone())
+            seen["micro"].append(rows(inputs))
             if inputs.old_logps is not None and len(seen["micro"]) % 4 == 1:
                 lp, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
                 mask = inputs.completion_mask.bool()
@@ -171,11 +186,15 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
     assert seen["infer_calls"] == 2  # 8 micro-steps, one rollout per 4
-    assert len(seen["micro"]) == 8
-    window = seen["micro"][:4]
-    for i in range(4):
-        for j in range(i + 1, 4):
-            assert not torch.equal(window[i], window[j]) if window[i].shape == window[j].shape else True
+    assert len(seen["windows"]) == 2 and len(seen["micro"]) == 8
+    # each window of 16 rows is trained as its 4 consecutive slices of 4, in order: every row once, none from
+    # another window, whatever padding each micro-batch was trimmed to
+    for w, window in enumerate(seen["windows"]):
+        assert len(window) == 16
+        micro = seen["micro"][4 * w:4 * w + 4]
+        assert [len(m) for m in micro] == [4, 4, 4, 4]
+        assert [row for m in micro for row in m] == window
+    assert seen["windows"][0] != seen["windows"][1]  # the second window is a new rollout
     # old logps are computed (the policy drifts inside the window) and equal the current ones on micro-step 1
     assert seen["first_ratio"] and max(seen["first_ratio"]) < 1e-5
 
