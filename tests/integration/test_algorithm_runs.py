@@ -7,6 +7,7 @@ import math
 import textwrap
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,9 @@ PLUGIN = textwrap.dedent("""
 
 COMBOS = [(loss, level) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
           for level in ("token", "sequence", "sequence_token")] + [("sapo", "token")]
+CLIP_KEYS = {"cispo": {"clip_ratio/high_mean"},  # only the upper cap clips
+             "sapo": set()}  # sapo gates softly and clips nothing
+PPO_CLIP_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +55,100 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     return trainer, rows
 
 
+@pytest.fixture
+def micro_steps(monkeypatch) -> list[dict]:
+    """Each micro-step's tensors (advantages, mask, old/ref logps, the policy's logps at that moment, taken with
+    the trainer's own forward) and the loss and metrics the trainer computed from them."""
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    steps: list[dict] = []
+    compute = GRPOTrainer._compute_loss_and_metrics
+
+    def recording(self, model, inputs):
+        loss, metrics = compute(self, model, inputs)
+        with torch.no_grad():
+            logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
+        steps.append({"loss": float(loss.detach()), "metrics": {k: float(v) for k, v in metrics.items()},
+                      "logps": logps.float().cpu(), "old": inputs.old_logps, "ref": inputs.ref_logps,
+                      "adv": inputs.advantages, "mask": inputs.completion_mask})
+        return loss, metrics
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss_and_metrics", recording)
+    return steps
+
+
+def _reference_loss(cfg, step: dict) -> tuple[float, dict[str, float]]:
+    """One micro-step's loss and metrics from its tensors, written out per loss type and level (grpokit/algorithms/
+    losses.py's docstring) for one process and one micro-step per optimizer step."""
+    mask = step["mask"]
+    keep = mask > 0
+    lp, old, ref = (torch.where(keep, step[k], 0.0) for k in ("logps", "old", "ref"))
+    adv = step["adv"][:, None]
+    n = mask.sum(1)
+    if cfg.importance_sampling_level == "token":
+        r = torch.exp(lp - old)
+    else:  # sequence and sequence_token: the value is exp(mean token log ratio) of the sequence
+        r = torch.exp(((lp - old) * mask).sum(1) / n.clamp(min=1))[:, None].expand_as(lp)
+    clipped = {}
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(r, max=cfg.epsilon_high) * adv * lp
+        clipped["high"] = (r > cfg.epsilon_high) & (adv > 0)
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
+        per_token = -torch.sigmoid(tau * (r - 1)) * 4 / tau * adv
+    else:
+        per_token = -torch.min(r * adv, torch.clamp(r, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv)
+        low, high = (r < 1 - cfg.epsilon_low) & (adv < 0), (r > 1 + cfg.epsilon_high) & (adv > 0)
+        clipped = {"low": low, "high": high, "region": low | high}
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    per_token = (per_token + cfg.beta * kl) * mask
+    if cfg.loss_type in ("grpo", "sapo"):  # per-sequence mean, then batch mean
+        loss = (per_token.sum(1) / n.clamp(min=1)).mean()
+    elif cfg.loss_type == "dr_grpo":  # a constant: batch size × max completion length
+        loss = per_token.sum() / (len(mask) * cfg.max_completion_length)
+    else:  # bnpo: the micro-batch's tokens; dapo, cispo: the optimizer step's tokens, the same here
+        loss = per_token.sum() / mask.sum()
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x.float() * mask).sum() / mask.sum())
+
+    return float(loss), {"is_ratio/mean": mean(r), "kl": mean(kl),
+                         **{f"clip_ratio/{k}_mean": mean(v) for k, v in clipped.items()}}
+
+
 @pytest.mark.parametrize("loss_type, level", COMBOS)
-def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugin, loss_type, level):
-    # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts
-    _, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
-                     ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04"])
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert math.isfinite(r["loss"])
-        assert {"kl", "reward", "advantages/mean"} <= set(r)
-        if loss_type == "cispo":  # only the upper cap clips
-            assert "clip_ratio/high_mean" in r
-        elif loss_type != "sapo":  # sapo gates softly and clips nothing
-            assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= set(r)
+def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps, loss_type, level):
+    """Each variant computes its own loss: per micro-step, the trainer's loss and metrics equal the variant's
+    formula on the same tensors, its clip metrics (and only those) are logged, the ratio acts once the policy
+    moved, and the policy moved."""
+    # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts.
+    # The stop string ends completions at different lengths, which the normalisers weigh differently.
+    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
+                           ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04",
+                            "--stop_words", "e"])
+    cfg = trainer.loss_cfg
+    assert (cfg.loss_type, cfg.importance_sampling_level, cfg.beta) == (loss_type, level, 0.04)
+    assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
+    assert all(len(set(s["mask"].sum(1).tolist())) > 1 for s in micro_steps)  # lengths vary in each micro-batch
+    clip_keys = CLIP_KEYS.get(loss_type, PPO_CLIP_KEYS)
+    for row, step in zip(rows, micro_steps, strict=True):
+        loss, metrics = _reference_loss(cfg, step)
+        assert step["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+        assert set(step["metrics"]) == set(metrics) == {"is_ratio/mean", "kl", *clip_keys}
+        for key, value in metrics.items():
+            assert step["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        assert row["loss"] == pytest.approx(step["loss"], abs=2e-6)  # the step's log is its one micro-step
+        assert {k for k in row if k.startswith("clip_ratio/")} == clip_keys
+    on_policy, off_policy = micro_steps
+    mask = on_policy["mask"].bool()
+    assert (on_policy["logps"] - on_policy["old"])[mask].abs().max() < 1e-5  # ratio 1 before any update
+    assert on_policy["metrics"]["kl"] < 1e-6  # the policy is the reference
+    mask = off_policy["mask"].bool()
+    assert (off_policy["logps"] - off_policy["old"])[mask].abs().max() > 1e-4  # one update later the ratio acts
+    assert off_policy["metrics"]["kl"] > 0
+    policy = dict(trainer.policy.named_parameters())
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(not policy[n].detach().equal(ref[n]) for n in ref if n.endswith("q_proj.weight"))  # it trained
 
 
 def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin):
