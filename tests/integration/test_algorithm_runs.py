@@ -18,13 +18,27 @@ PLUGIN = textwrap.dedent("""
         def __call__(self, completions, **kwargs):
             return [1.0 / (1 + len(c)) for c in completions]
 
-    class ContainsDigit(ORM):
-        '''Sparse 0/1 reward: many groups are all-equal, which dynamic sampling must resample.'''
+    class NoSignal(ORM):
+        '''Draw k (one scoring call: a window or a resampling round) scores 100 * k for every completion, so every
+        group is all-equal. From draw SIGNAL_FROM on, each completion adds its index: every group has a signal.
+        The score tells which draw a trained completion came from.'''
+        SIGNAL_FROM = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.draws = 0
+
         def __call__(self, completions, **kwargs):
-            return [float(any(ch.isdigit() for ch in c)) for c in completions]
+            self.draws += 1
+            signal = self.SIGNAL_FROM is not None and self.draws >= self.SIGNAL_FROM
+            return [100.0 * self.draws + (i if signal else 0) for i in range(len(completions))]
+
+    class SignalFromSecondDraw(NoSignal):
+        SIGNAL_FROM = 2
 
     orms['short_is_good'] = ShortIsGood
-    orms['contains_digit'] = ContainsDigit
+    orms['no_signal'] = NoSignal
+    orms['signal_from_second_draw'] = SignalFromSecondDraw
 """)
 
 COMBOS = [(loss, level) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -151,12 +165,31 @@ def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugi
     assert all(not policy[n].detach().equal(ref[n]) for n in ref if n.endswith("q_proj.weight"))  # it trained
 
 
-def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin):
-    _, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "dyn", plugin,
-                     ["--reward_funcs", "contains_digit", "--dynamic_sample", "true", "--max_resample_times", "2",
-                      "--beta", "0"])
-    assert all(math.isfinite(r["loss"]) for r in rows)
-    assert all("dynamic_sampling/rounds" in r and "dynamic_sampling/groups_without_signal" in r for r in rows)
+@pytest.mark.parametrize("reward, draws, rounds, without_signal, trained_draw", [
+    ("signal_from_second_draw", 2, 1, 0.0, 2),  # window 1 has no signal; the first resampling round replaces it
+    ("no_signal", 3, 2, 2.0, 1),  # max_resample_times rounds, none with a signal: the window's own groups train
+])
+def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin, reward,
+                                                          draws, rounds, without_signal, trained_draw):
+    out = tmp_path / "dyn"
+    trainer, rows = _train(tiny_model_dir, math_jsonl, out, plugin,
+                           ["--reward_funcs", reward, "--dynamic_sample", "true", "--max_resample_times", "2",
+                            "--beta", "0", "--log_completions", "true"])
+    assert trainer.reward_runner.funcs[0].draws == draws  # one window, then a rollout per resampling round
+    assert trainer.state.prompts_consumed == 2 * draws  # each round drew the next window's 2 prompts
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # both steps train on the one window
+        assert r["dynamic_sampling/rounds"] == rounds
+        assert r["dynamic_sampling/groups_without_signal"] == without_signal
+        assert r["frac_reward_zero_std"] == without_signal / 2
+    trained = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(trained) == 8 and {c["step"] for c in trained} == {1}
+    assert {int(c[reward] // 100) for c in trained} == {trained_draw}  # the groups that trained came from there
+    groups: dict[str, list[float]] = {}
+    for c in trained:
+        groups.setdefault(c["prompt"], []).append(c[reward])
+    assert sorted(len(g) for g in groups.values()) == [4, 4]
+    assert all((len(set(g)) > 1) == (without_signal == 0) for g in groups.values())
 
 
 def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_path, plugin):
