@@ -192,11 +192,40 @@ def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_j
     assert all((len(set(g)) > 1) == (without_signal == 0) for g in groups.values())
 
 
-def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_path, plugin):
+def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_path, plugin, monkeypatch):
+    """β·Σ_t(log π_old − log π_ref) is subtracted from each completion's reward before the advantages, and the
+    loss has no KL term. Two windows of one step: no penalty while the policy is the reference, one after."""
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    windows: list[dict] = []
+    prepare, advantages = GRPOTrainer._prepare_batch_inputs, GRPOTrainer._compute_advantages
+
+    def record_batch(self, requests, outputs):
+        batch = prepare(self, requests, outputs)
+        windows.append({"old": batch.old_logps, "ref": batch.ref_logps, "mask": batch.completion_mask})
+        return batch
+
+    def record_rewards(self, outputs, rewards_per_func, penalty=None):
+        windows[-1].update(raw=rewards_per_func.clone(), penalty=penalty)
+        return advantages(self, outputs, rewards_per_func, penalty)
+
+    monkeypatch.setattr(GRPOTrainer, "_prepare_batch_inputs", record_batch)
+    monkeypatch.setattr(GRPOTrainer, "_compute_advantages", record_rewards)
     trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "klr", plugin,
-                           ["--kl_in_reward", "true", "--beta", "0.1"])
-    assert trainer.loss_cfg.beta == 0.0  # no KL term in the loss
-    assert all(math.isfinite(r["loss"]) for r in rows)
+                           ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"])
+    assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1
+    assert trainer.ref_model is not None  # kept for the penalty
+    assert [r["step"] for r in rows] == [1, 2] and len(windows) == 2
+    assert not any("kl" in r for r in rows)  # no KL term in the loss
+    for row, w in zip(rows, windows, strict=True):
+        expected = 0.1 * ((w["old"] - w["ref"]) * w["mask"]).sum(1)
+        torch.testing.assert_close(w["penalty"], expected)
+        assert row["rewards/short_is_good/mean"] == pytest.approx(float(w["raw"].mean()), abs=2e-6)
+        assert row["reward"] == pytest.approx(float((w["raw"].sum(1) - w["penalty"]).mean()), abs=2e-6)
+    first, second = windows
+    assert first["penalty"].abs().max() < 1e-6  # the policy is still the reference
+    assert second["penalty"].abs().max() > 1e-4  # after one update the reward pays for the distance
+    assert rows[1]["reward"] != pytest.approx(rows[1]["rewards/short_is_good/mean"], abs=1e-5)
 
 
 def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path, plugin):
