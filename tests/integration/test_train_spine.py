@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 PLUGIN = textwrap.dedent("""
-    import time
+    import threading
     from grpokit.rewards import ORM, orms
     from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
 
@@ -28,11 +28,16 @@ PLUGIN = textwrap.dedent("""
 
     orms['len_reward'] = LengthReward
 
-    class Slow(TrainerCallback):
+    class ParkAfterStep2(TrainerCallback):
+        '''After step 2 (its checkpoint and log row written) say so in a file and wait to be killed; a run
+        resumed from checkpoint-2 never ends step 2 and goes on. The wait ends by itself after 10 minutes, so
+        that a test that failed before killing leaves nothing running for good.'''
         def on_step_end(self, trainer):
-            time.sleep(0.7)
+            if trainer.state.global_step == 2:
+                (trainer.output_dir / "parked").touch()
+                threading.Event().wait(600)
 
-    callbacks_map['slow'] = Slow
+    callbacks_map['park_after_step_2'] = ParkAfterStep2
 """)
 
 
@@ -103,21 +108,23 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
 def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
     out = tmp_path / "resume"
     args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps", "6", "--save_steps", "2", "--callbacks", "slow"]
+        "--max_steps", "6", "--save_steps", "2", "--callbacks", "park_after_step_2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while not (out / "checkpoint-2" / "trainer_state.json").exists():
-            assert proc.poll() is None, "run ended before its first checkpoint"
-            assert time.time() < deadline
+        deadline = time.monotonic() + 240  # a guard against a run that never gets there
+        while not (out / "parked").exists():  # the run waits there, after step 2, until it is killed
+            assert proc.poll() is None, "run ended before step 2 ended"
+            assert time.monotonic() < deadline, "run never ended step 2"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    killed_at = max(r["step"] for r in _rows(out))
-    assert killed_at < 6
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # killed mid-run: steps 3 to 6 never ran
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     res = _cli(args + ["--resume_from_checkpoint", "latest"])
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r["step"] for r in _rows(out) if "loss" in r]
