@@ -236,6 +236,7 @@ def test_engine_greedy_outputs_equal_hf_generate(tiny_model_dir, lora):
         out[fast] = (first, second)
         assert not any(getattr(m, "merged", False) for m in engine.model.modules())  # merged for sampling only
     for asked, k in ((True, 0), (False, 1)):  # the first calls asked for logprobs, the stop-string calls did not
+        assert len(out[True][k]) == len(requests)
         for fast_resp, hf_resp in zip(out[True][k], out[False][k], strict=True):
             assert len(fast_resp.choices) == len(hf_resp.choices) == 2
             for a, b in zip(fast_resp.choices, hf_resp.choices, strict=True):
