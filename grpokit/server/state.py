@@ -150,6 +150,7 @@ class ServerState:
             "max_sync_timeout_s": o.max_sync_timeout_s,
             "weight_version": self.weight_version,
             "communicator": self.receiver.is_open,
+            "inflight_requests": self.inflight,  # load now; tests wait on it to act while a batch is served
         }
         if hasattr(self.engine, "info"):
             info.update(self.engine.info())

@@ -7,6 +7,7 @@ import math
 import textwrap
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +18,37 @@ PLUGIN = textwrap.dedent("""
         def __call__(self, completions, **kwargs):
             return [1.0 / (1 + len(c)) for c in completions]
 
-    class ContainsDigit(ORM):
-        '''Sparse 0/1 reward: many groups are all-equal, which dynamic sampling must resample.'''
+    class NoSignal(ORM):
+        '''Draw k (one scoring call: a window or a resampling round) scores 100 * k for every completion, so every
+        group is all-equal. From draw SIGNAL_FROM on, each completion adds its index: every group has a signal.
+        The score tells which draw a trained completion came from.'''
+        SIGNAL_FROM = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.draws = 0
+
         def __call__(self, completions, **kwargs):
-            return [float(any(ch.isdigit() for ch in c)) for c in completions]
+            self.draws += 1
+            signal = self.SIGNAL_FROM is not None and self.draws >= self.SIGNAL_FROM
+            return [100.0 * self.draws + (i if signal else 0) for i in range(len(completions))]
+
+    class SignalFromSecondDraw(NoSignal):
+        SIGNAL_FROM = 2
 
     orms['short_is_good'] = ShortIsGood
-    orms['contains_digit'] = ContainsDigit
+    orms['no_signal'] = NoSignal
+    orms['signal_from_second_draw'] = SignalFromSecondDraw
 """)
 
 COMBOS = [(loss, level) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-          for level in ("token", "sequence", "sequence_token")] + [("sapo", "token")]
+          for level in ("token", "sequence", "sequence_token")] + [
+    ("sapo", "token"), ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")]
+CLIP_KEYS = {"cispo": {"cispo_clip_ratio"},  # only the upper cap clips (TRL's and ms-swift's name)
+             "sapo": set(),  # sapo gates softly and clips nothing
+             "vespo": {"vespo/phi_seq_mean"}}  # vespo weighs whole sequences instead of clipping
+PPO_CLIP_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+LOSS_TYPE_KEYS = PPO_CLIP_KEYS.union(*CLIP_KEYS.values())
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +72,178 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     return trainer, rows
 
 
+@pytest.fixture
+def micro_steps(monkeypatch) -> list[dict]:
+    """Each micro-step's tensors (advantages, mask, old/ref logps, the policy's logps at that moment, taken with
+    the trainer's own forward) and the loss and metrics the trainer computed from them."""
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    steps: list[dict] = []
+    compute = GRPOTrainer._compute_loss_and_metrics
+
+    def recording(self, model, inputs):
+        loss, metrics = compute(self, model, inputs)
+        with torch.no_grad():
+            logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
+        steps.append({"loss": float(loss.detach()), "metrics": {k: float(v) for k, v in metrics.items()},
+                      "logps": logps.float().cpu(), "old": inputs.old_logps, "ref": inputs.ref_logps,
+                      "adv": inputs.advantages, "mask": inputs.completion_mask})
+        return loss, metrics
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss_and_metrics", recording)
+    return steps
+
+
+def _reference_loss(cfg, step: dict) -> tuple[float, dict[str, float]]:
+    """One micro-step's loss and metrics from its tensors, written out per loss type and level (grpokit/algorithms/
+    losses.py's docstring) for one process and one micro-step per optimizer step."""
+    mask = step["mask"]
+    keep = mask > 0
+    lp, old, ref = (torch.where(keep, step[k], 0.0) for k in ("logps", "old", "ref"))
+    adv = step["adv"][:, None]
+    n = mask.sum(1)
+    if cfg.importance_sampling_level == "token":
+        r = torch.exp(lp - old)
+    else:  # sequence ([B, 1]) and sequence_token ([B, T]): the value is exp(mean token log ratio) of the sequence
+        r = torch.exp(((lp - old) * mask).sum(1) / n.clamp(min=1))[:, None]
+        r = r if cfg.importance_sampling_level == "sequence" else r.expand_as(lp)
+    logged = {}
+    if cfg.loss_type == "cispo":
+        per_token = -torch.clamp(r, max=cfg.epsilon_high) * adv * lp
+        logged["cispo_clip_ratio"] = (r > cfg.epsilon_high) & (adv > 0)
+    elif cfg.loss_type == "vespo":  # φ(W) = e^λ·W^k·e^(−λW), W = Π_t r_t of the sequence; (k, λ) by the sign of A
+        log_w = ((lp - old) * mask).sum(1, keepdim=True)
+        k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
+        lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        per_token = -phi * adv * lp
+        logged["vespo/phi_seq_mean"] = phi  # [B, 1]
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
+        per_token = -torch.sigmoid(tau * (r - 1)) * 4 / tau * adv
+    else:
+        per_token = -torch.min(r * adv, torch.clamp(r, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv)
+        low, high = (r < 1 - cfg.epsilon_low) & (adv < 0), (r > 1 + cfg.epsilon_high) & (adv > 0)
+        logged = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    per_token = (per_token + cfg.beta * kl) * mask
+    if cfg.loss_type in ("grpo", "sapo"):  # per-sequence mean, then batch mean
+        loss = (per_token.sum(1) / n.clamp(min=1)).mean()
+    elif cfg.loss_type == "dr_grpo":  # a constant: batch size × max completion length
+        loss = per_token.sum() / (len(mask) * cfg.max_completion_length)
+    elif cfg.loss_type == "luspo":  # each sequence's loss × its length, mean over the batch
+        loss = per_token.sum() / len(mask)
+    else:  # bnpo: the micro-batch's tokens; dapo, cispo, vespo: the optimizer step's tokens, the same here
+        loss = per_token.sum() / mask.sum()
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x.float() * mask).sum() / mask.sum())
+
+    def ratio_mean(x: torch.Tensor) -> float:
+        """A value per sequence ([B, 1]: the sequence-level ratio and its clip decisions, vespo's φ) is averaged
+        over the sequences (TRL's global_masked_mean); a per-token value ([B, T]) over the trained tokens."""
+        return float(x.float().mean()) if x.shape[1] == 1 else mean(x)
+
+    return float(loss), {"is_ratio/mean": ratio_mean(r), "kl": mean(kl),
+                         **{k: ratio_mean(v) for k, v in logged.items()}}
+
+
 @pytest.mark.parametrize("loss_type, level", COMBOS)
-def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugin, loss_type, level):
-    # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts
-    _, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
-                     ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04"])
+def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps, loss_type, level):
+    """Each variant computes its own loss: per micro-step, the trainer's loss and metrics equal the variant's
+    formula on the same tensors, its clip metrics (and only those) are logged, the ratio acts once the policy
+    moved, and the policy moved."""
+    # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts.
+    # The stop string ends completions at different lengths, which the normalisers weigh differently.
+    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
+                           ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04",
+                            "--stop_words", "e"])
+    cfg = trainer.loss_cfg
+    assert (cfg.loss_type, cfg.importance_sampling_level, cfg.beta) == (loss_type, level, 0.04)
+    assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
+    assert all(len(set(s["mask"].sum(1).tolist())) > 1 for s in micro_steps)  # lengths vary in each micro-batch
+    clip_keys = CLIP_KEYS.get(loss_type, PPO_CLIP_KEYS)
+    for row, step in zip(rows, micro_steps, strict=True):
+        loss, metrics = _reference_loss(cfg, step)
+        assert step["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+        assert set(step["metrics"]) == set(metrics) == {"is_ratio/mean", "kl", *clip_keys}
+        for key, value in metrics.items():
+            assert step["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        assert row["loss"] == pytest.approx(step["loss"], abs=2e-6)  # the step's log is its one micro-step
+        assert {k for k in row if k in LOSS_TYPE_KEYS} == clip_keys  # logged, and no other type's
+    on_policy, off_policy = micro_steps
+    mask = on_policy["mask"].bool()
+    assert (on_policy["logps"] - on_policy["old"])[mask].abs().max() < 1e-5  # ratio 1 before any update
+    assert on_policy["metrics"]["kl"] < 1e-6  # the policy is the reference
+    mask = off_policy["mask"].bool()
+    assert (off_policy["logps"] - off_policy["old"])[mask].abs().max() > 1e-4  # one update later the ratio acts
+    assert off_policy["metrics"]["kl"] > 0
+    policy = dict(trainer.policy.named_parameters())
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(not policy[n].detach().equal(ref[n]) for n in ref if n.endswith("q_proj.weight"))  # it trained
+
+
+@pytest.mark.parametrize("reward, draws, rounds, without_signal, trained_draw", [
+    ("signal_from_second_draw", 2, 1, 0.0, 2),  # window 1 has no signal; the first resampling round replaces it
+    ("no_signal", 3, 2, 2.0, 1),  # max_resample_times rounds, none with a signal: the window's own groups train
+])
+def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin, reward,
+                                                          draws, rounds, without_signal, trained_draw):
+    out = tmp_path / "dyn"
+    trainer, rows = _train(tiny_model_dir, math_jsonl, out, plugin,
+                           ["--reward_funcs", reward, "--dynamic_sample", "true", "--max_resample_times", "2",
+                            "--beta", "0", "--log_completions", "true"])
+    assert trainer.reward_runner.funcs[0].draws == draws  # one window, then a rollout per resampling round
+    assert trainer.state.prompts_consumed == 2 * draws  # each round drew the next window's 2 prompts
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert math.isfinite(r["loss"])
-        assert {"kl", "reward", "advantages/mean"} <= set(r)
-        if loss_type == "cispo":  # only the upper cap clips
-            assert "cispo_clip_ratio" in r
-        elif loss_type != "sapo":  # sapo gates softly and clips nothing
-            assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= set(r)
+    for r in rows:  # both steps train on the one window
+        assert r["dynamic_sampling/rounds"] == rounds
+        assert r["dynamic_sampling/groups_without_signal"] == without_signal
+        assert r["frac_reward_zero_std"] == without_signal / 2
+    trained = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(trained) == 8 and {c["step"] for c in trained} == {1}
+    assert {int(c[reward] // 100) for c in trained} == {trained_draw}  # the groups that trained came from there
+    groups: dict[str, list[float]] = {}
+    for c in trained:
+        groups.setdefault(c["prompt"], []).append(c[reward])
+    assert sorted(len(g) for g in groups.values()) == [4, 4]
+    assert all((len(set(g)) > 1) == (without_signal == 0) for g in groups.values())
 
 
-def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin):
-    _, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "dyn", plugin,
-                     ["--reward_funcs", "contains_digit", "--dynamic_sample", "true", "--max_resample_times", "2",
-                      "--beta", "0"])
-    assert all(math.isfinite(r["loss"]) for r in rows)
-    assert all("dynamic_sampling/rounds" in r and "dynamic_sampling/groups_without_signal" in r for r in rows)
+def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_path, plugin, monkeypatch):
+    """β·Σ_t(log π_old − log π_ref) is subtracted from each completion's reward before the advantages, and the
+    loss has no KL term. Two windows of one step: no penalty while the policy is the reference, one after."""
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
 
+    windows: list[dict] = []
+    prepare, advantages = GRPOTrainer._prepare_batch_inputs, GRPOTrainer._compute_advantages
 
-def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_path, plugin):
+    def record_batch(self, requests, outputs):
+        batch = prepare(self, requests, outputs)
+        windows.append({"old": batch.old_logps, "ref": batch.ref_logps, "mask": batch.completion_mask})
+        return batch
+
+    def record_rewards(self, outputs, rewards_per_func, penalty=None):
+        windows[-1].update(raw=rewards_per_func.clone(), penalty=penalty)
+        return advantages(self, outputs, rewards_per_func, penalty)
+
+    monkeypatch.setattr(GRPOTrainer, "_prepare_batch_inputs", record_batch)
+    monkeypatch.setattr(GRPOTrainer, "_compute_advantages", record_rewards)
     trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "klr", plugin,
-                           ["--kl_in_reward", "true", "--beta", "0.1"])
-    assert trainer.loss_cfg.beta == 0.0  # no KL term in the loss
-    assert all(math.isfinite(r["loss"]) for r in rows)
+                           ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"])
+    assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1
+    assert trainer.ref_model is not None  # kept for the penalty
+    assert [r["step"] for r in rows] == [1, 2] and len(windows) == 2
+    assert not any("kl" in r for r in rows)  # no KL term in the loss
+    for row, w in zip(rows, windows, strict=True):
+        expected = 0.1 * ((w["old"] - w["ref"]) * w["mask"]).sum(1)
+        torch.testing.assert_close(w["penalty"], expected)
+        assert row["rewards/short_is_good/mean"] == pytest.approx(float(w["raw"].mean()), abs=2e-6)
+        assert row["reward"] == pytest.approx(float((w["raw"].sum(1) - w["penalty"]).mean()), abs=2e-6)
+    first, second = windows
+    assert first["penalty"].abs().max() < 1e-6  # the policy is still the reference
+    assert second["penalty"].abs().max() > 1e-4  # after one update the reward pays for the distance
+    assert rows[1]["reward"] != pytest.approx(rows[1]["rewards/short_is_good/mean"], abs=1e-5)
 
 
 def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path, plugin):
@@ -99,7 +264,8 @@ def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path
     (["--scale_rewards", "gdpo", "--kl_in_reward", "true"], "gdpo"),
     (["--epsilon", "-0.1"], "--epsilon"),
     (["--top_entropy_quantile", "1.5"], "top_entropy_quantile"),
-    (["--loss_type", "sapo", "--importance_sampling_level", "sequence"], "sapo"),
+    (["--loss_type", "vespo", "--rollout_importance_sampling_mode", "sequence_mask"], "vespo"),
+    (["--loss_type", "vespo", "--vespo_lambda_pos", "0"], "--vespo_lambda_pos"),
 ])
 def test_invalid_combinations_fail_at_start(tiny_model_dir, math_jsonl, extra, needle):
     from grpokit.config.parse import parse_train_args

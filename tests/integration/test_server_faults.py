@@ -80,35 +80,56 @@ def test_client_with_the_key_works_and_without_it_is_told_why(guarded):
         RolloutClient(base_urls=[guarded.url], api_key="wrong", timeout=10)
 
 
+# Guards against a hang only: each wait below ends on an event long before, and the client's own timeout
+# (CLIENT_TIMEOUT_S) is far beyond them, so an error that came only when the client gave up reads as a hang.
+GUARD_S = 120.0
+CLIENT_TIMEOUT_S = 1200.0
+
+
+def _inflight(server) -> int:
+    return httpx.get(server.url + "/get_engine_type/", timeout=10).json()["inflight_requests"]
+
+
+def _in_thread(fn) -> tuple[threading.Event, dict]:
+    """Run ``fn`` in a daemon thread; the event is set when it returned or raised (the error under 'error')."""
+    done, caught = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - inspected by the caller
+            caught["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, caught
+
+
 def test_server_killed_mid_use_raises_server_error_without_hanging(tiny, tmp_path):
-    timeout = 30.0
     with rollout_server(tiny, tmp_path) as server:
-        client = RolloutClient(base_urls=[server.url], timeout=timeout, backoff_s=0.2)
+        client = RolloutClient(base_urls=[server.url], timeout=CLIENT_TIMEOUT_S, backoff_s=0.2)
         model = torch.nn.Linear(2, 2)  # never reaches the server: the sync fails on the first call
         requests = [RolloutInferRequest(**_msg(f"long {i}")) for i in range(64)]
-        caught: dict = {}
-
-        def run() -> None:
-            try:
-                client.infer_trajectories(requests, RequestConfig(max_tokens=1000, temperature=1.0))
-            except Exception as e:  # noqa: BLE001 - inspected below
-                caught["error"] = e
-            caught["t"] = time.monotonic()
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        time.sleep(1.5)  # the batch is generating now
-        killed_at = time.monotonic()
+        done, caught = _in_thread(lambda: client.infer_trajectories(
+            requests, RequestConfig(max_tokens=1000, temperature=1.0)))
+        # kill only once the server is inside /infer/ with the whole batch (it answers while it generates)
+        deadline = time.monotonic() + GUARD_S
+        while _inflight(server) != len(requests):
+            assert not done.is_set(), f"the batch ended before the server was seen serving it: {caught}"
+            assert time.monotonic() < deadline, "the server never took the batch"
+            time.sleep(0.02)
         server.proc.kill()
-        worker.join(timeout + 10)
-        assert not worker.is_alive(), "the client hung after the server died"
+        server.proc.wait(timeout=30)
+        assert done.wait(GUARD_S), "the client hung after the server died"
+        error = caught.get("error")
+        assert isinstance(error, ServerError), caught
+        assert f"127.0.0.1:{server.port}" in str(error)
+        assert "did not finish" not in str(error), error  # the dropped connection ended it, not the timeout
+        done, caught = _in_thread(lambda: client.sync_weights(model))
+        assert done.wait(GUARD_S), "the weight sync hung on the dead server"
         assert isinstance(caught.get("error"), ServerError), caught
-        assert f"127.0.0.1:{server.port}" in str(caught["error"])
-        assert caught["t"] - killed_at < timeout
-        t0 = time.monotonic()
-        with pytest.raises(ServerError, match=f"127.0.0.1:{server.port}"):
-            client.sync_weights(model)
-        assert time.monotonic() - t0 < timeout
+        assert f"127.0.0.1:{server.port}" in str(caught["error"]) and "did not finish" not in str(caught["error"])
         client._http.close()
 
 

@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 PLUGIN = textwrap.dedent("""
-    import time
+    import threading
     from grpokit.rewards import ORM, orms
     from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
 
@@ -28,11 +28,16 @@ PLUGIN = textwrap.dedent("""
 
     orms['len_reward'] = LengthReward
 
-    class Slow(TrainerCallback):
+    class ParkAfterStep2(TrainerCallback):
+        '''After step 2 (its checkpoint and log row written) say so in a file and wait to be killed; a run
+        resumed from checkpoint-2 never ends step 2 and goes on. The wait ends by itself after 10 minutes, so
+        that a test that failed before killing leaves nothing running for good.'''
         def on_step_end(self, trainer):
-            time.sleep(0.7)
+            if trainer.state.global_step == 2:
+                (trainer.output_dir / "parked").touch()
+                threading.Event().wait(600)
 
-    callbacks_map['slow'] = Slow
+    callbacks_map['park_after_step_2'] = ParkAfterStep2
 """)
 
 
@@ -103,21 +108,23 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
 def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
     out = tmp_path / "resume"
     args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps", "6", "--save_steps", "2", "--callbacks", "slow"]
+        "--max_steps", "6", "--save_steps", "2", "--callbacks", "park_after_step_2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 240
-        while not (out / "checkpoint-2" / "trainer_state.json").exists():
-            assert proc.poll() is None, "run ended before its first checkpoint"
-            assert time.time() < deadline
+        deadline = time.monotonic() + 240  # a guard against a run that never gets there
+        while not (out / "parked").exists():  # the run waits there, after step 2, until it is killed
+            assert proc.poll() is None, "run ended before step 2 ended"
+            assert time.monotonic() < deadline, "run never ended step 2"
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    killed_at = max(r["step"] for r in _rows(out))
-    assert killed_at < 6
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # killed mid-run: steps 3 to 6 never ran
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     res = _cli(args + ["--resume_from_checkpoint", "latest"])
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r["step"] for r in _rows(out) if "loss" in r]
@@ -145,15 +152,30 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     from grpokit.trainers.factory import TrainerFactory
     from grpokit.trainers.grpo_trainer import GRPOTrainer
 
-    seen: dict = {"infer_calls": 0, "micro": [], "first_ratio": []}
+    seen: dict = {"infer_calls": 0, "windows": [], "micro": [], "first_ratio": []}
+
+    def rows(batch) -> list[tuple[list[int], list[float]]]:
+        """Each row's real tokens (padding dropped) and its completion mask up to its last trained token."""
+        out = []
+        for ids, att, cmask in zip(batch.input_ids, batch.attention_mask, batch.completion_mask, strict=True):
+            mask = cmask.tolist()
+            while mask and mask[-1] == 0:
+                mask.pop()
+            out.append((ids[att.bool()].tolist(), mask))
+        return out
 
     class Probe(GRPOTrainer):
         def _generate_completions(self, requests):
             seen["infer_calls"] += 1
             return super()._generate_completions(requests)
 
+        def _generate_and_score_completions(self, prompts, rollout=None):
+            batch = super()._generate_and_score_completions(prompts, rollout)
+            seen["windows"].append(rows(batch))
+            return batch
+
         def _compute_loss_and_metrics(self, model, inputs):
-            seen["micro"].append(inputs.input_ids.clone())
+            seen["micro"].append(rows(inputs))
             if inputs.old_logps is not None and len(seen["micro"]) % 4 == 1:
                 lp, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
                 mask = inputs.completion_mask.bool()
@@ -171,11 +193,15 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
     assert seen["infer_calls"] == 2  # 8 micro-steps, one rollout per 4
-    assert len(seen["micro"]) == 8
-    window = seen["micro"][:4]
-    for i in range(4):
-        for j in range(i + 1, 4):
-            assert not torch.equal(window[i], window[j]) if window[i].shape == window[j].shape else True
+    assert len(seen["windows"]) == 2 and len(seen["micro"]) == 8
+    # each window of 16 rows is trained as its 4 consecutive slices of 4, in order: every row once, none from
+    # another window, whatever padding each micro-batch was trimmed to
+    for w, window in enumerate(seen["windows"]):
+        assert len(window) == 16
+        micro = seen["micro"][4 * w:4 * w + 4]
+        assert [len(m) for m in micro] == [4, 4, 4, 4]
+        assert [row for m in micro for row in m] == window
+    assert seen["windows"][0] != seen["windows"][1]  # the second window is a new rollout
     # old logps are computed (the policy drifts inside the window) and equal the current ones on micro-step 1
     assert seen["first_ratio"] and max(seen["first_ratio"]) < 1e-5
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import pytest
@@ -234,13 +235,24 @@ def test_engine_greedy_outputs_equal_hf_generate(tiny_model_dir, lora):
         second = engine.infer(requests, RequestConfig(n=2, max_tokens=12, temperature=0, stop=[stop]))
         out[fast] = (first, second)
         assert not any(getattr(m, "merged", False) for m in engine.model.modules())  # merged for sampling only
-    for fast_resp, hf_resp in zip(out[True][0] + out[True][1], out[False][0] + out[False][1]):
-        for a, b in zip(fast_resp.choices, hf_resp.choices):
-            assert (a.token_ids, a.message, a.finish_reason) == (b.token_ids, b.message, b.finish_reason)
-            if a.logprobs:
+    for asked, k in ((True, 0), (False, 1)):  # the first calls asked for logprobs, the stop-string calls did not
+        assert len(out[True][k]) == len(requests)
+        for fast_resp, hf_resp in zip(out[True][k], out[False][k], strict=True):
+            assert len(fast_resp.choices) == len(hf_resp.choices) == 2
+            for a, b in zip(fast_resp.choices, hf_resp.choices, strict=True):
+                assert (a.token_ids, a.message, a.finish_reason) == (b.token_ids, b.message, b.finish_reason)
+                if not asked:
+                    assert a.logprobs is None and b.logprobs is None
+                    continue
+                # one logprob per generated token, for the token generated, on both paths
+                for c in (a, b):
+                    assert c.logprobs is not None
+                    assert [x["token_id"] for x in c.logprobs["content"]] == c.token_ids
                 lp_a = [x["logprob"] for x in a.logprobs["content"]]
                 lp_b = [x["logprob"] for x in b.logprobs["content"]]
-                assert lp_a == pytest.approx(lp_b, abs=1e-4)
+                assert all(math.isfinite(x) and x <= 0 for x in lp_a)
+                for x, y in zip(lp_a, lp_b, strict=True):
+                    assert x == pytest.approx(y, abs=1e-4)
     assert any(c.finish_reason == "stop" for r in out[True][1] for c in r.choices)
 
 

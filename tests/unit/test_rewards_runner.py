@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
+import threading
 
 import pytest
 import torch
@@ -59,21 +59,70 @@ def test_compute_shape_nan_and_kwargs_filtering():
     assert seen["solution"] == ["ab", "x", ""]
 
 
-def test_async_rewards_run_concurrently():
-    # One 1 s reward alone, then two 1 s rewards together: together must take < 1.5x the single time.
-    single = RewardRunner([Sleepy(1.0, 1.0)], ["a"])
-    start = time.perf_counter()
-    single.compute(["x", "y"], {})
-    t_single = time.perf_counter() - start
-    single.close()
+# Guards against a hang only: these tests wait on events, and a rendezvous that works never comes near them.
+GUARD_S = 30.0
 
-    pair = RewardRunner([Sleepy(1.0, 1.0), Sleepy(1.0, 2.0)], ["a", "b"])
-    start = time.perf_counter()
-    scores = pair.compute(["x", "y"], {})
-    t_pair = time.perf_counter() - start
-    pair.close()
-    assert scores.tolist() == [[1.0, 2.0], [1.0, 2.0]]
-    assert t_pair / t_single < 1.5, (t_single, t_pair)
+
+class Gate:
+    """Counts the calls inside at once, on the runner's event loop (one thread: no lock needed)."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties, self.active, self.most = parties, 0, 0
+        self.all_in = asyncio.Event()
+
+
+class Meet(AsyncORM):
+    """Scores only once every party of its gate is inside at the same time. Awaited one after the other, the
+    first call could never see the second arrive: it gives up after GUARD_S with a RewardError (which the runner
+    re-raises as it is, without calling again per sample)."""
+
+    def __init__(self, gate: Gate, value: float) -> None:
+        super().__init__()
+        self.gate, self.value = gate, value
+
+    async def __call__(self, completions, **kwargs):
+        g = self.gate
+        g.active += 1
+        g.most = max(g.most, g.active)
+        if g.active == g.parties:
+            g.all_in.set()
+        try:
+            await asyncio.wait_for(g.all_in.wait(), GUARD_S)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+            raise RewardError(f"only {g.active} of {g.parties} async rewards ever ran at once") from None
+        finally:
+            g.active -= 1
+        return [self.value] * len(completions)
+
+
+def test_async_rewards_run_concurrently():
+    gate = Gate(parties=3)
+    with RewardRunner([Meet(gate, 1.0), Meet(gate, 2.0), Meet(gate, 3.0)], ["a", "b", "c"]) as runner:
+        scores = runner.compute(["x", "y"], {})
+    assert scores.tolist() == [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
+    assert gate.most == 3 and gate.active == 0  # all three were inside at once, and all left
+
+
+def test_async_rewards_run_while_the_sync_ones_do():
+    """The async judge is started before the sync rewards run and is still running when they finish: the sync
+    reward sees it inside, and it sees the sync reward finish before it returns."""
+    judge_in, rule_done = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    async def judge(completions, **kwargs):
+        judge_in.set()
+        seen["judge saw the rule finish"] = await asyncio.to_thread(rule_done.wait, GUARD_S)
+        return [1.0] * len(completions)
+
+    def rule(completions, **kwargs):
+        seen["rule saw the judge inside"] = judge_in.wait(GUARD_S)
+        rule_done.set()
+        return [0.5] * len(completions)
+
+    with RewardRunner([rule, judge], ["rule", "judge"]) as runner:
+        scores = runner.compute(["x"], {})
+    assert scores.tolist() == [[0.5, 1.0]]
+    assert seen == {"rule saw the judge inside": True, "judge saw the rule finish": True}
 
 
 def test_loop_thread_is_long_lived_and_closes():
