@@ -1,7 +1,7 @@
 """Trainer side of server mode: ``RolloutClient`` talks HTTP to one or several ``grpokit rollout`` servers.
 
 It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``reset_prefix_cache``, ``close``) and
-returns whole trajectories with ``infer_trajectories``; ``RemoteScheduler`` wraps it so that the trainer, which
+returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so that the trainer, which
 only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
 
 Requests are split across servers keeping each ``prompt_id`` group on one server, sent in parallel, and the
@@ -25,14 +25,15 @@ from typing import Any
 import httpx
 
 from grpokit.engines.base import InferEngine
+from grpokit.engines.weight_sender import WeightSender
+from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     RequestConfig,
     RolloutInferRequest,
     RolloutOutput,
 )
-from grpokit.rollout.scheduler import RolloutScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,6 @@ class RolloutClient(InferEngine):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=self._headers, timeout=self.timeout)
         self._infos: list[dict] | None = None
-        from grpokit.server.weight_sender import WeightSender
 
         post = lambda i, path, body, t: self._request(i, "POST", path, body, timeout=t, retries=0)  # noqa: E731
         self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout)
@@ -309,14 +309,11 @@ class RolloutClient(InferEngine):
 
     def sync_weights(self, model) -> None:
         """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
-        from grpokit.engines.weights import iter_sync_weights
-
         if _dist_rank() != 0:  # only rank 0 sends; sharded (DTensor) weights still need every rank to gather
             if any(hasattr(p, "full_tensor") for p in model.parameters()):
                 for _ in iter_sync_weights(model):
                     pass
             return
-        from grpokit.server.weight_sync import parse_dtype
 
         dtypes = {info.get("torch_dtype") for info in self._all_infos()}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
@@ -349,25 +346,6 @@ class RolloutClient(InferEngine):
         servers_gpu = all(str(info.get("device", "cpu")).startswith("cuda") for info in self._all_infos())
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return "nccl" if on_gpu and servers_gpu and nccl else "gloo"
-
-
-class RemoteScheduler(RolloutScheduler):
-    """The trainer's scheduler in server mode: every trajectory (single- or multi-turn) runs on the servers."""
-
-    def __init__(self, client: RolloutClient, **kwargs) -> None:
-        super().__init__(infer_engine=client, **kwargs)
-
-    @property
-    def uses_env_reward(self) -> bool:  # the server's scheduler decides (e.g. gym_scheduler)
-        return bool(self.infer_engine.engine_info().get("uses_env_reward", False))
-
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> list[RolloutOutput]:
-        return await self.infer_engine.infer_trajectories_async([infer_request], request_config)
-
-    async def async_infer(self, requests: Sequence[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
-        return await self.infer_engine.infer_trajectories_async(requests, request_config)
 
 
 def _run(coro):

@@ -14,7 +14,7 @@ from grpokit.engines.fast_decode import FastDecoder, Unsupported, sampling_proce
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

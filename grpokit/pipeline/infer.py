@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 
 
 @dataclass

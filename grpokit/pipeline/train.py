@@ -119,7 +119,7 @@ def run_train(cfg: TrainConfig):
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
-        from grpokit.engines.client import RemoteScheduler
+        from grpokit.rollout.remote import RemoteScheduler
 
         scheduler = RemoteScheduler(engine)  # multi-turn runs inside the server, with its own scheduler
     else:

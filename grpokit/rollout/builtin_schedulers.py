@@ -23,7 +23,7 @@ from typing import Any
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.rollout.env import Env, envs
 from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,

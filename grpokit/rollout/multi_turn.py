@@ -24,7 +24,7 @@ from typing import Any
 
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.registry import Registry
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

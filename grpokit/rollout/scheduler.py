@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     RequestConfig,
     RolloutInferRequest,

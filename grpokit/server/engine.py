@@ -14,9 +14,8 @@ import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
-from grpokit.server.bodies import TensorMeta
-from grpokit.server.weight_sync import dtype_name, parse_dtype
+from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
+from grpokit.wire.weights import TensorMeta, dtype_name, parse_dtype
 
 # The event of the HTTP call being served (set when its client disconnects); the app sets it around each call.
 CANCEL: ContextVar[threading.Event | None] = ContextVar("grpokit_cancel", default=None)

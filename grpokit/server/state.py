@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from grpokit.errors import ConfigError
-from grpokit.server.bodies import MAX_SYNC_TIMEOUT_S
+from grpokit.wire.weights import MAX_SYNC_TIMEOUT_S
 
 
 @dataclass

@@ -12,7 +12,8 @@ import torch
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
-from grpokit.engines.client import RemoteScheduler, RolloutClient
+from grpokit.engines.client import RolloutClient
+from grpokit.rollout.remote import RemoteScheduler
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.pipeline.models import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest

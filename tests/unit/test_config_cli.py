@@ -274,7 +274,8 @@ def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monk
     from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
-    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization")
+    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization",
+                            memory_default=0.3)
     with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
         _warn_if_memory_ignored(settings, torch.device("cpu"))
     expected = (f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
