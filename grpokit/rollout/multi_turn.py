@@ -305,5 +305,3 @@ def build_scheduler(rollout_args, tokenizer) -> MultiTurnScheduler:
     cls = multi_turns.get_or_raise(rollout_args.multi_turn_scheduler)
     return cls(infer_engine=None, max_turns=rollout_args.max_turns, tokenizer=tokenizer, rollout_args=rollout_args)
 
-
-from grpokit.rollout import builtin_schedulers  # noqa: E402,F401 - registers the built-ins in multi_turns
