@@ -13,7 +13,6 @@ outputs come back in request order. Every call has a timeout; connect errors, dr
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.engines.weights import iter_sync_weights
@@ -287,14 +287,14 @@ class RolloutClient(InferEngine):
     def infer_trajectories(self, requests: Sequence[RolloutInferRequest],
                            config: RequestConfig) -> list[RolloutOutput]:
         """Synchronous ``infer_trajectories_async``."""
-        return _run(self.infer_trajectories_async(requests, config))
+        return run_sync(self.infer_trajectories_async(requests, config))
 
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         """One response per request with ``config.n`` choices (each choice is one trajectory's last turn)."""
         n = config.n
         single = config.model_copy(update={"n": 1})
         copies = [r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests for _ in range(n)]
-        tagged = _run(self._infer_positions(copies, single))
+        tagged = run_sync(self._infer_positions(copies, single))
         by_copy: dict[int, RolloutOutput] = {}
         for pos, out in tagged:
             by_copy.setdefault(pos, out)
@@ -347,16 +347,6 @@ class RolloutClient(InferEngine):
         servers_gpu = all(str(info.get("device", "cpu")).startswith("cuda") for info in self._all_infos())
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return "nccl" if on_gpu and servers_gpu and nccl else "gloo"
-
-
-def _run(coro):
-    """Run a coroutine to completion from sync code, also when an event loop is already running here."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _dist_rank() -> int:
