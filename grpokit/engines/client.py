@@ -13,15 +13,17 @@ outputs come back in request order. Every call has a timeout; connect errors, dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
 
 from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
@@ -41,7 +43,6 @@ logger = logging.getLogger(__name__)
 RETRY_STATUS = {429, 502, 503, 504}
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                 httpx.WriteError, httpx.PoolTimeout)
-_RETRY = object()  # marker: the answer asks for another attempt
 
 
 @dataclass(frozen=True)
@@ -78,33 +79,63 @@ def endpoints_from(base_urls: Sequence[str] = (), hosts: Sequence[str] = (),
     return [Endpoint(f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}") for h, p in zip(hosts, ports)]
 
 
+class _Transient(Exception):
+    """A failure worth another attempt: a busy or unavailable status, or a dropped connection."""
+
+    def __init__(self, problem: Any) -> None:
+        super().__init__(_describe(problem))
+        self.problem = problem
+
+
 class _Attempts:
-    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``."""
+    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``; tenacity
+    runs the attempts (``Retrying(**att.policy())``), this class decides what is transient and what to say."""
 
     def __init__(self, ep: Endpoint, what: str, timeout_s: float, retries: int, backoff_s: float) -> None:
         self.ep, self.what, self.timeout_s, self.retries, self.backoff_s = ep, what, timeout_s, retries, backoff_s
         self.start = time.monotonic()
         self.deadline = self.start + timeout_s
-        self.failures = 0
 
     def remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.5)
 
-    def wait_after(self, problem: Any) -> float:
-        """Seconds to sleep before the next attempt; raises ServerError when no attempt is left."""
-        self.failures += 1
-        wait = self.backoff_s * 2 ** (self.failures - 1)
-        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
-        if (self.failures > self.retries and not busy) or time.monotonic() + wait >= self.deadline:
-            raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {self.failures} "
-                              f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(problem)}); check "
-                              f"that `grpokit rollout` is running there and reachable")
-        return wait
+    def policy(self) -> dict[str, Any]:
+        """Keyword arguments of ``tenacity.Retrying``/``AsyncRetrying``."""
+        return {"retry": retry_if_exception_type(_Transient), "stop": self._stop, "wait": self._wait,
+                "retry_error_callback": self._give_up}
 
-    def outcome(self, resp: httpx.Response) -> Any:
-        """The JSON answer, ``_RETRY`` for a transient status, or ServerError for a refusal."""
+    def _wait(self, rs: RetryCallState) -> float:
+        return self.backoff_s * 2 ** (rs.attempt_number - 1)
+
+    def _stop(self, rs: RetryCallState) -> bool:
+        problem = rs.outcome.exception().problem
+        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
+        return (rs.attempt_number > self.retries and not busy) or time.monotonic() + self._wait(rs) >= self.deadline
+
+    def _give_up(self, rs: RetryCallState) -> Any:
+        error = rs.outcome.exception()
+        raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {rs.attempt_number} "
+                          f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(error.problem)}); check "
+                          f"that `grpokit rollout` is running there and reachable") from error
+
+    @contextlib.contextmanager
+    def translating(self) -> Iterator[None]:
+        """httpx's errors as grpokit's: transient ones to retry, a timeout or a refusal as ServerError."""
+        try:
+            yield
+        except RETRY_ERRORS as e:
+            raise _Transient(e) from e
+        except httpx.TimeoutException as e:
+            raise ServerError(f"rollout server {self.ep.label} did not finish {self.what} within "
+                              f"{self.timeout_s:g}s ({_describe(e)}); raise --vllm_server_timeout or send smaller "
+                              "batches") from e
+        except httpx.HTTPError as e:
+            raise ServerError(f"rollout server {self.ep.label}: {self.what} failed ({_describe(e)})") from e
+
+    def answer(self, resp: httpx.Response) -> Any:
+        """The JSON answer; ``_Transient`` for a transient status; ServerError for a refusal."""
         if resp.status_code in RETRY_STATUS:
-            return _RETRY
+            raise _Transient(resp)
         if resp.status_code >= 400:
             raise ServerError(f"rollout server {self.ep.label} refused {self.what}: {_describe(resp)}")
         try:
@@ -112,10 +143,6 @@ class _Attempts:
         except ValueError as e:
             raise ServerError(f"rollout server {self.ep.label} answered {self.what} with non-JSON "
                               f"({resp.text[:80]!r})") from e
-
-    def timed_out(self, e: Exception) -> ServerError:
-        return ServerError(f"rollout server {self.ep.label} did not finish {self.what} within {self.timeout_s:g}s "
-                           f"({_describe(e)}); raise --vllm_server_timeout or send smaller batches")
 
 
 def _describe(problem: Any) -> str:
@@ -185,38 +212,16 @@ class RolloutClient(InferEngine):
         ep = self.endpoints[i]
         att = _Attempts(ep, f"{method} {path}", self.timeout if timeout is None else timeout,
                         self.max_retries if retries is None else retries, self.backoff_s)
-        while True:
-            try:
-                resp = self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining())
-                result = att.outcome(resp)
-                if result is not _RETRY:
-                    return result
-                problem: Any = resp
-            except RETRY_ERRORS as e:
-                problem = e
-            except httpx.TimeoutException as e:
-                raise att.timed_out(e) from e
-            except httpx.HTTPError as e:
-                raise ServerError(f"rollout server {ep.label}: {method} {path} failed ({_describe(e)})") from e
-            time.sleep(att.wait_after(problem))
+        for attempt in Retrying(**att.policy()):
+            with attempt, att.translating():
+                return att.answer(self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining()))
 
     async def _request_async(self, http: httpx.AsyncClient, i: int, path: str, body: Any) -> Any:
         ep = self.endpoints[i]
         att = _Attempts(ep, f"POST {path}", self.timeout, self.max_retries, self.backoff_s)
-        while True:
-            try:
-                resp = await http.post(ep.base_url + path, json=body, timeout=att.remaining())
-                result = att.outcome(resp)
-                if result is not _RETRY:
-                    return result
-                problem: Any = resp
-            except RETRY_ERRORS as e:
-                problem = e
-            except httpx.TimeoutException as e:
-                raise att.timed_out(e) from e
-            except httpx.HTTPError as e:
-                raise ServerError(f"rollout server {ep.label}: POST {path} failed ({_describe(e)})") from e
-            await asyncio.sleep(att.wait_after(problem))
+        async for attempt in AsyncRetrying(**att.policy()):
+            with attempt, att.translating():
+                return att.answer(await http.post(ep.base_url + path, json=body, timeout=att.remaining()))
 
     def wait_for_server(self, timeout: float | None = None) -> None:
         """Poll ``/health/`` on every server until it answers; ServerError naming host:port after ``timeout``."""
