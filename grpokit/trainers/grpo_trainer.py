@@ -25,7 +25,8 @@ from grpokit.algorithms import (
     selective_log_softmax,
 )
 from grpokit.config.args import TrainConfig
-from grpokit.config.parse import batch_plan, loss_config
+from grpokit.config.plan import batch_plan
+from grpokit.config.validate import loss_config
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.loop_setup import LoopSetupMixin

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config.parse import checkpoint_dirs, earlier_run_checkpoints
+from grpokit.config.plan import checkpoint_dirs, earlier_run_checkpoints
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
