@@ -104,7 +104,7 @@ class VllmEngine(InferEngine):
 
     def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None) -> None:
         super().__init__()
-        from grpokit.pipeline.models import load_tokenizer, resolve_dtype_name
+        from grpokit.modeling import load_tokenizer, resolve_dtype_name
         from grpokit.template.encode import ChatTemplate
 
         self.settings = s = settings or VllmSettings()

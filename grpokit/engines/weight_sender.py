@@ -22,14 +22,8 @@ import torch
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors
 from grpokit.errors import ServerError
 from grpokit.wire.group import Communicator, local_address_towards
-from grpokit.wire.weights import (
-    MAX_SYNC_TIMEOUT_S,
-    InitCommunicatorBody,
-    UpdateWeightsBody,
-    WeightBucket,
-    pack,
-    plan_buckets,
-)
+from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
+from grpokit.wire.weights import pack, plan_buckets
 
 logger = logging.getLogger(__name__)
 

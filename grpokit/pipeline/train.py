@@ -13,7 +13,8 @@ from grpokit.data.loading import load_train_val
 from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
-from grpokit.pipeline.models import load_causal_lm, load_policy, load_tokenizer, resolve_model_path, torch_dtype
+from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
+from grpokit.pipeline.models import load_policy, resolve_model_path
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins

@@ -24,7 +24,7 @@ from grpokit.server.errors import ErrorMiddleware, error_body, install_error_han
 from grpokit.server.guard import GuardMiddleware
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
-from grpokit.wire.weights import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
+from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does

@@ -15,7 +15,8 @@ import torch
 
 from grpokit.errors import ServerError
 from grpokit.wire.group import Communicator, first_line, local_address_towards
-from grpokit.wire.weights import InitCommunicatorBody, UpdateWeightsBody, unpack
+from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
+from grpokit.wire.weights import unpack
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ class LoopSetupMixin:
 
         t, m = self.args, self.cfg.model
         report = [r for r in t.report_to if r != "none"]
-        from grpokit.pipeline.models import resolve_dtype_name
+        from grpokit.modeling import resolve_dtype_name
 
         wants_bf16 = resolve_dtype_name(m.torch_dtype) == "bfloat16"
         mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"

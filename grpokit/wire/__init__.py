@@ -12,7 +12,7 @@ byte offsets), then one broadcast per bucket of a flat ``uint8`` tensor of at mo
 (a single tensor larger than that travels alone). Each tensor starts at a 16-byte aligned offset so that the
 receiver can view the bytes as the tensor's dtype without a copy, then ``param.data.copy_`` it in place.
 
-The metadata is validated whole before any broadcast (``wire.weights`` and the served engine's ``check_weights``).
+The metadata is validated whole before any broadcast (``wire.bodies`` and the served engine's ``check_weights``).
 The receiver's rendezvous runs in a thread of its own under a server-side deadline (c10d can wait forever on a
 store that accepts and never answers), and its lock covers only the swap of a finished group.
 """

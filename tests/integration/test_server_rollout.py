@@ -15,7 +15,7 @@ from grpokit.config.parse import parse_train_args
 from grpokit.engines.client import RolloutClient
 from grpokit.rollout.remote import RemoteScheduler
 from grpokit.engines.transformers_engine import TransformersEngine
-from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.template.encode import ChatTemplate

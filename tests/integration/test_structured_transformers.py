@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
-from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
@@ -91,8 +91,7 @@ def test_invalid_constraints_are_config_errors(engine):
 def test_server_answers_400_for_an_invalid_regex_and_keeps_serving(tiny_model_dir):
     from grpokit.rollout.scheduler import RolloutScheduler
     from grpokit.server.app import create_app
-    from grpokit.server.engine import build_served_engine
-    from grpokit.server.state import ServerOptions, ServerState
+    from grpokit.server.state import ServerOptions, ServerState, build_served_engine
 
     engine = build_served_engine("transformers", str(tiny_model_dir), "float32")
     state = ServerState(ServerOptions(model=str(tiny_model_dir)), engine, RolloutScheduler(engine))
