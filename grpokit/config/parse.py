@@ -17,6 +17,7 @@ import yaml
 from grpokit.config.args import ALL_GROUPS, TrainConfig
 from grpokit.config.names import REGISTRIES, help_suffix
 from grpokit.errors import ConfigError
+from grpokit.plugins.loader import load_plugins_once
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ def _load_plugins_for_help(argv: list[str]) -> None:
     pre.add_argument("--external_plugins", "--external-plugins", nargs="*", default=[])
     known, _ = pre.parse_known_args(argv)
     if known.external_plugins:
-        from grpokit.plugins.loader import load_plugins_once
-
         load_plugins_once(known.external_plugins)
 
 

@@ -26,12 +26,14 @@ from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.weights import is_peft_model, iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
+from grpokit.modeling import load_tokenizer, resolve_dtype_name
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,
 )
+from grpokit.template.encode import ChatTemplate
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -104,9 +106,6 @@ class VllmEngine(InferEngine):
 
     def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None) -> None:
         super().__init__()
-        from grpokit.modeling import load_tokenizer, resolve_dtype_name
-        from grpokit.template.encode import ChatTemplate
-
         self.settings = s = settings or VllmSettings()
         s.check()
         vllm = import_vllm()

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from grpokit.rewards import isolation, seccomp_filter
+from grpokit.rewards import grader, isolation, seccomp_filter
 from grpokit.rewards.isolation import live_sandbox_processes  # noqa: F401 (part of this module's API)
 from grpokit.rewards.sandbox_result import SandboxLimits, SandboxResult, classify  # noqa: F401 (SandboxLimits: API)
 
@@ -300,8 +300,6 @@ def run_python(
     rt = isolation.resolve(isolation_mode)
     if tests is None:
         return run_job(code, stdin=stdin, limits=limits, rt=rt)
-    from grpokit.rewards import grader
-
     plan = grader.plan_asserts(tests)
     res = run_job(code, steps=plan.steps, limits=limits, rt=rt)
     if res.status == "ok":

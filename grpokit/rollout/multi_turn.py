@@ -33,6 +33,7 @@ from grpokit.protocol import (
     choice_logprobs,
 )
 from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.encode import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +145,6 @@ class MultiTurnScheduler(RolloutScheduler):
         if self._template is None or self._template.tokenizer is not self.tokenizer:
             if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
                 return None
-            from grpokit.template.encode import ChatTemplate
-
             self._template = ChatTemplate(self.tokenizer)
         return self._template
 

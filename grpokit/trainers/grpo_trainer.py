@@ -17,6 +17,7 @@ import torch
 from grpokit.algorithms import (
     LossInputs,
     compute_policy_loss,
+    ema_update_,
     entropy_from_logits,
     entropy_mask,
     entropy_threshold,
@@ -276,8 +277,6 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
     def _refresh_ref_model(self) -> None:
         a = self.cfg.algorithm
         if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
-            from grpokit.algorithms import ema_update_
-
             ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
 
     def _call(self, event: str, *args) -> None:

@@ -14,6 +14,9 @@ import torch
 
 from grpokit.config.plan import checkpoint_dirs, earlier_run_checkpoints
 from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.modeling import resolve_dtype_name
+from grpokit.rewards.runner import RewardRunner
+from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.errors import ConfigError
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
@@ -34,8 +37,6 @@ class LoopSetupMixin:
 
         t, m = self.args, self.cfg.model
         report = [r for r in t.report_to if r != "none"]
-        from grpokit.modeling import resolve_dtype_name
-
         wants_bf16 = resolve_dtype_name(m.torch_dtype) == "bfloat16"
         mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
         self.accelerator = Accelerator(
@@ -114,8 +115,6 @@ class LoopSetupMixin:
         self._warned_no_signal = False
 
     def _setup_rewards(self, funcs, names, weights) -> None:
-        from grpokit.rewards.runner import RewardRunner
-
         funcs = list(funcs or [])
         self.reward_names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
         self._uses_env_reward = bool(getattr(self.scheduler, "uses_env_reward", False))
@@ -226,8 +225,6 @@ class LoopSetupMixin:
     # -- the end ---------------------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """Greedy completions on the validation set, scored with the reward functions."""
-        from grpokit.pipeline.infer import evaluate_rows
-
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
                                max_tokens=self.cfg.rollout.max_completion_length)
