@@ -12,8 +12,6 @@ from grpokit.server.bodies import InitCommunicatorBody, UpdateWeightsBody
 from grpokit.server.weight_sender import WeightSender
 from grpokit.server.weight_sync import WeightReceiver, pack, plan_buckets, unpack
 
-torch.set_num_threads(1)
-
 
 def test_plan_buckets_aligns_and_splits():
     # a: 3 float32 = 12 B at 0; b: 5 bf16 = 10 B at align16(12) = 16 -> bucket 1 is 26 B (<= 40)
