@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import resource
+import shutil
 import tempfile
-import time
 import uuid
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from grpokit.errors import ConfigError
 from grpokit.rewards import orms
 from grpokit.rewards.code_exec import CodeExecReward, extract_code, normalize_test_cases, same_output
-from grpokit.rewards.sandbox import run_python, sandbox_layers
+from grpokit.rewards.sandbox import STARTUP_ALLOWANCE_S, run_python, sandbox_layers
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs Linux")
 
@@ -24,8 +25,25 @@ def fenced(code: str) -> str:
     return f"Here is my solution:\n```python\n{code}\n```\nDone."
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sandbox_temp_root():
+    """This module's sandboxes make their work folders in a folder of their own, whose path is therefore in their
+    command lines (and in those of anything they fork, even once orphaned): `sandbox_processes` finds this test
+    run's sandboxes by it, not those of another copy of the suite running on the same machine. World-writable
+    and sticky like /tmp, so that a write outside a sandbox's work folder is refused by the sandbox, not by the
+    folder's permissions."""
+    root = tempfile.mkdtemp(prefix="grpokit-test-sandboxes-")
+    os.chmod(root, 0o1777)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "tempdir", root)
+        yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def sandbox_processes() -> list[str]:
-    """Command lines of live processes running the sandbox child script."""
+    """Command lines of live processes running the sandbox child script for this test run."""
+    marker = os.path.join(tempfile.gettempdir(), "grpokit-sbx-")
+    assert "grpokit-test-sandboxes-" in marker  # set by sandbox_temp_root
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -33,7 +51,7 @@ def sandbox_processes() -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "_sandbox_child.py" in cmd:
+        if "_sandbox_child.py" in cmd and marker in cmd:
             found.append(cmd)
     return found
 
@@ -73,12 +91,33 @@ def test_assert_cases_and_formats(reward):
 
 
 def test_infinite_loop_is_stopped_at_its_limit(reward):
-    start = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = reward([fenced("while True:\n    pass")], test_cases=[DOUBLE])
-    elapsed = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert out == [0.0]
     assert reward.last_failures["timeout"] == 1  # the second case is not run after a timeout
-    assert elapsed < 1 + 0.5 + 2.0  # timeout + start-up allowance + slack for a loaded machine
+    # the CPU time the loop got, not the wall time: a loaded machine gives it less of a core, never more than
+    # its 1 s limit plus the interpreter's start-up
+    used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert used < 1 + STARTUP_ALLOWANCE_S
+    assert sandbox_processes() == []
+
+
+def test_sandbox_processes_sees_this_runs_sandboxes_and_no_others(tmp_path):
+    import subprocess
+    import sys
+
+    # stand-ins whose command lines look like a sandbox's: one of this run, one of another copy of the suite
+    ours = os.path.join(tempfile.gettempdir(), "grpokit-sbx-leaked")
+    theirs = os.path.join(str(tmp_path), "grpokit-sbx-other-run")
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "_sandbox_child.py", work])
+             for work in (ours, theirs)]
+    try:
+        assert [cmd.split()[-1] for cmd in sandbox_processes()] == [ours]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
     assert sandbox_processes() == []
 
 
