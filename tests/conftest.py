@@ -106,8 +106,9 @@ def _import_registry_modules() -> None:
 
 
 def _logging_levels() -> tuple:
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
+    # a placeholder (a parent such as "grpokit" that nobody has asked for yet) becomes a logger, at NOTSET as it
+    # acts now, so that a test's `getLogger("grpokit").setLevel(...)` is undone too
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)]
     return logging.root.manager.disable, {lg: (lg.level, lg.disabled) for lg in loggers}
 
 
