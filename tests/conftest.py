@@ -8,7 +8,7 @@ variables, ``sys.path``, logging levels, and grpokit's registries (what plugins 
 
 Environment variables for the test run:
   GRPOKIT_TEST_THREADS=N   torch threads for the whole run (default: torch's own choice for this machine)
-  GRPOKIT_CPU_BF16=0|1     force `--torch_dtype auto` to float32 / bfloat16 on a CPU (default: detect AVX512-BF16/AMX)
+  GRPOKIT_CPU_BF16=0|1     `--torch_dtype auto` on a CPU: float32 / bfloat16 (default: by AVX512-BF16/AMX)
 """
 
 from __future__ import annotations
@@ -53,11 +53,15 @@ def pytest_configure(config) -> None:
 
 
 def _dtype_auto_line() -> str:
+    from grpokit.errors import ConfigError
     from grpokit.pipeline.models import resolve_dtype_name
 
     forced = os.environ.get("GRPOKIT_CPU_BF16")
-    how = f"GRPOKIT_CPU_BF16={forced}" if forced else "detected"
-    return f"--torch_dtype auto → {resolve_dtype_name('auto')} ({how})"
+    try:
+        how = f"GRPOKIT_CPU_BF16={forced}" if forced else "detected"
+        return f"--torch_dtype auto → {resolve_dtype_name('auto')} ({how})"
+    except ConfigError as e:
+        return str(e)
 
 
 def pytest_report_header(config) -> list[str]:
