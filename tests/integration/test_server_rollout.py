@@ -165,7 +165,12 @@ def test_remote_scheduler_returns_trajectories_in_order(client):
                                     request_id=f"r{i}", prompt_id=f"p{i // 2}") for i in range(6)]
     outs = run_trajectories(RemoteScheduler(client), requests, RequestConfig(max_tokens=4, logprobs=True))
     assert [o.request_id for o in outs] == [f"r{i}" for i in range(6)]
-    assert all(len(o.response_token_ids[0]) == len(o.rollout_logprobs[0]) > 0 for o in outs)
+    # one logprob per completion token; a completion may be empty (the random model samples the pad token
+    # <|endoftext|> first about once in 300 draws: the engine ends it there), and then it has no logprobs
+    for o in outs:
+        (tokens,) = o.response_token_ids
+        assert [len(lps) for lps in o.rollout_logprobs] == ([len(tokens)] if tokens else [])
+    assert any(o.response_token_ids[0] for o in outs)
 
 
 def test_two_servers_split_requests_and_both_get_the_weights(tiny, server, tmp_path, one_torch_thread):
