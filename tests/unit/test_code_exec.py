@@ -26,12 +26,13 @@ def fenced(code: str) -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def sandbox_temp_root():
+def sandbox_temp_root(tmp_path_factory):
     """This module's sandboxes make their work folders in a folder of their own, whose path is therefore in their
     command lines (and in those of anything they fork, even once orphaned): `sandbox_processes` finds this test
     run's sandboxes by it, not those of another copy of the suite running on the same machine. World-writable
     and sticky like /tmp, so that a write outside a sandbox's work folder is refused by the sandbox, not by the
     folder's permissions."""
+    tmp_path_factory.getbasetemp()  # pytest places its own temporary folders by tempfile too: settle it first
     root = tempfile.mkdtemp(prefix="grpokit-test-sandboxes-")
     os.chmod(root, 0o1777)
     with pytest.MonkeyPatch.context() as mp:
