@@ -33,7 +33,6 @@ def validates(text: str, schema: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    torch.set_num_threads(1)
     model = load_causal_lm(str(tiny_model_dir), torch.float32)
     return TransformersEngine(model, ChatTemplate(load_tokenizer(str(tiny_model_dir))))
 
@@ -111,7 +110,6 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    torch.set_num_threads(1)
     out = tmp_path / "out"
     cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs",
                             "accuracy", "--max_steps", "2", "--num_generations", "4",

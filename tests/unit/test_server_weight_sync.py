@@ -8,9 +8,9 @@ from torch import nn
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 from grpokit.errors import ServerError
-from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.server.weight_sync import WeightReceiver
+from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
 from grpokit.wire.weights import pack, plan_buckets, unpack
 
 
