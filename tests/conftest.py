@@ -93,6 +93,13 @@ def _registries() -> list[dict]:
     return list(found.values())
 
 
+def _loaded_plugin_modules() -> set[str]:
+    """Names of the --external_plugins modules imported now."""
+    from grpokit.plugins import loader
+
+    return {name for name in loader._LOADED if name in sys.modules}
+
+
 def _import_registry_modules() -> None:
     """Import every module that defines a registry, so that the first test to load a plugin does not also fill
     a registry nobody had snapshotted yet."""
@@ -161,11 +168,14 @@ def _restore_process_state(tmp_path_factory, monkeypatch):
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     levels = _logging_levels()
     registries = [(r, dict(r)) for r in _registries()]
+    plugins_before = _loaded_plugin_modules()
     yield
     _reset_accelerate()
     for reg, saved in registries:
         dict.clear(reg)
         dict.update(reg, saved)
+    for name in _loaded_plugin_modules() - plugins_before:  # their registrations are undone: so is their import,
+        sys.modules.pop(name, None)  # and the next test that names the file loads it again (load_plugins_once)
     _restore_logging_levels(levels)
     torch.set_rng_state(rng[0])
     random.setstate(rng[1])

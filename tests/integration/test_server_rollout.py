@@ -151,14 +151,13 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
 
 
 def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
+    """Refused when the options are checked, before any model loads (grpokit.config.validate)."""
     from grpokit.errors import ConfigError
-    from grpokit.pipeline.train import run_train
 
-    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--num_generations", "4",
-                            "--per_device_train_batch_size", "8", "--max_steps", "1", "--async_generate", "true",
-                            "--output_dir", str(tmp_path / "o")])
     with pytest.raises(ConfigError, match="async_generate"):
-        run_train(cfg)
+        parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--num_generations", "4",
+                          "--per_device_train_batch_size", "8", "--max_steps", "1", "--async_generate", "true",
+                          "--output_dir", str(tmp_path / "o")])
 
 
 def test_remote_scheduler_returns_trajectories_in_order(client):
