@@ -9,7 +9,7 @@ set -euo pipefail
 
 need=()
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
-{ ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; } || need+=(libseccomp2)
+{ ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null; } || need+=(libseccomp2)  # no -q: an early exit would fail the pipe (pipefail)
 { [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import ctypes, json, resource' 2>/dev/null; } || need+=(python3)
 
 if [ ${#need[@]} -gt 0 ]; then
