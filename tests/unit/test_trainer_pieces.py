@@ -1,4 +1,4 @@
-"""Trainer pieces that need no model: the prompt stream, the JSON-lines logs and the AdamW builder."""
+"""Trainer parts that need no model: the prompt stream, the JSON-lines logs and the AdamW builder."""
 
 from __future__ import annotations
 
@@ -11,19 +11,11 @@ from datasets import Dataset
 
 from grpokit.trainers.optimizers import build_adamw
 from grpokit.trainers.outputs import JsonlLog
-from grpokit.trainers.rollout_step import RolloutStepMixin
+from grpokit.trainers.prompts import PromptStream
 
 
-class Stream(RolloutStepMixin):
-    def __init__(self, dataset, per_window: int, world: int, rank: int, shuffle: bool = True) -> None:
-        self.train_dataset = dataset
-        self.plan = SimpleNamespace(prompts_per_rollout=per_window)
-        self.state = SimpleNamespace(prompts_consumed=0)
-        self.accelerator = SimpleNamespace(num_processes=world, process_index=rank)
-        self.cfg = SimpleNamespace(data=SimpleNamespace(dataset_shuffle=shuffle))
-        self.args = SimpleNamespace(seed=3)
-        self._orders = {}
-        self._read_ahead = {}
+def _stream(dataset, per_window: int, world: int, rank: int) -> PromptStream:
+    return PromptStream(dataset, per_window, seed=3, shuffle=True, num_processes=world, process_index=rank)
 
 
 def _expected(n: int, per_window: int, windows: int, world: int, rank: int) -> list[list[int]]:
@@ -41,31 +33,34 @@ def _expected(n: int, per_window: int, windows: int, world: int, rank: int) -> l
 @pytest.mark.parametrize("world,rank", [(1, 0), (2, 0), (2, 1)])
 def test_prompt_stream_follows_the_seeded_permutation_across_epochs(as_list, world, rank):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(7)]
-    stream = Stream(rows if as_list else Dataset.from_list(rows), per_window=4, world=world, rank=rank)
-    got = [stream._next_prompts() for _ in range(4)]  # 16 positions: three epochs of 7
+    stream = _stream(rows if as_list else Dataset.from_list(rows), per_window=4, world=world, rank=rank)
+    got = [stream.next() for _ in range(4)]  # 16 positions: three epochs of 7
     for window, want in zip(got, _expected(7, 4, 4, world, rank), strict=True):
         assert [r["solution"] for r in window] == [str(i) for i in want]
         assert all(r["messages"] == rows[int(r["solution"])]["messages"] for r in window)
     assert [r["_prompt_index"] for r in got[1]] == list(range(4 + rank * 4 // world, 4 + (rank + 1) * 4 // world))
-    assert stream.state.prompts_consumed == 16
+    assert stream.position == 16
 
 
-def test_prompt_stream_reads_the_dataset_once_for_many_windows(monkeypatch):
-    from grpokit.trainers import rollout_step
-
-    monkeypatch.setattr(rollout_step, "PROMPT_READ_AHEAD_ROWS", 6)  # three windows of two
+def test_prompt_stream_reads_each_window_at_once_and_rewinds_on_resume():
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "solution": str(i)} for i in range(7)]
-    stream = Stream(Dataset.from_list(rows), per_window=2, world=1, rank=0)
     reads = []
-    real_rows = stream._rows
-    monkeypatch.setattr(stream, "_rows", lambda indices: reads.append(indices) or real_rows(indices))
-    got = [stream._next_prompts() for _ in range(7)]  # 14 positions: two epochs
-    assert [len(r) for r in reads] == [6, 6, 6]  # windows 1-3, 4-6, 7-9
+
+    class CountingDataset(Dataset):  # a real Dataset that records the index lists it is read with
+        def __getitem__(self, key):
+            if isinstance(key, list):
+                reads.append(key)
+            return super().__getitem__(key)
+
+    base = Dataset.from_list(rows)
+    stream = _stream(CountingDataset(base.data, base.info, base.split), per_window=2, world=1, rank=0)
+    got = [stream.next() for _ in range(7)]  # 14 positions: two epochs
+    assert [len(r) for r in reads] == [2] * 7  # one read per window
     want = _expected(7, 2, 7, 1, 0)
     assert [[r["solution"] for r in w] for w in got] == [[str(i) for i in w] for w in want]
-    assert len(stream._read_ahead) == 4  # windows 8 and 9
-    stream.state.prompts_consumed = 2  # a resume: positions map to rows, so a rewind reads them again
-    assert [r["solution"] for r in stream._next_prompts()] == [str(i) for i in want[1]]
+    stream.position = 2  # a resume: positions map to rows, so a rewind reads them again
+    assert [r["solution"] for r in stream.next()] == [str(i) for i in want[1]]
+    assert stream.position == 4
 
 
 def test_jsonl_log_appends_flushed_lines_and_truncates_on_resume(tmp_path):
