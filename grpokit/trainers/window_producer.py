@@ -54,6 +54,10 @@ class Models:
 
 
 class WindowProducer:
+    """Makes windows: ``rollout(prompts)`` (engine and rewards only), then ``build(rollout, step=...)`` (the
+    training model's logps, advantages, metrics). Trainer hooks are reached through ``hooks``; ``prompts`` (the
+    PromptStream, also drawn from by dynamic sampling and AsyncWindows) is public, the rest is its own."""
+
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
                  models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
                  plan: BatchPlan, log_completions: bool) -> None:
