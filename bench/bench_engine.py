@@ -35,7 +35,7 @@ def main() -> None:
     from bench_step import resolve_model
     from grpokit.data.loading import load_dataset_spec, normalize_rows
     from grpokit.engines.transformers_engine import TransformersEngine
-    from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+    from grpokit.modeling import load_causal_lm, load_tokenizer
     from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
     from grpokit.template.encode import ChatTemplate
 

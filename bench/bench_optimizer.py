@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     from bench_step import resolve_model
-    from grpokit.pipeline.models import load_causal_lm
+    from grpokit.modeling import load_causal_lm
     from grpokit.trainers.optimizers import build_adamw
 
     model = load_causal_lm(resolve_model(a.model, Path(tempfile.mkdtemp())), torch.float32)

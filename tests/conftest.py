@@ -1,17 +1,206 @@
-"""Shared fixtures: a tiny model + tokenizer built offline once per session, and small datasets."""
+"""Shared fixtures: a tiny model + tokenizer built offline once per session, and small datasets.
+
+Every test starts from the same process state, whatever ran before it (the suite passes in any order, see
+pytest-randomly in the README): the autouse fixture ``_restore_process_state`` gives each test a fresh empty working
+directory and, after the test, puts back what tests and the code under test change in this process: accelerate's
+singleton states, torch's thread count, default dtype, grad mode and RNG, python's and numpy's RNG, environment
+variables, ``sys.path``, logging levels, and grpokit's registries (what plugins register).
+
+Environment variables for the test run:
+  GRPOKIT_TEST_THREADS=N   torch threads for the whole run (default: torch's own choice for this machine)
+  GRPOKIT_CPU_BF16=0|1     `--torch_dtype auto` on a CPU: float32 / bfloat16 (default: by AVX512-BF16/AMX)
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import random
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+THREADS_ENV = "GRPOKIT_TEST_THREADS"
+BASELINE: dict = {}  # torch settings every test starts from (set in pytest_configure)
 
+
+def _absolute_import_paths() -> None:
+    """Tests run in a temporary working directory: keep `PYTHONPATH=.`-style entries pointing where they pointed."""
+    sys.path[:] = [os.path.abspath(p) if not os.path.isabs(p) else p for p in sys.path]
+    if os.environ.get("PYTHONPATH"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) if p and not os.path.isabs(p) else p for p in os.environ["PYTHONPATH"].split(os.pathsep))
+
+
+def pytest_configure(config) -> None:
+    _absolute_import_paths()
+    threads = os.environ.get(THREADS_ENV)
+    if threads:
+        if not threads.isdigit() or int(threads) < 1:
+            raise pytest.UsageError(f"{THREADS_ENV}={threads!r}: give a positive number of torch threads")
+        torch.set_num_threads(int(threads))  # before collection: module imports and module fixtures see it too
+    BASELINE.update(threads=torch.get_num_threads(), dtype=torch.get_default_dtype(),
+                    deterministic=(torch.are_deterministic_algorithms_enabled(),
+                                   torch.is_deterministic_algorithms_warn_only_enabled()),
+                    matmul=torch.get_float32_matmul_precision())
+
+
+def _dtype_auto_line() -> str:
+    from grpokit.errors import ConfigError
+    from grpokit.modeling import resolve_dtype_name
+
+    forced = os.environ.get("GRPOKIT_CPU_BF16")
+    try:
+        how = f"GRPOKIT_CPU_BF16={forced}" if forced else "detected"
+        return f"--torch_dtype auto → {resolve_dtype_name('auto')} ({how})"
+    except ConfigError as e:
+        return str(e)
+
+
+def pytest_report_header(config) -> list[str]:
+    return [f"grpokit: torch threads {torch.get_num_threads()}, {_dtype_auto_line()}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The same facts after a `-q` run (which prints no header), with the order, so a failure can be replayed."""
+    seed = getattr(config.option, "randomly_seed", None) if config.pluginmanager.hasplugin("randomly") else None
+    order = f"random order, -p randomly --randomly-seed={seed}" if seed is not None else "file order"
+    terminalreporter.write_line(f"grpokit: torch threads {torch.get_num_threads()} ({THREADS_ENV}="
+                                f"{os.environ.get(THREADS_ENV, 'unset')}), {_dtype_auto_line()}, {order}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# process state, restored after every test
+# ---------------------------------------------------------------------------------------------------------------
+def _registries() -> list[dict]:
+    """grpokit's registries (plain dicts that plugins write into) and the trainer factory's mapping."""
+    from grpokit.registry import Registry
+    from grpokit.trainers.factory import TrainerFactory
+
+    found = {id(TrainerFactory.TRAINER_MAPPING): TrainerFactory.TRAINER_MAPPING}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("grpokit") and module is not None:
+            for value in list(vars(module).values()):
+                if isinstance(value, Registry):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _loaded_plugin_modules() -> set[str]:
+    """Names of the --external_plugins modules imported now."""
+    from grpokit.plugins import loader
+
+    return {name for name in loader._LOADED if name in sys.modules}
+
+
+def _import_registry_modules() -> None:
+    """Import every module that defines a registry, so that the first test to load a plugin does not also fill
+    a registry nobody had snapshotted yet."""
+    import grpokit.algorithms.advantages  # noqa: F401
+    import grpokit.algorithms.losses  # noqa: F401
+    import grpokit.algorithms.rollout_is  # noqa: F401
+    import grpokit.data.builtin  # noqa: F401
+    import grpokit.rewards.base  # noqa: F401
+    import grpokit.rewards.rm_plugin  # noqa: F401
+    import grpokit.rollout.env  # noqa: F401
+    import grpokit.rollout.multi_turn  # noqa: F401
+    import grpokit.rollout.tools  # noqa: F401
+    import grpokit.trainers.callbacks  # noqa: F401
+    import grpokit.trainers.optimizers  # noqa: F401
+
+
+def _logging_levels() -> tuple:
+    # a placeholder (a parent such as "grpokit" that nobody has asked for yet) becomes a logger, at NOTSET as it
+    # acts now, so that a test's `getLogger("grpokit").setLevel(...)` is undone too
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)]
+    return logging.root.manager.disable, {lg: (lg.level, lg.disabled) for lg in loggers}
+
+
+def _restore_logging_levels(state: tuple) -> None:
+    disable, saved = state
+    logging.disable(disable)
+    for lg, (level, disabled) in saved.items():
+        if lg.level != level:
+            lg.setLevel(level)
+        lg.disabled = disabled
+
+
+def _restore_environ(saved: dict) -> None:
+    """Only the variables that differ: other threads (a server's watcher, a pool) may be reading os.environ."""
+    for key in [k for k in os.environ if k not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def _reset_accelerate() -> None:
+    """accelerate keeps one process-wide AcceleratorState (mixed precision, device, ...): a second Accelerator with
+    other settings raises. Each test that trains starts without one, as a fresh process would."""
+    if "accelerate" not in sys.modules:
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_baseline():
+    _import_registry_modules()
+    _reset_accelerate()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state(tmp_path_factory, monkeypatch):
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))  # an empty folder: nothing of the checkout's output/ leaks in
+    environ = dict(os.environ)
+    path = list(sys.path)
+    grad = torch.is_grad_enabled()
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    levels = _logging_levels()
+    registries = [(r, dict(r)) for r in _registries()]
+    plugins_before = _loaded_plugin_modules()
+    yield
+    _reset_accelerate()
+    for reg, saved in registries:
+        dict.clear(reg)
+        dict.update(reg, saved)
+    for name in _loaded_plugin_modules() - plugins_before:  # their registrations are undone: so is their import,
+        sys.modules.pop(name, None)  # and the next test that names the file loads it again (load_plugins_once)
+    _restore_logging_levels(levels)
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    np.random.set_state(rng[2])
+    # torch's settings go back to the run's baseline, not to what a module fixture may have set
+    torch.use_deterministic_algorithms(BASELINE["deterministic"][0], warn_only=BASELINE["deterministic"][1])
+    torch.set_float32_matmul_precision(BASELINE["matmul"])
+    torch.set_default_dtype(BASELINE["dtype"])
+    torch.set_num_threads(BASELINE["threads"])
+    torch.set_grad_enabled(grad)
+    sys.path[:] = path
+    _restore_environ(environ)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Pins this process to one torch thread, as `rollout_server` pins the server (OMP_NUM_THREADS=1): a float32
+    matmul then sums in the same order in both processes, so greedy completions can be compared token for token.
+    Restored after the test by `_restore_process_state`."""
+    torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiny models and data
+# ---------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from grpokit.testing import build_tiny_model

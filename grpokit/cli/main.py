@@ -8,6 +8,8 @@ import os
 import sys
 import warnings
 
+from grpokit.errors import GrpokitError
+
 USAGE = """usage: grpokit {train,rollout,infer} [options]
 
   train     GRPO-family training (no options: the built-in demo)
@@ -77,10 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
-    from grpokit.errors import GrpokitError
-
     _quiet_third_party()
 
+    # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
+    # without torch (STYLE.md, thin entry point), and one command never loads another's stack
     try:
         if command == "train":
             from grpokit.config.parse import parse_train_args

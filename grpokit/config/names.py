@@ -2,7 +2,7 @@
 
 ``--loss_type`` and friends are plain strings: a plugin given with ``--external_plugins`` registers a new name
 (``POLICY_LOSSES["vanilla_pg"] = ...``) and then selects it. The configuration checks the names only after the
-plugins have loaded (``grpokit.config.parse.validate``), against the live registries, before any model loads.
+plugins have loaded (``grpokit.config.validate``), against the live registries, before any model loads.
 
 ``grpokit train --help`` lists the names too. The registries live in ``grpokit.algorithms``, which imports torch,
 and plain ``--help`` must not (it answers in under a second): until that package is imported, the help shows
@@ -54,16 +54,3 @@ def help_names(option: str) -> list[str]:
 def help_suffix(option: str) -> str:
     names = ", ".join(help_names(option)).replace("%", "%%")  # argparse %-formats help text
     return f"; registered: {names} (a plugin may add more)"
-
-
-def check_loss_type_pair(loss_type: str) -> None:
-    """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
-    half instead of reporting the name as unknown."""
-    from grpokit.algorithms import LOSS_NORMALIZERS, POLICY_LOSSES
-    from grpokit.errors import ConfigError
-
-    POLICY_LOSSES.get_or_raise(loss_type)
-    if loss_type not in LOSS_NORMALIZERS:
-        raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "
-                          f"loss type needs both: add LOSS_NORMALIZERS[{loss_type!r}] = <normaliser> in the plugin "
-                          "(e.g. grpokit.algorithms.losses.token_mean; docs/plugins.md)")

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from grpokit.rollout.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
+from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 
 
 class InferEngine(ABC):

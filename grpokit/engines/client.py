@@ -1,7 +1,7 @@
 """Trainer side of server mode: ``RolloutClient`` talks HTTP to one or several ``grpokit rollout`` servers.
 
 It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``reset_prefix_cache``, ``close``) and
-returns whole trajectories with ``infer_trajectories``; ``RemoteScheduler`` wraps it so that the trainer, which
+returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so that the trainer, which
 only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
 
 Requests are split across servers keeping each ``prompt_id`` group on one server, sent in parallel, and the
@@ -13,33 +13,36 @@ outputs come back in request order. Every call has a timeout; connect errors, dr
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
 
+from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
+from grpokit.engines.weight_sender import WeightSender
+from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     RequestConfig,
     RolloutInferRequest,
     RolloutOutput,
 )
-from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = {429, 502, 503, 504}
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                 httpx.WriteError, httpx.PoolTimeout)
-_RETRY = object()  # marker: the answer asks for another attempt
 
 
 @dataclass(frozen=True)
@@ -76,33 +79,63 @@ def endpoints_from(base_urls: Sequence[str] = (), hosts: Sequence[str] = (),
     return [Endpoint(f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}") for h, p in zip(hosts, ports)]
 
 
+class _Transient(Exception):
+    """A failure worth another attempt: a busy or unavailable status, or a dropped connection."""
+
+    def __init__(self, problem: Any) -> None:
+        super().__init__(_describe(problem))
+        self.problem = problem
+
+
 class _Attempts:
-    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``."""
+    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``; tenacity
+    runs the attempts (``Retrying(**att.policy())``), this class decides what is transient and what to say."""
 
     def __init__(self, ep: Endpoint, what: str, timeout_s: float, retries: int, backoff_s: float) -> None:
         self.ep, self.what, self.timeout_s, self.retries, self.backoff_s = ep, what, timeout_s, retries, backoff_s
         self.start = time.monotonic()
         self.deadline = self.start + timeout_s
-        self.failures = 0
 
     def remaining(self) -> float:
         return max(self.deadline - time.monotonic(), 0.5)
 
-    def wait_after(self, problem: Any) -> float:
-        """Seconds to sleep before the next attempt; raises ServerError when no attempt is left."""
-        self.failures += 1
-        wait = self.backoff_s * 2 ** (self.failures - 1)
-        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
-        if (self.failures > self.retries and not busy) or time.monotonic() + wait >= self.deadline:
-            raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {self.failures} "
-                              f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(problem)}); check "
-                              f"that `grpokit rollout` is running there and reachable")
-        return wait
+    def policy(self) -> dict[str, Any]:
+        """Keyword arguments of ``tenacity.Retrying``/``AsyncRetrying``."""
+        return {"retry": retry_if_exception_type(_Transient), "stop": self._stop, "wait": self._wait,
+                "retry_error_callback": self._give_up}
 
-    def outcome(self, resp: httpx.Response) -> Any:
-        """The JSON answer, ``_RETRY`` for a transient status, or ServerError for a refusal."""
+    def _wait(self, rs: RetryCallState) -> float:
+        return self.backoff_s * 2 ** (rs.attempt_number - 1)
+
+    def _stop(self, rs: RetryCallState) -> bool:
+        problem = rs.outcome.exception().problem
+        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
+        return (rs.attempt_number > self.retries and not busy) or time.monotonic() + self._wait(rs) >= self.deadline
+
+    def _give_up(self, rs: RetryCallState) -> Any:
+        error = rs.outcome.exception()
+        raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {rs.attempt_number} "
+                          f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(error.problem)}); check "
+                          f"that `grpokit rollout` is running there and reachable") from error
+
+    @contextlib.contextmanager
+    def translating(self) -> Iterator[None]:
+        """httpx's errors as grpokit's: transient ones to retry, a timeout or a refusal as ServerError."""
+        try:
+            yield
+        except RETRY_ERRORS as e:
+            raise _Transient(e) from e
+        except httpx.TimeoutException as e:
+            raise ServerError(f"rollout server {self.ep.label} did not finish {self.what} within "
+                              f"{self.timeout_s:g}s ({_describe(e)}); raise --vllm_server_timeout or send smaller "
+                              "batches") from e
+        except httpx.HTTPError as e:
+            raise ServerError(f"rollout server {self.ep.label}: {self.what} failed ({_describe(e)})") from e
+
+    def answer(self, resp: httpx.Response) -> Any:
+        """The JSON answer; ``_Transient`` for a transient status; ServerError for a refusal."""
         if resp.status_code in RETRY_STATUS:
-            return _RETRY
+            raise _Transient(resp)
         if resp.status_code >= 400:
             raise ServerError(f"rollout server {self.ep.label} refused {self.what}: {_describe(resp)}")
         try:
@@ -110,10 +143,6 @@ class _Attempts:
         except ValueError as e:
             raise ServerError(f"rollout server {self.ep.label} answered {self.what} with non-JSON "
                               f"({resp.text[:80]!r})") from e
-
-    def timed_out(self, e: Exception) -> ServerError:
-        return ServerError(f"rollout server {self.ep.label} did not finish {self.what} within {self.timeout_s:g}s "
-                           f"({_describe(e)}); raise --vllm_server_timeout or send smaller batches")
 
 
 def _describe(problem: Any) -> str:
@@ -165,7 +194,6 @@ class RolloutClient(InferEngine):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=self._headers, timeout=self.timeout)
         self._infos: list[dict] | None = None
-        from grpokit.server.weight_sender import WeightSender
 
         post = lambda i, path, body, t: self._request(i, "POST", path, body, timeout=t, retries=0)  # noqa: E731
         self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout)
@@ -184,38 +212,16 @@ class RolloutClient(InferEngine):
         ep = self.endpoints[i]
         att = _Attempts(ep, f"{method} {path}", self.timeout if timeout is None else timeout,
                         self.max_retries if retries is None else retries, self.backoff_s)
-        while True:
-            try:
-                resp = self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining())
-                result = att.outcome(resp)
-                if result is not _RETRY:
-                    return result
-                problem: Any = resp
-            except RETRY_ERRORS as e:
-                problem = e
-            except httpx.TimeoutException as e:
-                raise att.timed_out(e) from e
-            except httpx.HTTPError as e:
-                raise ServerError(f"rollout server {ep.label}: {method} {path} failed ({_describe(e)})") from e
-            time.sleep(att.wait_after(problem))
+        for attempt in Retrying(**att.policy()):
+            with attempt, att.translating():
+                return att.answer(self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining()))
 
     async def _request_async(self, http: httpx.AsyncClient, i: int, path: str, body: Any) -> Any:
         ep = self.endpoints[i]
         att = _Attempts(ep, f"POST {path}", self.timeout, self.max_retries, self.backoff_s)
-        while True:
-            try:
-                resp = await http.post(ep.base_url + path, json=body, timeout=att.remaining())
-                result = att.outcome(resp)
-                if result is not _RETRY:
-                    return result
-                problem: Any = resp
-            except RETRY_ERRORS as e:
-                problem = e
-            except httpx.TimeoutException as e:
-                raise att.timed_out(e) from e
-            except httpx.HTTPError as e:
-                raise ServerError(f"rollout server {ep.label}: POST {path} failed ({_describe(e)})") from e
-            await asyncio.sleep(att.wait_after(problem))
+        async for attempt in AsyncRetrying(**att.policy()):
+            with attempt, att.translating():
+                return att.answer(await http.post(ep.base_url + path, json=body, timeout=att.remaining()))
 
     def wait_for_server(self, timeout: float | None = None) -> None:
         """Poll ``/health/`` on every server until it answers; ServerError naming host:port after ``timeout``."""
@@ -286,14 +292,14 @@ class RolloutClient(InferEngine):
     def infer_trajectories(self, requests: Sequence[RolloutInferRequest],
                            config: RequestConfig) -> list[RolloutOutput]:
         """Synchronous ``infer_trajectories_async``."""
-        return _run(self.infer_trajectories_async(requests, config))
+        return run_sync(self.infer_trajectories_async(requests, config))
 
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         """One response per request with ``config.n`` choices (each choice is one trajectory's last turn)."""
         n = config.n
         single = config.model_copy(update={"n": 1})
         copies = [r.model_copy(update={"request_id": uuid.uuid4().hex}) for r in requests for _ in range(n)]
-        tagged = _run(self._infer_positions(copies, single))
+        tagged = run_sync(self._infer_positions(copies, single))
         by_copy: dict[int, RolloutOutput] = {}
         for pos, out in tagged:
             by_copy.setdefault(pos, out)
@@ -309,14 +315,11 @@ class RolloutClient(InferEngine):
 
     def sync_weights(self, model) -> None:
         """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
-        from grpokit.engines.weights import iter_sync_weights
-
         if _dist_rank() != 0:  # only rank 0 sends; sharded (DTensor) weights still need every rank to gather
             if any(hasattr(p, "full_tensor") for p in model.parameters()):
                 for _ in iter_sync_weights(model):
                     pass
             return
-        from grpokit.server.weight_sync import parse_dtype
 
         dtypes = {info.get("torch_dtype") for info in self._all_infos()}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
@@ -349,35 +352,6 @@ class RolloutClient(InferEngine):
         servers_gpu = all(str(info.get("device", "cpu")).startswith("cuda") for info in self._all_infos())
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return "nccl" if on_gpu and servers_gpu and nccl else "gloo"
-
-
-class RemoteScheduler(RolloutScheduler):
-    """The trainer's scheduler in server mode: every trajectory (single- or multi-turn) runs on the servers."""
-
-    def __init__(self, client: RolloutClient, **kwargs) -> None:
-        super().__init__(infer_engine=client, **kwargs)
-
-    @property
-    def uses_env_reward(self) -> bool:  # the server's scheduler decides (e.g. gym_scheduler)
-        return bool(self.infer_engine.engine_info().get("uses_env_reward", False))
-
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> list[RolloutOutput]:
-        return await self.infer_engine.infer_trajectories_async([infer_request], request_config)
-
-    async def async_infer(self, requests: Sequence[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
-        return await self.infer_engine.infer_trajectories_async(requests, request_config)
-
-
-def _run(coro):
-    """Run a coroutine to completion from sync code, also when an event loop is already running here."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _dist_rank() -> int:

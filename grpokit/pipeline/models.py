@@ -7,6 +7,8 @@ from pathlib import Path
 
 from grpokit.config.args import ModelArguments
 from grpokit.errors import ConfigError
+from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
+from grpokit.pipeline.default_model import ensure_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -14,63 +16,7 @@ logger = logging.getLogger(__name__)
 def resolve_model_path(margs: ModelArguments, log=print) -> str:
     if margs.model is not None:
         return margs.model
-    from grpokit.pipeline.default_model import ensure_default_model
-
     return str(ensure_default_model(log=log))
-
-
-def cpu_has_fast_bf16() -> bool:
-    """bf16 pays off on CPUs with native bf16 instructions (AVX512-BF16, AMX); elsewhere it is emulated and
-    several times slower than float32 (measured here on an AVX2-only CPU: 6 vs 14 tokens/s)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype_name(name: str) -> str:
-    import torch
-
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
-
-
-def torch_dtype(name: str, for_training_weights: bool):
-    """Weights dtype. Full fine-tuning keeps float32 master weights and uses bf16 autocast instead."""
-    import torch
-
-    name = resolve_dtype_name(name)
-    if for_training_weights and name in ("bfloat16", "float16"):
-        return torch.float32
-    return getattr(torch, name)
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, padding_side="left")
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {path}: cannot load a tokenizer ({str(e).splitlines()[0]})") from e
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_causal_lm(path: str, dtype, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
-
-    if not Path(path).exists():
-        raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders; this machine "
-                          "may have no hub access)")
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model {path}: cannot load ({str(e).splitlines()[0]})") from e
 
 
 def load_policy(margs: ModelArguments, beta: float, log=print):

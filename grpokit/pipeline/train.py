@@ -5,16 +5,32 @@ from __future__ import annotations
 import logging
 import os
 
+from accelerate.utils import set_seed
+
 from grpokit.config.args import TrainConfig
-from grpokit.config.parse import batch_plan
+from grpokit.config.plan import batch_plan
+from grpokit.data.loading import load_train_val
+from grpokit.engines.client import RolloutClient
+from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.engines.vllm_engine import VllmEngine
+from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
+from grpokit.pipeline.models import load_policy, resolve_model_path
+from grpokit.plugins.loader import load_plugins_once
+from grpokit.rewards import build_reward_funcs, check_reward_columns
+from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
+from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
+from grpokit.rollout.multi_turn import multi_turns
+from grpokit.rollout.remote import RemoteScheduler
+from grpokit.template.encode import ChatTemplate
+from grpokit.trainers.callbacks import callbacks_map
+from grpokit.trainers.factory import TrainerFactory
+from grpokit.trainers.optimizers import optimizers_map
 
 logger = logging.getLogger("grpokit")
 
 
 def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
     """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns."""
-    from grpokit.rewards import build_reward_funcs, check_reward_columns
-    from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
 
     default = [] if (cfg.reward.reward_model or cfg.rollout.multi_turn_scheduler == "gym_scheduler") else ["accuracy"]
     names = list(cfg.reward.reward_funcs or default)
@@ -36,10 +52,6 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
 
 
 def _judge_engine(path: str, dtype_name: str):
-    from grpokit.engines.transformers_engine import TransformersEngine
-    from grpokit.pipeline.models import load_causal_lm, load_tokenizer, torch_dtype
-    from grpokit.template.encode import ChatTemplate
-
     model = load_causal_lm(path, torch_dtype(dtype_name, for_training_weights=False))
     model.requires_grad_(False).eval()
     return TransformersEngine(model, ChatTemplate(load_tokenizer(path)))
@@ -47,19 +59,12 @@ def _judge_engine(path: str, dtype_name: str):
 
 def check_names(cfg: TrainConfig) -> None:
     """Registry names that plugins may add, checked right after the plugins load (before any model loads)."""
-    from grpokit.rewards.rm_plugin import rm_plugins
-    from grpokit.trainers.callbacks import callbacks_map
-    from grpokit.trainers.factory import TrainerFactory
-    from grpokit.trainers.optimizers import optimizers_map
-
     optimizers_map.get_or_raise(cfg.training.optimizer)
     for name in cfg.training.callbacks:
         callbacks_map.get_or_raise(name)
     for name in cfg.reward.reward_model_plugin:
         rm_plugins.get_or_raise(name)
     if cfg.rollout.multi_turn_scheduler and cfg.rollout.vllm_mode != "server":
-        from grpokit.rollout.multi_turn import multi_turns
-
         multi_turns.get_or_raise(cfg.rollout.multi_turn_scheduler)
     TrainerFactory.get_trainer_cls("grpo")
 
@@ -67,8 +72,6 @@ def check_names(cfg: TrainConfig) -> None:
 def build_scheduler(cfg: TrainConfig, tokenizer):
     if not cfg.rollout.multi_turn_scheduler:
         return None
-    from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
-
     return build_multi_turn(cfg.rollout, tokenizer)
 
 
@@ -76,34 +79,14 @@ def build_engine(cfg: TrainConfig):
     """None means: the trainer's default in-process TransformersEngine on the live weights."""
     r = cfg.rollout
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
-        from grpokit.engines.client import RolloutClient
-
         return RolloutClient.from_args(r)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
-        from grpokit.engines.vllm_engine import VllmEngine
-        from grpokit.errors import ConfigError
-        from grpokit.pipeline.models import resolve_model_path
-
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("--use_vllm true --vllm_mode colocate with several training processes is not "
-                              "implemented; run one process, or serve rollouts with `grpokit rollout --engine vllm` "
-                              "and train with --vllm_mode server")
-        if r.sleep_level == 2 and cfg.training.eval_steps:
-            raise ConfigError(f"--sleep_level 2 with --eval_steps {cfg.training.eval_steps}: evaluation runs between "
-                              "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
-                              "use --sleep_level 1")
         return VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
                                             seed=cfg.training.seed)
     return None
 
 
 def run_train(cfg: TrainConfig):
-    from grpokit.data.loading import load_train_val
-    from grpokit.pipeline.models import load_policy
-    from grpokit.plugins.loader import load_plugins_once
-    from grpokit.trainers.callbacks import callbacks_map
-    from grpokit.trainers.factory import TrainerFactory
-
     load_plugins_once(cfg.reward.external_plugins)  # before any registry lookup (parsing loaded them already)
     check_names(cfg)
     plan = batch_plan(cfg)
@@ -112,15 +95,11 @@ def run_train(cfg: TrainConfig):
     train_ds, val_ds = load_train_val(cfg.data.dataset or ["builtin:arithmetic"], cfg.data.val_dataset,
                                       system=cfg.data.system, seed=cfg.training.seed,
                                       split_dataset_ratio=cfg.data.split_dataset_ratio)
-    from accelerate.utils import set_seed
-
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
-        from grpokit.engines.client import RemoteScheduler
-
         scheduler = RemoteScheduler(engine)  # multi-turn runs inside the server, with its own scheduler
     else:
         scheduler = build_scheduler(cfg, tokenizer)

@@ -5,15 +5,9 @@ carry the dataset's other columns by name (``solution``, ``test_cases``, …, ea
 the trainer always supplies (``TRAINER_KWARGS``). ``None`` or NaN means "this function does not score this
 sample"; it is left out of the weighted sum.
 
-A plugin registers a class (instantiated once by ``build_reward_funcs``) or a ready callable::
-
-    from grpokit.rewards import ORM, orms
-
-    class LengthBonus(ORM):
-        def __call__(self, completions, **kwargs):
-            return [min(len(c), 100) / 100 for c in completions]
-
-    orms["length_bonus"] = LengthBonus
+A plugin registers a class (instantiated once by ``build_reward_funcs``) or a ready callable under a name:
+``orms["length_bonus"] = LengthBonus``, where ``LengthBonus`` subclasses ``ORM`` and defines
+``__call__(self, completions, **kwargs)``; docs/plugins.md has complete examples.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from typing import Any
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
-from grpokit.rewards.sandbox import FAILURE_KINDS, SandboxLimits, SandboxResult, ready, run_job
+from grpokit.rewards.sandbox import ready, run_job
+from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, SandboxResult
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A plugin is called with full conversations (the completion is the last assistant
 per conversation. ``rm_plugins[name](model_or_engine, tokenizer)`` builds one; ``RewardModelReward`` adapts it to
 the reward contract (``completions, messages``). The rewards layer does not build engines: for ``genrm`` the
 pipeline passes an engine with ``infer(requests, config)`` (``grpokit.engines``) that serves the judge model; the
-request types come from ``grpokit.rollout.protocol`` (imported only when a judge is used).
+request types come from ``grpokit.protocol``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from grpokit.errors import ConfigError, RewardError
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.registry import Registry
 from grpokit.rewards.base import ORM
-
-if TYPE_CHECKING:
-    from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 
 rm_plugins: Registry = Registry("reward model plugin", "--reward_model_plugin")
 
@@ -134,8 +132,6 @@ class GenRMPlugin:
         self.prompt_template = prompt_template
         self.system = system
         if request_config is None:
-            from grpokit.rollout.protocol import RequestConfig
-
             request_config = RequestConfig(temperature=0.0, max_tokens=512)
         self.request_config = request_config
         self.max_conversation_tokens = max_conversation_tokens
@@ -151,8 +147,6 @@ class GenRMPlugin:
 
     def requests(self, conversations: list[list[dict[str, Any]]]) -> list[RolloutInferRequest]:
         """One judge request per conversation."""
-        from grpokit.rollout.protocol import RolloutInferRequest
-
         out = []
         for messages in conversations:
             prompt = self.prompt_template.format(conversation=self._conversation_text(messages))

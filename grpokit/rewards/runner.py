@@ -1,7 +1,7 @@
 """Run a batch of completions through every reward function and collect an [N, F] score matrix.
 
 Sync rewards run in order on the caller's thread. All async rewards of a batch are awaited together with
-``asyncio.gather`` on one long-lived event loop in a daemon thread (started once, on first need), and they run
+``asyncio.gather`` on one long-lived ``grpokit.aio.LoopThread`` (started once, on first need), and they run
 while the sync rewards do, so an I/O-bound judge overlaps with rule-based checks. A reward that breaks the
 contract stops training with a one-line ``RewardError``; to name the first bad sample of a reward that raised,
 the runner calls it again one sample at a time (only on that error path).
@@ -15,11 +15,11 @@ import logging
 import math
 import numbers
 import sys
-import threading
 from collections.abc import Awaitable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
 
@@ -43,30 +43,6 @@ def _preview(text: Any) -> str:
     return s if len(s) <= _PREVIEW else s[: _PREVIEW - 3] + "..."
 
 
-class _LoopThread:
-    """One asyncio event loop running forever in a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="grpokit-reward-loop", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Awaitable[Any]) -> Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
 class RewardRunner:
     """Calls reward functions on a batch and returns scores as a float32 tensor [N, F] (NaN = not scored)."""
 
@@ -77,7 +53,7 @@ class RewardRunner:
         self.names = list(names)
         self._is_async = [is_async_reward(f) for f in self.funcs]
         self._accepts = [accepted_kwargs(f) for f in self.funcs]
-        self._loop: _LoopThread | None = _LoopThread() if any(self._is_async) else None
+        self._loop: LoopThread | None = LoopThread("grpokit-reward-loop") if any(self._is_async) else None
 
     # -- public ------------------------------------------------------------------------------------------------
 
@@ -133,9 +109,9 @@ class RewardRunner:
             return kwargs
         return {k: v for k, v in kwargs.items() if k in accepts}
 
-    def _ensure_loop(self) -> _LoopThread:
+    def _ensure_loop(self) -> LoopThread:
         if self._loop is None:
-            self._loop = _LoopThread()
+            self._loop = LoopThread("grpokit-reward-loop")
         return self._loop
 
     def _await(self, awaitable: Awaitable[Any]) -> Any:

@@ -1,0 +1,6 @@
+"""Rollouts: the schedulers that drive an engine through single- and multi-turn trajectories, environments, tools.
+
+Importing the package registers the built-in schedulers and environments (``multi_turns``, ``envs``).
+"""
+
+from grpokit.rollout import builtin_schedulers  # noqa: F401 - registers the built-ins

@@ -23,48 +23,24 @@ from typing import Any
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.rollout.env import Env, envs
 from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,
     RolloutOutput,
     choice_logprobs,
 )
+from grpokit.rewards.math_rewards import answer_matches
 from grpokit.rollout.tools import parse_action, run_tool
 
 logger = logging.getLogger(__name__)
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 _THINK_RE = re.compile(r"<think>.*?(</think>\s*|$)", re.DOTALL)
 
 
 # -- answer checking -------------------------------------------------------------------------------------------
-def _plain_answer(text: str) -> str | None:
-    tags = _ANSWER_RE.findall(text)
-    if tags:
-        return tags[-1].strip()
-    numbers = _NUMBER_RE.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _fallback_matches(completion: str, solution: str) -> bool:
-    """Last <answer> tag (else last number) equals the solution's, numerically when both are numbers."""
-    pred, gold = _plain_answer(completion), _plain_answer(solution) or solution.strip()
-    if pred is None:
-        return False
-    try:
-        return abs(float(pred) - float(gold)) < 1e-9
-    except ValueError:
-        return pred.strip().lower() == gold.strip().lower()
-
-
 def is_correct(completion: str, solution: Any) -> bool:
-    """grpokit's ``accuracy`` check (math-verify) when available, else a plain last-answer comparison."""
-    try:
-        from grpokit.rewards.math_rewards import answer_matches
-    except ImportError:
-        return _fallback_matches(completion, str(solution))
+    """grpokit's ``accuracy`` check (math-verify, then the last answer)."""
     return answer_matches(completion, str(solution))
 
 

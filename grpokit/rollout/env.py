@@ -14,7 +14,7 @@ from typing import Any
 
 from grpokit.errors import ConfigError
 from grpokit.registry import Registry
-from grpokit.rollout.protocol import RolloutInferRequest
+from grpokit.protocol import RolloutInferRequest
 
 envs = Registry("gym environment", "--gym_env")
 

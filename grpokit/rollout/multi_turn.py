@@ -24,7 +24,7 @@ from typing import Any
 
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.registry import Registry
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,
@@ -33,6 +33,7 @@ from grpokit.rollout.protocol import (
     choice_logprobs,
 )
 from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.encode import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +145,6 @@ class MultiTurnScheduler(RolloutScheduler):
         if self._template is None or self._template.tokenizer is not self.tokenizer:
             if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
                 return None
-            from grpokit.template.encode import ChatTemplate
-
             self._template = ChatTemplate(self.tokenizer)
         return self._template
 
@@ -305,5 +304,3 @@ def build_scheduler(rollout_args, tokenizer) -> MultiTurnScheduler:
     cls = multi_turns.get_or_raise(rollout_args.multi_turn_scheduler)
     return cls(infer_engine=None, max_turns=rollout_args.max_turns, tokenizer=tokenizer, rollout_args=rollout_args)
 
-
-from grpokit.rollout import builtin_schedulers  # noqa: E402,F401 - registers the built-ins in multi_turns

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 
-from grpokit.rollout.protocol import (
+from grpokit.aio import run_sync
+from grpokit.protocol import (
     ChatCompletionResponse,
     RequestConfig,
     RolloutInferRequest,
@@ -99,21 +99,12 @@ def _tag(outputs: list[RolloutOutput], request: RolloutInferRequest) -> list[Rol
     return outputs
 
 
-_thread_loops = threading.local()
-
-
 def run_trajectories(scheduler: RolloutScheduler, requests: Sequence[RolloutInferRequest],
                      config: RequestConfig) -> list[RolloutOutput]:
-    """Synchronous entry for the trainer (colocate mode), on an event loop kept per calling thread.
-    ``asyncio.run`` would make and close a loop every window and, on the main thread, swap the SIGINT handler,
-    which formats the finished task's result (the trajectories) into an error message it then discards: about a
-    millisecond a step on the tiny benchmark model (16 trajectories). A plain single-turn batch skips the loop
-    (``RolloutScheduler.runs_plain``): one engine call."""
+    """Synchronous entry for the trainer (colocate mode), through ``grpokit.aio.run_sync``. A plain single-turn
+    batch skips the event loop (``RolloutScheduler.runs_plain``): one engine call."""
     if config.n == 1 and scheduler.runs_plain(requests):  # (n > 1 is refused by async_infer)
         responses = scheduler.infer_engine.infer(list(requests), config)
         return [o for r, resp in zip(requests, responses, strict=True)
                 for o in _tag([_single_turn_output(r, resp, {})], r)]
-    loop = getattr(_thread_loops, "loop", None)
-    if loop is None or loop.is_closed():
-        loop = _thread_loops.loop = asyncio.new_event_loop()
-    return loop.run_until_complete(scheduler.async_infer(requests, config))
+    return run_sync(scheduler.async_infer(requests, config))

@@ -18,12 +18,13 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from grpokit.errors import GrpokitError
-from grpokit.server.bodies import InferBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
+from grpokit.server.bodies import InferBody
 from grpokit.server.engine import CANCEL
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardMiddleware
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
+from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from grpokit.errors import ConfigError
+from grpokit.server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,6 @@ def check_port_free(host: str, port: int) -> None:
 
 def options_from_argv(argv: list[str]):
     """Parse and check the options (no model is loaded)."""
-    from grpokit.server.state import ServerOptions
-
     a = rollout_parser().parse_args(argv)
     if not 0 < a.port < 65536:
         raise ConfigError(f"--port {a.port}: must be in 1..65535")
@@ -157,6 +156,8 @@ def run_rollout_cli(argv: list[str]) -> None:
     """Entry of `grpokit rollout`: check options, load the model, serve until interrupted."""
     options = options_from_argv(argv)
     check_port_free(options.host, options.port)
+    # imported here, not at the top: serving loads torch, transformers and the web stack, and parsing the options
+    # (and `grpokit rollout --help`) should not
     import uvicorn
 
     from grpokit.server.app import create_app

@@ -14,9 +14,9 @@ import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
-from grpokit.server.bodies import TensorMeta
-from grpokit.server.weight_sync import dtype_name, parse_dtype
+from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
+from grpokit.wire.bodies import TensorMeta
+from grpokit.wire.weights import dtype_name, parse_dtype
 
 # The event of the HTTP call being served (set when its client disconnects); the app sets it around each call.
 CANCEL: ContextVar[threading.Event | None] = ContextVar("grpokit_cancel", default=None)
@@ -114,30 +114,4 @@ def model_context(model, limit: int | None) -> int:
     return limit if limit is not None else positions
 
 
-def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
-                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None,
-                        max_prefill_mb: float = 128.0):
-    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
-    transformers only; ``vllm``: further ``VllmSettings`` fields)."""
-    if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
-        from grpokit.server.vllm_served import ServedVllmEngine
-
-        return ServedVllmEngine.build(model_path, torch_dtype_name, max_batch_size, max_model_len, vllm or {})
-    if engine != "transformers":
-        raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
-    from grpokit.pipeline.models import load_causal_lm, load_tokenizer, torch_dtype
-    from grpokit.template.encode import ChatTemplate
-
-    tokenizer = load_tokenizer(model_path)
-    model = load_causal_lm(model_path, torch_dtype(torch_dtype_name, for_training_weights=False))
-    if torch.cuda.is_available():
-        model = model.to("cuda")
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size,
-                                      max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
-    served.fast_decode = fast_decode
-    return served
-
-
-__all__ = ["CANCEL", "ServedTransformersEngine", "build_served_engine", "context_message", "model_context"]
+__all__ = ["CANCEL", "ServedTransformersEngine", "context_message", "model_context"]

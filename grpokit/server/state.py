@@ -2,128 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
+
+from grpokit.config.args import RolloutArguments
 from grpokit.errors import ConfigError
-from grpokit.server.bodies import MAX_SYNC_TIMEOUT_S
-
-
-@dataclass
-class ServerOptions:
-    """``grpokit rollout`` options (see ``grpokit.server.cli``)."""
-
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    engine: str = "transformers"
-    multi_turn_scheduler: str | None = None
-    max_turns: int | None = None
-    gym_env: str | None = None
-    completion_length_limit_scope: str | None = None  # multi-turn only; None: the scheduler's default
-    loss_scale: str | None = None  # multi-turn only; None: the scheduler's default
-    external_plugins: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    insecure: bool = False
-    max_batch_requests: int = 4096
-    max_inflight_requests: int = 0  # 0: 4 x max_batch_requests
-    max_body_mb: float = 64.0
-    torch_dtype: str = "auto"
-    max_batch_size: int = 256
-    fast_decode: bool = True  # transformers engine: grpokit's decode loop where the model allows it
-    max_prefill_mb: float = 128.0  # transformers engine: attention memory of one generate call's prefill
-    max_weight_bucket_mb: float = 1024.0  # largest weight-sync bucket holding several tensors
-    max_sync_timeout_s: float = 300.0  # caps the timeout_s of /init_communicator/ (rendezvous, each broadcast)
-    # swift rollout's vLLM options, same names; max_model_len also bounds the transformers engine's context
-    vllm_max_model_len: int | None = None
-    vllm_gpu_memory_utilization: float | None = None  # None: the vLLM engine's default
-    vllm_enable_prefix_caching: bool = True
-    vllm_tensor_parallel_size: int = 1
-    vllm_data_parallel_size: int = 1
-    vllm_enable_lora: bool = False
-    vllm_use_async_engine: bool = False
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("transformers", "vllm"):
-            raise ConfigError(f"--engine {self.engine}: unknown engine; use transformers or vllm")
-        self._check_limits()
-        self._check_vllm_options()
-        if self.max_batch_requests < 1:
-            raise ConfigError(f"--max_batch_requests {self.max_batch_requests}: must be at least 1")
-        if self.max_inflight_requests < 0:
-            raise ConfigError(f"--max_inflight_requests {self.max_inflight_requests}: must be 0 (auto) or more")
-        if self.max_inflight_requests == 0:
-            self.max_inflight_requests = 4 * self.max_batch_requests
-        if self.max_body_mb <= 0:
-            raise ConfigError(f"--max_body_mb {self.max_body_mb}: must be positive")
-        if self.max_turns is not None and not self.multi_turn_scheduler:
-            raise ConfigError(f"--max_turns {self.max_turns} needs --multi_turn_scheduler NAME (a single-turn server "
-                              "always stops after one turn)")
-        if self.gym_env and not self.multi_turn_scheduler:
-            raise ConfigError(f"--gym_env {self.gym_env} needs --multi_turn_scheduler gym_scheduler")
-        for flag in ("completion_length_limit_scope", "loss_scale"):
-            if getattr(self, flag) is not None and not self.multi_turn_scheduler:
-                raise ConfigError(f"--{flag} {getattr(self, flag)} needs --multi_turn_scheduler NAME (it shapes "
-                                  "multi-turn trajectories)")
-
-    def _check_limits(self) -> None:
-        if self.max_prefill_mb <= 0:
-            raise ConfigError(f"--max_prefill_mb {self.max_prefill_mb}: must be positive")
-        if self.max_weight_bucket_mb <= 0:
-            raise ConfigError(f"--max_weight_bucket_mb {self.max_weight_bucket_mb}: must be positive")
-        if not 0 < self.max_sync_timeout_s <= MAX_SYNC_TIMEOUT_S:
-            raise ConfigError(f"--max_sync_timeout_s {self.max_sync_timeout_s}: must be in (0, {MAX_SYNC_TIMEOUT_S:g}]")
-        if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
-            raise ConfigError(f"--vllm_max_model_len {self.vllm_max_model_len}: must be at least 2")
-
-    def _check_vllm_options(self) -> None:
-        """Every vLLM option is honoured or refused, never ignored."""
-        later = "is not implemented yet in grpokit rollout"
-        one_each = ("start one grpokit rollout per device and give the trainer all of them (--vllm_server_host/"
-                    "--vllm_server_port); it splits each batch across the servers")
-        if self.vllm_tensor_parallel_size != 1:
-            raise ConfigError(f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size}: tensor parallelism "
-                              f"{later} (vLLM runs in the server's process on one device); use 1")
-        if self.vllm_data_parallel_size != 1:
-            raise ConfigError(f"--vllm_data_parallel_size {self.vllm_data_parallel_size}: data parallelism inside "
-                              f"one server {later}; {one_each}")
-        if self.vllm_enable_lora:
-            raise ConfigError(f"--vllm_enable_lora true: sending LoRA adapters instead of merged weights {later}; "
-                              "the trainer sends merged full weights after each step (docs/server_mode.md)")
-        if self.vllm_use_async_engine:
-            raise ConfigError(f"--vllm_use_async_engine true: vLLM's AsyncLLMEngine {later}; the server batches "
-                              "concurrent trajectories for the in-process engine itself")
-        if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: must be in (0, 1]")
-        if self.engine == "vllm" and self.max_prefill_mb != 128.0:
-            raise ConfigError(f"--max_prefill_mb {self.max_prefill_mb} applies to --engine transformers only (vLLM "
-                              "schedules its own prefill)")
-        if self.engine != "vllm":
-            used = [flag for flag, on in (("--vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization
-                                           is not None),
-                                          ("--vllm_enable_prefix_caching false", not self.vllm_enable_prefix_caching))
-                    if on]
-            if used:
-                raise ConfigError(f"{used[0]} applies to --engine vllm only; this server uses --engine "
-                                  f"{self.engine}")
-
-    def vllm_settings(self) -> dict:
-        """``VllmSettings`` fields set by the options (others keep the engine's defaults)."""
-        extra = {"enable_prefix_caching": self.vllm_enable_prefix_caching}
-        if self.vllm_gpu_memory_utilization is not None:
-            extra["gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
-        return extra
-
-    @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * 1024 * 1024)
+from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
+from grpokit.plugins.loader import load_plugins
+from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
+from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.server.engine import ServedTransformersEngine
+from grpokit.server.options import ServerOptions
+from grpokit.server.vllm_served import ServedVllmEngine
+from grpokit.server.weight_sync import WeightReceiver
+from grpokit.template.encode import ChatTemplate
 
 
 class ServerState:
     """The live objects behind the HTTP endpoints."""
 
     def __init__(self, options: ServerOptions, engine, scheduler) -> None:
-        from grpokit.server.weight_sync import WeightReceiver
-
         self.options = options
         self.engine = engine
         self.scheduler = scheduler
@@ -157,15 +56,31 @@ class ServerState:
         return info
 
 
+def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
+                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None,
+                        max_prefill_mb: float = 128.0):
+    """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
+    transformers only; ``vllm``: further ``VllmSettings`` fields)."""
+    if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
+        return ServedVllmEngine.build(model_path, torch_dtype_name, max_batch_size, max_model_len, vllm or {})
+    if engine != "transformers":
+        raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
+    tokenizer = load_tokenizer(model_path)
+    model = load_causal_lm(model_path, torch_dtype(torch_dtype_name, for_training_weights=False))
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size,
+                                      max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
+    served.fast_decode = fast_decode
+    return served
+
+
 def build_scheduler(options: ServerOptions, engine):
     """The server's scheduler: ``RolloutScheduler`` (single turn) or the named multi-turn one."""
-    from grpokit.rollout.scheduler import RolloutScheduler
-
     if not options.multi_turn_scheduler:
         return RolloutScheduler(engine)
-    from grpokit.config.args import RolloutArguments
-    from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
-
     extra = {k: getattr(options, k) for k in ("completion_length_limit_scope", "loss_scale")
              if getattr(options, k) is not None}
     args = RolloutArguments(multi_turn_scheduler=options.multi_turn_scheduler, max_turns=options.max_turns,
@@ -178,11 +93,6 @@ def build_scheduler(options: ServerOptions, engine):
 
 def build_state(options: ServerOptions) -> ServerState:
     """Plugins first (they may register schedulers and environments), then the engine and the scheduler."""
-    from pathlib import Path
-
-    from grpokit.plugins.loader import load_plugins
-    from grpokit.server.engine import build_served_engine
-
     if not Path(options.model).is_dir():
         raise ConfigError(f"--model {options.model}: no such folder (grpokit rollout serves a local Hugging Face "
                           "model folder)")

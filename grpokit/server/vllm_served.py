@@ -9,7 +9,7 @@ from __future__ import annotations
 from grpokit.engines.transformers_engine import context_message
 from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.server.engine import CancellableRequests
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpokit.errors import RolloutError
-from grpokit.rollout.protocol import RolloutOutput
+from grpokit.protocol import RolloutOutput
 
 
 @dataclass

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpokit.config.parse import world_size
+from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,10 @@ from grpokit.algorithms import (
     selective_log_softmax,
 )
 from grpokit.config.args import TrainConfig
-from grpokit.config.parse import batch_plan, loss_config
+from grpokit.config.plan import batch_plan
+from grpokit.config.validate import loss_config
 from grpokit.engines.prefix import completion_logits, worth_sharing
+from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
@@ -319,8 +321,6 @@ class GRPOTrainer:
 
     def evaluate(self) -> dict:
         """Greedy completions on the validation set, scored with the reward functions."""
-        from grpokit.pipeline.infer import evaluate_rows  # pipeline sits above trainers; as before the split
-
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
                                max_tokens=self.cfg.rollout.max_completion_length)

@@ -9,7 +9,7 @@ import random
 import shutil
 from pathlib import Path
 
-from grpokit.config.parse import checkpoint_dirs, earlier_run_checkpoints
+from grpokit.config.plan import checkpoint_dirs, earlier_run_checkpoints
 from grpokit.errors import ConfigError
 from grpokit.trainers.distributed import full_state_dict
 from grpokit.trainers.outputs import JsonlLog, plot_curves, progress_bar, summary_text

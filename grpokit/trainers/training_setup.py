@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from grpokit.config.args import TrainConfig
-from grpokit.config.parse import BatchPlan
+from grpokit.config.plan import BatchPlan
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
+from grpokit.modeling import resolve_dtype_name
+from grpokit.rewards.runner import RewardRunner
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
@@ -43,8 +45,6 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     from accelerate import Accelerator  # accelerate and transformers load on first use: `grpokit --help` is fast
     from accelerate.utils import set_seed
     from transformers import get_scheduler
-
-    from grpokit.pipeline.models import resolve_dtype_name  # as before the split: pipeline sits above trainers
 
     t = cfg.training
     report = [r for r in t.report_to if r != "none"]
@@ -117,8 +117,6 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
 
 def setup_rewards(funcs, names, weights, scheduler) -> Rewards:
     """One name and weight per reward column; the scheduler's gym reward, if it gives one, is the last."""
-    from grpokit.rewards.runner import RewardRunner
-
     funcs = list(funcs or [])
     names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
     uses_env_reward = bool(getattr(scheduler, "uses_env_reward", False))

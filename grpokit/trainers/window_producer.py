@@ -13,7 +13,7 @@ import torch
 
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
-from grpokit.config.parse import BatchPlan
+from grpokit.config.plan import BatchPlan
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate

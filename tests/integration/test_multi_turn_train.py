@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpokit.engines.base import InferEngine
 from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
@@ -72,7 +71,6 @@ def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    torch.set_num_threads(1)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"

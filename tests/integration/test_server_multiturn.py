@@ -8,7 +8,8 @@ import textwrap
 import pytest
 from test_server_support import rollout_server
 
-from grpokit.engines.client import RemoteScheduler, RolloutClient
+from grpokit.engines.client import RolloutClient
+from grpokit.rollout.remote import RemoteScheduler
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.testing import build_tiny_model

@@ -7,7 +7,6 @@ import json
 import textwrap
 
 import pytest
-import torch
 from test_server_support import rollout_server
 
 from grpokit.trainers.factory import TrainerFactory
@@ -71,7 +70,6 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
     saved = TrainerFactory.TRAINER_MAPPING["grpo"]
     TrainerFactory.TRAINER_MAPPING["grpo"] = RecordingTrainer
     RecordingTrainer.windows = []
-    torch.set_num_threads(1)
     try:
         with rollout_server(tiny_model_dir, tmp_path, "--external_plugins", str(plugin), "--multi_turn_scheduler",
                             "canned_tool_call", "--max_turns", "2") as server:

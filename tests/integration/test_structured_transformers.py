@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
-from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
@@ -33,7 +33,6 @@ def validates(text: str, schema: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    torch.set_num_threads(1)
     model = load_causal_lm(str(tiny_model_dir), torch.float32)
     return TransformersEngine(model, ChatTemplate(load_tokenizer(str(tiny_model_dir))))
 
@@ -91,8 +90,7 @@ def test_invalid_constraints_are_config_errors(engine):
 def test_server_answers_400_for_an_invalid_regex_and_keeps_serving(tiny_model_dir):
     from grpokit.rollout.scheduler import RolloutScheduler
     from grpokit.server.app import create_app
-    from grpokit.server.engine import build_served_engine
-    from grpokit.server.state import ServerOptions, ServerState
+    from grpokit.server.state import ServerOptions, ServerState, build_served_engine
 
     engine = build_served_engine("transformers", str(tiny_model_dir), "float32")
     state = ServerState(ServerOptions(model=str(tiny_model_dir)), engine, RolloutScheduler(engine))
@@ -112,7 +110,6 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    torch.set_num_threads(1)
     out = tmp_path / "out"
     cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs",
                             "accuracy", "--max_steps", "2", "--num_generations", "4",

@@ -78,7 +78,7 @@ def test_list_to_tensor_helpers():
 
 @pytest.fixture
 def tiny_template(tmp_path_factory):
-    from grpokit.pipeline.models import load_tokenizer
+    from grpokit.modeling import load_tokenizer
     from grpokit.template.encode import ChatTemplate
     from grpokit.testing import build_tiny_model
 

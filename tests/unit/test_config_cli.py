@@ -6,10 +6,13 @@ import subprocess
 import sys
 import time
 
+import re
+
 import pytest
 
 from grpokit.config.names import BUILTIN_NAMES, REGISTRIES, registered_names
-from grpokit.config.parse import batch_plan, parse_train_args
+from grpokit.config.parse import parse_train_args
+from grpokit.config.plan import batch_plan
 from grpokit.errors import ConfigError
 
 
@@ -211,7 +214,7 @@ def test_parsing_and_the_pipeline_import_a_plugin_once(tmp_path):
 
 
 def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_path):
-    from grpokit.config.parse import earlier_run_checkpoints
+    from grpokit.config.plan import earlier_run_checkpoints
 
     assert earlier_run_checkpoints(tmp_path, overwrite=False) == []
     for n in (2, 4, 6, 8):
@@ -274,9 +277,23 @@ def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monk
     from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
-    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization")
+    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization",
+                            memory_default=0.3)
     with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
         _warn_if_memory_ignored(settings, torch.device("cpu"))
     expected = (f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
                 "sets vLLM's KV cache (GiB) instead")
     assert (expected in caplog.messages) == warned
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--temperature", "200"], "--temperature 200"),  # above the bound every engine enforces on a request
+    (["--top_k", "-5"], "--top_k -5"),
+    (["--repetition_penalty", "0.001"], "--repetition_penalty 0.001"),
+    (["--max_completion_length", str(1 << 21)], f"--max_completion_length {1 << 21}"),
+    (["--async_generate", "true"], "--async_generate true needs an engine with its own copy"),
+])
+def test_sampling_and_engine_options_fail_before_any_model_loads(tiny_model_dir, math_jsonl, flags, needle):
+    """Checks that once ran at the first rollout or after the model loaded now run in grpokit.config.validate."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), *flags])

@@ -67,7 +67,6 @@ def test_cached_model_is_plain_and_matches_gguf_greedy(model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
     record = dm.read_marker(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from grpokit.engines.fast_decode import FastDecoder, Unsupported, _inverse_cdf, sampling_processors
+from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.sampling import inverse_cdf, sampling_processors
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0,
@@ -128,7 +129,7 @@ def test_sampling_matches_the_processed_distribution():
 def test_inverse_cdf_draws_only_tokens_with_probability():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
     u = torch.tensor([[0.0], [0.4999], [0.5], [0.75], [1 - 2 ** -24]])
-    assert _inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]
 
 
 def test_eos_and_stop_criteria_end_rows_as_generate_does():

@@ -210,6 +210,7 @@ class _Boom(Env):
 
 def test_gym_env_error_ends_the_trajectory_and_training_continues(caplog):
     envs["boom"] = _Boom
+    closed_before = _Boom.closed  # a class-wide count: test_gym_reset_failure's subclass closes too
     try:
         tok = tiny_tokenizer()
         engine = ScriptedEngine(tok, lambda r: "1")
@@ -221,7 +222,7 @@ def test_gym_env_error_ends_the_trajectory_and_training_continues(caplog):
         assert outs[0].rollout_infos["total_reward"] == 0.0 and outs[0].rollout_infos["num_turns"] == 1
         assert outs[1].rollout_infos["total_reward"] == 1.0 and "env_error" not in outs[1].rollout_infos
         assert reqs[0].request_id in caplog.text and "kaput" in caplog.text
-        assert _Boom.closed == 1
+        assert _Boom.closed == closed_before + 1  # the failed env was closed, once
     finally:
         del envs["boom"]
 

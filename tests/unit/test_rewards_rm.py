@@ -26,7 +26,6 @@ PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]
 
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
-    torch.set_num_threads(1)
     path = build_tiny_model(tmp_path_factory.mktemp("rm"), seq_cls=True)
     model, tokenizer = load_reward_model(str(path))
     return path, model, tokenizer

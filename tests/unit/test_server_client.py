@@ -79,6 +79,52 @@ def test_dead_server_raises_after_bounded_retries():
     client.close()
 
 
+def _scripted(statuses: list[int]):
+    """An httpx transport that answers with ``statuses`` in turn (then 200), counting the calls."""
+    import httpx
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        status = statuses[len(calls) - 1] if len(calls) <= len(statuses) else 200
+        return httpx.Response(status, json={"ok": len(calls)} if status == 200 else {"error": "busy"})
+
+    return handler, calls
+
+
+@pytest.mark.parametrize("statuses, attempts, answered", [
+    ([503, 502], 3, True),  # transient twice, then the answer
+    ([429] * 5, 6, True),  # busy: retried past max_retries, until the deadline
+    ([503] * 4, 4, False),  # 1 + 3 retries, all unavailable: a ServerError naming the attempts
+    ([400], 1, False),  # a refusal is final
+])
+def test_sync_and_async_requests_share_one_retry_policy(statuses, attempts, answered):
+    import asyncio
+
+    import httpx
+
+    client = RolloutClient(hosts=["127.0.0.1"], ports=[_closed_port()], timeout=30, backoff_s=0.001, wait=False)
+    for use_async in (False, True):
+        handler, calls = _scripted(statuses)
+        if use_async:
+            async def call():
+                async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+                    return await client._request_async(http, 0, "/x/", {})
+
+            run = lambda: asyncio.run(call())  # noqa: E731
+        else:
+            client._http = httpx.Client(transport=httpx.MockTransport(handler))
+            run = lambda: client._request(0, "POST", "/x/", {})  # noqa: E731
+        if answered:
+            assert run() == {"ok": attempts}
+        else:
+            with pytest.raises(ServerError, match="refused" if statuses == [400] else f"after {attempts} attempt"):
+                run()
+        assert len(calls) == attempts, use_async
+    client.close()
+
+
 def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
     monkeypatch.delenv("GRPOKIT_API_KEY", raising=False)
     with pytest.raises(ConfigError, match="--host 0.0.0.0 .* --api_key"):

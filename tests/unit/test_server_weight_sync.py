@@ -8,9 +8,10 @@ from torch import nn
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 from grpokit.errors import ServerError
-from grpokit.server.bodies import InitCommunicatorBody, UpdateWeightsBody
-from grpokit.server.weight_sender import WeightSender
-from grpokit.server.weight_sync import WeightReceiver, pack, plan_buckets, unpack
+from grpokit.engines.weight_sender import WeightSender
+from grpokit.server.weight_sync import WeightReceiver
+from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
+from grpokit.wire.weights import pack, plan_buckets, unpack
 
 
 def test_plan_buckets_aligns_and_splits():
@@ -159,7 +160,7 @@ def test_failed_rendezvous_names_the_store_within_its_timeout():
     import socket
     import time
 
-    from grpokit.server.weight_sync import Communicator
+    from grpokit.wire.group import Communicator
 
     with socket.socket() as s:  # a port where nothing listens
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
-from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
@@ -167,7 +167,7 @@ def test_invalid_constraint_is_a_config_error(engine):
 
 
 def test_server_buckets_load_once_the_model_is_complete(engine, policy, tiny128):
-    from grpokit.server.bodies import TensorMeta
+    from grpokit.wire.bodies import TensorMeta
 
     named = [(n, p.detach().clone()) for n, p in policy.named_parameters()]
     metas = [TensorMeta(name=n, dtype="float32", shape=list(t.shape), offset=0, nbytes=4 * t.numel())

@@ -8,7 +8,7 @@ import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import RolloutError
-from grpokit.pipeline.models import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 

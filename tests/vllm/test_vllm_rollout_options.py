@@ -14,8 +14,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def vllm_server(tiny128):
     from grpokit.server.app import create_app
-    from grpokit.server.engine import build_served_engine
-    from grpokit.server.state import ServerOptions, ServerState, build_scheduler
+    from grpokit.server.state import ServerOptions, ServerState, build_scheduler, build_served_engine
 
     options = ServerOptions(model=str(tiny128), engine="vllm", torch_dtype="float32", vllm_max_model_len=128,
                             vllm_gpu_memory_utilization=0.3, vllm_enable_prefix_caching=False)

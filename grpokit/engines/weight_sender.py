@@ -1,4 +1,4 @@
-"""Trainer side of weight sync (the receiving side is ``weight_sync.WeightReceiver``).
+"""Trainer side of weight sync (the receiving side is ``grpokit.server.weight_sync.WeightReceiver``).
 
 ``WeightSender.sync(model)``: check the plan with every server (``dry_run``), (re)build the group when a server
 does not hold ours, then post the bucket metadata to every server in background threads while this thread
@@ -21,8 +21,9 @@ import torch
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors
 from grpokit.errors import ServerError
-from grpokit.server.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
-from grpokit.server.weight_sync import Communicator, local_address_towards, pack, plan_buckets
+from grpokit.wire.group import Communicator, local_address_towards
+from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
+from grpokit.wire.weights import pack, plan_buckets
 
 logger = logging.getLogger(__name__)
 

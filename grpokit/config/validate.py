@@ -1,0 +1,205 @@
+"""Every check of the options that needs no model, in one place, run by ``parse_train_args`` before anything loads.
+
+Order: plain ranges and clashes, rollout modes, rewards, paths on disk, then the ``--external_plugins`` are
+imported (they may register names) and the registry names (``--loss_type``, ``--advantage_estimator``, ...) and
+structured-output constraints are checked; last, the batch plan (its divisibility rules). A check that needs a
+model (reward columns against the dataset, a model's context length) stays with the code that loads it.
+
+This module imports torch (through ``grpokit.algorithms``); ``grpokit.config.parse`` imports it only when it
+parses for a run, so that ``grpokit train --help`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from grpokit.algorithms import (
+    LOSS_NORMALIZERS,
+    POLICY_LOSSES,
+    LossConfig,
+    validate_advantage_options,
+    validate_entropy_quantile,
+    validate_loss_config,
+    validate_rollout_is_options,
+)
+from grpokit.config.args import TrainConfig
+from grpokit.config.plan import batch_plan, earlier_run_checkpoints, world_size
+from grpokit.engines.structured import check_structured_options, load_json_schema
+from grpokit.errors import ConfigError
+from grpokit.plugins.loader import load_plugins_once
+from grpokit.protocol import RequestConfig
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError naming the option, its value and the fix, for the first problem found."""
+    _check_ranges(cfg)
+    _check_rollout_modes(cfg)
+    _check_rewards(cfg)
+    _check_paths(cfg)
+    load_plugins_once(cfg.reward.external_plugins)  # they may register the names checked next
+    _check_algorithm(cfg)
+    _check_sampling(cfg)
+    batch_plan(cfg)
+
+
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    """The loss slice of the configuration. cispo's default cap 5.0 is grpokit's: the value the docs of ms-swift
+    (CISPO page) and TRL (epsilon_high) recommend after ScaleRL; the code of both falls back to --epsilon."""
+    a = cfg.algorithm
+    high = a.epsilon_high
+    if high is None:
+        high = 5.0 if a.loss_type == "cispo" else a.epsilon
+    return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
+                      epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
+                      beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+                      max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
+                      vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
+                      vespo_lambda_neg=a.vespo_lambda_neg,
+                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"--{name} {value}: must be {'≥ 0' if allow_zero else '> 0'}")
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    t, r, a = cfg.training, cfg.rollout, cfg.algorithm
+    for name, value in [("num_generations", r.num_generations), ("max_completion_length", r.max_completion_length),
+                        ("per_device_train_batch_size", t.per_device_train_batch_size),
+                        ("gradient_accumulation_steps", t.gradient_accumulation_steps),
+                        ("num_iterations", a.num_iterations), ("logging_steps", t.logging_steps),
+                        ("save_steps", t.save_steps), ("learning_rate", t.learning_rate)]:
+        _positive(name, value)
+    for name, value in [("temperature", r.temperature), ("beta", a.beta), ("epsilon", a.epsilon),
+                        ("epsilon_high", a.epsilon_high), ("weight_decay", t.weight_decay),
+                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio)]:
+        _positive(name, value, allow_zero=True)
+    if r.num_generations < 2:
+        raise ConfigError(f"--num_generations {r.num_generations}: GRPO needs at least 2 completions per prompt "
+                          "to compare; use 2 or more")
+    if r.temperature == 0:
+        raise ConfigError("--temperature 0: greedy sampling gives every completion of a group the same reward and "
+                          "no learning signal; use a temperature > 0 (e.g. 1.0)")
+    if r.max_turns is not None and r.max_turns < 1:
+        raise ConfigError(f"--max_turns {r.max_turns}: must be ≥ 1")
+    if a.dynamic_sample and a.max_resample_times < 0:
+        raise ConfigError(f"--max_resample_times {a.max_resample_times}: must be ≥ 0")
+
+
+def _check_rollout_modes(cfg: TrainConfig) -> None:
+    """Server mode, multi-turn, vLLM colocate and async generation: combinations that cannot work."""
+    r = cfg.rollout
+    server = r.vllm_mode == "server"
+    if server and (r.multi_turn_scheduler or r.gym_env or r.max_turns):
+        raise ConfigError("in server mode the rollout server runs the trajectories: pass --multi_turn_scheduler, "
+                          "--max_turns and --gym_env to `grpokit rollout`, not to `grpokit train`")
+    if r.multi_turn_scheduler is None and (r.gym_env or r.loss_scale != "default" or r.max_turns):
+        raise ConfigError("--gym_env, --loss_scale and --max_turns act on multi-turn rollouts; add "
+                          "--multi_turn_scheduler NAME (e.g. gym_scheduler, thinking_tips_scheduler)")
+    if server and not (r.vllm_server_host or r.vllm_server_base_url):
+        raise ConfigError("--vllm_mode server needs --vllm_server_host H --vllm_server_port P "
+                          "(or --vllm_server_base_url URL)")
+    if r.vllm_server_host and len(r.vllm_server_port) not in (1, len(r.vllm_server_host)):
+        raise ConfigError(f"{len(r.vllm_server_host)} --vllm_server_host value(s) but {len(r.vllm_server_port)} "
+                          "--vllm_server_port value(s); give one port, or one per host")
+    if r.async_generate and not (server or r.use_vllm):
+        raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
+                          "server, or --use_vllm true): the in-process transformers engine samples from the "
+                          "live training weights, which change while the next window would be generating")
+    if r.use_vllm and not server:
+        _check_vllm_colocate(cfg)
+
+
+def _check_vllm_colocate(cfg: TrainConfig) -> None:
+    r = cfg.rollout
+    if world_size() > 1:
+        raise ConfigError("--use_vllm true --vllm_mode colocate with several training processes is not "
+                          "implemented; run one process, or serve rollouts with `grpokit rollout --engine vllm` "
+                          "and train with --vllm_mode server")
+    if r.sleep_level == 2 and cfg.training.eval_steps:
+        raise ConfigError(f"--sleep_level 2 with --eval_steps {cfg.training.eval_steps}: evaluation runs between "
+                          "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
+                          "use --sleep_level 1")
+    if r.sleep_level and r.async_generate:
+        raise ConfigError(f"--sleep_level {r.sleep_level} with --async_generate true: the engine cannot sleep "
+                          "while it generates the next window during training; use --sleep_level 0")
+
+
+def _check_rewards(cfg: TrainConfig) -> None:
+    r, w = cfg.rollout, cfg.reward
+    gym = r.multi_turn_scheduler == "gym_scheduler"
+    if w.reward_weights:
+        funcs = w.reward_funcs or ([] if (w.reward_model or gym) else ["accuracy"])
+        n = len(funcs) + len(w.reward_model) + int(gym)
+        if len(w.reward_weights) != n:
+            order = "functions first, then models" + (", then gym_reward" if gym else "")
+            raise ConfigError(f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "
+                              f"function(s) and model(s); give one weight each ({order})")
+    if w.reward_model_plugin and len(w.reward_model_plugin) != len(w.reward_model):
+        raise ConfigError(f"--reward_model_plugin has {len(w.reward_model_plugin)} name(s) for "
+                          f"{len(w.reward_model)} --reward_model(s); give one each")
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    m, w, t = cfg.model, cfg.reward, cfg.training
+    if m.model is not None and not Path(m.model).exists() and not _looks_like_hub_id(m.model):
+        raise ConfigError(f"--model {m.model}: no such folder; pass a local model folder in Hugging Face format")
+    if m.model is not None and Path(m.model).is_dir() and not (Path(m.model) / "config.json").is_file():
+        raise ConfigError(f"--model {m.model}: folder has no config.json; pass a Hugging Face model folder")
+    for path in w.reward_model:
+        if not Path(path).exists():
+            raise ConfigError(f"--reward_model {path}: not found; pass a local sequence-classification model folder")
+    resume = t.resume_from_checkpoint
+    if resume and resume != "latest" and not Path(resume).is_dir():
+        raise ConfigError(f"--resume_from_checkpoint {resume}: no such folder; pass a checkpoint-N folder or "
+                          "'latest'")
+    if not resume:
+        earlier_run_checkpoints(t.output_dir, t.overwrite_output_dir)
+
+
+def _check_algorithm(cfg: TrainConfig) -> None:
+    a = cfg.algorithm
+    check_loss_type_pair(a.loss_type)
+    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
+    validate_loss_config(loss_config(cfg))
+    validate_entropy_quantile(a.top_entropy_quantile)
+    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold)
+
+
+def _check_sampling(cfg: TrainConfig) -> None:
+    """The sampling options within the bounds every engine enforces on a request (``grpokit.protocol``), and a
+    bad regex/schema, fail here rather than at the first rollout; a schema file is read now (a rollout server may
+    not have the file)."""
+    r = cfg.rollout
+    try:
+        RequestConfig(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                      repetition_penalty=r.repetition_penalty, stop=list(r.stop_words))
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = {"max_tokens": "max_completion_length", "stop": "stop_words"}.get(str(err["loc"][0]), err["loc"][0])
+        raise ConfigError(f"--{field} {err.get('input')!r}: {err['msg']}") from None
+    if r.structured_outputs_json:
+        r.structured_outputs_json = json.dumps(load_json_schema(r.structured_outputs_json))
+    if r.structured_outputs_regex or r.structured_outputs_json:
+        check_structured_options(r.structured_outputs_regex, r.structured_outputs_json)
+
+
+def check_loss_type_pair(loss_type: str) -> None:
+    """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
+    half instead of reporting the name as unknown."""
+    POLICY_LOSSES.get_or_raise(loss_type)
+    if loss_type not in LOSS_NORMALIZERS:
+        raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "
+                          f"loss type needs both: add LOSS_NORMALIZERS[{loss_type!r}] = <normaliser> in the plugin "
+                          "(e.g. grpokit.algorithms.losses.token_mean; docs/plugins.md)")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
