@@ -25,7 +25,7 @@ class RolloutBatch:
     ref_logps: torch.Tensor | None = None  # [N, C]
     rollout_logps: torch.Tensor | None = None  # [N, C] engine logprobs (NaN where missing)
     num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
-    extra: dict[str, Any] = field(default_factory=dict)  # user tensors from _prepare_batch_inputs overrides
+    extra: dict[str, Any] = field(default_factory=dict)  # per-row tensors a _prepare_inputs override adds
 
     @property
     def logits_to_keep(self) -> int:

@@ -194,3 +194,34 @@ def scalar(x) -> float:
     if hasattr(x, "full_tensor"):
         x = x.full_tensor()
     return float(x)
+
+
+def gather_rows(accelerator, t):
+    """Concatenate a tensor's rows over processes, in rank order (every rank gets them all)."""
+    if accelerator.num_processes == 1:
+        return t
+    import torch
+    from accelerate.utils import gather_object
+
+    return torch.cat(gather_object([t.cpu()]), dim=0)
+
+
+def row_offset(accelerator, local_n: int) -> int:
+    """Where this process's rows start in the concatenation of every process's rows."""
+    if accelerator.num_processes == 1:
+        return 0
+    from accelerate.utils import gather_object
+
+    sizes = gather_object([local_n])
+    return sum(sizes[: accelerator.process_index])
+
+
+def gather_cat(accelerator, t):
+    """Concatenate a 1-D tensor of any length over processes."""
+    if accelerator.num_processes == 1:
+        return t
+    import torch
+
+    padded = accelerator.pad_across_processes(t.detach(), dim=0, pad_index=float("nan"))
+    allv = accelerator.gather(padded)
+    return allv[~torch.isnan(allv)]

@@ -1,13 +1,14 @@
-"""GRPOTrainer: an explicit training loop over `accelerate`.
+"""GRPOTrainer: an explicit training loop over `accelerate`, composed of parts.
 
 One rollout per window; the window's batch is reused for ``steps_per_generation × num_iterations`` micro-steps,
 then thrown away (the seed's buffered ``_prepare_inputs``, here visible in ``train()``). The math lives in
-``grpokit.algorithms``; this class is glue. Every ``_method`` below is an override point (see docs/plugins.md).
+``grpokit.algorithms``; the window comes from a ``WindowProducer`` (window_producer.py), output_dir belongs to
+``RunOutputs`` (run_outputs.py), the set-up is ``setup_training`` (training_setup.py). This class keeps the loop,
+the training step, the loss and the optimizer step.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,13 +29,17 @@ from grpokit.algorithms import (
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
-from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import mean_over_processes, scalar
-from grpokit.trainers.loop_setup import LoopSetupMixin
 from grpokit.engines.prefix import completion_logits, worth_sharing
-from grpokit.trainers.rollout_step import RolloutStepMixin
-
-logger = logging.getLogger(__name__)
+from grpokit.rollout.evaluate import evaluate_rows
+from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
+from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.run_outputs import RunOutputs
+from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
+from grpokit.trainers.window import Window, WindowRollout
+from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
 
 
 @dataclass
@@ -46,33 +51,64 @@ class TrainerState:
     last_logs: dict = field(default_factory=dict)
 
 
-class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
+class GRPOTrainer:
+    """The GRPO training loop. Subclasses may override these hooks (docs/plugins.md shows each with an example):
+    ``_prepare_inputs(prompts, rollout=None) -> Window``, ``_generate_completions(requests)``,
+    ``_score_completions(requests, outputs)``, ``_prepare_model_inputs(inputs)``,
+    ``_get_per_token_logps_and_entropies(model, inputs, compute_entropy=False)``,
+    ``_compute_loss_and_metrics(model, inputs)`` and ``training_step(model, inputs)``. Every other underscore
+    method is private and may change.
+
+    Public attributes, set in ``__init__`` and read by plugins and callbacks: ``cfg`` (the whole TrainConfig),
+    ``args`` (its training options), ``plan`` (BatchPlan), ``loss_cfg``, ``state`` (TrainerState),
+    ``accelerator``, ``model`` (as prepared by accelerate), ``policy`` (the model inside any wrapper),
+    ``optimizer``, ``lr_scheduler``, ``ref_model`` (None with LoRA or beta 0), ``tokenizer``, ``template``,
+    ``engine``, ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``.
+    """
+
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
                  callbacks=None) -> None:
-        self.cfg = cfg
-        self.args = cfg.training
-        self.plan = batch_plan(cfg)
+        self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
         self.tokenizer = tokenizer
-        self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.state = TrainerState()
         self.callbacks = list(callbacks or [])
-        self.loss_cfg = loss_config(cfg)
-        self._setup_accelerator_and_model(model, ref_model)
-        self._setup_rollout(scheduler, engine)
-        self._setup_rewards(reward_funcs, reward_names, reward_weights)
-        self._setup_outputs()
+        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset))
+        self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
+        self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
+        self.template, self.state.max_steps = parts.template, parts.max_steps
+        self._trainable_params = parts.trainable_params
+        self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
+                                                    self.accelerator)
+        rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
+        self.reward_names, self.reward_runner = rewards.names, rewards.runner
+        prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
+                               shuffle=cfg.data.dataset_shuffle, num_processes=self.accelerator.num_processes,
+                               process_index=self.accelerator.process_index)
+        self._producer = WindowProducer(
+            self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
+            models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
+            accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
+            log_completions=self.args.log_completions)
+        self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
+        self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
+        self.output_dir = self._outputs.output_dir
+        self._step_metrics = MetricsAccumulator()
+        self._window_metrics: dict = {}
+        self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
+        self._last_sync_s = 0.0
+        self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
 
     # ------------------------------------------------------------------------------------------------------
     # the loop
     # ------------------------------------------------------------------------------------------------------
     def train(self) -> TrainerState:
-        self._maybe_resume()
+        self._resume()
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
             self._sync_weights()
         self._call("on_train_begin")
-        bar = self._progress_bar()
+        bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
         try:
             while self.state.global_step < self.state.max_steps:
                 micro_batches = self._next_window()  # rollout → rewards → advantages → logps, split
@@ -84,48 +120,27 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
             raise
         finally:
             bar.close()
-            self._drain_async()
-            self._log_file.close()
-            self._completions_file.close()
+            if self._async is not None:
+                self._async.drain()
+            self._outputs.close()
         self._finish()
         return self.state
 
     def _next_window(self) -> list[RolloutBatch]:
-        """The next window's micro-batches. With --async_generate the rollout of the window after it starts now,
-        in a background thread, and overlaps with training on this one (it samples from weights one window
-        old)."""
-        if not self.async_generate:
-            return self._prepare_inputs(self._next_prompts())
-        if self._pending is None:
-            self._pending = self._submit_rollout()
-        future, prompts, submitted_at = self._pending
-        t0 = time.perf_counter()
-        rollout = future.result()
-        wait = time.perf_counter() - t0
-        self._pending = self._submit_rollout()
-        micro_batches = self._prepare_inputs(prompts, rollout)
-        self._window_metrics.update({"async/staleness": self.state.global_step - submitted_at,
-                                     "async/wait_s": wait,
-                                     "async/time_saved_s": max(0.0, rollout.timing["rollout"] - wait)})
-        return micro_batches
-
-    def _submit_rollout(self):
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpokit-rollout")
-        prompts = self._next_prompts()
-        return self._executor.submit(self._rollout_window, prompts), prompts, self.state.global_step
-
-    def _drain_async(self) -> None:
-        """Wait for a rollout still in flight (its prompts were never trained on; a checkpoint does not count
-        them as consumed)."""
-        if self._pending is not None:
-            self._pending[0].exception()  # wait; an error there no longer matters
-            self._pending = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """The next window's micro-batches. With --async_generate its rollout was started while the previous
+        window trained, and the rollout of the window after it starts now."""
+        if self._async is None:
+            window, async_metrics = self._prepare_inputs(self._producer.prompts.next()), {}
+        else:
+            prompts, rollout, async_metrics = self._async.next(self.state.global_step)
+            window = self._prepare_inputs(prompts, rollout)
+        self.state.prompts_consumed = self._producer.prompts.position
+        # the weight sync that ended the previous window is reported with this one
+        self._timing = {"logps": window.timing["logps"], "train": 0.0, "rollout": window.timing["rollout"],
+                        "reward": window.timing["reward"], "sync": self._last_sync_s}
+        self._window_metrics = {**window.metrics, **async_metrics}
+        self._outputs.write_completions(window.completion_rows)
+        return window.micro_batches(self.plan.steps_per_generation)
 
     def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
         """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights."""
@@ -162,7 +177,24 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         return loss.detach()
 
     # ------------------------------------------------------------------------------------------------------
-    # forward and loss
+    # the window (hooks)
+    # ------------------------------------------------------------------------------------------------------
+    def _prepare_inputs(self, prompts: list[dict], rollout: WindowRollout | None = None) -> Window:
+        """One window: its rollout (or the one --async_generate made ahead), rewards, advantages, tensors."""
+        rollout = rollout or self._producer.rollout(prompts)
+        return self._producer.build(rollout, step=self.state.global_step)
+
+    def _generate_completions(self, requests: list[RolloutInferRequest]) -> list[RolloutOutput]:
+        """Trajectories for the requests, through the scheduler (which drives the engine or a rollout client)."""
+        return self._producer.generate(requests)
+
+    def _score_completions(self, requests: list[RolloutInferRequest], outputs: list[RolloutOutput]) -> torch.Tensor:
+        """[N, F] rewards (NaN = not scored) from every reward function and model; gym rewards as a last column."""
+        return self._producer.score(requests, outputs, {"global_step": self.state.global_step,
+                                                        "max_steps": self.state.max_steps})
+
+    # ------------------------------------------------------------------------------------------------------
+    # forward and loss (hooks)
     # ------------------------------------------------------------------------------------------------------
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
         """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs."""
@@ -197,31 +229,19 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return not getattr(base, "is_activation_checkpointing", False)
 
-    @torch.no_grad()
-    def _batched_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """Logps over a whole window in micro-batch-sized chunks (no grad), in batch row order."""
-        out = torch.zeros_like(batch.completion_mask)
-        b = self.args.per_device_train_batch_size
-        for start in range(0, len(batch), b):
-            chunk = batch.select(slice(start, start + b)).trim().to(self.accelerator.device)
-            with self.accelerator.autocast():
-                lp, _ = self._get_per_token_logps_and_entropies(model, chunk)
-            out[start:start + b, : lp.shape[1]] = lp.float().cpu()
-        return out
-
     def _compute_loss_and_metrics(self, model, inputs: RolloutBatch) -> tuple[torch.Tensor, dict]:
         a = self.cfg.algorithm
         inputs = inputs.to(self.accelerator.device)
         need_entropy = a.top_entropy_quantile < 1.0 or a.log_entropy
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need_entropy)
-        mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as _set_num_items counts
+        mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as window_num_items counts
         metrics: dict = {}
         ent_mask = None
         if entropies is not None:
             if a.log_entropy:
                 metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
             if a.top_entropy_quantile < 1.0:  # threshold over the global batch (ms-swift: mask keeps normaliser)
-                ent_all = self._gather_cat(entropies[mask.bool()])
+                ent_all = gather_cat(self.accelerator, entropies[mask.bool()])
                 thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
                 ent_mask = entropy_mask(entropies, mask, thr)
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
@@ -241,14 +261,6 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         metrics.update(out.metrics)
         return out.loss, metrics
 
-    def _gather_cat(self, t: torch.Tensor) -> torch.Tensor:
-        """Concatenate a 1-D tensor of any length over processes."""
-        if self.accelerator.num_processes == 1:
-            return t
-        padded = self.accelerator.pad_across_processes(t.detach(), dim=0, pad_index=float("nan"))
-        allv = self.accelerator.gather(padded)
-        return allv[~torch.isnan(allv)]
-
     # ------------------------------------------------------------------------------------------------------
     # step bookkeeping
     # ------------------------------------------------------------------------------------------------------
@@ -258,13 +270,12 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         step = self.state.global_step
         if step % self.args.logging_steps == 0 or step == self.state.max_steps:
             step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
-            logs = {**self._window_metrics, **step_metrics, **self._timing_metrics()}
+            logs = {**self._window_metrics, **step_metrics,
+                    **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs
-            if self.accelerator.is_main_process:
-                self._log_file.write(logs)
-                self.accelerator.log({k: v for k, v in logs.items() if k != "step"}, step=step)
+            self._outputs.log(logs)
             self._call("on_log", logs)
             bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}")
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
@@ -279,6 +290,50 @@ class GRPOTrainer(RolloutStepMixin, LoopSetupMixin):
         if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
             ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
 
+    def _sync_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.sync_weights(self.policy)
+        if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
+            self.accelerator.wait_for_everyone()  # from it before the push is done
+        self._last_sync_s = time.perf_counter() - t0
+
     def _call(self, event: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, event)(self, *args)
+
+    # ------------------------------------------------------------------------------------------------------
+    # checkpoints, evaluation, the end
+    # ------------------------------------------------------------------------------------------------------
+    def _save_checkpoint(self):
+        in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
+        ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
+                                             prompts_consumed=self.state.prompts_consumed - in_flight)
+        self._call("on_save", str(ckpt))
+        return ckpt
+
+    def _resume(self) -> None:
+        loop = self._outputs.resume()
+        if loop is None:
+            return
+        self.state.global_step = loop["global_step"]
+        self.state.prompts_consumed = self._producer.prompts.position = loop["prompts_consumed"]
+        self.engine.sync_weights(self.policy)
+
+    def evaluate(self) -> dict:
+        """Greedy completions on the validation set, scored with the reward functions."""
+        rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
+        result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
+                               max_tokens=self.cfg.rollout.max_completion_length)
+        logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
+        self._outputs.log_eval(logs)
+        return logs
+
+    def _finish(self) -> None:
+        self.accelerator.wait_for_everyone()
+        final_ckpt = self._save_checkpoint()
+        self._outputs.finish(self.model, final_ckpt)
+        self._call("on_train_end")
+        self.engine.close()
+        if self.reward_runner is not None:
+            self.reward_runner.close()
+        self.accelerator.end_training()

@@ -15,8 +15,8 @@ optimizers_map = Registry("optimizer", "--optimizer")
 def build_adamw(params, args):
     """AdamW with torch's fused kernel where every parameter allows it (floating point, on a device type torch
     has the kernel for: CPU and CUDA among them), else the per-tensor loop. The fused step is the same update in
-    one pass per tensor, 3-5x faster a step on a 2-core CPU (bench/bench_optimizer.py: 0.15 instead of 0.69 s
-    for SmolLM2-135M's full weights). transformers' default ``adamw_torch_fused`` is this kernel."""
+    one pass per tensor instead of several small ops per tensor (figures: docs/PERFORMANCE.md). transformers'
+    default ``adamw_torch_fused`` is this kernel."""
     import torch
 
     params = list(params)

@@ -34,7 +34,7 @@ class MetricsAccumulator:
 
 class JsonlLog:
     """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped. The file stays
-    open between writes (each line is flushed): opening it per line cost a few tenths of a millisecond a step."""
+    open between writes (each line is flushed), so a step's log line is one write, not an open and a close."""
 
     def __init__(self, path: Path, enabled: bool = True) -> None:
         self.path = path
@@ -173,3 +173,16 @@ def _duration(seconds: float) -> str:
     h, rest = divmod(s, 3600)
     m, sec = divmod(rest, 60)
     return f"{h}h{m:02d}m{sec:02d}s" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
+
+
+PROGRESS_INTERVAL_S = 30.0  # plain lines: a line for the first step that ends this long after the last line
+
+
+def progress_bar(*, main: bool, disable_tqdm: bool, total: int, initial: int):
+    """A tqdm bar on a terminal; plain lines (``PlainProgress``) when stderr is not one or with
+    --disable_tqdm true; nothing on the other processes."""
+    if main and (disable_tqdm or not sys.stderr.isatty()):
+        return PlainProgress(total, initial, PROGRESS_INTERVAL_S)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not main, dynamic_ncols=True)

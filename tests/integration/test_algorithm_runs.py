@@ -216,19 +216,16 @@ def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_p
     from grpokit.trainers.grpo_trainer import GRPOTrainer
 
     windows: list[dict] = []
-    prepare, advantages = GRPOTrainer._prepare_batch_inputs, GRPOTrainer._compute_advantages
+    prepare = GRPOTrainer._prepare_inputs
 
-    def record_batch(self, requests, outputs):
-        batch = prepare(self, requests, outputs)
-        windows.append({"old": batch.old_logps, "ref": batch.ref_logps, "mask": batch.completion_mask})
-        return batch
+    def record_window(self, prompts, rollout=None):
+        window = prepare(self, prompts, rollout)
+        batch, raw = window.batch, window.rewards_per_func
+        windows.append({"old": batch.old_logps, "ref": batch.ref_logps, "mask": batch.completion_mask,
+                        "raw": raw.clone(), "penalty": raw.sum(1) - window.rewards})  # one process: all rows
+        return window
 
-    def record_rewards(self, outputs, rewards_per_func, penalty=None):
-        windows[-1].update(raw=rewards_per_func.clone(), penalty=penalty)
-        return advantages(self, outputs, rewards_per_func, penalty)
-
-    monkeypatch.setattr(GRPOTrainer, "_prepare_batch_inputs", record_batch)
-    monkeypatch.setattr(GRPOTrainer, "_compute_advantages", record_rewards)
+    monkeypatch.setattr(GRPOTrainer, "_prepare_inputs", record_window)
     trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "klr", plugin,
                            ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"])
     assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1

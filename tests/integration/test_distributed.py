@@ -66,11 +66,11 @@ PLUGIN = textwrap.dedent('''
                     request_id=r.request_id, prompt_id=r.prompt_id, prompt_messages=r.messages))
             return outputs
 
-        def _compute_advantages(self, outputs, rewards_per_func, penalty=None):
-            adv = super()._compute_advantages(outputs, rewards_per_func, penalty)
-            self._dump({"kind": "window", "step": self.state.global_step, "rewards": self._window_rewards.tolist(),
-                        "advantages": adv.tolist()})
-            return adv
+        def _prepare_inputs(self, prompts, rollout=None):
+            window = super()._prepare_inputs(prompts, rollout)
+            self._dump({"kind": "window", "step": self.state.global_step, "rewards": window.rewards.tolist(),
+                        "advantages": window.batch.advantages.tolist()})
+            return window
 
         def _compute_loss_and_metrics(self, model, inputs):
             loss, metrics = super()._compute_loss_and_metrics(model, inputs)
@@ -78,12 +78,13 @@ PLUGIN = textwrap.dedent('''
                         "num_items": inputs.num_items, "tokens": float(inputs.completion_mask.sum())})
             return loss, metrics
 
-        def _finish(self):
+        def train(self):
+            state = super().train()
             params = {n: p.detach().cpu().clone()
                       for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
             torch.save(params, os.path.join(os.environ["GRPOKIT_TEST_DUMP"],
                                             f"params_rank{self.accelerator.process_index}.pt"))
-            super()._finish()
+            return state
 
         def _dump(self, row):
             path = os.path.join(os.environ["GRPOKIT_TEST_DUMP"], f"rank{self.accelerator.process_index}.jsonl")

@@ -46,15 +46,15 @@ class RecordingTrainer(GRPOTrainer):
     canned: str | None = None
     windows: list = []
 
-    def _setup_rollout(self, scheduler, engine) -> None:
-        super()._setup_rollout(scheduler, engine)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         if self.canned is not None:
             self.scheduler.infer_engine = CannedFirstTurn(self.engine, self.canned)
 
-    def _prepare_batch_inputs(self, requests, outputs):
-        batch = super()._prepare_batch_inputs(requests, outputs)
-        RecordingTrainer.windows.append((requests, outputs, batch))
-        return batch
+    def _prepare_inputs(self, prompts, rollout=None):
+        window = super()._prepare_inputs(prompts, rollout)
+        RecordingTrainer.windows.append((window.requests, window.outputs, window.batch))
+        return window
 
 
 @pytest.fixture

@@ -51,10 +51,10 @@ PLUGIN = textwrap.dedent(f'''
 class RecordingTrainer(GRPOTrainer):
     windows: list = []
 
-    def _prepare_batch_inputs(self, requests, outputs):
-        batch = super()._prepare_batch_inputs(requests, outputs)
-        RecordingTrainer.windows.append((outputs, batch))
-        return batch
+    def _prepare_inputs(self, prompts, rollout=None):
+        window = super()._prepare_inputs(prompts, rollout)
+        RecordingTrainer.windows.append((window.outputs, window.batch))
+        return window
 
 
 def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_path):

@@ -169,10 +169,10 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
             seen["infer_calls"] += 1
             return super()._generate_completions(requests)
 
-        def _generate_and_score_completions(self, prompts, rollout=None):
-            batch = super()._generate_and_score_completions(prompts, rollout)
-            seen["windows"].append(rows(batch))
-            return batch
+        def _prepare_inputs(self, prompts, rollout=None):
+            window = super()._prepare_inputs(prompts, rollout)
+            seen["windows"].append(rows(window.batch))
+            return window
 
         def _compute_loss_and_metrics(self, model, inputs):
             seen["micro"].append(rows(inputs))
@@ -217,13 +217,15 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
     checks: dict = {}
 
     class Probe(GRPOTrainer):
-        def _prepare_batch_inputs(self, requests, outputs):
-            batch = super()._prepare_batch_inputs(requests, outputs)
+        def _prepare_inputs(self, prompts, rollout=None):
+            window = super()._prepare_inputs(prompts, rollout)
+            batch = window.batch
             base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-            checks["base_logps"] = self._batched_logps(base, batch)
+            with torch.no_grad():
+                checks["base_logps"], _ = self._get_per_token_logps_and_entropies(base, batch)
             checks["ref_logps"] = batch.ref_logps
             checks["mask"] = batch.completion_mask
-            return batch
+            return window
 
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe

@@ -81,13 +81,10 @@ def test_long_runs_show_minutes_and_hours():
     (False, True, True, "nothing"),
 ])
 def test_progress_kind_by_terminal_flag_and_process(monkeypatch, main, tty, disable_tqdm, expected):
-    from grpokit.trainers.loop_setup import LoopSetupMixin
+    from grpokit.trainers.outputs import progress_bar
 
     monkeypatch.setattr("sys.stderr", SimpleNamespace(isatty=lambda: tty, write=lambda s: len(s), flush=lambda: None))
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(is_main_process=main),
-                              args=SimpleNamespace(disable_tqdm=disable_tqdm),
-                              state=SimpleNamespace(max_steps=5, global_step=0), PROGRESS_INTERVAL_S=30.0)
-    bar = LoopSetupMixin._progress_bar(trainer)
+    bar = progress_bar(main=main, disable_tqdm=disable_tqdm, total=5, initial=0)
     kind = "lines" if isinstance(bar, PlainProgress) else ("nothing" if bar.disable else "bar")
     bar.close()
     assert kind == expected

@@ -72,14 +72,13 @@ def test_dapo_step_loss_is_token_mean_of_trained_tokens():
 
 @pytest.mark.parametrize("overlong_filter, expected", [(False, [4.0, 4.0, 3.0, 3.0]), (True, [2.5, 2.5, 1.0, 1.0])])
 def test_trainer_counts_the_filtered_mask(overlong_filter, expected):
-    # RolloutStepMixin._set_num_items on a one-process window: steps [8, 6] or, filtered, [5, 2], divided by gas 2
-    from grpokit.trainers.rollout_step import RolloutStepMixin
+    # window_num_items on a one-process window: steps [8, 6] or, filtered, [5, 2], divided by gas 2
+    from grpokit.trainers.window import window_num_items
 
     mask, truncated = window()
-    trainer = SimpleNamespace(
-        cfg=SimpleNamespace(algorithm=SimpleNamespace(loss_type="dapo", overlong_filter=overlong_filter)),
-        plan=SimpleNamespace(gradient_accumulation_steps=2, steps_per_generation=4),
-        accelerator=SimpleNamespace(num_processes=1), _gather_rows=lambda x: x)
-    batch = SimpleNamespace(completion_mask=mask, truncated=truncated, extra={})
-    RolloutStepMixin._set_num_items(trainer, batch)
-    assert batch.extra["num_items_per_micro"] == expected
+    one_process = SimpleNamespace(num_processes=1)  # gather_rows returns a single process's rows as they are
+    got = window_num_items(mask, truncated, loss_type="dapo", overlong_filter=overlong_filter,
+                           steps_per_generation=4, gradient_accumulation_steps=2, accelerator=one_process)
+    assert got == expected
+    assert window_num_items(mask, truncated, loss_type="grpo", overlong_filter=overlong_filter,
+                            steps_per_generation=4, gradient_accumulation_steps=2, accelerator=one_process) is None

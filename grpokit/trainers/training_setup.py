@@ -1,0 +1,134 @@
+"""Set-up of a training run as values: the accelerator with the prepared model, optimizer and schedule; the
+engine and scheduler wiring; the rewards. Each function checks its own options and raises ConfigError."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpokit.config.args import TrainConfig
+from grpokit.config.plan import BatchPlan
+from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.errors import ConfigError
+from grpokit.modeling import resolve_dtype_name
+from grpokit.rewards.runner import RewardRunner
+from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.encode import ChatTemplate
+from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
+from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.window_producer import Rewards
+
+
+@dataclass
+class TrainingParts:
+    """What ``setup_training`` prepared. ``policy`` is the model inside any DDP/DeepSpeed wrapper (fixed from
+    here on: unwrap_model walks every module and probes imports on each call)."""
+
+    accelerator: Any
+    model: Any
+    policy: Any
+    optimizer: Any
+    lr_scheduler: Any
+    ref_model: Any
+    trainable_params: list[torch.nn.Parameter]
+    max_steps: int
+    template: ChatTemplate
+
+
+def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
+                   num_prompts: int) -> TrainingParts:
+    """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it,
+    and the reference model where the KL term needs one."""
+    from accelerate import Accelerator  # accelerate and transformers load on first use: `grpokit --help` is fast
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    t = cfg.training
+    report = [r for r in t.report_to if r != "none"]
+    wants_bf16 = resolve_dtype_name(cfg.model.torch_dtype) == "bfloat16"
+    mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=use_cpu(t), mixed_precision=mixed,
+        log_with=report or None, project_dir=t.output_dir, **accelerate_plugins(t),
+        # the loop steps the scheduler once per optimizer step; accelerate would otherwise step it once per
+        # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
+        step_scheduler_with_optimizer=False)
+    check_backend(accelerator, t)
+    set_seed(t.seed, device_specific=True)  # seed + rank: ranks sample different completions
+    if plan.prompts_per_rollout % accelerator.num_processes:
+        raise ConfigError(
+            f"{plan.prompts_per_rollout} prompts per rollout cannot be split over "
+            f"{accelerator.num_processes} processes with whole groups; make generation_batch_size / "
+            f"num_generations a multiple of {accelerator.num_processes}")
+    max_steps = total_steps(t, plan, num_prompts)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
+    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
+    warmup = math.ceil(t.warmup_ratio * max_steps)
+    try:
+        scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=max_steps)
+    except ValueError as e:
+        raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
+    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    ref = None
+    if cfg.algorithm.beta != 0 and not is_peft(model):
+        if ref_model is None:
+            raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
+        ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        ref.eval().requires_grad_(False)
+    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
+                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer))
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
+    """--max_steps, or the optimizer steps of num_train_epochs over the prompts."""
+    if t.max_steps > 0:
+        return t.max_steps
+    windows = math.ceil(t.num_train_epochs * num_prompts / plan.prompts_per_rollout)
+    return max(1, windows * plan.optimizer_steps_per_window)
+
+
+def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator):
+    """The engine (the in-process transformers engine over the policy unless one is given) and the scheduler
+    that drives it; refuses --async_generate with an engine that samples from the live weights."""
+    engine = engine or TransformersEngine(policy, template)
+    if isinstance(engine, TransformersEngine):
+        engine.fast_decode = cfg.rollout.fast_decode
+    check_engine(accelerator, engine)
+    engine.infer_on_loop_thread = True  # our own rollout loop: generate on this thread (engines/base.py)
+    scheduler = scheduler or RolloutScheduler(engine)
+    if scheduler.infer_engine is None:
+        scheduler.infer_engine = engine
+    if cfg.rollout.async_generate and engine.engine_type == "transformers":
+        raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
+                          "server, or --use_vllm true): the in-process transformers engine samples from the "
+                          "live training weights, which change while the next window would be generating")
+    return engine, scheduler
+
+
+def setup_rewards(funcs, names, weights, scheduler) -> Rewards:
+    """One name and weight per reward column; the scheduler's gym reward, if it gives one, is the last."""
+    funcs = list(funcs or [])
+    names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
+    uses_env_reward = bool(getattr(scheduler, "uses_env_reward", False))
+    if uses_env_reward:
+        names.append("gym_reward")
+    w = list(weights) if weights else [1.0] * len(names)
+    if len(w) == len(names) - 1 and uses_env_reward:
+        w.append(1.0)
+    if len(w) != len(names):
+        raise ConfigError(f"{len(w)} reward weight(s) for {len(names)} reward(s) "
+                          f"({', '.join(names)}); give one weight each")
+    if not names:
+        raise ConfigError("no reward: pass --reward_funcs NAME (e.g. accuracy) or --reward_model PATH")
+    runner = RewardRunner(funcs, names[: len(funcs)]) if funcs else None
+    return Rewards(names, torch.tensor(w, dtype=torch.float32), runner, uses_env_reward)

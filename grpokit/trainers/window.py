@@ -1,0 +1,115 @@
+"""One window's data as values: what the rollout produced (``WindowRollout``) and what the loop trains on
+(``Window``), with the pure helpers that turn one into the other's metrics, token counts and log rows.
+
+The part that drives the rollout and builds windows is ``WindowProducer`` (window_producer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
+from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.distributed import gather_rows
+
+
+@dataclass
+class WindowRollout:
+    """One window's trajectories and rewards, before any use of the training model."""
+
+    requests: list[RolloutInferRequest]
+    outputs: list[RolloutOutput]
+    rewards_per_func: torch.Tensor  # [N, F]
+    timing: dict[str, float]  # seconds: rollout, reward
+
+
+@dataclass
+class Window:
+    """What the loop trains on for ``steps_per_generation × num_iterations`` micro-steps (this process's rows)."""
+
+    batch: RolloutBatch  # advantages set; old/ref logps where the loss needs them
+    requests: list[RolloutInferRequest]
+    outputs: list[RolloutOutput]
+    rewards_per_func: torch.Tensor  # [N, F] NaN = not scored
+    rewards: torch.Tensor  # [N_global] weighted reward sum (minus the KL penalty with --kl_in_reward), all processes
+    metrics: dict[str, float]  # logged with every optimizer step of the window
+    timing: dict[str, float]  # seconds: logps, rollout, reward
+    num_items: list[float] | None = None  # loss denominator per micro-batch (dapo/cispo/vespo), else None
+    completion_rows: list[dict] = field(default_factory=list)  # completions.jsonl rows of every process
+
+    def micro_batches(self, steps_per_generation: int) -> list[RolloutBatch]:
+        """The batch cut into ``steps_per_generation`` consecutive slices, each with its loss denominator."""
+        micro = self.batch.split(steps_per_generation)
+        if self.num_items is not None:
+            for mb, n in zip(micro, self.num_items, strict=True):
+                mb.num_items = n
+        return micro
+
+
+class WindowHooks(Protocol):
+    """The trainer methods a ``WindowProducer`` calls (the override points of GRPOTrainer it reaches)."""
+
+    def _generate_completions(self, requests: list[RolloutInferRequest]) -> list[RolloutOutput]: ...
+
+    def _score_completions(self, requests: list[RolloutInferRequest],
+                           outputs: list[RolloutOutput]) -> torch.Tensor: ...
+
+    def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch,
+                                           compute_entropy: bool = False): ...
+
+
+def window_num_items(completion_mask: torch.Tensor, truncated: torch.Tensor, *, loss_type: str,
+                     overlong_filter: bool, steps_per_generation: int, gradient_accumulation_steps: int,
+                     accelerator) -> list[float] | None:
+    """dapo/cispo/vespo divide by the global count of trained tokens (the loss mask, after --overlong_filter)
+    in each optimizer step; see step_token_counts and num_items_per_micro_batch. None for the other losses."""
+    if not uses_global_token_count(loss_type):
+        return None
+    gas = gradient_accumulation_steps
+    mask = loss_mask(completion_mask, truncated, overlong_filter)
+    per_step_local = step_token_counts(mask, steps_per_generation, gas)  # [S / gas]
+    per_step = gather_rows(accelerator, per_step_local.unsqueeze(0)).sum(0)  # global count per optimizer step
+    return num_items_per_micro_batch(per_step, gas, accelerator.num_processes)
+
+
+def window_metrics(rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
+                   advantage_metrics: dict[str, float]) -> dict[str, float]:
+    """Reward and completion-length statistics over the global window ([N_global] each), then the advantage
+    estimator's metrics (its reward mean is logged per function, as rewards/<name>/mean)."""
+    names = ("reward", "reward_std", "completions/mean_length", "completions/max_length",
+             "completions/min_length", "completions/clipped_ratio")
+    lengths = lengths.float()
+    values = torch.stack([rewards.mean(), rewards.std() if len(rewards) > 1 else rewards.new_zeros(()),
+                          lengths.mean(), lengths.max(), lengths.min(),
+                          truncated.float().mean()]).tolist()  # one conversion for all of them
+    m: dict[str, float] = dict(zip(names, values, strict=True))
+    m.update({k: v for k, v in advantage_metrics.items() if k != "reward/mean"})
+    return m
+
+
+def completion_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput],
+                    rewards_per_func: torch.Tensor, advantages: torch.Tensor, reward_names: list[str],
+                    step: int) -> list[dict]:
+    """completions.jsonl rows: prompt, completion, advantage, each reward; the whole conversation when the
+    trajectory has more than one turn."""
+    by_id = {r.request_id: r for r in requests}
+    rows = []
+    for i, o in enumerate(outputs):
+        row = {"step": step,
+               "prompt": by_id[o.request_id].messages[-1]["content"],
+               "completion": o.messages[-1]["content"] if o.messages else "",
+               "advantage": float(advantages[i]),
+               **{n: _num(rewards_per_func[i, j]) for j, n in enumerate(reward_names)}}
+        if len(o.messages) > len(by_id[o.request_id].messages) + 1:
+            row["messages"] = o.messages
+        rows.append(row)
+    return rows
+
+
+def _num(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if v != v else v

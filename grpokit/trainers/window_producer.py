@@ -1,0 +1,303 @@
+"""The rollout half of training: prompts → trajectories → rewards → (dynamic sampling) → tensors and old/ref
+logps → advantages → a ``Window``. ``AsyncWindows`` runs the rollout of the next window in a background thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
+from grpokit.config.args import AlgorithmArguments, RolloutArguments
+from grpokit.config.plan import BatchPlan
+from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.rollout.scheduler import run_trajectories
+from grpokit.trainers.batch import RolloutBatch, collate
+from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
+from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.window import (
+    Window,
+    WindowHooks,
+    WindowRollout,
+    completion_rows,
+    window_metrics,
+    window_num_items,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Rewards:
+    """The reward functions and models (``runner``, None with only a gym reward), one name and weight per column
+    of the [N, F] scores; ``uses_env_reward``: the scheduler's gym reward is the last column."""
+
+    names: list[str]
+    weights: torch.Tensor  # [F]
+    runner: Any
+    uses_env_reward: bool
+
+
+@dataclass
+class Models:
+    """The models a window's logps come from: the (wrapped) training model, the unwrapped policy (its LoRA
+    adapter is switched off for reference logps) and the reference model, if any."""
+
+    model: Any
+    policy: Any
+    ref_model: Any
+    micro_batch_size: int
+
+
+class WindowProducer:
+    """Makes windows: ``rollout(prompts)`` (engine and rewards only), then ``build(rollout, step=...)`` (the
+    training model's logps, advantages, metrics). Trainer hooks are reached through ``hooks``; ``prompts`` (the
+    PromptStream, also drawn from by dynamic sampling and AsyncWindows) is public, the rest is its own."""
+
+    def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
+                 models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
+                 plan: BatchPlan, log_completions: bool) -> None:
+        self.hooks, self.prompts, self.scheduler, self.template = hooks, prompts, scheduler, template
+        self.rewards, self.models, self.accelerator = rewards, models, accelerator
+        self.rollout_args, self.algorithm, self.plan = rollout_args, algorithm, plan
+        self.log_completions = log_completions
+        self.request_config = RequestConfig(
+            n=1, max_tokens=rollout_args.max_completion_length, temperature=rollout_args.temperature,
+            top_p=rollout_args.top_p, top_k=rollout_args.top_k, repetition_penalty=rollout_args.repetition_penalty,
+            stop=list(rollout_args.stop_words),
+            logprobs=bool(algorithm.rollout_importance_sampling_mode or rollout_args.async_generate),
+            structured_outputs_regex=rollout_args.structured_outputs_regex,
+            structured_outputs_json=rollout_args.structured_outputs_json)
+        self._warned_no_signal = False
+
+    # -- the rollout: engine and rewards only (safe in the async thread) -----------------------------------
+    def rollout(self, prompts: list[dict]) -> WindowRollout:
+        """Trajectories and their rewards. Touches only the engine and the rewards, never the training model,
+        so --async_generate can run it in a background thread."""
+        t0 = time.perf_counter()
+        requests = self.requests(prompts)
+        outputs = self.hooks._generate_completions(requests)
+        t1 = time.perf_counter()
+        rewards_per_func = self.hooks._score_completions(requests, outputs)
+        return WindowRollout(requests, outputs, rewards_per_func,
+                             {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
+
+    def requests(self, prompts: list[dict]) -> list[RolloutInferRequest]:
+        """num_generations requests per prompt; the row's other columns travel as ``data_dict``."""
+        out = []
+        for row in prompts:
+            data = {k: v for k, v in row.items() if k not in ("messages", "_prompt_index")}
+            for _ in range(self.rollout_args.num_generations):
+                out.append(RolloutInferRequest(messages=self.template.with_system(row["messages"]),
+                                               data_dict=data, prompt_id=str(row["_prompt_index"])))
+        return out
+
+    def generate(self, requests: list[RolloutInferRequest]) -> list[RolloutOutput]:
+        """Trajectories through the scheduler (which drives the engine or a rollout client)."""
+        return run_trajectories(self.scheduler, requests, self.request_config)
+
+    def score(self, requests, outputs: list[RolloutOutput], trainer_state: dict) -> torch.Tensor:
+        """[N, F] rewards (NaN = not scored) from every reward function and model; gym rewards as a last column."""
+        by_id = {r.request_id: r for r in requests}
+        completions = [o.messages[-1]["content"] if o.messages and o.messages[-1]["role"] == "assistant"
+                       else o.response.choices[0].message["content"] for o in outputs]
+        kwargs: dict[str, Any] = {}
+        for col in {k for r in requests for k in r.data_dict}:
+            kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
+        token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
+        kwargs.update(
+            messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
+            rollout_infos=[o.rollout_infos for o in outputs],
+            finish_reason=[o.response.choices[0].finish_reason for o in outputs],
+            is_truncated=[o.response.choices[0].finish_reason == "length" for o in outputs],
+            num_turns=[o.rollout_infos.get("num_turns", 1) for o in outputs],
+            trainer_state=trainer_state)
+        runner = self.rewards.runner
+        scores = runner.compute(completions, kwargs) if runner else torch.zeros(len(outputs), 0)
+        if self.rewards.uses_env_reward:
+            env = torch.tensor([float(o.rollout_infos.get("total_reward", float("nan"))) for o in outputs])
+            scores = torch.cat([scores, env.unsqueeze(1)], dim=1)
+        return scores
+
+    # -- the window: uses the training model, on the loop's thread ------------------------------------------
+    def build(self, rollout: WindowRollout, *, step: int) -> Window:
+        """Dynamic sampling, tensors and old/ref logps, advantages, token counts, metrics and log rows."""
+        a = self.algorithm
+        requests, outputs, rewards_per_func = rollout.requests, rollout.outputs, rollout.rewards_per_func
+        metrics: dict[str, float] = {}
+        if a.dynamic_sample:
+            requests, outputs, rewards_per_func, metrics = self._dynamic_sampling(requests, outputs,
+                                                                                  rewards_per_func)
+        t0 = time.perf_counter()
+        batch = self._encode(requests, outputs)
+        timing = {"logps": time.perf_counter() - t0, **rollout.timing}
+        penalty = None
+        if a.kl_in_reward and a.beta != 0:
+            penalty = kl_reward_penalty(batch.old_logps, batch.ref_logps, batch.completion_mask, a.beta)
+        batch.advantages, rewards, adv_metrics = self._advantages(outputs, rewards_per_func, penalty)
+        num_items = window_num_items(
+            batch.completion_mask, batch.truncated, loss_type=a.loss_type, overlong_filter=a.overlong_filter,
+            steps_per_generation=self.plan.steps_per_generation,
+            gradient_accumulation_steps=self.plan.gradient_accumulation_steps, accelerator=self.accelerator)
+        lengths, truncated = (gather_rows(self.accelerator, x)
+                              for x in (batch.completion_mask.sum(1), batch.truncated.float()))
+        metrics = {**window_metrics(rewards, lengths, truncated, adv_metrics), **metrics}
+        funcs = self.rewards.runner.funcs if self.rewards.runner else []
+        for name, func in zip(self.rewards.names, funcs):
+            for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures
+                metrics[f"rewards/{name}/{key}"] = float(value)
+        self._warn_without_signal(metrics.get("frac_reward_zero_std", 0.0))
+        rows = []
+        if self.log_completions:  # every rank builds its rows; all of them are gathered (a collective)
+            rows = gather_objects(self.accelerator, completion_rows(
+                requests, outputs, rewards_per_func, batch.advantages, self.rewards.names, step + 1))
+        return Window(batch, requests, outputs, rewards_per_func, rewards, metrics, timing, num_items, rows)
+
+    def _warn_without_signal(self, zero: float) -> None:
+        if zero > 0.8 and not self._warned_no_signal and self.accelerator.is_main_process:
+            logger.warning("%.0f%% of groups have all-equal rewards and give no learning signal; consider more "
+                           "num_generations, a higher temperature, an easier task or a denser reward", 100 * zero)
+            self._warned_no_signal = True
+
+    def _dynamic_sampling(self, requests, outputs, rewards_per_func):
+        """DAPO: replace groups whose rewards are all equal by fresh ones, up to max_resample_times rounds.
+
+        With many processes every round is gathered, so all ranks pick the same groups from the global batch (as
+        one process would) and stay in step on the prompt stream; each rank then keeps its slice."""
+        acc = self.accelerator
+        world, rank = acc.num_processes, acc.process_index
+        target = len(outputs) * world
+        keep_s, spare = [], []  # (request, output, rewards) of groups with / without a learning signal
+        rounds = 0
+        while True:
+            if world > 1:
+                requests, outputs = (gather_objects(acc, x) for x in (requests, outputs))
+                rewards_per_func = gather_rows(acc, rewards_per_func)
+            rewards = torch.nansum(rewards_per_func * self.rewards.weights, dim=1)
+            signal = groups_with_signal(rewards, torch.tensor([int(o.prompt_id) for o in outputs]))
+            for i, (r, o) in enumerate(zip(requests, outputs)):
+                (keep_s if signal[i] else spare).append((r, o, rewards_per_func[i]))
+            if len(keep_s) >= target or rounds >= self.algorithm.max_resample_times:
+                break
+            rounds += 1
+            requests = self.requests(self.prompts.next())
+            outputs = self.hooks._generate_completions(requests)
+            rewards_per_func = self.hooks._score_completions(requests, outputs)
+        chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
+        filler = max(0, len(chosen) - len(keep_s))
+        stats = {"dynamic_sampling/rounds": rounds,
+                 "dynamic_sampling/groups_without_signal": filler / self.rollout_args.num_generations}
+        share = target // world  # whole groups: target and every group-ordered block are multiples of G
+        chosen = chosen[rank * share:(rank + 1) * share]
+        return [c[0] for c in chosen], [c[1] for c in chosen], torch.stack([c[2] for c in chosen]), stats
+
+    def _advantages(self, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
+                    penalty: torch.Tensor | None):
+        """Group-relative advantages over the global batch (gathered across processes): this process's rows
+        [N], the global weighted rewards [N_global] and the estimator's metrics."""
+        a, acc = self.algorithm, self.accelerator
+        gids = torch.tensor([int(o.prompt_id) for o in outputs])
+        rid_map: dict[str, int] = {}
+        rids = torch.tensor([rid_map.setdefault(f"{acc.process_index}:{o.request_id}", len(rid_map))
+                             + acc.process_index * 10_000_000 for o in outputs])
+        all_scores, all_g, all_r = (gather_rows(acc, x) for x in (rewards_per_func, gids, rids))
+        all_pen = gather_rows(acc, penalty) if penalty is not None else None
+        out = compute_advantages(all_scores, self.rewards.weights, all_g, estimator=a.advantage_estimator,
+                                 scale=a.scale_rewards, request_ids=all_r, reward_penalty=all_pen,
+                                 reward_names=self.rewards.names)
+        start = row_offset(acc, len(outputs))
+        return out.advantages[start:start + len(outputs)].float(), out.rewards, out.metrics
+
+    def _encode(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
+        """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
+        by_id = {r.request_id: r for r in requests}
+        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o)
+                   for o in outputs]
+        truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
+        r = self.rollout_args
+        limit = r.max_completion_length if r.completion_length_limit_scope == "total" else None
+        batch = collate(samples, self.template.pad_token_id, truncated, limit)
+        if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
+            # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
+            batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
+        elif self._needs_old_logps():
+            batch.old_logps = self._batched_logps(self.models.model, batch)
+        if self.algorithm.beta != 0:
+            batch.ref_logps = self._ref_logps(batch)
+        return batch
+
+    def _needs_old_logps(self) -> bool:
+        """The policy drifts inside a window when it is updated more than once per rollout."""
+        a = self.algorithm
+        drift = a.num_iterations > 1 or self.plan.steps_per_generation > self.plan.gradient_accumulation_steps
+        return drift or (a.kl_in_reward and a.beta != 0) or self.rollout_args.async_generate
+
+    def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.models.ref_model is not None:
+            return self._batched_logps(self.models.ref_model, batch)
+        with self.models.policy.disable_adapter():  # LoRA: the base is the reference
+            return self._batched_logps(self.models.model, batch)
+
+    @torch.no_grad()
+    def _batched_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """Logps over a whole window in micro-batch-sized chunks (no grad), in batch row order."""
+        out = torch.zeros_like(batch.completion_mask)
+        b = self.models.micro_batch_size
+        for start in range(0, len(batch), b):
+            chunk = batch.select(slice(start, start + b)).trim().to(self.accelerator.device)
+            with self.accelerator.autocast():
+                lp, _ = self.hooks._get_per_token_logps_and_entropies(model, chunk)
+            out[start:start + b, : lp.shape[1]] = lp.float().cpu()
+        return out
+
+
+class AsyncWindows:
+    """--async_generate: the rollout of the window after the current one runs in a background thread while the
+    loop trains on the current one (it samples from weights one window old)."""
+
+    def __init__(self, producer: WindowProducer) -> None:
+        self._producer = producer
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future, list[dict], int] | None = None  # (future, prompts, step submitted)
+
+    @property
+    def in_flight(self) -> bool:
+        """A rollout was started whose prompts are not trained on yet."""
+        return self._pending is not None
+
+    def next(self, step: int) -> tuple[list[dict], WindowRollout, dict[str, float]]:
+        """The prompts and rollout of the next window, and the async metrics; starts the one after it."""
+        if self._pending is None:
+            self._pending = self._submit(step)
+        future, prompts, submitted_at = self._pending
+        t0 = time.perf_counter()
+        rollout = future.result()
+        wait = time.perf_counter() - t0
+        self._pending = self._submit(step)
+        return prompts, rollout, {"async/staleness": step - submitted_at, "async/wait_s": wait,
+                                  "async/time_saved_s": max(0.0, rollout.timing["rollout"] - wait)}
+
+    def _submit(self, step: int) -> tuple[Future, list[dict], int]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpokit-rollout")
+        prompts = self._producer.prompts.next()
+        return self._executor.submit(self._producer.rollout, prompts), prompts, step
+
+    def drain(self) -> None:
+        """Wait for a rollout still in flight (its prompts were never trained on; a checkpoint does not count
+        them as consumed)."""
+        if self._pending is not None:
+            self._pending[0].exception()  # wait; an error there no longer matters
+            self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _complete(rollout_logps: torch.Tensor | None, mask: torch.Tensor) -> bool:
+    """Every trained token has an engine logprob."""
+    return rollout_logps is not None and not torch.isnan(rollout_logps[mask.bool()]).any()
