@@ -36,7 +36,7 @@ def main() -> None:
     from grpokit.data.loading import load_dataset_spec, normalize_rows
     from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.modeling import load_causal_lm, load_tokenizer
-    from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
     from grpokit.template.encode import ChatTemplate
 
     path = resolve_model(a.model, Path(tempfile.mkdtemp()))

@@ -19,7 +19,7 @@ Run directly (a tiny offline model, or --model DIR) to train two steps:
 from __future__ import annotations
 
 from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
-from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput, choice_logprobs
+from grpokit.protocol import RolloutInferRequest, RolloutOutput, choice_logprobs
 
 
 class CriticReviseScheduler(MultiTurnScheduler):

@@ -31,7 +31,7 @@ from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.engines.prefix import completion_logits, worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
-from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
 from grpokit.trainers.outputs import MetricsAccumulator

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
-from grpokit.rollout.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_rows
 

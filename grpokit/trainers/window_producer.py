@@ -14,7 +14,7 @@ import torch
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset

@@ -32,7 +32,7 @@ PLUGIN = textwrap.dedent('''
     import torch
 
     from grpokit.rewards import ORM, orms
-    from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
+    from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
     from grpokit.trainers.factory import TrainerFactory
     from grpokit.trainers.grpo_trainer import GRPOTrainer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from grpokit.engines.base import InferEngine
-from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 

@@ -14,7 +14,7 @@ from test_server_support import free_port, rollout_server
 
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import ServerError
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.testing import build_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
 from grpokit.rollout.remote import RemoteScheduler
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.testing import build_tiny_model
 

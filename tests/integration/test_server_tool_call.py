@@ -22,7 +22,7 @@ PLUGIN = textwrap.dedent(f'''
     from grpokit.engines.base import InferEngine
     from grpokit.rollout.builtin_schedulers import ToolCallScheduler
     from grpokit.rollout.multi_turn import multi_turns
-    from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
+    from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 
     TEXT = {CANNED!r}
 

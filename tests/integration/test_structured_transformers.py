@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
 ANSWER = r"<answer>[0-9]{1,3}</answer>"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpokit.engines.base import InferEngine
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

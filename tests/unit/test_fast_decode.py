@@ -223,7 +223,7 @@ def _engine(model_dir, lora: bool, fast: bool):
 def test_engine_greedy_outputs_equal_hf_generate(tiny_model_dir, lora):
     """Token ids, text, finish reasons and logprobs through the engine, fast loop against HF generate (greedy, a
     stop string, shared prompts, a merged LoRA adapter)."""
-    from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
 
     requests = [RolloutInferRequest(messages=[{"role": "user", "content": q}])
                 for q in ("What is 2 + 3?", "Name a colour.", "Count to five please")]
@@ -258,7 +258,7 @@ def test_engine_greedy_outputs_equal_hf_generate(tiny_model_dir, lora):
 
 
 def test_engine_falls_back_to_hf_generate_and_says_why(tiny_model_dir, caplog):
-    from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
 
     engine = _engine(tiny_model_dir, lora=False, fast=True)
     engine.model.generation_config.typical_p = 0.9

@@ -17,7 +17,7 @@ import pytest
 from grpokit.engines.base import InferEngine
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.rollout.multi_turn import MultiTurnScheduler, build_scheduler, multi_turns
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

@@ -18,7 +18,7 @@ from grpokit.rollout.builtin_schedulers import (
     strip_think,
 )
 from grpokit.rollout.env import Env, GuessNumberEnv, envs
-from grpokit.rollout.protocol import RequestConfig
+from grpokit.protocol import RequestConfig
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.rollout.tools import ToolError, calculator, parse_action, run_tool
 

@@ -322,7 +322,7 @@ def test_retry_scheduler_without_the_columns_names_them(example):
 
 
 def test_countdown_env_rewards_the_right_equation(example):
-    from grpokit.rollout.protocol import RolloutInferRequest
+    from grpokit.protocol import RolloutInferRequest
 
     env = envs["countdown"]({})
     req = RolloutInferRequest(messages=[{"role": "user", "content": "Make 18."}],

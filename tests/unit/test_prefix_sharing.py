@@ -86,7 +86,7 @@ def test_engine_greedy_output_is_the_same_with_shared_prefill(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpokit.engines.transformers_engine import TransformersEngine
-    from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
     from grpokit.template.encode import ChatTemplate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

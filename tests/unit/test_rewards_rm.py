@@ -18,7 +18,7 @@ from grpokit.rewards import (
     rm_plugins,
 )
 from grpokit.rewards.rm_plugin import parse_judge_score, with_completion
-from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.testing import build_tiny_model
 
 PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]

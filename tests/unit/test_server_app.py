@@ -9,7 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from grpokit.engines.base import InferEngine
-from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.server.app import create_app
 from grpokit.server.state import ServerOptions, ServerState

@@ -9,7 +9,7 @@ import pytest
 
 from grpokit.engines.client import RolloutClient, _positions, endpoints_from, split_requests
 from grpokit.errors import ConfigError, ServerError
-from grpokit.rollout.protocol import (
+from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,

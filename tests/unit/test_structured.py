@@ -18,7 +18,7 @@ from grpokit.engines.structured import (
     load_json_schema,
 )
 from grpokit.errors import ConfigError
-from grpokit.rollout.protocol import RequestConfig
+from grpokit.protocol import RequestConfig
 
 
 

@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from grpokit.trainers.optimizers import build_adamw
 from grpokit.trainers.outputs import JsonlLog
-from grpokit.rollout.protocol import RolloutInferRequest
+from grpokit.protocol import RolloutInferRequest
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import Window, completion_rows, window_metrics
 
@@ -149,7 +149,7 @@ def test_window_metrics_summarise_rewards_lengths_and_advantages():
 
 
 def test_completion_rows_keep_the_prompt_rewards_and_multi_turn_messages():
-    from grpokit.rollout.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
+    from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
 
     req = RolloutInferRequest(messages=[{"role": "user", "content": "2+2?"}], data_dict={}, prompt_id="0")
     turns = [[{"role": "assistant", "content": "4"}],

@@ -13,7 +13,7 @@ import torch
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer
-from grpokit.rollout.protocol import RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
 pytestmark = pytest.mark.vllm
