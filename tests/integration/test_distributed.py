@@ -135,6 +135,7 @@ def _one_process(args: list[str], dump: Path) -> None:
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
+        sys.modules.pop("dist_plugin", None)  # its registration is undone: the next run must import it again
         torch.set_num_threads(threads)
         if old_dump is None:
             os.environ.pop("GRPOKIT_TEST_DUMP", None)
