@@ -159,10 +159,7 @@ class VllmEngine(InferEngine):
     @classmethod
     def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0):
         """The colocate engine from ``grpokit train``'s rollout options."""
-        r = rollout_args
-        if r.sleep_level and r.async_generate:
-            raise ConfigError(f"--sleep_level {r.sleep_level} with --async_generate true: the engine cannot sleep "
-                              "while it generates the next window during training; use --sleep_level 0")
+        r = rollout_args  # combinations of these options were checked with the others (grpokit.config.validate)
         settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
                                 enable_prefix_caching=r.vllm_enable_prefix_caching,
