@@ -9,6 +9,11 @@ and its spread over rounds.
 
     python bench/bench_step.py --model tiny --steps 12 --rounds 3
     python bench/bench_step.py --model smollm --steps 5 --lora --lr 2e-4
+
+``--baseline REF`` adds grpokit as of git revision REF (checked out into a temporary worktree and imported
+through PYTHONPATH) as one more framework, ``grpokit@REF``: a before/after comparison in one invocation.
+
+    python bench/bench_step.py --frameworks grpokit --baseline 4bd70af --model tiny --steps 10 --rounds 3
 """
 
 from __future__ import annotations
@@ -150,7 +155,7 @@ def child(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     out = Path(a.workdir)
     generate_s, engine_s = time_generate()
-    result = (run_grpokit if a.framework == "grpokit" else run_trl)(a, out)
+    result = (run_grpokit if a.framework.startswith("grpokit") else run_trl)(a, out)
     result["generate_s"] = generate_s
     result["engine_s"] = engine_s
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -170,6 +175,7 @@ def main() -> None:
     p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
     p.add_argument("--rounds", type=int, default=1, help="alternate the frameworks this many times")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--baseline", default=None, help="also run grpokit as of this git revision")
     p.add_argument("--framework", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--model_path", help=argparse.SUPPRESS)
@@ -185,14 +191,29 @@ def main() -> None:
         if importlib.util.find_spec("trl") is None:
             print("trl is not installed: skipping the side-by-side run (pip install trl)")
             frameworks.remove("trl")
+    env = {**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"}
+    envs = {fw: env for fw in frameworks}
+    if a.baseline:
+        frameworks.append(f"grpokit@{a.baseline}")
+        envs[frameworks[-1]] = {**env, "PYTHONPATH": checkout(a.baseline, work)}
     results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     for _ in range(a.rounds):
         for fw in frameworks:
             cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
                    a.model_path, *sys.argv[1:]]
-            subprocess.run(cmd, check=True, env={**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"})
+            subprocess.run(cmd, check=True, env=envs[fw])
             results[fw].append(json.loads((work / f"{fw}.json").read_text()))
     report(a, results)
+
+
+def checkout(rev: str, work: Path) -> str:
+    """A detached worktree of this repository at ``rev``, for the ``--baseline`` run; returns its path."""
+    path = work / "baseline"
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
+                   capture_output=True)
+    subprocess.run(["git", "-C", str(repo), "worktree", "prune"], check=False)
+    return str(path)
 
 
 def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
@@ -225,6 +246,12 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
                       for step, e, s in zip(r["step_s"][1:], r["engine_s"][1:], r["split"][1:])]
             print(f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
                   f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)")
+    base = f"grpokit@{a.baseline}"
+    if "grpokit" in med and base in med:
+        ratios = [g / b for g, b in zip(per_round["grpokit"], per_round[base])]
+        spread = f" (rounds: {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""
+        print(f"  ratio grpokit/{base}: time {med['grpokit'] / med[base]:.3f}×{spread}, memory "
+              f"{rss['grpokit'] / rss[base]:.2f}×")
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
