@@ -29,10 +29,11 @@ from grpokit.trainers.optimizers import optimizers_map
 logger = logging.getLogger("grpokit")
 
 
-def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
-    """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns."""
+def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bool = False):
+    """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns.
+    ``env_reward``: the scheduler's gym reward is a reward, so no function is needed by default."""
 
-    default = [] if (cfg.reward.reward_model or cfg.rollout.multi_turn_scheduler == "gym_scheduler") else ["accuracy"]
+    default = [] if (cfg.reward.reward_model or env_reward) else ["accuracy"]
     names = list(cfg.reward.reward_funcs or default)
     options = cfg.flat()
     funcs = build_reward_funcs(names, options, tokenizer)
@@ -72,7 +73,10 @@ def check_names(cfg: TrainConfig) -> None:
 def build_scheduler(cfg: TrainConfig, tokenizer):
     if not cfg.rollout.multi_turn_scheduler:
         return None
-    return build_multi_turn(cfg.rollout, tokenizer)
+    scheduler = build_multi_turn(cfg.rollout, tokenizer)
+    if cfg.rollout.use_gym_env is not None:  # explicit, as in ms-swift: total_reward is (not) a reward
+        scheduler.uses_env_reward = cfg.rollout.use_gym_env
+    return scheduler
 
 
 def build_engine(cfg: TrainConfig):
@@ -97,12 +101,13 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=cfg.data.split_dataset_ratio)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
-    funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
-        scheduler = RemoteScheduler(engine)  # multi-turn runs inside the server, with its own scheduler
+        scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
     else:
         scheduler = build_scheduler(cfg, tokenizer)
+    env_reward = bool(getattr(scheduler, "uses_env_reward", False))
+    funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
     callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
