@@ -4,8 +4,9 @@ It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``rese
 returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so that the trainer, which
 only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
 
-Requests are split across servers keeping each ``prompt_id`` group on one server, sent in parallel, and the
-outputs come back in request order. Every call has a timeout; connect errors, dropped connections and
+Requests are split across servers keeping each ``prompt_id`` group on one server, then into calls that stay
+under each server's ``--max_batch_requests`` and ``--max_body_mb`` (both reported by ``/get_engine_type/``), sent
+in parallel; the outputs come back in request order. Every call has a timeout; connect errors, dropped connections and
 429/502/503/504 are retried a few times with exponential backoff, inside that timeout. A dead server becomes a
 ``ServerError`` that names host:port.
 """
