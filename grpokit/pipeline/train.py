@@ -20,7 +20,7 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import RemoteScheduler
+from grpokit.rollout.remote import RemoteScheduler, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
 from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.factory import TrainerFactory
@@ -103,7 +103,11 @@ def run_train(cfg: TrainConfig):
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
-        scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
+        if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request
+            scheduler = build_scheduler(cfg, tokenizer)
+            scheduler.infer_engine = engine
+        else:
+            scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
     else:
         scheduler = build_scheduler(cfg, tokenizer)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))

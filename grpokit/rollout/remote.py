@@ -4,7 +4,9 @@ servers, which hold their own schedulers; the trainer still only asks a schedule
 ms-swift takes the multi-turn options (``--multi_turn_scheduler``, ``--max_turns``, ``--loss_scale``, ...) on the
 trainer's command as well as the server's. Here the server plays the trajectories, so the trainer's values are
 checked against what the server reports on ``/get_engine_type/`` (``check_server_rollout``): a value the server
-does not use stops the run at start-up, naming the server's value and the fix. ``--loss_scale last_round`` is the
+does not use stops the run at start-up, naming the server's value and the fix. A trainer that names a
+``--multi_turn_scheduler`` while the server is single-turn plays the turns itself, each turn one request to the
+server (ms-swift does the same; ``trainer_plays_turns``). ``--loss_scale last_round`` is the
 exception: as in ms-swift it shapes what the trainer trains on, so the trainer applies it to every trajectory it
 receives (``last_round_only``), whatever the server's scheduler did.
 """
@@ -88,6 +90,12 @@ def last_round_only(output: RolloutOutput) -> RolloutOutput:
     return output.model_copy(update={"response_loss_mask": new_masks, "rollout_logprobs": logprobs})
 
 
+def trainer_plays_turns(rollout_args, info: dict) -> bool:
+    """ms-swift's rule: with ``--multi_turn_scheduler`` on the trainer and a single-turn server, the trainer runs
+    the scheduler and each turn is one request to the server; a multi-turn server plays whole trajectories."""
+    return bool(rollout_args.multi_turn_scheduler) and not info.get("enable_multi_turn")
+
+
 def check_server_rollout(r, info: dict) -> None:
     """The trainer's multi-turn options (``RolloutArguments`` ``r``) against a server's ``/get_engine_type/``.
 
@@ -95,11 +103,13 @@ def check_server_rollout(r, info: dict) -> None:
     trainer's ``--use_gym_env`` may differ: it decides whether the server's ``total_reward`` is a reward."""
     where = f"the rollout server ({info.get('model', '?')})"
     start = "start `grpokit rollout` with"
+    if r.multi_turn_scheduler and not info.get("enable_multi_turn"):
+        return  # a single-turn server: the trainer plays the turns with its own scheduler (trainer_plays_turns)
     if r.multi_turn_scheduler and r.multi_turn_scheduler != info.get("multi_turn_scheduler"):
-        served = info.get("multi_turn_scheduler") or "single-turn rollouts"
-        raise ConfigError(f"--multi_turn_scheduler {r.multi_turn_scheduler}: {where} runs {served}; in server mode "
-                          f"the server plays the trajectories: {start} --multi_turn_scheduler "
-                          f"{r.multi_turn_scheduler}, or drop the option here")
+        raise ConfigError(f"--multi_turn_scheduler {r.multi_turn_scheduler}: {where} runs "
+                          f"{info.get('multi_turn_scheduler')}; {start} --multi_turn_scheduler "
+                          f"{r.multi_turn_scheduler} (or a single-turn server, and the trainer plays the turns), "
+                          "or drop the option here")
     wanted = [("max_turns", r.max_turns, r.max_turns is not None),
               ("gym_env", r.gym_env, r.gym_env is not None),
               ("completion_length_limit_scope", r.completion_length_limit_scope,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import httpx
 import pytest
 from test_server_support import rollout_server
 
@@ -123,3 +124,31 @@ def test_trainer_options_the_server_does_not_use_stop_the_run(server, tmp_path, 
 
     with pytest.raises(ConfigError, match=needle):
         run_train(parse_train_args(_train_args(server, tmp_path, *extra)))
+
+
+def test_trainer_plays_the_turns_against_a_single_turn_server(tmp_path_factory, tmp_path):
+    """ms-swift's rule: a scheduler on the trainer and a single-turn server → the trainer runs the scheduler, each
+    turn one request; the rows' columns are read on the trainer side."""
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    root = tmp_path_factory.mktemp("single")
+    tiny = build_tiny_model(root / "tiny")
+    plugin = root / "label_plugin_trainer.py"
+    plugin.write_text(PLUGIN.replace('"label_turns"', '"label_turns_trainer"'))
+    saved, _Recording.outputs = TrainerFactory.TRAINER_MAPPING["grpo"], []
+    TrainerFactory.TRAINER_MAPPING["grpo"] = _Recording
+    try:
+        with rollout_server(tiny, root) as plain:
+            plain.model = tiny
+            trainer = run_train(parse_train_args(_train_args(
+                plain, tmp_path, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns_trainer",
+                "--max_turns", "2")))
+            served = httpx.get(plain.url + "/get_engine_type/", timeout=10).json()
+    finally:
+        TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+    assert not served["enable_multi_turn"] and served["weight_version"] >= 1  # the trainer's weights reached it
+    assert trainer.state.global_step == 2 and _Recording.outputs
+    for o in _Recording.outputs:
+        assert [m["role"] for m in o.messages] == ["user", "assistant"] * 2
+        assert o.messages[2]["content"].endswith("after turn 1") and len(o.response_token_ids) == 2

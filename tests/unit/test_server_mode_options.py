@@ -13,7 +13,7 @@ from grpokit.config.parse import parse_train_args
 from grpokit.engines.client import split_by_size
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
-from grpokit.rollout.remote import RemoteScheduler, check_server_rollout, last_round_only
+from grpokit.rollout.remote import RemoteScheduler, check_server_rollout, last_round_only, trainer_plays_turns
 from grpokit.server.cli import options_from_argv
 
 SERVER = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1"]
@@ -64,7 +64,6 @@ def test_colocate_refuses_what_only_server_or_multi_turn_means(flags, needle):
 
 @pytest.mark.parametrize("trainer, info, needle", [
     (dict(multi_turn_scheduler="gym_scheduler"), MULTI, "runs thinking_tips_scheduler"),
-    (dict(multi_turn_scheduler="thinking_tips_scheduler"), SINGLE, "runs single-turn rollouts"),
     (dict(max_turns=5), MULTI, "--max_turns 5: the rollout server (m) runs thinking_tips_scheduler with --max_turns 3"),
     (dict(max_turns=5), SINGLE, "--max_turns 5: the rollout server (m) runs single-turn rollouts"),
     (dict(completion_length_limit_scope="total"), MULTI, "with --completion_length_limit_scope per_round"),
@@ -83,6 +82,11 @@ def test_matching_or_default_trainer_options_pass():
     check_server_rollout(RolloutArguments(multi_turn_scheduler="thinking_tips_scheduler", max_turns=3,
                                           loss_scale="last_round", use_gym_env=False), MULTI)
     check_server_rollout(RolloutArguments(loss_scale="last_round"), SINGLE)  # the trainer applies it itself
+    # a scheduler on the trainer and a single-turn server: the trainer plays the turns (ms-swift's rule)
+    local = RolloutArguments(multi_turn_scheduler="thinking_tips_scheduler", max_turns=5)
+    check_server_rollout(local, SINGLE)
+    assert trainer_plays_turns(local, SINGLE) and not trainer_plays_turns(local, MULTI)
+    assert not trainer_plays_turns(RolloutArguments(), SINGLE)
 
 
 class FakeClient:
