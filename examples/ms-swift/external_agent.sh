@@ -3,7 +3,7 @@
 # swift rollout → grpokit rollout; --model/--dataset (MODEL, DATASET; defaults: the original hub ids);
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x7 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
-# the server port (PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables (--vllm_server_port added with ms-swift's default 8000).
+# the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables (--vllm_server_port added with ms-swift's default 8000).
 
 # wandb result link: https://wandb.ai/tastelikefeet/tastelikefeet?nw=nwuseryuzezyz
 # model link: https://www.modelscope.cn/models/swift/Qwen2-7B-Agent-GRPO
@@ -19,7 +19,7 @@ grpokit train \
     --load_from_cache_file true \
     --use_vllm true \
     --vllm_mode server \
-    --vllm_server_host 127.0.0.1 \
+    --vllm_server_host "${HOST:-127.0.0.1}" \
     --vllm_server_port "${PORT:-8000}" \
     --torch_dtype bfloat16 \
     --num_train_epochs 1 \

@@ -3,7 +3,7 @@
 # swift rollout → grpokit rollout; --model/--dataset (MODEL, DATASET; defaults: the original hub ids);
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x8 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
-# the server port (PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
+# the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
 # run in another node
 # grpokit rollout \
@@ -15,7 +15,7 @@ grpokit train \
     --reward_funcs accuracy \
     --use_vllm true \
     --vllm_mode server \
-    --vllm_server_host xxx \
+    --vllm_server_host "${HOST:-xxx}" \
     --vllm_server_port "${PORT:-8000}" \
     --tuner_type full \
     --torch_dtype bfloat16 \

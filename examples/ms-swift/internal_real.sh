@@ -3,7 +3,7 @@
 # swift rollout → grpokit rollout; --model/--dataset (MODEL, DATASET; defaults: the original hub ids);
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x2 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
-# the server port (PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
+# the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
 grpokit rollout \
     --model "${MODEL:-Qwen/Qwen3-1.7B}"
@@ -16,7 +16,7 @@ grpokit train \
     --reward_funcs accuracy \
     --use_vllm true \
     --vllm_mode server \
-    --vllm_server_host 127.0.0.1 \
+    --vllm_server_host "${HOST:-127.0.0.1}" \
     --vllm_server_port "${PORT:-8000}" \
     --tuner_type full \
     --torch_dtype bfloat16 \

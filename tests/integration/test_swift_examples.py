@@ -1,7 +1,7 @@
 """The ports of ms-swift's GRPO example scripts (examples/ms-swift/*.sh) train 2 steps on the tiny model.
 
 Each port is run as written by bash, with ``MODEL``, ``DATASET`` (a local jsonl in the hub dataset's columns),
-``PORT``, ``PLUGIN``, ``EXAMPLES`` set, and ``grpokit`` defined as this interpreter's ``python -m grpokit``. A
+``HOST``, ``PORT``, ``PLUGIN``, ``EXAMPLES`` set, and ``grpokit`` defined as this interpreter's ``python -m grpokit``. A
 ``grpokit rollout`` line inside a port is skipped: the test starts that server itself (one per configuration, shared
 by the ports that use it), with the port's server options less the GPU-only ones (listed in SERVERS).
 
@@ -56,6 +56,8 @@ PLAIN = ()
 SERVERS = {
     "external_grpo_7b.sh": PLAIN, "external_grpo_32b_full.sh": PLAIN, "external_agent.sh": PLAIN,
     "internal_real.sh": PLAIN,
+    "external_moe_full.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
+    "external_moe_lora.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
     "external_vllm_gym.sh": ("--max_turns", "3", "--multi_turn_scheduler", "gym_scheduler", "--use_gym_env", "true",
                              "--gym_env", "math_env"),
     "external_vllm_multi_turn.sh": ("--vllm_use_async_engine", "true", "--multi_turn_scheduler",
@@ -117,7 +119,7 @@ def test_port_trains_two_steps(name, models, servers, tmp_path):
     plugin = PLUGINS.get(name, SWIFT_PLUGIN)
     env = {**os.environ, "MODEL": str(models["policy"]), "DATASET": str(data), "PLUGIN": str(plugin),
            "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+           "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if name in SERVERS:
         options = tuple(o.replace("{plugin}", str(plugin)) for o in SERVERS[name])
         env["PORT"] = str(servers(options).port)
