@@ -22,6 +22,7 @@ from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import RolloutScheduler
 
 logger = logging.getLogger(__name__)
+MEDIA_KEYS = ("images", "videos", "audios")  # prompt media in data_dict: sent whatever --vllm_server_pass_dataset
 
 
 class RemoteScheduler(RolloutScheduler):
@@ -60,9 +61,12 @@ class RemoteScheduler(RolloutScheduler):
         return bool(self.infer_engine.engine_info().get("uses_env_reward", False))
 
     def _wire(self, requests: Sequence[RolloutInferRequest]) -> list[RolloutInferRequest]:
+        """The requests as sent: without the row's columns unless asked, keeping its media (part of the prompt
+        itself, as ms-swift's requests carry images apart from the dataset's columns)."""
         if self.pass_dataset:
             return list(requests)
-        return [r.model_copy(update={"data_dict": {}}) if r.data_dict else r for r in requests]
+        return [r.model_copy(update={"data_dict": {k: v for k, v in r.data_dict.items() if k in MEDIA_KEYS}})
+                if r.data_dict else r for r in requests]
 
     def _trained(self, outputs: list[RolloutOutput]) -> list[RolloutOutput]:
         return [last_round_only(o) for o in outputs] if self.loss_scale == "last_round" else outputs

@@ -105,7 +105,7 @@ class FakeClient:
 
 
 def _send(scheduler):
-    req = RolloutInferRequest(messages=[{"role": "user", "content": "q"}], data_dict={"solution": "4"})
+    req = RolloutInferRequest(messages=[{"role": "user", "content": "q"}], data_dict={"solution": "4", "images": ["x"]})
     outs = asyncio.run(scheduler.async_infer([req], RequestConfig()))
     return scheduler.infer_engine.sent[0], outs[0], req
 
@@ -115,12 +115,13 @@ def test_rows_columns_reach_the_server_only_when_asked(caplog):
         quiet = RemoteScheduler.from_args(FakeClient(MULTI), RolloutArguments())
     assert "--vllm_server_pass_dataset true" in caplog.text  # a multi-turn server may need them: say so once
     sent, out, req = _send(quiet)
-    assert sent.data_dict == {} and sent.request_id == req.request_id and req.data_dict == {"solution": "4"}
+    assert sent.data_dict == {"images": ["x"]}  # a prompt's media travel always; the other columns stay here
+    assert sent.request_id == req.request_id and req.data_dict == {"solution": "4", "images": ["x"]}
     assert out.response_loss_mask == [[1], [1]]
     for args in (RolloutArguments(vllm_server_pass_dataset=True),
                  RolloutArguments(multi_turn_scheduler="thinking_tips_scheduler")):  # ms-swift: either one
         sent, _, _ = _send(RemoteScheduler.from_args(FakeClient(MULTI), args))
-        assert sent.data_dict == {"solution": "4"}
+        assert sent.data_dict == {"solution": "4", "images": ["x"]}
 
 
 def test_trainer_side_loss_scale_and_use_gym_env():
