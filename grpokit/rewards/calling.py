@@ -5,8 +5,10 @@
   ``messages``, ``trainer_state``, ``request_id``, ``trajectory_inputs``, ...).
 - **TRL** (functions that name ``prompts``, ``log_extra`` or ``log_metric``, whose first parameter is
   ``prompts``/``completion_ids``/``trainer_state``, that take keywords only, or that are marked with
-  ``trl_convention``): everything by keyword, ``prompts`` and ``completions`` as message lists (grpokit always
-  renders prompts through the chat template: TRL's conversational format).
+  ``trl_convention``): everything by keyword. ``prompts`` and ``completions`` come in TRL's standard format
+  (strings: the prompt's last user message and the completion text), or in its conversational format (message
+  lists) for a function marked ``trl_convention(f, conversational=True)``. TRL picks the format from the
+  dataset; grpokit turns every row into messages, so the function says which one it reads.
 
 A signature that fits neither (no parameter at all, positional-only parameters the call cannot fill) is refused
 before training by ``check_signature``. ``log_extra(column, values)`` and ``log_metric(name, value)`` (TRL's
@@ -63,14 +65,20 @@ def as_trainer_state(value: Any) -> Any:
     return TrainerStateView(**value) if isinstance(value, dict) else value
 
 
-def trl_convention(func: Any) -> Any:
-    """Mark a reward function whose signature alone does not say TRL (``f(completions, **kwargs)`` that reads
-    ``completion[0]["content"]``): it is then called TRL's way. Returns the function itself."""
+def trl_convention(func: Any, *, conversational: bool = False) -> Any:
+    """Mark a reward function to be called TRL's way: one whose signature alone does not say so, or one that
+    reads TRL's conversational format (``completion[0]["content"]``: ``conversational=True``). Returns the
+    function itself."""
     try:
-        setattr(func, _MARK, "trl")
+        setattr(func, _MARK, "trl-conversational" if conversational else "trl")
     except (AttributeError, TypeError):
         raise ConfigError(f"trl_convention: cannot mark {func!r}; wrap it in a plain def") from None
     return func
+
+
+def is_conversational(func: Any) -> bool:
+    """Marked ``trl_convention(f, conversational=True)``: prompts and completions as message lists."""
+    return getattr(func, _MARK, None) == "trl-conversational"
 
 
 def _params(func: Any) -> list[inspect.Parameter] | None:
@@ -84,9 +92,8 @@ def _params(func: Any) -> list[inspect.Parameter] | None:
 
 def convention(func: Any) -> Convention:
     """Which convention calls ``func`` (see the module docstring)."""
-    mark = getattr(func, _MARK, None)
-    if mark is not None:
-        return mark
+    if getattr(func, _MARK, None) is not None:
+        return "trl"
     params = _params(func)
     if params is None:
         return "swift"
@@ -123,12 +130,18 @@ def _describe(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 
-def trl_kwargs(completions: list[str], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """TRL's keyword arguments: ``prompts`` (message lists) and ``completions`` (the messages after the prompt,
-    or one assistant message), next to everything else the trainer supplies."""
+def trl_kwargs(completions: list[str], kwargs: dict[str, Any], conversational: bool) -> dict[str, Any]:
+    """TRL's keyword arguments next to everything else the trainer supplies. Standard format: ``prompts`` the
+    text of each prompt's last user message, ``completions`` the texts. Conversational: ``prompts`` the prompt
+    messages, ``completions`` the messages after the prompt (one assistant message for a single turn)."""
     prompts = kwargs.get("prompts")
     conversations = kwargs.get("messages")
     out = dict(kwargs)
+    if not conversational:
+        if prompts is not None:
+            out["prompts"] = [_last_user_text(p) for p in prompts]
+        out["completions"] = list(completions)
+        return out
     trl_completions = []
     for i, text in enumerate(completions):
         prompt = prompts[i] if prompts is not None else None
@@ -139,6 +152,11 @@ def trl_kwargs(completions: list[str], kwargs: dict[str, Any]) -> dict[str, Any]
             trl_completions.append([{"role": "assistant", "content": text}])
     out["completions"] = trl_completions
     return out
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    return str(users[-1]) if users and users[-1] is not None else ""
 
 
 class RewardLog:

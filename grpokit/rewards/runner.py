@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
-from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, trl_kwargs
+from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, trl_kwargs
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +119,8 @@ class RewardRunner:
         """Call function i in its convention: completions positionally (ms-swift), or all by keyword (TRL)."""
         kwargs = {**kwargs, **log.hooks(self.names[i])}
         if self._trl[i]:
-            return self.funcs[i](**self._kwargs_for(i, trl_kwargs(completions, kwargs)))
+            return self.funcs[i](**self._kwargs_for(i, trl_kwargs(completions, kwargs,
+                                                                  is_conversational(self.funcs[i]))))
         return self.funcs[i](completions, **self._kwargs_for(i, kwargs))
 
     def _ensure_loop(self) -> LoopThread:
