@@ -147,3 +147,16 @@ def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
         # Example 4: each row is scored by exactly one of the two task functions (None = not scored)
         assert (c["trl_ex4_math"] is None) != (c["trl_ex4_coding"] is None)
         assert {c["trl_ex4_math"], c["trl_ex4_coding"]} - {None} <= {-1.0, 1.0}
+
+
+def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_model_dir, tmp_path):
+    from grpokit.errors import ConfigError
+
+    plugin = tmp_path / "bad_rewards.py"
+    plugin.write_text("from grpokit.rewards import orms\n\n"
+                      "def scores_nothing(prompts, /, completions):\n    return [0.0] * len(completions)\n\n"
+                      "orms['scores_nothing'] = scores_nothing\n")
+    with pytest.raises(ConfigError, match=r"--reward_funcs scores_nothing: scores_nothing is called with keywords "
+                                          r"\(TRL convention\), but prompts is positional-only"):
+        _train(tiny_model_dir, tmp_path, plugin, _rows(), ["--reward_funcs", "scores_nothing"])
+    assert not (tmp_path / "out" / "logging.jsonl").exists()  # no step ran
