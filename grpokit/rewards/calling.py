@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 from typing import Any, Literal
 
 from grpokit.errors import ConfigError, RewardError
@@ -198,21 +199,24 @@ class RewardLogBook:
     def __init__(self) -> None:
         self._seq = 0
         self._by_id: dict[str, tuple[int, int, RewardLog]] = {}  # request_id -> (call seq, row, log)
+        self._lock = threading.Lock()  # the rollout thread adds while the loop's thread takes
 
     def add(self, request_ids: list[str], log: RewardLog) -> None:
-        self._seq += 1
-        for row, rid in enumerate(request_ids):
-            self._by_id[rid] = (self._seq, row, log)
+        with self._lock:
+            self._seq += 1
+            for row, rid in enumerate(request_ids):
+                self._by_id[rid] = (self._seq, row, log)
 
     def take(self, request_ids: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Per request: its extra columns; and the mean of each metric over the calls that scored them. Entries
         older than the oldest call taken are dropped (samples dynamic sampling discarded)."""
-        found = [self._by_id.pop(rid, None) for rid in request_ids]
+        with self._lock:
+            found = [self._by_id.pop(rid, None) for rid in request_ids]
+            calls = {id(e[2]): e for e in found if e is not None}
+            if calls:
+                oldest = min(e[0] for e in calls.values())
+                self._by_id = {k: e for k, e in self._by_id.items() if e[0] >= oldest}
         extras = [{c: v[e[1]] for c, v in e[2].extra.items()} if e else {} for e in found]
-        calls = {id(e[2]): e for e in found if e is not None}
-        if calls:
-            oldest = min(e[0] for e in calls.values())
-            self._by_id = {k: e for k, e in self._by_id.items() if e[0] >= oldest}
         sums: dict[str, list[float]] = {}
         for _, _, log in calls.values():
             for name, values in log.metrics.items():

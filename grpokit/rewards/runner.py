@@ -67,16 +67,16 @@ class RewardRunner:
         n = len(completions)
         if "trainer_state" in kwargs:
             kwargs = {**kwargs, "trainer_state": as_trainer_state(kwargs["trainer_state"])}
-        self._log = log if log is not None else RewardLog(n)
+        log = log if log is not None else RewardLog(n)
         scores = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)  # [N, F]
         async_idx = [i for i, a in enumerate(self._is_async) if a]
-        pending = self._start_async(async_idx, completions, kwargs) if async_idx else None
+        pending = self._start_async(async_idx, completions, kwargs, log) if async_idx else None
         try:
             for i, func in enumerate(self.funcs):
                 if self._is_async[i]:
                     continue
                 try:
-                    out = self._invoke(i, completions, kwargs, self._log)
+                    out = self._invoke(i, completions, kwargs, log)
                     if inspect.isawaitable(out):  # a plain def that returned a coroutine
                         out = self._await(out)
                 except GrpokitError:
@@ -134,9 +134,7 @@ class RewardRunner:
 
         return self._ensure_loop().submit(wrap()).result()
 
-    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any]) -> Future:
-        log = self._log
-
+    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Future:
         async def call(i: int) -> Any:
             return await self._invoke(i, completions, kwargs, log)
 
