@@ -198,20 +198,21 @@ class RewardLogBook:
 
     def __init__(self) -> None:
         self._seq = 0
-        self._by_id: dict[str, tuple[int, int, RewardLog]] = {}  # request_id -> (call seq, row, log)
+        # (request_id, its k-th output: a custom run() may return several) -> (call seq, row, log)
+        self._by_id: dict[tuple[str, int], tuple[int, int, RewardLog]] = {}
         self._lock = threading.Lock()  # the rollout thread adds while the loop's thread takes
 
     def add(self, request_ids: list[str], log: RewardLog) -> None:
         with self._lock:
             self._seq += 1
-            for row, rid in enumerate(request_ids):
-                self._by_id[rid] = (self._seq, row, log)
+            for row, key in enumerate(_keys(request_ids)):
+                self._by_id[key] = (self._seq, row, log)
 
     def take(self, request_ids: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Per request: its extra columns; and the mean of each metric over the calls that scored them. Entries
         older than the oldest call taken are dropped (samples dynamic sampling discarded)."""
         with self._lock:
-            found = [self._by_id.pop(rid, None) for rid in request_ids]
+            found = [self._by_id.pop(key, None) for key in _keys(request_ids)]
             calls = {id(e[2]): e for e in found if e is not None}
             if calls:
                 oldest = min(e[0] for e in calls.values())
@@ -222,3 +223,12 @@ class RewardLogBook:
             for name, values in log.metrics.items():
                 sums.setdefault(name, []).extend(values)
         return extras, {name: sum(v) / len(v) for name, v in sums.items()}
+
+
+def _keys(request_ids: list[str]) -> list[tuple[str, int]]:
+    seen: dict[str, int] = {}
+    keys = []
+    for rid in request_ids:
+        keys.append((rid, seen.get(rid, 0)))
+        seen[rid] = seen.get(rid, 0) + 1
+    return keys

@@ -158,8 +158,7 @@ class WindowProducer:
             for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures
                 metrics[f"rewards/{name}/{key}"] = float(value)
         self._warn_without_signal(metrics.get("frac_reward_zero_std", 0.0))
-        extras, logged = self._reward_logs.take([o.request_id for o in outputs]
-                                                + [r.request_id for r in rollout.requests])
+        extras, logged = self._reward_logs.take([o.request_id for o in outputs])
         metrics.update({k if k not in metrics else f"reward_log/{k}": v for k, v in logged.items()})
         rows = []
         if self.log_completions:  # every rank builds its rows; all of them are gathered (a collective)

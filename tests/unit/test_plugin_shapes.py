@@ -212,3 +212,7 @@ def test_log_book_keeps_records_until_their_window_and_drops_discarded_ones():
     assert extras == [{"col": "b"}, {"col": "a"}, {}] and metrics == {"acc": 0.5}
     assert book.take(["r5"]) == ([{}], {})
     assert book._by_id == {}  # r4 (never trained on) went with the older entries
+    several = RewardLog(3)  # a custom run() returned two outputs for request "q"
+    several.extra["col"] = ["q0", "q1", "p0"]
+    book.add(["q", "q", "p"], several)
+    assert book.take(["p", "q", "q"])[0] == [{"col": "p0"}, {"col": "q0"}, {"col": "q1"}]
