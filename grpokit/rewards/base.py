@@ -2,8 +2,9 @@
 
 The reward contract (DESIGN.md): ``reward(completions: list[str], **kwargs) -> list[float | None]``. ``kwargs``
 carry the dataset's other columns by name (``solution``, ``test_cases``, …, each a list of length N) plus what
-the trainer always supplies (``TRAINER_KWARGS``). ``None`` or NaN means "this function does not score this
-sample"; it is left out of the weighted sum.
+the trainer always supplies (``TRAINER_KWARGS``; ``trainer_state`` reads as ``.global_step`` and as a dict).
+``None`` or NaN means "this function does not score this sample"; it is left out of the weighted sum. A function
+written for TRL is called TRL's way, all by keyword (``grpokit.rewards.calling`` decides from the signature).
 
 A plugin registers a class (instantiated once by ``build_reward_funcs``) or a ready callable under a name:
 ``orms["length_bonus"] = LengthBonus``, where ``LengthBonus`` subclasses ``ORM`` and defines

@@ -111,6 +111,10 @@ class WindowProducer:
         for col in {k for r in requests for k in r.data_dict}:
             kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
+        trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
+        for o in outputs:
+            trajectories.setdefault(o.request_id, []).append(
+                {**by_id[o.request_id].data_dict, "messages": o.messages, "rollout_infos": o.rollout_infos})
         kwargs.update(
             messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
             rollout_infos=[o.rollout_infos for o in outputs],
@@ -120,8 +124,7 @@ class WindowProducer:
             trainer_state=as_trainer_state(trainer_state),
             prompts=[o.prompt_messages or by_id[o.request_id].messages for o in outputs],
             request_id=[o.request_id for o in outputs],
-            trajectory_inputs={o.request_id: [{**by_id[o.request_id].data_dict, "messages": o.messages,
-                                               "rollout_infos": o.rollout_infos}] for o in outputs})
+            trajectory_inputs=trajectories)
         runner, log = self.rewards.runner, RewardLog(len(outputs))
         scores = runner.compute(completions, kwargs, log) if runner else torch.zeros(len(outputs), 0)
         self._reward_logs.add([o.request_id for o in outputs], log)

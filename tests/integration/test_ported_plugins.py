@@ -160,3 +160,13 @@ def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_mod
                                           r"\(TRL convention\), but prompts is positional-only"):
         _train(tiny_model_dir, tmp_path, plugin, _rows(), ["--reward_funcs", "scores_nothing"])
     assert not (tmp_path / "out" / "logging.jsonl").exists()  # no step ran
+
+
+def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(tiny_model_dir, tmp_path):
+    """MultiTurnThinkingTips reads trajectory_inputs[request_id][-1] (the last round); with
+    thinking_tips_scheduler every round is its own sample, and all rounds of a request get the same reward."""
+    out = _train(tiny_model_dir, tmp_path, SWIFT_PLUGIN, _rows(), [
+        "--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"])
+    assert len(_logs(out)) == 2
+    comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert comps and all(c["thinking_tips"] in (0.0, 1.0) for c in comps)
