@@ -13,12 +13,15 @@ from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
 from grpokit.rewards import orms, rm_plugins
 from grpokit.rollout.env import envs
 from grpokit.rollout.multi_turn import multi_turns
+from third_party import swift_plugin, trl_reward_examples
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-SWIFT_PLUGIN = DATA / "swift_plugin_renamed.py"
-TRL_PLUGIN = DATA / "trl_reward_examples.py"
+
+
+@pytest.fixture
+def swift_plugin_file(tmp_path):
+    return swift_plugin(tmp_path / "swift_plugin_renamed.py")  # read from the ms-swift mirror (third_party.py)
 
 # The classes of ms-swift's plugin.py that need something outside this machine (never trained here):
 NEEDS_OUTSIDE = {
@@ -72,10 +75,10 @@ def _logs(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
 
 
-def test_swift_plugin_loads_and_lists_what_it_cannot_train_here():
+def test_swift_plugin_loads_and_lists_what_it_cannot_train_here(swift_plugin_file):
     from grpokit.plugins.loader import load_plugins
 
-    load_plugins([str(SWIFT_PLUGIN)])
+    load_plugins([str(swift_plugin_file)])
     registered = {"orms": set(orms), "rm": set(rm_plugins), "mt": set(multi_turns), "envs": set(envs)}
     assert set(SWIFT_REWARDS) | set(NEEDS_OUTSIDE) <= registered["orms"]
     assert {"my_rmplugin", "qwenlong"} <= registered["rm"] and "tool_call_scheduler" in registered["mt"]
@@ -84,8 +87,8 @@ def test_swift_plugin_loads_and_lists_what_it_cannot_train_here():
         envs["custom_env"]({})
 
 
-def test_swift_plugin_reward_functions_train(tiny_model_dir, tmp_path):
-    out = _train(tiny_model_dir, tmp_path, SWIFT_PLUGIN, _rows(), ["--reward_funcs", *SWIFT_REWARDS])
+def test_swift_plugin_reward_functions_train(swift_plugin_file, tiny_model_dir, tmp_path):
+    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), ["--reward_funcs", *SWIFT_REWARDS])
     logs = _logs(out)
     assert [r["step"] for r in logs] == [1, 2]
     for name in SWIFT_REWARDS:  # every function scored every sample (trainer_state.global_step, request_id, ...)
@@ -93,10 +96,10 @@ def test_swift_plugin_reward_functions_train(tiny_model_dir, tmp_path):
     assert all(r["rewards/external_tooluse_correct_reward/mean"] <= 3.0 for r in logs)
 
 
-def test_swift_plugin_reward_model_plugins_train(tiny_model_dir, tiny_rm_dir, tmp_path):
+def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_dir, tiny_rm_dir, tmp_path):
     """CustomizedRMPlugin on a sequence classifier (template.encode + data_collator + to_device) and
     QwenLongPlugin on a causal LM (grpokit.swift's TransformersEngine, choice.message.content), in one run."""
-    out = _train(tiny_model_dir, tmp_path, SWIFT_PLUGIN, _rows(), [
+    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
         "--reward_funcs", "external_countdown", "--reward_model", str(tiny_rm_dir), str(tiny_model_dir),
         "--reward_model_plugin", "my_rmplugin", "qwenlong"])
     logs = _logs(out)
@@ -106,8 +109,8 @@ def test_swift_plugin_reward_model_plugins_train(tiny_model_dir, tiny_rm_dir, tm
         assert r[f"rewards/{rm_causal}/mean"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # [[YES]]/[[NO]] or 0
 
 
-def test_swift_plugin_tool_call_scheduler_trains_and_steps(tiny_model_dir, tmp_path):
-    out = _train(tiny_model_dir, tmp_path, SWIFT_PLUGIN, _rows(), [
+def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, tiny_model_dir, tmp_path):
+    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
         "--reward_funcs", "external_countdown", "--multi_turn_scheduler", "tool_call_scheduler", "--max_turns", "2"])
     assert len(_logs(out)) == 2
     # its step() on grpokit's objects: choice.message.content, token_ids, self.tokenizer, messages[-1] edited
@@ -131,7 +134,8 @@ def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
              "trl_ex4_math", "trl_ex4_coding", "trl_ex5_async", "trl_ex6_logging"]
     rows = [{"prompt": f"What is {k} + 1? Put it in \\boxed{{}}.", "ground_truth": str(k + 1),
              "task": "math" if k % 2 else "coding"} for k in range(4)]
-    out = _train(tiny_model_dir, tmp_path, TRL_PLUGIN, rows, ["--reward_funcs", *names])
+    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")  # from the TRL mirror
+    out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
     logs = _logs(out)
     for r in logs:
         assert r["rewards/trl_ex1_token_length/mean"] >= 1.0  # completion_ids by keyword: token counts
@@ -162,10 +166,10 @@ def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_mod
     assert not (tmp_path / "out" / "logging.jsonl").exists()  # no step ran
 
 
-def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(tiny_model_dir, tmp_path):
+def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(swift_plugin_file, tiny_model_dir, tmp_path):
     """MultiTurnThinkingTips reads trajectory_inputs[request_id][-1] (the last round); with
     thinking_tips_scheduler every round is its own sample, and all rounds of a request get the same reward."""
-    out = _train(tiny_model_dir, tmp_path, SWIFT_PLUGIN, _rows(), [
+    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
         "--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"])
     assert len(_logs(out)) == 2
     comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

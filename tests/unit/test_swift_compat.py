@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ from grpokit.rewards.rm_plugin import make_rm_plugin
 from grpokit.testing import build_tiny_model
 
 PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]
-PLUGIN = Path(__file__).resolve().parents[1] / "data" / "swift_plugin_renamed.py"
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,13 @@ def tiny_rm(tmp_path_factory):
     return path, model, tokenizer
 
 
-def test_every_swift_import_of_the_ported_plugin_resolves():
+def test_every_swift_import_of_the_ported_plugin_resolves(tmp_path):
     """The `from grpokit.swift.X import a, b` lines of the renamed plugin.py, checked name by name."""
-    lines = re.findall(r"from (grpokit\.swift[\w.]*) import ([\w, ]+)", PLUGIN.read_text())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # conftest restores sys.path
+    from third_party import swift_plugin
+
+    text = swift_plugin(tmp_path / "plugin.py").read_text()
+    lines = re.findall(r"from (grpokit\.swift[\w.]*) import ([\w, ]+)", text)
     assert len(lines) == 9
     for module, names in lines:
         mod = importlib.import_module(module)
