@@ -134,11 +134,11 @@ def test_unsupported_extension(tmp_path):
 
 
 def test_no_prompt_column_lists_columns_and_accepted_names(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text1": "q", "answer": "a"}])
     with pytest.raises(DataError) as err:
         load_train_val([str(path)], [], system=None, seed=0)
     message = str(err.value)
-    assert "d.jsonl" in message and "columns: question, answer" in message
+    assert "d.jsonl" in message and "columns: text1, answer" in message and "--columns" in message
     assert all(name in message for name in ("messages", "query", "prompt"))
     assert "\n" not in message
 
