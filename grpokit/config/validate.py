@@ -31,11 +31,14 @@ from grpokit.engines.structured import check_structured_options, load_json_schem
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.protocol import RequestConfig
+from grpokit.template.prompts import check_data_options
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError naming the option, its value and the fix, for the first problem found."""
     _check_ranges(cfg)
+    check_data_options(cfg.data, server=cfg.rollout.vllm_mode == "server",  # --columns, --system FILE, max_length...
+                       multi_turn=bool(cfg.rollout.multi_turn_scheduler))
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
     _check_paths(cfg)

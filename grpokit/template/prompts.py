@@ -1,0 +1,144 @@
+"""The prompt options of a run (tools, chat-template keyword arguments, ``--max_length``) and the dataset pass that
+applies them once a tokenizer is loaded.
+
+``PromptOptions.from_args`` reads them off ``DataArguments`` and checks them (no model needed);
+``PromptOptions.template`` builds the ``ChatTemplate`` that renders prompts with them, the same for the trainer
+and its engine; ``prepare_prompts`` puts each row's ``tools`` into its prompt and applies ``--max_length`` with
+``--truncation_strategy`` delete (drop the row) or raise (stop); left/right cut the prompt ids when they are
+encoded (``ChatTemplate``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from datasets import Dataset
+
+from grpokit.data.columns import parse_columns
+from grpokit.data.loading import resolve_system
+from grpokit.errors import ConfigError, DataError
+from grpokit.template.agent import add_tools, check_agent_template, parse_tools
+from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate
+
+logger = logging.getLogger(__name__)
+
+
+def parse_json_object(value: str | dict | None, option: str) -> dict:
+    """A JSON object given as text (or already a dict, from a YAML config); ConfigError naming ``option``."""
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--{option} {value!r}: not valid JSON ({exc.msg}); pass an object, e.g. "
+                          f"'{{\"enable_thinking\": false}}'") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"--{option} {value!r}: must be a JSON object {{\"name\": value, ...}}")
+    return parsed
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    agent_template: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    max_length: int | None = None
+    truncation_strategy: str = "left"
+    num_proc: int = 1
+    load_from_cache_file: bool = False
+
+    @classmethod
+    def from_args(cls, data) -> PromptOptions:
+        """From ``DataArguments`` (read by attribute name), checked; ConfigError naming the option and the fix."""
+        kwargs = parse_json_object(data.chat_template_kwargs, "chat_template_kwargs")
+        if data.enable_thinking is not None:
+            kwargs["enable_thinking"] = data.enable_thinking
+        check_agent_template(data.agent_template)
+        if data.truncation_strategy == "split":
+            raise ConfigError("--truncation_strategy split: ms-swift allows it for pre-training only; for GRPO use "
+                              "left, right, delete or raise")
+        if data.truncation_strategy not in TRUNCATION_STRATEGIES:
+            raise ConfigError(f"--truncation_strategy {data.truncation_strategy}: unknown; use one of "
+                              f"{', '.join(TRUNCATION_STRATEGIES)}")
+        if data.max_length is not None and data.max_length < 1:
+            raise ConfigError(f"--max_length {data.max_length}: must be a positive token count, or unset for no limit")
+        if data.dataset_num_proc < 1:
+            raise ConfigError(f"--dataset_num_proc {data.dataset_num_proc}: must be ≥ 1")
+        return cls(data.agent_template, kwargs, data.max_length, data.truncation_strategy, data.dataset_num_proc,
+                   data.load_from_cache_file)
+
+    @property
+    def truncates_ids(self) -> bool:
+        """True when over-long prompts are cut at encoding time (left/right), not handled in the dataset."""
+        return self.max_length is not None and self.truncation_strategy in ("left", "right")
+
+    def template(self, tokenizer, system: str | None = None) -> ChatTemplate:
+        return ChatTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
+                            max_length=self.max_length, truncation_strategy=self.truncation_strategy)
+
+
+def _with_tools(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
+    def convert(row: dict, index: int) -> dict:
+        where = f"{source}: row {index}"
+        tools = parse_tools(row["tools"], where) if row["tools"] not in (None, "", []) else []
+        return {"messages": add_tools(row["messages"], tools, opts.agent_template)}
+
+    return ds.map(convert, with_indices=True, desc=f"tools into the prompts of {source}",
+                  num_proc=opts.num_proc if opts.num_proc > 1 else None,
+                  load_from_cache_file=opts.load_from_cache_file)
+
+
+def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
+    limit = opts.max_length
+    lengths = ds.map(lambda batch: {"n": template.prompt_lengths(batch["messages"])}, batched=True,
+                     batch_size=256, remove_columns=ds.column_names, desc=f"prompt lengths of {source}",
+                     load_from_cache_file=False)["n"]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return ds
+    if opts.truncation_strategy == "raise":
+        i = over[0]
+        raise DataError(f"{source}: row {i} has a {lengths[i]}-token prompt, over --max_length {limit} "
+                        f"({len(over)} of {len(ds)} rows are); raise --max_length, or use --truncation_strategy "
+                        "delete / left / right")
+    if opts.truncation_strategy == "delete":
+        if len(over) == len(ds):
+            raise DataError(f"{source}: every prompt is longer than --max_length {limit} (the shortest has "
+                            f"{min(lengths)} tokens); raise --max_length")
+        logger.warning("%s: dropped %d of %d rows whose prompt is longer than --max_length %d tokens "
+                       "(--truncation_strategy delete)", source, len(over), len(ds), limit)
+        keep = set(over)
+        return ds.select([i for i in range(len(ds)) if i not in keep])
+    logger.warning("%s: %d of %d prompts are longer than --max_length %d tokens and will be cut on the %s "
+                   "(--truncation_strategy %s)", source, len(over), len(ds), limit, opts.truncation_strategy,
+                   opts.truncation_strategy)
+    return ds
+
+
+def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
+    """Tools into the prompts, then ``--max_length``; ``template`` renders the prompts as the engine will."""
+    if "chat_template_kwargs" in ds.column_names:
+        raise DataError(f"{source}: a per-row 'chat_template_kwargs' column is not implemented in grpokit; pass "
+                        "--chat_template_kwargs / --enable_thinking for the whole run, or rename the column")
+    if "tools" in ds.column_names:
+        ds = _with_tools(ds, opts, source)
+    if opts.max_length is not None:
+        ds = _apply_max_length(ds, template, opts, source)
+    return ds
+
+
+def check_data_options(data, *, server: bool, multi_turn: bool) -> PromptOptions:
+    """Every check of ``DataArguments`` that needs no model (``grpokit.config.validate`` calls it)."""
+    resolve_system(data.system)
+    parse_columns(data.columns)
+    opts = PromptOptions.from_args(data)
+    if opts.truncates_ids and (server or multi_turn):
+        where = "in server mode (the rollout server renders the prompts)" if server else "with multi-turn rollouts"
+        raise ConfigError(f"--max_length {opts.max_length} --truncation_strategy {opts.truncation_strategy} is not "
+                          f"implemented {where}; use --truncation_strategy delete (drop longer prompts) or raise")
+    if opts.chat_template_kwargs and server:
+        raise ConfigError("--enable_thinking / --chat_template_kwargs are not implemented in server mode (the "
+                          "rollout server renders the prompts with its own chat template); unset them, or train "
+                          "colocate")
+    return opts
