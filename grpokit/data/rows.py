@@ -40,12 +40,15 @@ def _standard_message(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise DataError(f"{where}: each message must be an object with role and content, got {type(m).__name__}")
     out = {k: v for k, v in m.items() if k not in ("from", "value")}
-    out["role"] = m.get("role", m.get("from"))
-    out["content"] = m.get("content", m.get("value"))
-    role = out["role"]
+    # Arrow gives every message the keys of all of them (None where absent): read a key only when it is set
+    role = m["role"] if m.get("role") is not None else m.get("from")
+    content = m["content"] if m.get("content") is not None else m.get("value")
     if not isinstance(role, str):
         raise DataError(f"{where}: a message has no role (keys: {', '.join(map(str, m))}); use role/content or "
                         "ShareGPT from/value")
+    if content is None and not m.get("tool_calls"):
+        raise DataError(f"{where}: a {role!r} message has no content; fill it (an empty string is allowed)")
+    out["content"] = content
     role = ROLE_NAMES.get(role, role)
     if role in ("tool_call", "function_call"):
         raise DataError(f"{where}: role {role!r} (ms-swift's tool-call message) is not supported in a prompt; "

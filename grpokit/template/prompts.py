@@ -91,9 +91,10 @@ def _with_tools(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
 
 def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
     limit = opts.max_length
-    lengths = ds.map(lambda batch: {"n": template.prompt_lengths(batch["messages"])}, batched=True,
-                     batch_size=256, remove_columns=ds.column_names, desc=f"prompt lengths of {source}",
-                     load_from_cache_file=False)["n"]
+    messages = ds["messages"]
+    lengths: list[int] = []
+    for start in range(0, len(messages), 256):  # one tokenizer call per chunk
+        lengths += template.prompt_lengths(messages[start:start + 256])
     over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return ds

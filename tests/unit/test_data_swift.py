@@ -130,3 +130,14 @@ def test_num_proc_gives_the_same_rows(tmp_path):
     one = rows_of(rows)
     two = rows_of(rows, num_proc=2)
     assert one == two and [r["solution"] for r in two] == [str(i) for i in range(6)]
+
+
+def test_mixed_role_and_sharegpt_keys_in_one_file_and_missing_content(tmp_path):
+    # Arrow gives every message all keys seen in the file (None where absent); each row must still read right
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]},
+                                              {"messages": [{"from": "human", "value": "b"}]}])
+    train, _ = load_train_val([path], [], system=None, seed=0)
+    assert [m[0]["role"] for m in train["messages"]] == ["user", "user"]
+    assert [m[0]["content"] for m in train["messages"]] == ["a", "b"]
+    with pytest.raises(DataError, match="row 0: column 'messages': a 'user' message has no content"):
+        rows_of([{"messages": [{"role": "user", "content": None}]}])

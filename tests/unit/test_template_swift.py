@@ -158,3 +158,17 @@ def test_option_checks_without_a_model(tmp_path):
         check_data_options(data_args(enable_thinking=True), server=True, multi_turn=False)
     ok = check_data_options(data_args(max_length=64, truncation_strategy="delete"), server=True, multi_turn=True)
     assert ok.max_length == 64 and not ok.truncates_ids
+
+
+def test_tools_read_by_arrow_lose_the_nulls_arrow_added(tokenizer):
+    other = {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
+    ds = datasets.Dataset.from_list([{"query": "hi", "tools": [t]} for t in (WEATHER, other)])
+    assert ds[0]["tools"][0]["parameters"]["required"] is None  # what Arrow does to a key only some rows have
+    from grpokit.data.loading import normalize_rows
+
+    opts = PromptOptions(agent_template="hermes")
+    out = prepare_prompts(normalize_rows(ds, None), opts.template(tokenizer), opts, "d")
+    listed = [json.loads(out[i]["messages"][0]["content"].split("<tools>\n")[1].split("\n</tools>")[0])
+              for i in range(2)]
+    assert listed == [{"type": "function", "function": WEATHER}, {"type": "function", "function": other}]
