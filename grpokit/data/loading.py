@@ -112,6 +112,16 @@ def _load_source(base: str, spec: str, seed: int, option: str) -> Dataset:
     )
 
 
+def _sample(ds: Dataset, count: int, seed: int) -> Dataset:
+    """``#N`` as ms-swift draws it: N rows of a seeded shuffle; past the dataset's size, every row
+    ``N // len`` times and then ``N % len`` rows of the shuffle."""
+    order = ds.shuffle(seed=seed)
+    if count <= len(ds):
+        return order.select(range(count))
+    repeats, rest = divmod(count, len(ds))
+    return datasets.concatenate_datasets([ds] * repeats + ([order.select(range(rest))] if rest else []))
+
+
 def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -> Dataset:
     """Load one spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked.
 
@@ -123,9 +133,9 @@ def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -
         raise DataError(f"{option} {spec!r} has no rows; check the file or pick another dataset")
     if count is not None:
         if count > len(ds):
-            logger.warning("%s %r asks for %d rows but has only %d; using all of them", option, spec, count, len(ds))
-        else:
-            ds = ds.shuffle(seed=seed).select(range(count))
+            logger.warning("%s %r asks for %d rows but has only %d; the rows repeat (as in ms-swift)", option,
+                           spec, count, len(ds))
+        ds = _sample(ds, count, seed)
     return ds
 
 
