@@ -1,13 +1,13 @@
 """Turn ``--dataset`` specs into one ``datasets.Dataset`` of prompt rows.
 
-Spec forms (any may end with ``#N`` to keep N rows drawn by a seeded shuffle):
+Spec forms (any may end with ``#N`` to keep N rows drawn by a seeded shuffle, repeating rows past the size):
 
 - a local file ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet``, or a folder written by ``Dataset.save_to_disk``;
 - ``builtin:<task>`` (train split) or ``builtin:<task>:test`` (held-out split), generated in code;
 - a hub id ``org/name`` or ``org/name:subset`` (train split), through ``datasets.load_dataset``.
 
-Rows are then normalised (see ``normalize_rows``) so that every row holds ``messages``; other columns travel on
-to the reward functions by name.
+Columns are renamed by ``--columns`` (``grpokit.data.columns``), then rows are normalised (``grpokit.data.rows``)
+so that every row holds ``messages``; other columns travel on to the reward functions by name.
 """
 
 from __future__ import annotations

@@ -172,3 +172,15 @@ def test_tools_read_by_arrow_lose_the_nulls_arrow_added(tokenizer):
     listed = [json.loads(out[i]["messages"][0]["content"].split("<tools>\n")[1].split("\n</tools>")[0])
               for i in range(2)]
     assert listed == [{"type": "function", "function": WEATHER}, {"type": "function", "function": other}]
+
+
+def test_native_tools_survive_the_rollout_wire(tokenizer):
+    """A rollout server gets the prompt as a JSON request body and renders it with its own template."""
+    from grpokit.protocol import RolloutInferRequest
+
+    msgs = add_tools([{"role": "user", "content": "hi"}], [WEATHER], None)
+    body = RolloutInferRequest(messages=msgs).model_dump_json()
+    received = RolloutInferRequest.model_validate_json(body).messages
+    server_side = PromptOptions().template(tokenizer)
+    assert server_side.render_prompt(received) == PromptOptions().template(tokenizer).render_prompt(msgs)
+    assert "TOOLS:get_weather;" in server_side.render_prompt(received)
