@@ -47,9 +47,10 @@ class DataArguments:
                                            "is not given")
     dataset_shuffle: bool = _opt(True, "shuffle the training prompts each epoch")
     # issue 19: ms-swift's dataset and template options (grpokit/data, grpokit/template; docs/datasets.md)
-    truncation_strategy: str = _opt("left", "prompts longer than --max_length: left (keep the last max_length "
-                                            "tokens; ms-swift's GRPO default), right (keep the first), delete (drop "
-                                            "the row, with a warning count) or raise (stop, naming the row)")
+    truncation_strategy: str | None = _opt(
+        None, "prompts longer than --max_length: left (keep the last max_length tokens), right (keep the first), "
+              "delete (drop the row, with a warning count) or raise (stop, naming the row); unset = left (ms-swift's "
+              "GRPO default), or delete in server mode and with multi-turn rollouts, said at start-up")
     columns: str | None = _opt(None, "rename dataset columns first: a JSON object {\"src\": \"dst\"} or a JSON "
                                      "file, e.g. '{\"question_text\": \"query\"}' (ms-swift's --columns)")
     dataset_num_proc: int = _opt(1, "processes for dataset preprocessing (Dataset.map num_proc)")

@@ -37,8 +37,7 @@ from grpokit.template.prompts import check_data_options
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError naming the option, its value and the fix, for the first problem found."""
     _check_ranges(cfg)
-    check_data_options(cfg.data, server=cfg.rollout.vllm_mode == "server",  # --columns, --system FILE, max_length...
-                       multi_turn=bool(cfg.rollout.multi_turn_scheduler))
+    check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
     _check_paths(cfg)

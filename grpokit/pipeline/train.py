@@ -85,7 +85,7 @@ def build_engine(cfg: TrainConfig):
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
         engine = VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
                                               seed=cfg.training.seed)
-        engine.template = PromptOptions.from_args(cfg.data).template(engine.tokenizer)  # render as the trainer does
+        engine.template = PromptOptions.from_args(cfg.data, r).template(engine.tokenizer)  # as the trainer renders
         return engine
     return None
 
@@ -104,7 +104,7 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
-    prompts = PromptOptions.from_args(d)  # tools into the prompts, then --max_length, rendered as the engine will
+    prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
     if val_ds is not None:
         val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")

@@ -1,8 +1,8 @@
 """Agent templates: how a row's ``tools`` column (a list of function schemas) reaches the prompt.
 
 - unset (the default): the tools go to the tokenizer's chat template as its ``tools=`` argument, so the model sees
-  them in the format it was trained on. They travel with the prompt as a ``tools`` key (JSON text) on its first
-  message, which ``ChatTemplate`` takes off before rendering; every engine and a rollout server render the same.
+  them in the format it was trained on. They travel with the prompt (``grpokit.template.carry``), so every engine
+  and a rollout server render the same.
 - ``hermes``: the tools are written into the system message in the Hermes / Qwen2.5 function-calling format
   (``<tools>`` … ``</tools>``; calls come back as ``<tool_call>{"name": …, "arguments": …}</tool_call>``).
 - ``react_en``: the system message becomes a ReAct prompt (Thought / Action / Action Input / Observation / Final
@@ -17,9 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpokit.errors import ConfigError, DataError
-
-TOOLS_KEY = "tools"  # the key on a prompt's first message that carries its tools for the chat template
-
+from grpokit.template.carry import attach
 
 def parse_tools(value: Any, where: str) -> list[dict]:
     """A row's ``tools``: a list of function schemas, or that list as JSON text (ms-swift stores it so)."""
@@ -102,8 +100,7 @@ def add_tools(messages: list[dict], tools: list[dict], agent_template: str | Non
     if not tools:
         return messages
     if agent_template is None:
-        messages[0][TOOLS_KEY] = json.dumps(tools, ensure_ascii=False)
-        return messages
+        return attach(messages, tools=tools)
     has_system = messages[0]["role"] == "system"
     text = AGENT_TEMPLATES[agent_template](tools, messages[0]["content"] if has_system else None)
     if has_system:
@@ -111,17 +108,3 @@ def add_tools(messages: list[dict], tools: list[dict], agent_template: str | Non
     else:
         messages.insert(0, {"role": "system", "content": text})
     return messages
-
-
-def split_tools(messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
-    """Messages without the ``tools`` key, and the tools it carried (None when none did)."""
-    tools = None
-    out = []
-    for m in messages:
-        if TOOLS_KEY in m:
-            carried = m[TOOLS_KEY]
-            m = {k: v for k, v in m.items() if k != TOOLS_KEY}
-            if carried is not None and tools is None:
-                tools = json.loads(carried) if isinstance(carried, str) else carried
-        out.append(m)
-    return out, tools

@@ -14,7 +14,7 @@ from typing import Any
 
 from grpokit.errors import RolloutError
 from grpokit.protocol import RolloutOutput
-from grpokit.template.agent import split_tools
+from grpokit.template.carry import detach
 
 
 @dataclass
@@ -35,10 +35,11 @@ TRUNCATION_STRATEGIES = ("left", "right", "delete", "raise")
 class ChatTemplate:
     """Renders conversations with a Hugging Face tokenizer's chat template.
 
-    ``chat_template_kwargs`` go to every ``apply_chat_template`` call (``enable_thinking``, …); tools carried on a
-    prompt's messages (``grpokit.template.agent``) go as its ``tools=``. With ``max_length``, prompt ids longer
-    than it are cut to their last (``left``) or first (``right``) ``max_length`` tokens; ``delete`` and ``raise``
-    act on the dataset before training (``grpokit.template.prompts``), so they leave the ids alone here.
+    ``chat_template_kwargs`` go to every ``apply_chat_template`` call (``enable_thinking``, …); those a prompt
+    carries (``grpokit.template.carry``) win over them, and the tools it carries go as ``tools=``. With
+    ``max_length``, prompt ids longer than it are cut to their last (``left``) or first (``right``) ``max_length``
+    tokens; ``delete`` and ``raise`` act on the dataset before training (``grpokit.template.prompts``), so they
+    leave the ids alone here.
     """
 
     def __init__(self, tokenizer, system: str | None = None, *, chat_template_kwargs: dict | None = None,
@@ -65,8 +66,8 @@ class ChatTemplate:
 
     def render_prompt(self, messages: list[dict]) -> str:
         """Text the model continues: a generation header, or the open last assistant message."""
-        messages, tools = split_tools(self.with_system(messages))
-        kwargs = dict(self.chat_template_kwargs)
+        messages, tools, carried = detach(self.with_system(messages))
+        kwargs = {**self.chat_template_kwargs, **carried}
         if tools:
             kwargs["tools"] = tools
         if messages[-1]["role"] == "assistant":

@@ -3,9 +3,9 @@ applies them once a tokenizer is loaded.
 
 ``PromptOptions.from_args`` reads them off ``DataArguments`` and checks them (no model needed);
 ``PromptOptions.template`` builds the ``ChatTemplate`` that renders prompts with them, the same for the trainer
-and its engine; ``prepare_prompts`` puts each row's ``tools`` into its prompt and applies ``--max_length`` with
-``--truncation_strategy`` delete (drop the row) or raise (stop); left/right cut the prompt ids when they are
-encoded (``ChatTemplate``).
+and its engine; ``prepare_prompts`` puts each row's tools and chat-template kwargs into its prompt (they travel
+with it: ``grpokit.template.carry``) and applies ``--max_length`` with ``--truncation_strategy`` delete (drop the
+row) or raise (stop); left/right cut the prompt ids when they are encoded (``ChatTemplate``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from grpokit.data.columns import parse_columns
 from grpokit.data.loading import resolve_system
 from grpokit.errors import ConfigError, DataError
 from grpokit.template.agent import add_tools, check_agent_template, parse_tools
+from grpokit.template.carry import attach
 from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate
 
 logger = logging.getLogger(__name__)
@@ -49,23 +50,25 @@ class PromptOptions:
     load_from_cache_file: bool = False
 
     @classmethod
-    def from_args(cls, data) -> PromptOptions:
-        """From ``DataArguments`` (read by attribute name), checked; ConfigError naming the option and the fix."""
+    def from_args(cls, data, rollout=None) -> PromptOptions:
+        """From ``DataArguments`` (read by attribute name), checked; ConfigError naming the option and the fix.
+        ``rollout`` (``RolloutArguments``) decides the default --truncation_strategy (``default_truncation``)."""
         kwargs = parse_json_object(data.chat_template_kwargs, "chat_template_kwargs")
         if data.enable_thinking is not None:
             kwargs["enable_thinking"] = data.enable_thinking
         check_agent_template(data.agent_template)
-        if data.truncation_strategy == "split":
+        strategy = data.truncation_strategy or default_truncation(rollout)
+        if strategy == "split":
             raise ConfigError("--truncation_strategy split: ms-swift allows it for pre-training only; for GRPO use "
                               "left, right, delete or raise")
-        if data.truncation_strategy not in TRUNCATION_STRATEGIES:
-            raise ConfigError(f"--truncation_strategy {data.truncation_strategy}: unknown; use one of "
+        if strategy not in TRUNCATION_STRATEGIES:
+            raise ConfigError(f"--truncation_strategy {strategy}: unknown; use one of "
                               f"{', '.join(TRUNCATION_STRATEGIES)}")
         if data.max_length is not None and data.max_length < 1:
             raise ConfigError(f"--max_length {data.max_length}: must be a positive token count, or unset for no limit")
         if data.dataset_num_proc < 1:
             raise ConfigError(f"--dataset_num_proc {data.dataset_num_proc}: must be ≥ 1")
-        return cls(data.agent_template, kwargs, data.max_length, data.truncation_strategy, data.dataset_num_proc,
+        return cls(data.agent_template, kwargs, data.max_length, strategy, data.dataset_num_proc,
                    data.load_from_cache_file)
 
     @property
@@ -78,13 +81,37 @@ class PromptOptions:
                             max_length=self.max_length, truncation_strategy=self.truncation_strategy)
 
 
-def _with_tools(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
+def default_truncation(rollout) -> str:
+    """ms-swift's GRPO default ``left``; ``delete`` where prompt ids cannot be cut the same everywhere: in server
+    mode (the rollout server renders the prompts) and with multi-turn rollouts (later turns are longer prompts)."""
+    if rollout is not None and (rollout.vllm_mode == "server" or rollout.multi_turn_scheduler):
+        return "delete"
+    return "left"
+
+
+def _row_kwargs(value, run_kwargs: dict, where: str) -> dict:
+    """The run's chat-template kwargs under a row's own (ms-swift's ``chat_template_kwargs`` column)."""
+    if value in (None, "", {}):
+        return run_kwargs
+    try:
+        row = parse_json_object(value, "chat_template_kwargs")
+    except ConfigError:
+        raise DataError(f"{where}: column 'chat_template_kwargs' must be a JSON object, got {value!r:.80}") from None
+    return {**run_kwargs, **{k: v for k, v in row.items() if v is not None}}
+
+
+def _carry(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
+    """Each row's tools (by --agent_template) and chat-template kwargs into its prompt."""
+    has_tools, has_kwargs = "tools" in ds.column_names, "chat_template_kwargs" in ds.column_names
+
     def convert(row: dict, index: int) -> dict:
         where = f"{source}: row {index}"
-        tools = parse_tools(row["tools"], where) if row["tools"] not in (None, "", []) else []
-        return {"messages": add_tools(row["messages"], tools, opts.agent_template)}
+        tools = parse_tools(row["tools"], where) if has_tools and row["tools"] not in (None, "", []) else []
+        messages = add_tools(row["messages"], tools, opts.agent_template)
+        kwargs = _row_kwargs(row["chat_template_kwargs"] if has_kwargs else None, opts.chat_template_kwargs, where)
+        return {"messages": attach(messages, kwargs=kwargs)}
 
-    return ds.map(convert, with_indices=True, desc=f"tools into the prompts of {source}",
+    return ds.map(convert, with_indices=True, desc=f"tools and template options into the prompts of {source}",
                   num_proc=opts.num_proc if opts.num_proc > 1 else None,
                   load_from_cache_file=opts.load_from_cache_file)
 
@@ -118,28 +145,26 @@ def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, 
 
 
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
-    """Tools into the prompts, then ``--max_length``; ``template`` renders the prompts as the engine will."""
-    if "chat_template_kwargs" in ds.column_names:
-        raise DataError(f"{source}: a per-row 'chat_template_kwargs' column is not implemented in grpokit; pass "
-                        "--chat_template_kwargs / --enable_thinking for the whole run, or rename the column")
-    if "tools" in ds.column_names:
-        ds = _with_tools(ds, opts, source)
+    """Tools and chat-template kwargs into the prompts (they travel with them, ``grpokit.template.carry``), then
+    ``--max_length``; ``template`` renders the prompts as the engine will."""
+    if opts.chat_template_kwargs or {"tools", "chat_template_kwargs"} & set(ds.column_names):
+        ds = _carry(ds, opts, source)
     if opts.max_length is not None:
         ds = _apply_max_length(ds, template, opts, source)
     return ds
 
 
-def check_data_options(data, *, server: bool, multi_turn: bool) -> PromptOptions:
-    """Every check of ``DataArguments`` that needs no model (``grpokit.config.validate`` calls it)."""
+def check_data_options(data, rollout) -> PromptOptions:
+    """Every check of ``DataArguments`` that needs no model (``grpokit.config.validate`` calls it, once)."""
     resolve_system(data.system)
     parse_columns(data.columns)
-    opts = PromptOptions.from_args(data)
+    opts = PromptOptions.from_args(data, rollout)
+    server, multi_turn = rollout.vllm_mode == "server", bool(rollout.multi_turn_scheduler)
+    where = "in server mode (the rollout server renders the prompts)" if server else "with multi-turn rollouts"
     if opts.truncates_ids and (server or multi_turn):
-        where = "in server mode (the rollout server renders the prompts)" if server else "with multi-turn rollouts"
         raise ConfigError(f"--max_length {opts.max_length} --truncation_strategy {opts.truncation_strategy} is not "
                           f"implemented {where}; use --truncation_strategy delete (drop longer prompts) or raise")
-    if opts.chat_template_kwargs and server:
-        raise ConfigError("--enable_thinking / --chat_template_kwargs are not implemented in server mode (the "
-                          "rollout server renders the prompts with its own chat template); unset them, or train "
-                          "colocate")
+    if opts.max_length is not None and data.truncation_strategy is None and (server or multi_turn):
+        logger.warning("--max_length %d: prompts longer than it are dropped (--truncation_strategy delete) %s, "
+                       "where ms-swift's default left cannot cut them the same everywhere", opts.max_length, where)
     return opts

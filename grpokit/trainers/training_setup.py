@@ -84,7 +84,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
         ref.eval().requires_grad_(False)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
                          [p for p in prepared.parameters() if p.requires_grad], max_steps,
-                         PromptOptions.from_args(cfg.data).template(tokenizer))
+                         PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer))
 
 
 def is_peft(model) -> bool:

@@ -10,7 +10,8 @@ import datasets
 import pytest
 
 from grpokit.errors import ConfigError, DataError
-from grpokit.template.agent import TOOLS_KEY, add_tools
+from grpokit.template.agent import add_tools
+from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
 from grpokit.template.prompts import PromptOptions, check_data_options, prepare_prompts
 from grpokit.testing import CHATML_TEMPLATE, build_tiny_tokenizer
 
@@ -27,7 +28,7 @@ TOOLS_TEMPLATE = (
 
 
 def data_args(**kw) -> SimpleNamespace:
-    base = dict(system=None, columns=None, max_length=None, truncation_strategy="left", dataset_num_proc=1,
+    base = dict(system=None, columns=None, max_length=None, truncation_strategy=None, dataset_num_proc=1,
                 load_from_cache_file=False, agent_template=None, enable_thinking=None, chat_template_kwargs=None)
     return SimpleNamespace(**{**base, **kw})
 
@@ -91,9 +92,14 @@ def test_bad_tools_and_unknown_agent_template_are_refused():
 
 def test_enable_thinking_and_chat_template_kwargs_reach_the_template(tokenizer):
     msgs = [{"role": "user", "content": "hi"}]
-    off = PromptOptions.from_args(data_args(enable_thinking=False)).template(tokenizer)
-    assert off.render_prompt(msgs).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not PromptOptions().template(tokenizer).render_prompt(msgs).endswith("</think>\n\n")
+    opts = PromptOptions.from_args(data_args(enable_thinking=False))
+    assert opts.template(tokenizer).render_prompt(msgs).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = PromptOptions().template(tokenizer)
+    assert not plain.render_prompt(msgs).endswith("</think>\n\n")
+    # the prompts carry the option, so a template without it (a rollout server's) renders them the same
+    [row] = rows(prepare_prompts(datasets.Dataset.from_list([{"messages": msgs}]), plain, opts, "d"))
+    assert json.loads(row["messages"][0][KWARGS_KEY]) == {"enable_thinking": False}
+    assert plain.render_prompt(row["messages"]) == opts.template(tokenizer).render_prompt(msgs)
     opts = PromptOptions.from_args(data_args(chat_template_kwargs='{"enable_thinking": false, "x": 1}'))
     assert opts.chat_template_kwargs == {"enable_thinking": False, "x": 1}
     with pytest.raises(ConfigError, match="--chat_template_kwargs 'x=1': not valid JSON"):
@@ -143,21 +149,26 @@ def test_max_length_left_right_cut_the_prompt_ids(tokenizer, side):
     assert opts.template(tokenizer).encode_prompt(short) == PromptOptions().template(tokenizer).encode_prompt(short)
 
 
-def test_option_checks_without_a_model(tmp_path):
+def test_option_checks_without_a_model(caplog):
     with pytest.raises(ConfigError, match="--truncation_strategy split: ms-swift allows it for pre-training only"):
         PromptOptions.from_args(data_args(truncation_strategy="split"))
     with pytest.raises(ConfigError, match="--truncation_strategy middle: unknown"):
         PromptOptions.from_args(data_args(truncation_strategy="middle"))
     with pytest.raises(ConfigError, match="--max_length 0: must be a positive token count"):
         PromptOptions.from_args(data_args(max_length=0))
+    colocate = SimpleNamespace(vllm_mode="colocate", multi_turn_scheduler=None)
+    multi_turn = SimpleNamespace(vllm_mode="colocate", multi_turn_scheduler="math_tip_trick")
+    server = SimpleNamespace(vllm_mode="server", multi_turn_scheduler=None)
     with pytest.raises(ConfigError, match="--system nope.txt"):
-        check_data_options(data_args(system="nope.txt"), server=False, multi_turn=False)
+        check_data_options(data_args(system="nope.txt"), colocate)
     with pytest.raises(ConfigError, match="not implemented with multi-turn rollouts; use --truncation_strategy"):
-        check_data_options(data_args(max_length=64), server=False, multi_turn=True)
-    with pytest.raises(ConfigError, match="not implemented in server mode"):
-        check_data_options(data_args(enable_thinking=True), server=True, multi_turn=False)
-    ok = check_data_options(data_args(max_length=64, truncation_strategy="delete"), server=True, multi_turn=True)
-    assert ok.max_length == 64 and not ok.truncates_ids
+        check_data_options(data_args(max_length=64, truncation_strategy="left"), multi_turn)
+    assert check_data_options(data_args(max_length=64), colocate).truncation_strategy == "left"
+    for rollout in (server, multi_turn):  # unset: ms-swift's left cannot apply there; delete, said at start-up
+        with caplog.at_level("WARNING"):
+            opts = check_data_options(data_args(max_length=64, enable_thinking=True), rollout)
+        assert opts.truncation_strategy == "delete" and not opts.truncates_ids
+    assert "--max_length 64: prompts longer than it are dropped (--truncation_strategy delete)" in caplog.text
 
 
 def test_tools_read_by_arrow_lose_the_nulls_arrow_added(tokenizer):
@@ -184,3 +195,18 @@ def test_native_tools_survive_the_rollout_wire(tokenizer):
     server_side = PromptOptions().template(tokenizer)
     assert server_side.render_prompt(received) == PromptOptions().template(tokenizer).render_prompt(msgs)
     assert "TOOLS:get_weather;" in server_side.render_prompt(received)
+
+
+def test_row_chat_template_kwargs_win_over_the_run(tokenizer):
+    opts = PromptOptions.from_args(data_args(enable_thinking=True))
+    ds = datasets.Dataset.from_list([{"query": "a", "chat_template_kwargs": json.dumps({"enable_thinking": False})},
+                                     {"query": "b", "chat_template_kwargs": None}])
+    from grpokit.data.loading import normalize_rows
+
+    out = rows(prepare_prompts(normalize_rows(ds, None), opts.template(tokenizer), opts, "d"))
+    assert [json.loads(r["messages"][0][KWARGS_KEY]) for r in out] == [{"enable_thinking": False},
+                                                                        {"enable_thinking": True}]
+    assert opts.template(tokenizer).render_prompt(out[0]["messages"]).endswith("<think>\n\n</think>\n\n")
+    bad = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": "[1]"}])
+    with pytest.raises(DataError, match="d: row 0: column 'chat_template_kwargs' must be a JSON object"):
+        prepare_prompts(bad, None, opts, "d")
