@@ -144,11 +144,26 @@ def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, 
     return ds
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "grpokit_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def _check_renders_tools(template: ChatTemplate, source: str) -> None:
+    """The chat template must show the tools it is given; many (plain ChatML, Llama 2, …) drop them silently."""
+    probe = attach([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
+    if "grpokit_probe_tool" not in template.render_prompt(probe):
+        raise DataError(f"{source} has a 'tools' column, but the model's chat template does not render tools (its "
+                        "tools= argument); pass --agent_template hermes or react_en to write them into the system "
+                        "message, or drop the column")
+
+
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
     """Tools and chat-template kwargs into the prompts (they travel with them, ``grpokit.template.carry``), then
     ``--max_length``; ``template`` renders the prompts as the engine will."""
     if opts.chat_template_kwargs or {"tools", "chat_template_kwargs"} & set(ds.column_names):
         ds = _carry(ds, opts, source)
+    if opts.agent_template is None and "tools" in ds.column_names and template is not None:
+        _check_renders_tools(template, source)
     if opts.max_length is not None:
         ds = _apply_max_length(ds, template, opts, source)
     return ds

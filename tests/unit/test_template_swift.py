@@ -210,3 +210,14 @@ def test_row_chat_template_kwargs_win_over_the_run(tokenizer):
     bad = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": "[1]"}])
     with pytest.raises(DataError, match="d: row 0: column 'chat_template_kwargs' must be a JSON object"):
         prepare_prompts(bad, None, opts, "d")
+
+
+def test_native_tools_with_a_template_that_drops_them_is_refused():
+    tok = build_tiny_tokenizer()  # plain ChatML: no tools in it
+    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([WEATHER])}])
+    with pytest.raises(DataError, match="d has a 'tools' column, but the model's chat template does not render "
+                                        "tools.*--agent_template hermes or react_en"):
+        prepare_prompts(ds, PromptOptions().template(tok), PromptOptions(), "d")
+    opts = PromptOptions(agent_template="hermes")
+    [row] = rows(prepare_prompts(ds, opts.template(tok), opts, "d"))
+    assert "get_weather" in opts.template(tok).render_prompt(row["messages"])
