@@ -162,7 +162,8 @@ def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
     ``--max_length``; ``template`` renders the prompts as the engine will."""
     if opts.chat_template_kwargs or {"tools", "chat_template_kwargs"} & set(ds.column_names):
         ds = _carry(ds, opts, source)
-    if opts.agent_template is None and "tools" in ds.column_names and template is not None:
+    if opts.agent_template is None and template is not None and "tools" in ds.column_names and any(
+            t not in (None, "", []) for t in ds["tools"]):
         _check_renders_tools(template, source)
     if opts.max_length is not None:
         ds = _apply_max_length(ds, template, opts, source)
