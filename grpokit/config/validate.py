@@ -31,11 +31,13 @@ from grpokit.engines.structured import check_structured_options, load_json_schem
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.protocol import RequestConfig
+from grpokit.template.prompts import check_data_options
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError naming the option, its value and the fix, for the first problem found."""
     _check_ranges(cfg)
+    check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
     _check_paths(cfg)
