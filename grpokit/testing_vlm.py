@@ -128,6 +128,8 @@ def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: i
     config, image_processor, processor_cls, kwargs = _parts(family, tok, hidden_size, num_layers)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
+    if family == "gemma3":  # its projector starts at zero (images would change nothing): draw it like the rest
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.bos_token_id = None

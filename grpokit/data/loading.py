@@ -21,6 +21,7 @@ from datasets import Dataset
 
 from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
 from grpokit.data.hub import load_hub_dataset
+from grpokit.data.images import check_images
 from grpokit.errors import ConfigError, DataError
 
 __all__ = ["BUILTIN_TASKS", "load_dataset_spec", "load_train_val", "normalize_rows", "concat_datasets"]
@@ -227,7 +228,7 @@ def _load_many(specs: list[str], system: str | None, seed: int, option: str) -> 
     for spec in specs:
         source = f"{option} {spec!r}"
         raw = load_dataset_spec(spec, seed=seed, option=option)
-        parts.append((source, normalize_rows(raw, system, source=source)))
+        parts.append((source, check_images(normalize_rows(raw, system, source=source), source)))  # data/images.py
     return concat_datasets(parts)
 
 

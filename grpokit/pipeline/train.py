@@ -15,6 +15,7 @@ from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import load_policy, resolve_model_path
+from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
@@ -97,6 +98,7 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=cfg.data.split_dataset_ratio)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    check_model_takes_images(train_ds, tokenizer, cfg.model.model)
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":

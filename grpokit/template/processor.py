@@ -189,3 +189,10 @@ def image_only(cls):
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__  # saves under the model's own processor class
     return ImageOnly
+
+
+def make_template(tokenizer_or_processor, system: str | None = None) -> ChatTemplate:
+    """The processor template for a processor (it has an image processor), else the tokenizer's ChatTemplate."""
+    if hasattr(tokenizer_or_processor, "image_processor"):
+        return ProcessorTemplate(tokenizer_or_processor, system)
+    return ChatTemplate(tokenizer_or_processor, system)

@@ -17,6 +17,7 @@ from grpokit.modeling import resolve_dtype_name
 from grpokit.rewards.runner import RewardRunner
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
+from grpokit.template.processor import make_template
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.window_producer import Rewards
@@ -82,7 +83,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
         ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
         ref.eval().requires_grad_(False)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer))
+                         [p for p in prepared.parameters() if p.requires_grad], max_steps, make_template(tokenizer))
 
 
 def is_peft(model) -> bool:
