@@ -139,3 +139,12 @@ def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: i
     processor.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+if __name__ == "__main__":  # python -m grpokit.testing_vlm OUT_DIR [FAMILY [SEED]]: the model of examples/vlm
+    import sys
+
+    args = sys.argv[1:]
+    if not args or len(args) > 3:
+        sys.exit(f"usage: python -m grpokit.testing_vlm OUT_DIR [{'|'.join(FAMILIES)} [SEED]]")
+    print(build_tiny_vlm(args[0], args[1] if len(args) > 1 else "qwen2_vl", seed=int(args[2]) if len(args) > 2 else 0))

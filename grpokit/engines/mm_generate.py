@@ -23,15 +23,16 @@ from grpokit.tensors import long_tensor
 
 
 def infer_mm(model, template, requests: list[RolloutInferRequest], config: RequestConfig,
-             max_batch_size: int) -> list[ChatCompletionResponse]:
-    """One response with ``config.n`` choices per request, the images taken from ``data_dict["images"]``."""
+             max_batch_size: int, structured=None) -> list[ChatCompletionResponse]:
+    """One response with ``config.n`` choices per request, the images taken from ``data_dict["images"]``.
+    ``structured(config, prompt_width)``: the engine's structured-output logits processors, or None."""
     prompts = [template.encode_mm(r.messages, row_images(r.data_dict)) for r in requests]
     flat = [p for p in prompts for _ in range(config.n)]
     choices: list[ChatCompletionResponseChoice] = []
     if config.seed is not None:
         torch.manual_seed(config.seed)
     for start in range(0, len(flat), max_batch_size):
-        choices.extend(_generate(model, template, flat[start:start + max_batch_size], config))
+        choices.extend(_generate(model, template, flat[start:start + max_batch_size], config, structured))
     out = []
     for i, (ids, _) in enumerate(prompts):
         group = choices[i * config.n:(i + 1) * config.n]
@@ -42,7 +43,7 @@ def infer_mm(model, template, requests: list[RolloutInferRequest], config: Reque
 
 
 @torch.no_grad()
-def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: RequestConfig):
+def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: RequestConfig, structured):
     from transformers import StoppingCriteriaList, StopStringCriteria
 
     device = next(model.parameters()).device
@@ -62,6 +63,9 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
         kwargs.update(temperature=None, top_p=None, top_k=None)
     else:
         kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=max(config.top_k, 0))
+    processors = structured(config, width) if structured is not None else None
+    if processors is not None:  # --structured_outputs_regex / _json, as on the text path
+        kwargs["logits_processor"] = processors
     if config.stop:
         kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(template.tokenizer, config.stop)])
     was_training = model.training

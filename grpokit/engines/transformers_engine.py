@@ -56,7 +56,8 @@ class TransformersEngine(InferEngine):
             return []
         if getattr(self.template, "multimodal", False):  # a vision-language model: HF generate with the images
             with _no_gradient_checkpointing(self.model), _lora_merged(self.model):
-                return infer_mm(self.model, self.template, requests, config, self.max_batch_size)
+                return infer_mm(self.model, self.template, requests, config, self.max_batch_size,
+                                self.logits_processor_factory)
         prompts = self._encode(requests, config.max_tokens)
         flat = [p for p in prompts for _ in range(config.n)]
         events = self.cancel_events(requests)
