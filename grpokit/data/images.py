@@ -9,8 +9,9 @@ Accepted rows:
   ``{"type": "image"}`` and ``{"type": "text", "text": ...}``.
 
 An image is a local file path, raw bytes, a PIL image or a ``{"bytes": ..., "path": ...}`` dict (how ``datasets``
-stores an ``Image`` feature). URLs are refused: this machine may have no network. The row keeps its ``images``
-column, which reaches reward functions by name like every other column.
+stores an ``Image`` feature). URLs are refused: this machine may have no network. At load time ``image`` becomes
+``images`` and typed parts become ``<image>`` placeholders in text, so every image row travels in ms-swift's form;
+its ``images`` column reaches reward functions by name like every other column.
 """
 
 from __future__ import annotations
@@ -80,11 +81,27 @@ def check_images(ds, source: str):
     columns = ds.column_names
     if not any(c in columns for c in IMAGE_COLUMNS):
         return ds
-    if "image" in columns and "images" not in columns:
-        ds = ds.rename_column("image", "images")
+    if "image" in columns and "images" not in columns:  # TRL's one image per row: a list of one, as images
+        ds = ds.map(lambda row: {"images": [] if row["image"] is None else [row["image"]]}, remove_columns=["image"],
+                    desc=f"images of {source}")
+    if any(isinstance(m.get("content"), list) for row in ds.select_columns(["messages"]) for m in row["messages"]):
+        ds = ds.map(lambda row: {"messages": to_placeholders(row["messages"])}, desc=f"image parts of {source}")
     for i in range(len(ds)):
         check_row_images(ds[i], f"{source}: row {i}")
     return ds
+
+
+def to_placeholders(messages: list[dict]) -> list[dict]:
+    """TRL's typed content parts as ms-swift's text with ``<image>`` placeholders (the one form rows travel in:
+    requests carry text content; the processor template turns placeholders back into image parts)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(IMAGE_PLACEHOLDER if p.get("type") == "image" else (p.get("text") or "")
+                              for p in content)
+        out.append({**m, "content": content})
+    return out
 
 
 def load_image(image: Any):

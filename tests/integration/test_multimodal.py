@@ -112,3 +112,103 @@ def test_changing_only_the_image_changes_the_logps(family, vlm_dirs):
     logps = torch.log_softmax(out.logits[:, -1].float(), -1)
     assert (logps[0] - logps[1]).abs().max() > 1e-4
     assert (logps[0] - logps[2]).abs().max() > 1e-4
+
+
+def _changed(before: dict, model) -> dict[str, bool]:
+    """Per VLM part: whether any of its parameters moved."""
+    from grpokit.pipeline.vlm_parts import vlm_part
+
+    moved: dict[str, bool] = {}
+    for name, p in model.named_parameters():
+        key = name.replace("base_model.model.", "").replace(".base_layer", "")
+        if key in before:
+            part = vlm_part(key)
+            moved[part] = moved.get(part, False) or not torch.equal(before[key], p.detach())
+    return moved
+
+
+@pytest.mark.parametrize("extra, moves", [
+    ((), {"llm": True, "vit": False, "aligner": False}),
+    (("--freeze_vit", "false"), {"llm": True, "vit": True, "aligner": False}),
+    (("--freeze_aligner", "false", "--tuner_type", "lora", "--lora_dropout", "0"),
+     {"llm": True, "vit": False, "aligner": True}),
+])
+def test_freeze_flags_choose_the_parts_that_train(extra, moves, vlm_dirs, tmp_path):
+    """Full fine-tuning (or LoRA, merged for the check) trains the language model; the vision tower and the
+    aligner only when unfrozen."""
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    before: dict = {}
+
+    class Snapshot(GRPOTrainer):
+        def _next_window(self):
+            if not before:
+                base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+                before.update({n: p.detach().clone() for n, p in base.named_parameters()})
+            return super()._next_window()
+
+    from grpokit.rewards import orms
+
+    orms["test_alternating"] = lambda completions, **kw: [float(i % 2) for i in range(len(completions))]
+    try:  # 0 and 1 in every group of 2: every row has an advantage, so every trainable part gets a gradient
+        trainer = _train(vlm_dirs["qwen2_vl"], _image_dataset(tmp_path), tmp_path / "out", Snapshot,
+                         ("--learning_rate", "1e-2", "--reward_funcs", "test_alternating", *extra))
+    finally:
+        del orms["test_alternating"]
+    model = trainer.policy
+    if hasattr(model, "peft_config"):  # LoRA: adapters only on the parts that train, and each of them moved
+        from grpokit.pipeline.vlm_parts import vlm_part
+
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable and all("lora_" in n for n in trainable)
+        moved = {part: False for part in moves}
+        for n, p in trainable.items():
+            moved[vlm_part(n)] |= "lora_B" in n and bool(p.abs().sum() > 0)
+        assert moved == moves
+    else:
+        assert _changed(before, model) == moves
+
+
+def test_trl_rows_train_and_rewards_get_the_images(vlm_dirs, tmp_path):
+    """TRL's format (an image column, typed content parts) through a run; a reward sees each row's image."""
+    from datasets import Dataset
+    from PIL import Image
+
+    from grpokit.rewards import orms
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    got: list = []
+
+    def sees_images(completions, images, **kwargs):
+        got.extend(images)
+        return [1.0] * len(completions)
+
+    orms["test_sees_images"] = sees_images
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "image": Image.new("RGB", (16, 16), c), "solution": name} for name, c in COLOURS.items()]
+    rows.append({**rows[0], "image": Image.new("RGB", (16, 16), (1, 2, 3))})
+    data = tmp_path / "trl"
+    Dataset.from_list(rows * 2).save_to_disk(str(data))
+    try:
+        _train(vlm_dirs["idefics3"], data, tmp_path / "out", GRPOTrainer,
+               ("--reward_funcs", "test_sees_images", "--rollout_importance_sampling_mode", "token_mask"))
+    finally:
+        del orms["test_sees_images"]
+    assert len(got) == 6  # 3 prompts × 2 generations, one image list each
+    assert all(len(imgs) == 1 for imgs in got)
+    colours = {load(imgs[0]).getpixel((0, 0)) for imgs in got for load in [__import__(
+        "grpokit.data.images", fromlist=["load_image"]).load_image]}
+    assert colours <= {*COLOURS.values(), (1, 2, 3)} and len(colours) >= 2
+
+
+def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    data = _image_dataset(tmp_path, rows=3)
+    run = subprocess.run([sys.executable, "-m", "grpokit", "train", "--model", str(tiny_model_dir), "--dataset",
+                          str(data), "--output_dir", str(tmp_path / "o"), "--max_steps", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    lines = [line for line in run.stderr.splitlines() if "text-only model" in line]
+    assert len(lines) == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
