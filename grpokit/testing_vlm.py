@@ -133,8 +133,8 @@ def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: i
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.bos_token_id = None
-    processor = image_only(processor_cls)(image_processor=image_processor, tokenizer=tok, chat_template=tok.chat_template,
-                              **kwargs)
+    processor = image_only(processor_cls)(image_processor=image_processor, tokenizer=tok,
+                                          chat_template=tok.chat_template, **kwargs)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     tok.save_pretrained(out)

@@ -98,7 +98,8 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=cfg.data.split_dataset_ratio)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
-    check_model_takes_images(train_ds, tokenizer, cfg.model.model)
+    check_model_takes_images(train_ds, tokenizer, cfg.model.model,
+                             cfg.rollout.use_vllm or cfg.rollout.vllm_mode == "server")
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":

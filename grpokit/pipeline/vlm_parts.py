@@ -61,11 +61,16 @@ def load_vlm(path: str, dtype, trust_remote_code: bool = False):
         raise ConfigError(f"model {path}: cannot load as a vision-language model ({str(e).splitlines()[0]})") from e
 
 
-def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None) -> None:
-    """One line when the dataset has images but the model is text-only (it has no image processor)."""
-    if "images" not in dataset.column_names or hasattr(tokenizer_or_processor, "image_processor"):
+def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None, remote: bool = False) -> None:
+    """One line when the dataset has images but the model is text-only (it has no image processor), or the
+    rollouts would go through vLLM or a rollout server, which have no image path yet."""
+    if "images" not in dataset.column_names or not any(dataset["images"]):
         return
-    if not any(dataset["images"]):
+    if remote:
+        raise ConfigError("--use_vllm true / --vllm_mode server: image rows are not supported by the vLLM engines "
+                          "or the rollout server yet; train vision-language models with the in-process "
+                          "transformers engine (the default)")
+    if hasattr(tokenizer_or_processor, "image_processor"):
         return
     raise ConfigError(f"--model {model_path}: a text-only model was given a dataset with images; use a "
                       "vision-language model (a folder with a processor_config.json or preprocessor_config.json)")

@@ -39,3 +39,10 @@ def test_a_text_only_model_given_images_is_one_line():
         check_model_takes_images(ds, Tokenizer(), "m")
     assert "\n" not in str(e.value)
     check_model_takes_images(Dataset.from_list([{"messages": [], "images": []}]), Tokenizer(), "m")  # no images
+
+    class Processor:
+        image_processor = object()
+
+    check_model_takes_images(ds, Processor(), "m")
+    with pytest.raises(ConfigError, match="--vllm_mode server: image rows are not supported"):
+        check_model_takes_images(ds, Processor(), "m", remote=True)
