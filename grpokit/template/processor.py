@@ -70,7 +70,7 @@ def collate_mm(rows: list[MMRow], prompt_width: int, completion_width: int = 0) 
 
 def _row_slots(rows: list[MMRow]) -> bool:
     """The processor keeps a per-row image axis (Idefics3: pixel_values [1, N, C, H, W])."""
-    pv = next(r.tensors["pixel_values"] for r in rows if r.has_images) if any(r.has_images for r in rows) else None
+    pv = next((r.tensors["pixel_values"] for r in rows if r.has_images), None)
     return pv is not None and pv.dim() == 5
 
 
