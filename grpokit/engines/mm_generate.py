@@ -19,7 +19,6 @@ from grpokit.protocol import (
     RolloutInferRequest,
 )
 from grpokit.template.processor import MMRow, collate_mm
-from grpokit.tensors import long_tensor
 
 
 def infer_mm(model, template, requests: list[RolloutInferRequest], config: RequestConfig,
@@ -50,8 +49,8 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
     pad, eos = template.pad_token_id, template.eos_token_id
     lengths = [len(ids) for ids, _ in prompts]
     width = max(lengths)
-    input_ids = long_tensor(t for ids, _ in prompts for t in [pad] * (width - len(ids)) + ids).view(-1, width)
-    attention = (torch.arange(width) >= width - long_tensor(lengths)[:, None]).long()  # left padding
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids, _ in prompts], dtype=torch.long)
+    attention = (torch.arange(width) >= width - torch.tensor(lengths)[:, None]).long()  # left padding
     mm = {k: v.to(device) for k, v in collate_mm([row for _, row in prompts], width).items()}
     if "pixel_values" in mm:
         mm["pixel_values"] = mm["pixel_values"].to(next(model.parameters()).dtype)

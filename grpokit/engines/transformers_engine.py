@@ -23,7 +23,6 @@ from grpokit.protocol import (
     RolloutInferRequest,
 )
 from grpokit.template.encode import ChatTemplate
-from grpokit.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
 STOP_CACHE_SIZE = 32  # stop-string criteria kept (each one scanned the vocabulary once)
@@ -137,8 +136,8 @@ class TransformersEngine(InferEngine):
         pad = self.template.pad_token_id
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        input_ids = long_tensor(t for p in prompts for t in [pad] * (width - len(p)) + p).view(len(prompts), width)
-        attention = (torch.arange(width) >= width - long_tensor(lengths)[:, None]).long()  # left padding
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        attention = (torch.arange(width) >= width - torch.tensor(lengths)[:, None]).long()  # left padding
         greedy = config.temperature == 0
         structured = self.logits_processor_factory(config, width) if self.logits_processor_factory else None
         stopping = self._stopping(config.stop, events)

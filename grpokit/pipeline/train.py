@@ -18,7 +18,7 @@ from grpokit.pipeline.models import load_policy, resolve_model_path
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
-from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
+from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.remote import RemoteScheduler
@@ -44,8 +44,7 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
         if plugin_name == "genrm":  # a generative judge: a causal LM behind its own engine
             plugin = plugin_cls(_judge_engine(path, cfg.model.torch_dtype), None)
         else:
-            rm, rm_tok = load_reward_model(path, cfg.model.torch_dtype)
-            plugin = plugin_cls(rm, rm_tok)
+            plugin = make_rm_plugin(plugin_cls, path, cfg.model.torch_dtype)  # ms-swift: (model, template)
         name = f"rm_{os.path.basename(os.path.normpath(path))}"
         funcs.append(RewardModelReward(plugin, name))
         names.append(name)

@@ -9,7 +9,6 @@ import torch
 
 from grpokit.template.encode import EncodedSample
 from grpokit.template.processor import MMRow
-from grpokit.tensors import float_tensor, long_tensor
 
 
 @dataclass
@@ -106,10 +105,10 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
             lps += (s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c) \
                 + [float("nan")] * right
     n, width = len(samples), p_len + c_len
-    input_ids = long_tensor(ids).view(n, width)
-    attention = long_tensor(att).view(n, width)
-    rollout = float_tensor(lps).view(n, c_len) if have_lps else None
+    input_ids = torch.tensor(ids, dtype=torch.long).view(n, width)
+    attention = torch.tensor(att, dtype=torch.long).view(n, width)
+    rollout = torch.tensor(lps, dtype=torch.float32).view(n, c_len) if have_lps else None
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     mm = [s.extra.get("mm", MMRow()) for s in samples] if any("mm" in s.extra for s in samples) else None
-    return RolloutBatch(input_ids, attention, position_ids, float_tensor(cmask).view(n, c_len),
+    return RolloutBatch(input_ids, attention, position_ids, torch.tensor(cmask, dtype=torch.float32).view(n, c_len),
                         torch.tensor(truncated, dtype=torch.bool), rollout_logps=rollout, mm_inputs=mm)
