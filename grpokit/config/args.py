@@ -31,6 +31,11 @@ class ModelArguments:
     target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+    # vision-language models (docs/multimodal.md): which parts train, ms-swift's names and defaults
+    freeze_vit: bool = _opt(True, "vision-language models: keep the vision tower frozen (false: train it, with "
+                                  "LoRA adapters on its linear layers under --tuner_type lora)")
+    freeze_aligner: bool = _opt(True, "vision-language models: keep the aligner (the projector from vision to "
+                                      "language) frozen (false: train it, with LoRA adapters under lora)")
 
 
 @dataclass

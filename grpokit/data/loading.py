@@ -24,6 +24,7 @@ from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
 from grpokit.data.columns import rename_columns
 from grpokit.data.hub import load_hub_dataset
 from grpokit.data.rows import normalize_rows
+from grpokit.data.images import check_images
 from grpokit.errors import ConfigError, DataError
 
 __all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_train_val", "normalize_rows",
@@ -202,8 +203,9 @@ def _load_many(specs: list[str], opts: RowOptions, seed: int, option: str, used:
         raw = load_dataset_spec(spec, seed=seed, option=option)
         raw, matched = rename_columns(raw, opts.columns, source)
         used.update(matched)
-        parts.append((source, normalize_rows(raw, opts.system, source=source, num_proc=opts.num_proc,
-                                             load_from_cache_file=opts.load_from_cache_file)))
+        rows = normalize_rows(raw, opts.system, source=source, num_proc=opts.num_proc,
+                              load_from_cache_file=opts.load_from_cache_file)
+        parts.append((source, check_images(rows, source)))  # data/images.py
     return concat_datasets(parts)
 
 

@@ -45,7 +45,8 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       logits_to_keep: int, share_prompts: bool = True, **model_kwargs) -> torch.Tensor:
     """Logits [B, C, V] at the positions that predict the last C = ``logits_to_keep`` tokens."""
     c = logits_to_keep
-    plan = shared_prompts(input_ids, c) if share_prompts else None
+    plan = shared_prompts(input_ids, c) if share_prompts and position_ids is not None else None  # None: the
+    # model derives positions itself (vision-language models), which a prompt-only forward would get wrong
     if plan is None:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=c + 1, use_cache=False, **model_kwargs)

@@ -11,6 +11,7 @@ from transformers import StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.mm_generate import infer_mm
 from grpokit.engines.sampling import sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
@@ -52,6 +53,10 @@ class TransformersEngine(InferEngine):
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         if not requests:
             return []
+        if getattr(self.template, "multimodal", False):  # a vision-language model: HF generate with the images
+            with _no_gradient_checkpointing(self.model), _lora_merged(self.model):
+                return infer_mm(self.model, self.template, requests, config, self.max_batch_size,
+                                self.logits_processor_factory)
         prompts = self._encode(requests, config.max_tokens)
         flat = [p for p in prompts for _ in range(config.n)]
         events = self.cancel_events(requests)

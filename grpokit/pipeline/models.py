@@ -9,6 +9,8 @@ from grpokit.config.args import ModelArguments
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.default_model import ensure_default_model
+from grpokit.pipeline.vlm_parts import freeze_vlm_parts, load_vlm, vlm_targets
+from grpokit.template.processor import is_vlm_folder, load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +26,9 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
     path = resolve_model_path(margs, log=log)
     tokenizer = load_tokenizer(path, margs.trust_remote_code)
     lora = margs.tuner_type == "lora"
-    model = load_causal_lm(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora),
-                           margs.trust_remote_code)
+    vlm = is_vlm_folder(path)
+    load = load_vlm if vlm else load_causal_lm
+    model = load(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora), margs.trust_remote_code)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if margs.gradient_checkpointing:
@@ -33,20 +36,25 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
         model.config.use_cache = False
         if lora:
             model.enable_input_require_grads()
+    if vlm:  # the processor is the template (template/processor.py); LoRA or full, the chosen parts train
+        tokenizer = load_processor(path, tokenizer)
+        freeze_vlm_parts(model, margs)
     if lora:
-        model = apply_lora(model, margs)
+        model = apply_lora(model, margs, vlm_targets(model, margs) if vlm else None)
     ref = None
     if beta != 0 and not lora:
-        ref = load_causal_lm(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
+        ref = load(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
                              margs.trust_remote_code)
         ref.requires_grad_(False).eval()
     return model, tokenizer, ref
 
 
-def apply_lora(model, margs: ModelArguments):
+def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
     targets = margs.target_modules
+    if vlm_linear is not None and targets == ["all-linear"]:  # a VLM: all-linear of the parts that train
+        targets = vlm_linear
     # one entry with regex characters is a peft regex (full match on module names), e.g. top layers only:
     # '.*\.layers\.(2[0-9])\..*proj'; otherwise names are module-name suffixes, or all-linear
     if len(targets) == 1 and (targets[0] == "all-linear" or any(c in targets[0] for c in ".*[(|\\")):

@@ -6,7 +6,8 @@ toolbench, math, code_exec (in ``orms``) and arithmetic_steps (in ``prms``). See
 
 from __future__ import annotations
 
-from grpokit.rewards import code_exec, math_rewards, prm, shape_rewards, toolbench  # noqa: F401 (registers built-ins)
+# noqa: F401 below: imported to register the built-ins
+from grpokit.rewards import code_exec, math_rewards, multimodal, prm, shape_rewards, toolbench  # noqa: F401
 from grpokit.rewards.base import ORM, PRM, TRAINER_KWARGS, AsyncORM, accepted_kwargs, orms, prms, required_columns
 from grpokit.rewards.calling import TrainerStateView, trl_convention
 from grpokit.rewards.build import build_reward_funcs, check_reward_columns, reward_name

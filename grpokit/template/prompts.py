@@ -22,6 +22,7 @@ from grpokit.errors import ConfigError, DataError
 from grpokit.template.agent import add_tools, check_agent_template, parse_tools
 from grpokit.template.carry import attach
 from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate
+from grpokit.template.processor import ProcessorTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,13 @@ class PromptOptions:
         return self.max_length is not None and self.truncation_strategy in ("left", "right")
 
     def template(self, tokenizer, system: str | None = None) -> ChatTemplate:
+        """The chat template with these options; for a multimodal model's processor, the processor template."""
+        if hasattr(tokenizer, "image_processor"):  # template/processor.py
+            if self.max_length is not None:
+                raise ConfigError(f"--max_length {self.max_length}: not implemented for multimodal models yet (an "
+                                  "image's share of the prompt tokens is known only once the processor has run); "
+                                  "leave it unset")
+            return ProcessorTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs)
         return ChatTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
                             max_length=self.max_length, truncation_strategy=self.truncation_strategy)
 

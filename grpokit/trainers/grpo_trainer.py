@@ -31,6 +31,7 @@ from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.engines.prefix import completion_logits, worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
+from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
@@ -197,7 +198,16 @@ class GRPOTrainer:
     # forward and loss (hooks)
     # ------------------------------------------------------------------------------------------------------
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
-        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs."""
+        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs. A vision-language batch adds
+        its rows' processor tensors (template/processor.py) and leaves positions to the model (Qwen-VL's are 3-D)."""
+        if inputs.mm_inputs is not None:
+            c = inputs.logits_to_keep
+            mm = collate_mm(inputs.mm_inputs, inputs.input_ids.shape[1] - c, c)
+            mm = {k: v.to(inputs.input_ids.device) for k, v in mm.items()}
+            if "pixel_values" in mm:
+                mm["pixel_values"] = mm["pixel_values"].to(next(self.policy.parameters()).dtype)
+            return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "position_ids": None,
+                    **mm}
         return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
                 "position_ids": inputs.position_ids}
 

@@ -14,6 +14,7 @@ import torch
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
+from grpokit.data.images import row_images
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state
 from grpokit.rollout.scheduler import run_trajectories
@@ -229,7 +230,9 @@ class WindowProducer:
     def _encode(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
         """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
         by_id = {r.request_id: r for r in requests}
-        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o)
+        mm = getattr(self.template, "multimodal", False)  # the processor template also takes the row's images
+        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
+                                               **({"images": row_images(by_id[o.request_id].data_dict)} if mm else {}))
                    for o in outputs]
         truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
         r = self.rollout_args

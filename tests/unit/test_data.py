@@ -305,7 +305,7 @@ def test_guess_number_rows():
 def test_builtin_content_is_fixed_and_seed_only_orders(name):
     a, b, c = (builtin_rows(name, "test", s) for s in (0, 0, 1))
     assert a == b and a != c
-    canon = lambda rows: sorted(json.dumps(r, sort_keys=True) for r in rows)  # noqa: E731
+    canon = lambda rows: sorted(json.dumps(r, sort_keys=True, default=repr) for r in rows)  # noqa: E731
     assert canon(a) == canon(c)
 
 
