@@ -31,6 +31,14 @@ class ModelArguments:
     target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+    # ms-swift names (issue 19)
+    attn_impl: str | None = _opt(None, "attention implementation: sdpa, eager, flash_attn (= flash_attention_2, "
+                                       "CUDA only), flash_attention_3, flex_attention; default: transformers' choice")
+    gradient_checkpointing_kwargs: str | None = _opt(
+        None, "JSON object passed to gradient_checkpointing_enable (default {\"use_reentrant\": false})")
+    target_regex: str | None = _opt(None, "LoRA targets as one regex over module names (instead of --target_modules)")
+    use_rslora: bool = _opt(False, "rank-stabilised LoRA scaling alpha/sqrt(r) (peft use_rslora)")
+    use_dora: bool = _opt(False, "weight-decomposed LoRA (peft use_dora)")
 
 
 @dataclass
@@ -50,6 +58,8 @@ class RolloutArguments:
     num_generations: int = _opt(8, "completions sampled per prompt (the group size G)")
     max_completion_length: int = _opt(512, "max new tokens per completion (per trajectory with "
                                            "--completion_length_limit_scope total)")
+    max_new_tokens: int | None = _opt(None, "ms-swift's older name for --max_completion_length (overrides it when "
+                                            "given)")
     temperature: float = _opt(1.0, "sampling temperature; training logits are divided by it too")
     top_p: float = _opt(1.0, "nucleus sampling")
     top_k: int = _opt(-1, "top-k sampling; -1 disables")
@@ -184,6 +194,22 @@ class TrainingArguments:
     fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
     disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
                                      "not a terminal (first and last step, then a step 30 s after the last line)")
+    # ms-swift / transformers names (issue 19)
+    optim: str | None = _opt(None, "transformers' optimizer name: adamw_torch, adamw_torch_fused (= --optimizer "
+                                   "adamw) or sgd (= --optimizer sgd)")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
+    warmup_steps: int = _opt(0, "linear warm-up steps; overrides --warmup_ratio when > 0")
+    lr_scheduler_kwargs: str | None = _opt(None, "JSON object of extra arguments for the learning-rate schedule, "
+                                                 "e.g. '{\"num_cycles\": 0.5}' for cosine")
+    logging_first_step: bool = _opt(True, "also log the first optimizer step when --logging_steps > 1")
+    save_strategy: Literal["steps", "no"] = _opt("steps", "steps: a checkpoint every --save_steps; no: none "
+                                                          "(the final model is still saved)")
+    eval_strategy: Literal["steps", "no"] | None = _opt(None, "no: never evaluate; steps (or unset): every "
+                                                              "--eval_steps when there is validation data")
+    per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating")
+    dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
+                                                    "ahead of training (0 or unset: read in the training process)")
+    dataloader_prefetch_factor: int | None = _opt(None, "windows each worker reads ahead (default 2)")
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,
@@ -200,6 +226,8 @@ class TrainConfig:
     algorithm: AlgorithmArguments
     reward: RewardArguments
     training: TrainingArguments
+    # ms-swift options given that grpokit warns about or refuses (config/swift_options.py): name -> value
+    swift_options: dict = field(default_factory=dict)
 
     def flat(self) -> dict:
         """All options in one dict (args.json; reward constructors pick their kwargs from it by name)."""

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from grpokit.config.args import ModelArguments
+from grpokit.config.validate import json_object
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.default_model import ensure_default_model
@@ -25,11 +26,12 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
     tokenizer = load_tokenizer(path, margs.trust_remote_code)
     lora = margs.tuner_type == "lora"
     model = load_causal_lm(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora),
-                           margs.trust_remote_code)
+                           margs.trust_remote_code, margs.attn_impl)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if margs.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        gc_kwargs = json_object("gradient_checkpointing_kwargs", margs.gradient_checkpointing_kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs or {"use_reentrant": False})
         model.config.use_cache = False
         if lora:
             model.enable_input_require_grads()
@@ -38,7 +40,7 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
     ref = None
     if beta != 0 and not lora:
         ref = load_causal_lm(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
-                             margs.trust_remote_code)
+                             margs.trust_remote_code, margs.attn_impl)
         ref.requires_grad_(False).eval()
     return model, tokenizer, ref
 
@@ -49,16 +51,19 @@ def apply_lora(model, margs: ModelArguments):
     targets = margs.target_modules
     # one entry with regex characters is a peft regex (full match on module names), e.g. top layers only:
     # '.*\.layers\.(2[0-9])\..*proj'; otherwise names are module-name suffixes, or all-linear
-    if len(targets) == 1 and (targets[0] == "all-linear" or any(c in targets[0] for c in ".*[(|\\")):
-        target = targets[0]
+    if margs.target_regex:  # ms-swift's name for that regex
+        target, option = margs.target_regex, f"--target_regex {margs.target_regex}"
+    elif len(targets) == 1 and (targets[0] == "all-linear" or any(c in targets[0] for c in ".*[(|\\")):
+        target, option = targets[0], f"--target_modules {targets[0]}"
     else:
-        target = targets
+        target, option = targets, f"--target_modules {' '.join(targets)}"
     config = LoraConfig(r=margs.lora_rank, lora_alpha=margs.lora_alpha, lora_dropout=margs.lora_dropout,
-                        target_modules=target, task_type="CAUSAL_LM")
+                        target_modules=target, use_rslora=margs.use_rslora, use_dora=margs.use_dora,
+                        task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        raise ConfigError(f"--target_modules {' '.join(targets)}: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
 
 
 def load_for_inference(path: str, torch_dtype_name: str = "auto"):
