@@ -209,6 +209,7 @@ DEVIATIONS: dict[str, str] = {
     "adam_beta2": "0.999 (ms-swift: 0.95), torch's and TRL's default",
     "lr_scheduler_type": "linear (ms-swift: cosine), TRL's default",
     "report_to": "none (ms-swift: tensorboard): logging.jsonl and the plots need no tracker",
+    "optim": "None = --optimizer decides (its adamw is the fused kernel of ms-swift's default adamw_torch_fused)",
     "optimizer": "adamw (ms-swift: None = --optim, whose default adamw_torch_fused is the same kernel)",
     "output_dir": "output (ms-swift: None, resolved to output/<model>/v<N>-<time>)",
     "learning_rate": "1e-6 (ms-swift: None, resolved to 1e-4 for LoRA and 1e-5 for full; GRPO usually wants less)",
@@ -269,4 +270,4 @@ def check_swift_options(given: dict, rank0: bool | None = None, log=None) -> lis
 def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(map(str, value)) if value else "true"  # a bare flag
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)  # a YAML boolean as a flag writes it
