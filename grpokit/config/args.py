@@ -82,6 +82,7 @@ class RolloutArguments:
     vllm_tensor_parallel_size: int = _opt(1, "vLLM tensor parallel size (colocate)")
     vllm_enable_prefix_caching: bool = _opt(True, "vLLM prefix caching")
     vllm_enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
+    vllm_max_num_seqs: int = _opt(256, "vLLM colocate: most sequences in one engine step")
     sleep_level: int = _opt(0, "vLLM colocate: 0 keep, 1 offload weights, 2 drop weights while training")
     weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket")
     async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
@@ -210,6 +211,8 @@ class TrainingArguments:
     dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
                                                     "ahead of training (0 or unset: read in the training process)")
     dataloader_prefetch_factor: int | None = _opt(None, "windows each worker reads ahead (default 2)")
+    dataloader_multiprocessing_context: str | None = _opt(None, "how the workers start: fork, spawn or forkserver "
+                                                                "(default: the platform's)")
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,

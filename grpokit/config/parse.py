@@ -32,7 +32,9 @@ def _make_parser(prog: str):
         def error(self, message: str):  # one line, no usage dump
             raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
-    parser = Parser(ALL_GROUPS, prog=prog)
+    parser = Parser(ALL_GROUPS, prog=prog, epilog="ms-swift's other option names are accepted too: each one either "
+                    "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
+                    "(docs/porting.md lists them all)")
     parser.add_argument("--config", type=str, default=None, help="YAML file of options; flags override it")
     _add_swift_options(parser)
     for action in parser._actions:

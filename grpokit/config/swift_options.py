@@ -21,7 +21,7 @@ WARNED: dict[str, str] = {}  # name -> why it has no effect here
 @dataclass(frozen=True)
 class Refusal:
     reason: str
-    accepted: str  # the value (as ms-swift's table writes it) at which grpokit already behaves as ms-swift does
+    accepted: str  # the value(s), "|" between, at which grpokit already behaves as ms-swift does
 
 
 REFUSED: dict[str, Refusal] = {}
@@ -46,7 +46,7 @@ _warn("a setting of ms-swift's deployment server; on `grpokit train` it has no e
       "max_logprobs context_manager")
 _warn("a setting of `swift infer`/`swift eval`; training has no effect from it",
       "infer_backend result_path write_batch_size metric max_batch_size val_dataset_sample reranker_use_activation "
-      "stream top_logprobs eval_use_evalscope eval_dataset eval_dataset_args eval_limit eval_generation_config "
+      "stream logprobs top_logprobs eval_use_evalscope eval_dataset eval_dataset_args eval_limit eval_generation_config "
       "extra_eval_args")
 _warn("a SwanLab tracker setting; grpokit's trackers go through accelerate (--report_to), without these settings",
       "swanlab_token swanlab_project swanlab_workspace swanlab_exp_name swanlab_notification_method "
@@ -79,7 +79,7 @@ _warn("acts only with --packing, --streaming or --interleave_prob, which grpokit
 _warn("a GPU kernel or memory setting (speed and memory only, the same training); grpokit does not apply it",
       "use_liger_kernel liger_kernel_config tf32 torch_compile_backend torch_compile_mode torch_empty_cache_steps "
       "use_flash_ckpt experts_impl vllm_enable_expert_parallel vllm_disable_custom_all_reduce vllm_use_async_engine "
-      "vllm_disable_cascade_attn vllm_mm_processor_cache_gb vllm_max_num_seqs enable_npu_model_patch "
+      "vllm_disable_cascade_attn vllm_mm_processor_cache_gb enable_npu_model_patch "
       "ds3_gather_for_generation zero_hpz_partition_size use_cache use_logits_to_keep max_memory "
       "dataloader_pin_memory skip_memory_metrics bf16_full_eval fp16_full_eval")
 _warn("a distributed-training setting that accelerate chooses itself here (torchrun/accelerate launch set the "
@@ -111,11 +111,9 @@ _warn("the weight sync to vLLM / the rollout server always sends flattened bucke
       "move_model_batches enable_flattened_weight_sync vllm_enable_lora vllm_max_lora_rank vllm_server_group_port")
 _warn("grpokit's prompt reader keeps its workers for the whole run and the windows wrap around epochs, so there is "
       "no last partial batch and no worker restart", "dataloader_persistent_workers dataloader_drop_last "
-      "dataloader_in_order dataloader_multiprocessing_context")
+      "dataloader_in_order")
 _warn("replaced by grpokit's own options: prompts are shuffled by --dataset_shuffle with --seed; evaluation rows "
       "are not shuffled", "data_seed val_dataset_shuffle train_sampling_strategy")
-_warn("ms-swift's deprecated spelling of --gym_env being set: grpokit adds the environment's total reward whenever "
-      "--gym_env runs", "use_gym_env")
 _warn("the loss normalisation is chosen by --loss_type, which already averages over all processes' tokens where "
       "the loss type asks for it", "average_tokens_across_devices")
 _warn("rows with problems fail with an error naming the row in grpokit; there is no lenient mode to switch",
@@ -173,7 +171,7 @@ _refuse(_NOT_YET + ": checkpoints always hold the optimizer state, and resuming 
         "position (no weights-only checkpoint or resume, no restart of the data)",
         "resume_only_model=False ignore_data_skip=False save_only_model=False")
 _refuse(_NOT_YET + ": prompts are always rendered with the tokenizer's chat template, without an answer prefix",
-        "use_chat_template=True response_prefix=None")
+        "use_chat_template=True|None response_prefix=None")
 _refuse(_NOT_YET + ": ms-swift's dataset registry (grpokit reads files, builtin:<task> and hub ids)",
         "custom_dataset_info=list")
 _refuse(_NOT_YET + ": ms-swift's column aliases always apply (rename columns with --columns instead)",
@@ -181,10 +179,10 @@ _refuse(_NOT_YET + ": ms-swift's column aliases always apply (rename columns wit
 _refuse(_NOT_YET + ": uploading to a model hub", "push_to_hub=False")
 _refuse(_NOT_YET + ": ms-swift's thinking-history template switches (the chat template's own rendering is used)",
         "preserve_thinking=None add_non_thinking_prefix=True disable_ignore_empty_think=False")
+_refuse(_NOT_YET + ": a gym environment without its total reward (grpokit adds the reward whenever --gym_env "
+        "runs, as ms-swift's use_gym_env true does)", "use_gym_env=True|None")
 _refuse("grpokit logs every --logging_steps steps (logging_strategy steps) and has no 'no'/'epoch' modes",
         "logging_strategy=steps")
-_refuse("grpokit generation always returns the sampled tokens' log-probabilities where the loss needs them; "
-        "the option of `swift infer` has no GRPO meaning", "logprobs=False")
 
 # ---- implemented, with a default that differs from ms-swift's ------------------------------------------------------
 DEVIATIONS: dict[str, str] = {
@@ -228,6 +226,8 @@ DEVIATIONS: dict[str, str] = {
 def swift_value_matches(value, accepted: str) -> bool:
     """Whether a value given for an ms-swift option (flag words, or a YAML value) equals ``accepted`` as ms-swift's
     option table writes it (``False``, ``None``, ``list`` for an empty list, ``'std'``, ``0.0``, ``steps``)."""
+    if "|" in accepted:
+        return any(swift_value_matches(value, one) for one in accepted.split("|"))
     if isinstance(value, list):
         if accepted == "list":
             return not value
@@ -256,7 +256,7 @@ def check_swift_options(given: dict, rank0: bool | None = None, log=None) -> lis
         refusal = REFUSED.get(name)
         if refusal and not swift_value_matches(value, refusal.accepted):
             raise ConfigError(f"--{name} {_show(value)}: {refusal.reason}; remove the option (grpokit behaves as "
-                              f"--{name} {refusal.accepted})")
+                              f"--{name} {refusal.accepted.split('|')[0]})")
     lines = [f"--{name} {_show(value)}: no effect in grpokit: {WARNED[name]}"
              for name, value in given.items() if name in WARNED]
     if rank0 is None:

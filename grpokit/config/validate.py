@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 from pathlib import Path
 
 import torch
@@ -118,9 +119,18 @@ def _apply_swift_names(cfg: TrainConfig) -> None:
         if m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
             raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
                               "CPU; use --attn_impl sdpa (or eager)")
-    if t.dataloader_prefetch_factor is not None and not t.dataloader_num_workers:
-        raise ConfigError(f"--dataloader_prefetch_factor {t.dataloader_prefetch_factor}: acts only with "
-                          "--dataloader_num_workers > 0")
+    _check_dataloader(t)
+    _positive("vllm_max_num_seqs", r.vllm_max_num_seqs)
+
+
+def _check_dataloader(t) -> None:
+    for name in ("dataloader_prefetch_factor", "dataloader_multiprocessing_context"):
+        if getattr(t, name) is not None and not t.dataloader_num_workers:
+            raise ConfigError(f"--{name} {getattr(t, name)}: acts only with --dataloader_num_workers > 0")
+    context = t.dataloader_multiprocessing_context
+    if context is not None and context not in multiprocessing.get_all_start_methods():
+        raise ConfigError(f"--dataloader_multiprocessing_context {context}: not a start method here; use one of "
+                          f"{', '.join(multiprocessing.get_all_start_methods())}")
 
 
 def _check_ranges(cfg: TrainConfig) -> None:

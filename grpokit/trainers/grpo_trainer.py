@@ -87,7 +87,8 @@ class GRPOTrainer:
                                shuffle=cfg.data.dataset_shuffle, num_processes=self.accelerator.num_processes,
                                process_index=self.accelerator.process_index,
                                num_workers=self.args.dataloader_num_workers or 0,
-                               prefetch_factor=self.args.dataloader_prefetch_factor)
+                               prefetch_factor=self.args.dataloader_prefetch_factor,
+                               multiprocessing_context=self.args.dataloader_multiprocessing_context)
         self._producer = WindowProducer(
             self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),

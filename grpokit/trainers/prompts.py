@@ -16,10 +16,12 @@ class PromptStream:
     sets it back (a position always maps to the same row)."""
 
     def __init__(self, dataset, prompts_per_window: int, *, seed: int, shuffle: bool, num_processes: int = 1,
-                 process_index: int = 0, num_workers: int = 0, prefetch_factor: int | None = None) -> None:
+                 process_index: int = 0, num_workers: int = 0, prefetch_factor: int | None = None,
+                 multiprocessing_context: str | None = None) -> None:
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
         self._loader: DataLoader | None = None
         self._ahead: tuple[int, Iterator[list[dict]]] | None = None  # (position it continues from, iterator)
         self.prompts_per_window = prompts_per_window
@@ -62,7 +64,7 @@ class PromptStream:
         if self._loader is None:
             self._loader = DataLoader(_RowReader(self.dataset), batch_sampler=_Windows(self), collate_fn=_as_is,
                                       num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                      persistent_workers=True)
+                                      multiprocessing_context=self.multiprocessing_context, persistent_workers=True)
         if self._ahead is None or self._ahead[0] != self.position:
             self._loader.batch_sampler.start = self.position
             self._ahead = (self.position, iter(self._loader))

@@ -72,11 +72,13 @@ def test_prompt_rows_read_by_workers_equal_in_process_rows(tmp_path):
 
     rows = [{"messages": [{"role": "user", "content": str(i)}], "i": i} for i in range(7)]
     plain = PromptStream(rows, 3, seed=1, shuffle=True)
-    ahead = PromptStream(_PidRows(rows), 3, seed=1, shuffle=True, num_workers=2, prefetch_factor=1)
+    ahead = PromptStream(_PidRows(rows), 3, seed=1, shuffle=True, num_workers=2, prefetch_factor=1,
+                         multiprocessing_context="fork")
     for _ in range(5):  # past two epochs of 7 rows
         a, b = plain.next(), ahead.next()
         assert [{k: v for k, v in r.items() if k != "pid"} for r in b] == a
         assert {r["pid"] for r in b} != {os.getpid()}  # read by a worker
+    assert ahead._loader.multiprocessing_context.get_start_method() == "fork"
     plain.position = ahead.position = 3  # a resume sets the position back
     assert [r["i"] for r in ahead.next()] == [r["i"] for r in plain.next()]
 

@@ -183,3 +183,27 @@ def test_porting_doc_options_block_is_up_to_date():
     gen = _generator()
     doc = (ROOT / "docs" / "porting.md").read_text()
     assert gen.updated_doc(doc, gen.render(TSV)) == doc, "run: python scripts/gen_porting_options.py"
+
+
+def test_vllm_max_num_seqs_reaches_the_colocate_engine():
+    from grpokit.engines.vllm_engine import VllmEngine
+
+    built = []
+
+    class Capture(VllmEngine):
+        def __init__(self, model_path, settings):
+            built.append(settings)
+
+    cfg = parse_train_args(BASE + ["--vllm_max_num_seqs", "12"])
+    Capture.from_rollout_args(cfg.rollout, "m")
+    assert built[0].max_num_seqs == 12
+
+
+@pytest.mark.parametrize("flag,match", [
+    (["--dataloader_multiprocessing_context", "fork"], "acts only with --dataloader_num_workers > 0"),
+    (["--dataloader_num_workers", "1", "--dataloader_multiprocessing_context", "threads"], "not a start method"),
+    (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be > 0"),
+])
+def test_bad_dataloader_and_engine_values(flag, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_train_args(BASE + flag)
