@@ -39,6 +39,15 @@ class ModelArguments:
     target_regex: str | None = _opt(None, "LoRA targets as one regex over module names (instead of --target_modules)")
     use_rslora: bool = _opt(False, "rank-stabilised LoRA scaling alpha/sqrt(r) (peft use_rslora)")
     use_dora: bool = _opt(False, "weight-decomposed LoRA (peft use_dora)")
+    freeze_parameters: list[str] = _opt([], "full fine-tuning: freeze the parameters whose names start with these "
+                                            "prefixes")
+    freeze_parameters_regex: str | None = _opt(None, "full fine-tuning: freeze the parameters whose names this regex "
+                                                     "matches (re.search)")
+    freeze_parameters_ratio: float = _opt(0.0, "full fine-tuning: freeze this fraction of the parameters, counted "
+                                               "from the bottom layers (embeddings first)")
+    trainable_parameters: list[str] = _opt([], "full fine-tuning: train these name prefixes again after the freezing")
+    trainable_parameters_regex: str | None = _opt(None, "full fine-tuning: train the parameters this regex matches "
+                                                        "again after the freezing")
 
 
 @dataclass

@@ -138,9 +138,6 @@ _refuse(_NOT_YET + ": only peft LoRA adapters on the policy (no adapters to load
         "trainable modules)",
         "tuner_backend=peft adapters=list use_swift_lora=False modules_to_save=list lora_bias=none lora_dtype=None "
         "init_weights=true target_parameters=None reward_adapters=list")
-_refuse(_NOT_YET + ": choosing which parameters train beyond --tuner_type (freezing by name, ratio or regex)",
-        "freeze_parameters=list freeze_parameters_regex=None freeze_parameters_ratio=0.0 trainable_parameters=list "
-        "trainable_parameters_regex=None")
 _refuse(_NOT_YET + ": learning rates per module (vision tower, aligner)", "vit_lr=None aligner_lr=None")
 _refuse(_NOT_YET + ": a model change at load time (new tokens, RoPE scaling, init, device map, extra kwargs, "
         "task heads)", "new_special_tokens=list rope_scaling=None init_strategy=None device_map=None "

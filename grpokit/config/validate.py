@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import re
 from pathlib import Path
 
 import torch
@@ -120,7 +121,26 @@ def _apply_swift_names(cfg: TrainConfig) -> None:
             raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
                               "CPU; use --attn_impl sdpa (or eager)")
     _check_dataloader(t)
+    _check_freezing(m)
     _positive("vllm_max_num_seqs", r.vllm_max_num_seqs)
+
+
+def _check_freezing(m) -> None:
+    options = {"freeze_parameters": m.freeze_parameters, "freeze_parameters_regex": m.freeze_parameters_regex,
+               "freeze_parameters_ratio": m.freeze_parameters_ratio, "trainable_parameters": m.trainable_parameters,
+               "trainable_parameters_regex": m.trainable_parameters_regex}
+    given = [name for name, value in options.items() if value]
+    if given and m.tuner_type != "full":
+        raise ConfigError(f"--{given[0]} acts with --tuner_type full (as in ms-swift); with LoRA only the adapters "
+                          "train: choose them with --target_modules / --target_regex")
+    if not 0 <= m.freeze_parameters_ratio <= 1:
+        raise ConfigError(f"--freeze_parameters_ratio {m.freeze_parameters_ratio}: must be in [0, 1]")
+    for name in ("freeze_parameters_regex", "trainable_parameters_regex"):
+        if options[name] is not None:
+            try:
+                re.compile(options[name])
+            except re.error as e:
+                raise ConfigError(f"--{name} {options[name]!r}: not a valid regex ({e})") from None
 
 
 def _check_dataloader(t) -> None:

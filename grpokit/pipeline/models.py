@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from grpokit.config.args import ModelArguments
@@ -37,6 +38,8 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
             model.enable_input_require_grads()
     if lora:
         model = apply_lora(model, margs)
+    else:
+        freeze_parameters(model, margs)
     ref = None
     if beta != 0 and not lora:
         ref = load_causal_lm(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
@@ -64,6 +67,36 @@ def apply_lora(model, margs: ModelArguments):
         return get_peft_model(model, config)
     except ValueError as e:
         raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
+
+
+def freeze_parameters(model, margs: ModelArguments) -> None:
+    """ms-swift's freezing for full fine-tuning, in its order: the bottom ``freeze_parameters_ratio`` of the
+    parameters (by count, in module order), then the ``freeze_parameters`` prefixes and the regex; last the
+    ``trainable_parameters`` prefixes and regex train again. A prefix or regex that names no parameter is an error."""
+    named = list(model.named_parameters())
+    if margs.freeze_parameters_ratio > 0:
+        budget, seen = int(sum(p.numel() for _, p in named) * margs.freeze_parameters_ratio), 0
+        for _, p in named:
+            seen += p.numel()
+            if seen > budget:
+                break
+            p.requires_grad_(False)
+    for option, prefixes, regex, trainable in (
+            ("freeze_parameters", margs.freeze_parameters, margs.freeze_parameters_regex, False),
+            ("trainable_parameters", margs.trainable_parameters, margs.trainable_parameters_regex, True)):
+        for prefix in prefixes:
+            _set_trainable([p for n, p in named if n.startswith(prefix)], trainable, f"--{option} {prefix}")
+        if regex is not None:
+            pattern = re.compile(regex)
+            _set_trainable([p for n, p in named if pattern.search(n)], trainable, f"--{option}_regex {regex}")
+
+
+def _set_trainable(params: list, trainable: bool, option: str) -> None:
+    if not params:
+        raise ConfigError(f"{option}: no parameter of the model has such a name; parameter names look like "
+                          "model.layers.0.mlp.up_proj.weight")
+    for p in params:
+        p.requires_grad_(trainable)
 
 
 def load_for_inference(path: str, torch_dtype_name: str = "auto"):

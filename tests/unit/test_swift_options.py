@@ -207,3 +207,54 @@ def test_vllm_max_num_seqs_reaches_the_colocate_engine():
 def test_bad_dataloader_and_engine_values(flag, match):
     with pytest.raises(ConfigError, match=match):
         parse_train_args(BASE + flag)
+
+
+def _three_layer_model():
+    import torch
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Linear(2, 5, bias=False)  # 10 parameters
+    model.layer = torch.nn.Linear(5, 2, bias=False)  # 10
+    model.head = torch.nn.Linear(4, 5, bias=False)  # 20
+    return model
+
+
+def _trainable(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("flags,trainable", [
+    (["--freeze_parameters_ratio", "0.5"], ["head.weight"]),  # 40 × 0.5 = 20: embed (10) and layer (10)
+    (["--freeze_parameters_ratio", "0.4"], ["layer.weight", "head.weight"]),  # 16: only embed fits
+    (["--freeze_parameters", "embed", "head"], ["layer.weight"]),
+    (["--freeze_parameters_regex", "^(embed|layer)"], ["head.weight"]),
+    (["--freeze_parameters_ratio", "1", "--trainable_parameters", "layer"], ["layer.weight"]),
+    (["--freeze_parameters_ratio", "1", "--trainable_parameters_regex", "^he"], ["head.weight"]),
+])
+def test_freezing_parameters_as_ms_swift_does(flags, trainable):
+    from grpokit.pipeline.models import freeze_parameters
+
+    model = _three_layer_model()
+    freeze_parameters(model, parse_train_args(BASE + ["--tuner_type", "full", *flags]).model)
+    assert _trainable(model) == trainable
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--freeze_parameters", "model.nope"], "--freeze_parameters model.nope: no parameter of the model"),
+    (["--trainable_parameters_regex", "zzz"], "--trainable_parameters_regex zzz: no parameter"),
+])
+def test_freezing_a_name_the_model_lacks_is_an_error(flags, match):
+    from grpokit.pipeline.models import freeze_parameters
+
+    with pytest.raises(ConfigError, match=match):
+        freeze_parameters(_three_layer_model(), parse_train_args(BASE + flags).model)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tuner_type", "lora", "--freeze_parameters", "x"], "--freeze_parameters acts with --tuner_type full"),
+    (["--freeze_parameters_ratio", "1.5"], "must be in \\[0, 1\\]"),
+    (["--freeze_parameters_regex", "("], "not a valid regex"),
+])
+def test_bad_freezing_options(flags, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_train_args(BASE + flags)
