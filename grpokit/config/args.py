@@ -214,8 +214,8 @@ class TrainingArguments:
     logging_first_step: bool = _opt(True, "also log the first optimizer step when --logging_steps > 1")
     save_strategy: Literal["steps", "no"] = _opt("steps", "steps: a checkpoint every --save_steps; no: none "
                                                           "(the final model is still saved)")
-    eval_strategy: Literal["steps", "no"] | None = _opt(None, "no: never evaluate; steps (or unset): every "
-                                                              "--eval_steps when there is validation data")
+    eval_strategy: Literal["steps", "no"] | None = _opt(None, "no: never evaluate; steps: every --eval_steps when "
+                                                              "there is validation data; unset: as --save_strategy")
     per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating")
     dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
                                                     "ahead of training (0 or unset: read in the training process)")

@@ -46,8 +46,8 @@ _warn("a setting of ms-swift's deployment server; on `grpokit train` it has no e
       "max_logprobs context_manager")
 _warn("a setting of `swift infer`/`swift eval`; training has no effect from it",
       "infer_backend result_path write_batch_size metric max_batch_size val_dataset_sample reranker_use_activation "
-      "stream logprobs top_logprobs eval_use_evalscope eval_dataset eval_dataset_args eval_limit eval_generation_config "
-      "extra_eval_args")
+      "stream logprobs top_logprobs eval_use_evalscope eval_dataset eval_dataset_args eval_limit "
+      "eval_generation_config extra_eval_args")
 _warn("a SwanLab tracker setting; grpokit's trackers go through accelerate (--report_to), without these settings",
       "swanlab_token swanlab_project swanlab_workspace swanlab_exp_name swanlab_notification_method "
       "swanlab_webhook_url swanlab_secret swanlab_sender_email swanlab_receiver_email swanlab_smtp_server "
@@ -216,7 +216,8 @@ DEVIATIONS: dict[str, str] = {
                               "it saves",
     "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt, and one engine "
                                   "call per 64 prompts keeps it fast",
-    "eval_steps": "None = no evaluation (ms-swift: None = every logging step when a validation set exists)",
+    "eval_steps": "None = no evaluation (ms-swift: None = every --save_steps when a validation set exists); set it "
+                  "to evaluate",
 }
 
 

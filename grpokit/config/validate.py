@@ -108,7 +108,7 @@ def _apply_swift_names(cfg: TrainConfig) -> None:
             raise ConfigError(f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
                               "or --optimizer NAME from the optimizers registry (a plugin may add one)")
         t.optimizer = OPTIM_NAMES[t.optim]
-    if t.eval_strategy == "no":
+    if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
         t.eval_steps = None
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     if json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs) and not m.gradient_checkpointing:

@@ -43,7 +43,8 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
             "--lr_scheduler_kwargs", '{"num_cycles": 0.25}', "--attn_impl", "eager",
             "--gradient_checkpointing", "true", "--gradient_checkpointing_kwargs", '{"use_reentrant": false}',
             "--tuner_type", "lora", "--use_rslora", "true", "--target_regex", r".*\.(q_proj|v_proj)",
-            "--val_dataset", str(val), "--eval_steps", "3", "--per_device_eval_batch_size", "5",
+            "--val_dataset", str(val), "--eval_strategy", "steps", "--eval_steps", "3",
+            "--per_device_eval_batch_size", "5",
             "--max_new_tokens", "6", "--use_liger_kernel", "true", "--rlhf_type", "grpo"])
     warned = [r.getMessage() for r in caplog.records if "no effect in grpokit" in r.getMessage()]
     assert warned == [warned[0]] and warned[0].startswith("--use_liger_kernel true: no effect in grpokit")

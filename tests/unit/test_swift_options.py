@@ -147,6 +147,10 @@ def test_ms_swift_spellings_of_grpokit_options():
                                    "--eval_steps", "5"])
     assert cfg.rollout.max_completion_length == 77 and cfg.training.optimizer == "adamw"
     assert cfg.training.eval_steps is None  # eval_strategy no: never evaluate
+    cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_steps", "5"])
+    assert cfg.training.eval_steps is None  # unset eval_strategy follows save_strategy
+    cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "5"])
+    assert cfg.training.eval_steps == 5
 
 
 @pytest.mark.parametrize("flag,match", [
