@@ -71,7 +71,8 @@ def render(path: Path = TSV) -> str:
     by_reason = {}
     for name in sorted(REFUSED):
         r = REFUSED[name]
-        by_reason.setdefault(r.reason, []).append(f"`{name}` ({r.accepted})")
+        accepted = " or ".join("empty" if a == "list" else a for a in r.accepted.split("|"))
+        by_reason.setdefault(r.reason, []).append(f"`{name}` ({accepted})")
     lines += [f"- {', '.join(names)}: {reason}." for reason, names in by_reason.items()]
     return "\n".join(lines) + "\n"
 
