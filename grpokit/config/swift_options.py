@@ -74,6 +74,12 @@ _warn("acts only with --use_galore / --lisa_activated_layers, which grpokit refu
       "galore_optim_per_parameter galore_with_embedding galore_quantization galore_proj_quant galore_proj_bits "
       "galore_proj_group_size galore_cos_threshold galore_gamma_proj galore_queue_size lisa_step_interval "
       "optim_target_modules")
+_warn("a setting of an algorithm grpokit does not have: CHORD (--chord_sft_dataset), RLSD (--advantage_reweight), "
+      "SDAR (--sdar_loss_coef), --loss_type real or fipo, or a teacher model; those are refused, so this one has "
+      "nothing to act on", "chord_sft_per_device_train_batch_size chord_enable_phi_function chord_mu_warmup_steps "
+      "chord_mu_decay_steps chord_mu_peak chord_mu_valley rlsd_lambda rlsd_reweight_clip_range "
+      "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta real_tau fipo_decay_rate "
+      "fipo_clip_range fipo_clip_high_only fipo_safety_threshold teacher_kl_coef")
 _warn("acts only with --packing, --streaming or --interleave_prob, which grpokit refuses",
       "packing_length packing_num_proc packing_strategy lazy_tokenize stopping_strategy shuffle_buffer_size")
 _warn("a GPU kernel or memory setting (speed and memory only, the same training); grpokit does not apply it",
@@ -151,13 +157,9 @@ _refuse(_NOT_YET + ": vLLM quantisation, speculative decoding and raw engine kwa
         "vllm_quantization=None vllm_speculative_config=None vllm_engine_kwargs=None")
 _refuse(_NOT_YET + ": sampling beyond temperature/top_p/top_k/repetition_penalty (min_p, beam search)",
         "min_p=0.0 num_beams=1")
-_refuse(_NOT_YET + ": the CHORD, RLSD, SDAR, FIPO and teacher/advantage-reweight extensions of GRPO",
-        "chord_sft_dataset=list chord_sft_per_device_train_batch_size=None chord_enable_phi_function=False "
-        "chord_mu_warmup_steps=None chord_mu_decay_steps=None chord_mu_peak=None chord_mu_valley=None "
-        "teacher_kl_coef=1.0 advantage_reweight=None rlsd_lambda=0.5 rlsd_reweight_clip_range=0.2 "
-        "rlsd_lambda_warmup_steps=0 rlsd_lambda_decay_steps=0 rlsd_negative_only=False sdar_loss_coef=0.0 "
-        "sdar_gate_beta=5.0 real_tau=0.5 fipo_decay_rate=32.0 fipo_clip_range=0.2 fipo_clip_high_only=True "
-        "fipo_safety_threshold=4.0 off_policy_sequence_mask_delta=None")
+_refuse(_NOT_YET + ": the CHORD (SFT data mixed in), RLSD and SDAR (self-distillation) extensions of GRPO and "
+        "off-policy sequence masking", "chord_sft_dataset=list advantage_reweight=None sdar_loss_coef=0.0 "
+        "off_policy_sequence_mask_delta=None")
 _refuse(_NOT_YET + ": evaluation beyond greedy accuracy every --eval_steps (sampled eval groups, delays, best "
         "model, early stop)", "num_generations_eval=None eval_delay=0 eval_on_start=False "
         "load_best_model_at_end=False early_stop_interval=None max_epochs=None")
@@ -257,12 +259,15 @@ def check_swift_options(given: dict, rank0: bool | None = None, log=None) -> lis
                               f"--{name} {refusal.accepted.split('|')[0]})")
     lines = [f"--{name} {_show(value)}: no effect in grpokit: {WARNED[name]}"
              for name, value in given.items() if name in WARNED]
-    if rank0 is None:
-        rank0 = os.environ.get("RANK", "0") == "0"
-    if rank0 and log is not None:
+    if (is_rank0() if rank0 is None else rank0) and log is not None:
         for line in lines:
             log(line)
     return lines
+
+
+def is_rank0() -> bool:
+    """Start-up warnings print once per run: on the first process (torchrun/accelerate set RANK)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _show(value) -> str:

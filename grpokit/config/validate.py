@@ -32,7 +32,7 @@ from grpokit.algorithms import (
 )
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints, world_size
-from grpokit.config.swift_options import check_swift_options
+from grpokit.config.swift_options import check_swift_options, is_rank0
 from grpokit.engines.structured import check_structured_options, load_json_schema
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
@@ -111,7 +111,8 @@ def _apply_swift_names(cfg: TrainConfig) -> None:
     if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
         t.eval_steps = None
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
-    if json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs) and not m.gradient_checkpointing:
+    gc_kwargs = json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs)
+    if gc_kwargs and not m.gradient_checkpointing and is_rank0():
         logger.warning("--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
                        "default is true, grpokit's false)")
     if m.attn_impl is not None:
