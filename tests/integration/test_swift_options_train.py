@@ -45,7 +45,8 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
             "--tuner_type", "lora", "--use_rslora", "true", "--target_regex", r".*\.(q_proj|v_proj)",
             "--val_dataset", str(val), "--eval_strategy", "steps", "--eval_steps", "3",
             "--per_device_eval_batch_size", "5",
-            "--max_new_tokens", "6", "--use_liger_kernel", "true", "--rlhf_type", "grpo"])
+            "--max_new_tokens", "6", "--use_liger_kernel", "true", "--rlhf_type", "grpo",
+            "--dataloader_num_workers", "1"])
     warned = [r.getMessage() for r in caplog.records if "no effect in grpokit" in r.getMessage()]
     assert warned == [warned[0]] and warned[0].startswith("--use_liger_kernel true: no effect in grpokit")
     assert cfg.rollout.max_completion_length == 6 and cfg.training.optimizer == "adamw"
@@ -64,6 +65,7 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     assert not hasattr(policy.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")  # outside target_regex
     assert trainer.optimizer.optimizer.defaults["eps"] == 1e-6
     assert policy.is_gradient_checkpointing
+    assert trainer._producer.prompts._loader.num_workers == 1  # the rows came through the worker
 
 
 def test_prompt_rows_read_by_workers_equal_in_process_rows(tmp_path):
