@@ -217,6 +217,7 @@ class TrainingArguments:
     eval_strategy: Literal["steps", "no"] | None = _opt(None, "no: never evaluate; steps: every --eval_steps when "
                                                               "there is validation data; unset: as --save_strategy")
     per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating")
+    eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
     dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
                                                     "ahead of training (0 or unset: read in the training process)")
     dataloader_prefetch_factor: int | None = _opt(None, "windows each worker reads ahead (default 2)")

@@ -161,7 +161,7 @@ _refuse(_NOT_YET + ": the CHORD (SFT data mixed in), RLSD and SDAR (self-distill
         "off-policy sequence masking", "chord_sft_dataset=list advantage_reweight=None sdar_loss_coef=0.0 "
         "off_policy_sequence_mask_delta=None")
 _refuse(_NOT_YET + ": evaluation beyond greedy accuracy every --eval_steps (sampled eval groups, delays, best "
-        "model, early stop)", "num_generations_eval=None eval_delay=0 eval_on_start=False "
+        "model, early stop)", "num_generations_eval=None eval_delay=0 "
         "load_best_model_at_end=False early_stop_interval=None max_epochs=None")
 _refuse(_NOT_YET + ": MoE router loss, NEFTune noise, torch.compile, batch-size search, full determinism",
         "router_aux_loss_coef=0.0 neftune_noise_alpha=None torch_compile=False auto_find_batch_size=False "

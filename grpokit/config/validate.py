@@ -109,7 +109,7 @@ def _apply_swift_names(cfg: TrainConfig) -> None:
                               "or --optimizer NAME from the optimizers registry (a plugin may add one)")
         t.optimizer = OPTIM_NAMES[t.optim]
     if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
-        t.eval_steps = None
+        t.eval_steps, t.eval_on_start = None, False
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     gc_kwargs = json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs)
     if gc_kwargs and not m.gradient_checkpointing and is_rank0():

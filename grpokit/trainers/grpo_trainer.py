@@ -111,6 +111,8 @@ class GRPOTrainer:
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
             self._sync_weights()
         self._call("on_train_begin")
+        if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
+            self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
         try:
             while self.state.global_step < self.state.max_steps:

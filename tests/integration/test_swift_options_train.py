@@ -44,7 +44,7 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
             "--gradient_checkpointing", "true", "--gradient_checkpointing_kwargs", '{"use_reentrant": false}',
             "--tuner_type", "lora", "--use_rslora", "true", "--target_regex", r".*\.(q_proj|v_proj)",
             "--val_dataset", str(val), "--eval_strategy", "steps", "--eval_steps", "3",
-            "--per_device_eval_batch_size", "5",
+            "--per_device_eval_batch_size", "5", "--eval_on_start", "true",
             "--max_new_tokens", "6", "--use_liger_kernel", "true", "--rlhf_type", "grpo",
             "--dataloader_num_workers", "1"])
     warned = [r.getMessage() for r in caplog.records if "no effect in grpokit" in r.getMessage()]
@@ -53,11 +53,15 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     trainer = run_train(cfg)
 
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]  # first step, every 2nd, the last
+    train = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]  # first step, every 2nd, the last
+    assert [r["step"] for r in rows if any(k.startswith("eval/") for k in r)] == [0, 3]
     # warm-up over 2 steps: 1e-3 × 1/2 after step 1; then cosine with num_cycles 0.25 (a quarter wave)
-    assert rows[0]["learning_rate"] == pytest.approx(5e-4)
+    assert train[0]["learning_rate"] == pytest.approx(5e-4)
+    # at the end, progress 1: 0.5·(1 + cos(2π·0.25·1)) = 0.5 of the peak (with cosine's default 0.5 cycles: 0)
+    assert train[2]["learning_rate"] == pytest.approx(5e-4)
     assert not (out / "checkpoint-1").exists() and not (out / "checkpoint-2").exists()
-    assert eval_calls == [5]
+    assert eval_calls == [5, 5]  # before step 1 (eval_on_start) and at step 3
     policy = trainer.policy
     assert policy.config._attn_implementation == "eager"
     assert policy.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == pytest.approx(
