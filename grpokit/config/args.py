@@ -208,7 +208,8 @@ class TrainingArguments:
     optim: str | None = _opt(None, "transformers' optimizer name: adamw_torch, adamw_torch_fused (= --optimizer "
                                    "adamw) or sgd (= --optimizer sgd)")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
-    warmup_steps: int = _opt(0, "linear warm-up steps; overrides --warmup_ratio when > 0")
+    warmup_steps: float = _opt(0, "linear warm-up steps (a value below 1: a fraction of the steps, as in "
+                                   "transformers 5); overrides --warmup_ratio when > 0")
     lr_scheduler_kwargs: str | None = _opt(None, "JSON object of extra arguments for the learning-rate schedule, "
                                                  "e.g. '{\"num_cycles\": 0.5}' for cosine")
     logging_first_step: bool = _opt(True, "also log the first optimizer step when --logging_steps > 1")

@@ -69,7 +69,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     if not params:
         raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
     optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
-    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * max_steps)
+    warmup = num_warmup_steps(t, max_steps)
     extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     try:
         scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
@@ -90,6 +90,13 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
 
 def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def num_warmup_steps(t, max_steps: int) -> int:
+    """--warmup_steps (below 1: a fraction of the steps, as transformers 5 reads it) or else --warmup_ratio."""
+    if t.warmup_steps >= 1:
+        return int(t.warmup_steps)
+    return math.ceil((t.warmup_steps or t.warmup_ratio) * max_steps)
 
 
 def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:

@@ -273,3 +273,12 @@ def test_porting_worked_example_parses(tmp_path):
         del argv[i:j]
     cfg = parse_train_args(argv)
     assert cfg.training.per_device_eval_batch_size == 4 and cfg.training.dataloader_num_workers == 4
+
+
+@pytest.mark.parametrize("flags,warmup", [
+    ([], 0), (["--warmup_ratio", "0.1"], 10), (["--warmup_steps", "7"], 7), (["--warmup_steps", "0.25"], 25),
+    (["--warmup_steps", "3", "--warmup_ratio", "0.5"], 3)])
+def test_warmup_steps_as_transformers_5_reads_them(flags, warmup):
+    from grpokit.trainers.training_setup import num_warmup_steps
+
+    assert num_warmup_steps(parse_train_args(BASE + flags).training, max_steps=100) == warmup
