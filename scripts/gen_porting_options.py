@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from grpokit.config.args import ALL_GROUPS
-from grpokit.config.swift_options import DEVIATIONS, REFUSED, WARNED
+from grpokit.config.swift_options import DEVIATIONS, REFUSED, SAME_ONCE_RESOLVED, WARNED
 
 ROOT = Path(__file__).resolve().parents[1]
 TSV = ROOT / "tests" / "data" / "ms-swift-options.tsv"
@@ -55,8 +55,12 @@ def _cell(text: str) -> str:
 
 def render(path: Path = TSV) -> str:
     swift, fields = ms_swift_options(path), _fields()
-    lines = ["#### Implemented", "", "ms-swift's meaning; a default that differs from ms-swift's is explained.", "",
-             "| option | ms-swift default | grpokit default | note |", "|---|---|---|---|"]
+    lines = ["#### Defaults that differ", "", "An ms-swift script that relies on one of these defaults behaves "
+             "differently here unless it passes ms-swift's value explicitly:", ""]
+    for name in sorted(DEVIATIONS.keys() - SAME_ONCE_RESOLVED):
+        lines.append(f"- `--{name}` {DEVIATIONS[name]}")
+    lines += ["", "#### Implemented", "", "ms-swift's meaning; a default that differs from ms-swift's is explained.",
+              "", "| option | ms-swift default | grpokit default | note |", "|---|---|---|---|"]
     for name in sorted(n for n in swift if n in fields or n in ELSEWHERE):
         f = fields.get(name)
         ours = _default(f) if f else "(with its change)"

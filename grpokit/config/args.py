@@ -128,7 +128,8 @@ class AlgorithmArguments:
     vespo_lambda_pos: float = _opt(3.0, "vespo: decay λ of the Gamma kernel for advantages >= 0")
     vespo_k_neg: float = _opt(3.0, "vespo: power k of the Gamma kernel for negative advantages")
     vespo_lambda_neg: float = _opt(2.0, "vespo: decay λ of the Gamma kernel for negative advantages")
-    kl_in_reward: bool = _opt(False, "subtract β·KL from the reward instead of adding it to the loss")
+    kl_in_reward: bool | None = _opt(None, "subtract β·KL from the reward instead of adding it to the loss; unset: "
+                                           "true with rloo and reinforce_plus_plus, false otherwise (ms-swift's rule)")
     num_iterations: int = _opt(1, "updates per rollout (μ)")
     dynamic_sample: bool = _opt(False, "DAPO dynamic sampling: resample groups whose rewards are all equal")
     max_resample_times: int = _opt(3, "dynamic sampling: max extra rollout rounds per window")

@@ -189,8 +189,6 @@ DEVIATIONS: dict[str, str] = {
                                    "training no room unless sleep_level is set)",
     "vllm_enable_prefix_caching": "True (ms-swift: None = vLLM's own default, which is on)",
     "vllm_mode": "colocate (ms-swift: None, resolved to colocate unless a server host is given)",
-    "kl_in_reward": "False (ms-swift: None, resolved per advantage estimator; grpokit's estimators take the KL "
-                    "in the loss unless asked)",
     "beta": "0.04 (ms-swift: None, resolved to 0.04 for GRPO)",
     "loss_scale": "default (ms-swift: None, resolved to its default loss scale)",
     "loss_type": "grpo (ms-swift: None, resolved per algorithm to grpo)",
@@ -199,7 +197,7 @@ DEVIATIONS: dict[str, str] = {
     "torch_dtype": "auto: bfloat16 where the device supports it well, else float32 (ms-swift: the model's dtype)",
     "tuner_type": "full (ms-swift: lora); the demo config sets lora",
     "per_device_train_batch_size": "8 (ms-swift: 1), so that a default run holds whole groups of 8 generations",
-    "gradient_accumulation_steps": "1 (ms-swift: None, resolved from a global batch size of 16 per device count)",
+    "gradient_accumulation_steps": "1 (ms-swift: None, resolved to 1 for GRPO)",
     "gradient_checkpointing": "False: the small models grpokit is tuned for run faster without it (ms-swift: True)",
     "logging_steps": "1 (ms-swift: 5): GRPO steps are few and slow, every step is worth a log row",
     "weight_decay": "0.0 (ms-swift: 0.1), TRL's GRPO default",
@@ -221,6 +219,10 @@ DEVIATIONS: dict[str, str] = {
     "eval_steps": "None = no evaluation (ms-swift: None = every --save_steps when a validation set exists); set it "
                   "to evaluate",
 }
+
+# deviations in how the default is written only: ms-swift resolves its unset value to what grpokit's default is
+SAME_ONCE_RESOLVED = {"beta", "disable_tqdm", "fsdp", "gradient_accumulation_steps", "loss_scale", "loss_type", "optim", "optimizer", "vllm_mode",
+                      "vllm_enable_prefix_caching", "eval_steps", "dataloader_num_workers"}
 
 
 def swift_value_matches(value, accepted: str) -> bool:

@@ -100,7 +100,9 @@ def json_object(option: str, value) -> dict | None:
 
 def _apply_swift_names(cfg: TrainConfig) -> None:
     """ms-swift's spellings of grpokit options (older names, transformers' names) and the JSON options."""
-    m, r, t = cfg.model, cfg.rollout, cfg.training
+    m, r, t, a = cfg.model, cfg.rollout, cfg.training, cfg.algorithm
+    if a.kl_in_reward is None:
+        a.kl_in_reward = a.advantage_estimator in ("rloo", "reinforce_plus_plus")
     if r.max_new_tokens is not None:
         r.max_completion_length = r.max_new_tokens
     if t.optim is not None:

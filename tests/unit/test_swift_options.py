@@ -13,7 +13,7 @@ import pytest
 
 from grpokit.config.args import ALL_GROUPS
 from grpokit.config.parse import parse_train_args
-from grpokit.config.swift_options import DEVIATIONS, REFUSED, WARNED, swift_value_matches
+from grpokit.config.swift_options import DEVIATIONS, REFUSED, SAME_ONCE_RESOLVED, WARNED, swift_value_matches
 from grpokit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,7 @@ def test_every_ms_swift_option_is_implemented_warned_or_refused_exactly_once():
             problems.append(f"{name}: {homes or 'nowhere'}")
     assert problems == []
     assert set(WARNED) | set(REFUSED) | set(DEVIATIONS) <= set(SWIFT)  # no stray names in the tables
+    assert SAME_ONCE_RESOLVED <= set(DEVIATIONS)
     assert all(reason.strip() for reason in WARNED.values()) and all(r.reason for r in REFUSED.values())
 
 
@@ -282,3 +283,11 @@ def test_warmup_steps_as_transformers_5_reads_them(flags, warmup):
     from grpokit.trainers.training_setup import num_warmup_steps
 
     assert num_warmup_steps(parse_train_args(BASE + flags).training, max_steps=100) == warmup
+
+
+@pytest.mark.parametrize("flags,kl_in_reward", [
+    ([], False), (["--advantage_estimator", "rloo"], True), (["--advantage_estimator", "reinforce_plus_plus"], True),
+    (["--advantage_estimator", "rloo", "--kl_in_reward", "false"], False),
+    (["--kl_in_reward", "true"], True)])
+def test_kl_in_reward_unset_follows_the_estimator_as_in_ms_swift(flags, kl_in_reward):
+    assert parse_train_args(BASE + flags).algorithm.kl_in_reward is kl_in_reward
