@@ -75,8 +75,10 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
         scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
                                   num_training_steps=max_steps, scheduler_specific_kwargs=extra)
     except (ValueError, TypeError) as e:
-        option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs}" if extra else "--lr_scheduler_type"
-        raise ConfigError(f"{option} (--lr_scheduler_type {t.lr_scheduler_type}): {str(e).splitlines()[0]}") from e
+        option = f"--lr_scheduler_type {t.lr_scheduler_type}"
+        if extra:
+            option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs} with {option}"
+        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     ref = None
     if cfg.algorithm.beta != 0 and not is_peft(model):
