@@ -220,9 +220,10 @@ DEVIATIONS: dict[str, str] = {
                   "to evaluate",
 }
 
-# deviations in how the default is written only: ms-swift resolves its unset value to what grpokit's default is
-SAME_ONCE_RESOLVED = {"beta", "disable_tqdm", "fsdp", "gradient_accumulation_steps", "loss_scale", "loss_type", "optim", "optimizer", "vllm_mode",
-                      "vllm_enable_prefix_caching", "eval_steps", "dataloader_num_workers"}
+# deviations that do not change a run: ms-swift resolves its unset value to grpokit's default, or (workers) only
+# the speed differs
+SAME_ONCE_RESOLVED = {"beta", "disable_tqdm", "fsdp", "gradient_accumulation_steps", "loss_scale", "loss_type", "optim",
+                      "optimizer", "vllm_mode", "vllm_enable_prefix_caching", "dataloader_num_workers"}
 
 
 def swift_value_matches(value, accepted: str) -> bool:
@@ -257,14 +258,21 @@ def check_swift_options(given: dict, rank0: bool | None = None, log=None) -> lis
     for name, value in given.items():
         refusal = REFUSED.get(name)
         if refusal and not swift_value_matches(value, refusal.accepted):
-            raise ConfigError(f"--{name} {_show(value)}: {refusal.reason}; remove the option (grpokit behaves as "
-                              f"--{name} {refusal.accepted.split('|')[0]})")
+            raise ConfigError(f"--{name} {_show(value)}: {refusal.reason}; remove the option "
+                              f"({_as_grpokit(name, refusal)})")
     lines = [f"--{name} {_show(value)}: no effect in grpokit: {WARNED[name]}"
              for name, value in given.items() if name in WARNED]
     if (is_rank0() if rank0 is None else rank0) and log is not None:
         for line in lines:
             log(line)
     return lines
+
+
+def _as_grpokit(name: str, refusal: Refusal) -> str:
+    accepted = refusal.accepted.split("|")[0].strip("'")
+    if accepted in ("None", "list"):
+        return "grpokit behaves as ms-swift does without it"
+    return f"grpokit behaves as --{name} {accepted.lower() if accepted in ('True', 'False') else accepted}"
 
 
 def is_rank0() -> bool:
