@@ -12,6 +12,7 @@ import torch
 
 from grpokit.config.args import ModelArguments
 from grpokit.errors import ConfigError
+from grpokit.modeling import attn_implementation
 
 VIT_NAMES = ("visual", "vision_model", "vision_tower")  # Qwen-VL, Idefics3/SmolVLM, Gemma3/LLaVA
 ALIGNER_NAMES = ("merger", "connector", "multi_modal_projector")
@@ -49,16 +50,19 @@ def vlm_targets(model, margs: ModelArguments) -> list[str]:
     return names
 
 
-def load_vlm(path: str, dtype, trust_remote_code: bool = False):
+def load_vlm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str | None = None):
     """A vision-language model (``AutoModelForImageTextToText``) from a local folder."""
     from transformers import AutoModelForImageTextToText  # not at the top: text-only runs never need it
 
     if not Path(path).exists():
         raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders)")
+    kwargs = {"attn_implementation": attn_implementation(attn_impl)} if attn_impl else {}
     try:
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model {path}: cannot load as a vision-language model ({str(e).splitlines()[0]})") from e
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                           **kwargs)
+    except (OSError, ValueError, ImportError) as e:
+        what = f"with --attn_impl {attn_impl}" if attn_impl else "cannot load as a vision-language model"
+        raise ConfigError(f"model {path}: {what} ({str(e).splitlines()[0]})") from e
 
 
 def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None, remote: bool = False) -> None:

@@ -86,7 +86,10 @@ class GRPOTrainer:
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
                                shuffle=cfg.data.dataset_shuffle, num_processes=self.accelerator.num_processes,
-                               process_index=self.accelerator.process_index)
+                               process_index=self.accelerator.process_index,
+                               num_workers=self.args.dataloader_num_workers or 0,
+                               prefetch_factor=self.args.dataloader_prefetch_factor,
+                               multiprocessing_context=self.args.dataloader_multiprocessing_context)
         self._producer = WindowProducer(
             self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
@@ -109,6 +112,8 @@ class GRPOTrainer:
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
             self._sync_weights()
         self._call("on_train_begin")
+        if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
+            self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
         try:
             while self.state.global_step < self.state.max_steps:
@@ -278,7 +283,8 @@ class GRPOTrainer:
         self.state.global_step += 1
         self._refresh_ref_model()
         step = self.state.global_step
-        if step % self.args.logging_steps == 0 or step == self.state.max_steps:
+        first = step == 1 and self.args.logging_first_step
+        if step % self.args.logging_steps == 0 or step == self.state.max_steps or first:
             step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
             logs = {**self._window_metrics, **step_metrics,
                     **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
@@ -290,7 +296,7 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}")
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
             self.evaluate()
-        if step % self.args.save_steps == 0 and step < self.state.max_steps:
+        if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:
             self._save_checkpoint()
         bar.update(1)
         self._call("on_step_end")
@@ -333,7 +339,8 @@ class GRPOTrainer:
         """Greedy completions on the validation set, scored with the reward functions."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
-                               max_tokens=self.cfg.rollout.max_completion_length)
+                               max_tokens=self.cfg.rollout.max_completion_length,
+                               batch_size=self.args.per_device_eval_batch_size)
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         return logs
