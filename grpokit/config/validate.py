@@ -78,7 +78,8 @@ def _check_ranges(cfg: TrainConfig) -> None:
         _positive(name, value)
     for name, value in [("temperature", r.temperature), ("beta", a.beta), ("epsilon", a.epsilon),
                         ("epsilon_high", a.epsilon_high), ("weight_decay", t.weight_decay),
-                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio)]:
+                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio),
+                        ("logps_chunk_size", t.logps_chunk_size)]:
         _positive(name, value, allow_zero=True)
     if r.num_generations < 2:
         raise ConfigError(f"--num_generations {r.num_generations}: GRPO needs at least 2 completions per prompt "

@@ -1,0 +1,112 @@
+"""Per-token logps (and entropies) from the last hidden states, the output head applied a chunk of rows at a time.
+
+The plain path materialises the logits [B, C, V] in the model's dtype, a float32 copy divided by the temperature,
+and in backward a gradient of the same size: for V = 152k and 8 × 1024 completion tokens about 5 GB per float32
+copy. ``chunked_lm_head_logps`` never holds more than one chunk of rows of logits. Forward computes, for each
+chunk of ``chunk_size`` rows of the B·C positions, logits = hidden·Wᵀ + b, their logsumexp, the target's logit and
+(when asked) the entropy, and keeps for backward only what exists anyway (hidden states, weight, bias, targets)
+plus the [B·C] logsumexp. Backward recomputes each chunk's logits and turns them into the gradients of the hidden
+states, the weight and the bias. The peak is O(chunk_size × V) in both passes, plus the weight's gradient, which
+the plain path makes too.
+
+The numbers are the plain path's: the matmul runs in the inputs' dtype (or autocast's, recorded in forward and
+restored for the recomputation in backward), then float32 (float64 for float64 inputs), divided by the
+temperature. The weight's gradient is summed over chunks in the weight's own dtype (one matmul-accumulate per
+chunk, no second weight-sized buffer). Entropy is a statistic without gradient, as in ``entropy_from_logits``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _row_chunks(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                  cdt: torch.dtype) -> tuple[Tensor, torch.dtype]:
+    """[n, V] logits / temperature in ``cdt``, and the dtype the matmul produced them in."""
+    z = F.linear(hidden, weight, bias)  # [n, V] in the inputs' (or autocast's) dtype, as the model's own head
+    return z.to(cdt) / temperature, z.dtype
+
+
+class _ChunkedHeadLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, compute_entropy):  # [N, H] .. [N]
+        cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+        n = hidden.shape[0]
+        lse = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
+        picked = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
+        entropy = torch.empty(n, dtype=cdt, device=hidden.device) if compute_entropy else None
+        device = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
+        for s in _row_chunks(n, chunk_size):
+            z, ctx.logits_dtype = _chunk_logits(hidden[s], weight, bias, temperature, cdt)
+            lse[s] = torch.logsumexp(z, dim=-1)
+            picked[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1)
+            if entropy is not None:  # H = −Σ p log p = lse − Σ p·z; a −inf logit has p = 0 and adds nothing
+                p = torch.exp(z - lse[s].unsqueeze(-1))
+                entropy[s] = lse[s] - (p * z.nan_to_num(neginf=0.0)).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if entropy is None:
+            return picked - lse, None
+        ctx.mark_non_differentiable(entropy)
+        return picked - lse, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_b else None
+        enabled, ac_dtype, device = ctx.autocast
+        for s in _row_chunks(hidden.shape[0], ctx.chunk_size):
+            with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
+                z, _ = _chunk_logits(hidden[s], weight, bias, ctx.temperature, lse.dtype)
+            g = grad_logps[s].to(lse.dtype).unsqueeze(-1)  # [n, 1]
+            gz = torch.exp(z - lse[s].unsqueeze(-1)).mul_(-g)  # d logp / d z = onehot − softmax, times g
+            gz.scatter_add_(-1, targets[s].unsqueeze(-1), g)
+            gz.div_(ctx.temperature)  # [n, V] gradient of the unscaled logits
+            del z
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+            gz_l = gz.to(ctx.logits_dtype)  # the dtype the forward matmul ran in
+            if grad_h is not None:
+                with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
+                    grad_h[s] = torch.mm(gz_l, weight).to(hidden.dtype)
+            if grad_w is not None:
+                if grad_w.dtype == gz_l.dtype:
+                    grad_w.addmm_(gz_l.t(), hidden[s].to(grad_w.dtype))
+                else:  # autocast with full-precision weights: accumulate in the weight's dtype
+                    grad_w.addmm_(gz.to(grad_w.dtype).t(), hidden[s].to(grad_w.dtype))
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def chunked_lm_head_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                          temperature: float = 1.0, chunk_size: int = 1024,
+                          compute_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log softmax(hidden·Wᵀ + b / T)[targets] and optionally the entropy, ``chunk_size`` rows at a time.
+
+    hidden [..., H], weight [V, H], bias [V] or None, targets [...] → (logps [...], entropies [...] or None),
+    float32 (float64 for float64 inputs). Values and gradients equal ``selective_log_softmax`` of the full logits.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunked_lm_head_logps: chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"chunked_lm_head_logps: temperature must be > 0, got {temperature}")
+    if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"chunked_lm_head_logps: hidden [..., H], weight [V, H] and targets [...], got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}")
+    lead = targets.shape
+    logps, entropy = _ChunkedHeadLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                             targets.reshape(-1).long(), float(temperature), int(chunk_size),
+                                             bool(compute_entropy))
+    return logps.view(lead), (entropy.view(lead) if entropy is not None else None)
