@@ -13,6 +13,8 @@ The numbers are the plain path's: the matmul runs in the inputs' dtype (or autoc
 restored for the recomputation in backward), then float32 (float64 for float64 inputs), divided by the
 temperature. The weight's gradient is summed over chunks in the weight's own dtype (one matmul-accumulate per
 chunk, no second weight-sized buffer). Entropy is a statistic without gradient, as in ``entropy_from_logits``.
+Each chunk's logits live in one float32 buffer that is shifted, exponentiated and scaled in place (two with
+entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ def _row_chunks(n: int, size: int) -> list[slice]:
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
                   cdt: torch.dtype) -> tuple[Tensor, torch.dtype]:
-    """[n, V] logits / temperature in ``cdt``, and the dtype the matmul produced them in."""
+    """[n, V] logits / temperature in ``cdt`` (a tensor of our own, free to change in place), and the dtype the
+    matmul produced them in."""
     z = F.linear(hidden, weight, bias)  # [n, V] in the inputs' (or autocast's) dtype, as the model's own head
-    return z.to(cdt) / temperature, z.dtype
+    zc = z.to(cdt)
+    return zc.div_(temperature), z.dtype  # in place: one [n, V] buffer, not two
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
@@ -45,11 +49,18 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
         for s in _row_chunks(n, chunk_size):
             z, ctx.logits_dtype = _chunk_logits(hidden[s], weight, bias, temperature, cdt)
-            lse[s] = torch.logsumexp(z, dim=-1)
             picked[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1)
-            if entropy is not None:  # H = −Σ p log p = lse − Σ p·z; a −inf logit has p = 0 and adds nothing
-                p = torch.exp(z - lse[s].unsqueeze(-1))
-                entropy[s] = lse[s] - (p * z.nan_to_num(neginf=0.0)).sum(-1)
+            top = z.amax(-1, keepdim=True)  # [n, 1]
+            z.sub_(top)  # in place from here on: the chunk's logits minus their max
+            if entropy is None:
+                lse[s] = top.squeeze(-1) + z.exp_().sum(-1).log()
+            else:  # H = −Σ p log p = log S − Σ e·z / S with e = exp(z), S = Σ e (z shifted by its max)
+                e = z.exp()
+                total = e.sum(-1)
+                lse[s] = top.squeeze(-1) + total.log()
+                entropy[s] = total.log() - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
+                del e
+            del z  # before the next chunk's logits exist: one chunk at a time
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         if entropy is None:
@@ -70,10 +81,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
             with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
                 z, _ = _chunk_logits(hidden[s], weight, bias, ctx.temperature, lse.dtype)
             g = grad_logps[s].to(lse.dtype).unsqueeze(-1)  # [n, 1]
-            gz = torch.exp(z - lse[s].unsqueeze(-1)).mul_(-g)  # d logp / d z = onehot − softmax, times g
+            gz = z.sub_(lse[s].unsqueeze(-1)).exp_().mul_(-g)  # in place: d logp / d z = onehot − softmax, × g
             gz.scatter_add_(-1, targets[s].unsqueeze(-1), g)
             gz.div_(ctx.temperature)  # [n, V] gradient of the unscaled logits
-            del z
             if grad_b is not None:
                 grad_b += gz.sum(0)
             gz_l = gz.to(ctx.logits_dtype)  # the dtype the forward matmul ran in
@@ -85,6 +95,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                     grad_w.addmm_(gz_l.t(), hidden[s].to(grad_w.dtype))
                 else:  # autocast with full-precision weights: accumulate in the weight's dtype
                     grad_w.addmm_(gz.to(grad_w.dtype).t(), hidden[s].to(grad_w.dtype))
+            del z, gz, gz_l  # before the next chunk's logits exist: one chunk at a time
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None

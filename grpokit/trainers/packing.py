@@ -76,6 +76,10 @@ def check_packing(model, model_inputs: dict) -> None:
     if impl not in PACKING_ATTENTION:
         raise ValueError(f"--padding_free true: attention implementation {impl!r} does not separate packed rows; "
                          f"load the model with one of {', '.join(PACKING_ATTENTION)}, or use --padding_free false")
+    if not impl.startswith("flash") and impl not in _logged:
+        _logged.add(impl)
+        log.warning("--padding_free true with %s attention: correct, but the packed row's attention spans every "
+                    "token of the micro-batch (cost ~ T²); flash attention computes each row alone", impl)
     modeling = sys.modules.get(type(base).__module__)
     if not any(hasattr(modeling, name) for name in _MASK_BUILDERS) and not impl.startswith("flash"):
         raise ValueError(f"--padding_free true: {type(base).__name__} builds its own attention mask, which would "

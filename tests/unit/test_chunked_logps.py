@@ -181,3 +181,33 @@ def test_an_unannounced_output_transform_is_refused():
     inputs, c = _inputs()
     with pytest.raises(RuntimeError, match="changes what its output head returns.*--logps_chunk_size 0"):
         _run(model, inputs, c, chunk_size=4)
+
+
+@pytest.mark.parametrize("precision", ["bf16 weights", "bf16 autocast"])
+def test_low_precision_matches_plain_path(precision):
+    # both paths run the head's matmul in bfloat16 and the softmax in float32; the matmul's summation order
+    # differs (rows in chunks), so values agree to bfloat16's resolution of the logits, not to float32's
+    model = _model(tied=False).float()
+    if precision == "bf16 weights":
+        model = model.to(torch.bfloat16)
+    inputs, c = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast"):
+        chunked = _run(model, inputs, c, chunk_size=5)
+        plain = _run(model, inputs, c, chunk_size=0)
+    assert chunked[0].dtype == torch.float32
+    assert torch.allclose(chunked[0], plain[0], atol=2e-2, rtol=0)
+    for name, grad in plain[2].items():
+        assert chunked[2][name].dtype == grad.dtype
+        scale = grad.float().abs().max()
+        assert (chunked[2][name].float() - grad.float()).abs().max() <= 2e-2 * scale, name
+
+
+def test_option_default_and_bad_value():
+    from grpokit.config.parse import parse_train_args
+    from grpokit.errors import ConfigError
+
+    cfg = parse_train_args(["--max_steps", "1"])
+    assert cfg.training.logps_chunk_size == 1024 and cfg.training.padding_free is False
+    assert parse_train_args(["--logps_chunk_size", "0"]).training.logps_chunk_size == 0  # the plain path
+    with pytest.raises(ConfigError, match=r"--logps_chunk_size -1: must be ≥ 0"):
+        parse_train_args(["--logps_chunk_size", "-1"])
