@@ -7,6 +7,7 @@ before the forward (CUDA: ``max_memory_allocated``; CPU: peak resident memory, `
 of forward + backward. ``--logps_chunk_size 0`` is the plain path; the script runs it and the given chunk sizes.
 
     python bench/bench_logps_memory.py --batch 8 --completion 256 --chunk_sizes 1024 256
+    python bench/bench_logps_memory.py --time_tiny 50     # step-time side: plain vs chunked on the tiny model
 """
 
 from __future__ import annotations
@@ -58,6 +59,38 @@ def measure(args) -> dict:
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def time_tiny(repeats: int) -> None:
+    """Forward + backward of the logps on the tests' tiny model (vocab ~500, the bench_step shape: 16 rows, a
+    44-token prompt, 16 completion tokens), plain and chunked alternating in one process: the median of each."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.testing import build_tiny_model
+    from grpokit.trainers.packing import ForwardOptions, completion_logps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(Path(tmp) / "tiny", hidden_size=128, num_layers=2)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(0, model.config.vocab_size, (16, 60), generator=g),
+              "attention_mask": torch.ones(16, 60, dtype=torch.long),
+              "position_ids": torch.arange(60).expand(16, -1)}
+    times: dict[int, list[float]] = {0: [], 1024: []}
+    for _ in range(repeats):
+        for size in times:
+            opts = ForwardOptions(temperature=1.0, chunk_size=size, padding_free=False, share_prompts=False)
+            t0 = time.perf_counter()
+            completion_logps(model, inputs, 16, opts)[0].sum().backward()
+            times[size].append(time.perf_counter() - t0)
+    plain, chunked = (statistics.median(times[k]) for k in (0, 1024))
+    print(f"tiny model, forward+backward of the logps, median of {repeats}: plain {plain * 1e3:.1f} ms, "
+          f"chunked {chunked * 1e3:.1f} ms, ratio chunked/plain {chunked / plain:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=150_000)
@@ -66,8 +99,13 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=256, help="completion tokens (C)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--chunk_sizes", type=int, nargs="+", default=[1024], help="chunked modes to compare with 0")
+    p.add_argument("--time_tiny", type=int, metavar="N", help="instead: time plain vs chunked on the tiny model, "
+                                                                 "N alternating repeats")
     p.add_argument("--chunk_size", type=int, help=argparse.SUPPRESS)  # one mode, in a child process
     args = p.parse_args()
+    if args.time_tiny:
+        time_tiny(args.time_tiny)
+        return
     if args.chunk_size is not None:
         print(json.dumps(measure(args)))
         return
