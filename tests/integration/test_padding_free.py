@@ -49,10 +49,14 @@ def test_pack_rows_layout():
     assert torch.equal(packed.input_ids[0, packed.keep + 1], inputs["input_ids"][packed.rows, 5 + packed.cols])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("chunk_size", [0, 1024])
-def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size):
+@pytest.mark.parametrize("attn,chunk_size,lora", [("sdpa", 0, False), ("sdpa", 1024, False), ("eager", 0, False),
+                                                  ("eager", 1024, False), ("sdpa", 1024, True)])
+def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size, lora):
     model = _model(tiny_model_dir, attn)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     inputs, c = _batch(model.config.vocab_size)
     mask = inputs["attention_mask"][:, -c:].bool()
     results = []
