@@ -5,6 +5,9 @@ completions (system prompt, instructions). The plain forward recomputes the prom
 distinct prompts of a batch run once (with gradient), their KV cache is indexed out to every row, and only the
 completion tokens run per row. Autograd flows through the cache, so values and gradients equal the plain forward's
 (up to floating-point summation order) — a test checks both.
+
+``completion_logits(..., head=ChunkedHead)`` runs the same forwards with the output head swapped for chunked logps
+(engines/chunked_head.py): the results per completion token come back in the logits' place, never the logits.
 """
 
 from __future__ import annotations
