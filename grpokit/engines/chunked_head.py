@@ -8,8 +8,7 @@ the last hidden states by its weight, the swapped forward calls ``chunked_lm_hea
 [B, n, 1] logps ([B, n, 2] with entropies) in the logits' place.
 
 Heads it understands: a plain ``nn.Linear`` (tied to the embeddings or not), and peft's LoRA ``Linear`` with
-plain adapters (the low-rank term joins the matmul: [h, s·A(dropout(h))]·[W, B]ᵀ, which holds one concatenated
-weight copy for backward). Anything else, and models that transform the head's output (logit soft-capping or
+plain adapters (u = s·A(dropout(h)) is computed as peft does, and u·Bᵀ joins each chunk's matmul). Anything else, and models that transform the head's output (logit soft-capping or
 scaling), take the plain path; ``plain_reason`` says why. A model that transforms the output in a way no config
 field announces is caught after its forward: its output is not the tensor the head returned.
 """
@@ -93,20 +92,22 @@ class ChunkedHead:
         self.head, self.model_name = inner.get_output_embeddings(), type(inner).__name__
         self.temperature, self.chunk_size, self.compute_entropy = temperature, chunk_size, compute_entropy
 
-    def _parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """(weight, bias, low_rank) of the head for these hidden states; low_rank = (u, B) of LoRA adapters."""
         head = self.head
         if not hasattr(head, "lora_A"):
-            return hidden, head.weight, head.bias
+            return head.weight, head.bias, None
         base = head.base_layer
         lora = _lora_parts(head)
         if not lora:
-            return hidden, base.weight, base.bias
+            return base.weight, base.bias, None
         dtype = base.weight.dtype  # the low-rank term joins the base matmul in the base weight's dtype
-        xs, ws = [hidden], [base.weight]
-        for lora_a, lora_b, dropout, scaling in lora:
-            xs.append((lora_a(dropout(hidden.to(lora_a.weight.dtype))) * scaling).to(dtype))  # [..., r]
-            ws.append(lora_b.weight.to(dtype))  # [V, r]
-        return torch.cat(xs, dim=-1), torch.cat(ws, dim=1), base.bias
+        us = [(lora_a(dropout(hidden.to(lora_a.weight.dtype))) * scaling).to(dtype)  # [..., r] each
+              for lora_a, _, dropout, scaling in lora]
+        bs = [lora_b.weight.to(dtype) for _, lora_b, _, _ in lora]  # [V, r] each
+        if len(lora) == 1:
+            return base.weight, base.bias, (us[0], bs[0])
+        return base.weight, base.bias, (torch.cat(us, dim=-1), torch.cat(bs, dim=1))
 
     @contextmanager
     def swap(self, targets: torch.Tensor, rows: torch.Tensor | None = None):
@@ -119,9 +120,9 @@ class ChunkedHead:
             if hidden.shape[:-1] != targets.shape:
                 raise RuntimeError(f"chunked logps: the output head got hidden states {tuple(hidden.shape)} for "
                                    f"targets {tuple(targets.shape)}; run with --logps_chunk_size 0")
-            x, weight, bias = self._parts(hidden)
-            logps, ent = chunked_lm_head_logps(x, weight, bias, targets, self.temperature, self.chunk_size,
-                                               self.compute_entropy)
+            weight, bias, low_rank = self._parts(hidden)
+            logps, ent = chunked_lm_head_logps(hidden, weight, bias, targets, self.temperature, self.chunk_size,
+                                               self.compute_entropy, low_rank)
             out = torch.stack([logps, ent], dim=-1) if ent is not None else logps.unsqueeze(-1)
             produced.append(out)
             return out

@@ -30,6 +30,23 @@ def test_gradcheck_hidden_weight_bias():
     assert torch.autograd.gradcheck(f, (hidden, weight, bias))
 
 
+def test_gradcheck_low_rank_term():
+    # a LoRA head: logits = h·Wᵀ + u·Bᵀ with u = s·A(h); gradients reach u (hence A) and B
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(9, 6, dtype=torch.float64, generator=g)  # frozen base weight: no gradient made
+    u = torch.randn(7, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    lr_weight = torch.randn(9, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 9, (7,), generator=g)
+
+    def f(h, u, b):
+        return chunked_lm_head_logps(h, weight, None, targets, 1.2, 3, low_rank=(u, b))[0]
+
+    assert torch.autograd.gradcheck(f, (hidden, u, lr_weight))
+    want = selective_log_softmax(((hidden @ weight.T + u @ lr_weight.T) / 1.2)[None], targets[None])[0]
+    assert torch.allclose(f(hidden, u, lr_weight), want, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 4, 1000])
 def test_values_and_entropy_equal_full_logits(chunk_size):
     g = torch.Generator().manual_seed(1)
