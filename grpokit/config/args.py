@@ -228,6 +228,12 @@ class TrainingArguments:
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
     deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
     fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
+    # the training forward (trainers/packing.py)
+    logps_chunk_size: int = _opt(1024, "compute the training logps in the output head's place, this many tokens' "
+                                       "logits at a time, so the [batch, completion, vocab] logits never exist "
+                                       "(same values and gradients); 0 = the plain path (full logits)")
+    padding_free: bool = _opt(False, "train on each micro-batch's rows packed into one row without padding "
+                                     "(position_ids restart per row; needs eager, sdpa, flex or flash attention)")
     disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
                                      "not a terminal (first and last step, then a step 30 s after the last line)")
     # ms-swift / transformers names (issue 19)

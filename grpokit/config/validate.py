@@ -172,7 +172,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
                         ("epsilon_high", a.epsilon_high), ("weight_decay", t.weight_decay),
                         ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio),
                         ("warmup_steps", t.warmup_steps), ("adam_epsilon", t.adam_epsilon),
-                        ("dataloader_num_workers", t.dataloader_num_workers)]:
+                        ("dataloader_num_workers", t.dataloader_num_workers), ("logps_chunk_size", t.logps_chunk_size)]:
         _positive(name, value, allow_zero=True)
     if r.num_generations < 2:
         raise ConfigError(f"--num_generations {r.num_generations}: GRPO needs at least 2 completions per prompt "

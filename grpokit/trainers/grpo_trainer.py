@@ -19,23 +19,22 @@ from grpokit.algorithms import (
     LossInputs,
     compute_policy_loss,
     ema_update_,
-    entropy_from_logits,
     entropy_mask,
     entropy_threshold,
     loss_mask,
     rollout_importance_weights,
-    selective_log_softmax,
 )
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
-from grpokit.engines.prefix import completion_logits, worth_sharing
+from grpokit.engines.prefix import worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
 from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
@@ -217,19 +216,14 @@ class GRPOTrainer:
                 "position_ids": inputs.position_ids}
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
-        """The one entry for old, ref and current logps: forward, keep completion logits, divide by the sampling
-        temperature, gather the sampled tokens' logprobs. Returns ([B, C] logps, [B, C] entropies or None)."""
-        c = inputs.logits_to_keep
-        kwargs = self._prepare_model_inputs(inputs)
-        logits = completion_logits(model, logits_to_keep=c, share_prompts=self._share_prompts(model), **kwargs)
-        logits = logits.float() / self.cfg.rollout.temperature  # [B, C, V] predicts the completion tokens
-        targets = inputs.input_ids[:, -c:]
-        logps = selective_log_softmax(logits, targets)
-        entropies = None
-        if compute_entropy:
-            with torch.no_grad():
-                entropies = entropy_from_logits(logits)
-        return logps, entropies
+        """The one entry for old, ref and current logps: forward, and from the positions that predict the
+        completion tokens, logits divided by the sampling temperature, the sampled tokens' logprobs (chunked in
+        the output head's place, or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C]
+        entropies or None)."""
+        opts = ForwardOptions(temperature=self.cfg.rollout.temperature, chunk_size=self.args.logps_chunk_size,
+                              padding_free=self.args.padding_free, share_prompts=self._share_prompts(model))
+        return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
+                                compute_entropy)
 
     def _share_prompts(self, model) -> bool:
         """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
