@@ -197,12 +197,17 @@ def main() -> None:
         frameworks.append(f"grpokit@{a.baseline}")
         envs[frameworks[-1]] = {**env, "PYTHONPATH": checkout(a.baseline, work)}
     results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
-    for _ in range(a.rounds):
-        for fw in frameworks:
-            cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
-                   a.model_path, *sys.argv[1:]]
-            subprocess.run(cmd, check=True, env=envs[fw])
-            results[fw].append(json.loads((work / f"{fw}.json").read_text()))
+    try:
+        for _ in range(a.rounds):
+            for fw in frameworks:
+                cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
+                       a.model_path, *sys.argv[1:]]
+                subprocess.run(cmd, check=True, env=envs[fw])
+                results[fw].append(json.loads((work / f"{fw}.json").read_text()))
+    finally:
+        if a.baseline:  # unregister the temporary worktree from the repository
+            subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "worktree", "remove",
+                            "--force", str(work / "baseline")], check=False, capture_output=True)
     report(a, results)
 
 
@@ -212,7 +217,6 @@ def checkout(rev: str, work: Path) -> str:
     repo = Path(__file__).resolve().parent.parent
     subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
                    capture_output=True)
-    subprocess.run(["git", "-C", str(repo), "worktree", "prune"], check=False)
     return str(path)
 
 

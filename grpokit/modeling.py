@@ -57,11 +57,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, dtype, trust_remote_code: bool = False):
+def attn_implementation(attn_impl: str | None) -> str | None:
+    """ms-swift's ``--attn_impl`` as transformers' ``attn_implementation``: ``flash_attn`` is ms-swift's older
+    name for ``flash_attention_2``; None lets transformers choose (sdpa where the model supports it)."""
+    return "flash_attention_2" if attn_impl == "flash_attn" else attn_impl
+
+
+def load_causal_lm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str | None = None):
     if not Path(path).exists():
         raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders; this machine "
                           "may have no hub access)")
+    kwargs = {"attn_implementation": attn_implementation(attn_impl)} if attn_impl else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model {path}: cannot load ({str(e).splitlines()[0]})") from e
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError, ImportError) as e:
+        what = f"with --attn_impl {attn_impl}" if attn_impl else "cannot load"
+        raise ConfigError(f"model {path}: {what} ({str(e).splitlines()[0]})") from e

@@ -203,9 +203,35 @@ class RolloutInferRequest(BaseModel):
         return value
 
 
+class ChatMessage(dict):
+    """A reply message: the dict ``{"role": "assistant", "content": text}`` (so it serialises, compares and goes
+    into message lists as before) that also reads as ms-swift's plugins read it: ``choice.message.content``.
+    ``tool_calls`` and ``reasoning_content`` read as None when absent, as in ms-swift's ``ChatMessage``."""
+
+    _OPTIONAL = frozenset({"tool_calls", "reasoning_content"})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            if name in ChatMessage._OPTIONAL:
+                return None
+            raise AttributeError(f"message has no {name!r} (keys: {', '.join(map(str, self)) or 'none'})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        try:
+            del self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class ChatCompletionResponseChoice(BaseModel):
     index: int = 0
-    message: dict[str, Any]  # {"role": "assistant", "content": text}
+    # {"role": "assistant", "content": text}: a dict, read by attribute too (``message.content``)
+    message: Annotated[dict[str, Any], AfterValidator(ChatMessage)]
     finish_reason: FinishReason
     token_ids: list[int]
     # {"content": [{"token_id": int, "logprob": float}, ...]} when logprobs were asked for, else None

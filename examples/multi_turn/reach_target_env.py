@@ -28,7 +28,7 @@ class ReachTargetEnv(Env):
         self.total = 0
         rules = (f"We start at 0 and must reach exactly {self.target}. Each turn, reply with 1, 2 or 3 "
                  "to add it to the total.")
-        return rules, {"target": self.target}  # the observation is added to the prompt's user message
+        return rules, {"target": self.target}, ""  # the observation replaces the row's prompt (as in ms-swift)
 
     async def step(self, action):
         numbers = re.findall(r"\b[123]\b", action[-1]["content"])  # action[-1] is the model's reply

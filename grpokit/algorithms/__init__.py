@@ -26,6 +26,7 @@ from grpokit.algorithms.filters import (
     overlong_mask,
     validate_entropy_quantile,
 )
+from grpokit.algorithms.chunked_logps import chunked_lm_head_logps
 from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
 from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.algorithms.losses import (
@@ -84,6 +85,7 @@ __all__ = [
     "overlong_mask",
     "rollout_importance_weights",
     "selective_log_softmax",
+    "chunked_lm_head_logps",
     "step_token_counts",
     "uses_global_token_count",
     "validate_advantage_options",

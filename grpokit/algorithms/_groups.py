@@ -4,9 +4,6 @@ Samples of one prompt share a group id; groups may have different sizes. Statist
 function that did not score a sample) and are shifted by the group's first value before summing, so a group whose
 values are all equal gets exactly its value as mean and exactly 0 as std (no rounding residue that a later
 division by ``std + eps`` would blow up).
-
-The usual layout — G groups of K samples each, one after the other, no NaN — takes a reshaped path of a few
-tensor operations instead of scatter/index_add (on small batches the per-operation cost is the whole cost).
 """
 
 from __future__ import annotations
@@ -23,19 +20,18 @@ class Groups:
 
     index: Tensor  # [M] long in [0, G)
     count: Tensor  # [G] long, samples per group
-    size: int | None = None  # K when the samples are G consecutive groups of K each (index = [0]*K + [1]*K + ...)
 
     @classmethod
     def from_ids(cls, group_ids: Tensor) -> Groups:
         """Build from arbitrary (not necessarily dense or sorted) group ids."""
         _, index, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
-        return cls(index=index, count=count, size=_consecutive_size(index.tolist(), count.tolist()))
+        return cls(index=index, count=count)
 
     @classmethod
     def single(cls, size: int, device: torch.device) -> Groups:
         """The whole batch as one group (for batch-level statistics)."""
         index = torch.zeros(size, dtype=torch.long, device=device)
-        return cls(index=index, count=torch.tensor([size], device=device), size=size)
+        return cls(index=index, count=torch.tensor([size], device=device))
 
     @property
     def num_groups(self) -> int:
@@ -49,20 +45,11 @@ class GroupStats:
     n: Tensor  # same shape; number of non-NaN values
 
 
-def _consecutive_size(index: list[int], count: list[int]) -> int | None:
-    if not count or min(count) != max(count):
-        return None
-    k = count[0]
-    return k if all(g == i // k for i, g in enumerate(index)) else None
-
-
 def group_stats(x: Tensor, groups: Groups) -> GroupStats:
     """NaN-aware mean and Bessel-corrected std of ``x`` ([M] or [M, C]) within each group."""
     flat = x.reshape(x.shape[0], -1)  # [M, C]
     m, c = flat.shape
     g = groups.num_groups
-    if groups.size is not None and m and not bool(torch.isnan(flat).any()):
-        return _consecutive_stats(flat, g, groups.size, tuple(x.shape[1:]))
     valid = ~torch.isnan(flat)  # [M, C]
     idx = groups.index.unsqueeze(1).expand(m, c)  # [M, C]
 
@@ -88,19 +75,5 @@ def group_stats(x: Tensor, groups: Groups) -> GroupStats:
 
 def batch_stats(x: Tensor) -> GroupStats:
     """group_stats with the whole batch as one group: [1] or [1, C]."""
-    flat = x.reshape(x.shape[0], -1)
-    if flat.shape[0] and not bool(torch.isnan(flat).any()):
-        return _consecutive_stats(flat, 1, flat.shape[0], tuple(x.shape[1:]))
     return group_stats(x, Groups.single(x.shape[0], x.device))
 
-
-def _consecutive_stats(flat: Tensor, g: int, k: int, tail: tuple[int, ...]) -> GroupStats:
-    """group_stats for G consecutive groups of K and no NaN: the same shift by each group's first value."""
-    blocks = flat.reshape(g, k, flat.shape[1])  # [G, K, C]
-    shift = blocks[:, :1]
-    d = blocks - shift
-    mean = shift[:, 0] + d.mean(dim=1)
-    std = d.std(dim=1) if k > 1 else torch.zeros_like(mean)
-    n = torch.full_like(mean, k)
-    shape = (g,) + tail
-    return GroupStats(mean=mean.reshape(shape), std=std.reshape(shape), n=n.reshape(shape))

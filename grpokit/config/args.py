@@ -31,6 +31,28 @@ class ModelArguments:
     target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+    # ms-swift names (issue 19)
+    attn_impl: str | None = _opt(None, "attention implementation: sdpa, eager, flash_attn (= flash_attention_2, "
+                                       "CUDA only), flash_attention_3, flex_attention; default: transformers' choice")
+    gradient_checkpointing_kwargs: str | None = _opt(
+        None, "JSON object passed to gradient_checkpointing_enable (default {\"use_reentrant\": false})")
+    target_regex: str | None = _opt(None, "LoRA targets as one regex over module names (instead of --target_modules)")
+    use_rslora: bool = _opt(False, "rank-stabilised LoRA scaling alpha/sqrt(r) (peft use_rslora)")
+    use_dora: bool = _opt(False, "weight-decomposed LoRA (peft use_dora)")
+    freeze_parameters: list[str] = _opt([], "full fine-tuning: freeze the parameters whose names start with these "
+                                            "prefixes")
+    freeze_parameters_regex: str | None = _opt(None, "full fine-tuning: freeze the parameters whose names this regex "
+                                                     "matches (re.search)")
+    freeze_parameters_ratio: float = _opt(0.0, "full fine-tuning: freeze this fraction of the parameters, counted "
+                                               "from the bottom layers (embeddings first)")
+    trainable_parameters: list[str] = _opt([], "full fine-tuning: train these name prefixes again after the freezing")
+    trainable_parameters_regex: str | None = _opt(None, "full fine-tuning: train the parameters this regex matches "
+                                                        "again after the freezing")
+    # vision-language models (docs/multimodal.md): which parts train, ms-swift's names and defaults
+    freeze_vit: bool = _opt(True, "vision-language models: keep the vision tower frozen (false: train it, with "
+                                  "LoRA adapters on its linear layers under --tuner_type lora)")
+    freeze_aligner: bool = _opt(True, "vision-language models: keep the aligner (the projector from vision to "
+                                      "language) frozen (false: train it, with LoRA adapters under lora)")
 
 
 @dataclass
@@ -38,11 +60,31 @@ class DataArguments:
     dataset: list[str] = _opt([], "training data: .jsonl/.json/.csv/.parquet files, builtin:<task>, or hub ids; "
                                   "append #N to sub-sample N rows (default: builtin:arithmetic)")
     val_dataset: list[str] = _opt([], "held-out data, same forms as --dataset")
-    system: str | None = _opt(None, "system prompt prepended to rows that have none")
-    max_length: int | None = _opt(None, "drop prompts longer than this many tokens (prompt + completion must fit)")
+    system: str | None = _opt(None, "system prompt prepended to rows that have none; a value ending in .txt is "
+                                    "a file holding the prompt (as in ms-swift); \\n in the text is a newline")
+    max_length: int | None = _opt(None, "max prompt length in tokens, as rendered by the chat template (ms-swift's "
+                                        "meaning for GRPO); longer prompts follow --truncation_strategy. The "
+                                        "completion is bounded by --max_completion_length on its own")
     split_dataset_ratio: float = _opt(0.0, "hold out this fraction of --dataset as validation when --val_dataset "
                                            "is not given")
     dataset_shuffle: bool = _opt(True, "shuffle the training prompts each epoch")
+    # issue 19: ms-swift's dataset and template options (grpokit/data, grpokit/template; docs/datasets.md)
+    truncation_strategy: str | None = _opt(
+        None, "prompts longer than --max_length: left (keep the last max_length tokens), right (keep the first), "
+              "delete (drop the row, with a warning count) or raise (stop, naming the row); unset = left (ms-swift's "
+              "GRPO default), or delete in server mode and with multi-turn rollouts, said at start-up")
+    columns: str | None = _opt(None, "rename dataset columns first: a JSON object {\"src\": \"dst\"} or a JSON "
+                                     "file, e.g. '{\"question_text\": \"query\"}' (ms-swift's --columns)")
+    dataset_num_proc: int = _opt(1, "processes for dataset preprocessing (Dataset.map num_proc)")
+    load_from_cache_file: bool = _opt(False, "reuse datasets' cache of preprocessed rows (Dataset.map)")
+    agent_template: str | None = _opt(None, "how a row's `tools` column reaches the prompt: unset = the chat "
+                                            "template's own tools= rendering; hermes or react_en = tools written "
+                                            "into the system message in that format")
+    enable_thinking: bool | None = _opt(None, "passed to the chat template as enable_thinking (Qwen3 and other "
+                                              "hybrid-thinking templates); unset = the template's default")
+    chat_template_kwargs: str | None = _opt(None, "more keyword arguments for the chat template, as a JSON object "
+                                                  "(TRL's chat_template_kwargs), e.g. '{\"reasoning_effort\": "
+                                                  "\"low\"}'")
 
 
 @dataclass
@@ -50,6 +92,8 @@ class RolloutArguments:
     num_generations: int = _opt(8, "completions sampled per prompt (the group size G)")
     max_completion_length: int = _opt(512, "max new tokens per completion (per trajectory with "
                                            "--completion_length_limit_scope total)")
+    max_new_tokens: int | None = _opt(None, "ms-swift's older name for --max_completion_length (overrides it when "
+                                            "given)")
     temperature: float = _opt(1.0, "sampling temperature; training logits are divided by it too")
     top_p: float = _opt(1.0, "nucleus sampling")
     top_k: int = _opt(-1, "top-k sampling; -1 disables")
@@ -72,6 +116,7 @@ class RolloutArguments:
     vllm_tensor_parallel_size: int = _opt(1, "vLLM tensor parallel size (colocate)")
     vllm_enable_prefix_caching: bool = _opt(True, "vLLM prefix caching")
     vllm_enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
+    vllm_max_num_seqs: int = _opt(256, "vLLM colocate: most sequences in one engine step")
     sleep_level: int = _opt(0, "vLLM colocate: 0 keep, 1 offload weights, 2 drop weights while training")
     weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket")
     async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
@@ -115,7 +160,8 @@ class AlgorithmArguments:
     vespo_lambda_pos: float = _opt(3.0, "vespo: decay λ of the Gamma kernel for advantages >= 0")
     vespo_k_neg: float = _opt(3.0, "vespo: power k of the Gamma kernel for negative advantages")
     vespo_lambda_neg: float = _opt(2.0, "vespo: decay λ of the Gamma kernel for negative advantages")
-    kl_in_reward: bool = _opt(False, "subtract β·KL from the reward instead of adding it to the loss")
+    kl_in_reward: bool | None = _opt(None, "subtract β·KL from the reward instead of adding it to the loss; unset: "
+                                           "true with rloo and reinforce_plus_plus, false otherwise (ms-swift's rule)")
     num_iterations: int = _opt(1, "updates per rollout (μ)")
     dynamic_sample: bool = _opt(False, "DAPO dynamic sampling: resample groups whose rewards are all equal")
     max_resample_times: int = _opt(3, "dynamic sampling: max extra rollout rounds per window")
@@ -189,8 +235,34 @@ class TrainingArguments:
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
     deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
     fsdp: bool = _opt(False, "fully sharded data parallel through accelerate")
+    # the training forward (trainers/packing.py)
+    logps_chunk_size: int = _opt(1024, "compute the training logps in the output head's place, this many tokens' "
+                                       "logits at a time, so the [batch, completion, vocab] logits never exist "
+                                       "(same values and gradients); 0 = the plain path (full logits)")
+    padding_free: bool = _opt(False, "train on each micro-batch's rows packed into one row without padding "
+                                     "(position_ids restart per row; needs eager, sdpa, flex or flash attention)")
     disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
                                      "not a terminal (first and last step, then a step 30 s after the last line)")
+    # ms-swift / transformers names (issue 19)
+    optim: str | None = _opt(None, "transformers' optimizer name: adamw_torch, adamw_torch_fused (= --optimizer "
+                                   "adamw) or sgd (= --optimizer sgd)")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
+    warmup_steps: float = _opt(0, "linear warm-up steps (a value below 1: a fraction of the steps, as in "
+                                   "transformers 5); overrides --warmup_ratio when > 0")
+    lr_scheduler_kwargs: str | None = _opt(None, "JSON object of extra arguments for the learning-rate schedule, "
+                                                 "e.g. '{\"num_cycles\": 0.5}' for cosine")
+    logging_first_step: bool = _opt(True, "also log the first optimizer step when --logging_steps > 1")
+    save_strategy: Literal["steps", "no"] = _opt("steps", "steps: a checkpoint every --save_steps; no: none "
+                                                          "(the final model is still saved)")
+    eval_strategy: Literal["steps", "no"] | None = _opt(None, "no: never evaluate; steps: every --eval_steps when "
+                                                              "there is validation data; unset: as --save_strategy")
+    per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating")
+    eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
+    dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
+                                                    "ahead of training (0 or unset: read in the training process)")
+    dataloader_prefetch_factor: int | None = _opt(None, "windows each worker reads ahead (default 2)")
+    dataloader_multiprocessing_context: str | None = _opt(None, "how the workers start: fork, spawn or forkserver "
+                                                                "(default: the platform's)")
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,
@@ -207,6 +279,8 @@ class TrainConfig:
     algorithm: AlgorithmArguments
     reward: RewardArguments
     training: TrainingArguments
+    # ms-swift options given that grpokit warns about or refuses (config/swift_options.py): name -> value
+    swift_options: dict = field(default_factory=dict)
 
     def flat(self) -> dict:
         """All options in one dict (args.json; reward constructors pick their kwargs from it by name)."""

@@ -16,6 +16,7 @@ import yaml
 
 from grpokit.config.args import ALL_GROUPS, TrainConfig
 from grpokit.config.names import REGISTRIES, help_suffix
+from grpokit.config.swift_options import REFUSED, WARNED
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
 
@@ -31,13 +32,25 @@ def _make_parser(prog: str):
         def error(self, message: str):  # one line, no usage dump
             raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
-    parser = Parser(ALL_GROUPS, prog=prog)
+    parser = Parser(ALL_GROUPS, prog=prog, epilog="ms-swift's other option names are accepted too: each one either "
+                    "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
+                    "(docs/porting.md lists them all)")
     parser.add_argument("--config", type=str, default=None, help="YAML file of options; flags override it")
+    _add_swift_options(parser)
     for action in parser._actions:
         if action.dest in REGISTRIES:  # registry names: listed, checked after the plugins load
             action.help += help_suffix(action.dest)
             action.metavar = "NAME"
     return parser
+
+
+def _add_swift_options(parser) -> None:
+    """ms-swift's names that grpokit warns about or refuses (config/swift_options.py): accepted with any words
+    (a bare flag is true), hidden from --help (docs/porting.md lists them), absent from the result unless given."""
+    import argparse
+
+    for name in sorted(WARNED.keys() | REFUSED.keys()):
+        parser.add_argument(f"--{name}", nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _load_plugins_for_help(argv: list[str]) -> None:
@@ -106,8 +119,10 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
         parser.set_defaults(**defaults)
     *groups, extra = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     _check_unknown(parser, extra)
+    swift = {k: v for g in groups if type(g) not in ALL_GROUPS for k, v in vars(g).items()
+             if k in WARNED or k in REFUSED}
     groups = [g for g in groups if type(g) in ALL_GROUPS]
-    cfg = TrainConfig(*groups)
+    cfg = TrainConfig(*groups, swift_options=swift)
     # imported here, not at the top: validation imports torch (through grpokit.algorithms), and `--help` above
     # must answer without it
     from grpokit.config.validate import validate

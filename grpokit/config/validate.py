@@ -12,7 +12,12 @@ parses for a run, so that ``grpokit train --help`` stays torch-free.
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
+import re
 from pathlib import Path
+
+import torch
 
 from pydantic import ValidationError
 
@@ -27,15 +32,23 @@ from grpokit.algorithms import (
 )
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints, world_size
+from grpokit.config.swift_options import check_swift_options, is_rank0
 from grpokit.engines.structured import check_structured_options, load_json_schema
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.protocol import RequestConfig
+from grpokit.template.prompts import check_data_options
+
+logger = logging.getLogger(__name__)
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError naming the option, its value and the fix, for the first problem found."""
+    """Raise ConfigError naming the option, its value and the fix, for the first problem found. ms-swift's options
+    that grpokit warns about get their one line each here, on rank 0."""
+    check_swift_options(cfg.swift_options, log=logger.warning)
+    _apply_swift_names(cfg)
     _check_ranges(cfg)
+    check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
     _check_paths(cfg)
@@ -68,17 +81,98 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(f"--{name} {value}: must be {'≥ 0' if allow_zero else '> 0'}")
 
 
+# --optim (transformers' names) -> grpokit's --optimizer; other transformers optimizers are not implemented
+OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+ATTN_IMPLS = ("sdpa", "eager", "flash_attn", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def json_object(option: str, value) -> dict | None:
+    """A JSON-object option (a dict from YAML, or JSON text from a flag) as a dict; None when unset."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--{option} {value!r}: not valid JSON ({e.msg}); pass an object such as "
+                          "'{\"key\": value}'") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"--{option} {value!r}: expected a JSON object such as '{{\"key\": value}}'")
+    return out
+
+
+def _apply_swift_names(cfg: TrainConfig) -> None:
+    """ms-swift's spellings of grpokit options (older names, transformers' names) and the JSON options."""
+    m, r, t, a = cfg.model, cfg.rollout, cfg.training, cfg.algorithm
+    if a.kl_in_reward is None:
+        a.kl_in_reward = a.advantage_estimator in ("rloo", "reinforce_plus_plus")
+    if r.max_new_tokens is not None:
+        r.max_completion_length = r.max_new_tokens
+    if t.optim is not None:
+        if t.optim not in OPTIM_NAMES:
+            raise ConfigError(f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
+                              "or --optimizer NAME from the optimizers registry (a plugin may add one)")
+        t.optimizer = OPTIM_NAMES[t.optim]
+    if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
+        t.eval_steps, t.eval_on_start = None, False
+    json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
+    gc_kwargs = json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs)
+    if gc_kwargs and not m.gradient_checkpointing and is_rank0():
+        logger.warning("--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
+                       "default is true, grpokit's false)")
+    if m.attn_impl is not None:
+        if m.attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"--attn_impl {m.attn_impl}: unknown; use one of {', '.join(ATTN_IMPLS)}")
+        if m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
+            raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
+                              "CPU; use --attn_impl sdpa (or eager)")
+    _check_dataloader(t)
+    _check_freezing(m)
+    _positive("vllm_max_num_seqs", r.vllm_max_num_seqs)
+
+
+def _check_freezing(m) -> None:
+    options = {"freeze_parameters": m.freeze_parameters, "freeze_parameters_regex": m.freeze_parameters_regex,
+               "freeze_parameters_ratio": m.freeze_parameters_ratio, "trainable_parameters": m.trainable_parameters,
+               "trainable_parameters_regex": m.trainable_parameters_regex}
+    given = [name for name, value in options.items() if value]
+    if given and m.tuner_type != "full":
+        raise ConfigError(f"--{given[0]} acts with --tuner_type full (as in ms-swift); with LoRA only the adapters "
+                          "train: choose them with --target_modules / --target_regex")
+    if not 0 <= m.freeze_parameters_ratio <= 1:
+        raise ConfigError(f"--freeze_parameters_ratio {m.freeze_parameters_ratio}: must be in [0, 1]")
+    for name in ("freeze_parameters_regex", "trainable_parameters_regex"):
+        if options[name] is not None:
+            try:
+                re.compile(options[name])
+            except re.error as e:
+                raise ConfigError(f"--{name} {options[name]!r}: not a valid regex ({e})") from None
+
+
+def _check_dataloader(t) -> None:
+    for name in ("dataloader_prefetch_factor", "dataloader_multiprocessing_context"):
+        if getattr(t, name) is not None and not t.dataloader_num_workers:
+            raise ConfigError(f"--{name} {getattr(t, name)}: acts only with --dataloader_num_workers > 0")
+    context = t.dataloader_multiprocessing_context
+    if context is not None and context not in multiprocessing.get_all_start_methods():
+        raise ConfigError(f"--dataloader_multiprocessing_context {context}: not a start method here; use one of "
+                          f"{', '.join(multiprocessing.get_all_start_methods())}")
+
+
 def _check_ranges(cfg: TrainConfig) -> None:
     t, r, a = cfg.training, cfg.rollout, cfg.algorithm
     for name, value in [("num_generations", r.num_generations), ("max_completion_length", r.max_completion_length),
                         ("per_device_train_batch_size", t.per_device_train_batch_size),
                         ("gradient_accumulation_steps", t.gradient_accumulation_steps),
                         ("num_iterations", a.num_iterations), ("logging_steps", t.logging_steps),
-                        ("save_steps", t.save_steps), ("learning_rate", t.learning_rate)]:
+                        ("save_steps", t.save_steps), ("learning_rate", t.learning_rate),
+                        ("per_device_eval_batch_size", t.per_device_eval_batch_size),
+                        ("dataloader_prefetch_factor", t.dataloader_prefetch_factor)]:
         _positive(name, value)
     for name, value in [("temperature", r.temperature), ("beta", a.beta), ("epsilon", a.epsilon),
                         ("epsilon_high", a.epsilon_high), ("weight_decay", t.weight_decay),
-                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio)]:
+                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio),
+                        ("warmup_steps", t.warmup_steps), ("adam_epsilon", t.adam_epsilon),
+                        ("dataloader_num_workers", t.dataloader_num_workers), ("logps_chunk_size", t.logps_chunk_size)]:
         _positive(name, value, allow_zero=True)
     if r.num_generations < 2:
         raise ConfigError(f"--num_generations {r.num_generations}: GRPO needs at least 2 completions per prompt "

@@ -172,6 +172,39 @@ def guess_number(split: str = "train", seed: int = 42) -> list[Row]:
     return _ordered(rows, seed)
 
 
+# ---------------------------------------------------------------- colours (images)
+
+COLOURS = ("red", "green", "blue")
+COLOURS_SIZES = {"train": 240, "test": 60}
+COLOURS_PROMPT = "<image>What colour is this image? Answer red, green or blue."
+
+
+def _colour_png(rng: random.Random, colour: str, size: int = 16) -> bytes:
+    """A solid image of a random shade of ``colour``: its channel high (150-255), the others low (0-90)."""
+    import io
+
+    from PIL import Image  # Pillow comes with transformers' image processors; only this task needs it here
+
+    shade = [rng.randint(0, 90) for _ in range(3)]
+    shade[COLOURS.index(colour)] = rng.randint(150, 255)
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), tuple(shade)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@BUILTIN_TASKS.register("colours")
+def colours(split: str = "train", seed: int = 42) -> list[Row]:
+    """A multimodal task: one solid image (PNG bytes in ``images``) of a random shade of red, green or blue, the
+    same question for every image; column ``solution`` = the colour. 240 train / 60 test images, disjoint draws."""
+    _check_split("colours", split)
+    rng = random.Random(_CONTENT_SEED + (split == "test"))
+    rows = []
+    for i in range(COLOURS_SIZES[split]):
+        colour = COLOURS[i % 3]
+        rows.append({"messages": _user(COLOURS_PROMPT), "images": [_colour_png(rng, colour)], "solution": colour})
+    return _ordered(rows, seed)
+
+
 def builtin_rows(name: str, split: str, seed: int) -> list[Row]:
     """Rows of built-in task ``name``; DataError naming the registered tasks when it is unknown."""
     if name not in BUILTIN_TASKS:

@@ -1,34 +1,38 @@
 """Turn ``--dataset`` specs into one ``datasets.Dataset`` of prompt rows.
 
-Spec forms (any may end with ``#N`` to keep N rows drawn by a seeded shuffle):
+Spec forms (any may end with ``#N`` to keep N rows drawn by a seeded shuffle, repeating rows past the size):
 
 - a local file ``.jsonl`` / ``.json`` / ``.csv`` / ``.parquet``, or a folder written by ``Dataset.save_to_disk``;
 - ``builtin:<task>`` (train split) or ``builtin:<task>:test`` (held-out split), generated in code;
 - a hub id ``org/name`` or ``org/name:subset`` (train split), through ``datasets.load_dataset``.
 
-Rows are then normalised (see ``normalize_rows``) so that every row holds ``messages``; other columns travel on
-to the reward functions by name.
+Columns are renamed by ``--columns`` (``grpokit.data.columns``), then rows are normalised (``grpokit.data.rows``)
+so that every row holds ``messages``; other columns travel on to the reward functions by name.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import datasets
 from datasets import Dataset
 
 from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
+from grpokit.data.columns import rename_columns
 from grpokit.data.hub import load_hub_dataset
+from grpokit.data.rows import normalize_rows
+from grpokit.data.images import check_images
 from grpokit.errors import ConfigError, DataError
 
-__all__ = ["BUILTIN_TASKS", "load_dataset_spec", "load_train_val", "normalize_rows", "concat_datasets"]
+__all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_train_val", "normalize_rows",
+           "resolve_system"]
 
 logger = logging.getLogger(__name__)
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-PROMPT_COLUMNS = ("messages", "prompt", "query")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
 
 
@@ -109,6 +113,16 @@ def _load_source(base: str, spec: str, seed: int, option: str) -> Dataset:
     )
 
 
+def _sample(ds: Dataset, count: int, seed: int) -> Dataset:
+    """``#N`` as ms-swift draws it: N rows of a seeded shuffle; past the dataset's size, every row
+    ``N // len`` times and then ``N % len`` rows of the shuffle."""
+    order = ds.shuffle(seed=seed)
+    if count <= len(ds):
+        return order.select(range(count))
+    repeats, rest = divmod(count, len(ds))
+    return datasets.concatenate_datasets([ds] * repeats + ([order.select(range(rest))] if rest else []))
+
+
 def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -> Dataset:
     """Load one spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked.
 
@@ -120,74 +134,9 @@ def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -
         raise DataError(f"{option} {spec!r} has no rows; check the file or pick another dataset")
     if count is not None:
         if count > len(ds):
-            logger.warning("%s %r asks for %d rows but has only %d; using all of them", option, spec, count, len(ds))
-        else:
-            ds = ds.shuffle(seed=seed).select(range(count))
-    return ds
-
-
-def _prompt_messages(row: dict, source: str, index: int) -> list[dict]:
-    """The prompt of one row as a list of messages (from messages, prompt or query)."""
-    for column in PROMPT_COLUMNS:
-        value = row.get(column)
-        if value is None:
-            continue
-        if isinstance(value, str):
-            return [{"role": "user", "content": value}]
-        if isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-            return [dict(m) for m in value]
-        raise DataError(
-            f"{source}: row {index}: column {column!r} must be a string or a list of {{role, content}} messages, "
-            f"got {type(value).__name__}"
-        )
-    raise DataError(f"{source}: row {index} has an empty prompt; fill one of {', '.join(PROMPT_COLUMNS)}")
-
-
-def normalize_rows(ds: Dataset, system: str | None, *, source: str = "dataset") -> Dataset:
-    """Give every row a ``messages`` prompt; copy ``answer`` to ``solution``; add the system prompt.
-
-    - ``messages`` is used as is; otherwise ``prompt`` or ``query`` is (a string becomes one user message, a
-      list of messages is taken as the messages) and that column is dropped (it now lives in ``messages``).
-    - a trailing assistant message is a reference answer, not part of the prompt: it is removed and becomes
-      ``solution`` when the row has neither ``solution`` nor ``answer``.
-    - a row's own ``system`` column, else the ``system`` argument, is prepended when the row has no system
-      message; the ``system`` column is then dropped.
-    - ``answer`` is copied to ``solution`` when ``solution`` is absent (it wins over a trailing assistant reply).
-    All other columns are kept.
-    """
-    columns = list(ds.column_names)
-    prompt_column = next((c for c in PROMPT_COLUMNS if c in columns), None)
-    if prompt_column is None:
-        raise DataError(
-            f"{source}: no prompt column (columns: {', '.join(columns) or 'none'}); add one of: messages "
-            "(list of {role, content}), query (str) or prompt (str or list of messages)"
-        )
-    if len(ds) == 0:
-        raise DataError(f"{source} has no rows; check the file or pick another dataset")
-    has_solution = "solution" in columns
-    has_system_column = "system" in columns
-    has_answer = "answer" in columns and not has_solution
-    drop = [c for c in (prompt_column, "system") if c in columns and c != "messages"]
-
-    def convert(row: dict, index: int) -> dict:
-        messages = _prompt_messages({prompt_column: row[prompt_column]}, source, index)
-        out: dict = {} if has_solution else {"solution": row["answer"] if has_answer else None}
-        if messages and messages[-1].get("role") == "assistant":
-            reference = messages.pop()
-            if not has_solution and out["solution"] is None:
-                out["solution"] = reference.get("content")
-        if not messages:
-            raise DataError(f"{source}: row {index} has no prompt message before the assistant reply")
-        default_system = row.get("system") if has_system_column else None
-        default_system = default_system or system
-        if default_system and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": default_system})
-        out["messages"] = messages
-        return out
-
-    ds = ds.map(convert, with_indices=True, remove_columns=drop, desc=f"normalising {source}")
-    if not has_solution and all(value is None for value in ds["solution"]):
-        ds = ds.remove_columns("solution")  # no answer and no reference reply anywhere: add no empty column
+            logger.warning("%s %r asks for %d rows but has only %d; the rows repeat (as in ms-swift)", option,
+                           spec, count, len(ds))
+        ds = _sample(ds, count, seed)
     return ds
 
 
@@ -222,12 +171,41 @@ def concat_datasets(parts: list[tuple[str, Dataset]]) -> Dataset:
     return datasets.concatenate_datasets(aligned)
 
 
-def _load_many(specs: list[str], system: str | None, seed: int, option: str) -> Dataset:
+@dataclass(frozen=True)
+class RowOptions:
+    """How raw rows become prompts: ``--system`` (already read from its file), ``--columns``, and the
+    ``Dataset.map`` settings ``--dataset_num_proc`` / ``--load_from_cache_file``."""
+
+    system: str | None = None
+    columns: dict[str, str] = field(default_factory=dict)
+    num_proc: int = 1
+    load_from_cache_file: bool = False
+
+
+def resolve_system(value: str | None) -> str | None:
+    """``--system`` as ms-swift reads it: a value ending in ``.txt`` is a file whose text is the system prompt
+    (it must exist); any other value is the prompt itself, with ``\\n`` read as a newline."""
+    if value is None:
+        return None
+    if value.endswith(".txt"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--system {value}: a value ending in .txt is read as a file, and there is no such "
+                              "file; fix the path, or pass the prompt text itself")
+        return path.read_text(encoding="utf-8")
+    return value.replace("\\n", "\n")
+
+
+def _load_many(specs: list[str], opts: RowOptions, seed: int, option: str, used: set[str]) -> Dataset:
     parts = []
     for spec in specs:
         source = f"{option} {spec!r}"
         raw = load_dataset_spec(spec, seed=seed, option=option)
-        parts.append((source, normalize_rows(raw, system, source=source)))
+        raw, matched = rename_columns(raw, opts.columns, source)
+        used.update(matched)
+        rows = normalize_rows(raw, opts.system, source=source, num_proc=opts.num_proc,
+                              load_from_cache_file=opts.load_from_cache_file)
+        parts.append((source, check_images(rows, source)))  # data/images.py
     return concat_datasets(parts)
 
 
@@ -238,18 +216,27 @@ def load_train_val(
     system: str | None,
     seed: int,
     split_dataset_ratio: float = 0.0,
+    options: RowOptions | None = None,
 ) -> tuple[Dataset, Dataset | None]:
     """Load, normalise and concatenate ``--dataset`` and ``--val_dataset``.
 
     Without ``--val_dataset``, ``split_dataset_ratio`` > 0 holds out that fraction of the training rows (seeded).
+    ``options`` carries ``--columns`` and the map settings; its ``system`` is replaced by ``system``.
     """
     if not dataset:
         raise ConfigError("--dataset is empty; pass a file, builtin:arithmetic or a hub id org/name")
     if not 0.0 <= split_dataset_ratio < 1.0:
         raise ConfigError(f"--split_dataset_ratio {split_dataset_ratio}: must be in [0, 1), e.g. 0.05")
-    train = _load_many(dataset, system, seed, "--dataset")
-    if val_dataset:
-        return train, _load_many(val_dataset, system, seed, "--val_dataset")
+    opts = replace(options or RowOptions(), system=system)
+    used: set[str] = set()
+    train = _load_many(dataset, opts, seed, "--dataset", used)
+    val = _load_many(val_dataset, opts, seed, "--val_dataset", used) if val_dataset else None
+    unused = sorted(set(opts.columns) - used)
+    if unused:
+        raise ConfigError(f"--columns names {', '.join(map(repr, unused))}, which no dataset has (matched "
+                          "ignoring case); fix the name or drop it from --columns")
+    if val is not None:
+        return train, val
     if split_dataset_ratio == 0.0:
         return train, None
     n_val = max(1, round(len(train) * split_dataset_ratio))

@@ -5,11 +5,15 @@ completions (system prompt, instructions). The plain forward recomputes the prom
 distinct prompts of a batch run once (with gradient), their KV cache is indexed out to every row, and only the
 completion tokens run per row. Autograd flows through the cache, so values and gradients equal the plain forward's
 (up to floating-point summation order) — a test checks both.
+
+``completion_logits(..., head=ChunkedHead)`` runs the same forwards with the output head swapped for chunked logps
+(engines/chunked_head.py): the results per completion token come back in the logits' place, never the logits.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 
@@ -42,24 +46,45 @@ def shared_prompts(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      logits_to_keep: int, share_prompts: bool = True, **model_kwargs) -> torch.Tensor:
-    """Logits [B, C, V] at the positions that predict the last C = ``logits_to_keep`` tokens."""
+                      logits_to_keep: int, share_prompts: bool = True, head=None, **model_kwargs) -> torch.Tensor:
+    """Logits [B, C, V] at the positions that predict the last C = ``logits_to_keep`` tokens; with ``head`` (a
+    ``ChunkedHead``), its per-token results [B, C, k] for those tokens instead, computed in the head's place."""
     c = logits_to_keep
-    plan = shared_prompts(input_ids, c) if share_prompts else None
+    plan = shared_prompts(input_ids, c) if share_prompts and position_ids is not None else None  # None: the
+    # model derives positions itself (vision-language models), which a prompt-only forward would get wrong
     if plan is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=c + 1, use_cache=False, **model_kwargs)
-        return out.logits[:, :-1, :]
+        with swapped_head(head, next_tokens(input_ids, c + 1)) as take:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        logits_to_keep=c + 1, use_cache=False, **model_kwargs)
+        return take(out)[:, :-1, :]
     first, inverse = plan
     cache_kw = cache_kwarg(model)
     p = input_ids.shape[1] - c
-    head = model(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p],
-                 position_ids=position_ids[first, :p], use_cache=True, logits_to_keep=1, **model_kwargs)
-    cache = _output_cache(head)
+    with swapped_head(head, input_ids[:, p:p + 1], rows=inverse) as take:  # per row: its prompt's last position
+        head_out = model(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p],
+                         position_ids=position_ids[first, :p], use_cache=True, logits_to_keep=1, **model_kwargs)
+    first_logits = take(head_out) if head is not None else head_out.logits[inverse]
+    cache = _output_cache(head_out)
     cache.batch_select_indices(inverse)  # every row gets its prompt's keys/values (differentiable indexing)
-    tail = model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=position_ids[:, p:],
-                 use_cache=True, logits_to_keep=c, **{cache_kw: cache}, **model_kwargs)
-    return torch.cat([head.logits[inverse], tail.logits[:, :-1, :]], dim=1)
+    with swapped_head(head, next_tokens(input_ids, c)) as take:
+        tail = model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=position_ids[:, p:],
+                     use_cache=True, logits_to_keep=c, **{cache_kw: cache}, **model_kwargs)
+    return torch.cat([first_logits, take(tail)[:, :-1, :]], dim=1)
+
+
+def next_tokens(input_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n]: the token each of the last ``n`` positions predicts (0 after the last token, a result dropped)."""
+    return torch.nn.functional.pad(input_ids[:, input_ids.shape[1] - n + 1:], (0, 1))
+
+
+@contextmanager
+def swapped_head(head, targets: torch.Tensor, rows: torch.Tensor | None = None):
+    """``head.swap`` when a ChunkedHead is given, else a block whose ``take(out)`` is ``out.logits``."""
+    if head is None:
+        yield lambda out: out.logits
+    else:
+        with head.swap(targets, rows) as take:
+            yield take
 
 
 def prefill_shared_prompts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):

@@ -11,6 +11,7 @@ from transformers import StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.mm_generate import infer_mm
 from grpokit.engines.sampling import sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
@@ -22,7 +23,6 @@ from grpokit.protocol import (
     RolloutInferRequest,
 )
 from grpokit.template.encode import ChatTemplate
-from grpokit.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
 STOP_CACHE_SIZE = 32  # stop-string criteria kept (each one scanned the vocabulary once)
@@ -53,6 +53,10 @@ class TransformersEngine(InferEngine):
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         if not requests:
             return []
+        if getattr(self.template, "multimodal", False):  # a vision-language model: HF generate with the images
+            with _no_gradient_checkpointing(self.model), _lora_merged(self.model):
+                return infer_mm(self.model, self.template, requests, config, self.max_batch_size,
+                                self.logits_processor_factory)
         prompts = self._encode(requests, config.max_tokens)
         flat = [p for p in prompts for _ in range(config.n)]
         events = self.cancel_events(requests)
@@ -132,8 +136,8 @@ class TransformersEngine(InferEngine):
         pad = self.template.pad_token_id
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        input_ids = long_tensor(t for p in prompts for t in [pad] * (width - len(p)) + p).view(len(prompts), width)
-        attention = (torch.arange(width) >= width - long_tensor(lengths)[:, None]).long()  # left padding
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        attention = (torch.arange(width) >= width - torch.tensor(lengths)[:, None]).long()  # left padding
         greedy = config.temperature == 0
         structured = self.logits_processor_factory(config, width) if self.logits_processor_factory else None
         stopping = self._stopping(config.stop, events)

@@ -164,6 +164,7 @@ class VllmEngine(InferEngine):
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
                                 enable_prefix_caching=r.vllm_enable_prefix_caching,
                                 enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed,
+                                max_num_seqs=r.vllm_max_num_seqs,
                                 memory_option="--vllm_gpu_memory_utilization",
                                 memory_default=_field_default(r, "vllm_gpu_memory_utilization"))
         return cls(model_path, settings)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from grpokit.config.args import ModelArguments
-from grpokit.data.loading import load_dataset_spec, normalize_rows
+from grpokit.data.loading import load_dataset_spec, normalize_rows, resolve_system
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.pipeline.models import load_for_inference, resolve_model_path
 from grpokit.plugins.loader import load_plugins
@@ -27,8 +27,9 @@ def run_infer(args) -> EvalResult:
     path = args.model or resolve_model_path(ModelArguments(model=None))
     model, tokenizer = load_for_inference(path, args.torch_dtype)
     model.eval()
-    template = ChatTemplate(tokenizer, system=args.system)
-    ds = normalize_rows(load_dataset_spec(args.dataset, seed=args.seed), args.system)
+    system = resolve_system(args.system)  # a .txt value is a file, as in `grpokit train`
+    template = ChatTemplate(tokenizer, system=system)
+    ds = normalize_rows(load_dataset_spec(args.dataset, seed=args.seed), system)
     rows = [ds[i] for i in range(len(ds))][: args.limit or None]
     funcs = build_reward_funcs(args.reward_funcs, {"max_completion_length": args.max_new_tokens}, tokenizer)
     runner = RewardRunner(funcs, args.reward_funcs)

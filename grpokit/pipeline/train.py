@@ -9,19 +9,22 @@ from accelerate.utils import set_seed
 
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
-from grpokit.data.loading import load_train_val
+from grpokit.data.columns import parse_columns
+from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import load_policy, resolve_model_path
+from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
-from grpokit.rewards.rm_plugin import RewardModelReward, load_reward_model, rm_plugins
+from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.remote import RemoteScheduler, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
+from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
@@ -44,8 +47,7 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bo
         if plugin_name == "genrm":  # a generative judge: a causal LM behind its own engine
             plugin = plugin_cls(_judge_engine(path, cfg.model.torch_dtype), None)
         else:
-            rm, rm_tok = load_reward_model(path, cfg.model.torch_dtype)
-            plugin = plugin_cls(rm, rm_tok)
+            plugin = make_rm_plugin(plugin_cls, path, cfg.model.torch_dtype)  # ms-swift: (model, template)
         name = f"rm_{os.path.basename(os.path.normpath(path))}"
         funcs.append(RewardModelReward(plugin, name))
         names.append(name)
@@ -85,8 +87,10 @@ def build_engine(cfg: TrainConfig):
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
         return RolloutClient.from_args(r)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
-        return VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
-                                            seed=cfg.training.seed)
+        engine = VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
+                                              seed=cfg.training.seed)
+        engine.template = PromptOptions.from_args(cfg.data, r).template(engine.tokenizer)  # as the trainer renders
+        return engine
     return None
 
 
@@ -96,11 +100,20 @@ def run_train(cfg: TrainConfig):
     plan = batch_plan(cfg)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     log(plan.describe(), flush=True)
-    train_ds, val_ds = load_train_val(cfg.data.dataset or ["builtin:arithmetic"], cfg.data.val_dataset,
-                                      system=cfg.data.system, seed=cfg.training.seed,
-                                      split_dataset_ratio=cfg.data.split_dataset_ratio)
+    d = cfg.data
+    rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
+                      load_from_cache_file=d.load_from_cache_file)
+    train_ds, val_ds = load_train_val(d.dataset or ["builtin:arithmetic"], d.val_dataset,
+                                      system=resolve_system(d.system), seed=cfg.training.seed,
+                                      split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    check_model_takes_images(train_ds, tokenizer, cfg.model.model,
+                             cfg.rollout.use_vllm or cfg.rollout.vllm_mode == "server")
+    prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
+    train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
+    if val_ds is not None:
+        val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
         if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request

@@ -6,15 +6,19 @@ toolbench, math, code_exec (in ``orms``) and arithmetic_steps (in ``prms``). See
 
 from __future__ import annotations
 
-from grpokit.rewards import code_exec, math_rewards, prm, shape_rewards, toolbench  # noqa: F401 (registers built-ins)
+# noqa: F401 below: imported to register the built-ins
+from grpokit.rewards import code_exec, math_rewards, multimodal, prm, shape_rewards, toolbench  # noqa: F401
 from grpokit.rewards.base import ORM, PRM, TRAINER_KWARGS, AsyncORM, accepted_kwargs, orms, prms, required_columns
+from grpokit.rewards.calling import TrainerStateView, trl_convention
 from grpokit.rewards.build import build_reward_funcs, check_reward_columns, reward_name
 from grpokit.rewards.rm_plugin import (
     DefaultRMPlugin,
     GenRMPlugin,
     RewardModelReward,
+    RMTemplate,
     build_reward_model_reward,
     load_reward_model,
+    make_rm_plugin,
     rm_plugins,
 )
 from grpokit.rewards.runner import RewardRunner, is_async_reward
@@ -26,17 +30,21 @@ __all__ = [
     "AsyncORM",
     "DefaultRMPlugin",
     "GenRMPlugin",
+    "RMTemplate",
     "RewardModelReward",
     "RewardRunner",
+    "TrainerStateView",
     "accepted_kwargs",
     "build_reward_funcs",
     "build_reward_model_reward",
     "check_reward_columns",
     "is_async_reward",
     "load_reward_model",
+    "make_rm_plugin",
     "orms",
     "prms",
     "required_columns",
     "reward_name",
     "rm_plugins",
+    "trl_convention",
 ]

@@ -2,8 +2,9 @@
 
 The reward contract (DESIGN.md): ``reward(completions: list[str], **kwargs) -> list[float | None]``. ``kwargs``
 carry the dataset's other columns by name (``solution``, ``test_cases``, …, each a list of length N) plus what
-the trainer always supplies (``TRAINER_KWARGS``). ``None`` or NaN means "this function does not score this
-sample"; it is left out of the weighted sum.
+the trainer always supplies (``TRAINER_KWARGS``; ``trainer_state`` reads as ``.global_step`` and as a dict).
+``None`` or NaN means "this function does not score this sample"; it is left out of the weighted sum. A function
+written for TRL is called TRL's way, all by keyword (``grpokit.rewards.calling`` decides from the signature).
 
 A plugin registers a class (instantiated once by ``build_reward_funcs``) or a ready callable under a name:
 ``orms["length_bonus"] = LengthBonus``, where ``LengthBonus`` subclasses ``ORM`` and defines
@@ -16,6 +17,7 @@ import inspect
 from typing import Any
 
 from grpokit.errors import ConfigError
+from grpokit.rewards.calling import convention
 from grpokit.registry import Registry
 
 # Keys the trainer passes to every reward call, whatever the dataset holds.
@@ -30,6 +32,11 @@ TRAINER_KWARGS: frozenset[str] = frozenset(
         "is_truncated",
         "num_turns",
         "trainer_state",
+        "prompts",
+        "request_id",
+        "trajectory_inputs",
+        "log_extra",
+        "log_metric",
     }
 )
 
@@ -112,8 +119,11 @@ def _call_params(func: Any) -> list[inspect.Parameter]:
         ]
 
 
-def _after_completions(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
-    """Drop the first positional parameter: the runner passes completions there, whatever its name."""
+def _after_completions(params: list[inspect.Parameter], func: Any = None) -> list[inspect.Parameter]:
+    """Drop the first positional parameter: the runner passes completions there, whatever its name (ms-swift's
+    convention; a function called TRL's way gets every parameter by keyword, so none is dropped)."""
+    if func is not None and convention(func) == "trl":
+        return params
     for i, p in enumerate(params):
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             return params[:i] + params[i + 1 :]
@@ -126,14 +136,14 @@ def required_columns(func: Any) -> set[str]:
     """Keyword parameters of the reward call without a default, except the one that receives completions."""
     return {
         p.name
-        for p in _after_completions(_call_params(func))
+        for p in _after_completions(_call_params(func), func)
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name != "completions"
     }
 
 
 def accepted_kwargs(func: Any) -> set[str] | None:
     """Names the reward call accepts by keyword, or None when it takes ``**kwargs`` (then it gets everything)."""
-    params = _after_completions(_call_params(func))
+    params = _after_completions(_call_params(func), func)
     if any(p.kind == p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -14,6 +14,7 @@ from typing import Any
 
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import TRAINER_KWARGS, orms, prms, required_columns
+from grpokit.rewards.calling import check_signature
 
 
 def reward_name(func: Any) -> str:
@@ -72,11 +73,13 @@ def build_reward_funcs(names: list[Any], options: dict[str, Any] | None = None, 
 
 
 def check_reward_columns(funcs: list[Any], names: list[str], available: set[str]) -> None:
-    """Raise ConfigError when a reward needs a column that neither the dataset nor the trainer supplies."""
+    """Raise ConfigError when a reward's signature fits no calling convention (``calling.check_signature``) or
+    when it needs a column that neither the dataset nor the trainer supplies."""
     if len(funcs) != len(names):
         raise ConfigError(f"check_reward_columns: {len(funcs)} reward functions but {len(names)} names")
     have = set(available) | TRAINER_KWARGS
     for func, name in zip(funcs, names):
+        check_signature(func, name)
         missing = required_columns(func) - have
         if missing:
             cols = ", ".join(sorted(available)) or "(none)"

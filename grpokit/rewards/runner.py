@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
+from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, trl_kwargs
 
 if TYPE_CHECKING:
     import torch
@@ -53,24 +54,29 @@ class RewardRunner:
         self.names = list(names)
         self._is_async = [is_async_reward(f) for f in self.funcs]
         self._accepts = [accepted_kwargs(f) for f in self.funcs]
+        self._trl = [convention(f) == "trl" for f in self.funcs]
         self._loop: LoopThread | None = LoopThread("grpokit-reward-loop") if any(self._is_async) else None
 
     # -- public ------------------------------------------------------------------------------------------------
 
-    def compute(self, completions: list[str], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Score ``completions`` with every function; ``kwargs`` holds columns (lists of length N) and extras."""
+    def compute(self, completions: list[str], kwargs: dict[str, Any], log: RewardLog | None = None) -> torch.Tensor:
+        """Score ``completions`` with every function; ``kwargs`` holds columns (lists of length N) and extras.
+        What the functions record with ``log_extra``/``log_metric`` goes into ``log`` (dropped when None)."""
         import torch
 
         n = len(completions)
+        if "trainer_state" in kwargs:
+            kwargs = {**kwargs, "trainer_state": as_trainer_state(kwargs["trainer_state"])}
+        log = log if log is not None else RewardLog(n)
         scores = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)  # [N, F]
         async_idx = [i for i, a in enumerate(self._is_async) if a]
-        pending = self._start_async(async_idx, completions, kwargs) if async_idx else None
+        pending = self._start_async(async_idx, completions, kwargs, log) if async_idx else None
         try:
             for i, func in enumerate(self.funcs):
                 if self._is_async[i]:
                     continue
                 try:
-                    out = func(completions, **self._kwargs_for(i, kwargs))
+                    out = self._invoke(i, completions, kwargs, log)
                     if inspect.isawaitable(out):  # a plain def that returned a coroutine
                         out = self._await(out)
                 except GrpokitError:
@@ -109,6 +115,14 @@ class RewardRunner:
             return kwargs
         return {k: v for k, v in kwargs.items() if k in accepts}
 
+    def _invoke(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Any:
+        """Call function i in its convention: completions positionally (ms-swift), or all by keyword (TRL)."""
+        kwargs = {**kwargs, **log.hooks(self.names[i])}
+        if self._trl[i]:
+            return self.funcs[i](**self._kwargs_for(i, trl_kwargs(completions, kwargs,
+                                                                  is_conversational(self.funcs[i]))))
+        return self.funcs[i](completions, **self._kwargs_for(i, kwargs))
+
     def _ensure_loop(self) -> LoopThread:
         if self._loop is None:
             self._loop = LoopThread("grpokit-reward-loop")
@@ -120,9 +134,9 @@ class RewardRunner:
 
         return self._ensure_loop().submit(wrap()).result()
 
-    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any]) -> Future:
+    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Future:
         async def call(i: int) -> Any:
-            return await self.funcs[i](completions, **self._kwargs_for(i, kwargs))
+            return await self._invoke(i, completions, kwargs, log)
 
         async def run_all() -> list[Any]:
             return await asyncio.gather(*(call(i) for i in idx), return_exceptions=True)
@@ -130,7 +144,7 @@ class RewardRunner:
         return self._ensure_loop().submit(run_all())
 
     def _call_one(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> Any:
-        out = self.funcs[i](completions, **self._kwargs_for(i, kwargs))
+        out = self._invoke(i, completions, kwargs, RewardLog(len(completions)))
         return self._await(out) if inspect.isawaitable(out) else out
 
     # -- checking ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpokit.errors import ConfigError, DataError, RolloutError
-from grpokit.rollout.env import Env, envs
+from grpokit.rollout.env import Env, envs, reset_values, start_messages
 from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
 from grpokit.protocol import (
     ChatCompletionResponseChoice,
@@ -247,13 +247,12 @@ class GYMScheduler(MultiTurnScheduler):
                 raise RolloutError(f"gym_scheduler: two trajectories share request_id {req.request_id}")
             name, env = self._make_env(req)
             try:
-                observation, info = await _maybe_await(env.reset(req))
+                observation, info, system = reset_values(await _maybe_await(env.reset(req)), name)
             except Exception as e:
                 await self._close(_Episode(env, name), req.request_id)
                 raise RolloutError(f"request {req.request_id}: env {name!r} reset failed: "
                                    f"{type(e).__name__}: {e}") from e
-            if observation:
-                _add_user_text(req.messages, str(observation))
+            req.messages[:] = start_messages(req.messages, observation, system)
             self._episodes[req.request_id] = _Episode(env, name, dict(info or {}))
 
     async def on_turn_end(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
@@ -289,12 +288,6 @@ class GYMScheduler(MultiTurnScheduler):
             logger.warning("request %s: env %r close failed: %s: %s", request_id, ep.name, type(e).__name__, e)
 
 
-def _add_user_text(messages: list[dict], text: str) -> None:
-    """Append text to a trailing user message, else add it as a new user message."""
-    if messages and messages[-1]["role"] == "user":
-        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}\n\n{text}"}
-    else:
-        messages.append({"role": "user", "content": text})
 
 
 # -- tool_call_scheduler ---------------------------------------------------------------------------------------

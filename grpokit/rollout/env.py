@@ -26,9 +26,12 @@ class Env(ABC):
         self.env_config = dict(env_config or {})
 
     @abstractmethod
-    async def reset(self, config: RolloutInferRequest) -> tuple[str, dict[str, Any]]:
-        """Start the episode for this request. Returns (observation, info); a non-empty observation is added to
-        the prompt as user text, info (JSON-serialisable) lands in ``rollout_infos['reset_info']``."""
+    async def reset(self, config: RolloutInferRequest) -> tuple[str, dict[str, Any], str]:
+        """Start the episode for this request. Returns (observation, info, system_message), as in ms-swift;
+        (observation, info) is accepted too. As in ms-swift the env's messages replace the row's prompt: a
+        non-empty observation replaces its user/assistant messages with one user message, a non-empty system
+        message replaces its system message; an empty one keeps the row's. ``info`` (JSON-serialisable) lands in
+        ``rollout_infos['reset_info']``."""
 
     @abstractmethod
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
@@ -37,6 +40,32 @@ class Env(ABC):
 
     async def close(self) -> None:
         """Release what the episode holds (processes, sockets). Default: nothing."""
+
+
+def reset_values(ret: Any, name: str) -> tuple[str, dict[str, Any], str]:
+    """(observation, info, system_message) from what ``Env.reset`` returned: 3 values (ms-swift) or 2 (info
+    and system message default to empty). ValueError naming the env for anything else."""
+    if not isinstance(ret, (tuple, list)) or len(ret) not in (2, 3):
+        got = f"{len(ret)} values" if isinstance(ret, (tuple, list)) else type(ret).__name__
+        raise ValueError(f"env {name!r}: reset must return (observation, info, system_message) or "
+                         f"(observation, info), got {got}")
+    observation, info, system = (*ret, "") if len(ret) == 2 else ret
+    if observation is not None and not isinstance(observation, str):
+        raise ValueError(f"env {name!r}: reset's observation must be a string, got {type(observation).__name__}")
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"env {name!r}: reset's system_message must be a string, got {type(system).__name__}")
+    if info is not None and not isinstance(info, dict):
+        raise ValueError(f"env {name!r}: reset's info must be a dict, got {type(info).__name__}")
+    return observation or "", dict(info or {}), system or ""
+
+
+def start_messages(prompt: list[dict[str, Any]], observation: str, system: str) -> list[dict[str, Any]]:
+    """The trajectory's first messages (ms-swift's replacement): ``[system, user: observation]``, each part
+    taken from the row's prompt when the env gave none."""
+    row_system = [m for m in prompt if m["role"] == "system"]
+    rest = [m for m in prompt if m["role"] != "system"]
+    head = [{"role": "system", "content": system}] if system else row_system
+    return head + ([{"role": "user", "content": observation}] if observation else rest)
 
 
 GUESS_LOW, GUESS_HIGH = 1, 16
@@ -61,12 +90,13 @@ class GuessNumberEnv(Env):
         self.high = int(self.env_config.get("high", GUESS_HIGH))
         self.guesses: list[int] = []
 
-    async def reset(self, config: RolloutInferRequest) -> tuple[str, dict[str, Any]]:
-        """The instructions, unless the row's prompt already holds a user message (it then carries them)."""
+    async def reset(self, config: RolloutInferRequest) -> tuple[str, dict[str, Any], str]:
+        """The instructions, unless the row's prompt already holds a user message (an empty observation keeps
+        it); no system message of its own."""
         has_user = any(m["role"] == "user" for m in config.messages)
         text = "" if has_user else (f"I am thinking of a number between {self.low} and {self.high}. "
                                     "Guess it; reply with just the number.")
-        return text, {"low": self.low, "high": self.high}
+        return text, {"low": self.low, "high": self.high}, ""
 
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
         reply = str(action[-1].get("content") or "")

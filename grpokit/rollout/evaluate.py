@@ -24,7 +24,8 @@ def evaluate_rows(engine, template, rows: list[dict], reward_runner, reward_name
     finish: list[str] = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        reqs = [RolloutInferRequest(messages=template.with_system(r["messages"])) for r in chunk]
+        reqs = [RolloutInferRequest(messages=template.with_system(r["messages"]),  # the row's columns (its images)
+                                    data_dict={k: v for k, v in r.items() if k != "messages"}) for r in chunk]
         for resp in engine.infer(reqs, config):
             completions.append(resp.choices[0].message["content"])
             finish.append(resp.choices[0].finish_reason)

@@ -64,17 +64,6 @@ class RolloutScheduler:
         result = await self.run(request, config)
         return _tag(result if isinstance(result, list) else [result], request)
 
-    def runs_plain(self, requests: Sequence[RolloutInferRequest]) -> bool:
-        """True when a batch's trajectories are exactly one engine call with the shared config: this class's
-        own ``run``, no hook overridden, no per-request sampling override, an engine that samples on the
-        caller's thread. ``run_trajectories`` then calls the engine once directly instead of going through
-        the event loop, with the same result."""
-        cls = type(self)
-        own = all(getattr(cls, name) is getattr(RolloutScheduler, name)
-                  for name in ("run", "on_trajectory_start", "on_turn_end", "async_infer", "_run_one"))
-        return (own and getattr(self.infer_engine, "infer_on_loop_thread", False)
-                and all(r.request_config is None for r in requests))
-
 
 def _single_turn_output(request: RolloutInferRequest, response: ChatCompletionResponse,
                         rollout_infos: dict) -> RolloutOutput:
@@ -101,10 +90,5 @@ def _tag(outputs: list[RolloutOutput], request: RolloutInferRequest) -> list[Rol
 
 def run_trajectories(scheduler: RolloutScheduler, requests: Sequence[RolloutInferRequest],
                      config: RequestConfig) -> list[RolloutOutput]:
-    """Synchronous entry for the trainer (colocate mode), through ``grpokit.aio.run_sync``. A plain single-turn
-    batch skips the event loop (``RolloutScheduler.runs_plain``): one engine call."""
-    if config.n == 1 and scheduler.runs_plain(requests):  # (n > 1 is refused by async_infer)
-        responses = scheduler.infer_engine.infer(list(requests), config)
-        return [o for r, resp in zip(requests, responses, strict=True)
-                for o in _tag([_single_turn_output(r, resp, {})], r)]
+    """Synchronous entry for the trainer (colocate mode), through ``grpokit.aio.run_sync``."""
     return run_sync(scheduler.async_infer(requests, config))

@@ -14,6 +14,7 @@ from typing import Any
 
 from grpokit.errors import RolloutError
 from grpokit.protocol import RolloutOutput
+from grpokit.template.carry import detach
 
 
 @dataclass
@@ -28,12 +29,26 @@ class EncodedSample:
 _PROMPT_MEMO_SIZE = 4096
 
 
-class ChatTemplate:
-    """Renders conversations with a Hugging Face tokenizer's chat template."""
+TRUNCATION_STRATEGIES = ("left", "right", "delete", "raise")
 
-    def __init__(self, tokenizer, system: str | None = None) -> None:
+
+class ChatTemplate:
+    """Renders conversations with a Hugging Face tokenizer's chat template.
+
+    ``chat_template_kwargs`` go to every ``apply_chat_template`` call (``enable_thinking``, …); those a prompt
+    carries (``grpokit.template.carry``) win over them, and the tools it carries go as ``tools=``. With
+    ``max_length``, prompt ids longer than it are cut to their last (``left``) or first (``right``) ``max_length``
+    tokens; ``delete`` and ``raise`` act on the dataset before training (``grpokit.template.prompts``), so they
+    leave the ids alone here.
+    """
+
+    def __init__(self, tokenizer, system: str | None = None, *, chat_template_kwargs: dict | None = None,
+                 max_length: int | None = None, truncation_strategy: str = "left") -> None:
         self.tokenizer = tokenizer
         self.system = system
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.max_length = max_length
+        self.truncation_strategy = truncation_strategy
         # messages → prompt ids. The num_generations requests of a group share their prompt, which the engine
         # encodes to sample and the trainer again to build the batch; rendering the template costs ~0.5 ms each.
         self._prompt_ids: dict[str, list[int]] = {}
@@ -51,10 +66,13 @@ class ChatTemplate:
 
     def render_prompt(self, messages: list[dict]) -> str:
         """Text the model continues: a generation header, or the open last assistant message."""
-        messages = self.with_system(messages)
+        messages, tools, carried = detach(self.with_system(messages))
+        kwargs = {**self.chat_template_kwargs, **carried}
+        if tools:
+            kwargs["tools"] = tools
         if messages[-1]["role"] == "assistant":
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True, **kwargs)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -71,9 +89,23 @@ class ChatTemplate:
             texts = [self.render_prompt(m) for m in missing.values()]
             if len(self._prompt_ids) + len(missing) > _PROMPT_MEMO_SIZE:
                 self._prompt_ids.clear()
-            ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            ids = [self._truncated(i) for i in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
             self._prompt_ids.update(zip(missing, ids, strict=True))
         return [list(self._prompt_ids[k]) for k in keys]
+
+    def prompt_lengths(self, conversations: list[list[dict]]) -> list[int]:
+        """Token count of each rendered prompt, before any truncation."""
+        texts = [self.render_prompt(m) for m in conversations]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def _truncated(self, ids: list[int]) -> list[int]:
+        if self.max_length is None or len(ids) <= self.max_length:
+            return ids
+        if self.truncation_strategy == "left":
+            return ids[-self.max_length:]
+        if self.truncation_strategy == "right":
+            return ids[: self.max_length]
+        return ids
 
     # -- trajectories ----------------------------------------------------------------------------------------
     def encode_output(self, prompt_messages: list[dict], output: RolloutOutput) -> EncodedSample:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from grpokit.template.encode import EncodedSample
-from grpokit.tensors import float_tensor, long_tensor
+from grpokit.template.processor import MMRow
 
 
 @dataclass
@@ -26,6 +26,7 @@ class RolloutBatch:
     rollout_logps: torch.Tensor | None = None  # [N, C] engine logprobs (NaN where missing)
     num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
     extra: dict[str, Any] = field(default_factory=dict)  # per-row tensors a _prepare_inputs override adds
+    mm_inputs: list[MMRow] | None = None  # vision-language models: each row's processor tensors (collate_mm)
 
     @property
     def logits_to_keep(self) -> int:
@@ -41,6 +42,10 @@ class RolloutBatch:
             v = getattr(self, f.name)
             out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
         out["extra"] = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.extra.items()}
+        if self.mm_inputs is not None:  # whole rows: a row's images never part from its image tokens
+            rows = range(len(self))[idx] if isinstance(idx, slice) else (
+                idx.nonzero().flatten() if idx.dtype == torch.bool else idx).tolist()
+            out["mm_inputs"] = [self.mm_inputs[i] for i in rows]
         return RolloutBatch(**out)
 
     def split(self, n: int) -> list[RolloutBatch]:
@@ -100,9 +105,10 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
             lps += (s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c) \
                 + [float("nan")] * right
     n, width = len(samples), p_len + c_len
-    input_ids = long_tensor(ids).view(n, width)
-    attention = long_tensor(att).view(n, width)
-    rollout = float_tensor(lps).view(n, c_len) if have_lps else None
+    input_ids = torch.tensor(ids, dtype=torch.long).view(n, width)
+    attention = torch.tensor(att, dtype=torch.long).view(n, width)
+    rollout = torch.tensor(lps, dtype=torch.float32).view(n, c_len) if have_lps else None
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return RolloutBatch(input_ids, attention, position_ids, float_tensor(cmask).view(n, c_len),
-                        torch.tensor(truncated, dtype=torch.bool), rollout_logps=rollout)
+    mm = [s.extra.get("mm", MMRow()) for s in samples] if any("mm" in s.extra for s in samples) else None
+    return RolloutBatch(input_ids, attention, position_ids, torch.tensor(cmask, dtype=torch.float32).view(n, c_len),
+                        torch.tensor(truncated, dtype=torch.bool), rollout_logps=rollout, mm_inputs=mm)

@@ -19,22 +19,22 @@ from grpokit.algorithms import (
     LossInputs,
     compute_policy_loss,
     ema_update_,
-    entropy_from_logits,
     entropy_mask,
     entropy_threshold,
     loss_mask,
     rollout_importance_weights,
-    selective_log_softmax,
 )
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
-from grpokit.engines.prefix import completion_logits, worth_sharing
+from grpokit.engines.prefix import worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
+from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
 from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
@@ -85,7 +85,10 @@ class GRPOTrainer:
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
                                shuffle=cfg.data.dataset_shuffle, num_processes=self.accelerator.num_processes,
-                               process_index=self.accelerator.process_index)
+                               process_index=self.accelerator.process_index,
+                               num_workers=self.args.dataloader_num_workers or 0,
+                               prefetch_factor=self.args.dataloader_prefetch_factor,
+                               multiprocessing_context=self.args.dataloader_multiprocessing_context)
         self._producer = WindowProducer(
             self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
@@ -108,6 +111,8 @@ class GRPOTrainer:
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
             self._sync_weights()
         self._call("on_train_begin")
+        if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
+            self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
         try:
             while self.state.global_step < self.state.max_steps:
@@ -197,24 +202,28 @@ class GRPOTrainer:
     # forward and loss (hooks)
     # ------------------------------------------------------------------------------------------------------
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
-        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs."""
+        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs. A vision-language batch adds
+        its rows' processor tensors (template/processor.py) and leaves positions to the model (Qwen-VL's are 3-D)."""
+        if inputs.mm_inputs is not None:
+            c = inputs.logits_to_keep
+            mm = collate_mm(inputs.mm_inputs, inputs.input_ids.shape[1] - c, c)
+            mm = {k: v.to(inputs.input_ids.device) for k, v in mm.items()}
+            if "pixel_values" in mm:
+                mm["pixel_values"] = mm["pixel_values"].to(next(self.policy.parameters()).dtype)
+            return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "position_ids": None,
+                    **mm}
         return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
                 "position_ids": inputs.position_ids}
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
-        """The one entry for old, ref and current logps: forward, keep completion logits, divide by the sampling
-        temperature, gather the sampled tokens' logprobs. Returns ([B, C] logps, [B, C] entropies or None)."""
-        c = inputs.logits_to_keep
-        kwargs = self._prepare_model_inputs(inputs)
-        logits = completion_logits(model, logits_to_keep=c, share_prompts=self._share_prompts(model), **kwargs)
-        logits = logits.float() / self.cfg.rollout.temperature  # [B, C, V] predicts the completion tokens
-        targets = inputs.input_ids[:, -c:]
-        logps = selective_log_softmax(logits, targets)
-        entropies = None
-        if compute_entropy:
-            with torch.no_grad():
-                entropies = entropy_from_logits(logits)
-        return logps, entropies
+        """The one entry for old, ref and current logps: forward, and from the positions that predict the
+        completion tokens, logits divided by the sampling temperature, the sampled tokens' logprobs (chunked in
+        the output head's place, or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C]
+        entropies or None)."""
+        opts = ForwardOptions(temperature=self.cfg.rollout.temperature, chunk_size=self.args.logps_chunk_size,
+                              padding_free=self.args.padding_free, share_prompts=self._share_prompts(model))
+        return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
+                                compute_entropy)
 
     def _share_prompts(self, model) -> bool:
         """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
@@ -268,7 +277,8 @@ class GRPOTrainer:
         self.state.global_step += 1
         self._refresh_ref_model()
         step = self.state.global_step
-        if step % self.args.logging_steps == 0 or step == self.state.max_steps:
+        first = step == 1 and self.args.logging_first_step
+        if step % self.args.logging_steps == 0 or step == self.state.max_steps or first:
             step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
             logs = {**self._window_metrics, **step_metrics,
                     **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
@@ -280,7 +290,7 @@ class GRPOTrainer:
             bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}")
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
             self.evaluate()
-        if step % self.args.save_steps == 0 and step < self.state.max_steps:
+        if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:
             self._save_checkpoint()
         bar.update(1)
         self._call("on_step_end")
@@ -323,7 +333,8 @@ class GRPOTrainer:
         """Greedy completions on the validation set, scored with the reward functions."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
-                               max_tokens=self.cfg.rollout.max_completion_length)
+                               max_tokens=self.cfg.rollout.max_completion_length,
+                               batch_size=self.args.per_device_eval_batch_size)
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         return logs

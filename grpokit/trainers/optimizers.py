@@ -20,7 +20,8 @@ def build_adamw(params, args):
     import torch
 
     params = list(params)
-    kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2))
+    kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                  eps=args.adam_epsilon)
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except RuntimeError as e:  # a parameter on a device or of a dtype without the fused kernel

@@ -1,8 +1,12 @@
-"""The prompt stream: dataset rows, window by window, in a seeded per-epoch order, each process its own block."""
+"""The prompt stream: dataset rows, window by window, in a seeded per-epoch order, each process its own block;
+with ``--dataloader_num_workers N`` the rows of the next windows are read ahead by N worker processes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+from torch.utils.data import DataLoader
 
 
 class PromptStream:
@@ -12,8 +16,14 @@ class PromptStream:
     sets it back (a position always maps to the same row)."""
 
     def __init__(self, dataset, prompts_per_window: int, *, seed: int, shuffle: bool, num_processes: int = 1,
-                 process_index: int = 0) -> None:
+                 process_index: int = 0, num_workers: int = 0, prefetch_factor: int | None = None,
+                 multiprocessing_context: str | None = None) -> None:
         self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self._loader: DataLoader | None = None
+        self._ahead: tuple[int, Iterator[list[dict]]] | None = None  # (position it continues from, iterator)
         self.prompts_per_window = prompts_per_window
         self.seed = seed
         self.shuffle = shuffle
@@ -24,21 +34,43 @@ class PromptStream:
 
     def next(self) -> list[dict]:
         """This process's rows of the next window, each with its stream position as ``_prompt_index``."""
-        n = len(self.dataset)
-        share = self.prompts_per_window // self.num_processes
-        first = self.position + self.process_index * share
+        positions = self._positions(self.position)
+        if self.num_workers:
+            rows = self._read_ahead()
+        else:
+            rows = read_rows(self.dataset, self._indices(positions))
         self.position += self.prompts_per_window
-        positions = range(first, first + share)
-        indices = [int(self._epoch_order(epoch)[idx]) for epoch, idx in (divmod(pos, n) for pos in positions)]
-        return [{"_prompt_index": pos, **row} for pos, row in zip(positions, self._rows(indices), strict=True)]
+        return [{"_prompt_index": pos, **row} for pos, row in zip(positions, rows, strict=True)]
 
-    def _rows(self, indices: list[int]) -> list[dict]:
-        """Rows by index: one batched read for a ``datasets.Dataset`` (column-wise), one per row for a list."""
-        ds = self.dataset
-        if not hasattr(ds, "column_names") or not indices:
-            return [ds[i] for i in indices]
-        columns = ds[indices]
-        return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+    def _positions(self, window_start: int) -> range:
+        share = self.prompts_per_window // self.num_processes
+        first = window_start + self.process_index * share
+        return range(first, first + share)
+
+    def _indices(self, positions: range) -> list[int]:
+        n = len(self.dataset)
+        return [int(self._epoch_order(epoch)[idx]) for epoch, idx in (divmod(pos, n) for pos in positions)]
+
+    def _window_indices(self, start: int) -> Iterator[list[int]]:
+        """The row indices of the windows from stream position ``start`` on, for the workers (endless)."""
+        while True:
+            yield self._indices(self._positions(start))
+            start += self.prompts_per_window
+
+    def _read_ahead(self) -> list[dict]:
+        """The next window's rows from the worker processes, which read the following windows meanwhile. The
+        loader and its workers live for the whole run; a jump of ``position`` (a resume) restarts the index
+        stream from there."""
+        if self._loader is None:
+            self._loader = DataLoader(_RowReader(self.dataset), batch_sampler=_Windows(self), collate_fn=_as_is,
+                                      num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                      multiprocessing_context=self.multiprocessing_context, persistent_workers=True)
+        if self._ahead is None or self._ahead[0] != self.position:
+            self._loader.batch_sampler.start = self.position
+            self._ahead = (self.position, iter(self._loader))
+        rows = next(self._ahead[1])
+        self._ahead = (self.position + self.prompts_per_window, self._ahead[1])
+        return rows
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
@@ -49,3 +81,42 @@ class PromptStream:
                 order = torch.arange(n)
             self._order = (epoch, order)
         return self._order[1]
+
+
+def read_rows(ds, indices: list[int]) -> list[dict]:
+    """Rows by index: one batched read for a ``datasets.Dataset`` (column-wise), one per row for a list."""
+    if not hasattr(ds, "column_names") or not indices:
+        return [ds[i] for i in indices]
+    columns = ds[indices]
+    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+class _RowReader(torch.utils.data.Dataset):
+    """The dataset as the workers see it: one window's rows per fetch, read as ``read_rows`` reads them."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return read_rows(self.dataset, [index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        return read_rows(self.dataset, list(indices))
+
+
+class _Windows:
+    """Batch sampler: window after window of row indices from the stream's position ``start`` (set before each
+    iteration), computed in the training process; the workers only read the rows."""
+
+    def __init__(self, stream: PromptStream) -> None:
+        self.stream, self.start = stream, 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.stream._window_indices(self.start)
+
+
+def _as_is(rows: list[dict]) -> list[dict]:
+    return rows

@@ -11,12 +11,14 @@ import torch
 
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import BatchPlan
+from grpokit.config.validate import json_object
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.modeling import resolve_dtype_name
 from grpokit.rewards.runner import RewardRunner
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
+from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.window_producer import Rewards
@@ -68,12 +70,16 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     if not params:
         raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
     optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
-    warmup = math.ceil(t.warmup_ratio * max_steps)
+    warmup = num_warmup_steps(t, max_steps)
+    extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     try:
         scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=max_steps)
-    except ValueError as e:
-        raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
+                                  num_training_steps=max_steps, scheduler_specific_kwargs=extra)
+    except (ValueError, TypeError) as e:
+        option = f"--lr_scheduler_type {t.lr_scheduler_type}"
+        if extra:
+            option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs} with {option}"
+        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
     prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     ref = None
     if cfg.algorithm.beta != 0 and not is_peft(model):
@@ -82,11 +88,19 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
         ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
         ref.eval().requires_grad_(False)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer))
+                         [p for p in prepared.parameters() if p.requires_grad], max_steps,
+                         PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer))
 
 
 def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def num_warmup_steps(t, max_steps: int) -> int:
+    """--warmup_steps (below 1: a fraction of the steps, as transformers 5 reads it) or else --warmup_ratio."""
+    if t.warmup_steps >= 1:
+        return int(t.warmup_steps)
+    return math.ceil((t.warmup_steps or t.warmup_ratio) * max_steps)
 
 
 def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:

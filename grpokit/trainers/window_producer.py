@@ -14,7 +14,9 @@ import torch
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
+from grpokit.data.images import row_images
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
@@ -73,6 +75,7 @@ class WindowProducer:
             structured_outputs_regex=rollout_args.structured_outputs_regex,
             structured_outputs_json=rollout_args.structured_outputs_json)
         self._warned_no_signal = False
+        self._reward_logs = RewardLogBook()  # log_extra / log_metric records until their window is built
 
     # -- the rollout: engine and rewards only (safe in the async thread) -----------------------------------
     def rollout(self, prompts: list[dict]) -> WindowRollout:
@@ -100,7 +103,7 @@ class WindowProducer:
         """Trajectories through the scheduler (which drives the engine or a rollout client)."""
         return run_trajectories(self.scheduler, requests, self.request_config)
 
-    def score(self, requests, outputs: list[RolloutOutput], trainer_state: dict) -> torch.Tensor:
+    def score(self, requests, outputs: list[RolloutOutput], trainer_state: Any) -> torch.Tensor:
         """[N, F] rewards (NaN = not scored) from every reward function and model; gym rewards as a last column."""
         by_id = {r.request_id: r for r in requests}
         completions = [o.messages[-1]["content"] if o.messages and o.messages[-1]["role"] == "assistant"
@@ -109,15 +112,23 @@ class WindowProducer:
         for col in {k for r in requests for k in r.data_dict}:
             kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
+        trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
+        for o in outputs:
+            trajectories.setdefault(o.request_id, []).append(
+                {**by_id[o.request_id].data_dict, "messages": o.messages, "rollout_infos": o.rollout_infos})
         kwargs.update(
             messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
             rollout_infos=[o.rollout_infos for o in outputs],
             finish_reason=[o.response.choices[0].finish_reason for o in outputs],
             is_truncated=[o.response.choices[0].finish_reason == "length" for o in outputs],
             num_turns=[o.rollout_infos.get("num_turns", 1) for o in outputs],
-            trainer_state=trainer_state)
-        runner = self.rewards.runner
-        scores = runner.compute(completions, kwargs) if runner else torch.zeros(len(outputs), 0)
+            trainer_state=as_trainer_state(trainer_state),
+            prompts=[o.prompt_messages or by_id[o.request_id].messages for o in outputs],
+            request_id=[o.request_id for o in outputs],
+            trajectory_inputs=trajectories)
+        runner, log = self.rewards.runner, RewardLog(len(outputs))
+        scores = runner.compute(completions, kwargs, log) if runner else torch.zeros(len(outputs), 0)
+        self._reward_logs.add([o.request_id for o in outputs], log)
         if self.rewards.uses_env_reward:
             env = torch.tensor([float(o.rollout_infos.get("total_reward", float("nan"))) for o in outputs])
             scores = torch.cat([scores, env.unsqueeze(1)], dim=1)
@@ -151,10 +162,14 @@ class WindowProducer:
             for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures
                 metrics[f"rewards/{name}/{key}"] = float(value)
         self._warn_without_signal(metrics.get("frac_reward_zero_std", 0.0))
+        extras, logged = self._reward_logs.take([o.request_id for o in outputs])
+        metrics.update({k if k not in metrics else f"reward_log/{k}": v for k, v in logged.items()})
         rows = []
         if self.log_completions:  # every rank builds its rows; all of them are gathered (a collective)
-            rows = gather_objects(self.accelerator, completion_rows(
-                requests, outputs, rewards_per_func, batch.advantages, self.rewards.names, step + 1))
+            rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, self.rewards.names, step + 1)
+            for row, extra in zip(rows, extras):  # log_extra columns (TRL's completions table)
+                row.update({k if k not in row else f"extra/{k}": v for k, v in extra.items()})
+            rows = gather_objects(self.accelerator, rows)
         return Window(batch, requests, outputs, rewards_per_func, rewards, metrics, timing, num_items, rows)
 
     def _warn_without_signal(self, zero: float) -> None:
@@ -215,7 +230,9 @@ class WindowProducer:
     def _encode(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
         """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
         by_id = {r.request_id: r for r in requests}
-        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o)
+        mm = getattr(self.template, "multimodal", False)  # the processor template also takes the row's images
+        samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
+                                               **({"images": row_images(by_id[o.request_id].data_dict)} if mm else {}))
                    for o in outputs]
         truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
         r = self.rollout_args

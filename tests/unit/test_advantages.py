@@ -334,21 +334,19 @@ def test_usual_layout_matches_loop(seed):
                                        msg=f"{estimator}/{scale} seed {seed}")
 
 
-def test_group_layout_detection_and_both_statistics_paths_agree():
+def test_group_statistics_exact_for_equal_values_and_nan_aware():
     from grpokit.algorithms._groups import Groups, group_stats
 
-    assert Groups.from_ids(ids([7, 7, 9, 9])).size == 2
-    assert Groups.from_ids(ids([7, 9, 7, 9])).size is None  # interleaved
-    assert Groups.from_ids(ids([7, 7, 9])).size is None  # unequal sizes
     x = torch.tensor([[0.1, 1.0], [0.1, 2.0], [0.1, 4.0], [0.3, 0.0], [0.7, 1.0], [0.2, 5.0]], dtype=torch.float64)
-    groups = Groups.from_ids(ids([0, 0, 0, 1, 1, 1]))
-    general = Groups(index=groups.index, count=groups.count)  # same groups, no layout hint
-    fast, slow = group_stats(x, groups), group_stats(x, general)
-    for a, b in ((fast.mean, slow.mean), (fast.std, slow.std), (fast.n, slow.n)):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-    assert fast.std[0, 0].item() == 0.0 and fast.mean[0, 0].item() == 0.1  # equal values: exact
-    x[4, 1] = NAN  # NaN takes the general path
-    torch.testing.assert_close(group_stats(x, groups).n, torch.tensor([[3.0, 3.0], [3.0, 2.0]], dtype=torch.float64))
+    groups = Groups.from_ids(ids([5, 5, 5, 2, 2, 2]))  # ids need not be dense or sorted
+    stats = group_stats(x, groups)
+    assert stats.std[1, 0].item() == 0.0 and stats.mean[1, 0].item() == 0.1  # equal values: exact
+    torch.testing.assert_close(stats.mean[0], torch.tensor([0.4, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(stats.std[1], x[:3].std(dim=0))
+    x[4, 1] = NAN  # an unscored sample leaves its group's count and statistics
+    stats = group_stats(x, groups)
+    torch.testing.assert_close(stats.n, torch.tensor([[3.0, 2.0], [3.0, 3.0]], dtype=torch.float64))
+    torch.testing.assert_close(stats.mean[0, 1], torch.tensor(2.5, dtype=torch.float64))
 
 
 def test_registries_hold_the_names():

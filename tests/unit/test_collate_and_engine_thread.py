@@ -68,14 +68,6 @@ def test_encode_prompts_batch_equals_one_by_one_and_keys_see_every_field(tiny_te
     assert len(tiny_template._prompt_ids) == 4  # one entry per distinct conversation
 
 
-def test_list_to_tensor_helpers():
-    from grpokit.tensors import float_tensor, long_tensor
-
-    assert long_tensor([3, True, -2**40]).tolist() == [3, 1, -2**40] and long_tensor([]).dtype == torch.long
-    lp = float_tensor([0.5, float("nan")])
-    assert lp.dtype == torch.float32 and lp[0] == 0.5 and math.isnan(lp[1])
-
-
 @pytest.fixture
 def tiny_template(tmp_path_factory):
     from grpokit.modeling import load_tokenizer
@@ -137,7 +129,7 @@ def test_infer_on_loop_thread_runs_on_the_callers_thread(scheduler_cls):
     assert engine._worker is None  # never started
 
 
-def test_plain_single_turn_batch_skips_the_event_loop_with_the_same_trajectories(monkeypatch):
+def test_single_turn_batch_is_one_engine_call_with_tagged_trajectories():
     class TokenEngine(WhereEngine):
         def infer(self, requests, config):
             out = super().infer(requests, config)
@@ -146,31 +138,16 @@ def test_plain_single_turn_batch_skips_the_event_loop_with_the_same_trajectories
                 resp.choices[0].message["content"] = f"answer {k}"
             return out
 
-    def requests():
-        return [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
+    requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
                                     prompt_id=str(i // 2)) for i in range(4)]
-
     engine = TokenEngine()
     engine.infer_on_loop_thread = True
-    direct = run_trajectories(RolloutScheduler(engine), requests(), RequestConfig(max_tokens=4))
-    assert len(engine.seen) == 1  # one engine call for the batch
-    monkeypatch.setattr(RolloutScheduler, "runs_plain", lambda self, requests: False)
-    looped = run_trajectories(RolloutScheduler(engine), requests(), RequestConfig(max_tokens=4))
-    strip = lambda outs: [o.model_dump(exclude={"response": {"id"}}) for o in outs]  # noqa: E731
-    assert strip(direct) == strip(looped)
-    assert [o.request_id for o in direct] == ["r0", "r1", "r2", "r3"]
-    assert [o.prompt_id for o in direct] == ["0", "0", "1", "1"]
-    assert direct[3].messages[-1] == {"role": "assistant", "content": "answer 3"}
-    assert direct[3].response_token_ids == [[3, 1]] and direct[3].response_loss_mask == [[1, 1]]
-    # a hook, a per-request override or an engine on its own thread each take the event loop
-    assert not HookedScheduler(engine).runs_plain(requests())
-    overridden = requests()
-    overridden[0].request_config = RequestConfig(max_tokens=2)
-    monkeypatch.undo()
-    assert RolloutScheduler(engine).runs_plain(requests())
-    assert not RolloutScheduler(engine).runs_plain(overridden)
-    engine.infer_on_loop_thread = False
-    assert not RolloutScheduler(engine).runs_plain(requests())
+    outs = run_trajectories(RolloutScheduler(engine), requests, RequestConfig(max_tokens=4))
+    assert len(engine.seen) == 1  # the trajectories' requests were gathered into one engine call
+    assert [o.request_id for o in outs] == ["r0", "r1", "r2", "r3"]
+    assert [o.prompt_id for o in outs] == ["0", "0", "1", "1"]
+    assert outs[3].messages[-1] == {"role": "assistant", "content": "answer 3"}
+    assert outs[3].response_token_ids == [[3, 1]] and outs[3].response_loss_mask == [[1, 1]]
 
 
 def test_rollouts_reuse_one_event_loop_per_thread_and_leave_sigint_alone():

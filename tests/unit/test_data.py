@@ -134,11 +134,11 @@ def test_unsupported_extension(tmp_path):
 
 
 def test_no_prompt_column_lists_columns_and_accepted_names(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text1": "q", "answer": "a"}])
     with pytest.raises(DataError) as err:
         load_train_val([str(path)], [], system=None, seed=0)
     message = str(err.value)
-    assert "d.jsonl" in message and "columns: question, answer" in message
+    assert "d.jsonl" in message and "columns: text1, answer" in message and "--columns" in message
     assert all(name in message for name in ("messages", "query", "prompt"))
     assert "\n" not in message
 
@@ -211,12 +211,15 @@ def test_subsample_is_seeded(tmp_path):
     assert a != c  # 50 choose 10 orderings: two seeds agreeing would be a broken shuffle
 
 
-def test_subsample_larger_than_dataset_takes_all(tmp_path, caplog):
+def test_subsample_larger_than_dataset_repeats_rows_as_ms_swift(tmp_path, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", numbered(3))
     with caplog.at_level(logging.WARNING):
-        ds = load_dataset_spec(f"{path}#10")
-    assert ds["answer"] == ["0", "1", "2"]
-    assert "has only 3" in caplog.text
+        ds = load_dataset_spec(f"{path}#8", seed=1)
+    # 8 = every row twice, then 2 rows of the seeded shuffle (ms-swift's sample_dataset)
+    assert ds["answer"][:6] == ["0", "1", "2"] * 2 and len(ds) == 8
+    shuffled = datasets.Dataset.from_list(numbered(3)).shuffle(seed=1)["answer"]
+    assert ds["answer"][6:] == shuffled[:2] and ds.column_names == ["query", "answer"]
+    assert "has only 3; the rows repeat" in caplog.text
 
 
 # ------------------------------------------------------------------ several specs, validation split
@@ -302,7 +305,7 @@ def test_guess_number_rows():
 def test_builtin_content_is_fixed_and_seed_only_orders(name):
     a, b, c = (builtin_rows(name, "test", s) for s in (0, 0, 1))
     assert a == b and a != c
-    canon = lambda rows: sorted(json.dumps(r, sort_keys=True) for r in rows)  # noqa: E731
+    canon = lambda rows: sorted(json.dumps(r, sort_keys=True, default=repr) for r in rows)  # noqa: E731
     assert canon(a) == canon(c)
 
 

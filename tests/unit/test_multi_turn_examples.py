@@ -74,6 +74,8 @@ def test_route3_reach_target_env_with_gym_scheduler(load_example):
     engine = ScriptedEngine(tok, lambda r: replies[n_assistant(r)])
     prompt = request("Count with me.", env_config={"name": "reach_target", "target": 4})
     out = run_one(GYMScheduler(engine, max_turns=6, tokenizer=tok), prompt)
-    assert prompt.messages[0]["content"].startswith("Count with me.\n\nWe start at 0 and must reach exactly 4")
+    # ms-swift's rule: the env's observation replaces the row's prompt
+    assert [m["role"] for m in prompt.messages] == ["user"]
+    assert prompt.messages[0]["content"].startswith("We start at 0 and must reach exactly 4")
     assert out.rollout_infos["step_rewards"] == [0.0, 1.0] and out.rollout_infos["total_reward"] == 1.0
     assert out.messages[2] == {"role": "user", "content": "The total is 3. Add 1, 2 or 3."}

@@ -104,10 +104,17 @@ def test_genrm_parses_scores():
     assert "User: What is 7 + 5?" in judge_prompt and "Assistant: 12" in judge_prompt
 
 
-def test_genrm_unparsable_reply_is_a_clear_error():
-    reward = RewardModelReward(GenRMPlugin(FakeJudge([["<score>1</score>"], ["I think it is fine."]])), "judge")
-    with pytest.raises(RewardError, match=r"genrm: no score in the judge's reply for sample 1"):
-        RewardRunner([reward], ["judge"]).compute(["12", "13"], {"messages": [PROMPT, PROMPT]})
+def test_genrm_unparsable_reply_scores_zero_with_a_warning_and_a_counter(caplog):
+    """ms-swift's rule: no score in the judge's reply -> 0, with a warning; grpokit counts them in last_metrics."""
+    plugin = GenRMPlugin(FakeJudge([["<score>1</score>"], ["I think it is fine."]]))
+    reward = RewardModelReward(plugin, "judge")
+    with caplog.at_level("WARNING", logger="grpokit.rewards.rm_plugin"):
+        scores = RewardRunner([reward], ["judge"]).compute(["12", "13"], {"messages": [PROMPT, PROMPT]})
+    assert scores[:, 0].tolist() == [1.0, 0.0]
+    assert "genrm: no score in the judge's reply for sample 1" in caplog.text
+    assert reward.last_metrics == {"unscored": 1} and plugin.unscored == 1
+    reward(["12", "13"], messages=[PROMPT, PROMPT])
+    assert plugin.unscored == 2  # the counter runs over the whole training; last_metrics is per call
 
 
 def test_genrm_needs_an_engine_and_parse_helper():

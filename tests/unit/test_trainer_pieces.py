@@ -82,7 +82,7 @@ def test_jsonl_log_appends_flushed_lines_and_truncates_on_resume(tmp_path):
     assert not (tmp_path / "off.jsonl").exists()
 
 
-ADAMW_ARGS = SimpleNamespace(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99)
+ADAMW_ARGS = SimpleNamespace(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8)
 
 
 def test_adamw_takes_the_fused_kernel_and_updates_as_the_per_tensor_loop_does():

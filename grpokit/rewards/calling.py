@@ -1,0 +1,234 @@
+"""How a reward function is called: ms-swift's convention or TRL's, chosen per function from its signature.
+
+- **ms-swift / grpokit** (``ORM`` classes and functions such as ``f(completions, solution, **kwargs)``): the
+  completion texts go in the first positional parameter, everything else by keyword (dataset columns,
+  ``messages``, ``trainer_state``, ``request_id``, ``trajectory_inputs``, ...).
+- **TRL** (functions that name ``prompts``, ``log_extra`` or ``log_metric``, whose first parameter is
+  ``prompts``/``completion_ids``/``trainer_state``, that take keywords only, or that are marked with
+  ``trl_convention``): everything by keyword. ``prompts`` and ``completions`` come in TRL's standard format
+  (strings: the prompt's last user message and the completion text), or in its conversational format (message
+  lists) for a function marked ``trl_convention(f, conversational=True)``. TRL picks the format from the
+  dataset; grpokit turns every row into messages, so the function says which one it reads.
+
+A signature that fits neither (no parameter at all, positional-only parameters the call cannot fill) is refused
+before training by ``check_signature``. ``log_extra(column, values)`` and ``log_metric(name, value)`` (TRL's
+names and meaning) are passed to every function that accepts them; what they record lands in a ``RewardLog``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import threading
+from typing import Any, Literal
+
+from grpokit.errors import ConfigError, RewardError
+
+Convention = Literal["swift", "trl"]
+_MARK = "__grpokit_reward_convention__"
+TRL_ONLY = frozenset({"prompts", "log_extra", "log_metric"})
+_TRL_FIRST = frozenset({"prompts", "completion_ids", "trainer_state"})
+
+
+class TrainerStateView:
+    """The trainer state a reward sees: attributes as in ms-swift/TRL (``trainer_state.global_step``) and, for
+    existing grpokit rewards, dict access (``trainer_state["global_step"]``, ``.get``)."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.__dict__[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.__dict__.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.__dict__
+
+    def keys(self) -> list[str]:
+        return list(self.__dict__)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TrainerStateView):
+            other = other.__dict__
+        return isinstance(other, dict) and self.__dict__ == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"TrainerStateView({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
+def as_trainer_state(value: Any) -> Any:
+    """A dict becomes a ``TrainerStateView``; anything else is passed as it is."""
+    return TrainerStateView(**value) if isinstance(value, dict) else value
+
+
+def trl_convention(func: Any, *, conversational: bool = False) -> Any:
+    """Mark a reward function to be called TRL's way: one whose signature alone does not say so, or one that
+    reads TRL's conversational format (``completion[0]["content"]``: ``conversational=True``). Returns the
+    function itself."""
+    try:
+        setattr(func, _MARK, "trl-conversational" if conversational else "trl")
+    except (AttributeError, TypeError):
+        raise ConfigError(f"trl_convention: cannot mark {func!r}; wrap it in a plain def") from None
+    return func
+
+
+def is_conversational(func: Any) -> bool:
+    """Marked ``trl_convention(f, conversational=True)``: prompts and completions as message lists."""
+    return getattr(func, _MARK, None) == "trl-conversational"
+
+
+def _params(func: Any) -> list[inspect.Parameter] | None:
+    try:
+        if inspect.isclass(func):
+            return list(inspect.signature(func.__call__).parameters.values())[1:]
+        return list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None  # not introspectable: assume (completions, **kwargs)
+
+
+def convention(func: Any) -> Convention:
+    """Which convention calls ``func`` (see the module docstring)."""
+    if getattr(func, _MARK, None) is not None:
+        return "trl"
+    params = _params(func)
+    if params is None:
+        return "swift"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if TRL_ONLY & {p.name for p in params} or (positional and positional[0].name in _TRL_FIRST):
+        return "trl"
+    if positional or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return "swift"
+    return "trl"  # keywords only (``def f(*, completions, **kw)``, ``def f(**kw)``): TRL calls by keyword
+
+
+def check_signature(func: Any, name: str) -> Convention:
+    """The convention of ``func``; ConfigError naming the reward when its signature fits neither."""
+    params = _params(func)
+    if params is None:
+        return "swift"
+    conv = convention(func)
+    if not params:
+        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} takes no arguments; a reward takes the "
+                          "completions (ms-swift: f(completions, **kwargs)) or keywords (TRL: f(prompts, "
+                          "completions, **kwargs))")
+    pos_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY]
+    if conv == "trl" and pos_only:
+        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} is called with keywords (TRL convention), but "
+                          f"{', '.join(pos_only)} is positional-only; drop the '/' from its signature")
+    if conv == "swift" and len(pos_only) > 1:
+        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} has positional-only parameters "
+                          f"{', '.join(pos_only[1:])} after the completions; only the completions are passed "
+                          "positionally, make the others keyword parameters")
+    return conv
+
+
+def _describe(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or type(func).__name__
+
+
+def trl_kwargs(completions: list[str], kwargs: dict[str, Any], conversational: bool) -> dict[str, Any]:
+    """TRL's keyword arguments next to everything else the trainer supplies. Standard format: ``prompts`` the
+    text of each prompt's last user message, ``completions`` the texts. Conversational: ``prompts`` the prompt
+    messages, ``completions`` the messages after the prompt (one assistant message for a single turn)."""
+    prompts = kwargs.get("prompts")
+    conversations = kwargs.get("messages")
+    out = dict(kwargs)
+    if not conversational:
+        if prompts is not None:
+            out["prompts"] = [_last_user_text(p) for p in prompts]
+        out["completions"] = list(completions)
+        return out
+    trl_completions = []
+    for i, text in enumerate(completions):
+        prompt = prompts[i] if prompts is not None else None
+        full = conversations[i] if conversations is not None else None
+        if prompt is not None and full is not None and len(full) > len(prompt):
+            trl_completions.append([dict(m) for m in full[len(prompt):]])
+        else:
+            trl_completions.append([{"role": "assistant", "content": text}])
+    out["completions"] = trl_completions
+    return out
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    return str(users[-1]) if users and users[-1] is not None else ""
+
+
+class RewardLog:
+    """What reward functions recorded through ``log_extra``/``log_metric`` in one scoring call of N samples."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def hooks(self, reward: str) -> dict[str, Any]:
+        """``log_extra`` and ``log_metric`` for the reward named ``reward``: they check what they are given."""
+
+        def log_extra(column: str, values: list[Any]) -> None:
+            if not isinstance(column, str) or not column:
+                raise RewardError(f"reward {reward!r}: log_extra column must be a non-empty string, got {column!r}")
+            values = list(values) if isinstance(values, (list, tuple)) else values
+            if not isinstance(values, list) or len(values) != self.n:
+                got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
+                raise RewardError(f"reward {reward!r}: log_extra({column!r}, values) needs one value per completion "
+                                  f"({self.n}), got {got}")
+            self.extra[column] = values
+
+        def log_metric(name: str, value: float) -> None:
+            if not isinstance(name, str) or not name:
+                raise RewardError(f"reward {reward!r}: log_metric name must be a non-empty string, got {name!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                raise RewardError(f"reward {reward!r}: log_metric({name!r}, value) needs a finite number, got "
+                                  f"{value!r}")
+            self.metrics.setdefault(name, []).append(float(value))
+
+        return {"log_extra": log_extra, "log_metric": log_metric}
+
+
+class RewardLogBook:
+    """RewardLogs by request id, from scoring until the window that trains on those samples is built (the next
+    window's rollout may be scored meanwhile, with --async_generate)."""
+
+    def __init__(self) -> None:
+        self._seq = 0
+        # (request_id, its k-th output: a custom run() may return several) -> (call seq, row, log)
+        self._by_id: dict[tuple[str, int], tuple[int, int, RewardLog]] = {}
+        self._lock = threading.Lock()  # the rollout thread adds while the loop's thread takes
+
+    def add(self, request_ids: list[str], log: RewardLog) -> None:
+        with self._lock:
+            self._seq += 1
+            for row, key in enumerate(_keys(request_ids)):
+                self._by_id[key] = (self._seq, row, log)
+
+    def take(self, request_ids: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Per request: its extra columns; and the mean of each metric over the calls that scored them. Entries
+        older than the oldest call taken are dropped (samples dynamic sampling discarded)."""
+        with self._lock:
+            found = [self._by_id.pop(key, None) for key in _keys(request_ids)]
+            calls = {id(e[2]): e for e in found if e is not None}
+            if calls:
+                oldest = min(e[0] for e in calls.values())
+                self._by_id = {k: e for k, e in self._by_id.items() if e[0] >= oldest}
+        extras = [{c: v[e[1]] for c, v in e[2].extra.items()} if e else {} for e in found]
+        sums: dict[str, list[float]] = {}
+        for _, _, log in calls.values():
+            for name, values in log.metrics.items():
+                sums.setdefault(name, []).extend(values)
+        return extras, {name: sum(v) / len(v) for name, v in sums.items()}
+
+
+def _keys(request_ids: list[str]) -> list[tuple[str, int]]:
+    seen: dict[str, int] = {}
+    keys = []
+    for rid in request_ids:
+        keys.append((rid, seen.get(rid, 0)))
+        seen[rid] = seen.get(rid, 0) + 1
+    return keys
