@@ -9,6 +9,10 @@ Without vLLM installed (CI), ``--use_vllm true`` in colocate mode is run as ``--
 substitution the test makes, since the in-process transformers engine samples the same policy; the vllm-marked
 tests (tests/vllm) cover the vLLM engine itself. Server-mode ports keep it (the server is grpokit's).
 
+``PLUGIN`` is ms-swift's plugin.py with its imports renamed, read from the local ms-swift mirror
+(tests/integration/third_party.py: a port that needs it skips without the mirror), except where PLUGINS names
+grpokit's own.
+
 ``BLOCKED_UNTIL_MERGE`` names, per port, the options that other helpers' branches implement; those ports are
 expected to fail here (xfail strict) and the lead empties the dict at merge to see them pass. ``NOT_PORTABLE``
 names ports that stay failing with the reason.
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from test_server_support import rollout_server
+from third_party import swift_plugin
 
 from grpokit.testing import build_tiny_model
 
@@ -34,8 +39,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "ms-swift"
 PORTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
-SWIFT_PLUGIN = REPO / "tests" / "data" / "swift_plugin_renamed.py"  # ms-swift's plugin.py, imports renamed (t19-plugins)
-PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: SWIFT_PLUGIN
+PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: ms-swift's plugin.py (third_party)
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 # dataset rows in the columns of the hub datasets the scripts name
@@ -75,7 +79,7 @@ _DATA = ["load_from_cache_file (t19-data)", "dataset_num_proc (t19-data)"]
 _ZERO3 = "--deepspeed zero3 (t20-shard: ZeRO-3 weights for generation and sync)"
 _ZERO2 = "--deepspeed zero2 in one CPU process (t20-shard: needs mpi4py today)"
 _MOE = ["save_strategy, eval_strategy, move_model_batches (t19-options)"]
-_PLUGIN = "ms-swift's plugin.py with imports renamed, at tests/data/swift_plugin_renamed.py (t19-plugins)"
+_PLUGIN = "ms-swift's plugin.py with imports renamed (t19-plugins)"
 BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {
     "external_agent.sh": [_OPTS, "per_device_eval_batch_size (t19-options)", "load_from_cache_file (t19-data)",
                           "agent_template (t19-data)",
@@ -152,7 +156,7 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
     """Run the port (or ``script`` under its name) on ``rows`` and check that 2 steps trained with rewards."""
     data = cwd / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = PLUGINS.get(name, SWIFT_PLUGIN)
+    plugin = PLUGINS.get(name) or swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
     env = {**os.environ, "MODEL": str(models["policy"]), "DATASET": str(data), "PLUGIN": str(plugin),
            "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
            "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
