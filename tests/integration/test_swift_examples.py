@@ -21,7 +21,6 @@ names ports that stay failing with the reason.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ import pytest
 from test_server_support import rollout_server
 from third_party import swift_plugin
 
+from grpokit.server.cli import vllm_installed
 from grpokit.testing import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "ms-swift"
 PORTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
 PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: ms-swift's plugin.py (third_party)
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM = vllm_installed()  # not find_spec alone: under pytest tests/vllm is a namespace package named vllm
 
 # dataset rows in the columns of the hub datasets the scripts name
 NUMINA = [{"problem": f"What is {a} + {b}?", "solution": f"The answer is $\\boxed{{{a + b}}}$."}
@@ -71,48 +71,35 @@ SERVERS = {
                                          "--vllm_max_model_len", "1024", "--max_turns", "5"),
 }
 
-# What stops each port on this branch (found by dropping blockers one by one until it trained), and the helper
-# whose branch implements it. The lead empties this dict at merge; every port left in it must then pass.
-_NUMINA = "NuminaMath-TIR's problem column (t19-data)"
-_OPTS = "dataloader_num_workers (t19-options)"
-_DATA = ["load_from_cache_file (t19-data)", "dataset_num_proc (t19-data)"]
+# What stops each port on this branch (main merged in: t19-options, t19-data, t19-plugins, t21-mm, t20-logps), found
+# by dropping blockers one by one until it trained, and the helper whose branch implements it. The lead empties
+# this dict at merge; every port left in it must then pass.
 _ZERO3 = "--deepspeed zero3 (t20-shard: ZeRO-3 weights for generation and sync)"
 _ZERO2 = "--deepspeed zero2 in one CPU process (t20-shard: needs mpi4py today)"
-_MOE = ["save_strategy, eval_strategy, move_model_batches (t19-options)"]
-_PLUGIN = "ms-swift's plugin.py with imports renamed (t19-plugins)"
+_ZERO3_OFFLOAD = "--deepspeed zero3_offload (t20-shard)"
+_OFFLOAD = "offload_model, offload_optimizer (t20-shard)"
 BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {
-    "external_agent.sh": [_OPTS, "per_device_eval_batch_size (t19-options)", "load_from_cache_file (t19-data)",
-                          "agent_template (t19-data)",
-                          "xlam-function-calling-60k:grpo rows: a solution column for toolbench (t19-data)"],
-    "external_grpo_32b_full.sh": [_OPTS, *_DATA, _NUMINA, _ZERO3],
-    "external_grpo_7b.sh": [_OPTS, *_DATA, _NUMINA, _ZERO2],
-    "external_moe_full.sh": [_OPTS, *_MOE, _NUMINA, "--deepspeed zero3_offload (t20-shard)"],
-    "external_moe_lora.sh": [_OPTS, *_MOE, _NUMINA, _ZERO3],
-    "external_vllm_multi_turn.sh": [_OPTS, *_DATA, "gradient_checkpointing_kwargs (t19-options)", _NUMINA, _PLUGIN,
-                                    _ZERO2],
-    "internal_gspo.sh": [_OPTS, "load_from_cache_file (t19-data)", "offload_model, offload_optimizer (t20-shard)",
-                         _NUMINA, _ZERO3],
-    "internal_moe_full.sh": [_OPTS, *_MOE, _NUMINA, "--deepspeed zero3_offload (t20-shard)"],
-    "internal_moe_lora.sh": [_OPTS, *_MOE, "offload_model, offload_optimizer (t20-shard)", _NUMINA, _ZERO3],
-    "internal_vllm_multi_turn.sh": [_OPTS, "per_device_eval_batch_size (t19-options)", "load_from_cache_file (t19-data)",
-                                    "offload_model, offload_optimizer (t20-shard)", _NUMINA, _ZERO3],
-    "plugin_gsm8k.sh": [_OPTS, "load_from_cache_file (t19-data)", "columns, enable_thinking (t19-data)",
-                        "gsm8k's question column (t19-data)", _ZERO2],
-    "plugin_run_external_reward_model.sh": ["load_from_cache_file (t19-data)",
-                                            "offload_model, offload_optimizer (t20-shard)", _NUMINA,
-                                            _PLUGIN + ": its my_rmplugin, and genrm's contract", _ZERO2],
-    "plugin_run_external_scheduler.sh": [_OPTS, *_DATA, _NUMINA, _PLUGIN + ": the server loads it", _ZERO3],
-    "internal_transformers.sh": [_OPTS, "per_device_eval_batch_size (t19-options)", *_DATA, _NUMINA,
-                                 "--system as a file (t19-data; today the path would be the prompt)"],
+    "external_grpo_32b_full.sh": [_ZERO3],
+    "external_grpo_7b.sh": [_ZERO2],
+    "external_moe_full.sh": [_ZERO3_OFFLOAD],
+    "external_moe_lora.sh": [_ZERO3],
+    "external_vllm_multi_turn.sh": [_ZERO2],
+    "internal_gspo.sh": [_OFFLOAD, _ZERO3],
+    "internal_moe_full.sh": [_ZERO3_OFFLOAD],
+    "internal_moe_lora.sh": [_OFFLOAD, _ZERO3],
+    "internal_vllm_multi_turn.sh": [_OFFLOAD, _ZERO3],
+    "plugin_gsm8k.sh": [_ZERO2],
+    "plugin_run_external_reward_model.sh": [_OFFLOAD, _ZERO2],
+    "plugin_run_external_scheduler.sh": [_ZERO3],
 }
 
 # Ports that stay failing after the merge: what grpokit lacks, and nobody implements yet.
 NOT_PORTABLE: dict[str, str] = {
-    "internal_chord.sh": "CHORD (--chord_* options: SFT loss mixed into GRPO) is not implemented",
+    "internal_chord.sh": "CHORD (--chord_sft_dataset: SFT data mixed into GRPO) is refused as not implemented",
     "internal_real.sh": "--loss_type real is not implemented",
     "external_vllm_gym.sh": "ms-swift's built-in gym environment math_env has no grpokit counterpart",
+    "external_agent.sh": "--agent_template react_grpo is not implemented (hermes and react_en are)",
 }
-
 
 def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
     script = (EXAMPLES / name).read_text() if script is None else script
