@@ -16,7 +16,7 @@ from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
 from grpokit.data.images import row_images
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
-from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state
+from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
@@ -114,8 +114,9 @@ class WindowProducer:
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
         trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
         for o in outputs:
+            row = swift_kwargs(by_id[o.request_id].data_dict)  # the dataset columns, no hidden ones
             trajectories.setdefault(o.request_id, []).append(
-                {**by_id[o.request_id].data_dict, "messages": o.messages, "rollout_infos": o.rollout_infos})
+                {**row, "messages": o.messages, "rollout_infos": o.rollout_infos})
         kwargs.update(
             messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
             rollout_infos=[o.rollout_infos for o in outputs],
