@@ -36,7 +36,9 @@ class Env(ABC):
     @abstractmethod
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
         """React to the conversation so far (``action[-1]`` is the model's reply).
-        Returns (observation for the next user turn, reward for this step, done, info)."""
+        Returns (observation for the next user turn, reward for this step, done, info). An image observation
+        (vision-language models) puts one ``<image>`` placeholder per image in the observation and the images
+        (paths, bytes or PIL images) in ``info['images']``."""
 
     async def close(self) -> None:
         """Release what the episode holds (processes, sockets). Default: nothing."""
