@@ -58,6 +58,9 @@ def reset_values(ret: Any, name: str) -> tuple[str, dict[str, Any], str]:
         raise ValueError(f"env {name!r}: reset's system_message must be a string, got {type(system).__name__}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"env {name!r}: reset's info must be a dict, got {type(info).__name__}")
+    if info and "images" in info:
+        raise ValueError(f"env {name!r}: images from reset are not supported; give the first images in the row's "
+                         "images column, or return them from step with info['images']")
     return observation or "", dict(info or {}), system or ""
 
 

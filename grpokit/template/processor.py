@@ -135,8 +135,9 @@ class ProcessorTemplate(ChatTemplate):
         self.blocked_token_ids = sorted(special - {self.eos_token_id})
 
     def render_prompt(self, messages: list[dict]) -> str:
-        if count_placeholders(messages):
-            messages = to_parts(messages)
+        if count_placeholders(messages):  # a reply's own text "<image>" is text, never an image slot
+            messages = [m if m["role"] == "assistant" and isinstance(m.get("content"), str) else p
+                        for m, p in zip(messages, to_parts(messages))]
         return super().render_prompt(messages)
 
     def encode_mm(self, messages: list[dict], images: list) -> tuple[list[int], MMRow]:

@@ -187,3 +187,56 @@ def test_a_text_only_model_given_an_image_observation_is_one_line(colour_env, tm
         _run(_engine_and_scheduler(build_tiny_model(tmp_path / "text")), row)
     assert "returned 1 image(s) but the model is text-only; use a vision-language model" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_reply_that_writes_the_placeholder_text_is_not_an_image_slot(vlm_dirs):
+    """The text between turns is rendered with the observation's image expanded; a reply's literal "<image>"
+    stays text (it has no image) and the observation's one image fills the observation's one slot."""
+    from grpokit.config.args import ModelArguments
+    from grpokit.pipeline.models import load_policy
+    from grpokit.template.processor import ProcessorTemplate
+
+    _, processor, _ = load_policy(ModelArguments(model=str(vlm_dirs["qwen2_vl"]), torch_dtype="float32"), 0.0)
+    template = ProcessorTemplate(processor)
+    full = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "a <image> b"},
+            {"role": "user", "content": "<image>And this one?"}]
+    seg = template.tokenize("a <image> b")
+    ids, row = template.encode_between_mm(full, 1, 3, seg, [_square("red")])
+    pad = template.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grid = row.tensors["image_grid_thw"]
+    assert grid.shape[0] == 1 and ids.count(pad) == int(grid.prod()) // 4  # 2x2 patches merge into one token
+    assert row.tensors["mm_token_type_ids"].sum() == ids.count(pad)
+
+
+def test_images_from_an_envs_reset_and_missing_step_images_are_refused(tmp_path):
+    """reset cannot add images (its observation replaces the prompt): the reset fails with a line saying so; a
+    step() image that does not exist is named with the scheduler and the turn."""
+    import asyncio
+
+    from grpokit.errors import RolloutError
+    from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
+    from grpokit.rollout.builtin_schedulers import GYMScheduler
+    from grpokit.rollout.env import Env, envs
+    from grpokit.rollout.multi_turn import MultiTurnScheduler
+
+    class ResetImages(Env):
+        async def reset(self, config):
+            return "<image>Look.", {"images": [_square("red")]}, ""
+
+        async def step(self, action):
+            return "", 0.0, True, {}
+
+    envs["test_reset_images"] = ResetImages
+    try:
+        request = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}],
+                                      data_dict={"env_config": {"name": "test_reset_images"}})
+        with pytest.raises(RolloutError, match="images from reset are not supported; give the first images in"):
+            asyncio.run(GYMScheduler(max_turns=2).on_trajectory_start([request]))
+    finally:
+        del envs["test_reset_images"]
+    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
+                                          token_ids=[1])
+    step = {"infer_request": request, "images": [str(tmp_path / "gone.png")]}
+    with pytest.raises(RolloutError, match=r"MultiTurnScheduler.step\(\) at turn 1: image 0: image file .*gone.png"
+                                           r"' does not exist"):
+        MultiTurnScheduler(max_turns=2)._check_step(step, choice, 1)
