@@ -121,7 +121,10 @@ def test_engine_takes_images_and_follows_a_weight_sync(idefics3):
         engine.close()
 
 
-def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tuner", [["--tuner_type", "full", "--learning_rate", "1e-2"],
+                                   ["--tuner_type", "lora", "--learning_rate", "5e-2"]], ids=["full", "lora"])
+def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch, tuner):
+    """Full fine-tuning and LoRA (merged into vLLM's weights at each sync), the vision tower frozen (the default)."""
     from grpokit.engines.vllm_engine import VllmEngine
     from grpokit.pipeline.train import run_train
 
@@ -139,7 +142,7 @@ def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch):
     out = tmp_path / "colocate"
     cfg = parse_train_args([
         "--model", str(idefics3), "--dataset", "builtin:colours", "--reward_funcs", "test_length_with_images",
-        "--tuner_type", "full", "--torch_dtype", "float32", "--learning_rate", "1e-2", "--beta", "0",
+        *tuner, "--torch_dtype", "float32", "--beta", "0",
         "--num_generations", "4", "--per_device_train_batch_size", "8",
         "--max_completion_length", "8", "--temperature", "1.0", "--max_steps", "2",
         "--rollout_importance_sampling_mode", "token_truncate", "--use_vllm", "true", "--vllm_mode", "colocate",
