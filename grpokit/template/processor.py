@@ -140,6 +140,11 @@ class ProcessorTemplate(ChatTemplate):
                         for m, p in zip(messages, to_parts(messages))]
         return super().render_prompt(messages)
 
+    def render_mm(self, messages: list[dict], n_images: int) -> str:
+        """The prompt text of a conversation with images, one image slot per image (before the processor expands
+        the slots into image tokens)."""
+        return self.render_prompt(with_image_slots(self.with_system(messages), n_images))
+
     def encode_mm(self, messages: list[dict], images: list) -> tuple[list[int], MMRow]:
         """Prompt ids (image tokens expanded) and the row's tensors; memoised per conversation and images (the
         num_generations requests of a group share them)."""
@@ -150,7 +155,7 @@ class ProcessorTemplate(ChatTemplate):
             return self.encode_prompt(messages), MMRow()
         key = (_memo_key(messages), tuple(_fingerprint(i) for i in images))
         if key not in self._mm:
-            text = self.render_prompt(with_image_slots(self.with_system(messages), len(images)))
+            text = self.render_mm(messages, len(images))
             pil = [load_image(i) for i in images]
             out = self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
             ids = out["input_ids"][0].tolist()
