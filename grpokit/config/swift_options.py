@@ -106,7 +106,7 @@ _warn("mixed precision follows --torch_dtype (bfloat16/float16 → autocast over
       "fine-tuning)", "bf16 fp16")
 _warn("an image setting grpokit does not apply: images go through the model's own image processor settings (its "
       "preprocessor_config.json), --gradient_checkpointing covers the whole model, there are no bounding-box "
-      "rewards, and images with vLLM are refused at start-up (docs/multimodal.md)",
+      "rewards, and vLLM takes every image of a row (its own limit: 999 per prompt; docs/multimodal.md)",
       "max_pixels norm_bbox vit_gradient_checkpointing vllm_limit_mm_per_prompt")
 _warn("a setting of ms-swift's argument loader; grpokit's --config YAML and flags need none",
       "load_args load_data_args ignore_args_error check_model custom_register_path do_train do_eval do_predict debug")

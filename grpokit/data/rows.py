@@ -12,6 +12,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from grpokit.data import CONVERSATIONAL_COLUMN
 from grpokit.data.columns import ACCEPTED, Layout, find_layout
 from grpokit.errors import DataError
 
@@ -140,6 +141,8 @@ def normalize_rows(ds: Dataset, system: str | None, *, source: str = "dataset", 
       else the trailing assistant reply (the source columns stay).
     - a row's own ``system``/``system_prompt`` column, else ``system``, is prepended when the row has no system
       message.
+    - ``CONVERSATIONAL_COLUMN`` (hidden) records whether the prompt came as messages (a messages column, or a
+      prompt column holding a list) or as a string: TRL's conversational or standard format.
     ``num_proc`` and ``load_from_cache_file`` are passed to ``Dataset.map`` (``--dataset_num_proc``,
     ``--load_from_cache_file``).
     """
@@ -150,7 +153,9 @@ def normalize_rows(ds: Dataset, system: str | None, *, source: str = "dataset", 
 
     def convert(row: dict, index: int) -> dict:
         messages, reply = _row_messages(row, lay, system, f"{source}: row {index}")
-        out: dict = {"messages": messages}
+        # TRL's rule (trl.data_utils.is_conversational): a prompt given as messages is conversational
+        conversational = lay.messages is not None or isinstance(row[lay.query], list)
+        out: dict = {"messages": messages, CONVERSATIONAL_COLUMN: conversational}
         if not has_solution:
             given = row[lay.reply] if lay.reply is not None else None
             out["solution"] = given if given is not None else reply

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.data.images import row_images
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -25,7 +24,7 @@ def infer_mm(model, template, requests: list[RolloutInferRequest], config: Reque
              max_batch_size: int, structured=None) -> list[ChatCompletionResponse]:
     """One response with ``config.n`` choices per request, the images taken from ``data_dict["images"]``.
     ``structured(config, prompt_width)``: the engine's structured-output logits processors, or None."""
-    prompts = [template.encode_mm(r.messages, row_images(r.data_dict)) for r in requests]
+    prompts = [template.encode_request(r) for r in requests]  # a later turn's prompt: the trajectory's own ids
     flat = [p for p in prompts for _ in range(config.n)]
     choices: list[ChatCompletionResponseChoice] = []
     if config.seed is not None:

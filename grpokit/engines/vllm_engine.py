@@ -24,16 +24,16 @@ import torch
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
+from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
 from grpokit.engines.weights import is_peft_model, iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
-from grpokit.modeling import load_tokenizer, resolve_dtype_name
+from grpokit.modeling import resolve_dtype_name
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     RequestConfig,
     RolloutInferRequest,
 )
-from grpokit.template.encode import ChatTemplate
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,9 @@ class VllmEngine(InferEngine):
             self.llm = self._run(vllm.LLM, **kwargs)
         except (ValueError, TypeError) as e:
             raise _start_error(e, model_path, s, self.device) from e
-        self.template = ChatTemplate(tokenizer if tokenizer is not None else load_tokenizer(model_path))
-        self.tokenizer = self.template.tokenizer
+        # an Idefics3 folder: the processor template and images as multi_modal_data (engines/vllm_mm.py)
+        self.template, self.tokenizer = engine_template(model_path, tokenizer)
+        self._allowed = allowed_token_ids(self.template, self.llm.llm_engine.model_config.get_vocab_size())
         self.lock = threading.RLock()  # one generate / weight load at a time
         self._asleep = False
         self._weights_dropped = False  # sleep level 2 discarded them: a sync must come before the next rollout
@@ -174,16 +175,16 @@ class VllmEngine(InferEngine):
         if not requests:
             return []
         params = self._sampling_params(config, len(requests))
-        prompts = self.template.encode_prompts([r.messages for r in requests])
+        inputs, prompts = vllm_inputs(self.template, requests)
         with self.lock:
             self._wake_for_rollout()
             try:
-                outs = self._run(self.llm.generate, [{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=False)
+                outs = self._run(self.llm.generate, inputs, params, use_tqdm=False)
             except ValueError as e:  # e.g. a prompt longer than max_model_len
                 raise ConfigError(f"vLLM refused the request: {_first_line(e)}") from e
             finally:
                 self._sleep_after_rollout()
+        check_prompt_ids(outs, prompts)
         return [self._response(out, p, config) for out, p in zip(outs, prompts, strict=True)]
 
     def _sampling_params(self, config: RequestConfig, n_requests: int) -> list:
@@ -199,7 +200,7 @@ class VllmEngine(InferEngine):
         common = dict(n=config.n, max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
                       top_k=config.top_k if config.top_k > 0 else 0, repetition_penalty=config.repetition_penalty,
                       stop=list(config.stop) or None, logprobs=0 if config.logprobs else None,
-                      skip_special_tokens=True, structured_outputs=structured)
+                      skip_special_tokens=True, structured_outputs=structured, allowed_token_ids=self._allowed)
         # a seed per request (seed + i): requests that share a prompt must not share their samples
         return [SamplingParams(**common, seed=None if config.seed is None else config.seed + i)
                 for i in range(n_requests)]
@@ -236,6 +237,8 @@ class VllmEngine(InferEngine):
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         try:
             self._run(self.llm.collective_rpc, _reload_in_worker, args=(weights,))
+            if getattr(self.template, "multimodal", False):  # image embeddings of the old weights are stale
+                self._run(self.llm.llm_engine.reset_encoder_cache)
         except (KeyError, AttributeError, ValueError, RuntimeError) as e:
             raise RolloutError(f"vLLM could not load the new weights: {_first_line(e)}") from e
 

@@ -108,8 +108,7 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
-    check_model_takes_images(train_ds, tokenizer, cfg.model.model,
-                             cfg.rollout.use_vllm or cfg.rollout.vllm_mode == "server")
+    check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
     if val_ds is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from grpokit.config.args import ModelArguments
+from grpokit.engines.vllm_mm import check_image_family
 from grpokit.errors import ConfigError
 from grpokit.modeling import attn_implementation
 
@@ -65,16 +66,18 @@ def load_vlm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str |
         raise ConfigError(f"model {path}: {what} ({str(e).splitlines()[0]})") from e
 
 
-def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None, remote: bool = False) -> None:
+def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None, rollout=None) -> None:
     """One line when the dataset has images but the model is text-only (it has no image processor), or the
-    rollouts would go through vLLM or a rollout server, which have no image path yet."""
+    rollouts would go through a rollout server (no image path yet) or through vLLM colocate with a model family
+    whose images vLLM cannot take (``rollout``: the RolloutArguments; None means the transformers engine)."""
     if "images" not in dataset.column_names or not any(dataset["images"]):
         return
-    if remote:
-        raise ConfigError("--use_vllm true / --vllm_mode server: image rows are not supported by the vLLM engines "
-                          "or the rollout server yet; train vision-language models with the in-process "
-                          "transformers engine (the default)")
-    if hasattr(tokenizer_or_processor, "image_processor"):
-        return
-    raise ConfigError(f"--model {model_path}: a text-only model was given a dataset with images; use a "
-                      "vision-language model (a folder with a processor_config.json or preprocessor_config.json)")
+    if rollout is not None and rollout.vllm_mode == "server":
+        raise ConfigError("--vllm_mode server: image rows are not supported by the rollout server yet; train "
+                          "vision-language models with --use_vllm true --vllm_mode colocate (Idefics3) or "
+                          "the in-process transformers engine (the default)")
+    if not hasattr(tokenizer_or_processor, "image_processor"):
+        raise ConfigError(f"--model {model_path}: a text-only model was given a dataset with images; use a "
+                          "vision-language model (a folder with a processor_config.json or preprocessor_config.json)")
+    if rollout is not None and rollout.use_vllm and model_path is not None:
+        check_image_family(model_path)

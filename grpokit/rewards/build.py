@@ -12,6 +12,7 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
+from grpokit.data import CONVERSATIONAL_COLUMN
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import TRAINER_KWARGS, orms, prms, required_columns
 from grpokit.rewards.calling import check_signature
@@ -77,6 +78,7 @@ def check_reward_columns(funcs: list[Any], names: list[str], available: set[str]
     when it needs a column that neither the dataset nor the trainer supplies."""
     if len(funcs) != len(names):
         raise ConfigError(f"check_reward_columns: {len(funcs)} reward functions but {len(names)} names")
+    available = set(available) - {CONVERSATIONAL_COLUMN}  # hidden: no reward reads it as a column
     have = set(available) | TRAINER_KWARGS
     for func, name in zip(funcs, names):
         check_signature(func, name)

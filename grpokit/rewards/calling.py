@@ -5,10 +5,11 @@
   ``messages``, ``trainer_state``, ``request_id``, ``trajectory_inputs``, ...).
 - **TRL** (functions that name ``prompts``, ``log_extra`` or ``log_metric``, whose first parameter is
   ``prompts``/``completion_ids``/``trainer_state``, that take keywords only, or that are marked with
-  ``trl_convention``): everything by keyword. ``prompts`` and ``completions`` come in TRL's standard format
-  (strings: the prompt's last user message and the completion text), or in its conversational format (message
-  lists) for a function marked ``trl_convention(f, conversational=True)``. TRL picks the format from the
-  dataset; grpokit turns every row into messages, so the function says which one it reads.
+  ``trl_convention``): everything by keyword. ``prompts`` and ``completions`` come in the format TRL picks from
+  the dataset: conversational (message lists) for a row whose prompt came as messages, standard (strings: the
+  prompt's last user message and the completion text) for a row whose prompt came as a string. The loader
+  records which in the hidden column ``CONVERSATIONAL_COLUMN``; ``trl_convention(f, conversational=...)``
+  overrides it for one function.
 
 A signature that fits neither (no parameter at all, positional-only parameters the call cannot fill) is refused
 before training by ``check_signature``. ``log_extra(column, values)`` and ``log_metric(name, value)`` (TRL's
@@ -23,6 +24,7 @@ import numbers
 import threading
 from typing import Any, Literal
 
+from grpokit.data import CONVERSATIONAL_COLUMN
 from grpokit.errors import ConfigError, RewardError
 
 Convention = Literal["swift", "trl"]
@@ -66,20 +68,25 @@ def as_trainer_state(value: Any) -> Any:
     return TrainerStateView(**value) if isinstance(value, dict) else value
 
 
-def trl_convention(func: Any, *, conversational: bool = False) -> Any:
-    """Mark a reward function to be called TRL's way: one whose signature alone does not say so, or one that
-    reads TRL's conversational format (``completion[0]["content"]``: ``conversational=True``). Returns the
-    function itself."""
+def trl_convention(func: Any, *, conversational: bool | None = None) -> Any:
+    """Mark a reward function to be called TRL's way (for one whose signature alone does not say so, such as
+    ``f(completions, **kwargs)``, which ms-swift's rewards share). ``conversational`` fixes the format of
+    ``prompts``/``completions`` for this function (True: message lists, False: strings); None (the default)
+    lets each row's dataset format decide, as TRL does. Returns the function itself."""
+    mark = {None: "trl", True: "trl-conversational", False: "trl-standard"}.get(conversational)
+    if mark is None:
+        raise ConfigError(f"trl_convention: conversational must be True, False or None, got {conversational!r}")
     try:
-        setattr(func, _MARK, "trl-conversational" if conversational else "trl")
+        setattr(func, _MARK, mark)
     except (AttributeError, TypeError):
         raise ConfigError(f"trl_convention: cannot mark {func!r}; wrap it in a plain def") from None
     return func
 
 
-def is_conversational(func: Any) -> bool:
-    """Marked ``trl_convention(f, conversational=True)``: prompts and completions as message lists."""
-    return getattr(func, _MARK, None) == "trl-conversational"
+def is_conversational(func: Any) -> bool | None:
+    """The format ``func`` was marked to read: True (message lists), False (strings), None (not marked: the
+    dataset decides)."""
+    return {"trl-conversational": True, "trl-standard": False}.get(getattr(func, _MARK, None))
 
 
 def _params(func: Any) -> list[inspect.Parameter] | None:
@@ -131,28 +138,35 @@ def _describe(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 
-def trl_kwargs(completions: list[str], kwargs: dict[str, Any], conversational: bool) -> dict[str, Any]:
-    """TRL's keyword arguments next to everything else the trainer supplies. Standard format: ``prompts`` the
-    text of each prompt's last user message, ``completions`` the texts. Conversational: ``prompts`` the prompt
-    messages, ``completions`` the messages after the prompt (one assistant message for a single turn)."""
-    prompts = kwargs.get("prompts")
-    conversations = kwargs.get("messages")
-    out = dict(kwargs)
-    if not conversational:
-        if prompts is not None:
-            out["prompts"] = [_last_user_text(p) for p in prompts]
-        out["completions"] = list(completions)
-        return out
-    trl_completions = []
-    for i, text in enumerate(completions):
-        prompt = prompts[i] if prompts is not None else None
-        full = conversations[i] if conversations is not None else None
-        if prompt is not None and full is not None and len(full) > len(prompt):
-            trl_completions.append([dict(m) for m in full[len(prompt):]])
-        else:
-            trl_completions.append([{"role": "assistant", "content": text}])
-    out["completions"] = trl_completions
+def trl_kwargs(completions: list[str], kwargs: dict[str, Any], conversational: bool | None) -> dict[str, Any]:
+    """TRL's keyword arguments next to everything else the trainer supplies, each sample in its row's format
+    (``kwargs[CONVERSATIONAL_COLUMN]``; standard where absent) unless ``conversational`` fixes one. Standard:
+    ``prompts`` the text of each prompt's last user message, ``completions`` the texts. Conversational:
+    ``prompts`` the prompt messages, ``completions`` the messages after the prompt (one assistant message for a
+    single turn). TRL continues a prompt that ends with an assistant message; here none does (the loader takes
+    a trailing assistant message as the row's reference reply)."""
+    out = swift_kwargs(kwargs)
+    flags = kwargs.get(CONVERSATIONAL_COLUMN) if conversational is None else None
+    formats = [bool(flags[i]) if flags is not None else bool(conversational) for i in range(len(completions))]
+    prompts, conversations = kwargs.get("prompts"), kwargs.get("messages")
+    if prompts is not None:
+        out["prompts"] = [p if conv else _last_user_text(p) for p, conv in zip(prompts, formats, strict=True)]
+    out["completions"] = [_completion_messages(i, text, prompts, conversations) if conv else text
+                          for i, (text, conv) in enumerate(zip(completions, formats, strict=True))]
     return out
+
+
+def swift_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the hidden dataset-format column (no reward sees it as a column)."""
+    return {k: v for k, v in kwargs.items() if k != CONVERSATIONAL_COLUMN}
+
+
+def _completion_messages(i: int, text: str, prompts: list | None, conversations: list | None) -> list[dict]:
+    prompt = prompts[i] if prompts is not None else None
+    full = conversations[i] if conversations is not None else None
+    if prompt is not None and full is not None and len(full) > len(prompt):
+        return [dict(m) for m in full[len(prompt):]]
+    return [{"role": "assistant", "content": text}]
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:

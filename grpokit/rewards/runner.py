@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
-from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, trl_kwargs
+from grpokit.rewards.calling import (RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs,
+                                     trl_kwargs)
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +122,7 @@ class RewardRunner:
         if self._trl[i]:
             return self.funcs[i](**self._kwargs_for(i, trl_kwargs(completions, kwargs,
                                                                   is_conversational(self.funcs[i]))))
-        return self.funcs[i](completions, **self._kwargs_for(i, kwargs))
+        return self.funcs[i](completions, **self._kwargs_for(i, swift_kwargs(kwargs)))
 
     def _ensure_loop(self) -> LoopThread:
         if self._loop is None:

@@ -211,6 +211,7 @@ class _Episode:
     reset_info: dict = field(default_factory=dict)
     step_rewards: list[float] = field(default_factory=list)
     observation: str = ""
+    images: list = field(default_factory=list)  # the observation's images (info['images'] of the env's step)
 
     def infos(self) -> dict[str, Any]:
         return {"env": self.name, "total_reward": float(sum(self.step_rewards)),
@@ -259,21 +260,24 @@ class GYMScheduler(MultiTurnScheduler):
                           current_turn: int) -> dict:
         ep = self._episodes[infer_request.request_id]
         try:
-            observation, reward, done, _info = await _maybe_await(ep.env.step(copy.deepcopy(infer_request.messages)))
+            observation, reward, done, info = await _maybe_await(ep.env.step(copy.deepcopy(infer_request.messages)))
             reward = float(reward)
+            if info is not None and not isinstance(info, dict):
+                raise TypeError(f"step's info must be a dict, got {type(info).__name__}")
         except Exception as e:  # a broken env ends this trajectory only; training goes on
             logger.error("request %s: env %r failed in step at turn %d: %s: %s", infer_request.request_id, ep.name,
                          current_turn, type(e).__name__, e)
             return {"done": True, "rollout_infos": {**ep.infos(), "env_error": f"{type(e).__name__}: {e}"}}
         ep.step_rewards.append(reward)
         ep.observation = str(observation or "")
+        ep.images = (info or {}).get("images") or []  # checked by the loop with step()'s return
         return {"done": bool(done), "rollout_infos": ep.infos()}
 
     def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
              current_turn: int) -> dict:
         ep = self._episodes[infer_request.request_id]
         infer_request.messages.append({"role": "user", "content": ep.observation})
-        return {"infer_request": infer_request}
+        return {"infer_request": infer_request, "images": ep.images}
 
     async def on_trajectory_end(self, infer_request: RolloutInferRequest) -> None:
         ep = self._episodes.pop(infer_request.request_id, None)

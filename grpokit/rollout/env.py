@@ -36,7 +36,9 @@ class Env(ABC):
     @abstractmethod
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
         """React to the conversation so far (``action[-1]`` is the model's reply).
-        Returns (observation for the next user turn, reward for this step, done, info)."""
+        Returns (observation for the next user turn, reward for this step, done, info). An image observation
+        (vision-language models) puts one ``<image>`` placeholder per image in the observation and the images
+        (paths, bytes or PIL images) in ``info['images']``."""
 
     async def close(self) -> None:
         """Release what the episode holds (processes, sockets). Default: nothing."""
@@ -56,6 +58,9 @@ def reset_values(ret: Any, name: str) -> tuple[str, dict[str, Any], str]:
         raise ValueError(f"env {name!r}: reset's system_message must be a string, got {type(system).__name__}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"env {name!r}: reset's info must be a dict, got {type(info).__name__}")
+    if info and "images" in info:
+        raise ValueError(f"env {name!r}: images from reset are not supported; give the first images in the row's "
+                         "images column, or return them from step with info['images']")
     return observation or "", dict(info or {}), system or ""
 
 

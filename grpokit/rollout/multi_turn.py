@@ -13,6 +13,11 @@ hooks ``on_trajectory_start``/``on_turn_end``.
 
 Per-trajectory state lives in ``run()``'s locals, never on ``self``: one scheduler instance runs every
 trajectory of a batch concurrently.
+
+Images (vision-language models, ``docs/multi_turn.md``): the row's images stay in every turn's prompt; ``step()``
+may return ``images`` for the ``<image>`` placeholders of the messages it appended. They join the trajectory's
+images (the next request's ``data_dict['images']``, the output's ``rollout_infos['images']`` as in ms-swift), and
+``turn_images.TrajectoryImages`` hands the engine each later turn's prompt as the trainer will encode it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.errors import ConfigError, RolloutError
+from grpokit.data.images import check_image_ref
+from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.registry import Registry
 from grpokit.protocol import (
     ChatCompletionResponse,
@@ -34,6 +40,7 @@ from grpokit.protocol import (
 )
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
+from grpokit.rollout.turn_images import TrajectoryImages
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,7 @@ class StepResult:
     loss_mask: list[int]
     logprobs: list[float]
     rollout_infos: dict[str, Any]
+    images: list = field(default_factory=list)  # images of the placeholders in the messages step() appended
 
 
 class MultiTurnScheduler(RolloutScheduler):
@@ -173,6 +181,7 @@ class MultiTurnScheduler(RolloutScheduler):
         await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
         request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
         traj = Trajectory()
+        images = TrajectoryImages(self.chat_template(), request)
         budget = (request.request_config or request_config).max_tokens
         total = self.completion_length_limit_scope == "total"
         turn = 1
@@ -199,16 +208,21 @@ class MultiTurnScheduler(RolloutScheduler):
                     return self._output(traj, request.messages, response, turn, reason)
                 before_step = copy.deepcopy(request.messages)
                 result = self._check_step(self.step(request, choice, turn), choice, turn)
-                between = self._between_length(result, traj, continuation) if total else 0
+                seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
+                gap = images.between(f"{type(self).__name__}.step() at turn {turn}", result, seg)
+                between = (len(gap[0]) if gap is not None else self._between_length(result, traj, continuation)
+                           ) if total else 0
                 if total and budget - traj.completion_length() - len(result.token_ids) - between <= 0:
                     traj.add_turn(*model_turn, continuation)  # no room for another turn: end as the model left it
                     return self._output(traj, before_step, response, turn, "length_budget")
                 traj.add_turn(result.token_ids, result.loss_mask, result.logprobs, continuation)
                 traj.between_tokens += between
                 traj.infos.update(result.rollout_infos)
+                images.commit(result, gap, traj.infos)
                 request = result.infer_request
                 turn += 1
         finally:
+            images.close()
             await self.on_trajectory_end(request)
 
     async def _infer_turn(self, request: RolloutInferRequest, request_config: RequestConfig,
@@ -256,7 +270,10 @@ class MultiTurnScheduler(RolloutScheduler):
         infos = ret.get("rollout_infos") or {}
         if not isinstance(infos, dict):
             raise RolloutError(f"{where}: rollout_infos must be a dict, got {type(infos).__name__}")
-        return StepResult(req, ids, mask, lps, infos)
+        if "images" in infos:
+            raise RolloutError(f"{where}: rollout_infos['images'] is kept by the loop (every image so far); return "
+                               "the new message's images as 'images' in step()'s dict")
+        return StepResult(req, ids, mask, lps, infos, _step_images(ret.get("images"), where))
 
     def _between_length(self, result: StepResult, traj: Trajectory, continuation: bool) -> int:
         """Template tokens from the end of the last assistant message to the next turn's generation header
@@ -288,6 +305,20 @@ class MultiTurnScheduler(RolloutScheduler):
             response = response.model_copy(update={"choices": [choice, *response.choices[1:]]})
         return RolloutOutput(response=response, messages=messages, response_token_ids=traj.token_ids,
                              response_loss_mask=traj.loss_mask, rollout_infos=infos, rollout_logprobs=logprobs)
+
+
+def _step_images(images: Any, where: str) -> list:
+    """``step()``'s ``images``: a list of images that open here (paths, bytes, PIL)."""
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        raise RolloutError(f"{where}: 'images' must be a list of images, got {type(images).__name__}")
+    try:
+        for k, image in enumerate(images):
+            check_image_ref(image, f"{where}: image {k}")
+    except DataError as e:
+        raise RolloutError(str(e)) from e
+    return list(images)
 
 
 def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoice, continuation: bool) -> None:

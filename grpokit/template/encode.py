@@ -150,6 +150,10 @@ class ChatTemplate:
 
     def encode_between(self, full: list[dict], i: int, j: int, seg: list[int]) -> list[int]:
         """Tokens after assistant message i (whose ids are ``seg``) up to where assistant message j starts."""
+        return self.tokenize(self.between_text(full, i, j, seg))
+
+    def between_text(self, full: list[dict], i: int, j: int, seg: list[int]) -> str:
+        """The rendered text that ``encode_between`` tokenizes (a processor template expands its images)."""
         msgs = self.with_system(full)
         off = len(msgs) - len(full)
         before = self.render_prompt(msgs[: i + off])
@@ -165,7 +169,7 @@ class ChatTemplate:
             eos_text = self.tokenizer.decode([self.eos_token_id])
             if text.startswith(eos_text):
                 text = text[len(eos_text):]
-        return self.tokenize(text)
+        return text
 
 
 def _memo_key(messages: list[dict]) -> tuple | str:

@@ -6,6 +6,12 @@ image slot into the model's image tokens and returns the model-specific tensors 
 those ids and tensors, and the trainer's batch carries the very same ids and, per row, the same tensors
 (``MMRow``); ``collate_mm`` turns a list of rows into model inputs for both, so a micro-batch or a process's share
 is always a list of whole rows and splitting can never separate an image from its tokens.
+
+Multi-turn trajectories (``encode_turns``): the template's text between assistant turns goes through the processor
+too, so an observation's ``<image>`` placeholders become image tokens, and the trajectory's row holds every image in
+sequence order plus per-token tensors over the completion (``MMRow.completion``). The scheduler hands the engine
+each later turn's prompt as exactly these ids and tensors (``pin``/``encode_request``), so what trains is what was
+sampled from, token for token.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from pathlib import Path
 import torch
 
 from grpokit.data.images import count_placeholders, load_image, to_parts, with_image_slots
+from grpokit.data.images import IMAGE_PLACEHOLDER, row_images
 from grpokit.errors import ConfigError, DataError, RolloutError
-from grpokit.protocol import RolloutOutput
-from grpokit.template.encode import ChatTemplate, EncodedSample, _memo_key
+from grpokit.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.template.encode import ChatTemplate, EncodedSample, _logprobs_consistent, _memo_key
 
 # per-token tensors: left-padded like the prompt, zeros over the completion
 TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
@@ -34,10 +41,37 @@ class MMRow:
     row (``[1, L]`` per-token tensors; ``pixel_values`` as the processor stacks one row's images)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # per-token tensors over the completion ([1, C]; a trajectory whose observations hold images), else zeros
+    completion: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def has_images(self) -> bool:
         return "pixel_values" in self.tensors
+
+    def split(self, prompt_len: int) -> MMRow:
+        """This row (covering prompt and completion tokens) with its per-token tensors cut at ``prompt_len``."""
+        tensors = {k: (v.reshape(1, -1)[:, :prompt_len] if k in TOKEN_KEYS else v) for k, v in self.tensors.items()}
+        completion = {k: v.reshape(1, -1)[:, prompt_len:] for k, v in self.tensors.items() if k in TOKEN_KEYS}
+        return MMRow(tensors, completion)
+
+
+def join_rows(a: MMRow, a_len: int, b: MMRow, b_len: int) -> MMRow:
+    """The row of ``a_len`` tokens (``a``) followed by ``b_len`` tokens (``b``): per-token tensors end to end
+    (zeros where a side has none), images in sequence order (Idefics3's per-row image axis is dim 1)."""
+    out: dict[str, torch.Tensor] = {}
+    slots = _row_slots([a, b])
+    for key in {**a.tensors, **b.tensors}:
+        x, y = a.tensors.get(key), b.tensors.get(key)
+        if key in TOKEN_KEYS:
+            like = x if x is not None else y
+            x = like.new_zeros((1, a_len)) if x is None else x.reshape(1, -1)
+            y = like.new_zeros((1, b_len)) if y is None else y.reshape(1, -1)
+            out[key] = torch.cat([x, y], dim=1)
+        elif x is None or y is None:
+            out[key] = x if y is None else y
+        else:
+            out[key] = torch.cat([x, y], dim=1 if slots and key in ("pixel_values", "pixel_attention_mask") else 0)
+    return MMRow(out)
 
 
 def collate_mm(rows: list[MMRow], prompt_width: int, completion_width: int = 0) -> dict[str, torch.Tensor]:
@@ -46,16 +80,17 @@ def collate_mm(rows: list[MMRow], prompt_width: int, completion_width: int = 0) 
     concatenated image by image (Qwen-VL's patches, Gemma3's images) or, where the processor gives each row its
     own slot ([1, N, C, H, W], Idefics3), padded to the row with the most images (all-zero images are padding
     to the model) together with ``pixel_attention_mask``; ``image_grid_thw`` is concatenated."""
-    keys = {k for r in rows for k in r.tensors}
+    keys = {k for r in rows for k in (*r.tensors, *r.completion)}
     out: dict[str, torch.Tensor] = {}
     for key in sorted(keys):
         present = [r.tensors[key] for r in rows if key in r.tensors]
         if key in TOKEN_KEYS:
             cols = []
             for r in rows:
-                t = r.tensors.get(key)
-                t = t.reshape(-1) if t is not None else torch.zeros(0, dtype=torch.long)
-                cols.append(torch.cat([t.new_zeros(prompt_width - len(t)), t, t.new_zeros(completion_width)]))
+                t, c = (torch.zeros(0, dtype=torch.long) if x is None else x.reshape(-1)
+                        for x in (r.tensors.get(key), r.completion.get(key)))
+                c = c[:completion_width].to(t.dtype)
+                cols.append(torch.cat([t.new_zeros(prompt_width - len(t)), t, c, t.new_zeros(completion_width - len(c))]))
             out[key] = torch.stack(cols)
         elif present[0].dim() in (4, 5) and key in ("pixel_values", "pixel_attention_mask") and _row_slots(rows):
             most = max(r.tensors[key].shape[1] if key in r.tensors else 0 for r in rows)
@@ -92,6 +127,7 @@ class ProcessorTemplate(ChatTemplate):
             tokenizer.chat_template = processor.chat_template
         super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs)
         self._mm: OrderedDict[tuple, tuple[list[int], MMRow]] = OrderedDict()
+        self._pinned: dict[str, tuple[tuple, list[int], MMRow]] = {}  # request_id → a later turn's prompt
         # sampling must never emit an image (or other special) token: the training forward would then look for
         # an image that is not there ("Image features and image tokens do not match")
         special = set(tokenizer.all_special_ids)
@@ -99,9 +135,15 @@ class ProcessorTemplate(ChatTemplate):
         self.blocked_token_ids = sorted(special - {self.eos_token_id})
 
     def render_prompt(self, messages: list[dict]) -> str:
-        if count_placeholders(messages):
-            messages = to_parts(messages)
+        if count_placeholders(messages):  # a reply's own text "<image>" is text, never an image slot
+            messages = [m if m["role"] == "assistant" and isinstance(m.get("content"), str) else p
+                        for m, p in zip(messages, to_parts(messages))]
         return super().render_prompt(messages)
+
+    def render_mm(self, messages: list[dict], n_images: int) -> str:
+        """The prompt text of a conversation with images, one image slot per image (before the processor expands
+        the slots into image tokens)."""
+        return self.render_prompt(with_image_slots(self.with_system(messages), n_images))
 
     def encode_mm(self, messages: list[dict], images: list) -> tuple[list[int], MMRow]:
         """Prompt ids (image tokens expanded) and the row's tensors; memoised per conversation and images (the
@@ -113,7 +155,7 @@ class ProcessorTemplate(ChatTemplate):
             return self.encode_prompt(messages), MMRow()
         key = (_memo_key(messages), tuple(_fingerprint(i) for i in images))
         if key not in self._mm:
-            text = self.render_prompt(with_image_slots(self.with_system(messages), len(images)))
+            text = self.render_mm(messages, len(images))
             pil = [load_image(i) for i in images]
             out = self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
             ids = out["input_ids"][0].tolist()
@@ -124,21 +166,98 @@ class ProcessorTemplate(ChatTemplate):
         ids, row = self._mm[key]
         return list(ids), row
 
+    # -- later turns: the trajectory's own tokens as the next prompt ----------------------------------------
+    def pin(self, request_id: str, messages: list[dict], images: list, ids: list[int], row: MMRow) -> None:
+        """The prompt of ``request_id``'s next turn is ``ids``/``row`` (the trajectory so far, as it trains) while
+        its conversation and images are these; ``encode_request`` returns it instead of re-encoding the text."""
+        self._pinned[request_id] = (_key(messages, images), list(ids), row)
+
+    def unpin(self, request_id: str) -> None:
+        self._pinned.pop(request_id, None)
+
+    def encode_request(self, request: RolloutInferRequest) -> tuple[list[int], MMRow]:
+        """The engine's prompt of a request: the pinned ids of a continued trajectory, else ``encode_mm``."""
+        images = row_images(request.data_dict)
+        pinned = self._pinned.get(request.request_id)
+        if pinned is not None and pinned[0] == _key(request.messages, images):
+            return list(pinned[1]), pinned[2]
+        return self.encode_mm(request.messages, images)
+
+    def encode_between_mm(self, full: list[dict], i: int, j: int, seg: list[int], images: list
+                          ) -> tuple[list[int], MMRow]:
+        """``encode_between`` with the images of the messages in between (one per placeholder, in order)
+        expanded by the processor into image tokens; their tensors in the returned row."""
+        slots = count_placeholders(full[i + 1:j])
+        if slots != len(images):
+            raise RolloutError(f"messages {i + 1}..{j - 1}: {slots} image placeholder(s) but {len(images)} image(s); "
+                               f"give one image per {IMAGE_PLACEHOLDER} of an observation")
+        text = self.between_text(full, i, j, seg)
+        if not images:
+            return self.tokenize(text), MMRow()
+        out = self.processor(text=[text], images=[[load_image(x) for x in images]], return_tensors="pt",
+                             add_special_tokens=False)
+        return out["input_ids"][0].tolist(), MMRow({k: v for k, v in out.items()
+                                                    if k not in ("input_ids", "attention_mask")})
+
+    def encode_turns(self, prompt_messages: list[dict], messages: list[dict], segments: list[list[int]],
+                     images: list, rid: str = "") -> tuple[list[int], MMRow, list[tuple[list[int], MMRow]]]:
+        """(prompt ids, prompt row, per gap between segments the template's ids and row up to the next assistant
+        message). Placeholders after the prompt take the trajectory's last images in order; the prompt the rest."""
+        later = count_placeholders([m for m in messages[len(prompt_messages):] if m["role"] != "assistant"])
+        if later > len(images):
+            raise RolloutError(f"request {rid}: {later} image placeholder(s) after the prompt but {len(images)} "
+                               "image(s) in the trajectory; give one image per placeholder of an observation")
+        used = len(images) - later
+        prompt_ids, row = self.encode_mm(prompt_messages, images[:used])
+        turns = self._assistant_turns(prompt_messages, messages, len(segments), rid)
+        gaps = []
+        for k, end in enumerate(turns[1:]):
+            n = count_placeholders(messages[turns[k] + 1:end])
+            gaps.append(self.encode_between_mm(messages, turns[k], end, segments[k], images[used:used + n]))
+            used += n
+        return prompt_ids, row, gaps
+
     def encode_output(self, prompt_messages: list[dict], output: RolloutOutput, images=()) -> EncodedSample:
-        """As ChatTemplate.encode_output, with the prompt from ``encode_mm`` and its row in ``extra["mm"]``."""
+        """As ChatTemplate.encode_output, with the prompt from ``encode_mm`` and the trajectory's row (every image,
+        the observations' after the prompt's) in ``extra["mm"]``."""
         images = list(images or [])
-        sample = super().encode_output(prompt_messages, output) if not images else None
-        if sample is None:
-            if len(output.response_token_ids) != 1:
-                raise RolloutError(f"request {output.request_id}: multi-turn trajectories with images are not "
-                                   "supported yet; use single-turn rollouts for image rows")
-            prompt_ids, row = self.encode_mm(prompt_messages, images)
-            text = super().encode_output(prompt_messages, output)
-            sample = EncodedSample(prompt_ids, text.completion_ids, text.completion_mask, text.rollout_logprobs)
-            sample.extra["mm"] = row
-        else:
+        if not images or len(output.response_token_ids) == 1:  # the images, if any, are all in the prompt
+            sample = super().encode_output(prompt_messages, output)
             sample.extra["mm"] = MMRow()
+            if images:
+                sample.prompt_ids, sample.extra["mm"] = self.encode_mm(prompt_messages, images)
+            return sample
+        segments = output.response_token_ids
+        masks = output.response_loss_mask or [[1] * len(s) for s in segments]
+        if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
+            raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
+                               f"differ from response_token_ids lengths {[len(s) for s in segments]}")
+        lp_segs = output.rollout_logprobs if _logprobs_consistent(output, masks) else None
+        prompt_ids, row, gaps = self.encode_turns(prompt_messages, output.messages, segments, images,
+                                                  output.request_id)
+        ids: list[int] = []
+        mask: list[int] = []
+        lps: list[float] = []
+        full, images_end = row, 0
+        for k, seg in enumerate(segments):
+            gap_ids, gap_row = gaps[k] if k < len(gaps) else ([], MMRow())
+            full = join_rows(full, len(prompt_ids) + len(ids), MMRow(), len(seg))
+            full = join_rows(full, len(prompt_ids) + len(ids) + len(seg), gap_row, len(gap_ids))
+            it = iter(lp_segs[k]) if lp_segs is not None else None
+            lps += [next(it) if m else float("nan") for m in masks[k]] if it is not None else []
+            lps += [float("nan")] * len(gap_ids) if it is not None else []
+            ids += seg + gap_ids
+            mask += masks[k] + [0] * len(gap_ids)
+            if gap_row.has_images:
+                images_end = len(ids)
+        sample = EncodedSample(prompt_ids, ids, mask, lps if lp_segs is not None else None)
+        sample.extra["mm"] = full.split(len(prompt_ids))
+        sample.extra["images_end"] = images_end  # completion tokens up to the end of the last observation image
         return sample
+
+
+def _key(messages: list[dict], images: list) -> tuple:
+    return (_memo_key(messages), tuple(_fingerprint(i) for i in images))
 
 
 def _fingerprint(image) -> str:

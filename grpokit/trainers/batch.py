@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from grpokit.errors import RolloutError
 from grpokit.template.encode import EncodedSample
 from grpokit.template.processor import MMRow
 
@@ -84,6 +85,10 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
     if max_completion_length is not None:
         for s in samples:  # a multi-turn trajectory may exceed the total budget: cut it (the tail trains nothing)
             if len(s.completion_ids) > max_completion_length:
+                if s.extra.get("images_end", 0) > max_completion_length:
+                    raise RolloutError(f"a trajectory of {len(s.completion_ids)} completion tokens has observation "
+                                       f"image tokens beyond --max_completion_length {max_completion_length}; "
+                                       "raise it, or end trajectories before their observations outgrow it")
                 s.completion_ids = s.completion_ids[:max_completion_length]
                 s.completion_mask = s.completion_mask[:max_completion_length]
                 if s.rollout_logprobs is not None:

@@ -16,7 +16,7 @@ from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
 from grpokit.data.images import row_images
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
-from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state
+from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
@@ -114,8 +114,9 @@ class WindowProducer:
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
         trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
         for o in outputs:
+            row = swift_kwargs(by_id[o.request_id].data_dict)  # the dataset columns, no hidden ones
             trajectories.setdefault(o.request_id, []).append(
-                {**by_id[o.request_id].data_dict, "messages": o.messages, "rollout_infos": o.rollout_infos})
+                {**row, "messages": o.messages, "rollout_infos": o.rollout_infos})
         kwargs.update(
             messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
             rollout_infos=[o.rollout_infos for o in outputs],
@@ -230,9 +231,9 @@ class WindowProducer:
     def _encode(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
         """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
         by_id = {r.request_id: r for r in requests}
-        mm = getattr(self.template, "multimodal", False)  # the processor template also takes the row's images
+        mm = getattr(self.template, "multimodal", False)  # the processor template also takes the images
         samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
-                                               **({"images": row_images(by_id[o.request_id].data_dict)} if mm else {}))
+                                               **({"images": _trajectory_images(o, by_id)} if mm else {}))
                    for o in outputs]
         truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
         r = self.rollout_args
@@ -313,6 +314,14 @@ class AsyncWindows:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def _trajectory_images(output: RolloutOutput, by_id: dict) -> list:
+    """Every image of a trajectory: the row's, then those its observations added (``rollout_infos['images']``,
+    the multi-turn loop's record of them all, as ms-swift's override key)."""
+    if "images" in output.rollout_infos:
+        return list(output.rollout_infos["images"] or [])
+    return row_images(by_id[output.request_id].data_dict)
 
 
 def _complete(rollout_logps: torch.Tensor | None, mask: torch.Tensor) -> bool:

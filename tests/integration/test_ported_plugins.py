@@ -130,8 +130,9 @@ def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, ti
 
 
 def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
-    names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex2_format", "trl_ex3_reference",
-             "trl_ex4_math", "trl_ex4_coding", "trl_ex5_async", "trl_ex6_logging"]
+    """The examples written for TRL's standard format (a prompt string column), read from TRL's docs."""
+    names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex3_reference", "trl_ex4_math",
+             "trl_ex4_coding", "trl_ex5_async", "trl_ex6_logging"]
     rows = [{"prompt": f"What is {k} + 1? Put it in \\boxed{{}}.", "ground_truth": str(k + 1),
              "task": "math" if k % 2 else "coding"} for k in range(4)]
     plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")  # from the TRL mirror
@@ -140,7 +141,6 @@ def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
     for r in logs:
         assert r["rewards/trl_ex1_token_length/mean"] >= 1.0  # completion_ids by keyword: token counts
         assert r["rewards/trl_ex1_1_char_length/mean"] >= 1.0  # texts: character counts
-        assert r["rewards/trl_ex2_format/mean"] == 0.0  # conversational completions read, no <think> format
         assert r["rewards/trl_ex5_async/mean"] > 0.0  # awaited; non-empty completions score 1
         assert r["rewards/trl_ex3_reference/mean"] == 0.0  # a random model writes no \boxed{answer}
         assert 0.0 <= r["accuracy"] <= 1.0  # log_metric("accuracy", ...) of Example 6
@@ -151,6 +151,22 @@ def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
         # Example 4: each row is scored by exactly one of the two task functions (None = not scored)
         assert (c["trl_ex4_math"] is None) != (c["trl_ex4_coding"] is None)
         assert {c["trl_ex4_math"], c["trl_ex4_coding"]} - {None} <= {-1.0, 1.0}
+
+
+def test_trl_conversational_example_reads_messages_from_a_conversational_dataset(tiny_model_dir, tmp_path):
+    """TRL picks the format from the dataset: a prompt column of messages makes TRL-convention rewards read
+    prompts and completions as message lists (Example 2: completion[0]["content"], which fails on a string),
+    while an ms-swift-convention function (Example 1.1's signature is also ms-swift's) still counts characters."""
+    names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex2_format", "trl_ex5_async"]
+    rows = [{"prompt": [{"role": "system", "content": "Think, then answer."},
+                        {"role": "user", "content": f"What is {k} + 1?"}]} for k in range(4)]
+    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")  # from the TRL mirror
+    out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
+    for r in _logs(out):
+        assert r["rewards/trl_ex2_format/mean"] == 0.0  # message lists read; a random model writes no <think>
+        assert r["rewards/trl_ex1_token_length/mean"] >= 1.0
+        assert r["rewards/trl_ex1_1_char_length/mean"] > 1.0  # texts (a message list would count 1)
+        assert r["rewards/trl_ex5_async/mean"] == 1.0  # a non-empty message list scores 1
 
 
 def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_model_dir, tmp_path):

@@ -5,7 +5,8 @@ They are not stored in this repository: each test reads them at test time, at a 
 mirror of the project (``$GRPOKIT_MIRRORS/<owner>+<name>/repo``, default ``/work/.mirror``, a bare clone made by
 ``git clone --mirror``), and skips with the reason when the mirror is absent. The only edits are the ones a user
 makes when porting: ms-swift's imports renamed (``swift.`` → ``grpokit.swift.``), and for TRL's examples the
-lines that register each function in ``orms`` (TRL passes functions to its trainer; grpokit looks them up by name).
+lines that register each function in ``orms`` (TRL passes functions to its trainer; grpokit looks them up by name),
+``trl_convention(f)`` where the signature alone reads as ms-swift's (``TRL_MARKED``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import pytest
 SWIFT = ("modelscope+ms-swift", "3602360a562313afbf2ef6065fdf61f271a2c5b9")
 TRL = ("huggingface+trl", "f2cd57710ae345ea6428ae95363267fcf38a3dc8")
 
-# TRL's documentation examples ("Using a custom reward function"): heading → {function: registered name}; the
-# functions reading TRL's conversational format are registered as such (TRL picks the format from the dataset)
+# TRL's documentation examples ("Using a custom reward function"): heading → {function: registered name}
 TRL_EXAMPLES = {
     "Example 1:": {"reward_func": "trl_ex1_token_length"},
     "Example 1.1:": {"reward_func": "trl_ex1_1_char_length"},
@@ -32,7 +32,10 @@ TRL_EXAMPLES = {
     "Example 5:": {"async_reward_func": "trl_ex5_async"},
     "Example 6:": {"reward_func": "trl_ex6_logging"},
 }
-TRL_CONVERSATIONAL = {"trl_ex2_format"}
+# Registered with trl_convention(f): Example 2's signature, format_reward_func(completions, **kwargs), is also
+# ms-swift's, which grpokit calls with completion texts; the mark says "TRL's way". The format (strings or message
+# lists) still comes from each dataset row, as in TRL. Every other example is registered plainly.
+TRL_MARKED = {"trl_ex2_format"}
 # Example 4 calls two helpers that the documentation leaves to the reader
 _EXAMPLE_4_HELPERS = '''
 def check_math_solution(prompt, completion):
@@ -79,8 +82,7 @@ def trl_reward_examples(dest: Path) -> Path:
         defined = {node.name for node in kept if not isinstance(node, (ast.Import, ast.ImportFrom))}
         assert set(names) <= defined, f"TRL's {heading} no longer defines {set(names) - defined}"
         for func, name in names.items():
-            conversational = ", conversational=True" if name in TRL_CONVERSATIONAL else ""
-            parts.append(f"orms[{name!r}] = trl_convention({func}{conversational})" if conversational
+            parts.append(f"orms[{name!r}] = trl_convention({func})" if name in TRL_MARKED
                          else f"orms[{name!r}] = {func}")
     dest.write_text("\n\n".join(parts) + "\n")
     return dest

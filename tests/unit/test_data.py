@@ -38,7 +38,7 @@ def numbered(n: int) -> list[dict]:
 def test_jsonl_messages_rows_keep_every_column(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": USER_HI, "solution": "1", "target": 7}])
     ds = normalize_rows(load_dataset_spec(str(path)), None)
-    assert ds[0] == {"messages": USER_HI, "solution": "1", "target": 7}
+    assert ds[0] == {"messages": USER_HI, "solution": "1", "target": 7, "_conversational": True}
 
 
 def test_csv_query_answer_becomes_messages_and_solution(tmp_path):
@@ -55,7 +55,7 @@ def test_parquet_prompt_string(tmp_path):
     path = tmp_path / "d.parquet"
     datasets.Dataset.from_list([{"prompt": "hi", "solution": "x"}]).to_parquet(str(path))
     ds = normalize_rows(load_dataset_spec(str(path)), None)
-    assert ds[0] == {"messages": USER_HI, "solution": "x"}
+    assert ds[0] == {"messages": USER_HI, "solution": "x", "_conversational": False}
 
 
 def test_json_list_with_prompt_as_messages(tmp_path):
@@ -94,13 +94,13 @@ def test_row_system_column_wins_over_option_and_is_consumed():
     out = normalize_rows(ds, "option")
     assert out[0]["messages"][0]["content"] == "row"
     assert out[1]["messages"][0]["content"] == "option"
-    assert out.column_names == ["messages"]
+    assert out.column_names == ["messages", "_conversational"]
 
 
 def test_trailing_assistant_becomes_solution():
     ds = datasets.Dataset.from_list([{"messages": [*USER_HI, {"role": "assistant", "content": "42"}]}])
     out = normalize_rows(ds, None)
-    assert out[0] == {"messages": USER_HI, "solution": "42"}
+    assert out[0] == {"messages": USER_HI, "solution": "42", "_conversational": True}
 
 
 def test_existing_solution_is_not_overwritten():
@@ -110,7 +110,7 @@ def test_existing_solution_is_not_overwritten():
 
 def test_no_solution_column_is_invented():
     out = normalize_rows(datasets.Dataset.from_list([{"query": "hi", "nums": [1, 2]}]), None)
-    assert out.column_names == ["nums", "messages"]
+    assert out.column_names == ["nums", "messages", "_conversational"]
 
 
 def test_bad_prompt_value_names_the_row():
@@ -229,7 +229,7 @@ def test_concatenation_unions_columns(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"query": "hi", "answer": "1"}])
     train, val = load_train_val([str(path), "builtin:countdown#2"], [], system=None, seed=0)
     assert val is None and len(train) == 3
-    assert set(train.column_names) == {"messages", "answer", "solution", "nums", "target"}
+    assert set(train.column_names) == {"messages", "answer", "solution", "nums", "target", "_conversational"}
     assert train[0]["nums"] is None and train[0]["solution"] == "1"
     assert train[1]["answer"] is None and len(train[1]["nums"]) in (3, 4)
 

@@ -28,7 +28,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 @pytest.mark.parametrize("column", ["question", "problem", "query", "prompt", "input", "Question"])
 def test_prompt_column_aliases(column):
     [row] = rows_of([{column: "What is 2+2?", "solution": "4"}])
-    assert row == {"messages": USER_Q, "solution": "4"}
+    assert row == {"messages": USER_Q, "solution": "4", "_conversational": False}  # a string: TRL's standard
 
 
 def test_instruction_and_input_are_joined_as_alpaca_does():

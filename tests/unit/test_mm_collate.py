@@ -59,3 +59,38 @@ def test_split_keeps_each_rows_images_with_it():
     picked = batch.select(torch.tensor([5, 1]))
     assert picked.mm_inputs == [rows[5], rows[1]]
     assert batch.select(torch.tensor([True, False, True, False, False, False])).mm_inputs == [rows[0], rows[2]]
+
+
+def test_join_rows_puts_a_later_turns_images_after_the_prompts_and_split_cuts_token_types():
+    """A trajectory's row: the prompt's image, 2 completion tokens, then an observation with one image."""
+    from grpokit.template.processor import join_rows
+
+    prompt, observation = _qwen_row(1, 3), _qwen_row(1, 2)
+    row = join_rows(join_rows(prompt, 3, MMRow(), 2), 5, observation, 2)
+    assert row.tensors["mm_token_type_ids"].tolist() == [[1, 1, 1, 0, 0, 1, 1]]
+    assert row.tensors["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
+    assert torch.equal(row.tensors["pixel_values"], torch.cat([prompt.tensors["pixel_values"],
+                                                               observation.tensors["pixel_values"]]))
+    cut = row.split(3)
+    assert cut.tensors["mm_token_type_ids"].tolist() == [[1, 1, 1]]
+    assert cut.completion["mm_token_type_ids"].tolist() == [[0, 0, 1, 1]]
+    # the batch: the prompt's token types left-padded, the completion's after them, zeros to the width
+    out = collate_mm([cut, _qwen_row(0, 2)], prompt_width=4, completion_width=5)
+    assert out["mm_token_type_ids"].tolist() == [[0, 1, 1, 1, 0, 0, 1, 1, 0], [0] * 9]
+    # Idefics3's per-row image axis: a text-only prompt joined with an observation image
+    idefics = MMRow({"pixel_values": torch.ones(1, 1, 3, 4, 4), "pixel_attention_mask": torch.ones(1, 1, 4, 4)})
+    both = join_rows(idefics, 4, idefics, 3)
+    assert both.tensors["pixel_values"].shape == (1, 2, 3, 4, 4)
+    assert join_rows(MMRow(), 4, idefics, 3).tensors["pixel_values"].shape == (1, 1, 3, 4, 4)
+
+
+def test_cutting_a_trajectory_through_an_observation_image_is_refused():
+    import pytest
+
+    from grpokit.errors import RolloutError
+
+    sample = EncodedSample([1, 2], [3, 4, 5, 6], [1, 0, 0, 1], extra={"mm": MMRow(), "images_end": 3})
+    with pytest.raises(RolloutError, match="observation image tokens beyond --max_completion_length 2"):
+        collate([sample], pad_id=0, truncated=[True], max_completion_length=2)
+    fine = EncodedSample([1, 2], [3, 4, 5, 6], [1, 0, 0, 1], extra={"mm": MMRow(), "images_end": 3})
+    assert collate([fine], pad_id=0, truncated=[True], max_completion_length=3).completion_mask.shape == (1, 3)

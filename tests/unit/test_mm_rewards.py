@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from datasets import Dataset
 
+from grpokit.config.args import RolloutArguments
 from grpokit.errors import ConfigError
 from grpokit.pipeline.vlm_parts import check_model_takes_images, vlm_part
 from grpokit.rewards import orms
@@ -45,4 +48,24 @@ def test_a_text_only_model_given_images_is_one_line():
 
     check_model_takes_images(ds, Processor(), "m")
     with pytest.raises(ConfigError, match="--vllm_mode server: image rows are not supported"):
-        check_model_takes_images(ds, Processor(), "m", remote=True)
+        check_model_takes_images(ds, Processor(), "m", RolloutArguments(use_vllm=True, vllm_mode="server"))
+
+
+@pytest.mark.parametrize("model_type", ["idefics3", "smolvlm", "qwen2_vl", "gemma3"])
+def test_vllm_colocate_takes_images_of_idefics3_only(tmp_path, model_type):
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": "x"}], "images": [b"png"]}])
+
+    class Processor:
+        image_processor = object()
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    colocate = RolloutArguments(use_vllm=True, vllm_mode="colocate")
+    if model_type == "idefics3":
+        check_model_takes_images(ds, Processor(), str(tmp_path), colocate)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_model_takes_images(ds, Processor(), str(tmp_path), colocate)
+    message = str(e.value)
+    assert message.startswith("--use_vllm true: image rows through vLLM are supported for Idefics3 models only, and "
+                              f"--model {tmp_path} is {model_type} ("), message
+    assert "torchvision" in message and "--use_vllm false" in message and "\n" not in message

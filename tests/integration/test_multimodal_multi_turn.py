@@ -1,0 +1,242 @@
+"""Images in later turns (issue 21): a 2-turn environment whose observation is an image, on tiny random Qwen2-VL
+and Idefics3 through the transformers engine. The row's image stays in every turn's prompt, the observation's
+image joins the trajectory, the trainer's logps equal the engine's sampling logprobs on the tokens of both turns,
+the observation image changes only the second turn's logps, and bad observations get one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ("qwen2_vl", "idefics3")
+COLOURS = {"red": (220, 20, 30), "green": (20, 200, 40), "blue": (30, 40, 210)}
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    from grpokit.testing_vlm import build_tiny_vlm
+
+    root = tmp_path_factory.mktemp("vlms")
+    return {f: build_tiny_vlm(root / f, f) for f in FAMILIES}
+
+
+def _square(colour: str):
+    from PIL import Image
+
+    return Image.new("RGB", (16, 16), COLOURS[colour])
+
+
+@pytest.fixture
+def colour_env():
+    """Turn 1's reply gets an image observation (the env_config's colour) with one placeholder per image; the
+    episode ends after turn 2 with a reward that depends on the reply."""
+    from grpokit.rollout.env import Env, envs
+
+    class ColourObservation(Env):
+        async def reset(self, config):
+            return "", {}, ""  # keep the row's prompt (and its image)
+
+        async def step(self, action):
+            if sum(m["role"] == "assistant" for m in action) == 1:
+                n = int(self.env_config.get("placeholders", 1))
+                return "<image>" * n + "And this one?", 0.0, False, {"images": [_square(self.env_config["colour"])]}
+            return "", float(len(action[-1]["content"]) % 2), True, {}
+
+    envs["test_colour_observation"] = ColourObservation
+    yield
+    del envs["test_colour_observation"]
+
+
+def _dataset(tmp_path, placeholders: int = 1):
+    names = list(COLOURS)
+    lines = []
+    for i in range(3):
+        path = tmp_path / f"row{i}.png"
+        _square(names[i]).save(path)
+        lines.append({"messages": [{"role": "user", "content": "<image>What colour is this image?"}],
+                      "images": [str(path)],
+                      "env_config": {"name": "test_colour_observation", "colour": names[(i + 1) % 3],
+                                     "placeholders": placeholders}})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return path
+
+
+def _train(model_dir, data, out, trainer_cls, steps: int = 2):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+    from grpokit.trainers.factory import TrainerFactory
+
+    saved = dict(TrainerFactory.TRAINER_MAPPING)
+    TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
+    try:
+        return run_train(parse_train_args([
+            "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
+            "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "2", "--num_generations", "2",
+            "--per_device_train_batch_size", "6", "--generation_batch_size", "6", "--max_steps", str(steps),
+            "--max_completion_length", "5", "--beta", "0", "--torch_dtype", "float32", "--save_steps", "100",
+            "--seed", "0", "--disable_tqdm", "true", "--rollout_importance_sampling_mode", "token_truncate",
+            "--loss_type", "grpo", "--learning_rate", "1e-3"]))
+    finally:
+        TrainerFactory.TRAINER_MAPPING.clear()
+        TrainerFactory.TRAINER_MAPPING.update(saved)
+
+
+def _image_count(row) -> int:
+    if "image_grid_thw" in row.tensors:  # Qwen-VL: one grid per image
+        return row.tensors["image_grid_thw"].shape[0]
+    pv = row.tensors["pixel_values"]
+    return pv.shape[1] if pv.dim() == 5 else pv.shape[0]  # Idefics3 keeps a per-row image axis
+
+
+def _turn_runs(mask: torch.Tensor) -> int:
+    """Runs of trained tokens in a completion mask (one per assistant turn)."""
+    m = mask.int().tolist()
+    return sum(1 for k, v in enumerate(m) if v and (k == 0 or not m[k - 1]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(family, vlm_dirs, colour_env, tmp_path):
+    from grpokit.trainers.batch import collate
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    seen: list = []
+
+    class Recording(GRPOTrainer):
+        def _prepare_inputs(self, prompts, rollout=None):
+            window = super()._prepare_inputs(prompts, rollout)
+            seen.append([window.outputs])
+            return window
+
+        def _compute_loss_and_metrics(self, model, inputs):
+            logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
+            seen[-1] += [logps.detach(), inputs]
+            return super()._compute_loss_and_metrics(model, inputs)
+
+    trainer = _train(vlm_dirs[family], _dataset(tmp_path), tmp_path / "out", Recording)
+    assert trainer.state.global_step == 2 and len(seen) == 2
+    for outputs, logps, batch in seen:
+        assert all(o.rollout_infos["num_turns"] == 2 and len(o.rollout_infos["images"]) == 2 for o in outputs)
+        assert [_image_count(r) for r in batch.mm_inputs] == [2] * 6  # the row's image and the observation's
+        assert all(_turn_runs(m) == 2 for m in batch.completion_mask)  # both turns train, the observation not
+        mask = batch.completion_mask.bool()
+        assert not torch.isnan(batch.rollout_logps[mask]).any()
+        torch.testing.assert_close(logps[mask], batch.rollout_logps[mask], atol=1e-5, rtol=0)
+    if family == "qwen2_vl":  # the observation's image tokens are marked as such over the completion
+        assert all(r.completion["mm_token_type_ids"].sum() > 0 for r in seen[0][2].mm_inputs)
+
+    # the same trajectory with only the observation image changed: turn 1's logps stay, turn 2's move
+    output = seen[-1][0][0]
+    images = output.rollout_infos["images"]
+    other = _square("blue" if images[1].getpixel((0, 0)) != COLOURS["blue"] else "green")
+    samples = [trainer.template.encode_output(output.prompt_messages, output, images=imgs)
+               for imgs in (images, [images[0], other])]
+    assert samples[0].prompt_ids == samples[1].prompt_ids and samples[0].completion_ids == samples[1].completion_ids
+    pair = collate(samples, trainer.template.pad_token_id, [False, False])
+    trainer.model.eval()
+    with torch.no_grad():
+        lp, _ = trainer._get_per_token_logps_and_entropies(trainer.model, pair)
+    first = len(output.response_token_ids[0])
+    second = pair.completion_mask[0].bool() & (torch.arange(pair.completion_mask.shape[1]) >= first)
+    torch.testing.assert_close(lp[0, :first], lp[1, :first], atol=1e-6, rtol=0)
+    assert (lp[0][second] - lp[1][second]).abs().max() > 1e-4
+
+
+def _engine_and_scheduler(model_dir):
+    from grpokit.config.args import ModelArguments
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.pipeline.models import load_policy
+    from grpokit.rollout.builtin_schedulers import GYMScheduler
+    from grpokit.template.processor import make_template
+
+    model, processor, _ = load_policy(ModelArguments(model=str(model_dir), torch_dtype="float32"), 0.0)
+    engine = TransformersEngine(model, make_template(processor))
+    return GYMScheduler(infer_engine=engine, max_turns=2, tokenizer=engine.tokenizer)
+
+
+def _run(scheduler, row: dict):
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.rollout.scheduler import run_trajectories
+
+    request = RolloutInferRequest(messages=row["messages"], data_dict={k: v for k, v in row.items()
+                                                                        if k != "messages"})
+    return run_trajectories(scheduler, [request], RequestConfig(max_tokens=3, temperature=1.0))
+
+
+def test_an_observation_with_more_placeholders_than_images_is_one_line(vlm_dirs, colour_env, tmp_path):
+    from grpokit.errors import RolloutError
+
+    row = json.loads(_dataset(tmp_path, placeholders=2).read_text().splitlines()[0])
+    with pytest.raises(RolloutError) as e:
+        _run(_engine_and_scheduler(vlm_dirs["idefics3"]), row)
+    assert "step() at turn 1: the new message(s) hold 2 <image> placeholder(s) but 1 image(s)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_text_only_model_given_an_image_observation_is_one_line(colour_env, tmp_path):
+    from grpokit.errors import RolloutError
+    from grpokit.testing import build_tiny_model
+
+    row = {"messages": [{"role": "user", "content": "Say something."}],
+           "env_config": {"name": "test_colour_observation", "colour": "red"}}
+    with pytest.raises(RolloutError) as e:
+        _run(_engine_and_scheduler(build_tiny_model(tmp_path / "text")), row)
+    assert "returned 1 image(s) but the model is text-only; use a vision-language model" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_reply_that_writes_the_placeholder_text_is_not_an_image_slot(vlm_dirs):
+    """The text between turns is rendered with the observation's image expanded; a reply's literal "<image>"
+    stays text (it has no image) and the observation's one image fills the observation's one slot."""
+    from grpokit.config.args import ModelArguments
+    from grpokit.pipeline.models import load_policy
+    from grpokit.template.processor import ProcessorTemplate
+
+    _, processor, _ = load_policy(ModelArguments(model=str(vlm_dirs["qwen2_vl"]), torch_dtype="float32"), 0.0)
+    template = ProcessorTemplate(processor)
+    full = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "a <image> b"},
+            {"role": "user", "content": "<image>And this one?"}]
+    seg = template.tokenize("a <image> b")
+    ids, row = template.encode_between_mm(full, 1, 3, seg, [_square("red")])
+    pad = template.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grid = row.tensors["image_grid_thw"]
+    assert grid.shape[0] == 1 and ids.count(pad) == int(grid.prod()) // 4  # 2x2 patches merge into one token
+    assert row.tensors["mm_token_type_ids"].sum() == ids.count(pad)
+
+
+def test_images_from_an_envs_reset_and_missing_step_images_are_refused(tmp_path):
+    """reset cannot add images (its observation replaces the prompt): the reset fails with a line saying so; a
+    step() image that does not exist is named with the scheduler and the turn."""
+    import asyncio
+
+    from grpokit.errors import RolloutError
+    from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
+    from grpokit.rollout.builtin_schedulers import GYMScheduler
+    from grpokit.rollout.env import Env, envs
+    from grpokit.rollout.multi_turn import MultiTurnScheduler
+
+    class ResetImages(Env):
+        async def reset(self, config):
+            return "<image>Look.", {"images": [_square("red")]}, ""
+
+        async def step(self, action):
+            return "", 0.0, True, {}
+
+    envs["test_reset_images"] = ResetImages
+    try:
+        request = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}],
+                                      data_dict={"env_config": {"name": "test_reset_images"}})
+        with pytest.raises(RolloutError, match="images from reset are not supported; give the first images in"):
+            asyncio.run(GYMScheduler(max_turns=2).on_trajectory_start([request]))
+    finally:
+        del envs["test_reset_images"]
+    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
+                                          token_ids=[1])
+    step = {"infer_request": request, "images": [str(tmp_path / "gone.png")]}
+    with pytest.raises(RolloutError, match=r"MultiTurnScheduler.step\(\) at turn 1: image 0: image file .*gone.png"
+                                           r"' does not exist"):
+        MultiTurnScheduler(max_turns=2)._check_step(step, choice, 1)
