@@ -1,7 +1,8 @@
 """Many processes: map --deepspeed / --fsdp onto accelerate's own plugins, refuse what cannot work, and the few
 collectives the loop needs (metrics averaged over ranks, objects gathered, a full state dict for saving).
 
-No home-made parallelism: DDP, FSDP2 and DeepSpeed are accelerate's. What each rank does is in docs/distributed.md.
+No home-made parallelism: DDP and DeepSpeed are accelerate's; --fsdp is PyTorch's FSDP2, applied by sharding.py
+because accelerate runs it only on GPUs. What each rank does is in docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -70,14 +71,6 @@ def _fill_deepspeed_config(ds: dict, args, source: str) -> None:
                           "to \"auto\" in the file")
 
 
-def fsdp_plugin():
-    """accelerate's FSDP2 plugin, sharding each decoder layer (the model's ``_no_split_modules``)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                          reshard_after_forward=True)
-
-
 def accelerate_plugins(args) -> dict:
     """Keyword arguments for ``accelerate.Accelerator`` from the training options."""
     if args.deepspeed and args.fsdp:
@@ -88,9 +81,7 @@ def accelerate_plugins(args) -> dict:
             raise ConfigError(f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
                               "(pip install deepspeed), or drop --deepspeed to train with plain DDP")
         return {"deepspeed_plugin": plugin}
-    if args.fsdp:
-        return {"fsdp_plugin": fsdp_plugin()}
-    return {}
+    return {}  # --fsdp: grpokit shards the model itself (sharding.py); accelerate runs plain multi-process
 
 
 def has_accelerator() -> bool:
@@ -132,9 +123,12 @@ def check_backend(accelerator, args) -> None:
         raise ConfigError(f"the launcher started {world_size()} processes (WORLD_SIZE) but accelerate "
                           f"joined them in no group ({kind.value}, {where}): each would train a copy of its own; "
                           "add --use_cpu true to train them together on CPU (gloo), or launch one process")
-    if args.fsdp and kind != DistributedType.FSDP:
-        raise ConfigError(f"--fsdp: accelerate runs FSDP only across 2 or more GPU processes, here {where}; "
-                          "launch with torchrun/accelerate launch on GPUs, or drop --fsdp (plain DDP)")
+    if args.fsdp and kind == DistributedType.FSDP:
+        raise ConfigError("--fsdp and an accelerate config that turns on FSDP: grpokit shards the model itself "
+                          "with --fsdp; drop FSDP from the accelerate config")
+    if args.fsdp and accelerator.num_processes == 1:
+        raise ConfigError(f"--fsdp shards the weights over processes, here {where}; launch 2 or more with "
+                          "torchrun or accelerate launch, or drop --fsdp")
     if args.deepspeed and kind != DistributedType.DEEPSPEED:
         raise ConfigError(f"--deepspeed {args.deepspeed}: accelerate runs DeepSpeed only on GPUs, here {where}; "
                           "drop --deepspeed (plain DDP) on CPU")
@@ -146,8 +140,16 @@ def check_backend(accelerator, args) -> None:
         _fill_deepspeed_config(plugin.deepspeed_config, args, "the accelerate config's DeepSpeed settings")
 
 
+def is_fsdp2(model) -> bool:
+    """True for a model sharded with FSDP2 (``fully_shard``), as --fsdp does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def shards_parameters(accelerator) -> bool:
-    """True when each rank holds only a shard of the weights (FSDP, DeepSpeed ZeRO-3)."""
+    """True when accelerate shards the weights of what it prepares (FSDP or DeepSpeed ZeRO-3 from an accelerate
+    config); --fsdp is grpokit's own, see ``is_fsdp2``."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -157,7 +159,12 @@ def shards_parameters(accelerator) -> bool:
 
 
 def check_engine(accelerator, engine) -> None:
-    """The in-process transformers engine generates with the live weights: they must be whole on each rank."""
+    """The in-process transformers engine generates with the live weights: they must be whole on each rank
+    (with --fsdp it samples from a whole copy, sharding.GatheredWeightsEngine)."""
+    model = getattr(engine, "model", None)
+    if model is not None and is_fsdp2(model):
+        raise ConfigError("the in-process transformers engine was given the FSDP-sharded policy; let the trainer "
+                          "build its engine (it samples from a whole copy) or use --vllm_mode server")
     if shards_parameters(accelerator) and getattr(engine, "engine_type", "") == "transformers":
         raise ConfigError(f"{accelerator.distributed_type.value} shards the parameters, but the in-process "
                           f"transformers engine generates with the live (sharded) weights; {_SHARDED_HINT}")
@@ -166,6 +173,10 @@ def check_engine(accelerator, engine) -> None:
 def full_state_dict(accelerator, model) -> dict | None:
     """The whole state dict for ``save_pretrained`` when parameters are sharded (a collective: call on every
     rank), else None (save the unwrapped model as it is)."""
+    if is_fsdp2(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not shards_parameters(accelerator):
         return None
     return accelerator.get_state_dict(model)

@@ -80,7 +80,7 @@ class GRPOTrainer:
         self.template, self.state.max_steps = parts.template, parts.max_steps
         self._trainable_params = parts.trainable_params
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                    self.accelerator)
+                                                    self.accelerator, parts.generation_model)
         rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,

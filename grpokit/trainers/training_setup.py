@@ -19,6 +19,7 @@ from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
 from grpokit.trainers.window_producer import Rewards
 
 
@@ -36,6 +37,7 @@ class TrainingParts:
     trainable_params: list[torch.nn.Parameter]
     max_steps: int
     template: ChatTemplate
+    generation_model: Any = None  # --fsdp: a whole copy of the policy for the in-process engine (sharding.py)
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
@@ -64,6 +66,10 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
             f"{accelerator.num_processes} processes with whole groups; make generation_batch_size / "
             f"num_generations a multiple of {accelerator.num_processes}")
     max_steps = total_steps(t, plan, num_prompts)
+    whole = None
+    if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
+        whole = generation_copy(model)
+        model = shard_model(model, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
@@ -74,15 +80,32 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
                                   num_training_steps=max_steps)
     except ValueError as e:
         raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
-    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if t.fsdp:
+        prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
+    else:
+        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     ref = None
     if cfg.algorithm.beta != 0 and not is_peft(model):
         if ref_model is None:
             raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
-        ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if t.fsdp:
+            ref = shard_model(ref_model, accelerator.device)
+        else:
+            ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
         ref.eval().requires_grad_(False)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer))
+                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer),
+                         whole)
+
+
+def _prepare_sharded(accelerator, model, optimizer, scheduler):
+    """The FSDP2 model as it is; the optimizer wrapped as accelerate wraps it (it steps only at the end of a
+    gradient accumulation) but kept out of accelerate's checkpoint, which would save rank 0's shards only: the
+    model and optimizer shards go through torch.distributed.checkpoint instead (sharding.checkpoint_hooks)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    checkpoint_hooks(accelerator, model, optimizer)
+    return model, AcceleratedOptimizer(optimizer, device_placement=False), accelerator.prepare_scheduler(scheduler)
 
 
 def is_peft(model) -> bool:
@@ -97,9 +120,12 @@ def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
     return max(1, windows * plan.optimizer_steps_per_window)
 
 
-def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator):
-    """The engine (the in-process transformers engine over the policy unless one is given) and the scheduler
-    that drives it; refuses --async_generate with an engine that samples from the live weights."""
+def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None):
+    """The engine (the in-process transformers engine over the policy unless one is given; over
+    ``generation_model``, a whole copy, when the policy is sharded) and the scheduler that drives it; refuses
+    --async_generate with an engine that samples from the live weights."""
+    if engine is None and generation_model is not None:
+        engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
     engine = engine or TransformersEngine(policy, template)
     if isinstance(engine, TransformersEngine):
         engine.fast_decode = cfg.rollout.fast_decode
