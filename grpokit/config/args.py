@@ -180,7 +180,7 @@ class TrainingArguments:
     report_to: list[str] = _opt(["none"], "trackers through accelerate: none, tensorboard, wandb, …")
     plots: bool = _opt(True, "write PNG plots of the main curves")
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
-    deepspeed: str | None = _opt(None, "zero2, zero3 or a DeepSpeed JSON file")
+    deepspeed: str | None = _opt(None, "zero0-zero3, zero2_offload, zero3_offload or a DeepSpeed JSON file")
     fsdp: bool = _opt(False, "shard weights, gradients and optimizer state with PyTorch FSDP2 (2+ processes)")
     disable_tqdm: bool = _opt(False, "no progress bar: plain progress lines on stderr instead, as when stderr is "
                                      "not a terminal (first and last step, then a step 30 s after the last line)")

@@ -163,7 +163,8 @@ class GRPOTrainer:
             with self.accelerator.autocast():
                 loss, metrics = self._compute_loss_and_metrics(model, inputs)
             self.accelerator.backward(loss)
-            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:
+            # no parameters to clip under ZeRO-3: its engine clips in optimizer.step()
+            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
                 grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
                 if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
                     metrics["grad_norm"] = scalar(grad_norm)

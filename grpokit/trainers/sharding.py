@@ -24,6 +24,7 @@ import torch
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.template.encode import ChatTemplate
+from grpokit.trainers.zero import gathered
 
 SHARDED_STATE_DIR = "fsdp_sharded"  # inside a checkpoint's accelerate state folder
 
@@ -75,10 +76,10 @@ def generation_copy(model):
 
 
 class GatheredWeightsEngine(TransformersEngine):
-    """The in-process transformers engine for a sharded policy: it samples from a whole copy on each rank, so
-    ranks generate independently (no collective per token, any number of calls per rank). ``sync_weights``
-    copies the trainable weights over from the shards, one tensor gathered at a time: a collective that the
-    trainer calls on every rank after each optimizer step and on resume."""
+    """The in-process transformers engine for a sharded policy (FSDP2 or ZeRO-3): it samples from a whole copy on
+    each rank, so ranks generate independently (no collective per token, any number of calls per rank).
+    ``sync_weights`` copies the trainable weights over from the shards, one tensor gathered at a time: a
+    collective that the trainer calls on every rank after each optimizer step and on resume."""
 
     def __init__(self, whole_model, template: ChatTemplate, device: torch.device) -> None:
         super().__init__(whole_model.to(device), template)
@@ -92,7 +93,8 @@ class GatheredWeightsEngine(TransformersEngine):
             if name not in own:
                 raise RuntimeError(f"the generation copy has no parameter {name!r}: the sharded model's names "
                                    "changed after the copy was taken")
-            own[name].copy_(whole_tensor(param))
+            with gathered(param) as whole:  # ZeRO-3: the partitions gathered; FSDP2: the DTensor's shards
+                own[name].copy_(whole_tensor(whole))
 
 
 def checkpoint_hooks(accelerator, model, optimizer) -> None:

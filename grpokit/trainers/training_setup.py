@@ -17,9 +17,12 @@ from grpokit.modeling import resolve_dtype_name
 from grpokit.rewards.runner import RewardRunner
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
-from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
+from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.trainers.zero import EngineStep, is_zero3, zero3_config
+from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_zero3
+from grpokit.trainers.zero import initialize as zero_initialize
 from grpokit.trainers.window_producer import Rewards
 
 
@@ -42,11 +45,45 @@ class TrainingParts:
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
                    num_prompts: int) -> TrainingParts:
-    """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it,
-    and the reference model where the KL term needs one."""
-    from accelerate import Accelerator  # accelerate and transformers load on first use: `grpokit --help` is fast
+    """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
+    (or sharded by grpokit: --fsdp, ZeRO-3), and the reference model where the KL term needs one."""
+    from transformers import get_scheduler  # transformers loads on first use: `grpokit --help` is fast
+
+    t = cfg.training
+    accelerator = _accelerator(cfg, model, plan)
+    max_steps = total_steps(t, plan, num_prompts)
+    zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
+    ds_config = zero3_config(t, model.config.hidden_size, accelerator.num_processes) if zero3 else None
+    whole = generation_copy(model) if (t.fsdp or zero3) else None  # a whole copy for the in-process engine
+    if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
+        model = shard_model(model, accelerator.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
+    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
+    warmup = math.ceil(t.warmup_ratio * max_steps)
+    try:
+        scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=max_steps)
+    except ValueError as e:
+        raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
+    if t.fsdp:
+        prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
+    elif zero3:
+        prepared, optimizer, scheduler = _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config)
+    else:
+        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    ref = _reference(accelerator, model, ref_model, cfg, ds_config)
+    # ZeRO-3 clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
+    trainable = [] if zero3 else [p for p in prepared.parameters() if p.requires_grad]
+    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
+                         trainable, max_steps, ChatTemplate(tokenizer), whole)
+
+
+def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
+    """accelerate's Accelerator for the options, checked and seeded (seed + rank)."""
+    from accelerate import Accelerator  # accelerate loads on first use: `grpokit --help` is fast
     from accelerate.utils import set_seed
-    from transformers import get_scheduler
 
     t = cfg.training
     report = [r for r in t.report_to if r != "none"]
@@ -65,37 +102,25 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
             f"{plan.prompts_per_rollout} prompts per rollout cannot be split over "
             f"{accelerator.num_processes} processes with whole groups; make generation_batch_size / "
             f"num_generations a multiple of {accelerator.num_processes}")
-    max_steps = total_steps(t, plan, num_prompts)
-    whole = None
-    if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
-        whole = generation_copy(model)
-        model = shard_model(model, accelerator.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
-    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
-    warmup = math.ceil(t.warmup_ratio * max_steps)
-    try:
-        scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=max_steps)
-    except ValueError as e:
-        raise ConfigError(f"--lr_scheduler_type {t.lr_scheduler_type}: {str(e).splitlines()[0]}") from e
-    if t.fsdp:
-        prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
+    return accelerator
+
+
+def _reference(accelerator, model, ref_model, cfg: TrainConfig, ds_config: dict | None):
+    """The frozen reference model for the KL term, wrapped like the policy; None with LoRA (adapters disabled are
+    the reference) or beta 0."""
+    if cfg.algorithm.beta == 0 or is_peft(model):
+        return None
+    if ref_model is None:
+        raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
+    if cfg.training.fsdp:
+        ref = shard_model(ref_model, accelerator.device)
+    elif ds_config is not None:
+        ref = zero_initialize(ref_model.to(accelerator.device), None, ds_config)
     else:
-        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    ref = None
-    if cfg.algorithm.beta != 0 and not is_peft(model):
-        if ref_model is None:
-            raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
-        if t.fsdp:
-            ref = shard_model(ref_model, accelerator.device)
-        else:
-            ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
-        ref.eval().requires_grad_(False)
-    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         [p for p in prepared.parameters() if p.requires_grad], max_steps, ChatTemplate(tokenizer),
-                         whole)
+        ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
+    ref.eval()  # (DeepSpeed's engine.eval() returns None)
+    ref.requires_grad_(False)
+    return ref
 
 
 def _prepare_sharded(accelerator, model, optimizer, scheduler):
@@ -106,6 +131,14 @@ def _prepare_sharded(accelerator, model, optimizer, scheduler):
 
     checkpoint_hooks(accelerator, model, optimizer)
     return model, AcceleratedOptimizer(optimizer, device_placement=False), accelerator.prepare_scheduler(scheduler)
+
+
+def _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config: dict):
+    """A DeepSpeed ZeRO-3 engine over the model and the torch optimizer; the loop's ``optimizer.step()`` is the
+    engine's step; checkpoints are the engine's own (zero.checkpoint_hooks)."""
+    engine = zero_initialize(model.to(accelerator.device), optimizer, ds_config)
+    checkpoint_hooks_zero3(accelerator, engine)
+    return engine, EngineStep(engine, optimizer), accelerator.prepare_scheduler(scheduler)
 
 
 def is_peft(model) -> bool:
@@ -126,6 +159,10 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     --async_generate with an engine that samples from the live weights."""
     if engine is None and generation_model is not None:
         engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
+    elif is_zero3(policy) and getattr(engine, "engine_type", "") != "transformers":
+        raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {getattr(engine, 'engine_type', '?')} "
+                          "engine is not implemented (its weight sync does not gather ZeRO-3 partitions); use the "
+                          "in-process engine, or --fsdp with --vllm_mode server")
     engine = engine or TransformersEngine(policy, template)
     if isinstance(engine, TransformersEngine):
         engine.fast_decode = cfg.rollout.fast_decode

@@ -48,6 +48,15 @@ PLUGIN = textwrap.dedent('''
     orms["token_reward"] = TokenReward
 
 
+    def _whole(p):
+        """A parameter as a whole CPU tensor: FSDP2 and ZeRO-3 shards gathered (a collective)."""
+        from grpokit.trainers.sharding import whole_tensor
+        from grpokit.trainers.zero import gathered
+
+        with gathered(p) as w:
+            return whole_tensor(w).detach().cpu().clone()
+
+
     class DeterministicTrainer(GRPOTrainer):
         def _generate_completions(self, requests):
             seen, outputs = {}, []
@@ -78,9 +87,8 @@ PLUGIN = textwrap.dedent('''
                         "num_items": inputs.num_items, "tokens": float(inputs.completion_mask.sum())})
             return loss, metrics
 
-        def _finish(self):  # the final weights, before the process group ends; FSDP2 shards are gathered
-            params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                      for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
+        def _finish(self):  # the final weights, before the process group ends
+            params = {n: _whole(p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
             torch.save(params, os.path.join(os.environ["GRPOKIT_TEST_DUMP"],
                                             f"params_rank{self.accelerator.process_index}.pt"))
             super()._finish()
@@ -333,7 +341,7 @@ def test_deepspeed_json_file_and_its_errors(tmp_path):
         deepspeed_plugin(_targs(deepspeed=str(cfg)))
     with pytest.raises(ConfigError, match="ZeRO-3"):
         deepspeed_plugin(_targs(deepspeed="zero3"))
-    with pytest.raises(ConfigError, match="zero2, zero3 or the path"):
+    with pytest.raises(ConfigError, match="use one of zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or"):
         deepspeed_plugin(_targs(deepspeed="zero9"))
     cfg.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -32,8 +32,7 @@ ENGINE_CHECK = textwrap.dedent('''
             own = dict(self.engine.model.named_parameters())
             diff = 0.0
             for name, p in self.policy.named_parameters():
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                diff = max(diff, float((own[name] - full).detach().abs().max()))
+                diff = max(diff, float((own[name].detach().cpu() - _whole(p)).abs().max()))
             request = RolloutInferRequest(messages=[{"role": "user", "content": "What is 2 + 3?"}])
             out = self.engine.infer([request], RequestConfig(max_tokens=8, temperature=0))
             self._dump({"kind": "engine", "diff": diff, "greedy": out[0].choices[0].token_ids})

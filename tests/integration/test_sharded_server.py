@@ -1,6 +1,7 @@
 """--fsdp with --vllm_mode server: 2 gloo processes train 3 steps against a real rollout server (tiny model); the
 weight push gathers the FSDP2 shards tensor by tensor (every rank takes part, rank 0 sends). After the run the
-server's seeded completion and its logprobs equal those of the model the trainer saved, for full weights and for LoRA (merged)."""
+server's seeded completion and its logprobs equal those of the model the trainer saved, for full weights and for
+LoRA (merged)."""
 
 from __future__ import annotations
 
