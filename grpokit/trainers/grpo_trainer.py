@@ -337,4 +337,5 @@ class GRPOTrainer:
         self.engine.close()
         if self.reward_runner is not None:
             self.reward_runner.close()
+        self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
         self.accelerator.end_training()
