@@ -146,3 +146,21 @@ def test_fsdp_lora_matches_one_process(setup, beta):
     assert lora_b and max(float(p.abs().max()) for p in lora_b) > 1e-3  # B starts at 0: the adapters trained
     engine = [x for x in _dumps(fsdp / "dump", 2)[0] if x["kind"] == "engine"]
     assert engine[0]["diff"] == 0.0  # the engine's copy carries the trained adapters
+
+
+@pytest.mark.slow
+def test_fsdp_dapo_with_gradient_accumulation_matches_one_process(setup):
+    """dapo divides by the global token count of the optimizer step; 2 micro-steps per step (S = A = 2), so the
+    ranks' micro-batches group rows differently from one process but each step's gradient is the same."""
+    extra = ("--loss_type", "dapo", "--gradient_accumulation_steps", "2", "--beta", "0")
+    one, fsdp = _run(setup, "dapo1", 1, *extra), _run(setup, "dapo_fsdp", 2, *extra, "--fsdp", "true")
+    (m1,), (r0, r1) = (([x for x in r if x["kind"] == "micro"] for r in _dumps(run / "dump", k))
+                       for run, k in ((one, 1), (fsdp, 2)))
+    assert len(m1) == len(r0) == len(r1) == 6  # 3 optimizer steps × 2 micro-steps
+    for step in range(3):
+        a = sum(x["loss"] for x in m1[2 * step: 2 * step + 2])
+        b = sum((x["loss"] + y["loss"]) / 2 for x, y in zip(r0[2 * step: 2 * step + 2], r1[2 * step: 2 * step + 2],
+                                                             strict=True))
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert _max_diff(_params(one / "dump"), _params(fsdp / "dump")) < 1e-4
+    assert _max_diff(_params(one / "dump"), setup.initial) > 1e-3  # and the weights moved far more than that
