@@ -22,9 +22,9 @@ import os
 import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.engines.weights import whole_weight
 from grpokit.errors import ConfigError
 from grpokit.template.encode import ChatTemplate
-from grpokit.trainers.zero import gathered
 
 SHARDED_STATE_DIR = "fsdp_sharded"  # inside a checkpoint's accelerate state folder
 
@@ -63,11 +63,6 @@ def shard_model(model, device: torch.device):
     return model
 
 
-def whole_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A parameter as one whole tensor: a DTensor shard is gathered (a collective: every rank must call)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def generation_copy(model):
     """A whole, frozen copy of the model (before sharding) for the in-process engine to sample from."""
     whole = copy.deepcopy(model)
@@ -93,8 +88,8 @@ class GatheredWeightsEngine(TransformersEngine):
             if name not in own:
                 raise RuntimeError(f"the generation copy has no parameter {name!r}: the sharded model's names "
                                    "changed after the copy was taken")
-            with gathered(param) as whole:  # ZeRO-3: the partitions gathered; FSDP2: the DTensor's shards
-                own[name].copy_(whole_tensor(whole))
+            with whole_weight(param) as whole:  # FSDP2 shards or ZeRO-3 partitions, gathered
+                own[name].copy_(whole)
 
 
 def checkpoint_hooks(accelerator, model, optimizer) -> None:

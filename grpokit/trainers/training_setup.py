@@ -160,9 +160,11 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     if engine is None and generation_model is not None:
         engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
     elif is_zero3(policy) and getattr(engine, "engine_type", "") != "transformers":
-        raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {getattr(engine, 'engine_type', '?')} "
-                          "engine is not implemented (its weight sync does not gather ZeRO-3 partitions); use the "
-                          "in-process engine, or --fsdp with --vllm_mode server")
+        kind = getattr(engine, "engine_type", "?")
+        if kind != "server" or is_peft(policy):  # server mode gathers full weights tensor by tensor
+            raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {kind} engine"
+                              f"{' and LoRA' if is_peft(policy) else ''} is not implemented; use the in-process "
+                              "engine, server mode with full weights, or --fsdp")
     engine = engine or TransformersEngine(policy, template)
     if isinstance(engine, TransformersEngine):
         engine.fast_decode = cfg.rollout.fast_decode

@@ -12,12 +12,11 @@ accelerate's DeepSpeed plugin (distributed.py), on GPUs.
 - The optimizer is grpokit's torch optimizer (``zero_allow_untested_optimizer``), so no DeepSpeed op is compiled
   for it; the learning-rate schedule is grpokit's.
 - Generation copy, checkpoint and final-model helpers mirror sharding.py's: whole weights come through
-  ``deepspeed.zero.GatheredParameters`` one tensor at a time.
+  ``deepspeed.zero.GatheredParameters`` one tensor at a time (``engines.weights.whole_weight``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.engines.weights import whole_weight
 from grpokit.errors import ConfigError
 
 _ZERO3 = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_group_size": 1e9,
@@ -145,18 +145,6 @@ def initialize(model, optimizer, config: dict):
     return engine
 
 
-@contextlib.contextmanager
-def gathered(param: torch.nn.Parameter):
-    """The whole parameter inside the block (a collective: every rank must enter it)."""
-    if not hasattr(param, "ds_id"):
-        yield param
-        return
-    import deepspeed  # not at the top: optional heavy package
-
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-        yield param
-
-
 def full_state_dict(engine) -> dict:
     """The module's whole parameters on rank 0 (CPU), empty elsewhere; a collective, one tensor at a time."""
     import torch.distributed as dist
@@ -164,7 +152,7 @@ def full_state_dict(engine) -> dict:
     main = dist.get_rank() == 0
     out = {}
     for name, param in getattr(engine, "module", engine).named_parameters():
-        with gathered(param) as whole:
+        with whole_weight(param) as whole:
             if main:
                 out[name] = whole.detach().cpu().clone()
     return out

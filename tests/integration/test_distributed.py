@@ -50,11 +50,10 @@ PLUGIN = textwrap.dedent('''
 
     def _whole(p):
         """A parameter as a whole CPU tensor: FSDP2 and ZeRO-3 shards gathered (a collective)."""
-        from grpokit.trainers.sharding import whole_tensor
-        from grpokit.trainers.zero import gathered
+        from grpokit.engines.weights import whole_weight
 
-        with gathered(p) as w:
-            return whole_tensor(w).detach().cpu().clone()
+        with whole_weight(p) as w:
+            return w.cpu().clone()
 
 
     class DeterministicTrainer(GRPOTrainer):

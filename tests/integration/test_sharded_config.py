@@ -71,7 +71,7 @@ def test_zero3_refuses_gradient_accumulation_and_one_process():
     check_backend(two, args)  # ZeRO-3 on CPU: fine
 
 
-def test_zero3_refuses_engines_whose_sync_cannot_gather_partitions():
+def test_zero3_refuses_vllm_colocate():
     import torch
 
     from grpokit.trainers.training_setup import setup_rollout
@@ -79,5 +79,5 @@ def test_zero3_refuses_engines_whose_sync_cannot_gather_partitions():
     policy = torch.nn.Linear(2, 2)
     policy.weight.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
     cfg = SimpleNamespace(training=SimpleNamespace(deepspeed="zero3"))
-    with pytest.raises(ConfigError, match="ZeRO-3 with a server engine is not implemented"):
-        setup_rollout(SimpleNamespace(engine_type="server"), None, policy, None, cfg, None)
+    with pytest.raises(ConfigError, match="ZeRO-3 with a vllm engine is not implemented"):
+        setup_rollout(SimpleNamespace(engine_type="vllm"), None, policy, None, cfg, None)

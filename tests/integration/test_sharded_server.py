@@ -1,9 +1,12 @@
-"""--fsdp with --vllm_mode server: 2 gloo processes train 3 steps against a real rollout server (tiny model); the
-weight push gathers the FSDP2 shards tensor by tensor (every rank takes part, rank 0 sends). After the run the
+"""--fsdp and --deepspeed zero3 with --vllm_mode server: 2 gloo processes train 3 steps against a real rollout
+server (tiny model); the weight push gathers the FSDP2 shards or ZeRO-3 partitions tensor by tensor (every rank
+takes part, rank 0 sends). After the run the
 server's seeded completion and its logprobs equal those of the model the trainer saved, for full weights and for
 LoRA (merged)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import httpx
 import pytest
@@ -53,9 +56,12 @@ def server(tiny, tmp_path_factory):
         yield s
 
 
-@pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_fsdp_trains_against_a_server_and_the_server_holds_the_trained_weights(tiny, server, tmp_path,
-                                                                              one_torch_thread, tuner):
+@pytest.mark.parametrize(("sharding", "tuner"), [(("--fsdp", "true"), "full"), (("--fsdp", "true"), "lora"),
+                                                  (("--deepspeed", "zero3"), "full")])
+def test_sharded_training_against_a_server_leaves_the_trained_weights_there(tiny, server, tmp_path,
+                                                                           one_torch_thread, sharding, tuner):
+    if sharding[0] == "--deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     lora = ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate",
             "1e-2"] if tuner == "lora" else ["--learning_rate", "1e-3"]
@@ -63,7 +69,7 @@ def test_fsdp_trains_against_a_server_and_the_server_holds_the_trained_weights(t
     plugin.write_text(REWARD_PLUGIN)
     _torchrun(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "token_sum",
                "--external_plugins", str(plugin),
-               "--fsdp", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
+               *sharding, "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
                "--vllm_server_port", str(server.port), "--vllm_server_timeout", "60", "--max_steps", "3",
                "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
                "--torch_dtype", "float32", "--output_dir", str(out), "--disable_tqdm", "true", "--plots", "false",
