@@ -69,3 +69,10 @@ def test_zero3_lora_matches_one_process(setup):
     assert _max_diff(_params(one / "dump"), _params(zero3 / "dump")) < 1e-4
     engine = [x for x in _dumps(zero3 / "dump", 2)[0] if x["kind"] == "engine"]
     assert engine[0]["diff"] == 0.0
+
+
+def test_zero3_offload_matches_one_process(setup, full_runs):
+    """zero3_offload: parameters and optimizer state live on the CPU (grpokit's torch AdamW steps them there)."""
+    offload = _run(setup, "full_zero3_offload", 2, "--beta", "0.04", "--deepspeed", "zero3_offload")
+    _check_same(full_runs.one, offload)
+    assert _max_diff(_params(full_runs.one / "dump"), _params(offload / "dump")) < 1e-4
