@@ -30,7 +30,7 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception
 from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.weight_sender import WeightSender
-from grpokit.engines.weights import iter_sync_weights
+from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import (
     ChatCompletionResponse,
@@ -346,7 +346,7 @@ class RolloutClient(InferEngine):
     def sync_weights(self, model) -> None:
         """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
         if _dist_rank() != 0:  # only rank 0 sends; sharded (DTensor) weights still need every rank to gather
-            if any(hasattr(p, "full_tensor") for p in model.parameters()):
+            if gathers_on_every_rank(model):  # FSDP2 or ZeRO-3
                 for _ in iter_sync_weights(model):
                     pass
             return

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from grpokit.engines.weights import iter_sync_weights, named_sync_tensors
+from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, sync_shape
 from grpokit.errors import ServerError
 from grpokit.wire.group import Communicator, local_address_towards
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
@@ -89,7 +89,7 @@ class WeightSender:
     # -- public --------------------------------------------------------------------------------------------
     def sync(self, model, wire_dtype: torch.dtype | None = None, backend: str = "gloo") -> int:
         """Send every weight of ``model`` (LoRA merged) to every server; returns the number of tensors sent."""
-        specs = [(name, tuple(t.shape), _wire(t.dtype, wire_dtype)) for name, t in named_sync_tensors(model)]
+        specs = [(name, sync_shape(t), _wire(t.dtype, wire_dtype)) for name, t in named_sync_tensors(model)]
         buckets = plan_buckets(specs, self.bucket_bytes)
         check = UpdateWeightsBody(buckets=buckets, dry_run=True).model_dump()
         groups = self._each_server("/update_weights/", lambda i: check, "checking the weight names")

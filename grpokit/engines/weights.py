@@ -8,6 +8,7 @@ holds an ordinary model and never needs to know about adapters.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
 
@@ -39,6 +40,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def gathers_on_every_rank(model) -> bool:
+    """True when whole weights need a collective on every rank: FSDP2 (DTensor) or DeepSpeed ZeRO-3 partitions."""
+    return any(hasattr(p, "full_tensor") or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def sync_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The whole shape of a weight (a ZeRO-3 partition's own shape is empty)."""
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+@contextlib.contextmanager
+def whole_weight(param: torch.Tensor):
+    """The whole weight (detached) inside the block: FSDP2 shards are gathered, a ZeRO-3 partition for the block
+    only. A collective for sharded weights: every rank must enter it, in the same order."""
+    if not hasattr(param, "ds_id"):
+        yield _full(param)
+        return
+    import deepspeed  # optional heavy package, only present with --deepspeed: not at the top
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        yield param.detach()
+
+
 def named_sync_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(plain name, tensor) for every weight the engine needs, as stored now (no merging)."""
     peft = is_peft_model(model)
@@ -56,8 +80,11 @@ def iter_sync_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """
     if not is_peft_model(model):
         for name, param in named_sync_tensors(model):
-            yield name, _full(param)
+            with whole_weight(param) as whole:  # ZeRO-3: one parameter gathered at a time
+                yield name, whole
         return
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise NotImplementedError("merging LoRA adapters into ZeRO-3 partitioned weights for a weight sync")
     with torch.no_grad():
         model.merge_adapter()
         try:

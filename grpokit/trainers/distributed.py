@@ -1,20 +1,21 @@
 """Many processes: map --deepspeed / --fsdp onto accelerate's own plugins, refuse what cannot work, and the few
 collectives the loop needs (metrics averaged over ranks, objects gathered, a full state dict for saving).
 
-No home-made parallelism: DDP, FSDP2 and DeepSpeed are accelerate's. What each rank does is in docs/distributed.md.
+No home-made parallelism: DDP and DeepSpeed are accelerate's; --fsdp is PyTorch's FSDP2, applied by sharding.py
+because accelerate runs it only on GPUs. What each rank does is in docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
+from grpokit.trainers.zero import PRESETS, is_zero3, load_spec, stage_of
+from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
 
 logger = logging.getLogger(__name__)
 _SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
@@ -22,20 +23,8 @@ _SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in
 
 
 def deepspeed_stage(spec: str) -> int:
-    """The ZeRO stage of ``--deepspeed zero2|zero3|file.json``."""
-    if spec in ("zero2", "zero3"):
-        return int(spec[-1])
-    path = Path(spec)
-    if not path.is_file():
-        raise ConfigError(f"--deepspeed {spec}: use zero2, zero3 or the path of a DeepSpeed JSON file")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--deepspeed {spec}: not valid JSON ({e})") from e
-    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
-    if not isinstance(stage, int):
-        raise ConfigError(f"--deepspeed {spec}: zero_optimization.stage must be an integer 0-3, got {stage!r}")
-    return stage
+    """The ZeRO stage of ``--deepspeed PRESET|file.json`` (ms-swift's presets: zero0 ... zero3_offload)."""
+    return stage_of(load_spec(spec), spec)
 
 
 def deepspeed_plugin(args):
@@ -45,13 +34,13 @@ def deepspeed_plugin(args):
 
     stage = deepspeed_stage(args.deepspeed)
     if stage == 3:
-        raise ConfigError(f"--deepspeed {args.deepspeed}: ZeRO-3 partitions the parameters and grpokit does not "
-                          "gather them for generation or weight sync; use --deepspeed zero2, or --fsdp with "
-                          "--vllm_mode server")
+        raise ConfigError(f"--deepspeed {args.deepspeed}: ZeRO-3 is driven by grpokit directly (trainers/zero.py), "
+                          "not through accelerate's plugin")
     clip = args.max_grad_norm if args.max_grad_norm > 0 else None
-    if args.deepspeed in ("zero2", "zero3"):
+    if args.deepspeed in PRESETS:
+        offload = "cpu" if "offload_optimizer" in PRESETS[args.deepspeed] else "none"
         plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 gradient_clipping=clip, zero3_init_flag=False)
+                                 gradient_clipping=clip, zero3_init_flag=False, offload_optimizer_device=offload)
     else:
         plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed,
                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -70,27 +59,18 @@ def _fill_deepspeed_config(ds: dict, args, source: str) -> None:
                           "to \"auto\" in the file")
 
 
-def fsdp_plugin():
-    """accelerate's FSDP2 plugin, sharding each decoder layer (the model's ``_no_split_modules``)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                          reshard_after_forward=True)
-
-
 def accelerate_plugins(args) -> dict:
     """Keyword arguments for ``accelerate.Accelerator`` from the training options."""
     if args.deepspeed and args.fsdp:
         raise ConfigError("--deepspeed and --fsdp both set: choose one")
     if args.deepspeed:
-        plugin = deepspeed_plugin(args)  # a bad spec or ZeRO-3 is reported before the missing package
+        zero3 = deepspeed_stage(args.deepspeed) == 3  # a bad spec is reported before the missing package
+        plugin = None if zero3 else deepspeed_plugin(args)
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
-                              "(pip install deepspeed), or drop --deepspeed to train with plain DDP")
-        return {"deepspeed_plugin": plugin}
-    if args.fsdp:
-        return {"fsdp_plugin": fsdp_plugin()}
-    return {}
+                              "(pip install 'grpokit[deepspeed]'), or drop --deepspeed to train with plain DDP")
+        return {} if zero3 else {"deepspeed_plugin": plugin}  # ZeRO-3: trainers/zero.py, on CPU and GPU
+    return {}  # --fsdp: grpokit shards the model itself (sharding.py); accelerate runs plain multi-process
 
 
 def has_accelerator() -> bool:
@@ -132,22 +112,40 @@ def check_backend(accelerator, args) -> None:
         raise ConfigError(f"the launcher started {world_size()} processes (WORLD_SIZE) but accelerate "
                           f"joined them in no group ({kind.value}, {where}): each would train a copy of its own; "
                           "add --use_cpu true to train them together on CPU (gloo), or launch one process")
-    if args.fsdp and kind != DistributedType.FSDP:
-        raise ConfigError(f"--fsdp: accelerate runs FSDP only across 2 or more GPU processes, here {where}; "
-                          "launch with torchrun/accelerate launch on GPUs, or drop --fsdp (plain DDP)")
-    if args.deepspeed and kind != DistributedType.DEEPSPEED:
+    if args.fsdp and kind == DistributedType.FSDP:
+        raise ConfigError("--fsdp and an accelerate config that turns on FSDP: grpokit shards the model itself "
+                          "with --fsdp; drop FSDP from the accelerate config")
+    if args.fsdp and accelerator.num_processes == 1:
+        raise ConfigError(f"--fsdp shards the weights over processes, here {where}; launch 2 or more with "
+                          "torchrun or accelerate launch, or drop --fsdp")
+    if args.deepspeed and deepspeed_stage(args.deepspeed) == 3:
+        if kind == DistributedType.DEEPSPEED:
+            raise ConfigError(f"--deepspeed {args.deepspeed} and an accelerate config that turns on DeepSpeed: "
+                              "grpokit runs ZeRO-3 itself; drop DeepSpeed from the accelerate config")
+        if accelerator.num_processes == 1:
+            raise ConfigError(f"--deepspeed {args.deepspeed} partitions the weights over processes, here {where}; "
+                              "launch 2 or more with torchrun or accelerate launch, or drop --deepspeed")
+    elif args.deepspeed and kind != DistributedType.DEEPSPEED:
         raise ConfigError(f"--deepspeed {args.deepspeed}: accelerate runs DeepSpeed only on GPUs, here {where}; "
                           "drop --deepspeed (plain DDP) on CPU")
     if kind == DistributedType.DEEPSPEED and not args.deepspeed:
         plugin = accelerator.state.deepspeed_plugin
         if plugin.zero_stage == 3:
-            raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit does not gather partitioned "
-                              "parameters for generation or weight sync; use ZeRO-2, or FSDP with --vllm_mode server")
+            raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit runs ZeRO-3 itself; pass "
+                              "--deepspeed zero3 (or a JSON file) and drop DeepSpeed from the accelerate config")
         _fill_deepspeed_config(plugin.deepspeed_config, args, "the accelerate config's DeepSpeed settings")
 
 
+def is_fsdp2(model) -> bool:
+    """True for a model sharded with FSDP2 (``fully_shard``), as --fsdp does."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def shards_parameters(accelerator) -> bool:
-    """True when each rank holds only a shard of the weights (FSDP, DeepSpeed ZeRO-3)."""
+    """True when accelerate shards the weights of what it prepares (FSDP or DeepSpeed ZeRO-3 from an accelerate
+    config); --fsdp is grpokit's own, see ``is_fsdp2``."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -157,7 +155,12 @@ def shards_parameters(accelerator) -> bool:
 
 
 def check_engine(accelerator, engine) -> None:
-    """The in-process transformers engine generates with the live weights: they must be whole on each rank."""
+    """The in-process transformers engine generates with the live weights: they must be whole on each rank
+    (with --fsdp it samples from a whole copy, sharding.GatheredWeightsEngine)."""
+    model = getattr(engine, "model", None)
+    if model is not None and is_fsdp2(model):
+        raise ConfigError("the in-process transformers engine was given the FSDP-sharded policy; let the trainer "
+                          "build its engine (it samples from a whole copy) or use --vllm_mode server")
     if shards_parameters(accelerator) and getattr(engine, "engine_type", "") == "transformers":
         raise ConfigError(f"{accelerator.distributed_type.value} shards the parameters, but the in-process "
                           f"transformers engine generates with the live (sharded) weights; {_SHARDED_HINT}")
@@ -166,6 +169,12 @@ def check_engine(accelerator, engine) -> None:
 def full_state_dict(accelerator, model) -> dict | None:
     """The whole state dict for ``save_pretrained`` when parameters are sharded (a collective: call on every
     rank), else None (save the unwrapped model as it is)."""
+    if is_zero3(model):
+        return zero_full_state_dict(model)
+    if is_fsdp2(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not shards_parameters(accelerator):
         return None
     return accelerator.get_state_dict(model)

@@ -80,7 +80,7 @@ class GRPOTrainer:
         self.template, self.state.max_steps = parts.template, parts.max_steps
         self._trainable_params = parts.trainable_params
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                    self.accelerator)
+                                                    self.accelerator, parts.generation_model)
         rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
@@ -168,7 +168,8 @@ class GRPOTrainer:
             with self.accelerator.autocast():
                 loss, metrics = self._compute_loss_and_metrics(model, inputs)
             self.accelerator.backward(loss)
-            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0:
+            # no parameters to clip under ZeRO-3: its engine clips in optimizer.step()
+            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
                 grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
                 if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
                     metrics["grad_norm"] = scalar(grad_norm)
@@ -347,4 +348,5 @@ class GRPOTrainer:
         self.engine.close()
         if self.reward_runner is not None:
             self.reward_runner.close()
+        self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
         self.accelerator.end_training()

@@ -19,8 +19,12 @@ from grpokit.rewards.runner import RewardRunner
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions
-from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, use_cpu
+from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.trainers.zero import EngineStep, is_zero3, zero3_config
+from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_zero3
+from grpokit.trainers.zero import initialize as zero_initialize
 from grpokit.trainers.window_producer import Rewards
 
 
@@ -38,15 +42,58 @@ class TrainingParts:
     trainable_params: list[torch.nn.Parameter]
     max_steps: int
     template: ChatTemplate
+    generation_model: Any = None  # --fsdp: a whole copy of the policy for the in-process engine (sharding.py)
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
                    num_prompts: int) -> TrainingParts:
-    """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it,
-    and the reference model where the KL term needs one."""
-    from accelerate import Accelerator  # accelerate and transformers load on first use: `grpokit --help` is fast
+    """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
+    (or sharded by grpokit: --fsdp, ZeRO-3), and the reference model where the KL term needs one."""
+    t = cfg.training
+    accelerator = _accelerator(cfg, model, plan)
+    max_steps = total_steps(t, plan, num_prompts)
+    zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
+    ds_config = zero3_config(t, model.config.hidden_size, accelerator.num_processes) if zero3 else None
+    whole = generation_copy(model) if (t.fsdp or zero3) else None  # a whole copy for the in-process engine
+    if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
+        model = shard_model(model, accelerator.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
+    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
+    scheduler = _lr_schedule(t, optimizer, max_steps)
+    if t.fsdp:
+        prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
+    elif zero3:
+        prepared, optimizer, scheduler = _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config)
+    else:
+        prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    ref = _reference(accelerator, model, ref_model, cfg, ds_config)
+    # ZeRO-3 clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
+    trainable = [] if zero3 else [p for p in prepared.parameters() if p.requires_grad]
+    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
+                         trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer), whole)
+
+
+def _lr_schedule(t, optimizer, max_steps: int):
+    """transformers' schedule for --lr_scheduler_type, with the warm-up and --lr_scheduler_kwargs."""
+    from transformers import get_scheduler  # transformers loads on first use: `grpokit --help` is fast
+
+    extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
+    try:
+        return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=num_warmup_steps(t, max_steps),
+                             num_training_steps=max_steps, scheduler_specific_kwargs=extra)
+    except (ValueError, TypeError) as e:
+        option = f"--lr_scheduler_type {t.lr_scheduler_type}"
+        if extra:
+            option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs} with {option}"
+        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
+
+
+def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
+    """accelerate's Accelerator for the options, checked and seeded (seed + rank)."""
+    from accelerate import Accelerator  # accelerate loads on first use: `grpokit --help` is fast
     from accelerate.utils import set_seed
-    from transformers import get_scheduler
 
     t = cfg.training
     report = [r for r in t.report_to if r != "none"]
@@ -65,31 +112,43 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
             f"{plan.prompts_per_rollout} prompts per rollout cannot be split over "
             f"{accelerator.num_processes} processes with whole groups; make generation_batch_size / "
             f"num_generations a multiple of {accelerator.num_processes}")
-    max_steps = total_steps(t, plan, num_prompts)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
-    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
-    warmup = num_warmup_steps(t, max_steps)
-    extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
-    try:
-        scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                                  num_training_steps=max_steps, scheduler_specific_kwargs=extra)
-    except (ValueError, TypeError) as e:
-        option = f"--lr_scheduler_type {t.lr_scheduler_type}"
-        if extra:
-            option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs} with {option}"
-        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
-    prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    ref = None
-    if cfg.algorithm.beta != 0 and not is_peft(model):
-        if ref_model is None:
-            raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
+    return accelerator
+
+
+def _reference(accelerator, model, ref_model, cfg: TrainConfig, ds_config: dict | None):
+    """The frozen reference model for the KL term, wrapped like the policy; None with LoRA (adapters disabled are
+    the reference) or beta 0."""
+    if cfg.algorithm.beta == 0 or is_peft(model):
+        return None
+    if ref_model is None:
+        raise ConfigError("beta != 0 with full fine-tuning needs a reference model (the pipeline loads one)")
+    if cfg.training.fsdp:
+        ref = shard_model(ref_model, accelerator.device)
+    elif ds_config is not None:
+        ref = zero_initialize(ref_model.to(accelerator.device), None, ds_config)
+    else:
         ref = accelerator.prepare_model(ref_model, evaluation_mode=True)
-        ref.eval().requires_grad_(False)
-    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         [p for p in prepared.parameters() if p.requires_grad], max_steps,
-                         PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer))
+    ref.eval()  # (DeepSpeed's engine.eval() returns None)
+    ref.requires_grad_(False)
+    return ref
+
+
+def _prepare_sharded(accelerator, model, optimizer, scheduler):
+    """The FSDP2 model as it is; the optimizer wrapped as accelerate wraps it (it steps only at the end of a
+    gradient accumulation) but kept out of accelerate's checkpoint, which would save rank 0's shards only: the
+    model and optimizer shards go through torch.distributed.checkpoint instead (sharding.checkpoint_hooks)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    checkpoint_hooks(accelerator, model, optimizer)
+    return model, AcceleratedOptimizer(optimizer, device_placement=False), accelerator.prepare_scheduler(scheduler)
+
+
+def _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config: dict):
+    """A DeepSpeed ZeRO-3 engine over the model and the torch optimizer; the loop's ``optimizer.step()`` is the
+    engine's step; checkpoints are the engine's own (zero.checkpoint_hooks)."""
+    engine = zero_initialize(model.to(accelerator.device), optimizer, ds_config)
+    checkpoint_hooks_zero3(accelerator, engine)
+    return engine, EngineStep(engine, optimizer), accelerator.prepare_scheduler(scheduler)
 
 
 def is_peft(model) -> bool:
@@ -111,9 +170,18 @@ def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
     return max(1, windows * plan.optimizer_steps_per_window)
 
 
-def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator):
-    """The engine (the in-process transformers engine over the policy unless one is given) and the scheduler
-    that drives it; refuses --async_generate with an engine that samples from the live weights."""
+def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None):
+    """The engine (the in-process transformers engine over the policy unless one is given; over
+    ``generation_model``, a whole copy, when the policy is sharded) and the scheduler that drives it; refuses
+    --async_generate with an engine that samples from the live weights."""
+    if engine is None and generation_model is not None:
+        engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
+    elif is_zero3(policy) and getattr(engine, "engine_type", "") != "transformers":
+        kind = getattr(engine, "engine_type", "?")
+        if kind != "server" or is_peft(policy):  # server mode gathers full weights tensor by tensor
+            raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {kind} engine"
+                              f"{' and LoRA' if is_peft(policy) else ''} is not implemented; use the in-process "
+                              "engine, server mode with full weights, or --fsdp")
     engine = engine or TransformersEngine(policy, template)
     if isinstance(engine, TransformersEngine):
         engine.fast_decode = cfg.rollout.fast_decode

@@ -48,6 +48,14 @@ PLUGIN = textwrap.dedent('''
     orms["token_reward"] = TokenReward
 
 
+    def _whole(p):
+        """A parameter as a whole CPU tensor: FSDP2 and ZeRO-3 shards gathered (a collective)."""
+        from grpokit.engines.weights import whole_weight
+
+        with whole_weight(p) as w:
+            return w.cpu().clone()
+
+
     class DeterministicTrainer(GRPOTrainer):
         def _generate_completions(self, requests):
             seen, outputs = {}, []
@@ -78,13 +86,11 @@ PLUGIN = textwrap.dedent('''
                         "num_items": inputs.num_items, "tokens": float(inputs.completion_mask.sum())})
             return loss, metrics
 
-        def train(self):
-            state = super().train()
-            params = {n: p.detach().cpu().clone()
-                      for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
+        def _finish(self):  # the final weights, before the process group ends
+            params = {n: _whole(p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}
             torch.save(params, os.path.join(os.environ["GRPOKIT_TEST_DUMP"],
                                             f"params_rank{self.accelerator.process_index}.pt"))
-            return state
+            super()._finish()
 
         def _dump(self, row):
             path = os.path.join(os.environ["GRPOKIT_TEST_DUMP"], f"rank{self.accelerator.process_index}.jsonl")
@@ -172,21 +178,25 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> SimpleNamespace:
+def make_setup(root: Path, plugin_text: str = PLUGIN) -> SimpleNamespace:
+    """The tiny model (and its initial weights), a 16-row dataset and the plugin file, under root."""
     from grpokit.testing import build_tiny_model
 
-    root = tmp_path_factory.mktemp("dist")
     model = build_tiny_model(root / "model")
     rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
     data = root / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plugin = root / "dist_plugin.py"
-    plugin.write_text(PLUGIN)
+    plugin.write_text(plugin_text)
     from transformers import AutoModelForCausalLM
 
     initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters()}
     return SimpleNamespace(root=root, model=model, data=data, plugin=plugin, initial=initial)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> SimpleNamespace:
+    return make_setup(tmp_path_factory.mktemp("dist"))
 
 
 # grpo with KL (beta 0.04, a reference model) and 2 iterations per rollout: step 1 is on-policy, step 2 reuses
@@ -330,7 +340,7 @@ def test_deepspeed_json_file_and_its_errors(tmp_path):
         deepspeed_plugin(_targs(deepspeed=str(cfg)))
     with pytest.raises(ConfigError, match="ZeRO-3"):
         deepspeed_plugin(_targs(deepspeed="zero3"))
-    with pytest.raises(ConfigError, match="zero2, zero3 or the path"):
+    with pytest.raises(ConfigError, match="use one of zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or"):
         deepspeed_plugin(_targs(deepspeed="zero9"))
     cfg.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
@@ -349,8 +359,7 @@ def test_missing_deepspeed_package_and_flag_clash_are_clear(monkeypatch):
     with pytest.raises(ConfigError, match="choose one"):
         accelerate_plugins(_targs(deepspeed="zero2", fsdp=True))
     assert accelerate_plugins(_targs()) == {}
-    plugin = accelerate_plugins(_targs(fsdp=True))["fsdp_plugin"]
-    assert plugin.fsdp_version == 2 and plugin.auto_wrap_policy is not None  # shards each decoder layer
+    assert accelerate_plugins(_targs(fsdp=True)) == {}  # grpokit applies FSDP2 itself (test_sharded_fsdp.py)
 
 
 def test_fsdp_and_deepspeed_on_cpu_are_refused_not_dropped():
@@ -360,7 +369,7 @@ def test_fsdp_and_deepspeed_on_cpu_are_refused_not_dropped():
     from grpokit.trainers.distributed import check_backend, check_engine
 
     acc = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match="--fsdp: accelerate runs FSDP only across 2 or more GPU"):
+    with pytest.raises(ConfigError, match="--fsdp shards the weights over processes, here 1 process"):
         check_backend(acc, _targs(fsdp=True))
     with pytest.raises(ConfigError, match="--deepspeed zero2: accelerate runs DeepSpeed only on GPUs"):
         check_backend(acc, _targs(deepspeed="zero2"))

@@ -1,0 +1,176 @@
+"""``--deepspeed`` with ZeRO stage 3 (``zero3``, ``zero3_offload`` or a JSON file with stage 3), driven directly
+with ``deepspeed.initialize``, the same way on CPU and GPU.
+
+accelerate runs DeepSpeed only on GPUs (on CPU it silently trains with DDP instead), so for stage 3 grpokit does
+not hand DeepSpeed to accelerate: the Accelerator runs plain multi-process and this module wraps the policy (and the
+full-weight reference model) in DeepSpeed engines over the same process group. Stages 0-2 still go through
+accelerate's DeepSpeed plugin (distributed.py), on GPUs.
+
+- The loop calls ``loss.backward()`` through accelerate on the engine's output (DeepSpeed >= 0.18 hooks it) and
+  ``optimizer.step()``, which is the engine's step (``EngineStep``): DeepSpeed clips the gradient by the config's
+  ``gradient_clipping`` (set from --max_grad_norm; DeepSpeed's own default would clip at 1.0).
+- The optimizer is grpokit's torch optimizer (``zero_allow_untested_optimizer``), so no DeepSpeed op is compiled
+  for it; the learning-rate schedule is grpokit's.
+- Generation copy, checkpoint and final-model helpers mirror sharding.py's: whole weights come through
+  ``deepspeed.zero.GatheredParameters`` one tensor at a time (``engines.weights.whole_weight``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from grpokit.engines.weights import whole_weight
+from grpokit.errors import ConfigError
+
+_ZERO3 = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_group_size": 1e9,
+          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
+_OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True}}
+# ms-swift's preset names; stages 0-2 map onto accelerate's DeepSpeedPlugin (distributed.py)
+PRESETS: dict[str, dict] = {
+    "zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2},
+    "zero2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    "zero3": _ZERO3, "zero3_offload": {**_ZERO3, **_OFFLOAD},
+}
+DEEPSPEED_STATE_DIR = "deepspeed"  # inside a checkpoint's accelerate state folder
+
+
+def load_spec(spec: str) -> dict:
+    """The DeepSpeed config of ``--deepspeed PRESET|file.json`` (a fresh dict)."""
+    if spec in PRESETS:
+        return {"zero_optimization": copy.deepcopy(PRESETS[spec])}
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"--deepspeed {spec}: use one of {', '.join(PRESETS)} or the path of a DeepSpeed JSON file")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--deepspeed {spec}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"--deepspeed {spec}: the file must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def stage_of(config: dict, spec: str) -> int:
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ConfigError(f"--deepspeed {spec}: zero_optimization.stage must be an integer 0-3, got {stage!r}")
+    return stage
+
+
+def zero3_config(args, hidden_size: int, world: int) -> dict:
+    """The stage-3 config with every "auto" filled from the training options and the model size; a value that
+    disagrees with the options, or a section grpokit builds itself, is refused."""
+    spec = args.deepspeed
+    ds = load_spec(spec)
+    for section in ("optimizer", "scheduler"):
+        if section in ds:
+            raise ConfigError(f"--deepspeed {spec}: drop the \"{section}\" section; grpokit builds the optimizer and "
+                              "schedule from --optimizer/--learning_rate/--lr_scheduler_type")
+    if args.gradient_accumulation_steps != 1:
+        raise ConfigError(f"--deepspeed {spec}: ZeRO-3 with --gradient_accumulation_steps "
+                          f"{args.gradient_accumulation_steps} is not implemented; use 1 (raise "
+                          "--per_device_train_batch_size or --steps_per_generation instead)")
+    want = {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
+            "train_batch_size": args.per_device_train_batch_size * world,
+            "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0}
+    for key, value in want.items():
+        if ds.get(key, "auto") not in ("auto", value):
+            raise ConfigError(f"--deepspeed {spec}: {key} {ds[key]} in the file differs from the training options "
+                              f"({value}); set it to \"auto\" in the file")
+        ds[key] = value
+    zero = ds["zero_optimization"]
+    auto = {"reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in auto.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    for precision in ("bf16", "fp16"):  # precision is the model's dtype and --torch_dtype's autocast
+        if ds.get(precision, {}).get("enabled") == "auto":
+            ds[precision]["enabled"] = False
+    ds.setdefault("steps_per_print", 10**9)
+    ds["zero_allow_untested_optimizer"] = True  # grpokit's torch optimizer: no DeepSpeed op to compile
+    ds["zero_force_ds_cpu_optimizer"] = False  # the same with optimizer offload
+    left = [k for k, v in _flat(ds) if v == "auto"]
+    if left:
+        raise ConfigError(f"--deepspeed {spec}: grpokit cannot fill \"auto\" for {', '.join(left)}; give values")
+    return ds
+
+
+def _flat(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def is_zero3(model) -> bool:
+    """True for a DeepSpeed ZeRO-3 engine, or a module whose parameters ZeRO-3 partitioned."""
+    if hasattr(model, "zero_optimization_stage"):
+        return model.zero_optimization_stage() == 3
+    return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+class EngineStep:
+    """What the loop calls ``optimizer``: ``step()`` is the engine's step (optimizer step, clipping, zeroing)."""
+
+    def __init__(self, engine, optimizer) -> None:
+        self.engine, self.optimizer = engine, optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self, closure=None) -> None:
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """The engine zeroes the gradients in its step."""
+
+
+def initialize(model, optimizer, config: dict):
+    """A DeepSpeed engine over ``model`` (and ``optimizer`` when training) in the existing process group."""
+    import deepspeed  # an optional heavy package, imported only with --deepspeed: not at the top
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config))
+    return engine
+
+
+def full_state_dict(engine) -> dict:
+    """The module's whole parameters on rank 0 (CPU), empty elsewhere; a collective, one tensor at a time."""
+    import torch.distributed as dist
+
+    main = dist.get_rank() == 0
+    out = {}
+    for name, param in getattr(engine, "module", engine).named_parameters():
+        with whole_weight(param) as whole:
+            if main:
+                out[name] = whole.detach().cpu().clone()
+    return out
+
+
+def checkpoint_hooks(accelerator, engine) -> None:
+    """The engine's own checkpoint (partitioned weights and optimizer state, every rank its part) inside
+    accelerate's ``save_state``/``load_state``, next to the schedule and RNG states."""
+
+    def save(_models, _weights, output_dir: str) -> None:
+        engine.save_checkpoint(os.path.join(output_dir, DEEPSPEED_STATE_DIR), tag="state")
+
+    def load(_models, input_dir: str) -> None:
+        path = os.path.join(input_dir, DEEPSPEED_STATE_DIR)
+        if not os.path.isdir(path):
+            raise ConfigError(f"--resume_from_checkpoint: {input_dir} holds no DeepSpeed state "
+                              f"({DEEPSPEED_STATE_DIR}); it was saved without ZeRO-3: resume it the same way")
+        engine.load_checkpoint(path, tag="state", load_optimizer_states=True, load_lr_scheduler_states=False)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)

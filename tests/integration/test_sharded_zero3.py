@@ -1,0 +1,78 @@
+"""--deepspeed zero3 (DeepSpeed ZeRO-3 driven directly, grpokit/trainers/zero.py): 2 gloo processes on CPU give
+what one process gives, with the checks of test_sharded_fsdp.py (3 steps, full weights with a reference model,
+LoRA, the engine's whole copy, the final model, a checkpoint resumed in 2 processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+from test_distributed import PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _params, _torchrun, make_setup
+from test_sharded_fsdp import ENGINE_CHECK, LORA, STEPS, _check_same, _run
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')")]
+ZERO3 = ("--deepspeed", "zero3")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> SimpleNamespace:
+    return make_setup(tmp_path_factory.mktemp("zero3"), PLUGIN + ENGINE_CHECK)
+
+
+@pytest.fixture(scope="module")
+def full_runs(setup) -> SimpleNamespace:
+    kl = ("--beta", "0.04")
+    return SimpleNamespace(one=_run(setup, "full1", 1, *kl),
+                           zero3=_run(setup, "full_zero3", 2, *kl, *ZERO3, "--save_final_model", "true"))
+
+
+def test_zero3_full_weights_with_kl_match_one_process(full_runs):
+    _check_same(full_runs.one, full_runs.zero3)
+    p1, pz = _params(full_runs.one / "dump"), _params(full_runs.zero3 / "dump")
+    assert _max_diff(pz, _params(full_runs.zero3 / "dump", 1)) == 0.0
+    assert _max_diff(p1, pz) < 1e-4
+    kl = [r["kl"] for r in _log_rows(full_runs.zero3 / "out") if "kl" in r]
+    assert len(kl) == 3 and kl[-1] > 0  # the ZeRO-3 reference engine took part
+    engine = [[x for x in r if x["kind"] == "engine"] for r in _dumps(full_runs.zero3 / "dump", 2)]
+    assert [e[0]["diff"] for e in engine] == [0.0, 0.0]  # each rank's whole copy equals the trained partitions
+    assert engine[0][0]["greedy"] == engine[1][0]["greedy"]
+
+
+def test_zero3_final_model_and_resume(setup, full_runs):
+    from transformers import AutoModelForCausalLM
+
+    final = full_runs.zero3 / "out" / "final_model"
+    assert json.loads((final / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(final)
+    params = _params(full_runs.zero3 / "dump")
+    assert _max_diff({n: p.detach() for n, p in model.named_parameters()}, params) == 0.0
+    assert (full_runs.zero3 / "out" / "checkpoint-2" / "state" / "deepspeed" / "state").is_dir()
+    resumed = setup.root / "full_zero3_resumed"
+    shutil.copytree(full_runs.zero3 / "out", resumed / "out")
+    ckpt = resumed / "out" / "checkpoint-2"
+    _torchrun(_args(setup.model, setup.data, resumed / "out", setup.plugin, B, *STEPS, "--beta", "0.04", *ZERO3,
+                    "--resume_from_checkpoint", str(ckpt)), resumed / "dump")
+    windows = [x for x in _dumps(resumed / "dump", 2)[0] if x["kind"] == "window"]
+    assert [w["step"] for w in windows] == [2]
+    assert _max_diff(_params(resumed / "dump"), params) < 1e-6  # partitions and AdamW moments came back
+
+
+def test_zero3_lora_matches_one_process(setup):
+    one = _run(setup, "lora1", 1, *LORA, "--beta", "0.04")
+    zero3 = _run(setup, "lora_zero3", 2, *LORA, "--beta", "0.04", *ZERO3)
+    _check_same(one, zero3)
+    assert _max_diff(_params(one / "dump"), _params(zero3 / "dump")) < 1e-4
+    engine = [x for x in _dumps(zero3 / "dump", 2)[0] if x["kind"] == "engine"]
+    assert engine[0]["diff"] == 0.0
+
+
+def test_zero3_offload_matches_one_process(setup, full_runs):
+    """zero3_offload: parameters and optimizer state live on the CPU (grpokit's torch AdamW steps them there)."""
+    offload = _run(setup, "full_zero3_offload", 2, "--beta", "0.04", "--deepspeed", "zero3_offload")
+    _check_same(full_runs.one, offload)
+    assert _max_diff(_params(full_runs.one / "dump"), _params(offload / "dump")) < 1e-4
