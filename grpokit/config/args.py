@@ -127,6 +127,13 @@ class RolloutArguments:
         "per_round", "total: max_completion_length bounds the whole trajectory; per_round: each turn")
     loss_scale: Literal["default", "last_round"] = _opt("default", "last_round: only the last round trains "
                                                                    "(thinking_tips_scheduler)")
+    # server mode (docs/server_mode.md): the multi-turn options above may be given to the trainer too; they are
+    # checked against the rollout server's own at start-up (it runs the trajectories)
+    vllm_server_pass_dataset: bool = _opt(False, "server mode: send each row's extra columns to the rollout server "
+                                                 "as data_dict (its scheduler or environment reads them); also on "
+                                                 "with --multi_turn_scheduler, as in ms-swift")
+    use_gym_env: bool | None = _opt(None, "the multi-turn scheduler's rollout_infos['total_reward'] is a reward "
+                                          "(gym_reward); default: on when the scheduler (or the server's) says so")
     structured_outputs_regex: str | None = _opt(None, "constrain completions to this regex")
     structured_outputs_json: str | None = _opt(None, "constrain completions to JSON valid against this schema "
                                                      "(JSON text or a .json file)")

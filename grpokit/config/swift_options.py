@@ -185,8 +185,6 @@ _refuse(_NOT_YET + ": ms-swift's column aliases always apply (rename columns wit
 _refuse(_NOT_YET + ": uploading to a model hub", "push_to_hub=False")
 _refuse(_NOT_YET + ": ms-swift's thinking-history template switches (the chat template's own rendering is used)",
         "preserve_thinking=None add_non_thinking_prefix=True disable_ignore_empty_think=False")
-_refuse(_NOT_YET + ": a gym environment without its total reward (grpokit adds the reward whenever --gym_env "
-        "runs, as ms-swift's use_gym_env true does)", "use_gym_env=True|None")
 _refuse("grpokit logs every --logging_steps steps (logging_strategy steps) and has no 'no'/'epoch' modes",
         "logging_strategy=steps")
 

@@ -190,12 +190,16 @@ def _check_rollout_modes(cfg: TrainConfig) -> None:
     """Server mode, multi-turn, vLLM colocate and async generation: combinations that cannot work."""
     r = cfg.rollout
     server = r.vllm_mode == "server"
-    if server and (r.multi_turn_scheduler or r.gym_env or r.max_turns):
-        raise ConfigError("in server mode the rollout server runs the trajectories: pass --multi_turn_scheduler, "
-                          "--max_turns and --gym_env to `grpokit rollout`, not to `grpokit train`")
-    if r.multi_turn_scheduler is None and (r.gym_env or r.loss_scale != "default" or r.max_turns):
-        raise ConfigError("--gym_env, --loss_scale and --max_turns act on multi-turn rollouts; add "
-                          "--multi_turn_scheduler NAME (e.g. gym_scheduler, thinking_tips_scheduler)")
+    # server mode: the server runs the trajectories; the trainer's multi-turn options are checked against the
+    # server's at start-up (grpokit.rollout.remote.check_server_rollout), as ms-swift takes them on either side
+    used = [f for f, on in (("--gym_env", r.gym_env), ("--loss_scale", r.loss_scale != "default"),
+                            ("--max_turns", r.max_turns), ("--use_gym_env", r.use_gym_env is not None)) if on]
+    if not server and r.multi_turn_scheduler is None and used:
+        raise ConfigError(f"{used[0]} acts on multi-turn rollouts; add --multi_turn_scheduler NAME (e.g. "
+                          "gym_scheduler, thinking_tips_scheduler)")
+    if r.vllm_server_pass_dataset and not server:
+        raise ConfigError("--vllm_server_pass_dataset true sends the rows' columns to a rollout server; it needs "
+                          "--vllm_mode server (in colocate mode the scheduler reads them anyway)")
     if server and not (r.vllm_server_host or r.vllm_server_base_url):
         raise ConfigError("--vllm_mode server needs --vllm_server_host H --vllm_server_port P "
                           "(or --vllm_server_base_url URL)")

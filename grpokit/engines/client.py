@@ -4,8 +4,9 @@ It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``rese
 returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so that the trainer, which
 only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
 
-Requests are split across servers keeping each ``prompt_id`` group on one server, sent in parallel, and the
-outputs come back in request order. Every call has a timeout; connect errors, dropped connections and
+Requests are split across servers keeping each ``prompt_id`` group on one server, then into calls that stay
+under each server's ``--max_batch_requests`` and ``--max_body_mb`` (both reported by ``/get_engine_type/``), sent
+in parallel; the outputs come back in request order. Every call has a timeout; connect errors, dropped connections and
 429/502/503/504 are retried a few times with exponential backoff, inside that timeout. A dead server becomes a
 ``ServerError`` that names host:port.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -41,6 +43,7 @@ from grpokit.wire.weights import parse_dtype
 logger = logging.getLogger(__name__)
 
 RETRY_STATUS = {429, 502, 503, 504}
+BODY_ENVELOPE_BYTES = 64  # '{"requests": [', '], "request_config": ' and '}' around the parts that are measured
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                 httpx.WriteError, httpx.PoolTimeout)
 
@@ -166,6 +169,26 @@ def split_requests(requests: Sequence[RolloutInferRequest], n_servers: int) -> l
     return [sorted(p) for p in parts]
 
 
+def split_by_size(sizes: Sequence[int], max_count: int, max_bytes: int) -> list[list[int]]:
+    """Consecutive positions grouped so that each group has at most ``max_count`` items whose ``sizes`` add up to
+    at most ``max_bytes`` (the server's --max_batch_requests and --max_body_mb). ServerError when one item alone
+    is larger: no split can send it."""
+    parts: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if size > max_bytes:
+            raise ServerError(f"one rollout request is {size / 1024 / 1024:.1f} MB as JSON, more than the rollout "
+                              f"server's body limit ({max_bytes / 1024 / 1024:.1f} MB after the call's envelope); "
+                              "shorten the prompt or the row's columns (--vllm_server_pass_dataset false keeps "
+                              "them on the trainer), or start the server with a larger --max_body_mb")
+        if not parts or len(parts[-1]) >= max_count or used + size > max_bytes:
+            parts.append([])
+            used = 0
+        parts[-1].append(i)
+        used += size
+    return parts
+
+
 def _positions(requests: Sequence[RolloutInferRequest], idx: list[int], outputs: list[RolloutOutput]) -> list[int]:
     """The request position of each output. Outputs come in request order (one or more per request)."""
     pos, j = [], 0
@@ -254,25 +277,32 @@ class RolloutClient(InferEngine):
             self._infos = [self._request(i, "GET", "/get_engine_type/") for i in range(len(self.endpoints))]
         return {**self._infos[0], "num_servers": len(self.endpoints)}
 
-    def _max_batch(self) -> int:
+    def _limits(self) -> tuple[int, int]:
+        """Requests and body bytes per /infer/ call that every server accepts (its --max_batch_requests and
+        --max_body_mb; a server that does not report a limit gets grpokit's default)."""
         self.engine_info()
-        return min(int(info.get("max_batch_requests") or 4096) for info in self._infos)
+        count = min(int(info.get("max_batch_requests") or 4096) for info in self._infos)
+        body = min(float(info.get("max_body_mb") or 64.0) for info in self._infos)
+        return count, int(body * 1024 * 1024)
 
     async def _infer_positions(self, requests: Sequence[RolloutInferRequest],
                                config: RequestConfig) -> list[tuple[int, RolloutOutput]]:
         requests = list(requests)
         if not requests:
             return []
-        max_batch = await asyncio.to_thread(self._max_batch)
+        max_batch, max_bytes = await asyncio.to_thread(self._limits)
         conf = config.model_dump(mode="json")
+        dumped = [r.model_dump(mode="json") for r in requests]
+        sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
+        budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
         for server, idx in enumerate(split_requests(requests, len(self.endpoints))):
-            for start in range(0, len(idx), max_batch):
-                calls.append((server, idx[start:start + max_batch]))
+            for part in split_by_size([sizes[j] for j in idx], max_batch, budget):
+                calls.append((server, [idx[k] for k in part]))
         async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
             answers = await asyncio.gather(*(self._request_async(
-                http, server, "/infer/", {"requests": [requests[j].model_dump(mode="json") for j in idx],
-                                          "request_config": conf}) for server, idx in calls))
+                http, server, "/infer/", {"requests": [dumped[j] for j in idx], "request_config": conf})
+                for server, idx in calls))
         tagged: list[tuple[int, RolloutOutput]] = []
         for (server, idx), answer in zip(calls, answers, strict=True):
             try:

@@ -22,7 +22,7 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import RemoteScheduler
+from grpokit.rollout.remote import RemoteScheduler, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
@@ -32,10 +32,11 @@ from grpokit.trainers.optimizers import optimizers_map
 logger = logging.getLogger("grpokit")
 
 
-def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str]):
-    """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns."""
+def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bool = False):
+    """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns.
+    ``env_reward``: the scheduler's gym reward is a reward, so no function is needed by default."""
 
-    default = [] if (cfg.reward.reward_model or cfg.rollout.multi_turn_scheduler == "gym_scheduler") else ["accuracy"]
+    default = [] if (cfg.reward.reward_model or env_reward) else ["accuracy"]
     names = list(cfg.reward.reward_funcs or default)
     options = cfg.flat()
     funcs = build_reward_funcs(names, options, tokenizer)
@@ -74,7 +75,10 @@ def check_names(cfg: TrainConfig) -> None:
 def build_scheduler(cfg: TrainConfig, tokenizer):
     if not cfg.rollout.multi_turn_scheduler:
         return None
-    return build_multi_turn(cfg.rollout, tokenizer)
+    scheduler = build_multi_turn(cfg.rollout, tokenizer)
+    if cfg.rollout.use_gym_env is not None:  # explicit, as in ms-swift: total_reward is (not) a reward
+        scheduler.uses_env_reward = cfg.rollout.use_gym_env
+    return scheduler
 
 
 def build_engine(cfg: TrainConfig):
@@ -109,12 +113,17 @@ def run_train(cfg: TrainConfig):
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
     if val_ds is not None:
         val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")
-    funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names))
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
-        scheduler = RemoteScheduler(engine)  # multi-turn runs inside the server, with its own scheduler
+        if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request
+            scheduler = build_scheduler(cfg, tokenizer)
+            scheduler.infer_engine = engine
+        else:
+            scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
     else:
         scheduler = build_scheduler(cfg, tokenizer)
+    env_reward = bool(getattr(scheduler, "uses_env_reward", False))
+    funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
     callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,

@@ -35,6 +35,9 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help="multi-turn: max_tokens bounds the whole trajectory (total) or each turn (per_round)")
     p.add_argument("--loss_scale", default=None, choices=["default", "last_round"],
                    help="multi-turn: last_round trains on the last round only")
+    p.add_argument("--use_gym_env", type=str.lower, default=None, choices=["true", "false"],
+                   help="multi-turn: the scheduler's rollout_infos['total_reward'] is the trainer's gym_reward "
+                        "(default: the scheduler decides; gym_scheduler gives one)")
     p.add_argument("--external_plugins", nargs="*", default=[], help="python files imported before any lookup")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every request (default: env GRPOKIT_API_KEY)")
@@ -77,7 +80,8 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm_data_parallel_size", type=int, default=1,
                    help="vllm: only 1 (not implemented yet; start one server per device)")
     p.add_argument("--vllm_enable_lora", default="false", **flag, help="only false (not implemented yet)")
-    p.add_argument("--vllm_use_async_engine", default="false", **flag, help="only false (not implemented yet)")
+    p.add_argument("--vllm_use_async_engine", default="false", **flag,
+                   help="accepted for swift rollout's multi-turn commands; no effect (trajectories always overlap)")
 
 
 def vllm_installed() -> bool:
@@ -146,6 +150,7 @@ def options_from_argv(argv: list[str]):
                          max_prefill_mb=a.max_prefill_mb,
                          multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
+                         use_gym_env=None if a.use_gym_env is None else a.use_gym_env == "true",
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
                          max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from grpokit.errors import ConfigError
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,6 +22,7 @@ class ServerOptions:
     multi_turn_scheduler: str | None = None
     max_turns: int | None = None
     gym_env: str | None = None
+    use_gym_env: bool | None = None  # multi-turn only; None: the scheduler says whether it gives an env reward
     completion_length_limit_scope: str | None = None  # multi-turn only; None: the scheduler's default
     loss_scale: str | None = None  # multi-turn only; None: the scheduler's default
     external_plugins: list[str] = field(default_factory=list)
@@ -60,7 +64,7 @@ class ServerOptions:
                               "always stops after one turn)")
         if self.gym_env and not self.multi_turn_scheduler:
             raise ConfigError(f"--gym_env {self.gym_env} needs --multi_turn_scheduler gym_scheduler")
-        for flag in ("completion_length_limit_scope", "loss_scale"):
+        for flag in ("completion_length_limit_scope", "loss_scale", "use_gym_env"):
             if getattr(self, flag) is not None and not self.multi_turn_scheduler:
                 raise ConfigError(f"--{flag} {getattr(self, flag)} needs --multi_turn_scheduler NAME (it shapes "
                                   "multi-turn trajectories)")
@@ -89,9 +93,10 @@ class ServerOptions:
         if self.vllm_enable_lora:
             raise ConfigError(f"--vllm_enable_lora true: sending LoRA adapters instead of merged weights {later}; "
                               "the trainer sends merged full weights after each step (docs/server_mode.md)")
-        if self.vllm_use_async_engine:
-            raise ConfigError(f"--vllm_use_async_engine true: vLLM's AsyncLLMEngine {later}; the server batches "
-                              "concurrent trajectories for the in-process engine itself")
+        if self.vllm_use_async_engine:  # swift rollout needs it for multi-turn; here trajectories always overlap
+            logger.warning("--vllm_use_async_engine true: no effect in grpokit rollout; its trajectories always run "
+                           "concurrently, each turn batched with the others' (what vLLM's async engine gives swift "
+                           "rollout)")
         if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: must be in (0, 1]")
         if self.engine == "vllm" and self.max_prefill_mb != 128.0:

@@ -37,13 +37,14 @@ class ServerState:
             "model": o.model,
             "enable_multi_turn": bool(o.multi_turn_scheduler),
             "multi_turn_scheduler": o.multi_turn_scheduler,
-            "max_turns": o.max_turns,
+            "max_turns": getattr(self.scheduler, "max_turns", None) if o.multi_turn_scheduler else None,
             "use_gym_env": bool(o.gym_env),
             "uses_env_reward": bool(getattr(self.scheduler, "uses_env_reward", False)),
             "gym_env": o.gym_env,
             "completion_length_limit_scope": getattr(self.scheduler, "completion_length_limit_scope", None),
             "loss_scale": getattr(self.scheduler, "loss_scale", None),
             "max_batch_requests": o.max_batch_requests,
+            "max_body_mb": o.max_body_mb,
             "max_inflight_requests": o.max_inflight_requests,
             "max_weight_bucket_mb": o.max_weight_bucket_mb,
             "max_sync_timeout_s": o.max_sync_timeout_s,
@@ -86,6 +87,8 @@ def build_scheduler(options: ServerOptions, engine):
     args = RolloutArguments(multi_turn_scheduler=options.multi_turn_scheduler, max_turns=options.max_turns,
                             gym_env=options.gym_env, **extra)
     scheduler = build_multi_turn(args, engine.tokenizer)
+    if options.use_gym_env is not None:  # explicit, as in swift rollout: total_reward is (not) the reward
+        scheduler.uses_env_reward = options.use_gym_env
     if getattr(scheduler, "infer_engine", None) is None:
         scheduler.infer_engine = engine
     return scheduler

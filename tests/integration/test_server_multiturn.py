@@ -3,16 +3,21 @@ the row's data_dict; the trainer side only sees finished trajectories."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
+import httpx
 import pytest
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
+from grpokit.errors import ConfigError
 from grpokit.rollout.remote import RemoteScheduler
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.testing import build_tiny_model
+from grpokit.trainers.factory import TrainerFactory
+from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +47,7 @@ def server(tmp_path_factory):
     plugin.write_text(PLUGIN)
     with rollout_server(tiny, root, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns",
                         "--max_turns", "3", "--completion_length_limit_scope", "per_round") as s:
+        s.model = tiny
         yield s
 
 
@@ -65,3 +71,84 @@ def test_server_runs_the_multi_turn_scheduler_with_the_rows_data(server):
         assert requests[0].messages == [{"role": "user", "content": "question 0"}]  # the trainer's prompt untouched
     finally:
         client.close()
+
+
+class _Recording(GRPOTrainer):
+    outputs: list = []
+
+    def _prepare_inputs(self, prompts, rollout=None):
+        window = super()._prepare_inputs(prompts, rollout)
+        _Recording.outputs.extend(window.outputs)
+        return window
+
+
+def _train_args(server, tmp_path, *extra):
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}"} for i in range(4)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["--model", str(server.model), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
+            "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+            "--max_completion_length", "4", "--beta", "0", "--reward_funcs", "format", "--vllm_mode", "server",
+            "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--vllm_server_timeout", "60",
+            "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", *extra]
+
+
+def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path):
+    """ms-swift's server-mode command shape: scheduler, max_turns and loss_scale on the trainer too, the rows'
+    columns passed on; the server's scheduler reads them and the trainer trains only the last round."""
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    saved, _Recording.outputs = TrainerFactory.TRAINER_MAPPING["grpo"], []
+    TrainerFactory.TRAINER_MAPPING["grpo"] = _Recording
+    try:
+        trainer = run_train(parse_train_args(_train_args(
+            server, tmp_path, "--multi_turn_scheduler", "label_turns", "--max_turns", "3", "--loss_scale",
+            "last_round", "--vllm_server_pass_dataset", "true")))
+    finally:
+        TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+    assert trainer.state.global_step == 2 and _Recording.outputs
+    for o in _Recording.outputs:
+        label = o.messages[2]["content"].split()[0]  # the server's scheduler read data_dict["label"]
+        assert label.startswith("L") and o.messages[4]["content"] == f"{label} after turn 2"
+        assert [sum(m) for m in o.response_loss_mask[:-1]] == [0, 0]  # --loss_scale last_round, on the trainer
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--max_turns", "2"], "--max_turns 2: the rollout server"),
+    (["--multi_turn_scheduler", "gym_scheduler"], "runs label_turns"),
+])
+def test_trainer_options_the_server_does_not_use_stop_the_run(server, tmp_path, extra, needle):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    with pytest.raises(ConfigError, match=needle):
+        run_train(parse_train_args(_train_args(server, tmp_path, *extra)))
+
+
+def test_trainer_plays_the_turns_against_a_single_turn_server(tmp_path_factory, tmp_path):
+    """ms-swift's rule: a scheduler on the trainer and a single-turn server → the trainer runs the scheduler, each
+    turn one request; the rows' columns are read on the trainer side."""
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    root = tmp_path_factory.mktemp("single")
+    tiny = build_tiny_model(root / "tiny")
+    plugin = root / "label_plugin_trainer.py"
+    plugin.write_text(PLUGIN.replace('"label_turns"', '"label_turns_trainer"'))
+    saved, _Recording.outputs = TrainerFactory.TRAINER_MAPPING["grpo"], []
+    TrainerFactory.TRAINER_MAPPING["grpo"] = _Recording
+    try:
+        with rollout_server(tiny, root) as plain:
+            plain.model = tiny
+            trainer = run_train(parse_train_args(_train_args(
+                plain, tmp_path, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns_trainer",
+                "--max_turns", "2")))
+            served = httpx.get(plain.url + "/get_engine_type/", timeout=10).json()
+    finally:
+        TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+    assert not served["enable_multi_turn"] and served["weight_version"] >= 1  # the trainer's weights reached it
+    assert trainer.state.global_step == 2 and _Recording.outputs
+    for o in _Recording.outputs:
+        assert [m["role"] for m in o.messages] == ["user", "assistant"] * 2
+        assert o.messages[2]["content"].endswith("after turn 1") and len(o.response_token_ids) == 2

@@ -1,0 +1,176 @@
+"""The ports of ms-swift's GRPO example scripts (examples/ms-swift/*.sh) train 2 steps on the tiny model.
+
+Each port is run as written by bash, with ``MODEL``, ``DATASET`` (a local jsonl in the hub dataset's columns),
+``HOST``, ``PORT``, ``PLUGIN``, ``EXAMPLES`` set, and ``grpokit`` defined as this interpreter's ``python -m grpokit``. A
+``grpokit rollout`` line inside a port is skipped: the test starts that server itself (one per configuration, shared
+by the ports that use it), with the port's server options less the GPU-only ones (listed in SERVERS).
+
+Without vLLM installed (CI), ``--use_vllm true`` in colocate mode is run as ``--use_vllm false``: the one
+substitution the test makes, since the in-process transformers engine samples the same policy; the vllm-marked
+tests (tests/vllm) cover the vLLM engine itself. Server-mode ports keep it (the server is grpokit's).
+
+``PLUGIN`` is ms-swift's plugin.py with its imports renamed, read from the local ms-swift mirror
+(tests/integration/third_party.py: a port that needs it skips without the mirror), except where PLUGINS names
+grpokit's own.
+
+``BLOCKED_UNTIL_MERGE`` names, per port, the options that other branches implement (empty now that they are
+merged); ``NOT_PORTABLE`` names the ports that fail with the reason (xfail strict: one that starts to pass fails
+the test, so the dict stays true).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_server_support import rollout_server
+from third_party import swift_plugin
+
+from grpokit.server.cli import vllm_installed
+from grpokit.testing import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "ms-swift"
+PORTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
+PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: ms-swift's plugin.py (third_party)
+HAS_VLLM = vllm_installed()  # not find_spec alone: under pytest tests/vllm is a namespace package named vllm
+
+# dataset rows in the columns of the hub datasets the scripts name
+NUMINA = [{"problem": f"What is {a} + {b}?", "solution": f"The answer is $\\boxed{{{a + b}}}$."}
+          for a in range(1, 5) for b in range(1, 5)]
+GSM8K = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+          "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(1, 5) for b in range(1, 5)]
+XLAM = [{"query": f"What is the weather in city {i}?",
+         "tools": json.dumps([{"name": "get_weather", "description": "weather of a city",
+                               "parameters": {"city": {"type": "str", "description": "city name"}}}]),
+         "answers": json.dumps([{"name": "get_weather", "arguments": {"city": f"city {i}"}}])} for i in range(16)]
+DATASETS = {"plugin_gsm8k.sh": GSM8K, "external_agent.sh": XLAM}  # others: NUMINA
+
+# server options per port that needs one (the port's commented `swift rollout` command, ms-swift names); dropped
+# on CPU: --vllm_gpu_memory_utilization (GPU memory; the transformers engine refuses it), --vllm_tensor_parallel_size
+# and --data_parallel_size (several GPUs)
+PLAIN = ()
+SERVERS = {
+    "external_grpo_7b.sh": PLAIN, "external_grpo_32b_full.sh": PLAIN, "external_agent.sh": PLAIN,
+    "internal_real.sh": PLAIN,
+    "external_moe_full.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
+    "external_moe_lora.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
+    "external_vllm_gym.sh": ("--max_turns", "3", "--multi_turn_scheduler", "gym_scheduler", "--use_gym_env", "true",
+                             "--gym_env", "math_env"),
+    "external_vllm_multi_turn.sh": ("--vllm_use_async_engine", "true", "--multi_turn_scheduler",
+                                    "thinking_tips_scheduler", "--vllm_max_model_len", "1024", "--max_turns", "3"),
+    "plugin_run_external_scheduler.sh": ("--vllm_use_async_engine", "true", "--external_plugins", "{plugin}",
+                                         "--multi_turn_scheduler", "tool_call_scheduler",
+                                         "--vllm_max_model_len", "1024", "--max_turns", "5"),
+}
+
+# What stops each port on this branch (main merged in, with every helper's branch of issues 19 to 21), found by
+# dropping blockers one by one until it trained. Nothing waits for another branch any more: the lead keeps this
+# dict empty, and a port that learns to run moves out of NOT_PORTABLE (strict xfail says so).
+BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {}
+
+_ZERO3 = ("--deepspeed zero3 needs 2 or more processes; the one-process CPU port has one (torchrun "
+          "--nproc_per_node 2 would run it)")
+_ZERO2 = "--deepspeed zero2 in one process without a launcher: DeepSpeed's MPI discovery needs mpi4py"
+_OFFLOAD = "--offload_model/--offload_optimizer are refused as not implemented"
+# Ports that fail on this branch, with what grpokit (or the one-process CPU translation) lacks.
+NOT_PORTABLE: dict[str, str] = {
+    "internal_chord.sh": "CHORD (--chord_sft_dataset: SFT data mixed into GRPO) is refused as not implemented",
+    "internal_real.sh": "--loss_type real is not implemented",
+    "external_vllm_gym.sh": "ms-swift's built-in gym environment math_env has no grpokit counterpart",
+    "external_agent.sh": "--agent_template react_grpo is not implemented (hermes and react_en are)",
+    "external_grpo_32b_full.sh": _ZERO3,
+    "external_moe_full.sh": _ZERO3.replace("zero3", "zero3_offload", 1),
+    "external_moe_lora.sh": _ZERO3,
+    "internal_moe_full.sh": _ZERO3.replace("zero3", "zero3_offload", 1),
+    "plugin_run_external_scheduler.sh": _ZERO3,
+    "external_grpo_7b.sh": _ZERO2,
+    "external_vllm_multi_turn.sh": _ZERO2,
+    "plugin_gsm8k.sh": _ZERO2,
+    "internal_gspo.sh": _OFFLOAD,
+    "internal_moe_lora.sh": _OFFLOAD,
+    "internal_vllm_multi_turn.sh": _OFFLOAD,
+    "plugin_run_external_reward_model.sh": _OFFLOAD,
+}
+
+def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
+    script = (EXAMPLES / name).read_text() if script is None else script
+    if not HAS_VLLM and "--vllm_mode colocate" in script:
+        script = script.replace("--use_vllm true", "--use_vllm false")
+    prelude = (f'grpokit() {{ if [ "$1" = rollout ]; then echo "(server started by the test)"; return 0; fi; '
+               f'"{sys.executable}" -m grpokit "$@"; }}\nset -e\n')
+    return subprocess.run(["bash", "-c", prelude + script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("swift_models")
+    return {"policy": build_tiny_model(root / "policy"), "rm": build_tiny_model(root / "rm", seq_cls=True)}
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    """One rollout server per distinct option set, started on first use and shared."""
+    log_dir = tmp_path_factory.mktemp("swift_servers")
+    running: dict[tuple, object] = {}
+    with contextlib.ExitStack() as stack:
+        def get(options: tuple[str, ...]):
+            if options not in running:
+                running[options] = stack.enter_context(rollout_server(models["policy"], log_dir, *options))
+            return running[options]
+
+        yield get
+
+
+def _marks(name: str):
+    if name in NOT_PORTABLE:
+        return [pytest.mark.xfail(strict=True, reason=NOT_PORTABLE[name])]
+    if name in BLOCKED_UNTIL_MERGE:
+        return [pytest.mark.xfail(strict=True, reason="blocked until merge: " + ", ".join(BLOCKED_UNTIL_MERGE[name]))]
+    return []
+
+
+def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str | None = None) -> None:
+    """Run the port (or ``script`` under its name) on ``rows`` and check that 2 steps trained with rewards."""
+    data = cwd / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plugin = PLUGINS.get(name) or swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
+    env = {**os.environ, "MODEL": str(models["policy"]), "DATASET": str(data), "PLUGIN": str(plugin),
+           "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
+           "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    if name in SERVERS:
+        options = tuple(o.replace("{plugin}", str(plugin)) for o in SERVERS[name])
+        env["PORT"] = str(servers(options).port)
+    run = _run_port(name, env, cwd, script)
+    assert run.returncode == 0, f"{name} failed:\n{(run.stdout + run.stderr)[-3000:]}"
+    logged = [json.loads(line) for line in (cwd / "output" / "logging.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all("reward" in r and any(k.startswith("rewards/") for k in r) for r in steps)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in PORTS])
+def test_port_trains_two_steps(name, models, servers, tmp_path):
+    _check_port(name, models, servers, tmp_path, DATASETS.get(name, NUMINA))
+
+
+def test_the_runner_trains_a_server_port_without_the_blocked_options(models, servers, tmp_path):
+    """The harness itself (bash, the shared server, the variables) on
+    external_grpo_7b.sh less the lines BLOCKED_UNTIL_MERGE names, with ms-swift's server-mode multi-turn options
+    that this branch adds (--loss_scale, --vllm_server_pass_dataset): a blocked port then fails on its options
+    only. Rows with a `messages` column (the alias for `problem` is t19-data's)."""
+    blocked = ("--load_from_cache_file", "--dataloader_num_workers", "--dataset_num_proc", "--deepspeed")
+    script = "\n".join(line for line in (EXAMPLES / "external_grpo_7b.sh").read_text().splitlines()
+                       if not line.strip().startswith(blocked))
+    script = script.replace("--beta 0.04 \\", "--beta 0.04 --loss_scale last_round --vllm_server_pass_dataset true \\")
+    assert "--vllm_server_pass_dataset true" in script
+    rows = [{**r, "messages": [{"role": "user", "content": r["problem"]}]} for r in NUMINA]
+    _check_port("external_grpo_7b.sh", models, servers, tmp_path, rows, script)
