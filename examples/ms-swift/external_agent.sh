@@ -5,8 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables (--vllm_server_port added with ms-swift's default 8000).
 
-# wandb result link: https://wandb.ai/tastelikefeet/tastelikefeet?nw=nwuseryuzezyz
-# model link: https://www.modelscope.cn/models/swift/Qwen2-7B-Agent-GRPO
 # WANDB_API_KEY=xxx \
 
 # grpokit rollout \

@@ -5,7 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# run in another node
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen2.5-32B-Instruct}" \
 #     --vllm_tensor_parallel_size 2

@@ -5,7 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# 8 * 80 G (6 for training, 2 for rollout)
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen2.5-7B-Instruct}" \
 #     --data_parallel_size 2

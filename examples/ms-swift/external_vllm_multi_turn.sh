@@ -5,15 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# Exp: https://github.com/modelscope/ms-swift/pull/5307#issuecomment-3219803922
-# Before running this script, please run the following `grpokit rollout` script first
-# This script is a example for multi-turn training with dynamic num of rollout outputs
-# which means a trajectory of multi turn rollout is split into multiple data
-#       see details in thinking_tips_scheduler
-# NOTE: for same trajectory, the reward is supported to be the same,
-#       here we use the last turn data of each trajectory to compute accuracy reward
-#       see details in thinking_tips reward function
-
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen3-1.7B}" \
 #     --vllm_use_async_engine true \

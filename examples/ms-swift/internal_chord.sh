@@ -5,14 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# 8*80G GPU
-# CHORD https://arxiv.org/abs/2508.11408
-# GRPO total batch = 32(prompts)*8(num_generations) = 256 =  8(gpus) * 4(per_device_train_batch_size) * 8(gradient_accumulation_steps)
-# SFT total batch = 64 = 8(gpus) * 1(chord_sft_per_device_train_batch_size) * 8(gradient_accumulation_steps)
-
-# NOTE: We use the same dataset for GRPO and SFT, which may cause overlap (i.e., the same examples to be selected).
-# You can pre-download the dataset and manually split it to avoid this.
-
 export CHORD_SYSTEM_PROMPT="You are a helpful assistant that solves MATH problems.
 You should first think about the reasoning process in mind and then provide the user with the answer.
 You should present your reasoning process using the format: <think>\n...your reasoning process here... </think>\n"

@@ -5,14 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# 8*80G GPU
-# GSPO https://arxiv.org/pdf/2507.18071
-# hyperparameter
-# - epsilon = 3e-4 from paper serction 5.1
-# - epsilon_high = 4e-4 from paper serction 5.1
-# - steps_per_generation = 32 (= 4 * gradient_accumulation_steps): paper section 5.1 partitions each batch of rollout data into four minibatches for gradient updates; in swift HF GRPO, steps_per_generation counts micro-batches, so it must be multiplied by gradient_accumulation_steps
-# - beta = 0: zero kl regularization https://github.com/volcengine/verl/pull/2775#issuecomment-3131807306
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-7B-Instruct}" \
     --dataset "${DATASET:-AI-MO/NuminaMath-TIR#10000}" \

@@ -5,8 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# 8*80G
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen3-30B-A3B-Instruct-2507}" \
     --reward_funcs accuracy \

@@ -8,7 +8,6 @@
 grpokit rollout \
     --model "${MODEL:-Qwen/Qwen3-1.7B}"
 
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen3-1.7B}" \
     --dataset "${DATASET:-AI-MO/NuminaMath-TIR#5000}"  \

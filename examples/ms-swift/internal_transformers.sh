@@ -5,12 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# pip install math_verify # reward function
-# pip install -U trl
-# GPU memory: 80GiB
-# You can set `--reward_model` to use a reward model to provide rewards.
-# TransformersEngine to rollout
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-7B}" \
     --reward_funcs accuracy format \

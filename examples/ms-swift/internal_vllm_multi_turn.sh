@@ -5,9 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# It's recommended to use server mode for multi-turn training
-# Colocate multi-turn does not support rollouts with dynamic rollout outputs
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-3B-Instruct}" \
     --tuner_type full \

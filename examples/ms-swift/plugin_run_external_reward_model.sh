@@ -6,9 +6,6 @@
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables;
 # so are the two --reward_model folders (JUDGE_MODEL, REWARD_MODEL).
 
-# see rm_plugin example in swift/rewards/rm_plugin.py
-# register customized plugin in external_plugins file
-
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-7B}" \
     --dataset "${DATASET:-AI-MO/NuminaMath-TIR#5000}" \

@@ -5,11 +5,6 @@
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
 
-# This script require main branch ms-swift
-# This script is intended solely as a Tool Calling training example
-# The calculator tool implemented here can perform only basic arithmetic operations and may not be able to solve all math problems in the dataset.
-# Before running this script, please run the following `grpokit rollout` script first
-
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen2.5-7B-Instruct}" \
 #     --vllm_use_async_engine true \
