@@ -104,7 +104,7 @@ def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.
     if why is None and torch.device(device).type == "cpu":
         why = "training runs on the CPU, so the weights and optimizer state are in CPU memory already"
     if why is not None:
-        logger.warning("%s has no effect here: %s", " and ".join(on), why)
+        logger.warning("%s %s no effect here: %s", " and ".join(on), "has" if len(on) == 1 else "have", why)
         return None
     return Offloader(models, optimizer, offload_model=rollout_args.offload_model,
                      offload_optimizer=rollout_args.offload_optimizer)

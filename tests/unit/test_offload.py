@@ -108,7 +108,7 @@ def test_no_effect_is_one_warning_line(kind, device, why, caplog):
     with caplog.at_level(logging.WARNING, logger="grpokit.trainers.offload"):
         assert make_offloader(args, _fake_engine(kind), [model], opt, torch.device(device)) is None
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "--offload_model and --offload_optimizer has no effect" in lines[0] and why in lines[0]
+    assert len(lines) == 1 and "--offload_model and --offload_optimizer have no effect" in lines[0] and why in lines[0]
 
 
 def test_vllm_on_an_accelerator_gets_an_offloader_and_off_means_none(caplog):
