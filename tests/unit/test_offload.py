@@ -57,7 +57,8 @@ def test_weights_and_optimizer_state_are_away_during_generation_and_back_with_th
     _step(model, opt, x)
     _step(ref_model, ref_opt, x)
     before = [t.detach().clone() for t in _tensors(model, opt)]
-    ptrs = {t.data_ptr() for t in _tensors(model, opt)}
+    kept = [t.detach() for t in _tensors(model, opt)]  # keeps the training storage alive: no reuse of its memory
+    ptrs = {t.data_ptr() for t in kept}
     params = list(model.parameters())
     offloader = Offloader([model], opt, offload_model=True, offload_optimizer=True, offload_device="cpu")
     engine = FakeEngine(model, opt)
