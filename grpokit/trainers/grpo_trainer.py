@@ -84,7 +84,7 @@ class GRPOTrainer:
                                                     self.accelerator, parts.generation_model)
         # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
         self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
-                                         self.accelerator.device)
+                                         self.accelerator.device, self.accelerator.is_main_process)
         rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,

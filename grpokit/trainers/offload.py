@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # engines whose generation does not use an in-process copy of the weights that offloading makes room for
-_NO_EFFECT = {"transformers": "the in-process transformers engine samples with the training model itself",
+_NO_EFFECT = {"transformers": "the in-process transformers engine samples with the training model itself (or, "
+                              "sharded, with a gathered copy of its weights on the training device)",
               "server": "server mode generates on the rollout server, in another process"}
 
 
@@ -43,16 +44,16 @@ class Offloader:
 
     @contextmanager
     def offloaded(self) -> Iterator[None]:
-        homes = self._offload()
+        homes: list[tuple] = []  # filled as tensors move, so a failure half-way still brings back what moved
         try:
+            self._offload(homes)
             yield
         finally:
             self._reload(homes)
 
     @torch.no_grad()
-    def _offload(self) -> list[tuple]:
-        """Move everything out; returns (setter, tensor now, home device) for the way back."""
-        homes: list[tuple] = []
+    def _offload(self, homes: list[tuple]) -> None:
+        """Move everything out, adding (setter, tensor now, home device) to ``homes`` for the way back."""
         for model in self.models:
             for t in [*model.parameters(), *model.buffers()]:
                 home, moved, setter = t.device, self._move(t.data, self.offload_device), _set_data(t)
@@ -65,7 +66,6 @@ class Offloader:
                         state[key] = moved = self._move(value, self.offload_device)
                         homes.append((_set_item(state, key), moved, value.device))
         _free_cache()
-        return homes
 
     @torch.no_grad()
     def _reload(self, homes: list[tuple]) -> None:
@@ -94,8 +94,10 @@ def _free_cache() -> None:
         torch.cuda.empty_cache()  # hand the freed blocks back, so the engine can use them
 
 
-def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.device) -> Offloader | None:
-    """The Offloader for this run, or None when neither option is on or (one warning line) they have no effect."""
+def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.device,
+                   main_process: bool = True) -> Offloader | None:
+    """The Offloader for this run, or None when neither option is on or (one warning line, from the main process)
+    they have no effect."""
     on = [f"--{n}" for n in ("offload_model", "offload_optimizer") if getattr(rollout_args, n)]
     if not on:
         return None
@@ -104,7 +106,9 @@ def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.
     if why is None and torch.device(device).type == "cpu":
         why = "training runs on the CPU, so the weights and optimizer state are in CPU memory already"
     if why is not None:
-        logger.warning("%s %s no effect here: %s", " and ".join(on), "has" if len(on) == 1 else "have", why)
+        if main_process:
+            logger.warning("%s %s no effect here: %s", " and ".join(on), "has" if len(on) == 1 else "have",
+                           why)
         return None
     return Offloader(models, optimizer, offload_model=rollout_args.offload_model,
                      offload_optimizer=rollout_args.offload_optimizer)

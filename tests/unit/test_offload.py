@@ -94,6 +94,27 @@ def test_only_what_is_asked_for_moves():
     assert (only_model.moves, only_opt.moves) == (2 * weights, 2 * state)
 
 
+def test_a_failure_half_way_out_brings_back_what_moved():
+    model, opt = _model_and_optimizer()
+    _step(model, opt, torch.randn(2, 4))
+    before = [t.detach().clone() for t in _tensors(model, opt)]
+    offloader = Offloader([model], opt, offload_model=True, offload_optimizer=True)
+    real_move, calls = offloader._move, [0]
+
+    def failing_move(tensor, device):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("out of CPU memory")
+        return real_move(tensor, device)
+
+    offloader._move = failing_move
+    with pytest.raises(RuntimeError, match="out of CPU memory"), offloader.offloaded():
+        pass
+    after = _tensors(model, opt)
+    assert offloader.moves == 2 * 4  # 4 tensors out, the same 4 back
+    assert all(torch.equal(a, b) and a.device == b.device for a, b in zip(before, after, strict=True))
+
+
 def _fake_engine(kind):
     return type("E", (), {"engine_type": kind})()
 
@@ -110,6 +131,14 @@ def test_no_effect_is_one_warning_line(kind, device, why, caplog):
         assert make_offloader(args, _fake_engine(kind), [model], opt, torch.device(device)) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "--offload_model and --offload_optimizer have no effect" in lines[0] and why in lines[0]
+
+
+def test_only_the_main_process_warns(caplog):
+    model, opt = _model_and_optimizer()
+    with caplog.at_level(logging.WARNING, logger="grpokit.trainers.offload"):
+        assert make_offloader(RolloutArguments(offload_model=True), _fake_engine("server"), [model], opt,
+                              torch.device("cuda"), main_process=False) is None
+    assert not caplog.records
 
 
 def test_vllm_on_an_accelerator_gets_an_offloader_and_off_means_none(caplog):

@@ -37,7 +37,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
 
     made: list[offload.Offloader] = []
 
-    def gpu_offloader(rollout_args, engine, models, optimizer, device):
+    def gpu_offloader(rollout_args, engine, models, optimizer, device, main_process):
         assert engine.engine_type == "vllm" and device.type == "cpu"
         made.append(offload.Offloader(models, optimizer, offload_model=rollout_args.offload_model,
                                       offload_optimizer=rollout_args.offload_optimizer))
