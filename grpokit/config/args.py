@@ -118,6 +118,11 @@ class RolloutArguments:
     vllm_enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
     vllm_max_num_seqs: int = _opt(256, "vLLM colocate: most sequences in one engine step")
     sleep_level: int = _opt(0, "vLLM colocate: 0 keep, 1 offload weights, 2 drop weights while training")
+    # ms-swift's offload while vLLM colocate generates (trainers/offload.py); no effect with other engines
+    offload_model: bool = _opt(False, "vLLM colocate: move the training (and reference) model's weights to CPU "
+                                      "memory while vLLM generates, back before training")
+    offload_optimizer: bool = _opt(False, "vLLM colocate: move the optimizer state to CPU memory while vLLM "
+                                          "generates, back before training")
     weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket")
     async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")

@@ -157,9 +157,6 @@ _refuse(_NOT_YET + ": sequence, pipeline, data or tensor parallelism beyond --vl
         "sequence_parallel_size=1 vllm_pipeline_parallel_size=1 vllm_data_parallel_size=1 deepspeed_autotp_size=None "
         "accelerator_config=None parallelism_config=None fsdp_config=None activation_checkpointing=None "
         "activation_checkpointing_kwargs=None")
-_refuse(_NOT_YET + ": moving the training model or optimizer state to the CPU while vLLM colocate generates "
-        "(--sleep_level 1/2 frees vLLM's memory while training, the other direction; ZeRO-3 --deepspeed "
-        "zero3_offload keeps optimizer state on the CPU throughout)", "offload_model=False offload_optimizer=False")
 _refuse(_NOT_YET + ": vLLM quantisation, speculative decoding and raw engine kwargs",
         "vllm_quantization=None vllm_speculative_config=None vllm_engine_kwargs=None")
 _refuse(_NOT_YET + ": sampling beyond temperature/top_p/top_k/repetition_penalty (min_p, beam search)",

@@ -227,6 +227,14 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
     if r.sleep_level and r.async_generate:
         raise ConfigError(f"--sleep_level {r.sleep_level} with --async_generate true: the engine cannot sleep "
                           "while it generates the next window during training; use --sleep_level 0")
+    offload = [f"--{n} true" for n in ("offload_model", "offload_optimizer") if getattr(r, n)]
+    if offload and r.async_generate:
+        raise ConfigError(f"{offload[0]} with --async_generate true: the next window generates while this one "
+                          "trains, so the training model cannot wait in CPU memory; drop one of the two")
+    sharded = "--deepspeed" if cfg.training.deepspeed else "--fsdp" if cfg.training.fsdp else None
+    if offload and sharded:
+        raise ConfigError(f"{offload[0]} with {sharded} and vLLM colocate is not implemented (those engines "
+                          "partition the weights and optimizer state); drop it, or train without " + sharded)
 
 
 def _check_rewards(cfg: TrainConfig) -> None:

@@ -33,6 +33,7 @@ from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
+from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
@@ -81,6 +82,9 @@ class GRPOTrainer:
         self._trainable_params = parts.trainable_params
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
                                                     self.accelerator, parts.generation_model)
+        # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
+        self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
+                                         self.accelerator.device, self.accelerator.is_main_process)
         rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
@@ -93,7 +97,7 @@ class GRPOTrainer:
             self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
             accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
-            log_completions=self.args.log_completions)
+            log_completions=self.args.log_completions, offloader=self._offloader)
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
         self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
         self.output_dir = self._outputs.output_dir
@@ -333,9 +337,10 @@ class GRPOTrainer:
     def evaluate(self) -> dict:
         """Greedy completions on the validation set, scored with the reward functions."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
-        result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
-                               max_tokens=self.cfg.rollout.max_completion_length,
-                               batch_size=self.args.per_device_eval_batch_size)
+        with offload_context(self._offloader):  # evaluation generates too
+            result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
+                                   max_tokens=self.cfg.rollout.max_completion_length,
+                                   batch_size=self.args.per_device_eval_batch_size)
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         return logs

@@ -20,6 +20,7 @@ from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, 
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
+from grpokit.trainers.offload import Offloader, offload_context
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import (
     Window,
@@ -62,11 +63,12 @@ class WindowProducer:
 
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
                  models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
-                 plan: BatchPlan, log_completions: bool) -> None:
+                 plan: BatchPlan, log_completions: bool, offloader: Offloader | None = None) -> None:
         self.hooks, self.prompts, self.scheduler, self.template = hooks, prompts, scheduler, template
         self.rewards, self.models, self.accelerator = rewards, models, accelerator
         self.rollout_args, self.algorithm, self.plan = rollout_args, algorithm, plan
         self.log_completions = log_completions
+        self.offloader = offloader  # --offload_model/--offload_optimizer: applied around generation only
         self.request_config = RequestConfig(
             n=1, max_tokens=rollout_args.max_completion_length, temperature=rollout_args.temperature,
             top_p=rollout_args.top_p, top_k=rollout_args.top_k, repetition_penalty=rollout_args.repetition_penalty,
@@ -83,7 +85,8 @@ class WindowProducer:
         so --async_generate can run it in a background thread."""
         t0 = time.perf_counter()
         requests = self.requests(prompts)
-        outputs = self.hooks._generate_completions(requests)
+        with offload_context(self.offloader):  # the training model and optimizer wait in CPU memory
+            outputs = self.hooks._generate_completions(requests)
         t1 = time.perf_counter()
         rewards_per_func = self.hooks._score_completions(requests, outputs)
         return WindowRollout(requests, outputs, rewards_per_func,
@@ -201,7 +204,8 @@ class WindowProducer:
                 break
             rounds += 1
             requests = self.requests(self.prompts.next())
-            outputs = self.hooks._generate_completions(requests)
+            with offload_context(self.offloader):  # resampling generates too
+                outputs = self.hooks._generate_completions(requests)
             rewards_per_func = self.hooks._score_completions(requests, outputs)
         chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
         filler = max(0, len(chosen) - len(keep_s))
