@@ -1,8 +1,9 @@
-"""Many processes: map --deepspeed / --fsdp onto accelerate's own plugins, refuse what cannot work, and the few
+"""Many processes: check --deepspeed / --fsdp against accelerate's set-up, refuse what cannot work, and the few
 collectives the loop needs (metrics averaged over ranks, objects gathered, a full state dict for saving).
 
-No home-made parallelism: DDP and DeepSpeed are accelerate's; --fsdp is PyTorch's FSDP2, applied by sharding.py
-because accelerate runs it only on GPUs. What each rank does is in docs/distributed.md.
+No home-made parallelism: DDP is accelerate's; --deepspeed is DeepSpeed's engine, driven by zero.py, and --fsdp is
+PyTorch's FSDP2, applied by sharding.py, because accelerate runs both only on GPUs. What each rank does is in
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
-from grpokit.trainers.zero import PRESETS, is_zero3, load_spec, stage_of
+from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -27,50 +28,18 @@ def deepspeed_stage(spec: str) -> int:
     return stage_of(load_spec(spec), spec)
 
 
-def deepspeed_plugin(args):
-    """accelerate's ``DeepSpeedPlugin`` for ``args.deepspeed``; "auto" batch/accumulation/clipping values are
-    filled from the training options (accelerate cannot infer the micro-batch: the loop has no DataLoader)."""
-    from accelerate.utils import DeepSpeedPlugin
-
-    stage = deepspeed_stage(args.deepspeed)
-    if stage == 3:
-        raise ConfigError(f"--deepspeed {args.deepspeed}: ZeRO-3 is driven by grpokit directly (trainers/zero.py), "
-                          "not through accelerate's plugin")
-    clip = args.max_grad_norm if args.max_grad_norm > 0 else None
-    if args.deepspeed in PRESETS:
-        offload = "cpu" if "offload_optimizer" in PRESETS[args.deepspeed] else "none"
-        plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 gradient_clipping=clip, zero3_init_flag=False, offload_optimizer_device=offload)
-    else:
-        plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed,
-                                 gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                 gradient_clipping=clip)
-    _fill_deepspeed_config(plugin.deepspeed_config, args, f"--deepspeed {args.deepspeed}")
-    return plugin
-
-
-def _fill_deepspeed_config(ds: dict, args, source: str) -> None:
-    """Set the micro-batch size accelerate cannot infer; refuse an accumulation that disagrees with the loop's."""
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-    if ds.get("gradient_accumulation_steps", "auto") not in ("auto", args.gradient_accumulation_steps):
-        raise ConfigError(f"{source}: gradient_accumulation_steps {ds['gradient_accumulation_steps']} in the file "
-                          f"differs from --gradient_accumulation_steps {args.gradient_accumulation_steps}; set it "
-                          "to \"auto\" in the file")
-
-
 def accelerate_plugins(args) -> dict:
     """Keyword arguments for ``accelerate.Accelerator`` from the training options."""
     if args.deepspeed and args.fsdp:
         raise ConfigError("--deepspeed and --fsdp both set: choose one")
     if args.deepspeed:
-        zero3 = deepspeed_stage(args.deepspeed) == 3  # a bad spec is reported before the missing package
-        plugin = None if zero3 else deepspeed_plugin(args)
+        deepspeed_stage(args.deepspeed)  # a bad spec is reported before the missing package
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
                               "(pip install 'grpokit[deepspeed]'), or drop --deepspeed to train with plain DDP")
-        return {} if zero3 else {"deepspeed_plugin": plugin}  # ZeRO-3: trainers/zero.py, on CPU and GPU
-    return {}  # --fsdp: grpokit shards the model itself (sharding.py); accelerate runs plain multi-process
+    # --deepspeed (every stage): trainers/zero.py drives DeepSpeed itself; --fsdp: sharding.py shards the model;
+    # accelerate runs plain (multi-)process in both cases, the same on CPU and GPU
+    return {}
 
 
 def has_accelerator() -> bool:
@@ -101,9 +70,8 @@ def use_cpu(args) -> bool:
 
 
 def check_backend(accelerator, args) -> None:
-    """Refuse processes that accelerate left out of a group (each would train a copy of its own) and a
-    --deepspeed/--fsdp that it quietly dropped (it runs them only on GPUs); a DeepSpeed set-up from an
-    `accelerate config` file gets the same ZeRO-3 refusal and micro-batch size as the flag's."""
+    """Refuse processes that accelerate left out of a group (each would train a copy of its own), --fsdp in one
+    process, and FSDP or DeepSpeed turned on in an `accelerate config` file (grpokit drives both itself)."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
@@ -118,22 +86,11 @@ def check_backend(accelerator, args) -> None:
     if args.fsdp and accelerator.num_processes == 1:
         raise ConfigError(f"--fsdp shards the weights over processes, here {where}; launch 2 or more with "
                           "torchrun or accelerate launch, or drop --fsdp")
-    if args.deepspeed and deepspeed_stage(args.deepspeed) == 3:
-        if kind == DistributedType.DEEPSPEED:
-            raise ConfigError(f"--deepspeed {args.deepspeed} and an accelerate config that turns on DeepSpeed: "
-                              "grpokit runs ZeRO-3 itself; drop DeepSpeed from the accelerate config")
-        if accelerator.num_processes == 1:
-            raise ConfigError(f"--deepspeed {args.deepspeed} partitions the weights over processes, here {where}; "
-                              "launch 2 or more with torchrun or accelerate launch, or drop --deepspeed")
-    elif args.deepspeed and kind != DistributedType.DEEPSPEED:
-        raise ConfigError(f"--deepspeed {args.deepspeed}: accelerate runs DeepSpeed only on GPUs, here {where}; "
-                          "drop --deepspeed (plain DDP) on CPU")
-    if kind == DistributedType.DEEPSPEED and not args.deepspeed:
-        plugin = accelerator.state.deepspeed_plugin
-        if plugin.zero_stage == 3:
-            raise ConfigError("DeepSpeed ZeRO-3 (from the accelerate config): grpokit runs ZeRO-3 itself; pass "
-                              "--deepspeed zero3 (or a JSON file) and drop DeepSpeed from the accelerate config")
-        _fill_deepspeed_config(plugin.deepspeed_config, args, "the accelerate config's DeepSpeed settings")
+    if kind == DistributedType.DEEPSPEED:
+        flag = f"--deepspeed {args.deepspeed} and an" if args.deepspeed else "An"
+        raise ConfigError(f"{flag} accelerate config that turns on DeepSpeed: grpokit drives DeepSpeed itself; "
+                          "pass --deepspeed zero0-zero3_offload (or a JSON file) and drop DeepSpeed from the "
+                          "accelerate config")
 
 
 def is_fsdp2(model) -> bool:
@@ -144,14 +101,11 @@ def is_fsdp2(model) -> bool:
 
 
 def shards_parameters(accelerator) -> bool:
-    """True when accelerate shards the weights of what it prepares (FSDP or DeepSpeed ZeRO-3 from an accelerate
-    config); --fsdp is grpokit's own, see ``is_fsdp2``."""
+    """True when accelerate shards the weights of what it prepares (FSDP from an accelerate config on GPUs);
+    --fsdp is grpokit's own, see ``is_fsdp2``; --deepspeed ZeRO-3, ``zero.is_zero3``."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type == DistributedType.FSDP:
-        return True
-    return (accelerator.distributed_type == DistributedType.DEEPSPEED
-            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def check_engine(accelerator, engine) -> None:

@@ -41,6 +41,7 @@ from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
+from grpokit.trainers.zero import backward, synced_models
 
 
 @dataclass
@@ -168,11 +169,11 @@ class GRPOTrainer:
         """One micro-step: loss, backward, and (every gradient_accumulation_steps) the optimizer step."""
         t0 = time.perf_counter()
         model.train()
-        with self.accelerator.accumulate(model):
+        with self.accelerator.accumulate(*synced_models(model)):  # a DeepSpeed engine accumulates itself
             with self.accelerator.autocast():
                 loss, metrics = self._compute_loss_and_metrics(model, inputs)
-            self.accelerator.backward(loss)
-            # no parameters to clip under ZeRO-3: its engine clips in optimizer.step()
+            backward(self.accelerator, model, loss)
+            # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
             if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
                 grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
                 if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm

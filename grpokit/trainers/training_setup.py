@@ -22,8 +22,8 @@ from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
-from grpokit.trainers.zero import EngineStep, is_zero3, zero3_config
-from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_zero3
+from grpokit.trainers.zero import EngineStep, deepspeed_config, ensure_process_group, is_zero3
+from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
 from grpokit.trainers.zero import initialize as zero_initialize
 from grpokit.trainers.window_producer import Rewards
 
@@ -48,12 +48,12 @@ class TrainingParts:
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
                    num_prompts: int) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
-    (or sharded by grpokit: --fsdp, ZeRO-3), and the reference model where the KL term needs one."""
+    (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one."""
     t = cfg.training
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
-    ds_config = zero3_config(t, model.config.hidden_size, accelerator.num_processes) if zero3 else None
+    ds_config = deepspeed_config(t, model.config.hidden_size, accelerator.num_processes) if t.deepspeed else None
     whole = generation_copy(model) if (t.fsdp or zero3) else None  # a whole copy for the in-process engine
     if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
         model = shard_model(model, accelerator.device)
@@ -64,13 +64,13 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     scheduler = _lr_schedule(t, optimizer, max_steps)
     if t.fsdp:
         prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
-    elif zero3:
-        prepared, optimizer, scheduler = _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config)
+    elif ds_config is not None:
+        prepared, optimizer, scheduler = _prepare_deepspeed(accelerator, model, optimizer, scheduler, ds_config)
     else:
         prepared, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    ref = _reference(accelerator, model, ref_model, cfg, ds_config)
-    # ZeRO-3 clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
-    trainable = [] if zero3 else [p for p in prepared.parameters() if p.requires_grad]
+    ref = _reference(accelerator, model, ref_model, cfg, ds_config if zero3 else None)
+    # DeepSpeed clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
+    trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
                          trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer), whole)
 
@@ -143,11 +143,13 @@ def _prepare_sharded(accelerator, model, optimizer, scheduler):
     return model, AcceleratedOptimizer(optimizer, device_placement=False), accelerator.prepare_scheduler(scheduler)
 
 
-def _prepare_zero3(accelerator, model, optimizer, scheduler, ds_config: dict):
-    """A DeepSpeed ZeRO-3 engine over the model and the torch optimizer; the loop's ``optimizer.step()`` is the
-    engine's step; checkpoints are the engine's own (zero.checkpoint_hooks)."""
+def _prepare_deepspeed(accelerator, model, optimizer, scheduler, ds_config: dict):
+    """A DeepSpeed engine (any stage) over the model and the torch optimizer, in the launcher's process group or
+    a one-process group of its own; the loop's ``optimizer.step()`` is the engine's step; checkpoints are the
+    engine's own (zero.checkpoint_hooks)."""
+    ensure_process_group(accelerator.device)
     engine = zero_initialize(model.to(accelerator.device), optimizer, ds_config)
-    checkpoint_hooks_zero3(accelerator, engine)
+    checkpoint_hooks_deepspeed(accelerator, engine)
     return engine, EngineStep(engine, optimizer), accelerator.prepare_scheduler(scheduler)
 
 

@@ -1,18 +1,22 @@
-"""``--deepspeed`` with ZeRO stage 3 (``zero3``, ``zero3_offload`` or a JSON file with stage 3), driven directly
-with ``deepspeed.initialize``, the same way on CPU and GPU.
+"""``--deepspeed`` (ms-swift's presets ``zero0`` ... ``zero3_offload`` or a DeepSpeed JSON file of any stage), driven
+directly with ``deepspeed.initialize``: one code path for every stage, one or many processes, CPU and GPU.
 
-accelerate runs DeepSpeed only on GPUs (on CPU it silently trains with DDP instead), so for stage 3 grpokit does
-not hand DeepSpeed to accelerate: the Accelerator runs plain multi-process and this module wraps the policy (and the
-full-weight reference model) in DeepSpeed engines over the same process group. Stages 0-2 still go through
-accelerate's DeepSpeed plugin (distributed.py), on GPUs.
+accelerate runs DeepSpeed only on GPUs (on CPU it silently trains with DDP instead), so grpokit does not hand
+DeepSpeed to accelerate: the Accelerator runs plain (multi-)process and this module wraps the policy (and, for
+stage 3, the full-weight reference model) in DeepSpeed engines over the same process group. A single process
+started without a launcher gets a one-process group of its own (``ensure_process_group``), so DeepSpeed never
+looks for MPI.
 
-- The loop calls ``loss.backward()`` through accelerate on the engine's output (DeepSpeed >= 0.18 hooks it) and
-  ``optimizer.step()``, which is the engine's step (``EngineStep``): DeepSpeed clips the gradient by the config's
-  ``gradient_clipping`` (set from --max_grad_norm; DeepSpeed's own default would clip at 1.0).
+- The loop's backward is the engine's (``backward``: it scales by the accumulation steps as accelerate would) and
+  its ``optimizer.step()`` is the engine's step on every micro-step (``EngineStep``); DeepSpeed counts the
+  micro-steps (its ``gradient_accumulation_steps`` is --gradient_accumulation_steps), reduces and steps at the
+  boundary, and clips the gradient by the config's ``gradient_clipping`` (set from --max_grad_norm; DeepSpeed's own
+  default would clip at 1.0).
 - The optimizer is grpokit's torch optimizer (``zero_allow_untested_optimizer``), so no DeepSpeed op is compiled
   for it; the learning-rate schedule is grpokit's.
-- Generation copy, checkpoint and final-model helpers mirror sharding.py's: whole weights come through
-  ``deepspeed.zero.GatheredParameters`` one tensor at a time (``engines.weights.whole_weight``).
+- Stage 3 partitions the weights: generation copy, checkpoint and final-model helpers mirror sharding.py's, whole
+  weights come through ``deepspeed.zero.GatheredParameters`` one tensor at a time (``engines.weights.whole_weight``).
+  Stages 0-2 keep whole weights on every rank: the in-process engine samples from the live policy.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ _ZERO3 = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_
           "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
 _OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu", "pin_memory": True}}
-# ms-swift's preset names; stages 0-2 map onto accelerate's DeepSpeedPlugin (distributed.py)
+# ms-swift's preset names
 PRESETS: dict[str, dict] = {
     "zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2},
     "zero2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
@@ -65,29 +69,30 @@ def stage_of(config: dict, spec: str) -> int:
     return stage
 
 
-def zero3_config(args, hidden_size: int, world: int) -> dict:
-    """The stage-3 config with every "auto" filled from the training options and the model size; a value that
-    disagrees with the options, or a section grpokit builds itself, is refused."""
+def deepspeed_config(args, hidden_size: int, world: int) -> dict:
+    """The DeepSpeed config of any stage with every "auto" filled from the training options and the model size; a
+    value that disagrees with the options, or a section grpokit builds itself, is refused."""
     spec = args.deepspeed
     ds = load_spec(spec)
+    stage_of(ds, spec)
     for section in ("optimizer", "scheduler"):
         if section in ds:
             raise ConfigError(f"--deepspeed {spec}: drop the \"{section}\" section; grpokit builds the optimizer and "
                               "schedule from --optimizer/--learning_rate/--lr_scheduler_type")
-    if args.gradient_accumulation_steps != 1:
-        raise ConfigError(f"--deepspeed {spec}: ZeRO-3 with --gradient_accumulation_steps "
-                          f"{args.gradient_accumulation_steps} is not implemented; use 1 (raise "
-                          "--per_device_train_batch_size or --steps_per_generation instead)")
-    want = {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size, "gradient_accumulation_steps": 1,
-            "train_batch_size": args.per_device_train_batch_size * world,
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    want = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+            "train_batch_size": micro * accumulation * world,
             "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0}
     for key, value in want.items():
         if ds.get(key, "auto") not in ("auto", value):
             raise ConfigError(f"--deepspeed {spec}: {key} {ds[key]} in the file differs from the training options "
                               f"({value}); set it to \"auto\" in the file")
         ds[key] = value
-    zero = ds["zero_optimization"]
-    auto = {"reduce_bucket_size": hidden_size * hidden_size,
+    if ds.get("managed_gradient_accumulation") is False:
+        raise ConfigError(f"--deepspeed {spec}: managed_gradient_accumulation false is not supported (grpokit "
+                          "steps the engine on every micro-step); drop it from the file")
+    zero = ds.setdefault("zero_optimization", {})
+    auto = {"reduce_bucket_size": hidden_size * hidden_size, "allgather_bucket_size": hidden_size * hidden_size,
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
             "stage3_param_persistence_threshold": 10 * hidden_size}
     for key, value in auto.items():
@@ -120,8 +125,48 @@ def is_zero3(model) -> bool:
     return isinstance(model, torch.nn.Module) and any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def is_engine(model) -> bool:
+    """True for a DeepSpeed engine (what --deepspeed wraps the policy in)."""
+    return hasattr(model, "zero_optimization_stage") and hasattr(model, "save_checkpoint")
+
+
+def synced_models(model) -> tuple:
+    """The models for ``accelerator.accumulate``: none for a DeepSpeed engine, which counts the micro-steps and
+    reduces at the boundary itself (its ``no_sync`` is refused by ZeRO 2-3), else the model."""
+    return () if is_engine(model) else (model,)
+
+
+def backward(accelerator, model, loss) -> None:
+    """``engine.backward`` for a DeepSpeed engine (every stage; stage 0 supports no plain ``loss.backward()``), which
+    divides by the accumulation steps as accelerate does; else ``accelerator.backward``."""
+    if is_engine(model):
+        model.backward(loss)
+    else:
+        accelerator.backward(loss)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A one-process group (gloo on CPU, NCCL on CUDA) on a free local port when no launcher formed one, with the
+    variables a launcher would set (DeepSpeed requires LOCAL_RANK), so that DeepSpeed runs in a single process
+    without MPI discovery (mpi4py)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in launcher.items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+
+
 class EngineStep:
-    """What the loop calls ``optimizer``: ``step()`` is the engine's step (optimizer step, clipping, zeroing)."""
+    """What the loop calls ``optimizer``: ``step()`` is the engine's step on every micro-step (at the accumulation
+    boundary: reduction, clipping, optimizer step, zeroing)."""
 
     def __init__(self, engine, optimizer) -> None:
         self.engine, self.optimizer = engine, optimizer
@@ -159,7 +204,7 @@ def full_state_dict(engine) -> dict:
 
 
 def checkpoint_hooks(accelerator, engine) -> None:
-    """The engine's own checkpoint (partitioned weights and optimizer state, every rank its part) inside
+    """The engine's own checkpoint (weights and optimizer state, partitioned ones by every rank) inside
     accelerate's ``save_state``/``load_state``, next to the schedule and RNG states."""
 
     def save(_models, _weights, output_dir: str) -> None:
@@ -169,7 +214,7 @@ def checkpoint_hooks(accelerator, engine) -> None:
         path = os.path.join(input_dir, DEEPSPEED_STATE_DIR)
         if not os.path.isdir(path):
             raise ConfigError(f"--resume_from_checkpoint: {input_dir} holds no DeepSpeed state "
-                              f"({DEEPSPEED_STATE_DIR}); it was saved without ZeRO-3: resume it the same way")
+                              f"({DEEPSPEED_STATE_DIR}); it was saved without --deepspeed: resume it the same way")
         engine.load_checkpoint(path, tag="state", load_optimizer_states=True, load_lr_scheduler_states=False)
 
     accelerator.register_save_state_pre_hook(save)

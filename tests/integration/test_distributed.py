@@ -315,38 +315,6 @@ def _targs(**kw) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **kw})
 
 
-def test_deepspeed_zero2_maps_onto_accelerates_plugin():
-    from grpokit.trainers.distributed import deepspeed_plugin
-
-    ds = deepspeed_plugin(_targs(deepspeed="zero2")).deepspeed_config
-    assert ds["zero_optimization"]["stage"] == 2
-    assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 1.0
-    assert ds["train_micro_batch_size_per_gpu"] == 4  # filled in: the loop has no DataLoader to infer it from
-
-
-def test_deepspeed_json_file_and_its_errors(tmp_path):
-    from grpokit.trainers.distributed import deepspeed_plugin
-
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto",
-                               "train_micro_batch_size_per_gpu": "auto"}))
-    ds = deepspeed_plugin(_targs(deepspeed=str(cfg))).deepspeed_config
-    assert ds["gradient_accumulation_steps"] == 2 and ds["train_micro_batch_size_per_gpu"] == 4
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 8}))
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps 8 in the file"):
-        deepspeed_plugin(_targs(deepspeed=str(cfg)))
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(ConfigError, match="ZeRO-3"):
-        deepspeed_plugin(_targs(deepspeed=str(cfg)))
-    with pytest.raises(ConfigError, match="ZeRO-3"):
-        deepspeed_plugin(_targs(deepspeed="zero3"))
-    with pytest.raises(ConfigError, match="use one of zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or"):
-        deepspeed_plugin(_targs(deepspeed="zero9"))
-    cfg.write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        deepspeed_plugin(_targs(deepspeed=str(cfg)))
-
-
 def test_missing_deepspeed_package_and_flag_clash_are_clear(monkeypatch):
     import importlib.util
 
@@ -362,8 +330,9 @@ def test_missing_deepspeed_package_and_flag_clash_are_clear(monkeypatch):
     assert accelerate_plugins(_targs(fsdp=True)) == {}  # grpokit applies FSDP2 itself (test_sharded_fsdp.py)
 
 
-def test_fsdp_and_deepspeed_on_cpu_are_refused_not_dropped():
-    """accelerate quietly falls back to DDP for FSDP/DeepSpeed on CPU; grpokit says so instead of training."""
+def test_fsdp_in_one_process_is_refused_deepspeed_is_not():
+    """--fsdp in one process is refused; grpokit drives DeepSpeed itself (accelerate would drop it on CPU), so
+    --deepspeed passes in one process on CPU (the runs: test_deepspeed_stages.py)."""
     from accelerate.utils import DistributedType
 
     from grpokit.trainers.distributed import check_backend, check_engine
@@ -371,8 +340,7 @@ def test_fsdp_and_deepspeed_on_cpu_are_refused_not_dropped():
     acc = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="--fsdp shards the weights over processes, here 1 process"):
         check_backend(acc, _targs(fsdp=True))
-    with pytest.raises(ConfigError, match="--deepspeed zero2: accelerate runs DeepSpeed only on GPUs"):
-        check_backend(acc, _targs(deepspeed="zero2"))
+    check_backend(acc, _targs(deepspeed="zero2"))  # grpokit drives DeepSpeed itself, in one process too
     check_backend(acc, _targs())  # plain: fine
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2, device=torch.device("cuda"))
     with pytest.raises(ConfigError, match="in-process transformers engine generates with the live"):
@@ -380,20 +348,14 @@ def test_fsdp_and_deepspeed_on_cpu_are_refused_not_dropped():
     check_engine(fsdp, SimpleNamespace(engine_type="server"))  # rollouts on a server: weights are gathered to sync
 
 
-def test_deepspeed_from_an_accelerate_config_gets_the_same_treatment():
+def test_deepspeed_from_an_accelerate_config_is_refused():
+    """grpokit drives DeepSpeed itself (trainers/zero.py); accelerate's DeepSpeed set-up would wrap the model twice."""
     from accelerate.utils import DistributedType
 
     from grpokit.trainers.distributed import check_backend
 
-    def acc(stage: int, config: dict):
-        plugin = SimpleNamespace(zero_stage=stage, deepspeed_config=config)
-        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2,
-                               device=torch.device("cuda"), state=SimpleNamespace(deepspeed_plugin=plugin))
-
-    with pytest.raises(ConfigError, match="ZeRO-3 \\(from the accelerate config\\)"):
-        check_backend(acc(3, {}), _targs())
-    zero2 = acc(2, {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2})
-    check_backend(zero2, _targs())
-    assert zero2.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
-    with pytest.raises(ConfigError, match="accelerate config's DeepSpeed settings: gradient_accumulation_steps 8"):
-        check_backend(acc(2, {"gradient_accumulation_steps": 8}), _targs())
+    acc = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, device=torch.device("cuda"))
+    with pytest.raises(ConfigError, match="An accelerate config that turns on DeepSpeed: .* pass --deepspeed"):
+        check_backend(acc, _targs())
+    with pytest.raises(ConfigError, match="--deepspeed zero2 and an accelerate config that turns on DeepSpeed"):
+        check_backend(acc, _targs(deepspeed="zero2"))

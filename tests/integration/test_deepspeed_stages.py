@@ -1,0 +1,109 @@
+"""--deepspeed for every stage (DeepSpeed driven directly, grpokit/trainers/zero.py): a single process started with
+no launcher (`python -m grpokit train`, no MPI) and 2 gloo processes give what a plain one-process run gives.
+
+The deterministic-completion plugin of test_distributed.py makes runs differ only by how the work is split, so
+losses (1e-5) and parameters (1e-4) after 3 steps are compared with one plain process, with a reference model
+(beta > 0): ZeRO-2, ZeRO-3 and ZeRO-3 with offload in one process, ZeRO-3 with gradient accumulation, a ZeRO-2
+checkpoint resumed in one process, and ZeRO-1 in 2 processes (DDP's split).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_distributed import PLUGIN, B, _args, _dumps, _max_diff, _one_process, _params, make_setup
+from test_sharded_fsdp import ENGINE_CHECK, STEPS, _check_same, _run
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')")]
+KL = ("--beta", "0.04")
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> SimpleNamespace:
+    return make_setup(tmp_path_factory.mktemp("deepspeed"), PLUGIN + ENGINE_CHECK)
+
+
+def _solo(setup, name: str, batch: int, *extra: str) -> Path:
+    """`python -m grpokit train` in one process with no launcher (none of its variables set)."""
+    run = setup.root / name
+    (run / "dump").mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env.update(OMP_NUM_THREADS="1", GRPOKIT_TEST_DUMP=str(run / "dump"), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    args = _args(setup.model, setup.data, run / "out", setup.plugin, batch, *STEPS, *KL, *extra)
+    proc = subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run
+
+
+def _check_one_process(plain: Path, other: Path, micro_steps: int = 3) -> None:
+    """Same rewards, advantages and losses (1e-5) and parameters (1e-4) as the plain one-process run; the
+    in-process engine sampled from the trained weights."""
+    (a,), (b,) = _dumps(plain / "dump", 1), _dumps(other / "dump", 1)
+    for kind in ("window", "micro"):
+        xs, ys = ([r for r in rows if r["kind"] == kind] for rows in (a, b))
+        assert len(xs) == len(ys) == (3 if kind == "window" else micro_steps)
+        for x, y in zip(xs, ys, strict=True):
+            for key in ("rewards", "advantages", "loss"):
+                if key in x:
+                    assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (kind, key)
+    assert _max_diff(_params(plain / "dump"), _params(other / "dump")) < 1e-4
+    assert [r["diff"] for r in b if r["kind"] == "engine"] == [0.0]
+
+
+@pytest.fixture(scope="module")
+def plain(setup) -> Path:
+    return _run(setup, "plain1", 1, *KL)
+
+
+@pytest.fixture(scope="module")
+def zero2(setup) -> Path:
+    return _solo(setup, "zero2_solo", B * 2, "--deepspeed", "zero2")
+
+
+def test_zero2_in_one_process_without_a_launcher_matches_plain(plain, zero2):
+    _check_one_process(plain, zero2)
+    assert (zero2 / "out" / "checkpoint-2" / "state" / "deepspeed" / "state").is_dir()
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zero3_offload"])
+def test_zero3_in_one_process_matches_plain(setup, plain, preset):
+    _check_one_process(plain, _solo(setup, f"{preset}_solo", B * 2, "--deepspeed", preset))
+
+
+def test_zero3_with_gradient_accumulation_matches_plain(setup):
+    """DeepSpeed counts the micro-steps (its gradient_accumulation_steps) and steps at the boundary only."""
+    accumulate = ("--gradient_accumulation_steps", "2")
+    plain = setup.root / "plain_ga"
+    _one_process(_args(setup.model, setup.data, plain / "out", setup.plugin, B, *STEPS, *KL, *accumulate),
+                 plain / "dump")
+    _check_one_process(plain, _solo(setup, "zero3_ga", B, *accumulate, "--deepspeed", "zero3"), micro_steps=6)
+
+
+def test_zero2_resumes_in_one_process(setup, zero2):
+    resumed = setup.root / "zero2_resumed"
+    shutil.copytree(zero2 / "out", resumed / "out")
+    shutil.rmtree(resumed / "out" / "checkpoint-3")
+    run = _solo(setup, "zero2_resumed", B * 2, "--deepspeed", "zero2", "--resume_from_checkpoint",
+                str(resumed / "out" / "checkpoint-2"))
+    windows = [x for x in _dumps(run / "dump", 1)[0] if x["kind"] == "window"]
+    assert [w["step"] for w in windows] == [2]  # only the third step ran
+    assert _max_diff(_params(run / "dump"), _params(zero2 / "dump")) < 1e-6  # weights and AdamW moments came back
+
+
+def test_zero1_in_two_processes_matches_one_process(setup, plain):
+    zero1 = _run(setup, "zero1_two", 2, *KL, "--deepspeed", "zero1")
+    _check_same(plain, zero1)
+    assert _max_diff(_params(plain / "dump"), _params(zero1 / "dump")) < 1e-4
+    assert _max_diff(_params(zero1 / "dump"), _params(zero1 / "dump", 1)) == 0.0  # the ranks agree
