@@ -17,8 +17,9 @@ class EvalResult:
 
 
 def evaluate_rows(engine, template, rows: list[dict], reward_runner, reward_names: list[str], max_tokens: int,
-                  temperature: float = 0.0, batch_size: int = 64) -> EvalResult:
-    """Greedy (or sampled) completions for ``rows`` scored by the reward functions; mean score per function."""
+                  temperature: float = 0.0, batch_size: int = 64, trainer_state: dict | None = None) -> EvalResult:
+    """Greedy (or sampled) completions for ``rows`` scored by the reward functions; mean score per function.
+    ``trainer_state`` is what rewards read as ``trainer_state.global_step`` (the trainer's step; 0 outside one)."""
     config = RequestConfig(n=1, max_tokens=max_tokens, temperature=temperature)
     completions: list[str] = []
     finish: list[str] = []
@@ -33,7 +34,8 @@ def evaluate_rows(engine, template, rows: list[dict], reward_runner, reward_name
     kwargs = {c: [r.get(c) for r in rows] for c in columns}
     kwargs.update(messages=[[*r["messages"], {"role": "assistant", "content": c}] for r, c in zip(rows, completions)],
                   finish_reason=finish, is_truncated=[f == "length" for f in finish],
-                  trainer_state={}, rollout_infos=[{}] * len(rows), num_turns=[1] * len(rows))
+                  trainer_state=trainer_state or {"global_step": 0, "max_steps": 0},
+                  rollout_infos=[{}] * len(rows), num_turns=[1] * len(rows))
     scores = reward_runner.compute(completions, kwargs) if reward_runner else torch.zeros(len(rows), 0)
     metrics = {}
     for j, name in enumerate(reward_names[: scores.shape[1]]):

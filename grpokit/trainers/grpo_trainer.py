@@ -341,7 +341,9 @@ class GRPOTrainer:
         with offload_context(self._offloader):  # evaluation generates too
             result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
                                    max_tokens=self.cfg.rollout.max_completion_length,
-                                   batch_size=self.args.per_device_eval_batch_size)
+                                   batch_size=self.args.per_device_eval_batch_size,
+                                   trainer_state={"global_step": self.state.global_step,
+                                                  "max_steps": self.state.max_steps})
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         return logs

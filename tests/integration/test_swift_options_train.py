@@ -30,6 +30,8 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
 
     def spy(*args, **kwargs):
         eval_calls.append(kwargs["batch_size"])
+        state = kwargs["trainer_state"]  # rewards read trainer_state.global_step during evaluation too
+        assert set(state) == {"global_step", "max_steps"} and state["max_steps"] == 3
         return real_evaluate(*args, **kwargs)
 
     monkeypatch.setattr(grpo_trainer, "evaluate_rows", spy)
