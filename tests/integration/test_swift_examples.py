@@ -10,8 +10,8 @@ substitution the test makes, since the in-process transformers engine samples th
 tests (tests/vllm) cover the vLLM engine itself. Server-mode ports keep it (the server is grpokit's).
 
 ``PLUGIN`` is ms-swift's plugin.py with its imports renamed, read from the local ms-swift mirror
-(tests/integration/third_party.py: a port that needs it skips without the mirror), except where PLUGINS names
-grpokit's own.
+(tests/integration/third_party.py: a port that loads it skips without the mirror; the others run), except
+where PLUGINS names grpokit's own.
 
 ``BLOCKED_UNTIL_MERGE`` names, per port, the options that other branches implement (empty now that they are
 merged); ``NOT_PORTABLE`` names the ports that fail with the reason (xfail strict: one that starts to pass fails
@@ -130,7 +130,13 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
     """Run the port (or ``script`` under its name) on ``rows`` and check that 2 steps trained with rewards."""
     data = cwd / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = PLUGINS.get(name) or swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
+    text = (EXAMPLES / name).read_text() if script is None else script
+    if name in PLUGINS:
+        plugin = PLUGINS[name]
+    elif "${PLUGIN" in text or "{plugin}" in " ".join(SERVERS.get(name, ())):  # it loads ms-swift's plugin.py
+        plugin = swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
+    else:
+        plugin = cwd / "no_plugin_in_this_port"  # the port names no plugin: it runs without the mirror
     env = {**os.environ, "MODEL": str(models["policy"]), "DATASET": str(data), "PLUGIN": str(plugin),
            "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
            "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
