@@ -82,9 +82,6 @@ NOT_PORTABLE: dict[str, str] = {
     "internal_real.sh": "--loss_type real is not implemented",
     "external_vllm_gym.sh": "ms-swift's built-in gym environment math_env has no grpokit counterpart",
     "external_agent.sh": "--agent_template react_grpo is not implemented (hermes and react_en are)",
-    "external_moe_lora.sh": ("--deepspeed zero3 with LoRA in server mode is not implemented (the weight push would "
-                             "merge adapters into ZeRO-3's partitioned weights); full weights and the in-process "
-                             "engine work"),
 }
 
 
