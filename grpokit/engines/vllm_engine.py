@@ -3,7 +3,9 @@
 vLLM is imported lazily: grpokit installs and runs without it. The engine runs vLLM in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker) so that new weights go straight from the trainer's tensors into
 vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
-the CPU backend's weight packing). Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p),
+the CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
+merged per layer), never listed whole. Under a launcher each training process has an engine of its own
+(vllm_group.py). Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p),
 the same quantity the trainer recomputes with its logits divided by the temperature.
 
 Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
@@ -25,7 +27,7 @@ import torch
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
-from grpokit.engines.vllm_group import join_launcher_group, rank, shutdown
+from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.modeling import resolve_dtype_name
@@ -140,7 +142,7 @@ class VllmEngine(InferEngine):
             kwargs["enable_sleep_mode"] = True
         self._joined_launcher = join_launcher_group(self.device)
         if self._joined_launcher:  # one engine per training process, in the launcher's group (vLLM's external DP)
-            kwargs.update(distributed_executor_backend="external_launcher", seed=s.seed + rank())
+            kwargs.update(distributed_executor_backend="external_launcher", seed=s.seed + launcher_rank())
         _warn_if_memory_ignored(s, self.device)
         try:
             self.llm = self._run(vllm.LLM, **kwargs)

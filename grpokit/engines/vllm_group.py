@@ -41,7 +41,8 @@ def shutdown(llm, joined_launcher: bool) -> None:
         logger.debug("vLLM distributed teardown failed", exc_info=True)
 
 
-def rank() -> int:
+def launcher_rank() -> int:
+    """This process's rank among the training processes (0 without a launcher)."""
     return int(os.environ.get("RANK", "0"))
 
 
