@@ -133,20 +133,9 @@ def _lora_layers(model) -> dict[int, _LoraLayer]:
     out: dict[int, _LoraLayer] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            _check_mergeable(prefix, module)
             layer = _LoraLayer(module, [(f"{prefix}.{n}", p) for n, p in module.named_parameters()])
             out.update((id(p), layer) for _, p in layer.params)
     return out
-
-
-def _check_mergeable(prefix: str, module) -> None:
-    """Refuse the adapter kinds whose merge is more than ``W + delta`` (peft merges them differently)."""
-    for adapter in _merged_adapters(module):
-        if module.use_dora.get(adapter, False):
-            raise NotImplementedError(f"weight sync of a DoRA adapter ({prefix}): merging DoRA's magnitude "
-                                      "vector into a sharded weight is not implemented; train without --use_dora")
-        if getattr(module, "lora_bias", {}).get(adapter, False):
-            raise NotImplementedError(f"weight sync of a LoRA bias ({prefix}, lora_bias=True) is not implemented")
 
 
 def _merged_adapters(module) -> list[str]:
@@ -156,19 +145,31 @@ def _merged_adapters(module) -> list[str]:
 
 
 def _merged_layer(layer: _LoraLayer, stable: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain weights of one LoRA layer, its adapters merged into the base weight (``W + delta``, the value
-    peft's ``merge_adapter`` writes), with the layer's parameters gathered together for this block only."""
+    """The plain weights of one LoRA layer, its adapters merged into the base weight (the value peft's
+    ``merge_adapter`` writes), with the layer's parameters gathered together for this block only. Plain LoRA is
+    ``W + delta``, computed aside; DoRA and LoRA biases (more than a delta) go through peft's own merge of this one
+    layer, read, then undone."""
     module = layer.module
     base = module.get_base_layer().weight
+    adapters = _merged_adapters(module)
+    by_peft = any(module.use_dora.get(a, False) or getattr(module, "lora_bias", {}).get(a, False) for a in adapters)
     with whole_weights([p for _, p in layer.params]):
-        for name, param in layer.params:
-            plain = plain_name(name)
-            if plain is None:
-                continue
-            if param is not base:
-                yield plain, _kept(_full(param), param, stable)
-                continue
-            merged = _full(param).clone()
-            for adapter in _merged_adapters(module):
-                merged += _full(module.get_delta_weight(adapter))  # as peft's merge: added in place
-            yield plain, merged
+        if by_peft:
+            module.merge(adapter_names=adapters)
+        try:
+            for name, param in layer.params:
+                plain = plain_name(name)
+                if plain is None:
+                    continue
+                if by_peft:
+                    yield plain, _full(param).clone()  # merged in place: copied before the merge is undone
+                elif param is base:
+                    merged = _full(param).clone()
+                    for adapter in adapters:
+                        merged += _full(module.get_delta_weight(adapter))  # as peft's merge: added in place
+                    yield plain, merged
+                else:
+                    yield plain, _kept(_full(param), param, stable)
+        finally:
+            if by_peft:
+                module.unmerge()

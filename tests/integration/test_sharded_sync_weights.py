@@ -22,15 +22,15 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 
-mode, out = sys.argv[1], sys.argv[2]
+mode, out, dora = sys.argv[1], sys.argv[2], sys.argv[3] == "dora"
 torch.manual_seed(0)
 config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
 model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                           use_rslora=True))
+                                                           use_rslora=True, use_dora=dora))
 with torch.no_grad():
     for n, p in model.named_parameters():
-        if "lora_B" in n:  # peft starts B at zero
+        if "lora_B" in n or "lora_magnitude" in n:  # peft starts B at zero
             p.normal_(std=0.1)
 reference = copy.deepcopy(model)
 reference.merge_adapter()
@@ -63,15 +63,16 @@ dist.barrier()
 '''
 
 
-@pytest.mark.parametrize("mode", ["zero3", "fsdp"])
-def test_lora_merged_from_shards_equals_peft_merge(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "kind"), [("zero3", "lora"), ("fsdp", "lora"), ("zero3", "dora")])
+def test_lora_merged_from_shards_equals_peft_merge(tmp_path, mode, kind):
+    """DoRA goes through peft's merge of each layer, in ZeRO-3's gathered copy (left behind with the gather)."""
     if mode == "zero3" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
     script = tmp_path / "check.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), mode, str(tmp_path)]
+           "--master_port", str(_free_port()), str(script), mode, str(tmp_path), kind]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in (0, 1):

@@ -11,13 +11,14 @@ import torch
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 
 
-def _peft_model(seed: int = 0, **lora):
+def _peft_model(seed: int = 0, attention_bias: bool = False, **lora):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                         attention_bias=attention_bias)
     model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(**{"r": 4, "lora_alpha": 8,
                                                                            "target_modules": "all-linear", **lora}))
     with torch.no_grad():
@@ -66,7 +67,20 @@ def test_stable_tensors_outlive_the_next_step():
     assert first_name not in rest and torch.equal(first, snapshot)
 
 
-def test_dora_is_refused_with_its_name():
-    model = _peft_model(use_dora=True)
-    with pytest.raises(NotImplementedError, match="DoRA"):
-        next(iter_sync_weights(model))
+@pytest.mark.parametrize("lora", [{"use_dora": True},  # a LoRA bias needs a base bias: the attention's here
+                                  {"lora_bias": True, "attention_bias": True,
+                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}])
+def test_dora_and_lora_bias_go_through_peft_merge_of_the_layer_and_are_undone(lora):
+    model = _peft_model(**lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name or ("lora_B" in name and name.endswith("bias")):
+                p.add_(torch.randn_like(p) * 0.1)  # make the magnitude and the LoRA bias matter too
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = _merged_by_peft(model)
+    got = dict(iter_sync_weights(model))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for n, p in model.named_parameters():  # merged and unmerged again: the weights as they were
+        assert torch.allclose(p, before[n], atol=1e-6), n
