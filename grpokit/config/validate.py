@@ -319,7 +319,11 @@ def _check_sampling(cfg: TrainConfig) -> None:
 
 def check_loss_type_pair(loss_type: str) -> None:
     """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
-    half instead of reporting the name as unknown."""
+    half instead of reporting the name as unknown. ms-swift's fipo is refused as not implemented (unless a plugin
+    registers it)."""
+    if loss_type == "fipo" and loss_type not in POLICY_LOSSES:
+        raise ConfigError("--loss_type fipo: ms-swift's FIPO (future-KL influence weights on the PPO-clip loss) is not "
+                          "implemented in grpokit; use another --loss_type (e.g. grpo, dapo or real)")
     POLICY_LOSSES.get_or_raise(loss_type)
     if loss_type not in LOSS_NORMALIZERS:
         raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "

@@ -119,3 +119,8 @@ def test_real_forces_unscaled_rewards_with_a_warning(caplog):
         cfg = _cfg("--num_generations", "2", "--per_device_train_batch_size", "4", "--scale_rewards", "group")
     assert cfg.algorithm.scale_rewards == "none"
     assert "--scale_rewards group is replaced by none" in caplog.text
+
+
+def test_fipo_is_refused_as_not_implemented():
+    with pytest.raises(ConfigError, match="--loss_type fipo: ms-swift's FIPO .* is not implemented in grpokit"):
+        parse_train_args(["--model", "org/model", "--loss_type", "fipo"])
