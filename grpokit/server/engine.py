@@ -13,7 +13,7 @@ from contextvars import ContextVar
 import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
-from grpokit.errors import ConfigError
+from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 from grpokit.wire.bodies import TensorMeta
 from grpokit.wire.weights import dtype_name, parse_dtype
@@ -80,7 +80,7 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
         for i, r in enumerate(requests):
             try:
                 ids, _ = self.template.encode_request(r)
-            except ValueError:
+            except DataError:  # more image placeholders than images: answered 400 as it is
                 raise
             except Exception as e:  # noqa: BLE001 - a conversation the template or processor cannot encode
                 raise ConfigError(f"request {i}: the processor cannot encode this prompt: {type(e).__name__}: "

@@ -131,3 +131,16 @@ def test_server_image_options_are_checked(tmp_path):
         ServerOptions(model="m", max_image_pixels=0)
     limits = ServerOptions(model="m", media_root=[str(tmp_path)], image_formats=["png"]).image_limits()
     assert limits.media_roots == (tmp_path.resolve(),) and limits.formats == ("PNG",)
+
+
+def test_a_text_only_server_refuses_images_and_serves_text():
+    from test_server_app import make_client
+
+    client, state = make_client(max_body_mb=1)
+    assert client.get("/get_engine_type/").json()["multimodal"] is False
+    body = {"requests": [{"messages": MSG, "images": [image_to_wire(_png())]}]}
+    resp = client.post("/infer/", json=body)
+    assert resp.status_code == 400 and "serves a text-only model (echo)" in resp.json()["error"]
+    resp = client.post("/infer/", json={"requests": [{"messages": MSG, "images": ["data:,"]}]})
+    assert resp.status_code == 400 and "requests[0].images[0]" in resp.json()["error"]
+    assert client.post("/infer/", json={"requests": [{"messages": MSG}]}).status_code == 200
