@@ -25,6 +25,7 @@ from grpokit.server.guard import GuardMiddleware
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
+from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ async def _take_images(state: ServerState, body: InferBody) -> None:
         raise HTTPException(e.status, str(e)) from e
     if not state.multimodal:
         i = next((i for i, r in enumerate(body.requests) if r.data_dict.get("images")), None)
+        if i is not None and state.options.engine == "vllm" and is_vlm_folder(state.options.model):
+            raise HTTPException(400, f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
+                                     f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
+                                     "transformers")
         if i is not None:
             raise HTTPException(400, f"requests[{i}].images: this server serves a text-only model "
                                      f"({state.options.model}); serve a vision-language model for image requests")

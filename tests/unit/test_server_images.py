@@ -144,3 +144,29 @@ def test_a_text_only_server_refuses_images_and_serves_text():
     resp = client.post("/infer/", json={"requests": [{"messages": MSG, "images": ["data:,"]}]})
     assert resp.status_code == 400 and "requests[0].images[0]" in resp.json()["error"]
     assert client.post("/infer/", json={"requests": [{"messages": MSG}]}).status_code == 200
+
+
+def test_the_trainer_stops_when_the_servers_prompt_ids_are_not_its_processors():
+    from grpokit.errors import RolloutError
+    from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
+    from grpokit.rollout.remote import check_prompt_ids
+
+    class Template:  # the trainer's processor template: 3 image tokens between two text tokens
+        multimodal = True
+
+        def encode_mm(self, messages, images):
+            return [1, 9, 9, 9, 2], None
+
+    request = RolloutInferRequest(messages=MSG, data_dict={"images": [_png()]})
+    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
+                                          token_ids=[5])
+
+    def output(prompt_ids):
+        return RolloutOutput(response=ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids),
+                             messages=MSG, response_token_ids=[[5]], request_id=request.request_id)
+
+    check_prompt_ids(Template(), [request], [output([1, 9, 9, 9, 2])])
+    with pytest.raises(RolloutError, match=r"prompt ids differ from this trainer's processor's \(4 vs 5 ids, first "
+                                           r"difference at position 3\)") as e:
+        check_prompt_ids(Template(), [request], [output([1, 9, 9, 2])])
+    assert "\n" not in str(e.value)
