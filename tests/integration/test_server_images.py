@@ -147,3 +147,68 @@ def test_hostile_image_bodies_get_one_line_4xx(server, media, tmp_path):
         assert ok.status_code == 200, ok.text
         assert len(ok.json()[0]["response"]["prompt_token_ids"]) > 20  # two images' tokens expanded
         assert client.get("/health/").status_code == 200
+
+
+PLUGIN = '''
+from PIL import Image
+
+from grpokit.rollout.env import Env, envs
+
+
+class ColourObservation(Env):
+    """Turn 1's reply gets a blue image observation; the episode ends after turn 2."""
+
+    async def reset(self, config):
+        return "", {}, ""  # keep the row's prompt and image
+
+    async def step(self, action):
+        if sum(m["role"] == "assistant" for m in action) == 1:
+            return "<image>And this one?", 0.0, False, {"images": [Image.new("RGB", (16, 16), (30, 40, 210))]}
+        return "", 1.0, True, {}
+
+
+envs["server_colour_observation"] = ColourObservation
+'''
+
+
+def test_an_image_observation_on_a_multi_turn_server_trains_on_the_servers_tokens(vlm, tmp_path, one_torch_thread):
+    """The server's environment adds an image in turn 2; it comes back as base64, and the trainer's logps on both
+    turns equal the server's sampling logprobs (float32)."""
+    import torch
+
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    plugin = tmp_path / "colour_env.py"
+    plugin.write_text(PLUGIN)
+    seen: list = []
+
+    class Recording(GRPOTrainer):
+        def _compute_loss_and_metrics(self, model, inputs):
+            logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
+            seen.append((logps.detach(), inputs))
+            return super()._compute_loss_and_metrics(model, inputs)
+
+    saved = dict(TrainerFactory.TRAINER_MAPPING)
+    TrainerFactory.TRAINER_MAPPING["grpo"] = Recording
+    turns = ("--external_plugins", str(plugin), "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "2",
+             "--gym_env", "server_colour_observation")
+    try:
+        with rollout_server(vlm, tmp_path, *FLOAT32, *turns) as server:
+            run_train(parse_train_args([
+                "--model", str(vlm), "--dataset", "builtin:colours", "--vllm_mode", "server",
+                "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--max_steps", "1",
+                "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
+                "--torch_dtype", "float32", "--beta", "0", "--output_dir", str(tmp_path / "out"),
+                "--save_steps", "100", "--save_final_model", "false", "--disable_tqdm", "true",
+                "--rollout_importance_sampling_mode", "token_truncate", "--vllm_server_timeout", "120"]))
+    finally:
+        TrainerFactory.TRAINER_MAPPING.clear()
+        TrainerFactory.TRAINER_MAPPING.update(saved)
+    logps, batch = seen[0]
+    assert [r.tensors["image_grid_thw"].shape[0] for r in batch.mm_inputs] == [2] * 4  # the row's + the observation's
+    mask = batch.completion_mask.bool()
+    assert not torch.isnan(batch.rollout_logps[mask]).any()
+    torch.testing.assert_close(logps[mask], batch.rollout_logps[mask], atol=1e-5, rtol=0)
