@@ -131,6 +131,7 @@ def run_train(cfg: TrainConfig):
     trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
                           reward_funcs=funcs, reward_names=names, reward_weights=cfg.reward.reward_weights or None,
                           ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks,
+                          # only when given: a plugin's trainer class without this argument keeps working
                           **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
     trainer.train()
     return trainer
