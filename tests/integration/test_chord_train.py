@@ -34,7 +34,8 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
 
     plugin = sft.parent / "chord_plugin.py"
     plugin.write_text(PLUGIN)
-    args = ["--external_plugins", str(plugin), "--reward_funcs", "chord_short_is_good", "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
+    args = ["--external_plugins", str(plugin), "--reward_funcs", "chord_short_is_good",
+            "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
             "--num_generations", "4", "--per_device_train_batch_size", "4", "--steps_per_generation", "2",
             "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--torch_dtype",
             "float32", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--seed", "1",
@@ -95,11 +96,12 @@ def _bind_policy(monkeypatch):
     monkeypatch.setattr(GRPOTrainer, "__init__", init)
 
 
+@pytest.mark.parametrize("forward", [[], ["--padding_free", "true"]], ids=["padded", "padding_free"])
 def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tiny_model_dir, math_jsonl, sft,
-                                                                                tmp_path, mixes, monkeypatch):
+                                                                                tmp_path, mixes, monkeypatch, forward):
     _bind_policy(monkeypatch)
     trainer, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out",
-                             ["--chord_mu_peak", "0.3", "--chord_mu_valley", "0.3"])  # a constant mu
+                             ["--chord_mu_peak", "0.3", "--chord_mu_valley", "0.3", *forward])  # a constant mu
     assert [r["step"] for r in logged] == [1, 2]
     assert [c["step"] for c in mixes] == [0, 1]  # one micro-step per optimizer step, one SFT batch each
     assert all(c["grpo"] != 0 for c in mixes)  # a reward with signal: both terms count
@@ -128,7 +130,8 @@ def test_mu_schedule_phi_and_resume_continue_the_sft_rows(tiny_model_dir, math_j
                 "--chord_mu_valley", "0.2", "--chord_enable_phi_function", "true", "--max_steps", "3",
                 "--save_steps", "2"]
     _, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out", schedule)
-    # one micro-step per optimizer step; step 0: warm-up 0/1 → mu 0 (no SFT rows drawn); step 1: peak 0.8; step 2: 0.2 + 0.6 * (1 + cos(pi/2)) / 2 = 0.5
+    # one micro-step per optimizer step; step 0: warm-up 0/1 → mu 0 (no SFT rows drawn); step 1: peak 0.8;
+    # step 2: 0.2 + 0.6 * (1 + cos(pi/2)) / 2 = 0.5
     assert [r["chord/mu"] for r in logged] == pytest.approx([chord_mu(s, 1, 2, 0.8, 0.2) for s in range(3)])
     assert [r["chord/mu"] for r in logged] == pytest.approx([0.0, 0.8, 0.5])
     assert logged[0]["chord/sft_loss"] == 0.0 and logged[1]["chord/sft_loss"] > 0
@@ -143,3 +146,43 @@ def test_mu_schedule_phi_and_resume_continue_the_sft_rows(tiny_model_dir, math_j
     assert resumed[2]["chord/mu"] == pytest.approx(0.5)
     again = [c for c in mixes if c["step"] == 2]
     assert [c["batch"].input_ids.tolist() for c in again] == [c["batch"].input_ids.tolist() for c in full]
+
+
+DUMP_PLUGIN = PLUGIN + textwrap.dedent("""
+    import json, os
+    from grpokit.trainers.chord_sft import ChordSFT
+
+    _real_next_batch = ChordSFT.next_batch
+
+    def _dumping_next_batch(self):
+        rows = self.stream._indices(self.stream._positions(self.stream.position))
+        batch = _real_next_batch(self)
+        path = os.path.join(os.environ["GRPOKIT_TEST_DUMP"], f"chord_rank{os.environ.get('RANK', '0')}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps({"rows": rows}) + "\\n")
+        return batch
+
+    ChordSFT.next_batch = _dumping_next_batch
+""")
+
+
+def test_under_ddp_each_process_trains_on_its_own_sft_rows(tiny_model_dir, math_jsonl, sft, tmp_path):
+    from test_distributed import _torchrun
+
+    plugin = tmp_path / "chord_dump_plugin.py"
+    plugin.write_text(DUMP_PLUGIN)
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
+            "--external_plugins", str(plugin), "--reward_funcs", "chord_short_is_good", "--num_generations", "4",
+            "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "2",
+            "--torch_dtype", "float32", "--use_cpu", "true", "--disable_tqdm", "true", "--plots", "false",
+            "--save_final_model", "false", "--dataset_shuffle", "false", "--chord_sft_dataset", str(sft),
+            "--chord_sft_per_device_train_batch_size", "1", "--chord_mu_peak", "0.5", "--chord_mu_valley", "0.5"]
+    _torchrun(args, dump)
+    ranks = [[json.loads(line)["rows"] for line in (dump / f"chord_rank{r}.jsonl").read_text().splitlines()]
+             for r in range(2)]
+    # 2 micro-steps; SFT row order without shuffling: rank 0 takes rows 0, 2, rank 1 rows 1, 3
+    assert ranks == [[[0], [2]], [[1], [3]]]
+    logged = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in logged] == [1, 2] and all(r["chord/mu"] == 0.5 and r["chord/sft_loss"] > 0
+                                                         for r in logged)
