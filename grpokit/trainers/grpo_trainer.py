@@ -308,9 +308,10 @@ class GRPOTrainer:
             self.state.last_logs = logs
             self._outputs.log(logs)
             self._call("on_log", logs)
-            mu = {"mu": f"{logs['chord/mu']:.3f}"} if "chord/mu" in logs else {}
+            chord = {"mu": f"{logs['chord/mu']:.3f}", "sft_loss": f"{logs['chord/sft_loss']:.4f}"} \
+                if "chord/mu" in logs else {}
             bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}",
-                            **mu)
+                            **chord)
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
             self.evaluate()
         if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:

@@ -98,7 +98,8 @@ def _bind_policy(monkeypatch):
 
 @pytest.mark.parametrize("forward", [[], ["--padding_free", "true"]], ids=["padded", "padding_free"])
 def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tiny_model_dir, math_jsonl, sft,
-                                                                                tmp_path, mixes, monkeypatch, forward):
+                                                                                tmp_path, mixes, monkeypatch, forward,
+                                                                                capsys):
     _bind_policy(monkeypatch)
     trainer, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out",
                              ["--chord_mu_peak", "0.3", "--chord_mu_valley", "0.3", *forward])  # a constant mu
@@ -121,6 +122,8 @@ def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tin
     assert len(set(drawn)) > 1  # the rows move on from micro-step to micro-step
     for r in logged:
         assert r["chord/mu"] == pytest.approx(0.3) and r["chord/sft_loss"] > 0
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: step 2/2")]
+    assert progress and f"| mu 0.300 | sft_loss {logged[1]['chord/sft_loss']:.4f}" in progress[0]
 
 
 def test_mu_schedule_phi_and_resume_continue_the_sft_rows(tiny_model_dir, math_jsonl, sft, tmp_path, mixes,
