@@ -78,7 +78,6 @@ BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {}
 
 # Ports that fail on this branch, with what grpokit (or the one-process CPU translation) lacks.
 NOT_PORTABLE: dict[str, str] = {
-    "internal_chord.sh": "CHORD (--chord_sft_dataset: SFT data mixed into GRPO) is refused as not implemented",
     "internal_real.sh": "--loss_type real is not implemented",
     "external_vllm_gym.sh": "ms-swift's built-in gym environment math_env has no grpokit counterpart",
     "external_agent.sh": "--agent_template react_grpo is not implemented (hermes and react_en are)",
