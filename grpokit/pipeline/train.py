@@ -121,7 +121,8 @@ def run_train(cfg: TrainConfig):
             scheduler = build_scheduler(cfg, tokenizer)
             scheduler.infer_engine = engine
         else:
-            scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
+            scheduler = RemoteScheduler.from_args(engine, cfg.rollout,  # multi-turn runs inside the server
+                                                  template=prompts.template(tokenizer))
     else:
         scheduler = build_scheduler(cfg, tokenizer)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))
