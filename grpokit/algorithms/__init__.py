@@ -17,6 +17,7 @@ from grpokit.algorithms.advantages import (
     compute_advantages,
     validate_advantage_options,
 )
+from grpokit.algorithms.chord import chord_mix, chord_mu, chord_sft_loss
 from grpokit.algorithms.ema import ema_update_
 from grpokit.algorithms.filters import (
     entropy_mask,
@@ -66,6 +67,9 @@ __all__ = [
     "AdvantageContext",
     "AdvantageOut",
     "Centered",
+    "chord_mix",
+    "chord_mu",
+    "chord_sft_loss",
     "LossConfig",
     "LossInputs",
     "LossOut",

@@ -180,6 +180,21 @@ class AlgorithmArguments:
     sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
     ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs")
     ref_model_mixup_alpha: float = _opt(0.6, "ref ← α·policy + (1−α)·ref")
+    # CHORD: SFT on expert replies mixed into the GRPO loss (algorithms/chord.py, trainers/chord_sft.py)
+    chord_sft_dataset: list[str] = _opt([], "CHORD: expert data, same forms and columns as --dataset; each row's "
+                                            "reference reply (final assistant message, or solution/answer/"
+                                            "response/output/completion) is the SFT target")
+    chord_sft_per_device_train_batch_size: int | None = _opt(None, "CHORD: SFT rows per micro-step per process "
+                                                                   "(required with --chord_sft_dataset)")
+    chord_enable_phi_function: bool = _opt(False, "CHORD-phi: weight each expert token's loss by p·(1−p)")
+    chord_mu_warmup_steps: int | None = _opt(None, "CHORD: steps for mu to rise linearly from 0 to "
+                                                   "--chord_mu_peak (unset: 0)")
+    chord_mu_decay_steps: int | None = _opt(None, "CHORD: steps for mu's cosine decay from peak to valley "
+                                                  "(unset: 0)")
+    chord_mu_peak: float | None = _opt(None, "CHORD: mu's peak; loss = (1−mu)·GRPO + mu·SFT (required with "
+                                             "--chord_sft_dataset)")
+    chord_mu_valley: float | None = _opt(None, "CHORD: mu's final value after the decay (required with "
+                                               "--chord_sft_dataset; equal to the peak: a constant mu)")
 
 
 @dataclass

@@ -49,6 +49,7 @@ def validate(cfg: TrainConfig) -> None:
     _apply_swift_names(cfg)
     _check_ranges(cfg)
     _real_loss_rules(cfg)
+    check_chord_options(cfg)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
@@ -334,3 +335,37 @@ def check_loss_type_pair(loss_type: str) -> None:
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+# ---- CHORD (algorithms/chord.py, trainers/chord_sft.py) ----------------------------------------------------------
+_CHORD_SETTINGS = ("chord_sft_per_device_train_batch_size", "chord_mu_warmup_steps", "chord_mu_decay_steps",
+                   "chord_mu_peak", "chord_mu_valley")
+
+
+def check_chord_options(cfg: TrainConfig) -> None:
+    """The CHORD options: all or nothing with --chord_sft_dataset; mu's schedule within [0, 1] and peak ≥ valley.
+    Unset warm-up and decay steps become 0 (ms-swift needs them set)."""
+    a = cfg.algorithm
+    if not a.chord_sft_dataset:
+        given = [n for n in _CHORD_SETTINGS if getattr(a, n) is not None]
+        given += ["chord_enable_phi_function"] if a.chord_enable_phi_function else []
+        if given:
+            raise ConfigError(f"--{given[0]} {getattr(a, given[0])}: acts only with CHORD; add --chord_sft_dataset "
+                              "(expert rows for the SFT term), or drop it")
+        return
+    for name in ("chord_sft_per_device_train_batch_size", "chord_mu_peak", "chord_mu_valley"):
+        if getattr(a, name) is None:
+            raise ConfigError(f"--chord_sft_dataset needs --{name}; e.g. --chord_sft_per_device_train_batch_size 1 "
+                              "--chord_mu_peak 0.9 --chord_mu_valley 0.05 (peak = valley: a constant mu)")
+    _positive("chord_sft_per_device_train_batch_size", a.chord_sft_per_device_train_batch_size)
+    a.chord_mu_warmup_steps = a.chord_mu_warmup_steps or 0
+    a.chord_mu_decay_steps = a.chord_mu_decay_steps or 0
+    _positive("chord_mu_warmup_steps", a.chord_mu_warmup_steps, allow_zero=True)
+    _positive("chord_mu_decay_steps", a.chord_mu_decay_steps, allow_zero=True)
+    for name in ("chord_mu_peak", "chord_mu_valley"):
+        if not 0.0 <= getattr(a, name) <= 1.0:
+            raise ConfigError(f"--{name} {getattr(a, name)}: mu weighs the SFT term against GRPO's, so it must be in "
+                              "[0, 1]")
+    if a.chord_mu_peak < a.chord_mu_valley:
+        raise ConfigError(f"--chord_mu_peak {a.chord_mu_peak} is below --chord_mu_valley {a.chord_mu_valley}: mu "
+                          "decays from the peak to the valley; swap them, or set both equal for a constant mu")

@@ -13,6 +13,13 @@ if TYPE_CHECKING:
     from grpokit.rollout.multi_turn import StepResult
 
 
+def check_takes_images(template, where: str, images: list) -> None:
+    """RolloutError when an observation brings images but the model (its template) is text-only."""
+    if images and not getattr(template, "multimodal", False):
+        raise RolloutError(f"{where} returned {len(images)} image(s) but the model is text-only; use a "
+                           "vision-language model (a model folder with a processor) for image observations")
+
+
 class TrajectoryImages:
     """A trajectory's images and, with a processor template, the next turn's prompt as the trainer encodes it:
     the prompt, every turn's tokens as trained, and the template's text between them with its images expanded by
@@ -32,10 +39,7 @@ class TrajectoryImages:
         """The template's ids and row after the step's messages (None: a text template, use its own count)."""
         msgs = result.infer_request.messages
         if self.template is None:
-            if result.images:
-                raise RolloutError(f"{where} returned {len(result.images)} image(s) but the model is text-only; "
-                                   "use a vision-language model (a model folder with a processor) for image "
-                                   "observations")
+            check_takes_images(None, where, result.images)
             return None
         if msgs[-1]["role"] == "assistant":  # the next turn continues the assistant message
             if result.images:

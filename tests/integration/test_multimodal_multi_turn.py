@@ -13,7 +13,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 FAMILIES = ("qwen2_vl", "idefics3")
-COLOURS = {"red": (220, 20, 30), "green": (20, 200, 40), "blue": (30, 40, 210)}
+COLOURS = {"red": (220, 20, 30), "green": (20, 200, 40), "blue": (30, 40, 210), "grey": (128, 128, 128)}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,8 @@ def _square(colour: str):
     return Image.new("RGB", (16, 16), COLOURS[colour])
 
 
-@pytest.fixture
-def colour_env():
-    """Turn 1's reply gets an image observation (the env_config's colour) with one placeholder per image; the
-    episode ends after turn 2 with a reward that depends on the reply."""
-    from grpokit.rollout.env import Env, envs
+def _colour_env_class():
+    from grpokit.rollout.env import Env
 
     class ColourObservation(Env):
         async def reset(self, config):
@@ -46,12 +43,29 @@ def colour_env():
                 return "<image>" * n + "And this one?", 0.0, False, {"images": [_square(self.env_config["colour"])]}
             return "", float(len(action[-1]["content"]) % 2), True, {}
 
-    envs["test_colour_observation"] = ColourObservation
+    return ColourObservation
+
+
+@pytest.fixture
+def colour_env():
+    """Turn 1's reply gets an image observation (the env_config's colour) with one placeholder per image; the
+    episode ends after turn 2 with a reward that depends on the reply. ``test_reset_observation`` also starts
+    with an image: its reset replaces the prompt with an observation holding a grey square."""
+    from grpokit.rollout.env import envs
+
+    base = _colour_env_class()
+
+    class ResetObservation(base):
+        async def reset(self, config):
+            return "<image>Which colour is the second image?", {"images": [_square("grey")], "level": 1}, ""
+
+    envs["test_colour_observation"] = base
+    envs["test_reset_observation"] = ResetObservation
     yield
-    del envs["test_colour_observation"]
+    del envs["test_colour_observation"], envs["test_reset_observation"]
 
 
-def _dataset(tmp_path, placeholders: int = 1):
+def _dataset(tmp_path, placeholders: int = 1, env: str = "test_colour_observation"):
     names = list(COLOURS)
     lines = []
     for i in range(3):
@@ -59,14 +73,14 @@ def _dataset(tmp_path, placeholders: int = 1):
         _square(names[i]).save(path)
         lines.append({"messages": [{"role": "user", "content": "<image>What colour is this image?"}],
                       "images": [str(path)],
-                      "env_config": {"name": "test_colour_observation", "colour": names[(i + 1) % 3],
+                      "env_config": {"name": env, "colour": names[(i + 1) % 3],
                                      "placeholders": placeholders}})
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     return path
 
 
-def _train(model_dir, data, out, trainer_cls, steps: int = 2):
+def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = ()):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
     from grpokit.trainers.factory import TrainerFactory
@@ -80,7 +94,7 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2):
             "--per_device_train_batch_size", "6", "--generation_batch_size", "6", "--max_steps", str(steps),
             "--max_completion_length", "5", "--beta", "0", "--torch_dtype", "float32", "--save_steps", "100",
             "--seed", "0", "--disable_tqdm", "true", "--rollout_importance_sampling_mode", "token_truncate",
-            "--loss_type", "grpo", "--learning_rate", "1e-3"]))
+            "--loss_type", "grpo", "--learning_rate", "1e-3", *extra]))
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
@@ -99,12 +113,9 @@ def _turn_runs(mask: torch.Tensor) -> int:
     return sum(1 for k, v in enumerate(m) if v and (k == 0 or not m[k - 1]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(family, vlm_dirs, colour_env, tmp_path):
-    from grpokit.trainers.batch import collate
+def _recording(seen: list):
+    """A GRPOTrainer that keeps each window's outputs, the training forward's logps and the batch."""
     from grpokit.trainers.grpo_trainer import GRPOTrainer
-
-    seen: list = []
 
     class Recording(GRPOTrainer):
         def _prepare_inputs(self, prompts, rollout=None):
@@ -117,15 +128,28 @@ def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(famil
             seen[-1] += [logps.detach(), inputs]
             return super()._compute_loss_and_metrics(model, inputs)
 
+    return Recording
+
+
+def _check_logps_equal_the_engine(batch, logps) -> None:
+    assert all(_turn_runs(m) == 2 for m in batch.completion_mask)  # both turns train, the observation not
+    mask = batch.completion_mask.bool()
+    assert not torch.isnan(batch.rollout_logps[mask]).any()
+    torch.testing.assert_close(logps[mask], batch.rollout_logps[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(family, vlm_dirs, colour_env, tmp_path):
+    from grpokit.trainers.batch import collate
+
+    seen: list = []
+    Recording = _recording(seen)
     trainer = _train(vlm_dirs[family], _dataset(tmp_path), tmp_path / "out", Recording)
     assert trainer.state.global_step == 2 and len(seen) == 2
     for outputs, logps, batch in seen:
         assert all(o.rollout_infos["num_turns"] == 2 and len(o.rollout_infos["images"]) == 2 for o in outputs)
         assert [_image_count(r) for r in batch.mm_inputs] == [2] * 6  # the row's image and the observation's
-        assert all(_turn_runs(m) == 2 for m in batch.completion_mask)  # both turns train, the observation not
-        mask = batch.completion_mask.bool()
-        assert not torch.isnan(batch.rollout_logps[mask]).any()
-        torch.testing.assert_close(logps[mask], batch.rollout_logps[mask], atol=1e-5, rtol=0)
+        _check_logps_equal_the_engine(batch, logps)
     if family == "qwen2_vl":  # the observation's image tokens are marked as such over the completion
         assert all(r.completion["mm_token_type_ids"].sum() > 0 for r in seen[0][2].mm_inputs)
 
@@ -144,6 +168,38 @@ def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(famil
     second = pair.completion_mask[0].bool() & (torch.arange(pair.completion_mask.shape[1]) >= first)
     torch.testing.assert_close(lp[0, :first], lp[1, :first], atol=1e-6, rtol=0)
     assert (lp[0][second] - lp[1][second]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_images_from_reset_train_and_every_image_reaches_the_rewards(family, vlm_dirs, colour_env, tmp_path):
+    """reset's observation (one image) replaces the prompt; the trajectory's images are the row's, reset's, then
+    the step's, in the trainer's batch and in the rewards' ``images``; logps equal the engine's on both turns."""
+    from grpokit.rewards import orms
+
+    seen: list = []
+    rewarded: list = []
+
+    def record_images(completions, images, **kwargs):
+        rewarded.append(images)
+        return [0.0] * len(completions)
+
+    orms["test_record_images"] = record_images
+    try:
+        _train(vlm_dirs[family], _dataset(tmp_path, env="test_reset_observation"), tmp_path / "out",
+               _recording(seen), extra=("--reward_funcs", "test_record_images"))
+    finally:
+        del orms["test_record_images"]
+    assert len(seen) == 2 and len(rewarded) == 2
+    for (outputs, logps, batch), images in zip(seen, rewarded):
+        for o, imgs in zip(outputs, images):
+            assert o.prompt_messages[-1] == {"role": "user", "content": "<image>Which colour is the second image?"}
+            assert o.rollout_infos["reset_info"] == {"level": 1}
+            row_image, reset_image, step_image = o.rollout_infos["images"]
+            assert isinstance(row_image, str) and row_image.endswith(".png")
+            assert reset_image.getpixel((0, 0)) == COLOURS["grey"] and step_image.getpixel((0, 0)) != COLOURS["grey"]
+            assert imgs == o.rollout_infos["images"]
+        assert [_image_count(r) for r in batch.mm_inputs] == [3] * 6
+        _check_logps_equal_the_engine(batch, logps)
 
 
 def _engine_and_scheduler(model_dir):
@@ -208,8 +264,8 @@ def test_a_reply_that_writes_the_placeholder_text_is_not_an_image_slot(vlm_dirs)
     assert row.tensors["mm_token_type_ids"].sum() == ids.count(pad)
 
 
-def test_images_from_an_envs_reset_and_missing_step_images_are_refused(tmp_path):
-    """reset cannot add images (its observation replaces the prompt): the reset fails with a line saying so; a
+def test_bad_reset_images_and_missing_step_images_are_one_line(tmp_path):
+    """reset's images need one placeholder each and a multimodal model: the reset fails with a line saying so; a
     step() image that does not exist is named with the scheduler and the turn."""
     import asyncio
 
@@ -221,17 +277,27 @@ def test_images_from_an_envs_reset_and_missing_step_images_are_refused(tmp_path)
 
     class ResetImages(Env):
         async def reset(self, config):
-            return "<image>Look.", {"images": [_square("red")]}, ""
+            return self.env_config["observation"], {"images": [_square("red")]}, ""
 
         async def step(self, action):
             return "", 0.0, True, {}
 
+    def reset(observation: str):
+        request = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}],
+                                      data_dict={"env_config": {"name": "test_reset_images",
+                                                                "observation": observation}})
+        with pytest.raises(RolloutError) as e:
+            asyncio.run(GYMScheduler(max_turns=2).on_trajectory_start([request]))
+        assert "\n" not in str(e.value)
+        return str(e.value), request
+
     envs["test_reset_images"] = ResetImages
     try:
-        request = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}],
-                                      data_dict={"env_config": {"name": "test_reset_images"}})
-        with pytest.raises(RolloutError, match="images from reset are not supported; give the first images in"):
-            asyncio.run(GYMScheduler(max_turns=2).on_trajectory_start([request]))
+        message, _ = reset("Look.")
+        assert ("env 'test_reset_images' reset failed: ValueError: env 'test_reset_images': reset returned 1 image(s) "
+                "but its observation holds 0 <image> placeholder(s); put one <image> per image") in message
+        message, request = reset("<image>Look.")  # no engine, no processor: a text-only model
+        assert "reset returned 1 image(s) but the model is text-only; use a vision-language model" in message
     finally:
         del envs["test_reset_images"]
     choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",

@@ -81,7 +81,6 @@ BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {}
 
 # Ports that fail on this branch, with what grpokit (or the one-process CPU translation) lacks.
 NOT_PORTABLE: dict[str, str] = {
-    "internal_chord.sh": "CHORD (--chord_sft_dataset: SFT data mixed into GRPO) is refused as not implemented",
     "external_moe_lora.sh": ("--deepspeed zero3 with LoRA in server mode is not implemented (the weight push would "
                              "merge adapters into ZeRO-3's partitioned weights); full weights and the in-process "
                              "engine work"),
