@@ -47,6 +47,7 @@ from grpokit.algorithms.losses import (
     validate_loss_config,
 )
 from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
+from grpokit.algorithms.losses_real import real_group_loss, real_scores  # registers real (after vespo)
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,
     RolloutISOut,
@@ -87,6 +88,8 @@ __all__ = [
     "loss_mask",
     "num_items_per_micro_batch",
     "overlong_mask",
+    "real_group_loss",
+    "real_scores",
     "rollout_importance_weights",
     "selective_log_softmax",
     "chunked_lm_head_logps",

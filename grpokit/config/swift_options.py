@@ -75,9 +75,9 @@ _warn("acts only with --use_galore / --lisa_activated_layers, which grpokit refu
       "galore_proj_group_size galore_cos_threshold galore_gamma_proj galore_queue_size lisa_step_interval "
       "optim_target_modules")
 _warn("a setting of an algorithm grpokit does not have: RLSD (--advantage_reweight), "
-      "SDAR (--sdar_loss_coef), --loss_type real or fipo, or a teacher model; those are refused, so this one has "
+      "SDAR (--sdar_loss_coef), --loss_type fipo, or a teacher model; those are refused, so this one has "
       "nothing to act on", "rlsd_lambda rlsd_reweight_clip_range "
-      "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta real_tau fipo_decay_rate "
+      "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta fipo_decay_rate "
       "fipo_clip_range fipo_clip_high_only fipo_safety_threshold teacher_kl_coef")
 _warn("acts only with --packing, --streaming or --interleave_prob, which grpokit refuses",
       "packing_length packing_num_proc packing_strategy lazy_tokenize stopping_strategy shuffle_buffer_size")

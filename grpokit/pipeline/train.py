@@ -22,7 +22,7 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import RemoteScheduler, trainer_plays_turns
+from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
@@ -117,6 +117,7 @@ def run_train(cfg: TrainConfig):
     chord_sft = load_chord_sft_dataset(cfg, tokenizer) if cfg.algorithm.chord_sft_dataset else None  # CHORD
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
+        check_server_template(prompts.chat_template_kwargs.get("enable_thinking"), engine.engine_info())
         if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request
             scheduler = build_scheduler(cfg, tokenizer)
             scheduler.infer_engine = engine

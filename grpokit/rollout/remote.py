@@ -154,3 +154,21 @@ def check_server_rollout(r, info: dict) -> None:
     if r.use_gym_env and not info.get("enable_multi_turn"):
         raise ConfigError(f"--use_gym_env true: {where} runs single-turn rollouts, which give no environment "
                           f"reward; {start} --multi_turn_scheduler NAME (e.g. gym_scheduler)")
+
+
+def check_server_template(enable_thinking: bool | None, info: dict) -> None:
+    """The trainer's ``--enable_thinking`` (None: unset) against the server's (``/get_engine_type/``). The trainer
+    re-renders each prompt to encode what it trains on, so both must render alike. A value the trainer sets travels
+    with its prompts and wins on the server; a server value the trainer lacks would make the server sample after
+    another prompt than the one trained on, so it stops the run with the fix."""
+    served = info.get("enable_thinking")
+    if served is None or enable_thinking == served:
+        return
+    flag = "true" if served else "false"
+    if enable_thinking is None:
+        raise ConfigError(f"the rollout server ({info.get('model', '?')}) renders prompts with --enable_thinking "
+                          f"{flag}, and this trainer, which re-encodes them to train, with the chat template's "
+                          f"default; give the trainer --enable_thinking {flag} too (ms-swift's scripts put it on "
+                          "both commands)")
+    logger.warning("--enable_thinking %s: the rollout server's %s is overridden for this trainer's prompts (the "
+                   "trainer's value travels with each prompt)", str(enable_thinking).lower(), flag)

@@ -39,6 +39,10 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_gym_env", type=str.lower, default=None, choices=["true", "false"],
                    help="multi-turn: the scheduler's rollout_infos['total_reward'] is the trainer's gym_reward "
                         "(default: the scheduler decides; gym_scheduler gives one)")
+    p.add_argument("--enable_thinking", type=str.lower, default=None, choices=["true", "false"],
+                   help="passed to the chat template as enable_thinking (Qwen3 and other hybrid-thinking templates) "
+                        "for the prompts this server renders; a trainer's own --enable_thinking travels with its "
+                        "prompts and wins; the trainer must render the same (checked at its start-up)")
     p.add_argument("--external_plugins", nargs="*", default=[], help="python files imported before any lookup")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every request (default: env GRPOKIT_API_KEY)")
@@ -168,6 +172,7 @@ def options_from_argv(argv: list[str]):
                          multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
                          use_gym_env=None if a.use_gym_env is None else a.use_gym_env == "true",
+                         enable_thinking=None if a.enable_thinking is None else a.enable_thinking == "true",
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
                          max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,

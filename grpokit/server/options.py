@@ -54,6 +54,9 @@ class ServerOptions:
     vllm_data_parallel_size: int = 1
     vllm_enable_lora: bool = False
     vllm_use_async_engine: bool = False
+    # swift rollout's template option: the default enable_thinking of the server's chat template (prompts that carry
+    # the trainer's chat-template kwargs keep theirs); None: the template's own default
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "vllm"):
@@ -149,6 +152,10 @@ class ServerOptions:
         if self.vllm_gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
         return extra
+
+    def chat_template_kwargs(self) -> dict:
+        """The server's chat-template kwargs (under those a prompt carries from the trainer)."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     @property
     def max_body_bytes(self) -> int:

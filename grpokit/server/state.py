@@ -48,6 +48,7 @@ class ServerState:
             "use_gym_env": bool(o.gym_env),
             "uses_env_reward": bool(getattr(self.scheduler, "uses_env_reward", False)),
             "gym_env": o.gym_env,
+            "enable_thinking": o.enable_thinking,
             "completion_length_limit_scope": getattr(self.scheduler, "completion_length_limit_scope", None),
             "loss_scale": getattr(self.scheduler, "loss_scale", None),
             "max_batch_requests": o.max_batch_requests,
@@ -130,4 +131,5 @@ def build_state(options: ServerOptions) -> ServerState:
     engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size,
                                  options.fast_decode, options.vllm_max_model_len, options.vllm_settings(),
                                  options.max_prefill_mb)
+    engine.template.chat_template_kwargs.update(options.chat_template_kwargs())  # --enable_thinking
     return ServerState(options, engine, build_scheduler(options, engine))

@@ -180,8 +180,8 @@ def _check_renders_tools(template: ChatTemplate, source: str) -> None:
     probe = attach([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
     if "grpokit_probe_tool" not in template.render_prompt(probe):
         raise DataError(f"{source} has a 'tools' column, but the model's chat template does not render tools (its "
-                        "tools= argument); pass --agent_template hermes or react_en to write them into the system "
-                        "message, or drop the column")
+                        "tools= argument); pass --agent_template hermes, react_en or react_grpo to write them into the "
+                        "system message, or drop the column")
 
 
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
