@@ -66,8 +66,8 @@ def check_image_ref(image: Any, where: str) -> None:
     if image.startswith(("http://", "https://", "ftp://")):
         raise DataError(f"{where}: image URL {image[:120]!r} is refused (no network here); download it and pass "
                         "the local path")
-    if not Path(image).expanduser().is_file():
-        raise DataError(f"{where}: image file {image!r} does not exist; fix the path in the images column")
+    if not _is_file(image):
+        raise DataError(f"{where}: image file {image[:200]!r} does not exist; fix the path in the images column")
 
 
 def decode_image_ref(image: Any, where: str) -> Any:
@@ -77,7 +77,7 @@ def decode_image_ref(image: Any, where: str) -> Any:
     if isinstance(image, str):
         match = _DATA_URI.match(image)
         text = image[match.end():] if match else image
-        if match or not (Path(image).expanduser().is_file() or "://" in image or "." in image):
+        if match or not (_is_file(image) or "://" in image or "." in image):
             if len(text) * 3 // 4 > MAX_DECODED_IMAGE_BYTES + 2:
                 raise DataError(f"{where}: a base64 image of about {len(text) * 3 // 4} bytes exceeds "
                                 f"{MAX_DECODED_IMAGE_BYTES} bytes; pass a smaller image or a file path")
@@ -89,6 +89,13 @@ def decode_image_ref(image: Any, where: str) -> Any:
                                     "raw base64, a file path, bytes or a PIL image") from None
     check_image_ref(image, where)
     return image
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long for a path (base64 text), a NUL byte
+        return False
 
 
 def check_row_images(row: dict, where: str) -> None:
