@@ -420,3 +420,27 @@ def test_infer_request_images_in_process_entry_and_edits(tmp_path):
     with pytest.raises(RolloutError, match="1 image\\(s\\) in infer_request.images and 1 other\\(s\\) in "
                                            "data_dict\\['images'\\]; give a request's images in one of them"):
         take_entry_images(both, "S")
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_images_appended_in_on_trajectory_start_join_the_prompt(turns, vlm_dirs, tmp_path):
+    """A hook that appends an image to ``infer_request.images`` before the first turn (single-turn scheduler, and a
+    multi-turn one) adds it to the prompt: the engine samples with both images and the output records them."""
+    from grpokit.rollout.multi_turn import MultiTurnScheduler
+    from grpokit.rollout.scheduler import RolloutScheduler
+
+    class StartWithGrey(MultiTurnScheduler if turns == 2 else RolloutScheduler):
+        async def on_trajectory_start(self, requests):
+            for r in requests:
+                r.messages[-1] = {**r.messages[-1], "content": r.messages[-1]["content"] + " And <image>?"}
+                r.images.append(_square("grey"))
+
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return True
+
+    engine = _engine_and_scheduler(vlm_dirs["idefics3"]).infer_engine
+    row = json.loads(_dataset(tmp_path).read_text().splitlines()[0])
+    [output] = _run(StartWithGrey(infer_engine=engine, max_turns=2), row)
+    row_image, grey = output.rollout_infos["images"]
+    assert row_image == row["images"][0] and grey.getpixel((0, 0)) == COLOURS["grey"]
+    assert output.prompt_messages[-1]["content"].endswith(" And <image>?") and output.response_token_ids[0]
