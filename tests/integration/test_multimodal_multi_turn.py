@@ -80,7 +80,7 @@ def _dataset(tmp_path, placeholders: int = 1, env: str = "test_colour_observatio
     return path
 
 
-def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = ()):
+def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (), scheduler: str = "gym_scheduler"):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
     from grpokit.trainers.factory import TrainerFactory
@@ -90,7 +90,7 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = ())
     try:
         return run_train(parse_train_args([
             "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "2", "--num_generations", "2",
+            "--multi_turn_scheduler", scheduler, "--max_turns", "2", "--num_generations", "2",
             "--per_device_train_batch_size", "6", "--generation_batch_size", "6", "--max_steps", str(steps),
             "--max_completion_length", "5", "--beta", "0", "--torch_dtype", "float32", "--save_steps", "100",
             "--seed", "0", "--disable_tqdm", "true", "--rollout_importance_sampling_mode", "token_truncate",
@@ -306,3 +306,141 @@ def test_bad_reset_images_and_missing_step_images_are_one_line(tmp_path):
     with pytest.raises(RolloutError, match=r"MultiTurnScheduler.step\(\) at turn 1: image 0: image file .*gone.png"
                                            r"' does not exist"):
         MultiTurnScheduler(max_turns=2)._check_step(step, choice, 1)
+
+
+def _data_uri(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _append_image_scheduler(placeholder: str = "<image>"):
+    """A ported ms-swift scheduler (DeepEyes' pattern): it reads the row's image from ``infer_request.images[0]``,
+    appends the observation's image there as a base64 data URI and hands the list back as ``rollout_infos['images']``;
+    two turns always."""
+    from grpokit.rollout.multi_turn import MultiTurnScheduler
+
+    class AppendImage(MultiTurnScheduler):
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return current_turn >= self.max_turns
+
+        def step(self, infer_request, response_choice, current_turn):
+            assert infer_request.images[0].endswith(".png")  # the row's image, shown on ms-swift's field
+            infer_request.messages.append({"role": "user", "content": placeholder + "And this one?"})
+            infer_request.images.append(_data_uri(_square(infer_request.data_dict["env_config"]["colour"])))
+            return {"infer_request": infer_request, "rollout_infos": {"images": infer_request.images}}
+
+    return AppendImage
+
+
+def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reaches_the_rewards(vlm_dirs, tmp_path):
+    """In process, an image a scheduler appends to ``infer_request.images`` joins the trajectory: the trainer's batch
+    holds both images, its logps equal the engine's on both turns, and rewards get the row's and the new image."""
+    import io
+
+    from PIL import Image
+
+    from grpokit.rewards import orms
+    from grpokit.rollout.multi_turn import multi_turns
+
+    seen: list = []
+    rewarded: list = []
+
+    def record_images(completions, images, **kwargs):
+        rewarded.append(images)
+        return [0.0] * len(completions)
+
+    orms["test_record_images"] = record_images
+    multi_turns["test_append_image"] = _append_image_scheduler()
+    try:
+        trainer = _train(vlm_dirs["qwen2_vl"], _dataset(tmp_path), tmp_path / "out", _recording(seen),
+                         extra=("--reward_funcs", "test_record_images"), scheduler="test_append_image")
+    finally:
+        del orms["test_record_images"], multi_turns["test_append_image"]
+    assert trainer.state.global_step == 2 and len(seen) == 2 and len(rewarded) == 2
+    for (outputs, logps, batch), images in zip(seen, rewarded):
+        for o, imgs in zip(outputs, images):
+            assert o.rollout_infos["num_turns"] == 2 and imgs == o.rollout_infos["images"]
+            row_image, added = imgs
+            assert isinstance(row_image, str) and row_image.endswith(".png")
+            colour = COLOURS[json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[int(row_image[-5])])
+                             ["env_config"]["colour"]]
+            assert Image.open(io.BytesIO(added)).convert("RGB").getpixel((0, 0)) == colour  # decoded from base64
+        assert [_image_count(r) for r in batch.mm_inputs] == [2] * 6
+        _check_logps_equal_the_engine(batch, logps)
+
+
+def test_an_image_appended_without_a_placeholder_is_one_line(vlm_dirs, tmp_path):
+    from grpokit.errors import RolloutError
+
+    scheduler = _engine_and_scheduler(vlm_dirs["idefics3"])
+    scheduler = _append_image_scheduler(placeholder="")(infer_engine=scheduler.infer_engine, max_turns=2)
+    row = json.loads(_dataset(tmp_path).read_text().splitlines()[0])
+    with pytest.raises(RolloutError) as e:
+        _run(scheduler, row)
+    assert ("AppendImage.step() at turn 1: the new message(s) hold 0 <image> placeholder(s) but 1 image(s) came "
+            "with them") in str(e.value)
+    assert "appended to infer_request.images" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_infer_request_images_in_process_entry_and_edits(tmp_path):
+    """A request entering with ms-swift's ``images`` (base64, a path) gets them as its data_dict images; a hook may
+    only append to the trajectory's images; a bad base64 data URI or a missing file is one line."""
+    from grpokit.errors import RolloutError
+    from grpokit.protocol import RolloutInferRequest
+    from grpokit.rollout.turn_images import take_appended, take_entry_images
+
+    path = tmp_path / "red.png"
+    _square("red").save(path)
+    uri = _data_uri(_square("green"))
+    request = RolloutInferRequest(messages=[{"role": "user", "content": "<image><image>Two?"}],
+                                  images=[uri, str(path)])
+    take_entry_images(request, "S")
+    assert request.images == [] and request.data_dict["images"][1] == str(path)
+    assert request.data_dict["images"][0].startswith(b"\x89PNG")
+    known = list(request.data_dict["images"])
+    request.images = [*known, uri.split(",", 1)[1]]  # raw base64 appended
+    assert take_appended(request, known, "S.step() at turn 1")[0].startswith(b"\x89PNG")
+    request.images = []  # a request built anew: nothing appended
+    assert take_appended(request, known, "w") == []
+    for images, message in (([known[1]], "S.step() at turn 1: infer_request.images no longer starts with the "
+                                          "trajectory's 2 image(s)"),
+                            ([*known, "data:image/png;base64,@@"], "infer_request.images[2]: the data URI's base64 "
+                                                                   "is not valid"),
+                            ([*known, str(tmp_path / "gone.png")], "infer_request.images[2]: image file")):
+        request.images = images
+        with pytest.raises(RolloutError) as e:
+            take_appended(request, known, "S.step() at turn 1")
+        assert message in str(e.value) and "\n" not in str(e.value)
+    both = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}], images=[uri],
+                               data_dict={"images": [str(path)]})
+    with pytest.raises(RolloutError, match="1 image\\(s\\) in infer_request.images and 1 other\\(s\\) in "
+                                           "data_dict\\['images'\\]; give a request's images in one of them"):
+        take_entry_images(both, "S")
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_images_appended_in_on_trajectory_start_join_the_prompt(turns, vlm_dirs, tmp_path):
+    """A hook that appends an image to ``infer_request.images`` before the first turn (single-turn scheduler, and a
+    multi-turn one) adds it to the prompt: the engine samples with both images and the output records them."""
+    from grpokit.rollout.multi_turn import MultiTurnScheduler
+    from grpokit.rollout.scheduler import RolloutScheduler
+
+    class StartWithGrey(MultiTurnScheduler if turns == 2 else RolloutScheduler):
+        async def on_trajectory_start(self, requests):
+            for r in requests:
+                r.messages[-1] = {**r.messages[-1], "content": r.messages[-1]["content"] + " And <image>?"}
+                r.images.append(_square("grey"))
+
+        def check_finished(self, infer_request, response_choice, current_turn):
+            return True
+
+    engine = _engine_and_scheduler(vlm_dirs["idefics3"]).infer_engine
+    row = json.loads(_dataset(tmp_path).read_text().splitlines()[0])
+    [output] = _run(StartWithGrey(infer_engine=engine, max_turns=2), row)
+    row_image, grey = output.rollout_infos["images"]
+    assert row_image == row["images"][0] and grey.getpixel((0, 0)) == COLOURS["grey"]
+    assert output.prompt_messages[-1]["content"].endswith(" And <image>?") and output.response_token_ids[0]

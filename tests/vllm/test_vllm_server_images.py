@@ -4,6 +4,7 @@ equal the trainer model's own (Hugging Face generate with the same images), for 
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
@@ -88,3 +89,71 @@ def test_server_mode_training_with_images_keeps_the_server_in_step(idefics3, ser
         assert served == local, f"sync {k}: the server's greedy completions differ from the trainer model's"
     assert checks[0][0] != checks[-1][0]  # the weights did move
     assert server.healthy()
+
+
+APPEND_IMAGE_PLUGIN = '''
+import io
+
+from PIL import Image
+
+from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
+
+
+class AppendBlueImage(MultiTurnScheduler):
+    """ms-swift's pattern (DeepEyes): turn 1's reply gets a blue image appended to infer_request.images and a user
+    message with its placeholder; two turns always."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= self.max_turns
+
+    def step(self, infer_request, response_choice, current_turn):
+        assert len(infer_request.images) == 1  # the row's image, as the server decoded it
+        buf = io.BytesIO()
+        Image.new("RGB", (16, 16), (30, 40, 210)).save(buf, format="PNG")
+        infer_request.messages.append({"role": "user", "content": "<image>And this one?"})
+        infer_request.images.append(buf.getvalue())
+        return {"infer_request": infer_request}
+
+
+multi_turns["test_append_blue_image"] = AppendBlueImage
+'''
+
+
+def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_path):
+    """``grpokit rollout --engine vllm`` with a scheduler that appends an image to ``infer_request.images`` after
+    turn 1: every trajectory plays 2 turns, the image comes back to the trainer (base64) and reaches the rewards,
+    and one training step runs on rows holding both images."""
+    from grpokit.pipeline.train import run_train
+    from grpokit.rewards import orms
+
+    torch.set_num_threads(1)
+    plugin = tmp_path / "append_image.py"
+    plugin.write_text(APPEND_IMAGE_PLUGIN)
+    rewarded: list = []
+
+    def two_images(completions, images, **kwargs):
+        rewarded.append(images)
+        return [len(c) / 20.0 for c in completions]
+
+    orms["test_two_images"] = two_images
+    turns = ("--external_plugins", str(plugin), "--multi_turn_scheduler", "test_append_blue_image", "--max_turns", "2")
+    try:
+        with rollout_server(idefics3, tmp_path, "--engine", "vllm", "--torch_dtype", "float32",
+                            "--vllm_max_model_len", "1024", "--max_batch_size", "32", *turns,
+                            start_timeout=400) as server:
+            trainer = run_train(parse_train_args([
+                "--model", str(idefics3), "--dataset", "builtin:colours", "--reward_funcs", "test_two_images",
+                "--torch_dtype", "float32", "--beta", "0", "--num_generations", "2", "--per_device_train_batch_size",
+                "4", "--max_completion_length", "4", "--max_steps", "1", "--vllm_mode", "server",
+                "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--vllm_server_timeout",
+                "300", "--output_dir", str(tmp_path / "out"), "--save_final_model", "false", "--plots", "false",
+                "--disable_tqdm", "true"]))
+            assert server.healthy()
+    finally:
+        del orms["test_two_images"]
+    assert trainer.state.global_step == 1 and len(rewarded) == 1
+    from PIL import Image
+
+    for images in rewarded[0]:
+        assert len(images) == 2  # the row's, then the one appended in turn 2
+        assert Image.open(io.BytesIO(images[1])).convert("RGB").getpixel((0, 0)) == (30, 40, 210)
