@@ -1,6 +1,7 @@
 """examples/vlm/colours.yaml per seed: held-out greedy accuracy of a tiny random VLM before and during GRPO.
 
-For each seed: build a tiny random model of the family (grpokit.testing_vlm, offline), train it with the example's
+For each seed: build a tiny random model of the family as the example does (grpokit.testing_vlm, offline, the
+aligner's output at zero so the untrained model answers every image alike), train it with the example's
 settings, and every ``--eval_every`` optimizer steps answer the 60 held-out images greedily (constrained to the
 three colour words, as in training) and score them. A run stops at ``--target`` accuracy or ``--max_minutes``.
 Prints one JSON line per evaluation and one summary line per seed; docs/multimodal.md quotes the curves.
@@ -34,7 +35,8 @@ def held_out_accuracy(trainer, rows) -> float:
     return sum(a == r["solution"] for a, r in zip(answers, rows)) / len(rows)
 
 
-def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes: float, steps: int) -> dict:
+def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes: float, steps: int,
+             zero_aligner: bool = True) -> dict:
     from grpokit.config.parse import parse_train_args
     from grpokit.data.builtin import colours
     from grpokit.pipeline.train import run_train
@@ -67,7 +69,7 @@ def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes
                 self._evaluate_now()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_vlm(Path(tmp) / "model", family, seed=seed)
+        model = build_tiny_vlm(Path(tmp) / "model", family, seed=seed, zero_aligner=zero_aligner)
         saved = dict(TrainerFactory.TRAINER_MAPPING)
         TrainerFactory.TRAINER_MAPPING["grpo"] = Evaluated
         try:
@@ -91,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--max_minutes", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--random_aligner", action="store_true",
+                   help="build the model without --zero_aligner (random weights may tell colours apart untrained)")
     a = p.parse_args(argv)
     for seed in a.seeds:
-        summary = run_seed(seed, a.family, a.eval_every, a.target, a.max_minutes, a.steps)
+        summary = run_seed(seed, a.family, a.eval_every, a.target, a.max_minutes, a.steps, not a.random_aligner)
         print(json.dumps({k: v for k, v in summary.items() if k != "curve"}), flush=True)
     return 0
 

@@ -42,6 +42,7 @@ MAX_MESSAGES = 4096
 MAX_ROLE_CHARS = 64
 MAX_ID_CHARS = 256
 MAX_JSON_DEPTH = 32  # nesting of free-form values (message fields, data_dict)
+MAX_IMAGES = 256  # images per request on the wire (the server's --max_images_per_request bounds it further)
 
 
 def check_utf8(value: Any, where: str, depth: int = 0) -> None:
@@ -179,6 +180,10 @@ class RolloutInferRequest(BaseModel):
     prompt_id: str = Field(default_factory=new_id, min_length=1, max_length=MAX_ID_CHARS)
     # Optional per-request sampling override set by a scheduler for one turn (e.g. a structured-output regex).
     request_config: RequestConfig | None = None
+    # The wire form of the prompt's images (ms-swift's RolloutInferRequest.images): each a base64 string
+    # ("data:image/png;base64,..." or raw) or a path under the server's --media_root. The rollout server decodes
+    # them into data_dict["images"], where every scheduler and engine reads a row's images in process.
+    images: list[Annotated[Text, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_IMAGES)
 
     @property
     def uuid(self) -> str:  # ms-swift name

@@ -114,9 +114,24 @@ def _parts(family: str, tok, hidden: int, layers: int):
     return config, image_processor, tf.Gemma3Processor, {"image_seq_length": tokens}
 
 
+def _aligner_output(model, family: str):
+    """The aligner's last projection (vision features -> the language model's embeddings) of ``family``."""
+    if family == "qwen2_vl":
+        return [model.model.visual.merger.mlp[2].weight, model.model.visual.merger.mlp[2].bias]
+    if family == "idefics3":
+        return [model.model.connector.modality_projection.proj.weight]
+    return [model.model.multi_modal_projector.mm_input_projection_weight]
+
+
 def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: int = 64, num_layers: int = 2,
-                   vocab_size: int = 512, seed: int = 0) -> Path:
-    """Build and save a tiny random vision-language model of ``family`` (one of FAMILIES) with its processor."""
+                   vocab_size: int = 512, seed: int = 0, zero_aligner: bool = False) -> Path:
+    """Build and save a tiny random vision-language model of ``family`` (one of FAMILIES) with its processor.
+
+    ``zero_aligner``: the aligner's output projection starts at zero, so every image reaches the language model as
+    the same (zero) embeddings and the untrained model gives every image the same answer, whatever the seed (a
+    fresh aligner, as when a VLM is assembled from a vision tower and a language model). Training must then
+    update the aligner (``--freeze_aligner false``). Without it, random weights may already tell images apart.
+    """
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -128,8 +143,12 @@ def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: i
     config, image_processor, processor_cls, kwargs = _parts(family, tok, hidden_size, num_layers)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
-    if family == "gemma3":  # its projector starts at zero (images would change nothing): draw it like the rest
-        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
+    with torch.no_grad():
+        for weight in _aligner_output(model, family):
+            if zero_aligner:
+                weight.zero_()
+            elif family == "gemma3":  # its projector starts at zero (images would change nothing): draw it
+                torch.nn.init.normal_(weight, std=0.2)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.bos_token_id = None
@@ -141,10 +160,19 @@ def build_tiny_vlm(out_dir: str | Path, family: str = "qwen2_vl", hidden_size: i
     return out
 
 
-if __name__ == "__main__":  # python -m grpokit.testing_vlm OUT_DIR [FAMILY [SEED]]: the model of examples/vlm
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    """python -m grpokit.testing_vlm OUT_DIR [FAMILY] [--seed N] [--zero_aligner]: the model of examples/vlm."""
+    import argparse
 
-    args = sys.argv[1:]
-    if not args or len(args) > 3:
-        sys.exit(f"usage: python -m grpokit.testing_vlm OUT_DIR [{'|'.join(FAMILIES)} [SEED]]")
-    print(build_tiny_vlm(args[0], args[1] if len(args) > 1 else "qwen2_vl", seed=int(args[2]) if len(args) > 2 else 0))
+    p = argparse.ArgumentParser(prog="python -m grpokit.testing_vlm", description=main.__doc__)
+    p.add_argument("out_dir")
+    p.add_argument("family", nargs="?", default="qwen2_vl", choices=FAMILIES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero_aligner", action="store_true",
+                   help="the aligner's output starts at zero: the untrained model answers every image alike")
+    a = p.parse_args(argv)
+    print(build_tiny_vlm(a.out_dir, a.family, seed=a.seed, zero_aligner=a.zero_aligner))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 # Port of ms-swift examples/train/grpo/internal/chord.sh (ms-swift 3602360a5), run by
 # tests/integration/test_swift_examples.py. Changed, nothing else: swift rlhf --rlhf_type grpo → grpokit train,
-# swift rollout → grpokit rollout; --model/--dataset (MODEL, DATASET; defaults: the original hub ids);
+# swift rollout → grpokit rollout; --model/--dataset/--chord_sft_dataset (MODEL, DATASET; defaults: the original hub ids);
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x8 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
@@ -19,7 +19,7 @@ grpokit train \
     --per_device_train_batch_size 32 \
     --gradient_accumulation_steps 8 \
     --chord_sft_per_device_train_batch_size 1 \
-    --chord_sft_dataset AI-MO/NuminaMath-TIR \
+    --chord_sft_dataset "${DATASET:-AI-MO/NuminaMath-TIR}" \
     --chord_enable_phi_function false \
     --chord_mu_warmup_steps 0 \
     --chord_mu_decay_steps 200 \

@@ -17,6 +17,7 @@ from grpokit.algorithms.advantages import (
     compute_advantages,
     validate_advantage_options,
 )
+from grpokit.algorithms.chord import chord_mix, chord_mu, chord_sft_loss
 from grpokit.algorithms.ema import ema_update_
 from grpokit.algorithms.filters import (
     entropy_mask,
@@ -46,6 +47,7 @@ from grpokit.algorithms.losses import (
     validate_loss_config,
 )
 from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
+from grpokit.algorithms.losses_real import real_group_loss, real_scores  # registers real (after vespo)
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,
     RolloutISOut,
@@ -65,6 +67,9 @@ __all__ = [
     "AdvantageContext",
     "AdvantageOut",
     "Centered",
+    "chord_mix",
+    "chord_mu",
+    "chord_sft_loss",
     "LossConfig",
     "LossInputs",
     "LossOut",
@@ -83,6 +88,8 @@ __all__ = [
     "loss_mask",
     "num_items_per_micro_batch",
     "overlong_mask",
+    "real_group_loss",
+    "real_scores",
     "rollout_importance_weights",
     "selective_log_softmax",
     "chunked_lm_head_logps",

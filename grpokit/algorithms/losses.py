@@ -25,6 +25,7 @@ Per-token losses (``--loss_type``; the registry maps each name to its family):
   policy gradient. The paper gates token ratios; like TRL, a sequence-level ratio is accepted (one gate per
   sequence), with a warning.
 - ``luspo``, ``vespo`` — in ``losses_sequence.py``, registered into the same registries.
+- ``real`` — in ``losses_real.py`` (an in-group classification loss; no per-token policy term).
 
 Normalisers (ms-swift's ``_compute_loss_and_metrics``, TRL's ``_compute_loss``):
 - ``grpo``, ``sapo``: masked mean per sequence, then mean over the batch (the GRPO paper's 1/G Σ 1/|o_i| Σ_t).
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LossConfig:
-    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo | cispo | sapo | luspo | vespo | real
     importance_sampling_level: str = "token"  # token | sequence | sequence_token
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # clip-higher; for cispo the absolute cap on the IS weight (docs of both: 5.0)
@@ -73,6 +74,8 @@ class LossConfig:
     vespo_k_neg: float = 3.0  # vespo, A < 0
     vespo_lambda_neg: float = 2.0  # vespo, A < 0
     rollout_importance_sampling_mode: str | None = None  # vespo folds token-level rollout IS weights into its W
+    real_tau: float = 0.5  # real: temperature of the in-group classification (ms-swift's default)
+    num_generations: int | None = None  # real: group size; a micro-batch holds whole groups of consecutive rows
 
 
 @dataclass

@@ -78,8 +78,8 @@ class DataArguments:
     dataset_num_proc: int = _opt(1, "processes for dataset preprocessing (Dataset.map num_proc)")
     load_from_cache_file: bool = _opt(False, "reuse datasets' cache of preprocessed rows (Dataset.map)")
     agent_template: str | None = _opt(None, "how a row's `tools` column reaches the prompt: unset = the chat "
-                                            "template's own tools= rendering; hermes or react_en = tools written "
-                                            "into the system message in that format")
+                                            "template's own tools= rendering; hermes, react_en or react_grpo = tools "
+                                            "written into the system message in that format")
     enable_thinking: bool | None = _opt(None, "passed to the chat template as enable_thinking (Qwen3 and other "
                                               "hybrid-thinking templates); unset = the template's default")
     chat_template_kwargs: str | None = _opt(None, "more keyword arguments for the chat template, as a JSON object "
@@ -165,6 +165,7 @@ class AlgorithmArguments:
     vespo_lambda_pos: float = _opt(3.0, "vespo: decay λ of the Gamma kernel for advantages >= 0")
     vespo_k_neg: float = _opt(3.0, "vespo: power k of the Gamma kernel for negative advantages")
     vespo_lambda_neg: float = _opt(2.0, "vespo: decay λ of the Gamma kernel for negative advantages")
+    real_tau: float = _opt(0.5, "real: temperature τ of REAL's in-group classification loss (logits s/τ)")
     kl_in_reward: bool | None = _opt(None, "subtract β·KL from the reward instead of adding it to the loss; unset: "
                                            "true with rloo and reinforce_plus_plus, false otherwise (ms-swift's rule)")
     num_iterations: int = _opt(1, "updates per rollout (μ)")
@@ -179,6 +180,21 @@ class AlgorithmArguments:
     sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
     ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs")
     ref_model_mixup_alpha: float = _opt(0.6, "ref ← α·policy + (1−α)·ref")
+    # CHORD: SFT on expert replies mixed into the GRPO loss (algorithms/chord.py, trainers/chord_sft.py)
+    chord_sft_dataset: list[str] = _opt([], "CHORD: expert data, same forms and columns as --dataset; each row's "
+                                            "reference reply (final assistant message, or solution/answer/"
+                                            "response/output/completion) is the SFT target")
+    chord_sft_per_device_train_batch_size: int | None = _opt(None, "CHORD: SFT rows per micro-step per process "
+                                                                   "(required with --chord_sft_dataset)")
+    chord_enable_phi_function: bool = _opt(False, "CHORD-phi: weight each expert token's loss by p·(1−p)")
+    chord_mu_warmup_steps: int | None = _opt(None, "CHORD: steps for mu to rise linearly from 0 to "
+                                                   "--chord_mu_peak (unset: 0)")
+    chord_mu_decay_steps: int | None = _opt(None, "CHORD: steps for mu's cosine decay from peak to valley "
+                                                  "(unset: 0)")
+    chord_mu_peak: float | None = _opt(None, "CHORD: mu's peak; loss = (1−mu)·GRPO + mu·SFT (required with "
+                                             "--chord_sft_dataset)")
+    chord_mu_valley: float | None = _opt(None, "CHORD: mu's final value after the decay (required with "
+                                               "--chord_sft_dataset; equal to the peak: a constant mu)")
 
 
 @dataclass

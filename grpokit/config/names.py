@@ -31,7 +31,7 @@ REGISTRIES: dict[str, tuple[str, ...]] = {
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
     "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus"),
     "scale_rewards": ("group", "batch", "none", "gdpo"),
-    "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
+    "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "real"),
     "importance_sampling_level": ("token", "sequence", "sequence_token"),
     "rollout_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
 }

@@ -74,11 +74,10 @@ _warn("acts only with --use_galore / --lisa_activated_layers, which grpokit refu
       "galore_optim_per_parameter galore_with_embedding galore_quantization galore_proj_quant galore_proj_bits "
       "galore_proj_group_size galore_cos_threshold galore_gamma_proj galore_queue_size lisa_step_interval "
       "optim_target_modules")
-_warn("a setting of an algorithm grpokit does not have: CHORD (--chord_sft_dataset), RLSD (--advantage_reweight), "
-      "SDAR (--sdar_loss_coef), --loss_type real or fipo, or a teacher model; those are refused, so this one has "
-      "nothing to act on", "chord_sft_per_device_train_batch_size chord_enable_phi_function chord_mu_warmup_steps "
-      "chord_mu_decay_steps chord_mu_peak chord_mu_valley rlsd_lambda rlsd_reweight_clip_range "
-      "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta real_tau fipo_decay_rate "
+_warn("a setting of an algorithm grpokit does not have: RLSD (--advantage_reweight), "
+      "SDAR (--sdar_loss_coef), --loss_type fipo, or a teacher model; those are refused, so this one has "
+      "nothing to act on", "rlsd_lambda rlsd_reweight_clip_range "
+      "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta fipo_decay_rate "
       "fipo_clip_range fipo_clip_high_only fipo_safety_threshold teacher_kl_coef")
 _warn("acts only with --packing, --streaming or --interleave_prob, which grpokit refuses",
       "packing_length packing_num_proc packing_strategy lazy_tokenize stopping_strategy shuffle_buffer_size")
@@ -161,8 +160,8 @@ _refuse(_NOT_YET + ": vLLM quantisation, speculative decoding and raw engine kwa
         "vllm_quantization=None vllm_speculative_config=None vllm_engine_kwargs=None")
 _refuse(_NOT_YET + ": sampling beyond temperature/top_p/top_k/repetition_penalty (min_p, beam search)",
         "min_p=0.0 num_beams=1")
-_refuse(_NOT_YET + ": the CHORD (SFT data mixed in), RLSD and SDAR (self-distillation) extensions of GRPO and "
-        "off-policy sequence masking", "chord_sft_dataset=list advantage_reweight=None sdar_loss_coef=0.0 "
+_refuse(_NOT_YET + ": the RLSD and SDAR (self-distillation) extensions of GRPO and "
+        "off-policy sequence masking", "advantage_reweight=None sdar_loss_coef=0.0 "
         "off_policy_sequence_mask_delta=None")
 _refuse(_NOT_YET + ": evaluation beyond greedy accuracy every --eval_steps (sampled eval groups, delays, best "
         "model, early stop)", "num_generations_eval=None eval_delay=0 "

@@ -49,6 +49,8 @@ def validate(cfg: TrainConfig) -> None:
     check_swift_options(cfg.swift_options, log=logger.warning)
     _apply_swift_names(cfg)
     _check_ranges(cfg)
+    _real_loss_rules(cfg)
+    check_chord_options(cfg)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
@@ -72,7 +74,27 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
                       max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
                       vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                       vespo_lambda_neg=a.vespo_lambda_neg,
-                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode)
+                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode,
+                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations)
+
+
+def _real_loss_rules(cfg: TrainConfig) -> None:
+    """--loss_type real (REAL, grpokit/algorithms/losses_real.py): rewards unscaled (ms-swift forces it too, with a
+    warning), whole groups in every micro-batch, and no entropy mask (it would mask a policy term REAL lacks)."""
+    a, t, g = cfg.algorithm, cfg.training, cfg.rollout.num_generations
+    if a.loss_type != "real":
+        return
+    if a.scale_rewards not in (None, "none") and is_rank0():
+        logger.warning("--scale_rewards %s is replaced by none: --loss_type real uses only the sign of each "
+                       "advantage (as ms-swift, which forces none too)", a.scale_rewards)
+    a.scale_rewards = "none"
+    if t.per_device_train_batch_size % g:
+        raise ConfigError(f"--loss_type real classifies whole groups inside each micro-batch, but "
+                          f"per_device_train_batch_size {t.per_device_train_batch_size} is not a multiple of "
+                          f"num_generations {g}; use a multiple of {g}")
+    if a.top_entropy_quantile < 1.0:
+        raise ConfigError(f"--top_entropy_quantile {a.top_entropy_quantile} masks a per-token policy term, which "
+                          "--loss_type real does not have, so it would do nothing; remove it")
 
 
 def _positive(name: str, value, allow_zero: bool = False) -> None:
@@ -303,7 +325,11 @@ def _check_sampling(cfg: TrainConfig) -> None:
 
 def check_loss_type_pair(loss_type: str) -> None:
     """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
-    half instead of reporting the name as unknown."""
+    half instead of reporting the name as unknown. ms-swift's fipo is refused as not implemented (unless a plugin
+    registers it)."""
+    if loss_type == "fipo" and loss_type not in POLICY_LOSSES:
+        raise ConfigError("--loss_type fipo: ms-swift's FIPO (future-KL influence weights on the PPO-clip loss) is not "
+                          "implemented in grpokit; use another --loss_type (e.g. grpo, dapo or real)")
     POLICY_LOSSES.get_or_raise(loss_type)
     if loss_type not in LOSS_NORMALIZERS:
         raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "
@@ -314,3 +340,37 @@ def check_loss_type_pair(loss_type: str) -> None:
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+# ---- CHORD (algorithms/chord.py, trainers/chord_sft.py) ----------------------------------------------------------
+_CHORD_SETTINGS = ("chord_sft_per_device_train_batch_size", "chord_mu_warmup_steps", "chord_mu_decay_steps",
+                   "chord_mu_peak", "chord_mu_valley")
+
+
+def check_chord_options(cfg: TrainConfig) -> None:
+    """The CHORD options: all or nothing with --chord_sft_dataset; mu's schedule within [0, 1] and peak ≥ valley.
+    Unset warm-up and decay steps become 0 (ms-swift needs them set)."""
+    a = cfg.algorithm
+    if not a.chord_sft_dataset:
+        given = [n for n in _CHORD_SETTINGS if getattr(a, n) is not None]
+        given += ["chord_enable_phi_function"] if a.chord_enable_phi_function else []
+        if given:
+            raise ConfigError(f"--{given[0]} {getattr(a, given[0])}: acts only with CHORD; add --chord_sft_dataset "
+                              "(expert rows for the SFT term), or drop it")
+        return
+    for name in ("chord_sft_per_device_train_batch_size", "chord_mu_peak", "chord_mu_valley"):
+        if getattr(a, name) is None:
+            raise ConfigError(f"--chord_sft_dataset needs --{name}; e.g. --chord_sft_per_device_train_batch_size 1 "
+                              "--chord_mu_peak 0.9 --chord_mu_valley 0.05 (peak = valley: a constant mu)")
+    _positive("chord_sft_per_device_train_batch_size", a.chord_sft_per_device_train_batch_size)
+    a.chord_mu_warmup_steps = a.chord_mu_warmup_steps or 0
+    a.chord_mu_decay_steps = a.chord_mu_decay_steps or 0
+    _positive("chord_mu_warmup_steps", a.chord_mu_warmup_steps, allow_zero=True)
+    _positive("chord_mu_decay_steps", a.chord_mu_decay_steps, allow_zero=True)
+    for name in ("chord_mu_peak", "chord_mu_valley"):
+        if not 0.0 <= getattr(a, name) <= 1.0:
+            raise ConfigError(f"--{name} {getattr(a, name)}: mu weighs the SFT term against GRPO's, so it must be in "
+                              "[0, 1]")
+    if a.chord_mu_peak < a.chord_mu_valley:
+        raise ConfigError(f"--chord_mu_peak {a.chord_mu_peak} is below --chord_mu_valley {a.chord_mu_valley}: mu "
+                          "decays from the peak to the valley; swap them, or set both equal for a constant mu")

@@ -16,7 +16,10 @@ its ``images`` column reaches reward functions by name like every other column.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ from grpokit.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_COLUMNS = ("images", "image")
+MAX_DECODED_IMAGE_BYTES = 64 * 1024 * 1024  # one base64 image decoded in process (a plugin's infer_request.images)
+_DATA_URI = re.compile(r"data:[\w.+/-]*(;[\w.+=-]+)*;base64,", re.ASCII)
 
 
 def row_images(row: dict) -> list:
@@ -61,8 +66,36 @@ def check_image_ref(image: Any, where: str) -> None:
     if image.startswith(("http://", "https://", "ftp://")):
         raise DataError(f"{where}: image URL {image[:120]!r} is refused (no network here); download it and pass "
                         "the local path")
-    if not Path(image).expanduser().is_file():
-        raise DataError(f"{where}: image file {image!r} does not exist; fix the path in the images column")
+    if not _is_file(image):
+        raise DataError(f"{where}: image file {image[:200]!r} does not exist; fix the path in the images column")
+
+
+def decode_image_ref(image: Any, where: str) -> Any:
+    """An image as ``infer_request.images`` may hold it (ms-swift's field): a base64 string (a ``data:`` URI or
+    raw) becomes its bytes, bounded by ``MAX_DECODED_IMAGE_BYTES``; a path, bytes, PIL image or ``{"bytes",
+    "path"}`` dict stays as it is. DataError (one line) for anything that cannot be opened here."""
+    if isinstance(image, str):
+        match = _DATA_URI.match(image)
+        text = image[match.end():] if match else image
+        if match or not (_is_file(image) or "://" in image or "." in image):
+            if len(text) * 3 // 4 > MAX_DECODED_IMAGE_BYTES + 2:
+                raise DataError(f"{where}: a base64 image of about {len(text) * 3 // 4} bytes exceeds "
+                                f"{MAX_DECODED_IMAGE_BYTES} bytes; pass a smaller image or a file path")
+            try:
+                return base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                if match:
+                    raise DataError(f"{where}: the data URI's base64 is not valid; pass 'data:image/png;base64,...', "
+                                    "raw base64, a file path, bytes or a PIL image") from None
+    check_image_ref(image, where)
+    return image
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long for a path (base64 text), a NUL byte
+        return False
 
 
 def check_row_images(row: dict, where: str) -> None:

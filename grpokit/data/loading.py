@@ -27,8 +27,8 @@ from grpokit.data.rows import normalize_rows
 from grpokit.data.images import check_images
 from grpokit.errors import ConfigError, DataError
 
-__all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_train_val", "normalize_rows",
-           "resolve_system"]
+__all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_rows", "load_train_val",
+           "normalize_rows", "resolve_system"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,13 @@ def _load_many(specs: list[str], opts: RowOptions, seed: int, option: str, used:
                               load_from_cache_file=opts.load_from_cache_file)
         parts.append((source, check_images(rows, source)))  # data/images.py
     return concat_datasets(parts)
+
+
+def load_rows(specs: list[str], options: RowOptions, *, seed: int, option: str) -> Dataset:
+    """``specs`` loaded, normalised and concatenated as ``load_train_val`` does ``--dataset``, for another data
+    option (``option`` names it in errors, e.g. ``--chord_sft_dataset``); ``options.system`` is used as given. A
+    ``--columns`` name this data lacks is no error here (it is checked against ``--dataset``)."""
+    return _load_many(specs, options, seed, option, set())
 
 
 def load_train_val(

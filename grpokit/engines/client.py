@@ -29,6 +29,7 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception
 
 from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
+from grpokit.engines.media_wire import images_from_wire, request_to_wire
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
@@ -292,7 +293,7 @@ class RolloutClient(InferEngine):
             return []
         max_batch, max_bytes = await asyncio.to_thread(self._limits)
         conf = config.model_dump(mode="json")
-        dumped = [r.model_dump(mode="json") for r in requests]
+        dumped = [request_to_wire(r) for r in requests]  # images as base64 (engines/media_wire.py)
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
@@ -310,6 +311,9 @@ class RolloutClient(InferEngine):
             except (TypeError, ValueError) as e:
                 raise ServerError(f"rollout server {self.endpoints[server].label} answered /infer/ with outputs "
                                   f"that are not RolloutOutput ({str(e).splitlines()[0]})") from e
+            for o in outputs:  # a trajectory's images come back as base64: bytes for the trainer's processor
+                if "images" in o.rollout_infos:
+                    o.rollout_infos["images"] = images_from_wire(o.rollout_infos["images"], o.request_id)
             tagged.extend(zip(_positions(requests, idx, outputs), outputs))
         tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
         return tagged

@@ -37,6 +37,7 @@ from grpokit.protocol import (
     RequestConfig,
     RolloutInferRequest,
 )
+from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -297,10 +298,11 @@ class VllmEngine(InferEngine):
     def _hf_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name → (shape, dtype) of the Hugging Face model's parameters (built on the meta device: no memory)."""
         if self._expected is None:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-            with torch.device("meta"):
-                hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
+            auto = AutoModelForImageTextToText if is_vlm_folder(self.model_path) else AutoModelForCausalLM
+            with torch.device("meta"):  # a VLM's names as the trainer loads it (its weight sync sends those)
+                hf = auto.from_config(AutoConfig.from_pretrained(self.model_path))
             self._expected = {n: (tuple(p.shape), p.dtype) for n, p in hf.named_parameters(remove_duplicate=False)}
             self._required = {n for n, _ in hf.named_parameters()}  # tied copies count once
         return self._expected

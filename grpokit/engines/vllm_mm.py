@@ -85,6 +85,9 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
             continue
         text = template.render_mm(r.messages, len(images))
         slots = template.tokenizer(text, add_special_tokens=False)["input_ids"]
+        cut = template.tokens_cut(r.messages, images)  # --max_length left/right: text only, never image tokens
+        if cut:
+            slots = slots[cut:] if template.truncation_strategy == "left" else slots[:len(slots) - cut]
         inputs.append({"prompt_token_ids": slots, "multi_modal_data": {"image": [load_image(i) for i in images]}})
     return inputs, expected
 

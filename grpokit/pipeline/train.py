@@ -22,10 +22,11 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import RemoteScheduler, trainer_plays_turns
+from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
+from grpokit.trainers.chord_sft import load_chord_sft_dataset
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
 
@@ -113,13 +114,16 @@ def run_train(cfg: TrainConfig):
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
     if val_ds is not None:
         val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")
+    chord_sft = load_chord_sft_dataset(cfg, tokenizer) if cfg.algorithm.chord_sft_dataset else None  # CHORD
     engine = build_engine(cfg)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
+        check_server_template(prompts.chat_template_kwargs.get("enable_thinking"), engine.engine_info())
         if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request
             scheduler = build_scheduler(cfg, tokenizer)
             scheduler.infer_engine = engine
         else:
-            scheduler = RemoteScheduler.from_args(engine, cfg.rollout)  # multi-turn runs inside the server
+            scheduler = RemoteScheduler.from_args(engine, cfg.rollout,  # multi-turn runs inside the server
+                                                  template=prompts.template(tokenizer))
     else:
         scheduler = build_scheduler(cfg, tokenizer)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))
@@ -128,6 +132,8 @@ def run_train(cfg: TrainConfig):
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
                           reward_funcs=funcs, reward_names=names, reward_weights=cfg.reward.reward_weights or None,
-                          ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks)
+                          ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks,
+                          # only when given: a plugin's trainer class without this argument keeps working
+                          **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
     trainer.train()
     return trainer

@@ -68,16 +68,14 @@ def load_vlm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str |
 
 def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | None, rollout=None) -> None:
     """One line when the dataset has images but the model is text-only (it has no image processor), or the
-    rollouts would go through a rollout server (no image path yet) or through vLLM colocate with a model family
-    whose images vLLM cannot take (``rollout``: the RolloutArguments; None means the transformers engine)."""
+    rollouts would go through vLLM colocate with a model family whose images vLLM cannot take (``rollout``: the
+    RolloutArguments; None means the transformers engine). A rollout server checks its own model: it refuses image
+    requests for a text-only model, and its vLLM engine takes the same families as colocate."""
     if "images" not in dataset.column_names or not any(dataset["images"]):
         return
-    if rollout is not None and rollout.vllm_mode == "server":
-        raise ConfigError("--vllm_mode server: image rows are not supported by the rollout server yet; train "
-                          "vision-language models with --use_vllm true --vllm_mode colocate (Idefics3) or "
-                          "the in-process transformers engine (the default)")
     if not hasattr(tokenizer_or_processor, "image_processor"):
         raise ConfigError(f"--model {model_path}: a text-only model was given a dataset with images; use a "
                           "vision-language model (a folder with a processor_config.json or preprocessor_config.json)")
-    if rollout is not None and rollout.use_vllm and model_path is not None:
+    server = rollout is not None and rollout.vllm_mode == "server"
+    if rollout is not None and rollout.use_vllm and not server and model_path is not None:
         check_image_family(model_path)

@@ -83,6 +83,11 @@ def trl_convention(func: Any, *, conversational: bool | None = None) -> Any:
     return func
 
 
+def is_marked(func: Any) -> bool:
+    """True when ``trl_convention`` marked ``func``."""
+    return getattr(func, _MARK, None) is not None
+
+
 def is_conversational(func: Any) -> bool | None:
     """The format ``func`` was marked to read: True (message lists), False (strings), None (not marked: the
     dataset decides)."""
@@ -100,7 +105,7 @@ def _params(func: Any) -> list[inspect.Parameter] | None:
 
 def convention(func: Any) -> Convention:
     """Which convention calls ``func`` (see the module docstring)."""
-    if getattr(func, _MARK, None) is not None:
+    if is_marked(func):
         return "trl"
     params = _params(func)
     if params is None:

@@ -4,3 +4,4 @@ Importing the package registers the built-in schedulers and environments (``mult
 """
 
 from grpokit.rollout import builtin_schedulers  # noqa: F401 - registers the built-ins
+from grpokit.rollout import envs_builtin  # noqa: F401 - registers math_env

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpokit.errors import ConfigError, DataError, RolloutError
-from grpokit.rollout.env import Env, envs, reset_values, start_messages
+from grpokit.rollout.env import Env, envs, reset_images, reset_values, start_messages
+from grpokit.data.images import row_images
 from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
+from grpokit.rollout.turn_images import check_takes_images
 from grpokit.protocol import (
     ChatCompletionResponseChoice,
     RequestConfig,
@@ -212,10 +214,14 @@ class _Episode:
     step_rewards: list[float] = field(default_factory=list)
     observation: str = ""
     images: list = field(default_factory=list)  # the observation's images (info['images'] of the env's step)
+    start_images: list = field(default_factory=list)  # after a reset with images: the row's, then reset's
 
-    def infos(self) -> dict[str, Any]:
-        return {"env": self.name, "total_reward": float(sum(self.step_rewards)),
-                "step_rewards": list(self.step_rewards), "reset_info": self.reset_info}
+    def infos(self, turn: int) -> dict[str, Any]:
+        infos = {"env": self.name, "total_reward": float(sum(self.step_rewards)),
+                 "step_rewards": list(self.step_rewards), "reset_info": self.reset_info}
+        if turn == 1 and self.start_images:  # the loop's record of every image from the first step() on
+            infos["images"] = list(self.start_images)
+        return infos
 
 
 @multi_turns.register("gym_scheduler")
@@ -249,12 +255,18 @@ class GYMScheduler(MultiTurnScheduler):
             name, env = self._make_env(req)
             try:
                 observation, info, system = reset_values(await _maybe_await(env.reset(req)), name)
+                images = reset_images(info, observation, name)
+                check_takes_images(self.chat_template(), "reset", images)
             except Exception as e:
                 await self._close(_Episode(env, name), req.request_id)
                 raise RolloutError(f"request {req.request_id}: env {name!r} reset failed: "
                                    f"{type(e).__name__}: {e}") from e
             req.messages[:] = start_messages(req.messages, observation, system)
-            self._episodes[req.request_id] = _Episode(env, name, dict(info or {}))
+            episode = _Episode(env, name, dict(info or {}))
+            if images:  # after the row's; a new dict: the group's requests share the row's data_dict
+                episode.start_images = row_images(req.data_dict) + images
+                req.data_dict = {**req.data_dict, "images": list(episode.start_images)}
+            self._episodes[req.request_id] = episode
 
     async def on_turn_end(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
                           current_turn: int) -> dict:
@@ -267,11 +279,12 @@ class GYMScheduler(MultiTurnScheduler):
         except Exception as e:  # a broken env ends this trajectory only; training goes on
             logger.error("request %s: env %r failed in step at turn %d: %s: %s", infer_request.request_id, ep.name,
                          current_turn, type(e).__name__, e)
-            return {"done": True, "rollout_infos": {**ep.infos(), "env_error": f"{type(e).__name__}: {e}"}}
+            error = f"{type(e).__name__}: {e}"
+            return {"done": True, "rollout_infos": {**ep.infos(current_turn), "env_error": error}}
         ep.step_rewards.append(reward)
         ep.observation = str(observation or "")
         ep.images = (info or {}).get("images") or []  # checked by the loop with step()'s return
-        return {"done": bool(done), "rollout_infos": ep.infos()}
+        return {"done": bool(done), "rollout_infos": ep.infos(current_turn)}
 
     def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
              current_turn: int) -> dict:

@@ -12,7 +12,8 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-from grpokit.errors import ConfigError
+from grpokit.data.images import IMAGE_PLACEHOLDER, check_image_ref
+from grpokit.errors import ConfigError, DataError
 from grpokit.registry import Registry
 from grpokit.protocol import RolloutInferRequest
 
@@ -31,7 +32,9 @@ class Env(ABC):
         (observation, info) is accepted too. As in ms-swift the env's messages replace the row's prompt: a
         non-empty observation replaces its user/assistant messages with one user message, a non-empty system
         message replaces its system message; an empty one keeps the row's. ``info`` (JSON-serialisable) lands in
-        ``rollout_infos['reset_info']``."""
+        ``rollout_infos['reset_info']``. An image observation (vision-language models) puts one ``<image>``
+        placeholder per image in the observation and the images (paths, bytes or PIL images) in ``info['images']``,
+        as ``step`` does; they follow the row's images in the trajectory (and are not part of ``reset_info``)."""
 
     @abstractmethod
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
@@ -58,10 +61,29 @@ def reset_values(ret: Any, name: str) -> tuple[str, dict[str, Any], str]:
         raise ValueError(f"env {name!r}: reset's system_message must be a string, got {type(system).__name__}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"env {name!r}: reset's info must be a dict, got {type(info).__name__}")
-    if info and "images" in info:
-        raise ValueError(f"env {name!r}: images from reset are not supported; give the first images in the row's "
-                         "images column, or return them from step with info['images']")
     return observation or "", dict(info or {}), system or ""
+
+
+def reset_images(info: dict[str, Any], observation: str, name: str) -> list:
+    """The images of reset's observation, taken out of ``info`` (``info['images']``: a list of paths, bytes or PIL
+    images, one per ``<image>`` of the observation). ValueError naming the env otherwise."""
+    images = info.pop("images", None)
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        raise ValueError(f"env {name!r}: reset's info['images'] must be a list of images, got "
+                         f"{type(images).__name__}")
+    for k, image in enumerate(images):
+        try:
+            check_image_ref(image, f"env {name!r}: reset's image {k}")
+        except DataError as e:
+            raise ValueError(str(e)) from None
+    slots = observation.count(IMAGE_PLACEHOLDER)
+    if images and slots != len(images):
+        raise ValueError(f"env {name!r}: reset returned {len(images)} image(s) but its observation holds {slots} "
+                         f"{IMAGE_PLACEHOLDER} placeholder(s); put one {IMAGE_PLACEHOLDER} per image in the "
+                         "observation")
+    return list(images)
 
 
 def start_messages(prompt: list[dict[str, Any]], observation: str, system: str) -> list[dict[str, Any]]:

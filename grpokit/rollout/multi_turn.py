@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.data.images import check_image_ref
+from grpokit.data.images import check_image_ref, row_images
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.registry import Registry
 from grpokit.protocol import (
@@ -40,7 +40,14 @@ from grpokit.protocol import (
 )
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
-from grpokit.rollout.turn_images import TrajectoryImages
+from grpokit.rollout.turn_images import (
+    TrajectoryImages,
+    same_image,
+    take_appended,
+    take_entry_images,
+    take_start_images,
+    warn_unheld,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,10 +185,18 @@ class MultiTurnScheduler(RolloutScheduler):
     async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
                   **kwargs) -> RolloutOutput | list[RolloutOutput]:
         """Play one trajectory: infer → append/continue → on_turn_end → stop? → step() → next turn."""
+        name = type(self).__name__
+        take_entry_images(infer_request, name)
+        known = row_images(infer_request.data_dict)
+        infer_request.images = list(known)  # ms-swift's field while hooks run (turn_images.py)
         await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
+        start_changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
         request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
         traj = Trajectory()
         images = TrajectoryImages(self.chat_template(), request)
+        if start_changed:
+            traj.infos["images"] = list(images.images)
+        request.images = list(images.images)
         budget = (request.request_config or request_config).max_tokens
         total = self.completion_length_limit_scope == "total"
         turn = 1
@@ -204,10 +219,11 @@ class MultiTurnScheduler(RolloutScheduler):
                 if not stop and total and remaining - len(choice.token_ids) <= 0:
                     stop, reason = True, "length_budget"
                 if stop:
+                    warn_unheld(request, images.images, f"{name}.on_turn_end at turn {turn}")
                     traj.add_turn(*model_turn, continuation)
                     return self._output(traj, request.messages, response, turn, reason)
                 before_step = copy.deepcopy(request.messages)
-                result = self._check_step(self.step(request, choice, turn), choice, turn)
+                result = self._check_step(self.step(request, choice, turn), choice, turn, images.images)
                 seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
                 gap = images.between(f"{type(self).__name__}.step() at turn {turn}", result, seg)
                 between = (len(gap[0]) if gap is not None else self._between_length(result, traj, continuation)
@@ -220,6 +236,7 @@ class MultiTurnScheduler(RolloutScheduler):
                 traj.infos.update(result.rollout_infos)
                 images.commit(result, gap, traj.infos)
                 request = result.infer_request
+                request.images = list(images.images)
                 turn += 1
         finally:
             images.close()
@@ -238,13 +255,16 @@ class MultiTurnScheduler(RolloutScheduler):
             update["stop"] = [*base.stop, *extra_stops]
         cfg = base.model_copy(update=update) if update else base
         request.request_config = cfg if own is not None else None
+        shown, request.images = request.images, []  # the engine reads data_dict['images'] (never twice)
         try:
             return await self.infer_engine.infer_async(request, cfg)
         finally:
-            request.request_config = own
+            request.request_config, request.images = own, shown
 
-    def _check_step(self, ret: Any, choice: ChatCompletionResponseChoice, turn: int) -> StepResult:
-        """Validate ``step()``'s dict; RolloutError naming the scheduler and the turn otherwise."""
+    def _check_step(self, ret: Any, choice: ChatCompletionResponseChoice, turn: int,
+                    known: list | tuple = ()) -> StepResult:
+        """Validate ``step()``'s dict; RolloutError naming the scheduler and the turn otherwise. ``known``: the
+        trajectory's images, which the request's ``images`` showed to the hooks (what follows them is new)."""
         where = f"{type(self).__name__}.step() at turn {turn}"
         if not isinstance(ret, dict) or ret.get("infer_request") is None:
             raise RolloutError(f"{where} returned {type(ret).__name__} without 'infer_request'; return "
@@ -270,10 +290,18 @@ class MultiTurnScheduler(RolloutScheduler):
         infos = ret.get("rollout_infos") or {}
         if not isinstance(infos, dict):
             raise RolloutError(f"{where}: rollout_infos must be a dict, got {type(infos).__name__}")
-        if "images" in infos:
-            raise RolloutError(f"{where}: rollout_infos['images'] is kept by the loop (every image so far); return "
-                               "the new message's images as 'images' in step()'s dict")
-        return StepResult(req, ids, mask, lps, infos, _step_images(ret.get("images"), where))
+        appended = take_appended(req, list(known), where)
+        if "images" in infos:  # ms-swift's override: accepted when it is the request's own list (DeepEyes)
+            if not _same_list(infos["images"], req.images):
+                raise RolloutError(f"{where}: rollout_infos['images'] is kept by the loop (every image so far); "
+                                   "append the new message's images to infer_request.images or return them as "
+                                   "'images' in step()'s dict")
+            infos = {k: v for k, v in infos.items() if k != "images"}
+        images = _step_images(ret.get("images"), where)
+        if appended and images and not _same_list(images, appended):
+            raise RolloutError(f"{where}: {len(appended)} image(s) appended to infer_request.images and "
+                               f"{len(images)} other(s) returned as 'images'; give the new images in one of them")
+        return StepResult(req, ids, mask, lps, infos, appended or images)
 
     def _between_length(self, result: StepResult, traj: Trajectory, continuation: bool) -> int:
         """Template tokens from the end of the last assistant message to the next turn's generation header
@@ -319,6 +347,10 @@ def _step_images(images: Any, where: str) -> list:
     except DataError as e:
         raise RolloutError(str(e)) from e
     return list(images)
+
+
+def _same_list(a: Any, b: Any) -> bool:
+    return a is b or (isinstance(a, (list, tuple)) and len(a) == len(b) and all(map(same_image, a, b)))
 
 
 def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoice, continuation: bool) -> None:

@@ -17,7 +17,8 @@ import logging
 from collections.abc import Sequence
 
 from grpokit.engines.client import RolloutClient
-from grpokit.errors import ConfigError
+from grpokit.data.images import row_images
+from grpokit.errors import ConfigError, RolloutError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import RolloutScheduler
 
@@ -32,17 +33,20 @@ class RemoteScheduler(RolloutScheduler):
     travel (ms-swift's ``--vllm_server_pass_dataset``; the trainer's rewards read the columns either way).
     ``use_gym_env``: an explicit choice whether the server's ``total_reward`` is a reward (None: the server says).
     ``loss_scale``: ``last_round`` trains only the last round of each trajectory that comes back.
+    ``template``: the trainer's; for a vision-language model, each image prompt's ids as the server sampled from
+    them must be the ids the trainer's processor gives (``check_prompt_ids``), since the trainer trains on those.
     """
 
     def __init__(self, client: RolloutClient, pass_dataset: bool = True, use_gym_env: bool | None = None,
-                 loss_scale: str = "default", **kwargs) -> None:
+                 loss_scale: str = "default", template=None, **kwargs) -> None:
         super().__init__(infer_engine=client, **kwargs)
         self.pass_dataset = pass_dataset
         self.use_gym_env = use_gym_env
         self.loss_scale = loss_scale
+        self.template = template
 
     @classmethod
-    def from_args(cls, client: RolloutClient, rollout_args) -> RemoteScheduler:
+    def from_args(cls, client: RolloutClient, rollout_args, template=None) -> RemoteScheduler:
         """From ``RolloutArguments``, after checking them against the server's configuration."""
         info = client.engine_info()
         check_server_rollout(rollout_args, info)
@@ -52,7 +56,7 @@ class RemoteScheduler(RolloutScheduler):
                            "add --vllm_server_pass_dataset true if its scheduler or environment reads them",
                            info.get("multi_turn_scheduler"))
         return cls(client, pass_dataset=pass_dataset, use_gym_env=rollout_args.use_gym_env,
-                   loss_scale=rollout_args.loss_scale)
+                   loss_scale=rollout_args.loss_scale, template=template)
 
     @property
     def uses_env_reward(self) -> bool:  # the server's scheduler decides (e.g. gym_scheduler) unless told
@@ -68,17 +72,37 @@ class RemoteScheduler(RolloutScheduler):
         return [r.model_copy(update={"data_dict": {k: v for k, v in r.data_dict.items() if k in MEDIA_KEYS}})
                 if r.data_dict else r for r in requests]
 
-    def _trained(self, outputs: list[RolloutOutput]) -> list[RolloutOutput]:
+    def _trained(self, requests: Sequence[RolloutInferRequest], outputs: list[RolloutOutput]) -> list[RolloutOutput]:
+        if getattr(self.template, "multimodal", False):
+            check_prompt_ids(self.template, requests, outputs)
         return [last_round_only(o) for o in outputs] if self.loss_scale == "last_round" else outputs
 
     async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
                   **kwargs) -> list[RolloutOutput]:
-        return self._trained(await self.infer_engine.infer_trajectories_async(self._wire([infer_request]),
-                                                                              request_config))
+        return self._trained([infer_request], await self.infer_engine.infer_trajectories_async(
+            self._wire([infer_request]), request_config))
 
     async def async_infer(self, requests: Sequence[RolloutInferRequest],
                           request_config: RequestConfig) -> list[RolloutOutput]:
-        return self._trained(await self.infer_engine.infer_trajectories_async(self._wire(requests), request_config))
+        return self._trained(requests, await self.infer_engine.infer_trajectories_async(self._wire(requests),
+                                                                                        request_config))
+
+
+def check_prompt_ids(template, requests: Sequence[RolloutInferRequest], outputs: list[RolloutOutput]) -> None:
+    """RolloutError unless the prompt ids a server sampled each single-turn image trajectory from are the ids
+    the trainer's processor gives its prompt and images (memoised: the trainer's encoding reuses them)."""
+    by_id = {r.request_id: r for r in requests}
+    for o in outputs:
+        r = by_id.get(o.request_id)
+        got = o.response.prompt_token_ids
+        if r is None or got is None or len(o.response_token_ids) != 1 or not row_images(r.data_dict):
+            continue
+        want, _ = template.encode_mm(o.prompt_messages or r.messages, row_images(r.data_dict))
+        if list(got) != want:
+            at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise RolloutError(f"request {o.request_id}: the rollout server's prompt ids differ from this trainer's "
+                               f"processor's ({len(got)} vs {len(want)} ids, first difference at position {at}); "
+                               "serve the trainer's model folder (same processor and chat template)")
 
 
 def last_round_only(output: RolloutOutput) -> RolloutOutput:
@@ -130,3 +154,21 @@ def check_server_rollout(r, info: dict) -> None:
     if r.use_gym_env and not info.get("enable_multi_turn"):
         raise ConfigError(f"--use_gym_env true: {where} runs single-turn rollouts, which give no environment "
                           f"reward; {start} --multi_turn_scheduler NAME (e.g. gym_scheduler)")
+
+
+def check_server_template(enable_thinking: bool | None, info: dict) -> None:
+    """The trainer's ``--enable_thinking`` (None: unset) against the server's (``/get_engine_type/``). The trainer
+    re-renders each prompt to encode what it trains on, so both must render alike. A value the trainer sets travels
+    with its prompts and wins on the server; a server value the trainer lacks would make the server sample after
+    another prompt than the one trained on, so it stops the run with the fix."""
+    served = info.get("enable_thinking")
+    if served is None or enable_thinking == served:
+        return
+    flag = "true" if served else "false"
+    if enable_thinking is None:
+        raise ConfigError(f"the rollout server ({info.get('model', '?')}) renders prompts with --enable_thinking "
+                          f"{flag}, and this trainer, which re-encodes them to train, with the chat template's "
+                          f"default; give the trainer --enable_thinking {flag} too (ms-swift's scripts put it on "
+                          "both commands)")
+    logger.warning("--enable_thinking %s: the rollout server's %s is overridden for this trainer's prompts (the "
+                   "trainer's value travels with each prompt)", str(enable_thinking).lower(), flag)

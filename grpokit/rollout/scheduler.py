@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from grpokit.aio import run_sync
+from grpokit.data.images import row_images
 from grpokit.protocol import (
     ChatCompletionResponse,
     RequestConfig,
@@ -20,6 +21,7 @@ from grpokit.protocol import (
     RolloutOutput,
     choice_logprobs,
 )
+from grpokit.rollout.turn_images import take_entry_images, take_start_images
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +49,18 @@ class RolloutScheduler:
 
     async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
                   **kwargs) -> RolloutOutput | list[RolloutOutput]:
+        name = type(self).__name__
+        take_entry_images(infer_request, name)
+        known = row_images(infer_request.data_dict)
+        infer_request.images = list(known)  # ms-swift's field while the hook runs (turn_images.py)
         await self.on_trajectory_start([infer_request])
+        changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
         response = await self.infer_engine.infer_async(infer_request, request_config)
         turn = await self.on_turn_end(infer_request, response.choices[0], 1)
-        return _single_turn_output(infer_request, response, turn.get("rollout_infos", {}))
+        infos = dict(turn.get("rollout_infos", {}))
+        if changed:
+            infos["images"] = row_images(infer_request.data_dict)
+        return _single_turn_output(infer_request, response, infos)
 
     async def async_infer(self, requests: Sequence[RolloutInferRequest],
                           request_config: RequestConfig) -> list[RolloutOutput]:

@@ -22,8 +22,10 @@ from grpokit.server.bodies import InferBody
 from grpokit.server.engine import CANCEL
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardMiddleware
+from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
+from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
                                 headers={"Retry-After": "1"})
         if n == 0:
             return JSONResponse([])
+        await _take_images(state, body)
         state.inflight += n
         try:
             outputs = await until_disconnect(request, state.scheduler.async_infer(body.requests, body.request_config))
@@ -74,7 +77,24 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
         if outputs is None:
             return JSONResponse(error_body("the client disconnected; its requests were cancelled"),
                                 status_code=CLIENT_GONE)
-        return JSONResponse([o.model_dump(mode="json") for o in outputs])
+        return JSONResponse([output_to_wire(o) for o in outputs])
+
+
+async def _take_images(state: ServerState, body: InferBody) -> None:
+    """The requests' images decoded into their data_dicts (server/media.py), off the event loop; 4xx if refused."""
+    try:
+        await asyncio.to_thread(take_images, body.requests, state.image_limits)
+    except ImageRefused as e:
+        raise HTTPException(e.status, str(e)) from e
+    if not state.multimodal:
+        i = next((i for i, r in enumerate(body.requests) if r.data_dict.get("images")), None)
+        if i is not None and state.options.engine == "vllm" and is_vlm_folder(state.options.model):
+            raise HTTPException(400, f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
+                                     f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
+                                     "transformers")
+        if i is not None:
+            raise HTTPException(400, f"requests[{i}].images: this server serves a text-only model "
+                                     f"({state.options.model}); serve a vision-language model for image requests")
 
 
 def check_infer_body(body: InferBody, max_batch_requests: int) -> None:

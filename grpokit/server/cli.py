@@ -11,6 +11,7 @@ import socket
 import sys
 
 from grpokit.errors import ConfigError
+from grpokit.server.media import DEFAULT_FORMATS
 from grpokit.server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_gym_env", type=str.lower, default=None, choices=["true", "false"],
                    help="multi-turn: the scheduler's rollout_infos['total_reward'] is the trainer's gym_reward "
                         "(default: the scheduler decides; gym_scheduler gives one)")
+    p.add_argument("--enable_thinking", type=str.lower, default=None, choices=["true", "false"],
+                   help="passed to the chat template as enable_thinking (Qwen3 and other hybrid-thinking templates) "
+                        "for the prompts this server renders; a trainer's own --enable_thinking travels with its "
+                        "prompts and wins; the trainer must render the same (checked at its start-up)")
     p.add_argument("--external_plugins", nargs="*", default=[], help="python files imported before any lookup")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every request (default: env GRPOKIT_API_KEY)")
@@ -59,6 +64,7 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help="largest weight-sync bucket of several tensors the trainer may announce (more: 422)")
     p.add_argument("--max_sync_timeout_s", type=float, default=300.0,
                    help="caps the timeout a trainer asks for the weight-sync rendezvous and each broadcast")
+    _add_image_options(p)
     _add_vllm_options(p)
 
     def error(message: str) -> None:
@@ -66,6 +72,21 @@ def rollout_parser() -> argparse.ArgumentParser:
 
     p.error = error
     return p
+
+
+def _add_image_options(p: argparse.ArgumentParser) -> None:
+    """Images on requests (vision-language models; docs/server_mode.md, "Images")."""
+    p.add_argument("--media_root", nargs="*", default=[],
+                   help="directories under which a request may name images by path (default: none; images come "
+                        "as base64)")
+    p.add_argument("--max_images_per_request", type=int, default=16, help="most images on one request (more: 413)")
+    p.add_argument("--max_image_mb", type=float, default=16.0, help="largest encoded image (more: 413)")
+    p.add_argument("--max_images_mb", type=float, default=256.0,
+                   help="encoded bytes of the distinct images of one /infer/ call (more: 413)")
+    p.add_argument("--max_image_pixels", type=int, default=4096 * 4096,
+                   help="most pixels of one image, read from its header before decoding (more: 413)")
+    p.add_argument("--image_formats", nargs="+", default=list(DEFAULT_FORMATS),
+                   help="image formats accepted (others: 415)")
 
 
 def _add_vllm_options(p: argparse.ArgumentParser) -> None:
@@ -151,10 +172,16 @@ def options_from_argv(argv: list[str]):
                          multi_turn_scheduler=a.multi_turn_scheduler, max_turns=a.max_turns, gym_env=a.gym_env,
                          completion_length_limit_scope=a.completion_length_limit_scope, loss_scale=a.loss_scale,
                          use_gym_env=None if a.use_gym_env is None else a.use_gym_env == "true",
+                         enable_thinking=None if a.enable_thinking is None else a.enable_thinking == "true",
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
                          max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,
-                         fast_decode=a.fast_decode == "true")
+                         fast_decode=a.fast_decode == "true", **_image_options(a))
+
+
+def _image_options(a: argparse.Namespace) -> dict:
+    return {k: getattr(a, k) for k in ("media_root", "max_images_per_request", "max_image_mb", "max_images_mb",
+                                       "max_image_pixels", "image_formats")}
 
 
 def run_rollout_cli(argv: list[str]) -> None:

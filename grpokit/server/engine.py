@@ -13,7 +13,7 @@ from contextvars import ContextVar
 import torch
 
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
-from grpokit.errors import ConfigError
+from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 from grpokit.wire.bodies import TensorMeta
 from grpokit.wire.weights import dtype_name, parse_dtype
@@ -67,10 +67,26 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
 
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         try:
+            if getattr(self.template, "multimodal", False):  # the text path checks the context as it encodes
+                self._check_mm_context(requests, config.max_tokens)
             with self.lock:
                 return super().infer(requests, config)
         finally:
             self._forget(requests)
+
+    def _check_mm_context(self, requests: list[RolloutInferRequest], max_tokens: int) -> None:
+        """ConfigError (answered 400) when a prompt, image tokens included, plus ``max_tokens`` does not fit.
+        The processor's encoding is memoised, so sampling does not encode again."""
+        for i, r in enumerate(requests):
+            try:
+                ids, _ = self.template.encode_request(r)
+            except DataError:  # more image placeholders than images: answered 400 as it is
+                raise
+            except Exception as e:  # noqa: BLE001 - a conversation the template or processor cannot encode
+                raise ConfigError(f"request {i}: the processor cannot encode this prompt: {type(e).__name__}: "
+                                  f"{str(e)[:200]}") from e
+            if len(ids) + max_tokens > self.max_model_len:
+                raise ConfigError(context_message(i, len(ids), max_tokens, self.max_model_len))
 
     def check_weights(self, metas: list[TensorMeta]) -> list[str]:
         """Problems with loading these tensors (unknown name, other shape, dtype that cannot cast); [] if none."""
@@ -106,6 +122,8 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
 def model_context(model, limit: int | None) -> int:
     """The context a transformers model serves: its ``max_position_embeddings``, or ``limit`` when smaller."""
     positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None and hasattr(model.config, "get_text_config"):  # a vision-language model's language model
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and positions is not None and limit > positions:
         raise ConfigError(f"--vllm_max_model_len {limit}: the model has {positions} positions "
                           "(max_position_embeddings); use at most that")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from grpokit.errors import ConfigError
+from grpokit.server.media import DEFAULT_FORMATS, KNOWN_FORMATS, ImageLimits
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,13 @@ class ServerOptions:
     max_prefill_mb: float = 128.0  # transformers engine: attention memory of one generate call's prefill
     max_weight_bucket_mb: float = 1024.0  # largest weight-sync bucket holding several tensors
     max_sync_timeout_s: float = 300.0  # caps the timeout_s of /init_communicator/ (rendezvous, each broadcast)
+    # images on requests (server/media.py): where paths may point, and the bounds of what a request may send
+    media_root: list[str] = field(default_factory=list)
+    max_images_per_request: int = 16
+    max_image_mb: float = 16.0
+    max_images_mb: float = 256.0
+    max_image_pixels: int = 4096 * 4096
+    image_formats: list[str] = field(default_factory=lambda: list(DEFAULT_FORMATS))
     # swift rollout's vLLM options, same names; max_model_len also bounds the transformers engine's context
     vllm_max_model_len: int | None = None
     vllm_gpu_memory_utilization: float | None = None  # None: the vLLM engine's default
@@ -45,11 +54,15 @@ class ServerOptions:
     vllm_data_parallel_size: int = 1
     vllm_enable_lora: bool = False
     vllm_use_async_engine: bool = False
+    # swift rollout's template option: the default enable_thinking of the server's chat template (prompts that carry
+    # the trainer's chat-template kwargs keep theirs); None: the template's own default
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "vllm"):
             raise ConfigError(f"--engine {self.engine}: unknown engine; use transformers or vllm")
         self._check_limits()
+        self._check_image_options()
         self._check_vllm_options()
         if self.max_batch_requests < 1:
             raise ConfigError(f"--max_batch_requests {self.max_batch_requests}: must be at least 1")
@@ -78,6 +91,28 @@ class ServerOptions:
             raise ConfigError(f"--max_sync_timeout_s {self.max_sync_timeout_s}: must be in (0, {MAX_SYNC_TIMEOUT_S:g}]")
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
             raise ConfigError(f"--vllm_max_model_len {self.vllm_max_model_len}: must be at least 2")
+
+    def _check_image_options(self) -> None:
+        for flag in ("max_images_per_request", "max_image_mb", "max_images_mb", "max_image_pixels"):
+            if getattr(self, flag) <= 0:
+                raise ConfigError(f"--{flag} {getattr(self, flag)}: must be positive")
+        self.image_formats = [f.upper() for f in self.image_formats]
+        unknown = [f for f in self.image_formats if f not in KNOWN_FORMATS]
+        if unknown or not self.image_formats:
+            raise ConfigError(f"--image_formats {' '.join(self.image_formats)}: give one or more of "
+                              f"{' '.join(KNOWN_FORMATS)}")
+        for root in self.media_root:
+            if not Path(root).is_dir():
+                raise ConfigError(f"--media_root {root}: no such directory; give a directory whose images requests "
+                                  "may name by path")
+
+    def image_limits(self) -> ImageLimits:
+        """The bounds on request images (paths resolved now, so a symlink swapped later cannot widen them)."""
+        mb = 1024 * 1024
+        return ImageLimits(max_images_per_request=self.max_images_per_request,
+                           max_image_bytes=int(self.max_image_mb * mb), max_call_image_bytes=int(self.max_images_mb * mb),
+                           max_image_pixels=self.max_image_pixels, formats=tuple(self.image_formats),
+                           media_roots=tuple(Path(r).resolve() for r in self.media_root))
 
     def _check_vllm_options(self) -> None:
         """Every vLLM option is honoured or refused, never ignored."""
@@ -117,6 +152,10 @@ class ServerOptions:
         if self.vllm_gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
         return extra
+
+    def chat_template_kwargs(self) -> dict:
+        """The server's chat-template kwargs (under those a prompt carries from the trainer)."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     @property
     def max_body_bytes(self) -> int:

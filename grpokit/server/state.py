@@ -17,6 +17,7 @@ from grpokit.server.options import ServerOptions
 from grpokit.server.vllm_served import ServedVllmEngine
 from grpokit.server.weight_sync import WeightReceiver
 from grpokit.template.encode import ChatTemplate
+from grpokit.template.processor import is_vlm_folder, load_processor, make_template
 
 
 class ServerState:
@@ -27,8 +28,14 @@ class ServerState:
         self.engine = engine
         self.scheduler = scheduler
         self.receiver = WeightReceiver(max_timeout_s=options.max_sync_timeout_s)
+        self.image_limits = options.image_limits()
         self.inflight = 0  # requests inside /infer/ now (the event loop is the only writer)
         self.weight_version = 0  # number of completed weight updates
+
+    @property
+    def multimodal(self) -> bool:
+        """The served model takes images (its template is the processor's)."""
+        return bool(getattr(getattr(self.engine, "template", None), "multimodal", False))
 
     def engine_info(self) -> dict:
         o = self.options
@@ -41,6 +48,7 @@ class ServerState:
             "use_gym_env": bool(o.gym_env),
             "uses_env_reward": bool(getattr(self.scheduler, "uses_env_reward", False)),
             "gym_env": o.gym_env,
+            "enable_thinking": o.enable_thinking,
             "completion_length_limit_scope": getattr(self.scheduler, "completion_length_limit_scope", None),
             "loss_scale": getattr(self.scheduler, "loss_scale", None),
             "max_batch_requests": o.max_batch_requests,
@@ -51,6 +59,10 @@ class ServerState:
             "weight_version": self.weight_version,
             "communicator": self.receiver.is_open,
             "inflight_requests": self.inflight,  # load now; tests wait on it to act while a batch is served
+            "multimodal": self.multimodal,
+            "max_images_per_request": o.max_images_per_request,
+            "max_image_mb": o.max_image_mb,
+            "media_root": bool(o.media_root),
         }
         if hasattr(self.engine, "info"):
             info.update(self.engine.info())
@@ -67,15 +79,31 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
     if engine != "transformers":
         raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
     tokenizer = load_tokenizer(model_path)
-    model = load_causal_lm(model_path, torch_dtype(torch_dtype_name, for_training_weights=False))
+    dtype = torch_dtype(torch_dtype_name, for_training_weights=False)
+    vlm = is_vlm_folder(model_path)
+    model = load_served_vlm(model_path, dtype) if vlm else load_causal_lm(model_path, dtype)
     if torch.cuda.is_available():
         model = model.to("cuda")
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    served = ServedTransformersEngine(model, ChatTemplate(tokenizer), max_batch_size=max_batch_size,
+    # a vision-language model: its processor is the template, loaded as the trainer loads it (same prompt ids)
+    template = make_template(load_processor(model_path, tokenizer)) if vlm else ChatTemplate(tokenizer)
+    served = ServedTransformersEngine(model, template, max_batch_size=max_batch_size,
                                       max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
     served.fast_decode = fast_decode
     return served
+
+
+def load_served_vlm(model_path: str, dtype):
+    """A vision-language model as the trainer loads one (``AutoModelForImageTextToText``), so that its parameter
+    names are the trainer's and weight sync maps one to one."""
+    from transformers import AutoModelForImageTextToText  # not at the top: text-only servers never need it
+
+    try:
+        return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"--model {model_path}: cannot load as a vision-language model "
+                          f"({str(e).splitlines()[0]})") from e
 
 
 def build_scheduler(options: ServerOptions, engine):
@@ -103,4 +131,5 @@ def build_state(options: ServerOptions) -> ServerState:
     engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size,
                                  options.fast_decode, options.vllm_max_model_len, options.vllm_settings(),
                                  options.max_prefill_mb)
+    engine.template.chat_template_kwargs.update(options.chat_template_kwargs())  # --enable_thinking
     return ServerState(options, engine, build_scheduler(options, engine))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grpokit.engines.transformers_engine import context_message
 from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
-from grpokit.errors import ConfigError
+from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.server.engine import CancellableRequests
 
@@ -34,7 +34,12 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
 
     def infer(self, requests, config: RequestConfig) -> list[ChatCompletionResponse]:
         try:
-            prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: no second render
+            if getattr(self.template, "multimodal", False):  # image tokens count: the processor's ids (memoised)
+                prompts = [self.template.encode_request(r)[0] for r in requests]
+            else:
+                prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: no second render
+        except DataError:  # more image placeholders than images: answered 400 as it is
+            raise
         except Exception as e:  # noqa: BLE001 - a conversation the template cannot render
             raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
                               f"{str(e)[:200]}") from e

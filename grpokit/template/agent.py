@@ -7,7 +7,10 @@
   (``<tools>`` … ``</tools>``; calls come back as ``<tool_call>{"name": …, "arguments": …}</tool_call>``).
 - ``react_en``: the system message becomes a ReAct prompt (Thought / Action / Action Input / Observation / Final
   Answer) listing the tools.
-Both match the layout of ms-swift's agent templates of the same names. Other ms-swift agent templates are refused.
+- ``react_grpo``: as react_en, with the reasoning in ``<think>…</think>`` before each ``Action:`` (the format the
+  rewards ``react_format`` and ``toolbench`` score), for GRPO on tool calls.
+All match the layout of ms-swift's agent templates of the same names (the instructions are worded by grpokit).
+Other ms-swift agent templates are refused.
 """
 
 from __future__ import annotations
@@ -63,16 +66,22 @@ def _hermes(tools: list[dict], system: str | None) -> str:
             "<args-json-object>}\n</tool_call>")
 
 
-def _react_en(tools: list[dict], system: str | None) -> str:
-    described, names = [], []
+def _react_tools(tools: list[dict]) -> list[tuple[str, str, str]]:
+    """(name, description, parameters as JSON text) of each tool, for the ReAct prompts."""
+    out = []
     for tool in tools:
         f = tool.get("function", tool)
         params = f.get("parameters") or {}
-        params = params if isinstance(params, str) else json.dumps(params, ensure_ascii=False)
-        names.append(f["name"])
-        described.append(f"{f['name']}: Call this tool to interact with the {f['name']} API. What is the "
-                         f"{f['name']} API useful for? {f.get('description', '')} Parameters: {params} "
-                         "Format the arguments as a JSON object.")
+        out.append((f["name"], f.get("description", ""),
+                    params if isinstance(params, str) else json.dumps(params, ensure_ascii=False)))
+    return out
+
+
+def _react_en(tools: list[dict], system: str | None) -> str:
+    listed = _react_tools(tools)
+    names = [name for name, _, _ in listed]
+    described = [f"{name}: Call this tool to interact with the {name} API. What is the {name} API useful for? "
+                 f"{desc} Parameters: {params} Format the arguments as a JSON object." for name, desc, params in listed]
     return ("Answer the following questions as best you can. You have access to the following tools:\n\n"
             + "\n\n".join(described)
             + "\n\nUse the following format:\n\nQuestion: the input question you must answer\n"
@@ -84,18 +93,39 @@ def _react_en(tools: list[dict], system: str | None) -> str:
             "\n\nBegin!\n")
 
 
+def _react_grpo(tools: list[dict], system: str | None) -> str:
+    """ms-swift's react_grpo layout (the markers the model writes and the rewards react_format and toolbench parse:
+    ``<think>…</think>``, ``Action:``, ``Action Input:``, ``Observation:``, ``Final Answer:``; one line per tool with
+    its name, description and JSON parameters), in grpokit's own, shorter words. Like react_en it replaces the
+    system message."""
+    listed = _react_tools(tools)
+    names = [name for name, _, _ in listed]
+    return ("Answer the user's question; call a tool when it helps. Each reply starts with your reasoning between "
+            "<think> and </think>, then either a tool call or the answer.\n\nTools:\n\n"
+            + "\n\n".join(f"{name}: {desc} Parameters: {params}" for name, desc, params in listed)
+            + "\n\nReply layout:\n\n<think>what to do next</think>\n"
+            f"Action: one name from [{','.join(names)}]\n"
+            "Action Input: the arguments, as a JSON object\n"
+            "Observation: the tool's result (written by the caller, not by you)\n"
+            "... (think, Action, Action Input and Observation may repeat)\n"
+            "Final Answer: your answer to the question\n\nBegin!\n")
+
+
 # name → (tools, system or None) → the new system message text
-AGENT_TEMPLATES: dict[str, Callable[[list[dict], str | None], str]] = {"hermes": _hermes, "react_en": _react_en}
+AGENT_TEMPLATES: dict[str, Callable[[list[dict], str | None], str]] = {
+    "hermes": _hermes, "react_en": _react_en, "react_grpo": _react_grpo}
 
 
 def check_agent_template(name: str | None) -> None:
     if name is not None and name not in AGENT_TEMPLATES:
-        raise ConfigError(f"--agent_template {name}: not implemented in grpokit; use hermes or react_en, or leave "
-                          "it unset to render tools with the model's own chat template (its tools= argument)")
+        raise ConfigError(f"--agent_template {name}: not implemented in grpokit; use hermes, react_en or "
+                          "react_grpo, or leave it unset to render tools with the model's own chat template (its "
+                          "tools= argument)")
 
 
 def add_tools(messages: list[dict], tools: list[dict], agent_template: str | None) -> list[dict]:
-    """The prompt with ``tools`` in it: in the system message (hermes, react_en) or as the chat template's tools."""
+    """The prompt with ``tools`` in it: in the system message (hermes, react_en, react_grpo) or as the chat
+    template's tools."""
     messages = [dict(m) for m in messages]
     if not tools:
         return messages

@@ -120,19 +120,23 @@ class ProcessorTemplate(ChatTemplate):
 
     multimodal = True
 
-    def __init__(self, processor, system: str | None = None, *, chat_template_kwargs: dict | None = None) -> None:
+    def __init__(self, processor, system: str | None = None, *, chat_template_kwargs: dict | None = None,
+                 max_length: int | None = None, truncation_strategy: str = "left") -> None:
         self.processor = processor
         tokenizer = processor.tokenizer
         if getattr(tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template
-        super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs)
-        self._mm: OrderedDict[tuple, tuple[list[int], MMRow]] = OrderedDict()
+        super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs, max_length=max_length,
+                         truncation_strategy=truncation_strategy)
+        self._mm: OrderedDict[tuple, tuple[list[int], MMRow, int]] = OrderedDict()  # ids, row, tokens cut
         self._pinned: dict[str, tuple[tuple, list[int], MMRow]] = {}  # request_id → a later turn's prompt
         # sampling must never emit an image (or other special) token: the training forward would then look for
         # an image that is not there ("Image features and image tokens do not match")
         special = set(tokenizer.all_special_ids)
         special |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self.blocked_token_ids = sorted(special - {self.eos_token_id})
+        self._special = special
+        self.image_token_ids = _image_token_ids(processor)
 
     def render_prompt(self, messages: list[dict]) -> str:
         if count_placeholders(messages):  # a reply's own text "<image>" is text, never an image slot
@@ -155,16 +159,72 @@ class ProcessorTemplate(ChatTemplate):
             return self.encode_prompt(messages), MMRow()
         key = (_memo_key(messages), tuple(_fingerprint(i) for i in images))
         if key not in self._mm:
-            text = self.render_mm(messages, len(images))
-            pil = [load_image(i) for i in images]
-            out = self.processor(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
-            ids = out["input_ids"][0].tolist()
-            tensors = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-            self._mm[key] = (ids, MMRow(tensors))
+            ids, tensors = self.expand(messages, images)
+            ids, tensors, cut = self._cut(ids, tensors)
+            self._mm[key] = (ids, MMRow(tensors), cut)
             while len(self._mm) > _MEMO_SIZE:
                 self._mm.popitem(last=False)
-        ids, row = self._mm[key]
+        ids, row, _ = self._mm[key]
         return list(ids), row
+
+    def expand(self, messages: list[dict], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The processor's prompt ids (image slots expanded into image tokens) and tensors, before --max_length."""
+        text = self.render_mm(messages, len(images))
+        out = self.processor(text=[text], images=[[load_image(i) for i in images]], return_tensors="pt",
+                             add_special_tokens=False)
+        return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+
+    def tokens_cut(self, messages: list[dict], images: list) -> int:
+        """How many prompt ids ``encode_mm`` cut off (``--truncation_strategy`` left: at the start, right: at the
+        end) to fit ``--max_length``; 0 for a prompt that fits."""
+        if not images:
+            return 0
+        self.encode_mm(messages, images)
+        return self._mm[(_memo_key(messages), tuple(_fingerprint(i) for i in images))][2]
+
+    def image_spans(self, ids: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of each image's tokens: a run of image tokens with the special tokens around it (Qwen-VL's
+        vision start/end, Idefics3's fake-token and global-image tags, Gemma3's begin/end of image)."""
+        spans: list[tuple[int, int]] = []
+        k = 0
+        while k < len(ids):
+            if ids[k] not in self.image_token_ids:
+                k += 1
+                continue
+            a, b = k, k
+            while b < len(ids) and ids[b] in self.image_token_ids:
+                b += 1
+            while a > 0 and ids[a - 1] in self._special and ids[a - 1] != self.eos_token_id:
+                a -= 1
+            while b < len(ids) and ids[b] in self._special and ids[b] != self.eos_token_id:
+                b += 1
+            spans.append((a, b))
+            k = b
+        return spans
+
+    def cut_crosses_images(self, ids: list[int]) -> bool:
+        """The --truncation_strategy left/right cut of these (over-long) ids would remove image tokens."""
+        n = len(ids) - (self.max_length or len(ids))
+        if n <= 0 or self.truncation_strategy not in ("left", "right"):
+            return False
+        spans = self.image_spans(ids)
+        if self.truncation_strategy == "left":
+            return any(a < n for a, _ in spans)
+        return any(b > self.max_length for _, b in spans)
+
+    def _cut(self, ids: list[int], tensors: dict) -> tuple[list[int], dict, int]:
+        """--max_length left/right on an expanded prompt: ids and per-token tensors cut alike, every image kept.
+        DataError when the cut would pass through an image's tokens (the load-time check names the row)."""
+        n = len(ids) - (self.max_length or len(ids))
+        if n <= 0 or self.truncation_strategy not in ("left", "right"):
+            return ids, tensors, 0
+        if self.cut_crosses_images(ids):
+            raise DataError(f"--max_length {self.max_length} --truncation_strategy {self.truncation_strategy}: a "
+                            f"{len(ids)}-token prompt would be cut through its image tokens; use "
+                            "--truncation_strategy delete")
+        keep = slice(n, None) if self.truncation_strategy == "left" else slice(0, self.max_length)
+        tensors = {k: (v.reshape(1, -1)[:, keep] if k in TOKEN_KEYS else v) for k, v in tensors.items()}
+        return ids[keep], tensors, n
 
     # -- later turns: the trajectory's own tokens as the next prompt ----------------------------------------
     def pin(self, request_id: str, messages: list[dict], images: list, ids: list[int], row: MMRow) -> None:
@@ -254,6 +314,17 @@ class ProcessorTemplate(ChatTemplate):
         sample.extra["mm"] = full.split(len(prompt_ids))
         sample.extra["images_end"] = images_end  # completion tokens up to the end of the last observation image
         return sample
+
+
+def _image_token_ids(processor) -> set[int]:
+    """Ids of the tokens an image expands into (ms-swift's placeholder tokens: the processor's image token)."""
+    tok = processor.tokenizer
+    ids = {getattr(processor, "image_token_id", None), getattr(tok, "image_token_id", None)}
+    for owner in (processor, tok):
+        token = getattr(owner, "image_token", None)
+        if isinstance(token, str):
+            ids.add(tok.convert_tokens_to_ids(token))
+    return {i for i in ids if isinstance(i, int) and i != tok.unk_token_id}
 
 
 def _key(messages: list[dict], images: list) -> tuple:

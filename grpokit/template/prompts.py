@@ -5,7 +5,9 @@ applies them once a tokenizer is loaded.
 ``PromptOptions.template`` builds the ``ChatTemplate`` that renders prompts with them, the same for the trainer
 and its engine; ``prepare_prompts`` puts each row's tools and chat-template kwargs into its prompt (they travel
 with it: ``grpokit.template.carry``) and applies ``--max_length`` with ``--truncation_strategy`` delete (drop the
-row) or raise (stop); left/right cut the prompt ids when they are encoded (``ChatTemplate``).
+row) or raise (stop); left/right cut the prompt ids when they are encoded (``ChatTemplate``). An image row's
+length is counted after the processor expanded its images; left/right must not cut through image tokens (checked
+here, per row).
 """
 
 from __future__ import annotations
@@ -80,11 +82,8 @@ class PromptOptions:
     def template(self, tokenizer, system: str | None = None) -> ChatTemplate:
         """The chat template with these options; for a multimodal model's processor, the processor template."""
         if hasattr(tokenizer, "image_processor"):  # template/processor.py
-            if self.max_length is not None:
-                raise ConfigError(f"--max_length {self.max_length}: not implemented for multimodal models yet (an "
-                                  "image's share of the prompt tokens is known only once the processor has run); "
-                                  "leave it unset")
-            return ProcessorTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs)
+            return ProcessorTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
+                                     max_length=self.max_length, truncation_strategy=self.truncation_strategy)
         return ChatTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
                             max_length=self.max_length, truncation_strategy=self.truncation_strategy)
 
@@ -124,12 +123,32 @@ def _carry(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
                   load_from_cache_file=opts.load_from_cache_file)
 
 
+def _prompt_lengths(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> list[int]:
+    """Each row's prompt length in tokens; image rows through the processor (image tokens counted), whose
+    left/right cut must not pass through image tokens (DataError naming the row)."""
+    messages = ds["messages"]
+    if not (getattr(template, "multimodal", False) and "images" in ds.column_names):
+        lengths: list[int] = []
+        for start in range(0, len(messages), 256):  # one tokenizer call per chunk
+            lengths += template.prompt_lengths(messages[start:start + 256])
+        return lengths
+    lengths = []
+    for i, (msgs, images) in enumerate(zip(messages, ds["images"], strict=True)):
+        if not images:
+            lengths += template.prompt_lengths([msgs])
+            continue
+        ids, _ = template.expand(msgs, images)
+        lengths.append(len(ids))
+        if template.cut_crosses_images(ids):
+            raise DataError(f"{source}: row {i} has a {len(ids)}-token prompt (images expanded), over --max_length "
+                            f"{opts.max_length}, and a --truncation_strategy {opts.truncation_strategy} cut would pass "
+                            "through its image tokens; use --truncation_strategy delete, or raise --max_length")
+    return lengths
+
+
 def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
     limit = opts.max_length
-    messages = ds["messages"]
-    lengths: list[int] = []
-    for start in range(0, len(messages), 256):  # one tokenizer call per chunk
-        lengths += template.prompt_lengths(messages[start:start + 256])
+    lengths = _prompt_lengths(ds, template, opts, source)
     over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return ds
@@ -161,8 +180,8 @@ def _check_renders_tools(template: ChatTemplate, source: str) -> None:
     probe = attach([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
     if "grpokit_probe_tool" not in template.render_prompt(probe):
         raise DataError(f"{source} has a 'tools' column, but the model's chat template does not render tools (its "
-                        "tools= argument); pass --agent_template hermes or react_en to write them into the system "
-                        "message, or drop the column")
+                        "tools= argument); pass --agent_template hermes, react_en or react_grpo to write them into the "
+                        "system message, or drop the column")
 
 
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:

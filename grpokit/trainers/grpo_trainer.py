@@ -32,6 +32,7 @@ from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.chord_sft import ChordSFT
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
 from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator
@@ -70,7 +71,7 @@ class GRPOTrainer:
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
-                 callbacks=None) -> None:
+                 callbacks=None, chord_sft_dataset=None) -> None:
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
         self.tokenizer = tokenizer
         self.eval_dataset = eval_dataset
@@ -100,6 +101,10 @@ class GRPOTrainer:
             accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
             log_completions=self.args.log_completions, offloader=self._offloader)
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
+        # CHORD (--chord_sft_dataset): an SFT term on expert rows mixed into each micro-batch's loss
+        self._chord = None if chord_sft_dataset is None else ChordSFT(
+            chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index)
         self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
         self.output_dir = self._outputs.output_dir
         self._step_metrics = MetricsAccumulator()
@@ -274,7 +279,17 @@ class GRPOTrainer:
             self.loss_cfg,
         )
         metrics.update(out.metrics)
-        return out.loss, metrics
+        if self._chord is None:
+            return out.loss, metrics
+        loss, chord_metrics = self._chord.mix(out.loss, self.state.global_step, lambda b: self._sft_logps(model, b))
+        return loss, {**metrics, **chord_metrics}
+
+    def _sft_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
+        """CHORD: the expert reply tokens' logps, from plain logits (temperature 1, as an SFT loss takes them)."""
+        batch = batch.to(self.accelerator.device)
+        opts = ForwardOptions(temperature=1.0, chunk_size=self.args.logps_chunk_size,
+                              padding_free=self.args.padding_free, share_prompts=False)
+        return completion_logps(model, self._prepare_model_inputs(batch), batch.logits_to_keep, opts)[0]
 
     # ------------------------------------------------------------------------------------------------------
     # step bookkeeping
@@ -293,7 +308,10 @@ class GRPOTrainer:
             self.state.last_logs = logs
             self._outputs.log(logs)
             self._call("on_log", logs)
-            bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}")
+            chord = {"mu": f"{logs['chord/mu']:.3f}", "sft_loss": f"{logs['chord/sft_loss']:.4f}"} \
+                if "chord/mu" in logs else {}
+            bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}",
+                            **chord)
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
             self.evaluate()
         if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:
@@ -322,8 +340,9 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------------------
     def _save_checkpoint(self):
         in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
+        chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=self.state.prompts_consumed - in_flight)
+                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord)
         self._call("on_save", str(ckpt))
         return ckpt
 
@@ -333,6 +352,8 @@ class GRPOTrainer:
             return
         self.state.global_step = loop["global_step"]
         self.state.prompts_consumed = self._producer.prompts.position = loop["prompts_consumed"]
+        if self._chord is not None:  # mu follows global_step; the SFT rows continue where the checkpoint left
+            self._chord.position = loop.get("chord_sft_consumed", 0)
         self.engine.sync_weights(self.policy)
 
     def evaluate(self) -> dict:

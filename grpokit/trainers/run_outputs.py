@@ -57,9 +57,11 @@ class RunOutputs:
         self._completions.close()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
-    def save_checkpoint(self, model, *, step: int, prompts_consumed: int, max_steps: int) -> Path:
+    def save_checkpoint(self, model, *, step: int, prompts_consumed: int, max_steps: int,
+                        extra: dict | None = None) -> Path:
         """accelerate's state (optimizer, schedule, RNGs), the model as ``save_pretrained`` writes it, the
-        tokenizer, and the loop's position; then the oldest checkpoints beyond --save_total_limit go."""
+        tokenizer, and the loop's position (with ``extra`` positions, e.g. CHORD's SFT rows); then the oldest
+        checkpoints beyond --save_total_limit go."""
         ckpt = self.output_dir / f"checkpoint-{step}"
         acc = self.accelerator
         acc.wait_for_everyone()
@@ -69,7 +71,7 @@ class RunOutputs:
             acc.unwrap_model(model).save_pretrained(ckpt, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(ckpt)
             loop = {"global_step": step, "prompts_consumed": prompts_consumed, "max_steps": max_steps,
-                    "python_random": repr(random.getstate()[1][:3])}
+                    "python_random": repr(random.getstate()[1][:3]), **(extra or {})}
             (ckpt / STATE_FILE).write_text(json.dumps(loop, indent=2))
             self._rotate_checkpoints()
         acc.wait_for_everyone()

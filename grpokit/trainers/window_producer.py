@@ -114,12 +114,15 @@ class WindowProducer:
         kwargs: dict[str, Any] = {}
         for col in {k for r in requests for k in r.data_dict}:
             kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
+        images = [_trajectory_images(o, by_id) for o in outputs]  # the row's, then those of later turns
+        if any(images):  # as ms-swift: a trajectory's images replace the row's column
+            kwargs["images"] = images
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
         trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
-        for o in outputs:
+        for o, imgs in zip(outputs, images):
             row = swift_kwargs(by_id[o.request_id].data_dict)  # the dataset columns, no hidden ones
             trajectories.setdefault(o.request_id, []).append(
-                {**row, "messages": o.messages, "rollout_infos": o.rollout_infos})
+                {**row, **({"images": imgs} if imgs else {}), "messages": o.messages, "rollout_infos": o.rollout_infos})
         kwargs.update(
             messages=[o.messages for o in outputs], response_token_ids=token_ids, completion_ids=token_ids,
             rollout_infos=[o.rollout_infos for o in outputs],

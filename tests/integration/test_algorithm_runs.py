@@ -293,3 +293,30 @@ def test_fast_decode_flag_chooses_the_sampler(tiny_model_dir, math_jsonl, tmp_pa
     assert trainer.engine.fast_decode is (fast == "true")
     assert calls == ({"fast": 1, "hf": 0} if fast == "true" else {"fast": 0, "hf": 1})  # one window: 2 steps
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps):
+    """--loss_type real: per micro-step (one group of 4: per_device_train_batch_size = num_generations), the
+    trainer's loss is REAL's classification loss on the mean log-ratios (τ = 0.5) plus β·KL as a token mean; only
+    is_ratio/mean and kl are logged; rewards are unscaled; the policy moved."""
+    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
+                           ["--loss_type", "real", "--beta", "0.04", "--stop_words", "e"])
+    assert (trainer.loss_cfg.num_generations, trainer.loss_cfg.real_tau) == (4, 0.5)
+    assert trainer.cfg.algorithm.scale_rewards == "none"
+    assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
+    for step in micro_steps:
+        mask = step["mask"]
+        keep = mask > 0
+        lp, old, ref = (torch.where(keep, step[k], 0.0) for k in ("logps", "old", "ref"))
+        s = ((lp - old) * mask).sum(1) / mask.sum(1).clamp(min=1) / 0.5  # logits s_k / τ
+        pos = step["adv"] > 0
+        real = (torch.log1p(torch.exp(s[~pos]).sum()) + torch.log1p(torch.exp(-s[pos]).sum())
+                if pos.any() and (~pos).any() else torch.tensor(0.0))
+        kl = torch.exp(ref - lp) - (ref - lp) - 1
+        loss = real + 0.04 * (kl * mask).sum() / mask.sum()
+        assert step["loss"] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)
+        assert set(step["metrics"]) == {"is_ratio/mean", "kl"}
+    assert any(float(s["adv"].abs().max()) > 0 for s in micro_steps)  # a group with both labels
+    policy = dict(trainer.policy.named_parameters())
+    ref = dict(trainer.ref_model.named_parameters())
+    assert all(not policy[n].detach().equal(ref[n]) for n in ref if n.endswith("q_proj.weight"))  # it trained

@@ -92,15 +92,15 @@ def test_trainer_logps_equal_engine_logprobs_and_splitting_keeps_the_loss(family
     torch.testing.assert_close(whole, torch.stack(halves).mean(), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_changing_only_the_image_changes_the_logps(family, vlm_dirs):
+def _next_token_logps(model_dir) -> torch.Tensor:
+    """[3, V]: the model's next-token logps after the same question about a red, a green and a blue image."""
     from PIL import Image
 
     from grpokit.config.args import ModelArguments
     from grpokit.pipeline.models import load_policy
     from grpokit.template.processor import ProcessorTemplate, collate_mm
 
-    model, processor, _ = load_policy(ModelArguments(model=str(vlm_dirs[family]), torch_dtype="float32"), 0.0)
+    model, processor, _ = load_policy(ModelArguments(model=str(model_dir), torch_dtype="float32"), 0.0)
     template = ProcessorTemplate(processor)
     messages = [{"role": "user", "content": "<image>What colour is this image?"}]
     prompts = [template.encode_mm(messages, [Image.new("RGB", (16, 16), c)]) for c in COLOURS.values()]
@@ -109,9 +109,21 @@ def test_changing_only_the_image_changes_the_logps(family, vlm_dirs):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
                     **collate_mm([p[1] for p in prompts], ids.shape[1]))
-    logps = torch.log_softmax(out.logits[:, -1].float(), -1)
+    return torch.log_softmax(out.logits[:, -1].float(), -1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_changing_only_the_image_changes_the_logps(family, vlm_dirs, tmp_path):
+    """... and with ``--zero_aligner`` (the colours example's model) it does not: every image reaches the language
+    model as the same zero embeddings until the aligner trains."""
+    from grpokit.testing_vlm import build_tiny_vlm
+
+    logps = _next_token_logps(vlm_dirs[family])
     assert (logps[0] - logps[1]).abs().max() > 1e-4
     assert (logps[0] - logps[2]).abs().max() > 1e-4
+    blind = _next_token_logps(build_tiny_vlm(tmp_path / "zero", family, zero_aligner=True))
+    torch.testing.assert_close(blind[0], blind[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(blind[0], blind[2], atol=1e-6, rtol=0)
 
 
 def _changed(before: dict, model) -> dict[str, bool]:

@@ -13,7 +13,7 @@ from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
 from grpokit.rewards import orms, rm_plugins
 from grpokit.rollout.env import envs
 from grpokit.rollout.multi_turn import multi_turns
-from third_party import swift_plugin, trl_reward_examples
+from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def _rows(n: int = 4) -> list[dict]:
              "reward_model": {"ground_truth": str(k + 2)}} for k in range(n)]
 
 
-def _train(model_dir: Path, tmp_path: Path, plugin: Path, rows: list[dict], extra: list[str]) -> Path:
+def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict], extra: list[str]) -> Path:
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
@@ -61,8 +61,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path, rows: list[dict], extr
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cfg = parse_train_args([
-        "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out), "--external_plugins",
-        str(plugin), "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+        "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
+        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
         "--max_completion_length", "12", "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32",
         "--seed", "0", "--log_completions", "true", "--plots", "false", "--save_final_model", "false",
         "--disable_tqdm", "true", *extra])
@@ -167,6 +167,35 @@ def test_trl_conversational_example_reads_messages_from_a_conversational_dataset
         assert r["rewards/trl_ex1_token_length/mean"] >= 1.0
         assert r["rewards/trl_ex1_1_char_length/mean"] > 1.0  # texts (a message list would count 1)
         assert r["rewards/trl_ex5_async/mean"] == 1.0  # a non-empty message list scores 1
+
+
+def test_trl_examples_by_import_path_train_with_no_registration_at_all(tiny_model_dir, tmp_path):
+    """TRL's CLI form, ``--reward_funcs module.function``: each documentation example is a module of its own, as
+    written, with no grpokit line in it; functions named this way are called TRL's way (Example 2 included, whose
+    signature alone would read as ms-swift's), and the format follows the dataset (here conversational)."""
+    paths = trl_reward_modules(Path.cwd())  # from the TRL mirror; the current directory is searched first
+    names = [paths[n] for n in ("trl_ex1_token_length", "trl_ex2_format", "trl_ex5_async")]
+    rows = [{"prompt": [{"role": "user", "content": f"What is {k} + 1?"}]} for k in range(4)]
+    out = _train(tiny_model_dir, tmp_path, None, rows, ["--reward_funcs", *names])
+    for r in _logs(out):
+        assert r[f"rewards/{paths['trl_ex2_format']}/mean"] == 0.0  # message lists read; no <think> written
+        assert r[f"rewards/{paths['trl_ex1_token_length']}/mean"] >= 1.0  # completion_ids by keyword
+        assert r[f"rewards/{paths['trl_ex5_async']}/mean"] == 1.0  # awaited; a non-empty message list scores 1
+
+
+def test_an_import_path_that_names_no_function_stops_the_run_in_one_line(tmp_path):
+    from grpokit.errors import ConfigError
+    from grpokit.rewards import build_reward_funcs
+
+    (Path.cwd() / "my_trl_rewards.py").write_text("class Scorer:\n    pass\n\nTHRESHOLD = 0.5\n")
+    with pytest.raises(ConfigError, match=r"unknown reward function \(and no module 'no_such_module'.*registered: "):
+        build_reward_funcs(["no_such_module.reward"])
+    with pytest.raises(ConfigError, match=r"my_trl_rewards.Scorer is a class; an import path must name a reward"):
+        build_reward_funcs(["my_trl_rewards.Scorer"])
+    with pytest.raises(ConfigError, match=r"my_trl_rewards.missing is nothing"):
+        build_reward_funcs(["my_trl_rewards.missing"])
+    with pytest.raises(ConfigError, match=r"my_trl_rewards.THRESHOLD is float"):
+        build_reward_funcs(["my_trl_rewards.THRESHOLD"])
 
 
 def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_model_dir, tmp_path):

@@ -6,7 +6,8 @@ mirror of the project (``$GRPOKIT_MIRRORS/<owner>+<name>/repo``, default ``/work
 ``git clone --mirror``), and skips with the reason when the mirror is absent. The only edits are the ones a user
 makes when porting: ms-swift's imports renamed (``swift.`` → ``grpokit.swift.``), and for TRL's examples the
 lines that register each function in ``orms`` (TRL passes functions to its trainer; grpokit looks them up by name),
-``trl_convention(f)`` where the signature alone reads as ms-swift's (``TRL_MARKED``).
+``trl_convention(f)`` where the signature alone reads as ms-swift's (``TRL_MARKED``). ``trl_reward_modules``
+writes each example as a module of its own with no edit at all, for ``--reward_funcs module.function`` (TRL's CLI).
 """
 
 from __future__ import annotations
@@ -70,22 +71,38 @@ def swift_plugin(dest: Path) -> Path:
 def trl_reward_examples(dest: Path) -> Path:
     """A plugin file: each TRL documentation example's imports and functions, as written there, each followed
     by the lines that register its functions (``TRL_EXAMPLES``)."""
-    doc = read_source(TRL, "docs/source/grpo_trainer.md")
     parts = ["from grpokit.rewards import orms, trl_convention\n", _EXAMPLE_4_HELPERS]
     for heading, names in TRL_EXAMPLES.items():
-        code = _first_definition_block(doc, heading)
-        tree = ast.parse(code)
-        kept = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                or (isinstance(node, (ast.Import, ast.ImportFrom)) and not _imports_a_trainer(node))]
         parts.append(f"# --- {heading} ---")
-        parts += [ast.get_source_segment(code, node) for node in kept]
-        defined = {node.name for node in kept if not isinstance(node, (ast.Import, ast.ImportFrom))}
-        assert set(names) <= defined, f"TRL's {heading} no longer defines {set(names) - defined}"
+        parts += _example_code(heading, names)
         for func, name in names.items():
             parts.append(f"orms[{name!r}] = trl_convention({func})" if name in TRL_MARKED
                          else f"orms[{name!r}] = {func}")
     dest.write_text("\n\n".join(parts) + "\n")
     return dest
+
+
+def trl_reward_modules(folder: Path) -> dict[str, str]:
+    """Each TRL documentation example as a module of its own in ``folder`` (its imports and functions as written,
+    nothing added but Example 4's helpers); {registered name in TRL_EXAMPLES: "module.function"}."""
+    paths = {}
+    for heading, names in TRL_EXAMPLES.items():
+        module = "trl_doc_" + re.sub(r"\W", "_", heading.rstrip(":").lower().replace("example ", "ex"))
+        helpers = [_EXAMPLE_4_HELPERS] if heading == "Example 4:" else []
+        (folder / f"{module}.py").write_text("\n\n".join(helpers + _example_code(heading, names)) + "\n")
+        paths.update({name: f"{module}.{func}" for func, name in names.items()})
+    return paths
+
+
+def _example_code(heading: str, names: dict[str, str]) -> list[str]:
+    """The imports and function definitions of TRL's example ``heading``, as written in its documentation."""
+    code = _first_definition_block(read_source(TRL, "docs/source/grpo_trainer.md"), heading)
+    tree = ast.parse(code)
+    kept = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            or (isinstance(node, (ast.Import, ast.ImportFrom)) and not _imports_a_trainer(node))]
+    defined = {node.name for node in kept if not isinstance(node, (ast.Import, ast.ImportFrom))}
+    assert set(names) <= defined, f"TRL's {heading} no longer defines {set(names) - defined}"
+    return [ast.get_source_segment(code, node) for node in kept]
 
 
 def _first_definition_block(doc: str, heading: str) -> str:

@@ -121,7 +121,7 @@ def test_train_help_lists_the_ms_swift_flags_and_builtin_names_without_torch():
 
 def test_train_help_with_a_plugin_lists_its_names(algo_plugin):
     text, _ = _train_help("--external_plugins", str(algo_plugin))
-    assert "registered: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, gk_pg" in text
+    assert "registered: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, real, gk_pg" in text
     assert "registered: grpo, rloo, reinforce_plus_plus, gk_above_mean" in text
 
 

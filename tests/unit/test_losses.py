@@ -248,7 +248,7 @@ def test_fully_masked_row_no_nan(loss_type, level):
                      advantages=t([1.0, -1.0, 1.0]), mask=torch.cat([base.mask, t([[0.0] * 3])]),
                      ref_logps=torch.cat([base.old_logps, t([[NEG_INF] * 3])]), num_items=6.0)
     out, grad = run(LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0
-                               if loss_type == "cispo" else 0.2, beta=0.04), inp)
+                               if loss_type == "cispo" else 0.2, beta=0.04, num_generations=3), inp)  # real: 1 group
     assert torch.equal(grad[2], torch.zeros(3, dtype=torch.float64))
     assert all(torch.isfinite(v) for v in out.metrics.values())
 
@@ -349,7 +349,7 @@ def test_unusual_is_level_warns_not_refuses(caplog, loss_type, level, warns):
 
 
 def test_registries_cover_every_loss_type():
-    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
+    names = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "real"}
     assert set(POLICY_LOSSES) == names and set(LOSS_NORMALIZERS) == names
     assert set(LOSS_CHECKS) <= names
     assert set(IS_LEVELS) == {"token", "sequence", "sequence_token"}

@@ -14,5 +14,7 @@ def test_colours_example_parses():
     assert cfg.data.dataset == ["builtin:colours"] and cfg.data.val_dataset == ["builtin:colours:test"]
     assert cfg.reward.reward_funcs == ["external_r1v_acc"]
     assert cfg.rollout.structured_outputs_regex == "(red|green|blue)"
-    assert (cfg.model.freeze_vit, cfg.model.freeze_aligner, cfg.model.tuner_type) == (True, True, "full")
+    # the model's aligner starts at zero (python -m grpokit.testing_vlm ... --zero_aligner) and must train
+    assert (cfg.model.freeze_vit, cfg.model.freeze_aligner, cfg.model.tuner_type) == (True, False, "full")
+    assert "--zero_aligner" in EXAMPLE.read_text()
     assert cfg.training.learning_rate == 3e-4

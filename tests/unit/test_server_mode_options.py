@@ -13,8 +13,16 @@ from grpokit.config.parse import parse_train_args
 from grpokit.engines.client import split_by_size
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
-from grpokit.rollout.remote import RemoteScheduler, check_server_rollout, last_round_only, trainer_plays_turns
+from grpokit.rollout.remote import (
+    RemoteScheduler,
+    check_server_rollout,
+    check_server_template,
+    last_round_only,
+    trainer_plays_turns,
+)
 from grpokit.server.cli import options_from_argv
+from grpokit.server.state import build_state
+from grpokit.testing import build_tiny_model
 
 SERVER = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1"]
 MULTI = {"model": "m", "enable_multi_turn": True, "multi_turn_scheduler": "thinking_tips_scheduler",
@@ -143,3 +151,35 @@ def test_rollout_takes_swift_rollouts_multi_turn_flags(monkeypatch, caplog):
     assert caplog.text.count("--vllm_use_async_engine true: no effect") == 1
     with pytest.raises(ConfigError, match="--use_gym_env False needs --multi_turn_scheduler"):
         options_from_argv(["--model", "m", "--use_gym_env", "false"])
+
+
+def test_rollout_enable_thinking_sets_the_servers_template_and_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
+    assert options_from_argv(["--model", "m"]).chat_template_kwargs() == {}
+    opts = options_from_argv(["--model", str(build_tiny_model(tmp_path / "m")), "--enable_thinking", "false"])
+    assert opts.enable_thinking is False and opts.chat_template_kwargs() == {"enable_thinking": False}
+    state = build_state(opts)
+    assert state.engine.template.chat_template_kwargs == {"enable_thinking": False}  # what the server renders with
+    assert state.engine_info()["enable_thinking"] is False
+    # a template that reads it (Qwen3's, shortened): the server's prompts get the empty think block ...
+    state.engine.template.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+        "assistant: {% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert state.engine.template.render_prompt(msgs).endswith("assistant: <think></think>")
+    # ... unless the trainer's own value travels with the prompt (grpokit.template.carry): it wins
+    carried = [{**msgs[0], "chat_template_kwargs": '{"enable_thinking": true}'}]
+    assert state.engine.template.render_prompt(carried).endswith("assistant: ")
+
+
+def test_the_trainer_must_render_as_the_server_does(caplog):
+    info = {"model": "m", "enable_thinking": False}
+    check_server_template(None, {"model": "m", "enable_thinking": None})  # server unset: the trainer's kwargs rule
+    check_server_template(False, info)
+    with pytest.raises(ConfigError, match="renders prompts with --enable_thinking false.*give the trainer "
+                                          "--enable_thinking false too"):
+        check_server_template(None, info)
+    with caplog.at_level(logging.WARNING):
+        check_server_template(True, info)
+    assert "--enable_thinking true: the rollout server's false is overridden" in caplog.text
+

@@ -10,6 +10,8 @@ import datasets
 import pytest
 
 from grpokit.errors import ConfigError, DataError
+from grpokit.rewards.shape_rewards import ReActFormat
+from grpokit.rewards.toolbench import ReactORM
 from grpokit.template.agent import add_tools
 from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
 from grpokit.template.prompts import PromptOptions, check_data_options, prepare_prompts
@@ -64,6 +66,30 @@ def test_react_en_makes_a_system_message_listing_the_tools():
     assert text.rstrip().endswith("Begin!")
 
 
+def test_react_grpo_lists_the_tools_and_asks_for_think_then_action():
+    [system, user] = add_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                               [WEATHER, CLOCK], "react_grpo")
+    text = system["content"]
+    assert system["role"] == "system" and user == {"role": "user", "content": "hi"}
+    assert "Be brief." not in text  # as react_en (and ms-swift's react templates): the tool prompt is the system
+    # one line per tool: name, description, JSON parameters
+    assert 'get_weather: Weather of a city. Parameters: {"type": "object", "properties": {"city": {"type": ' in text
+    assert "now: The time. Parameters: {}" in text
+    # the markers ms-swift's react_grpo uses, in its order
+    layout = text.split("Reply layout:\n\n")[1]
+    assert layout.startswith("<think>what to do next</think>\nAction: one name from [get_weather,now]\n"
+                             "Action Input: ")
+    assert [m for m in ("Observation:", "Final Answer:") if m in layout] == ["Observation:", "Final Answer:"]
+    assert text.rstrip().endswith("Begin!")
+
+
+def test_a_reply_in_the_react_grpo_format_earns_the_react_rewards():
+    reply = '<think>The user wants the weather.</think>\nAction: get_weather\nAction Input: {"city": "Paris"}'
+    solution = 'Action: get_weather\nAction Input: {"city": "Paris"}'
+    assert ReActFormat()([reply, "Action: get_weather"]) == [1.0, 0.0]
+    assert ReactORM()([reply], solution=[solution]) == [1.0]
+
+
 def test_native_tools_reach_the_chat_template_through_every_engine_path(tokenizer):
     opts = PromptOptions()
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}],
@@ -86,7 +112,7 @@ def test_bad_tools_and_unknown_agent_template_are_refused():
                                       "tools": json.dumps([{"description": "x"}])}])
     with pytest.raises(DataError, match="a tool has no name"):
         prepare_prompts(ds, None, PromptOptions(), "d")
-    with pytest.raises(ConfigError, match="--agent_template glm4: not implemented in grpokit; use hermes or react_en"):
+    with pytest.raises(ConfigError, match="--agent_template glm4: not implemented in grpokit; use hermes, react_en or react_grpo"):
         PromptOptions.from_args(data_args(agent_template="glm4"))
 
 
@@ -216,7 +242,7 @@ def test_native_tools_with_a_template_that_drops_them_is_refused():
     tok = build_tiny_tokenizer()  # plain ChatML: no tools in it
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([WEATHER])}])
     with pytest.raises(DataError, match="d has a 'tools' column, but the model's chat template does not render "
-                                        "tools.*--agent_template hermes or react_en"):
+                                        "tools.*--agent_template hermes, react_en or react_grpo"):
         prepare_prompts(ds, PromptOptions().template(tok), PromptOptions(), "d")
     opts = PromptOptions(agent_template="hermes")
     [row] = rows(prepare_prompts(ds, opts.template(tok), opts, "d"))
