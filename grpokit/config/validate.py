@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
 import re
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from grpokit.algorithms import (
     validate_rollout_is_options,
 )
 from grpokit.config.args import TrainConfig
-from grpokit.config.plan import batch_plan, earlier_run_checkpoints, world_size
+from grpokit.config.plan import batch_plan, earlier_run_checkpoints
 from grpokit.config.swift_options import check_swift_options, is_rank0
 from grpokit.engines.structured import check_structured_options, load_json_schema
 from grpokit.errors import ConfigError
@@ -238,10 +239,6 @@ def _check_rollout_modes(cfg: TrainConfig) -> None:
 
 def _check_vllm_colocate(cfg: TrainConfig) -> None:
     r = cfg.rollout
-    if world_size() > 1:
-        raise ConfigError("--use_vllm true --vllm_mode colocate with several training processes is not "
-                          "implemented; run one process, or serve rollouts with `grpokit rollout --engine vllm` "
-                          "and train with --vllm_mode server")
     if r.sleep_level == 2 and cfg.training.eval_steps:
         raise ConfigError(f"--sleep_level 2 with --eval_steps {cfg.training.eval_steps}: evaluation runs between "
                           "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
@@ -255,8 +252,16 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
                           "trains, so the training model cannot wait in CPU memory; drop one of the two")
     sharded = "--deepspeed" if cfg.training.deepspeed else "--fsdp" if cfg.training.fsdp else None
     if offload and sharded:
+        instead = ("--deepspeed zero3_offload (DeepSpeed keeps the partitions and optimizer state in CPU memory)"
+                   if sharded == "--deepspeed" else "plain DDP (drop --fsdp), or --deepspeed zero3_offload")
         raise ConfigError(f"{offload[0]} with {sharded} and vLLM colocate is not implemented (those engines "
-                          "partition the weights and optimizer state); drop it, or train without " + sharded)
+                          f"partition the weights and optimizer state themselves); drop it and use {instead}")
+    if cfg.training.deepspeed and "LOCAL_RANK" not in os.environ:
+        # vLLM forms the one-process group first, and grpokit's one-process DeepSpeed set-up then lacks the
+        # launcher variables DeepSpeed requires
+        raise ConfigError(f"--deepspeed {cfg.training.deepspeed} with vLLM colocate in a process started without a "
+                          "launcher is not implemented; start it with `torchrun --nproc_per_node 1 -m grpokit "
+                          "train ...` (or more processes)")
 
 
 def _check_rewards(cfg: TrainConfig) -> None:

@@ -3,7 +3,9 @@
 vLLM is imported lazily: grpokit installs and runs without it. The engine runs vLLM in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker) so that new weights go straight from the trainer's tensors into
 vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
-the CPU backend's weight packing). Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p),
+the CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
+merged per layer), never listed whole. Under a launcher each training process has an engine of its own
+(vllm_group.py). Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p),
 the same quantity the trainer recomputes with its logits divided by the temperature.
 
 Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
@@ -25,7 +27,8 @@ import torch
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
-from grpokit.engines.weights import is_peft_model, iter_sync_weights
+from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
+from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.modeling import resolve_dtype_name
 from grpokit.protocol import (
@@ -82,8 +85,9 @@ class VllmSettings:
             raise ConfigError(f"--vllm_gpu_memory_utilization {self.gpu_memory_utilization}: must be in (0, 1]")
 
 
-def _reload_in_worker(worker, weights) -> int:
-    """Runs inside vLLM's worker: load HF-named tensors in place, then redo the post-load processing."""
+def _reload_in_worker(worker, weights) -> None:
+    """Runs inside vLLM's worker: load HF-named tensors (any iterable, consumed once, as it comes) in place, then
+    redo the post-load processing."""
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     from vllm.platforms import current_platform
 
@@ -97,7 +101,6 @@ def _reload_in_worker(worker, weights) -> int:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
-    return len(weights)
 
 
 class VllmEngine(InferEngine):
@@ -138,6 +141,9 @@ class VllmEngine(InferEngine):
                       structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
         if s.sleep_level and self.sleep_supported:
             kwargs["enable_sleep_mode"] = True
+        self._joined_launcher = join_launcher_group(self.device)
+        if self._joined_launcher:  # one engine per training process, in the launcher's group (vLLM's external DP)
+            kwargs.update(distributed_executor_backend="external_launcher", seed=s.seed + launcher_rank())
         _warn_if_memory_ignored(s, self.device)
         try:
             self.llm = self._run(vllm.LLM, **kwargs)
@@ -224,18 +230,25 @@ class VllmEngine(InferEngine):
 
     # -- weights ---------------------------------------------------------------------------------------------
     def sync_weights(self, model) -> None:
-        """Load ``model``'s weights (LoRA merged) into vLLM in place, then drop the prefix cache."""
-        peft = is_peft_model(model)
+        """Load ``model``'s weights (LoRA merged) into vLLM in place, then drop the prefix cache.
+
+        The weights stream: vLLM consumes them one at a time as the model yields them (gathered from ZeRO-3
+        partitions or FSDP2 shards, or merged per LoRA layer, as they come) and holds on to a layer's tensors only
+        until that layer is complete, so no second whole model is built on the way. Sharded models gather on every
+        rank, in the same order: every rank syncs its own engine at the same step."""
         with self.lock:
             self._wake(["weights"])
-            # peft: the merged tensors live only while the generator is open, and vLLM may keep a layer's tensors
-            # until the whole layer arrived: copy them
-            weights = [(name, t.clone() if peft else t) for name, t in iter_sync_weights(model)]
-            self._load(weights)
+            # stable: vLLM may keep a tensor until the rest of its layer arrived, after its gather was released
+            weights = iter_sync_weights(model, stable=True)
+            try:
+                self._load(weights)  # the generator runs on the vLLM thread, while this one waits
+            finally:
+                weights.close()
             self._weights_dropped = False
             self.reset_prefix_cache()
 
-    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, weights) -> None:
+        """Load (name, tensor) pairs, any iterable, into vLLM's model in place."""
         try:
             self._run(self.llm.collective_rpc, _reload_in_worker, args=(weights,))
             if getattr(self.template, "multimodal", False):  # image embeddings of the old weights are stale
@@ -338,7 +351,7 @@ class VllmEngine(InferEngine):
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
-        self._run(_shutdown, llm)
+        self._run(shutdown, llm, self._joined_launcher)
         del llm
         self._executor.shutdown(wait=True)
         import gc
@@ -346,21 +359,6 @@ class VllmEngine(InferEngine):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _shutdown(llm) -> None:
-    """On the vLLM thread: stop the engine core and tear down vLLM's process-wide distributed state."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort on the way out
-        logger.debug("vLLM engine core shutdown failed", exc_info=True)
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:  # noqa: BLE001
-        logger.debug("vLLM distributed teardown failed", exc_info=True)
 
 
 def _warn_if_memory_ignored(s: VllmSettings, device: torch.device) -> None:

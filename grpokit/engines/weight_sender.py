@@ -171,7 +171,7 @@ class WeightSender:
                 calls.poll()  # a server that refused the update: stop before broadcasting into nothing
                 comm.broadcast(view_B)
         finally:
-            weights.close()  # unmerges a LoRA adapter
+            weights.close()  # ends an open gather (and undoes a DoRA layer's merge)
         calls.wait(self.timeout_s + 5, "loading the weights on the servers")
         return sum(len(b.tensors) for b in buckets)
 

@@ -178,12 +178,11 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     --async_generate with an engine that samples from the live weights."""
     if engine is None and generation_model is not None:
         engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
-    elif is_zero3(policy) and getattr(engine, "engine_type", "") != "transformers":
-        kind = getattr(engine, "engine_type", "?")
-        if kind != "server" or is_peft(policy):  # server mode gathers full weights tensor by tensor
-            raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {kind} engine"
-                              f"{' and LoRA' if is_peft(policy) else ''} is not implemented; use the in-process "
-                              "engine, server mode with full weights, or --fsdp")
+    elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
+        # grpokit's engines gather ZeRO-3 partitions in their weight sync (engines/weights.py); another one would
+        # be handed empty partitions
+        raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
+                          "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode")
     engine = engine or TransformersEngine(policy, template)
     if isinstance(engine, TransformersEngine):
         engine.fast_decode = cfg.rollout.fast_decode

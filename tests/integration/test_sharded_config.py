@@ -98,7 +98,7 @@ def test_stage_0_to_2_configs(tmp_path):
         deepspeed_config(_targs(deepspeed=str(cfg)), 16, 2)
 
 
-def test_zero3_refuses_vllm_colocate():
+def test_zero3_refuses_an_engine_that_cannot_gather():
     import torch
 
     from grpokit.trainers.training_setup import setup_rollout
@@ -106,5 +106,5 @@ def test_zero3_refuses_vllm_colocate():
     policy = torch.nn.Linear(2, 2)
     policy.weight.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
     cfg = SimpleNamespace(training=SimpleNamespace(deepspeed="zero3"))
-    with pytest.raises(ConfigError, match="ZeRO-3 with a vllm engine is not implemented"):
-        setup_rollout(SimpleNamespace(engine_type="vllm"), None, policy, None, cfg, None)
+    with pytest.raises(ConfigError, match="ZeRO-3 with a custom engine is not implemented"):
+        setup_rollout(SimpleNamespace(engine_type="custom"), None, policy, None, cfg, None)

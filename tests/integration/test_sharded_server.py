@@ -2,7 +2,7 @@
 server (tiny model); the weight push gathers the FSDP2 shards or ZeRO-3 partitions tensor by tensor (every rank
 takes part, rank 0 sends). After the run the
 server's seeded completion and its logprobs equal those of the model the trainer saved, for full weights and for
-LoRA (merged)."""
+LoRA (merged per layer from the gathered base weight and adapters, under FSDP2 and ZeRO-3 alike)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def server(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize(("sharding", "tuner"), [(("--fsdp", "true"), "full"), (("--fsdp", "true"), "lora"),
-                                                  (("--deepspeed", "zero3"), "full")])
+                                                  (("--deepspeed", "zero3"), "full"),
+                                                  (("--deepspeed", "zero3"), "lora")],
+                         ids=["fsdp-full", "fsdp-lora", "zero3-full", "zero3-lora"])
 def test_sharded_training_against_a_server_leaves_the_trained_weights_there(tiny, server, tmp_path,
                                                                            one_torch_thread, sharding, tuner):
     if sharding[0] == "--deepspeed" and importlib.util.find_spec("deepspeed") is None:

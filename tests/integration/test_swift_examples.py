@@ -80,11 +80,7 @@ SERVERS = {
 BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {}
 
 # Ports that fail on this branch, with what grpokit (or the one-process CPU translation) lacks.
-NOT_PORTABLE: dict[str, str] = {
-    "external_moe_lora.sh": ("--deepspeed zero3 with LoRA in server mode is not implemented (the weight push would "
-                             "merge adapters into ZeRO-3's partitioned weights); full weights and the in-process "
-                             "engine work"),
-}
+NOT_PORTABLE: dict[str, str] = {}
 
 
 def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:

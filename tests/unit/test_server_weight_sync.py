@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
+from grpokit.engines.weights import named_sync_tensors, plain_name
 from grpokit.errors import ServerError
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.server.weight_sync import WeightReceiver
@@ -51,43 +51,6 @@ def test_plain_name_strips_peft_wrappers():
     assert plain_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
     assert plain_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
     assert plain_name("base_model.model.lm_head.original_module.weight") is None
-
-
-class _FakePeft(nn.Module):
-    """Has the peft surface iter_sync_weights uses: merge_adapter adds 1 to the base weight, unmerge removes it."""
-
-    peft_config = {"default": None}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base_model = nn.Module()
-        self.base_model.model = nn.Module()
-        self.base_model.model.proj = nn.Module()
-        self.base_model.model.proj.base_layer = nn.Linear(2, 2, bias=False)
-        self.base_model.model.proj.lora_A = nn.Linear(2, 1, bias=False)
-        self.base_model.model.proj.base_layer.weight.data = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # exact +-1
-        self.merged = 0
-
-    def merge_adapter(self):
-        self.merged += 1
-        self.base_model.model.proj.base_layer.weight.data += 1
-
-    def unmerge_adapter(self):
-        self.merged -= 1
-        self.base_model.model.proj.base_layer.weight.data -= 1
-
-
-def test_iter_sync_weights_merges_while_open_and_unmerges_after():
-    model = _FakePeft()
-    base = model.base_model.model.proj.base_layer.weight.detach().clone()
-    got = {name: t.clone() for name, t in iter_sync_weights(model)}
-    assert list(got) == ["proj.weight"]  # lora_A skipped, prefixes stripped
-    assert torch.equal(got["proj.weight"], base + 1) and model.merged == 0
-    assert torch.equal(model.base_model.model.proj.base_layer.weight, base)
-    gen = iter_sync_weights(model)
-    next(gen)
-    gen.close()  # closing early unmerges too
-    assert model.merged == 0
 
 
 def _tiny_net(seed: int) -> nn.Module:

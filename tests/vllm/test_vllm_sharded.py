@@ -1,0 +1,137 @@
+"""vLLM colocate with several training processes: 2 gloo processes under torchrun, each with its own in-process
+vLLM engine (joined to the launcher's group with vLLM's ``external_launcher``), training 3 steps with
+``--deepspeed zero3`` or ``--fsdp`` (full weights, and LoRA under ZeRO-3) or plain DDP. After every weight sync
+each rank's engine greedy output equals the greedy output of the trainer's own weights (gathered from the
+partitions/shards into a plain copy, parameter by parameter), and by the last step it has moved from the
+initial one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+PLUGIN = textwrap.dedent('''
+    """Per-rank greedy checks after each weight sync (tests/vllm/test_vllm_sharded.py)."""
+    import json
+    import os
+
+    import torch
+
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.engines.weights import is_peft_model, iter_sync_weights, whole_weight
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.rewards import ORM, orms
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+
+    PROMPTS = [RolloutInferRequest(messages=[{"role": "user", "content": f"What is {i} + 3?"}]) for i in range(2)]
+    GREEDY = RequestConfig(max_tokens=10, temperature=0)
+
+
+    class LengthReward(ORM):
+        def __call__(self, completions, **kwargs):
+            return [len(c) / 50.0 for c in completions]
+
+
+    orms["test_length"] = LengthReward
+
+
+    def _greedy(engine, pad):
+        ids = [r.choices[0].token_ids for r in engine.infer(PROMPTS, GREEDY)]
+        return [seq[: seq.index(pad)] if pad in seq else seq for seq in ids]
+
+
+    class SyncCheck(GRPOTrainer):
+        """Dumps, per rank, the engine's greedy ids at the start and after each sync, and those of a plain copy of
+        the trainer's weights."""
+
+        def _dump(self, row):
+            path = os.path.join(os.environ["GRPOKIT_TEST_DUMP"], f"rank{os.environ.get('RANK', '0')}.jsonl")
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\\n")
+
+        def _plain_copy(self):
+            from transformers import AutoModelForCausalLM
+
+            copy = AutoModelForCausalLM.from_pretrained(os.environ["GRPOKIT_TEST_MODEL"], dtype=torch.float32)
+            if is_peft_model(self.policy):  # LoRA: the merged weights (checked against peft's merge elsewhere)
+                state = {n: t.cpu() for n, t in iter_sync_weights(self.policy, stable=True)}
+            else:  # full weights: gathered one parameter at a time, independently of the engine's sync
+                state = {}
+                for name, p in self.policy.named_parameters():
+                    with whole_weight(p) as w:
+                        state[name] = w.cpu().clone()
+            missing, unexpected = copy.load_state_dict(state, strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+            return copy
+
+        def train(self):
+            pad = self.engine.template.pad_token_id
+            self._dump({"kind": "initial", "engine": _greedy(self.engine, pad)})
+            return super().train()
+
+        def _sync_weights(self):
+            super()._sync_weights()
+            pad = self.engine.template.pad_token_id
+            reference = TransformersEngine(self._plain_copy(), self.engine.template)
+            self._dump({"kind": "sync", "step": self.state.global_step, "engine": _greedy(self.engine, pad),
+                        "trainer": _greedy(reference, pad), "engine_type": self.engine.engine_type})
+
+
+    TrainerFactory.TRAINER_MAPPING["grpo"] = "vllm_sharded_plugin.SyncCheck"
+''')
+LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--target_modules", "all-linear",
+        "--learning_rate", "3e-2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_two_processes(model: Path, root: Path, *extra: str) -> list[list[dict]]:
+    plugin, dump = root / "vllm_sharded_plugin.py", root / "dump"
+    plugin.write_text(PLUGIN)
+    dump.mkdir(parents=True)
+    args = ["--model", str(model), "--dataset", "builtin:arithmetic", "--reward_funcs", "test_length",
+            "--external_plugins", str(plugin), "--max_steps", "3", "--num_generations", "4",
+            "--per_device_train_batch_size", "4", "--max_completion_length", "10", "--learning_rate", "5e-3",
+            "--beta", "0", "--torch_dtype", "float32", "--temperature", "0.9", "--use_vllm", "true",
+            "--vllm_mode", "colocate", "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
+            "--vllm_gpu_memory_utilization", "0.3", "--vllm_max_num_seqs", "8", "--output_dir", str(root / "out"),
+            "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOKIT_TEST_DUMP": str(dump), "GRPOKIT_TEST_MODEL": str(model),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "grpokit", "train"]
+    proc = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+
+
+@pytest.mark.parametrize("sharding", [("--deepspeed", "zero3"), ("--fsdp", "true"), ("--deepspeed", "zero3", *LORA),
+                                      ()], ids=["zero3", "fsdp", "zero3-lora", "ddp"])
+def test_each_rank_engine_follows_the_sharded_trainer(tiny128, tmp_path, sharding):
+    if sharding[:1] == ("--deepspeed",) and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
+    ranks = _train_two_processes(tiny128, tmp_path, *sharding)
+    for rows in ranks:
+        initial = [r for r in rows if r["kind"] == "initial"]
+        syncs = [r for r in rows if r["kind"] == "sync"]
+        print("rank checks:", [(s["step"], s["engine"] == s["trainer"]) for s in syncs])
+        assert len(initial) == 1 and [s["step"] for s in syncs] == [1, 2, 3]  # one sync per optimizer step
+        assert all(s["engine_type"] == "vllm" for s in syncs)
+        assert all(s["engine"] == s["trainer"] for s in syncs)
+        assert syncs[-1]["engine"] != initial[0]["engine"]  # the weights did move, and the engine with them
+    assert ranks[0][-1]["engine"] == ranks[1][-1]["engine"]  # every rank's engine holds the same weights
