@@ -28,7 +28,12 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") || { echo "gpu_shard_check: $PY cannot import torch" >&2; exit 2; }
+PARTS=",ddp,zero3,zero3_lora,fsdp,vllm_colocate,ddp_2proc,fsdp_2proc,zero3_2proc,fsdp_lora_2proc,zero3_lora_2proc,"
+for name in ${only//,/ }; do
+    [[ "$PARTS" == *",$name,"* ]] || { echo "gpu_shard_check: --only $name: no such part; parts: ${PARTS:1:-1}" >&2; exit 2; }
+done
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") \
+    || { echo "gpu_shard_check: $PY cannot import torch" >&2; exit 2; }
 if [ "$dry" = 1 ]; then
     gpus=0 nproc_max=2 steps=2 dtype=float32 limit=600 model_flag=--tiny
     export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=auto
@@ -46,7 +51,8 @@ else
     work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 fi
 start=$(date +%s) failed=0
-"$PY" bench/gpu_check_plugin.py model "$work/model" $model_flag || { echo "gpu_shard_check: building the model failed" >&2; exit 1; }
+"$PY" bench/gpu_check_plugin.py model "$work/model" $model_flag \
+    || { echo "gpu_shard_check: building the model failed" >&2; exit 1; }
 
 wanted() { [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]; }
 result() { echo "$*" | tee -a "$work/results.txt"; }
@@ -62,7 +68,8 @@ part() {  # name, processes, extra options...
     t0=$(date +%s)
     rm -rf "$out"
     if [ "$nproc" -gt 1 ]; then
-        local port; port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+        local port
+        port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
         launch=("$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 --master_port "$port")
     else
         launch=("$PY")  # one process, no launcher: --deepspeed forms a one-process group of its own
@@ -79,7 +86,8 @@ part() {  # name, processes, extra options...
     [ -s "$work/$name.smi" ] && smi=", nvidia-smi peak used $(sort -n "$work/$name.smi" | tail -1) MiB"
     if [ "$rc" -ne 0 ]; then
         tail -30 "$work/$name.log"
-        result "RESULT $name FAIL: exit $rc after $wall s$( [ "$rc" = 124 ] && echo " (timed out)"), log $work/$name.log"
+        local why="exit $rc"; [ "$rc" = 124 ] && why="timed out after $limit s"
+        result "RESULT $name FAIL: $why ($wall s), log $work/$name.log"
         failed=1; return 0
     fi
     local line; line=$("$PY" bench/gpu_check_plugin.py report "$out" "$name" "$wall") || failed=1
