@@ -28,6 +28,7 @@ from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.zero import release_process_group
 
 logger = logging.getLogger("grpokit")
 
@@ -126,8 +127,13 @@ def run_train(cfg: TrainConfig):
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
     callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
-    trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
-                          reward_funcs=funcs, reward_names=names, reward_weights=cfg.reward.reward_weights or None,
-                          ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks)
+    try:
+        trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
+                              eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
+                              reward_weights=cfg.reward.reward_weights or None, ref_model=ref, scheduler=scheduler,
+                              engine=engine, callbacks=callbacks)
+    except BaseException:
+        release_process_group()  # a set-up that failed after forming a one-process group (train() releases its own)
+        raise
     trainer.train()
     return trainer

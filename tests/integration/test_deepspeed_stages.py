@@ -122,25 +122,29 @@ def test_zero1_in_two_processes_matches_one_process(setup, plain):
 
 
 def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
-    """`run_train` twice in one process with no launcher (a run that fails in its loop, then one that trains):
-    each forms its one-process group and, failed or not, destroys it and unsets the launcher variables it set."""
+    """`run_train` three times in one process with no launcher (a set-up that fails after forming the group, a
+    run that fails in its loop, then one that trains): each forms its one-process group and, failed or not,
+    destroys it and unsets the launcher variables it set."""
     import torch.distributed as dist
 
-    from grpokit.trainers.grpo_trainer import GRPOTrainer
+    from grpokit.errors import ConfigError
+    from grpokit.trainers import grpo_trainer
 
     for key in _LAUNCHER_VARS:
         monkeypatch.delenv(key, raising=False)
 
-    def broken_loop(*args, **kwargs):
+    def broken(*args, **kwargs):
         assert dist.is_initialized() and os.environ["WORLD_SIZE"] == "1"  # the group the set-up formed
-        raise RuntimeError("broken loop")
+        raise ConfigError("broken")
 
-    with monkeypatch.context() as patch:
-        patch.setattr(GRPOTrainer, "_train_on_window", broken_loop)
-        with pytest.raises(RuntimeError, match="broken loop"):
-            _one_process(_args(setup.model, setup.data, setup.root / "twice1", setup.plugin, B, "--max_steps", "1",
-                               "--deepspeed", "zero3"), setup.root / "twice1_dump")
-    assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == []
+    for name, where in (("twice0", "setup_rollout"), ("twice1", "GRPOTrainer._train_on_window")):
+        with monkeypatch.context() as patch:
+            owner, attr = (grpo_trainer.GRPOTrainer, "_train_on_window") if "." in where else (grpo_trainer, where)
+            patch.setattr(owner, attr, broken)
+            with pytest.raises(ConfigError, match="broken"):
+                _one_process(_args(setup.model, setup.data, setup.root / name, setup.plugin, B, "--max_steps", "1",
+                                   "--deepspeed", "zero3"), setup.root / f"{name}_dump")
+        assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == [], where
     out = setup.root / "twice2"
     _one_process(_args(setup.model, setup.data, out, setup.plugin, B, "--max_steps", "1", "--deepspeed", "zero2"),
                  setup.root / "twice2_dump")
