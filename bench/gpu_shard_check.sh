@@ -13,9 +13,11 @@
 #   --cpu-dry-run  the same parts on CPU with a 2-layer model, 2 steps each and gloo for the 2-process parts, to
 #                  check the script's logic on a machine without GPUs (vllm_colocate needs vllm in PYTHON).
 # Needs a Python with grpokit's dependencies and the deepspeed extra (`pip install 'grpokit[deepspeed]'`; vLLM for
-# its part); pick it with PYTHON=/path/to/python (default python3). Logs and run folders go under $OUT when set
-# (the device tool brings it back), else a temporary folder that is removed. Without deepspeed (or vllm) those
-# parts are SKIP. Exit 2: no GPU (and no --cpu-dry-run), or a bad argument.
+# its part); pick it with PYTHON=/path/to/python (default python3). Runs go to a temporary folder, each removed
+# after its report (a 0.44B run's checkpoints take several GB); with $OUT set (the device tool brings back a few
+# files) the result lines go to $OUT/gpu_shard_check_results.txt and the end of every part's log to
+# $OUT/gpu_shard_check_logs.txt, as each part ends. Without deepspeed (or vllm) those parts are SKIP.
+# Exit 2: no GPU (and no --cpu-dry-run), or a bad argument.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -30,7 +32,8 @@ while [ $# -gt 0 ]; do
 done
 PARTS=",ddp,zero3,zero3_lora,fsdp,vllm_colocate,ddp_2proc,fsdp_2proc,zero3_2proc,fsdp_lora_2proc,zero3_lora_2proc,"
 for name in ${only//,/ }; do
-    [[ "$PARTS" == *",$name,"* ]] || { echo "gpu_shard_check: --only $name: no such part; parts: ${PARTS:1:-1}" >&2; exit 2; }
+    [[ "$PARTS" == *",$name,"* ]] \
+        || { echo "gpu_shard_check: --only $name: no such part; parts: ${PARTS:1:-1}" >&2; exit 2; }
 done
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") \
     || { echo "gpu_shard_check: $PY cannot import torch" >&2; exit 2; }
@@ -45,17 +48,16 @@ fi
 has() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 [ "$gpus" -gt 0 ] && { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if [ -n "${OUT:-}" ]; then
-    work="$OUT/gpu_shard_check"; mkdir -p "$work"
-else
-    work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+results="${OUT:+$OUT/gpu_shard_check_results.txt}" logs="${OUT:+$OUT/gpu_shard_check_logs.txt}"
+results="${results:-$work/results.txt}" logs="${logs:-/dev/null}"
 start=$(date +%s) failed=0
 "$PY" bench/gpu_check_plugin.py model "$work/model" $model_flag \
     || { echo "gpu_shard_check: building the model failed" >&2; exit 1; }
 
 wanted() { [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]; }
-result() { echo "$*" | tee -a "$work/results.txt"; }
+result() { echo "$*" | tee -a "$results"; }
 
 smi_peak() {  # sample the GPUs' used memory every second into $1 until killed
     while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$1" 2>/dev/null; sleep 1; done
@@ -84,14 +86,17 @@ part() {  # name, processes, extra options...
     [ -n "$sampler" ] && { kill "$sampler"; wait "$sampler" 2>/dev/null; }
     local wall=$(( $(date +%s) - t0 )) smi=""
     [ -s "$work/$name.smi" ] && smi=", nvidia-smi peak used $(sort -n "$work/$name.smi" | tail -1) MiB"
+    { echo "===== $name (exit $rc, $wall s): the end of its log"; tail -300 "$work/$name.log"; } >> "$logs"
     if [ "$rc" -ne 0 ]; then
         tail -30 "$work/$name.log"
         local why="exit $rc"; [ "$rc" = 124 ] && why="timed out after $limit s"
-        result "RESULT $name FAIL: $why ($wall s), log $work/$name.log"
-        failed=1; return 0
+        result "RESULT $name FAIL: $why ($wall s)"
+        failed=1
+    else
+        local line; line=$("$PY" bench/gpu_check_plugin.py report "$out" "$name" "$wall") || failed=1
+        result "$line$smi"
     fi
-    local line; line=$("$PY" bench/gpu_check_plugin.py report "$out" "$name" "$wall") || failed=1
-    result "$line$smi"
+    rm -rf "$out"
 }
 
 skip() { wanted "$1" && result "RESULT $1 SKIP: $2"; return 0; }
@@ -128,5 +133,5 @@ else
     done
 fi
 status=$([ "$failed" = 0 ] && echo passed || echo FAILED)
-echo "gpu_shard_check: $status in $(( $(date +%s) - start )) s (results: $work/results.txt)"
+echo "gpu_shard_check: $status in $(( $(date +%s) - start )) s${OUT:+ (results: $results)}" | tee -a "$results"
 exit "$failed"
