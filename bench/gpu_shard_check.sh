@@ -1,86 +1,137 @@
 #!/usr/bin/env bash
-# --fsdp (FSDP2) and --deepspeed zero3 on CUDA GPUs, in under 8 minutes: 2 processes over NCCL train a random
-# ~0.5B Qwen3 (hidden 1536, 24 layers, built offline) for 3 steps each, full weights with a reference model
-# (beta 0.04) in bf16, then LoRA; prints each run's peak GPU memory per rank and the mean step time. The CPU
-# correctness checks of the same code paths are tests/integration/test_sharded_*.py. vLLM colocate weight sync
-# is bench/gpu_check.sh's (tests/vllm).
+# DeepSpeed ZeRO-3, FSDP2, DDP and vLLM colocate weight sync on CUDA GPUs, in under 8 minutes on one GPU: a random
+# ~0.44B Qwen3 (Qwen3-0.6B's body, the tiny offline tokenizer: no hub) trains 3 steps per part in bf16. Each part
+# prints one line, `RESULT <part> PASS|FAIL|SKIP: ...`, with the step time, each rank's peak torch GPU memory
+# (torch.cuda.max_memory_allocated) and the GPU's peak used memory seen by nvidia-smi (all processes); the script
+# exits 1 when a part failed, after running the others. Parts:
+#   one GPU or more: ddp (one plain process, beta 0.04), zero3 (--deepspeed zero3 in one process, no launcher,
+#     beta 0.04), zero3_lora, fsdp (--fsdp in one process: FSDP2's code path, nothing split), vllm_colocate
+#     (--use_vllm true: after every weight sync vLLM's embedding matrix must equal the policy's; SKIP without vllm);
+#   two GPUs or more, also: ddp_2proc, fsdp_2proc, zero3_2proc, fsdp_lora_2proc, zero3_lora_2proc (torchrun, NCCL).
 #
-# Needs 2 CUDA GPUs (NCCL cannot put two ranks on one GPU) and a Python with grpokit's dependencies and the
-# deepspeed extra (`pip install 'grpokit[deepspeed]'`); pick it with PYTHON=/path/to/python (default python3).
-# Exit 2: fewer than 2 GPUs or no deepspeed.
-set -euo pipefail
+# Usage: bash bench/gpu_shard_check.sh [--cpu-dry-run] [--only part,part]
+#   --cpu-dry-run  the same parts on CPU with a 2-layer model, 2 steps each and gloo for the 2-process parts, to
+#                  check the script's logic on a machine without GPUs (vllm_colocate needs vllm in PYTHON).
+# Needs a Python with grpokit's dependencies and the deepspeed extra (`pip install 'grpokit[deepspeed]'`; vLLM for
+# its part); pick it with PYTHON=/path/to/python (default python3). Runs go to a temporary folder, each removed
+# after its report (a 0.44B run's checkpoints take several GB); with $OUT set (the device tool brings back a few
+# files) the result lines go to $OUT/gpu_shard_check_results.txt and the end of every part's log to
+# $OUT/gpu_shard_check_logs.txt, as each part ends. Without deepspeed (or vllm) those parts are SKIP.
+# Exit 2: no GPU (and no --cpu-dry-run), or a bad argument.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if [ "$gpus" -lt 2 ]; then
-    echo "gpu_shard_check: needs 2 CUDA GPUs, $PY sees $gpus" >&2; exit 2
+dry=0 only=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu-dry-run) dry=1 ;;
+        --only) only="${2:?--only needs a comma-separated list of parts}"; shift ;;
+        *) echo "gpu_shard_check: unknown argument $1 (use --cpu-dry-run, --only part,part)" >&2; exit 2 ;;
+    esac
+    shift
+done
+PARTS=",ddp,zero3,zero3_lora,fsdp,vllm_colocate,ddp_2proc,fsdp_2proc,zero3_2proc,fsdp_lora_2proc,zero3_lora_2proc,"
+for name in ${only//,/ }; do
+    [[ "$PARTS" == *",$name,"* ]] \
+        || { echo "gpu_shard_check: --only $name: no such part; parts: ${PARTS:1:-1}" >&2; exit 2; }
+done
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())") \
+    || { echo "gpu_shard_check: $PY cannot import torch" >&2; exit 2; }
+if [ "$dry" = 1 ]; then
+    gpus=0 nproc_max=2 steps=2 dtype=float32 limit=600 model_flag=--tiny
+    export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=auto
+elif [ "$gpus" -lt 1 ]; then
+    echo "gpu_shard_check: $PY sees no CUDA GPU; run on a GPU machine, or pass --cpu-dry-run" >&2; exit 2
+else
+    nproc_max=$(( gpus >= 2 ? 2 : 1 )) steps=3 dtype=bfloat16 limit=150 model_flag=""
 fi
-if ! "$PY" -c "import deepspeed" 2>/dev/null; then
-    echo "gpu_shard_check: $PY cannot import deepspeed; pip install 'grpokit[deepspeed]'" >&2; exit 2
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+has() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+[ "$gpus" -gt 0 ] && { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-start=$(date +%s)
-"$PY" -c "from grpokit.testing import build_tiny_model; build_tiny_model('$work/model', hidden_size=1536, num_layers=24)"
-# a varied reward (the random model never answers right) and the peak memory of each rank, written at the end
-cat > "$work/gpu_plugin.py" <<'PLUGIN'
-import json
-import os
+results="${OUT:+$OUT/gpu_shard_check_results.txt}" logs="${OUT:+$OUT/gpu_shard_check_logs.txt}"
+results="${results:-$work/results.txt}" logs="${logs:-/dev/null}"
+start=$(date +%s) failed=0
+"$PY" bench/gpu_check_plugin.py model "$work/model" $model_flag \
+    || { echo "gpu_shard_check: building the model failed" >&2; exit 1; }
 
-import torch
+wanted() { [ -z "$only" ] || [[ ",$only," == *",$1,"* ]]; }
+result() { echo "$*" | tee -a "$results"; }
 
-from grpokit.rewards import ORM, orms
-from grpokit.trainers.factory import TrainerFactory
-from grpokit.trainers.grpo_trainer import GRPOTrainer
-
-
-class TokenSum(ORM):
-    def __call__(self, completions, completion_ids, **kwargs):
-        return [float(sum(ids) % 11) / 11 for ids in completion_ids]
-
-
-class PeakMemory(GRPOTrainer):
-    def _finish(self):
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        with open(os.path.join(self.args.output_dir, f"peak_rank{self.accelerator.process_index}.json"), "w") as f:
-            json.dump({"peak_gib": round(peak, 2)}, f)
-        super()._finish()
-
-
-orms["token_sum"] = TokenSum
-TrainerFactory.TRAINER_MAPPING["grpo"] = "gpu_plugin.PeakMemory"
-PLUGIN
-run() {  # name, extra options...
-    local name=$1; shift
-    local t0 port; t0=$(date +%s)
-    port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-    timeout 90 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_port "$port" \
-        -m grpokit train --model "$work/model" --dataset builtin:arithmetic --reward_funcs token_sum \
-        --external_plugins "$work/gpu_plugin.py" --max_steps 3 --num_generations 4 \
-        --per_device_train_batch_size 8 --max_completion_length 64 --torch_dtype bfloat16 \
-        --output_dir "$work/$name" --disable_tqdm true --plots false --save_steps 2 "$@" > "$work/$name.log" 2>&1 \
-        || { tail -40 "$work/$name.log"; echo "gpu_shard_check: $name FAILED" >&2; exit 1; }
-    "$PY" - "$work/$name" "$name" "$(( $(date +%s) - t0 ))" <<'REPORT'
-import json, sys
-from pathlib import Path
-out, name, wall = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-steps = [r for r in rows if "loss" in r]
-assert len(steps) == 3, f"{name}: {len(steps)} logged steps"
-step_s = sum(r.get("timing/train", 0) + r.get("timing/rollout", 0) for r in steps) / len(steps)
-peaks = [json.loads(p.read_text())["peak_gib"] for p in sorted(out.glob("peak_rank*.json"))]
-print(f"{name}: 3 steps, {step_s:.2f} s/step (rollout+train), peak GPU memory per rank {peaks} GiB, "
-      f"{wall} s with start-up; loss {[r['loss'] for r in steps]}")
-final = out / "final_model"  # a full model folder, or a LoRA adapter folder
-assert (final / "config.json").is_file() or (final / "adapter_config.json").is_file(), f"{name}: no final model"
-assert (out / "checkpoint-2").is_dir(), f"{name}: no checkpoint"
-REPORT
+smi_peak() {  # sample the GPUs' used memory every second into $1 until killed
+    while true; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits >> "$1" 2>/dev/null; sleep 1; done
 }
-run ddp --beta 0.04
-run fsdp --beta 0.04 --fsdp true
-run zero3 --beta 0.04 --deepspeed zero3
-run fsdp_lora --fsdp true --tuner_type lora --target_modules all-linear
-run zero3_lora --deepspeed zero3 --tuner_type lora --target_modules all-linear
-echo "gpu_shard_check: passed in $(( $(date +%s) - start )) s"
+
+part() {  # name, processes, extra options...
+    local name=$1 nproc=$2; shift 2
+    wanted "$name" || return 0
+    local out="$work/$name" t0 sampler="" launch
+    t0=$(date +%s)
+    rm -rf "$out"
+    if [ "$nproc" -gt 1 ]; then
+        local port
+        port=$("$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+        launch=("$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 --master_port "$port")
+    else
+        launch=("$PY")  # one process, no launcher: --deepspeed forms a one-process group of its own
+    fi
+    [ "$gpus" -gt 0 ] && { smi_peak "$work/$name.smi" & sampler=$!; }
+    timeout "$limit" env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u MASTER_ADDR -u MASTER_PORT "${launch[@]}" \
+        -m grpokit train --model "$work/model" --dataset builtin:arithmetic --reward_funcs token_sum \
+        --external_plugins bench/gpu_check_plugin.py --max_steps "$steps" --num_generations 4 \
+        --per_device_train_batch_size 8 --max_completion_length 64 --torch_dtype "$dtype" --logging_steps 1 \
+        --output_dir "$out" --disable_tqdm true --plots false --save_steps 2 "$@" > "$work/$name.log" 2>&1
+    local rc=$?
+    [ -n "$sampler" ] && { kill "$sampler"; wait "$sampler" 2>/dev/null; }
+    local wall=$(( $(date +%s) - t0 )) smi=""
+    [ -s "$work/$name.smi" ] && smi=", nvidia-smi peak used $(sort -n "$work/$name.smi" | tail -1) MiB"
+    { echo "===== $name (exit $rc, $wall s): the end of its log"; tail -300 "$work/$name.log"; } >> "$logs"
+    if [ "$rc" -ne 0 ]; then
+        tail -30 "$work/$name.log"
+        local why="exit $rc"; [ "$rc" = 124 ] && why="timed out after $limit s"
+        result "RESULT $name FAIL: $why ($wall s)"
+        failed=1
+    else
+        local line; line=$("$PY" bench/gpu_check_plugin.py report "$out" "$name" "$wall") || failed=1
+        result "$line$smi"
+    fi
+    rm -rf "$out"
+}
+
+skip() { wanted "$1" && result "RESULT $1 SKIP: $2"; return 0; }
+
+FULL=(--beta 0.04)
+LORA=(--beta 0 --tuner_type lora --lora_rank 16 --lora_alpha 32 --target_modules all-linear)
+part ddp 1 "${FULL[@]}"
+if has deepspeed; then
+    part zero3 1 "${FULL[@]}" --deepspeed zero3
+    part zero3_lora 1 "${LORA[@]}" --deepspeed zero3
+else
+    for name in zero3 zero3_lora zero3_2proc zero3_lora_2proc; do
+        skip "$name" "$PY cannot import deepspeed (pip install 'grpokit[deepspeed]')"
+    done
+fi
+part fsdp 1 "${FULL[@]}" --fsdp true
+if has vllm; then
+    limit=$(( limit + 90 )) part vllm_colocate 1 --beta 0 --learning_rate 1e-3 --use_vllm true --vllm_mode colocate \
+        --vllm_gpu_memory_utilization 0.3 --vllm_max_model_len 1024 --vllm_enforce_eager true
+else
+    skip vllm_colocate "$PY cannot import vllm (pip install 'grpokit[vllm]')"
+fi
+if [ "$nproc_max" -ge 2 ]; then
+    part ddp_2proc 2 "${FULL[@]}"
+    part fsdp_2proc 2 "${FULL[@]}" --fsdp true
+    part fsdp_lora_2proc 2 "${LORA[@]}" --fsdp true
+    if has deepspeed; then
+        part zero3_2proc 2 "${FULL[@]}" --deepspeed zero3
+        part zero3_lora_2proc 2 "${LORA[@]}" --deepspeed zero3
+    fi
+else
+    for name in ddp_2proc fsdp_2proc zero3_2proc fsdp_lora_2proc zero3_lora_2proc; do
+        skip "$name" "needs 2 GPUs (NCCL cannot put two ranks on one GPU), $gpus here"
+    done
+fi
+status=$([ "$failed" = 0 ] && echo passed || echo FAILED)
+echo "gpu_shard_check: $status in $(( $(date +%s) - start )) s${OUT:+ (results: $results)}" | tee -a "$results"
+exit "$failed"

@@ -255,7 +255,8 @@ class TrainingArguments:
     plots: bool = _opt(True, "write PNG plots of the main curves")
     use_cpu: bool = _opt(False, "train on CPU even when a GPU is present")
     deepspeed: str | None = _opt(None, "zero0-zero3, zero2_offload, zero3_offload or a DeepSpeed JSON file")
-    fsdp: bool = _opt(False, "shard weights, gradients and optimizer state with PyTorch FSDP2 (2+ processes)")
+    fsdp: bool = _opt(False, "shard weights, gradients and optimizer state with PyTorch FSDP2 (one process "
+                             "too: nothing is split)")
     # the training forward (trainers/packing.py)
     logps_chunk_size: int = _opt(1024, "compute the training logps in the output head's place, this many tokens' "
                                        "logits at a time, so the [batch, completion, vocab] logits never exist "

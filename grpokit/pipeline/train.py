@@ -29,6 +29,7 @@ from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.chord_sft import load_chord_sft_dataset
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.zero import release_process_group
 
 logger = logging.getLogger("grpokit")
 
@@ -130,10 +131,15 @@ def run_train(cfg: TrainConfig):
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
     callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
-    trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds, eval_dataset=val_ds,
-                          reward_funcs=funcs, reward_names=names, reward_weights=cfg.reward.reward_weights or None,
-                          ref_model=ref, scheduler=scheduler, engine=engine, callbacks=callbacks,
-                          # only when given: a plugin's trainer class without this argument keeps working
-                          **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
+    try:
+        trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
+                              eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
+                              reward_weights=cfg.reward.reward_weights or None, ref_model=ref, scheduler=scheduler,
+                              engine=engine, callbacks=callbacks,
+                              # only when given: a plugin's trainer class without this argument keeps working
+                              **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
+    except BaseException:
+        release_process_group()  # a set-up that failed after forming a one-process group (train() releases its own)
+        raise
     trainer.train()
     return trainer

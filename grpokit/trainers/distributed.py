@@ -70,8 +70,9 @@ def use_cpu(args) -> bool:
 
 
 def check_backend(accelerator, args) -> None:
-    """Refuse processes that accelerate left out of a group (each would train a copy of its own), --fsdp in one
-    process, and FSDP or DeepSpeed turned on in an `accelerate config` file (grpokit drives both itself)."""
+    """Refuse processes that accelerate left out of a group (each would train a copy of its own), and FSDP or
+    DeepSpeed turned on in an `accelerate config` file (grpokit drives both itself). --fsdp and --deepspeed run in
+    one process too (a one-process group: zero.ensure_process_group)."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
@@ -83,9 +84,6 @@ def check_backend(accelerator, args) -> None:
     if args.fsdp and kind == DistributedType.FSDP:
         raise ConfigError("--fsdp and an accelerate config that turns on FSDP: grpokit shards the model itself "
                           "with --fsdp; drop FSDP from the accelerate config")
-    if args.fsdp and accelerator.num_processes == 1:
-        raise ConfigError(f"--fsdp shards the weights over processes, here {where}; launch 2 or more with "
-                          "torchrun or accelerate launch, or drop --fsdp")
     if kind == DistributedType.DEEPSPEED:
         flag = f"--deepspeed {args.deepspeed} and an" if args.deepspeed else "An"
         raise ConfigError(f"{flag} accelerate config that turns on DeepSpeed: grpokit drives DeepSpeed itself; "

@@ -42,7 +42,7 @@ from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
-from grpokit.trainers.zero import backward, synced_models
+from grpokit.trainers.zero import backward, grad_norm, release_process_group, synced_models
 
 
 @dataclass
@@ -132,6 +132,7 @@ class GRPOTrainer:
                     self._sync_weights()
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
+            release_process_group()  # a one-process DeepSpeed group: no peer to wait for
             raise
         finally:
             bar.close()
@@ -180,12 +181,14 @@ class GRPOTrainer:
             backward(self.accelerator, model, loss)
             # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
             if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
-                grad_norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
-                if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
-                    metrics["grad_norm"] = scalar(grad_norm)
+                norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
+                if norm is not None:
+                    metrics["grad_norm"] = scalar(norm)
             self.optimizer.step()
             if self.accelerator.sync_gradients:
                 self.lr_scheduler.step()
+                if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
+                    metrics["grad_norm"] = engine_norm
             self.optimizer.zero_grad()
         metrics["loss"] = loss.detach()
         self._step_metrics.add(metrics)
@@ -378,4 +381,5 @@ class GRPOTrainer:
         if self.reward_runner is not None:
             self.reward_runner.close()
         self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
+        release_process_group()  # the one-process group of --deepspeed without a launcher, and its variables
         self.accelerator.end_training()

@@ -145,23 +145,57 @@ def backward(accelerator, model, loss) -> None:
         accelerator.backward(loss)
 
 
+# the launcher variables ensure_process_group set, as they were before (None: unset); None when it formed no group
+_formed_env: dict[str, str | None] | None = None
+
+
 def ensure_process_group(device: torch.device) -> None:
     """A one-process group (gloo on CPU, NCCL on CUDA) on a free local port when no launcher formed one, with the
     variables a launcher would set (DeepSpeed requires LOCAL_RANK), so that DeepSpeed runs in a single process
-    without MPI discovery (mpi4py)."""
+    without MPI discovery (mpi4py). ``release_process_group`` undoes both at the end of the run."""
     import socket
 
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    global _formed_env
+    if dist.is_initialized():  # a launcher's group, or the one a failed set-up of this process left behind
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    saved = {key: os.environ.get(key) for key in launcher}
     for key, value in launcher.items():
         os.environ.setdefault(key, value)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+    _formed_env = saved
+
+
+def release_process_group() -> None:
+    """The end of a run, a failed one too: the one-process group ``ensure_process_group`` formed is destroyed after
+    a barrier, with DeepSpeed's references to it (``deepspeed.comm.destroy_process_group``: a second run in this
+    process would otherwise reach the dead group through them), and the launcher variables it set are put back as
+    they were. A no-op when a launcher formed the group (accelerate's ``end_training`` destroys that one)."""
+    import sys
+
+    import torch.distributed as dist
+
+    global _formed_env
+    if _formed_env is None:
+        return
+    saved, _formed_env = _formed_env, None
+    if dist.is_initialized():
+        dist.barrier()
+        comm = sys.modules.get("deepspeed.comm")  # imported only when --deepspeed ran
+        if comm is not None and comm.is_initialized():
+            comm.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class EngineStep:
@@ -170,16 +204,37 @@ class EngineStep:
 
     def __init__(self, engine, optimizer) -> None:
         self.engine, self.optimizer = engine, optimizer
+        self.grad_norm: float | None = None  # the last step's global gradient norm, before clipping
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
     def step(self, closure=None) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        norm = _stage0_grad_norm(self.engine) if boundary else None
         self.engine.step()
+        if boundary:
+            self.grad_norm = self.engine.get_global_grad_norm()
+            self.grad_norm = norm if self.grad_norm is None else float(self.grad_norm)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """The engine zeroes the gradients in its step."""
+
+
+def _stage0_grad_norm(engine) -> float | None:
+    """Stage 0 keeps no norm (its torch optimizer reports none): the 2-norm of the module's gradients, all-reduced
+    in the boundary's backward, before the step clips them."""
+    if engine.zero_optimization_stage() != 0:
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
+
+
+def grad_norm(optimizer) -> float | None:
+    """The gradient norm (before clipping) of the optimizer step just taken by a DeepSpeed engine (``EngineStep``),
+    as the loop's clipping reports it without DeepSpeed; None for any other optimizer."""
+    return optimizer.grad_norm if isinstance(optimizer, EngineStep) else None
 
 
 def initialize(model, optimizer, config: dict):

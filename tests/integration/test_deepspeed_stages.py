@@ -3,8 +3,9 @@ no launcher (`python -m grpokit train`, no MPI) and 2 gloo processes give what a
 
 The deterministic-completion plugin of test_distributed.py makes runs differ only by how the work is split, so
 losses (1e-5) and parameters (1e-4) after 3 steps are compared with one plain process, with a reference model
-(beta > 0): ZeRO-2, ZeRO-3 and ZeRO-3 with offload in one process, ZeRO-3 with gradient accumulation, a ZeRO-2
-checkpoint resumed in one process, and ZeRO-1 in 2 processes (DDP's split).
+(beta > 0): ZeRO-0, ZeRO-2, ZeRO-3 and ZeRO-3 with offload in one process, ZeRO-3 with gradient accumulation, a ZeRO-2
+checkpoint resumed in one process, and ZeRO-1 in 2 processes (DDP's split). Each logs DeepSpeed's gradient norm,
+the plain run's on the first step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_distributed import PLUGIN, B, _args, _dumps, _max_diff, _one_process, _params, make_setup
+from test_distributed import PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _one_process, _params, make_setup
 from test_sharded_fsdp import ENGINE_CHECK, STEPS, _check_same, _run
 
 pytestmark = [pytest.mark.slow,
@@ -60,6 +61,15 @@ def _check_one_process(plain: Path, other: Path, micro_steps: int = 3) -> None:
                     assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (kind, key)
     assert _max_diff(_params(plain / "dump"), _params(other / "dump")) < 1e-4
     assert [r["diff"] for r in b if r["kind"] == "engine"] == [0.0]
+    _check_grad_norm(plain, other)
+
+
+def _check_grad_norm(plain: Path, other: Path) -> None:
+    """DeepSpeed's gradient norm (``engine.get_global_grad_norm()`` after the step) is logged at every optimizer
+    step, and the first step's equals the plain run's norm before clipping (the same weights, the same batch)."""
+    ours, theirs = ([r.get("grad_norm") for r in _log_rows(run / "out")] for run in (plain, other))
+    assert len(theirs) == len(ours) == 3 and None not in theirs, theirs
+    assert theirs[0] > 0 and theirs[0] == pytest.approx(ours[0], rel=1e-5, abs=2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,9 @@ def test_zero2_in_one_process_without_a_launcher_matches_plain(plain, zero2):
     assert (zero2 / "out" / "checkpoint-2" / "state" / "deepspeed" / "state").is_dir()
 
 
-@pytest.mark.parametrize("preset", ["zero3", "zero3_offload"])
-def test_zero3_in_one_process_matches_plain(setup, plain, preset):
+@pytest.mark.parametrize("preset", ["zero0", "zero3", "zero3_offload"])
+def test_one_process_matches_plain(setup, plain, preset):
+    """zero0 keeps no gradient norm of its own: grpokit's (of the reduced gradients) is the plain run's."""
     _check_one_process(plain, _solo(setup, f"{preset}_solo", B * 2, "--deepspeed", preset))
 
 
@@ -105,5 +116,37 @@ def test_zero2_resumes_in_one_process(setup, zero2):
 def test_zero1_in_two_processes_matches_one_process(setup, plain):
     zero1 = _run(setup, "zero1_two", 2, *KL, "--deepspeed", "zero1")
     _check_same(plain, zero1)
+    _check_grad_norm(plain, zero1)
     assert _max_diff(_params(plain / "dump"), _params(zero1 / "dump")) < 1e-4
     assert _max_diff(_params(zero1 / "dump"), _params(zero1 / "dump", 1)) == 0.0  # the ranks agree
+
+
+def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
+    """`run_train` three times in one process with no launcher (a set-up that fails after forming the group, a
+    run that fails in its loop, then one that trains): each forms its one-process group and, failed or not,
+    destroys it and unsets the launcher variables it set."""
+    import torch.distributed as dist
+
+    from grpokit.errors import ConfigError
+    from grpokit.trainers import grpo_trainer
+
+    for key in _LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+    def broken(*args, **kwargs):
+        assert dist.is_initialized() and os.environ["WORLD_SIZE"] == "1"  # the group the set-up formed
+        raise ConfigError("broken")
+
+    for name, where in (("twice0", "setup_rollout"), ("twice1", "GRPOTrainer._train_on_window")):
+        with monkeypatch.context() as patch:
+            owner, attr = (grpo_trainer.GRPOTrainer, "_train_on_window") if "." in where else (grpo_trainer, where)
+            patch.setattr(owner, attr, broken)
+            with pytest.raises(ConfigError, match="broken"):
+                _one_process(_args(setup.model, setup.data, setup.root / name, setup.plugin, B, "--max_steps", "1",
+                                   "--deepspeed", "zero3"), setup.root / f"{name}_dump")
+        assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == [], where
+    out = setup.root / "twice2"
+    _one_process(_args(setup.model, setup.data, out, setup.plugin, B, "--max_steps", "1", "--deepspeed", "zero2"),
+                 setup.root / "twice2_dump")
+    assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == []
+    assert _log_rows(out)[0]["grad_norm"] > 0

@@ -330,16 +330,15 @@ def test_missing_deepspeed_package_and_flag_clash_are_clear(monkeypatch):
     assert accelerate_plugins(_targs(fsdp=True)) == {}  # grpokit applies FSDP2 itself (test_sharded_fsdp.py)
 
 
-def test_fsdp_in_one_process_is_refused_deepspeed_is_not():
-    """--fsdp in one process is refused; grpokit drives DeepSpeed itself (accelerate would drop it on CPU), so
-    --deepspeed passes in one process on CPU (the runs: test_deepspeed_stages.py)."""
+def test_fsdp_and_deepspeed_pass_in_one_process():
+    """grpokit drives FSDP2 and DeepSpeed itself (accelerate would drop both on CPU), so both pass in one process
+    on CPU (the runs: test_fsdp_one_process.py, test_deepspeed_stages.py)."""
     from accelerate.utils import DistributedType
 
     from grpokit.trainers.distributed import check_backend, check_engine
 
     acc = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match="--fsdp shards the weights over processes, here 1 process"):
-        check_backend(acc, _targs(fsdp=True))
+    check_backend(acc, _targs(fsdp=True))  # a one-process group: the same code path as under a launcher
     check_backend(acc, _targs(deepspeed="zero2"))  # grpokit drives DeepSpeed itself, in one process too
     check_backend(acc, _targs())  # plain: fine
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2, device=torch.device("cuda"))

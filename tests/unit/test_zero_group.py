@@ -1,0 +1,53 @@
+"""The one-process group that --deepspeed forms without a launcher (trainers/zero.py): released at the end of a run
+with the launcher variables it set, so a caller can run again in the same process; a launcher's group is left
+alone. The DeepSpeed runs themselves: tests/integration/test_deepspeed_stages.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grpokit.trainers import zero
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for key in LAUNCHER_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():  # a failing test leaves no group to the next one
+        dist.destroy_process_group()
+    monkeypatch.setattr(zero, "_formed_env", None)
+
+
+def test_group_formed_without_a_launcher_is_released_with_its_variables(no_launcher):
+    for _ in range(2):  # a second run in the same process forms a fresh group
+        zero.ensure_process_group(torch.device("cpu"))
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
+        zero.release_process_group()
+        assert not dist.is_initialized()
+        assert [k for k in LAUNCHER_VARS if k in os.environ] == []
+    zero.release_process_group()  # twice: nothing left to release
+
+
+def test_variables_set_before_are_kept_and_put_back(no_launcher, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set by the caller: used, and still set afterwards
+    zero.ensure_process_group(torch.device("cpu"))
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"].isdigit()
+    zero.release_process_group()
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and "MASTER_PORT" not in os.environ
+
+
+def test_a_group_formed_by_someone_else_is_left_alone(no_launcher, tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    zero.ensure_process_group(torch.device("cpu"))  # reuses it
+    zero.release_process_group()
+    assert dist.is_initialized()  # accelerate's end_training destroys a launcher's group, not grpokit
+    assert "RANK" not in os.environ
