@@ -53,7 +53,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
-    ds_config = deepspeed_config(t, model.config.hidden_size, accelerator.num_processes) if t.deepspeed else None
+    ds_config = deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes) if t.deepspeed else None
     whole = generation_copy(model) if (t.fsdp or zero3) else None  # a whole copy for the in-process engine
     if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
         model = shard_model(model, accelerator.device)

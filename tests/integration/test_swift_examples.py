@@ -33,6 +33,7 @@ from third_party import swift_plugin
 
 from grpokit.server.cli import vllm_installed
 from grpokit.testing import build_tiny_model
+from grpokit.testing_vlm import build_tiny_vlm
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,21 @@ XLAM = [{"query": f"What is the weather in city {i}?",
          "answers": json.dumps([{"name": "get_weather", "arguments": {"city": f"city {i}"}}]),
          "solution": f'Action: get_weather\nAction Input: {{"city": "city {i}"}}'} for i in range(16)]
 DATASETS = {"plugin_gsm8k.sh": GSM8K, "external_agent.sh": XLAM}  # others: NUMINA
+# ports of vision-language scripts: a tiny Qwen2-VL, and rows in the columns of the image datasets they name
+VLM_PORTS = {"plugin_run_external_reward_func.sh"}
+
+
+def clevr_rows(folder: Path) -> list[dict]:
+    """Rows shaped like clevr_cogen_a_train's (problem, one image, an <answer> solution), with small PNGs."""
+    from PIL import Image
+
+    rows = []
+    for k in range(16):
+        path = folder / f"clevr_{k}.png"
+        Image.new("RGB", (16, 16), ((60 * k) % 256, (90 * k) % 256, 128)).save(path)
+        rows.append({"problem": "How many objects are in the picture?", "images": [str(path)],
+                     "solution": f"<answer> {k % 5} </answer>"})
+    return rows
 
 # server options per port that needs one (the port's commented `swift rollout` command, ms-swift names); dropped
 # on CPU: --vllm_gpu_memory_utilization (GPU memory; the transformers engine refuses it), --vllm_tensor_parallel_size
@@ -96,7 +112,8 @@ def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> sub
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("swift_models")
-    return {"policy": build_tiny_model(root / "policy"), "rm": build_tiny_model(root / "rm", seq_cls=True)}
+    return {"policy": build_tiny_model(root / "policy"), "rm": build_tiny_model(root / "rm", seq_cls=True),
+            "vlm": build_tiny_vlm(root / "vlm", "qwen2_vl")}
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +149,8 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
         plugin = swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
     else:
         plugin = cwd / "no_plugin_in_this_port"  # the port names no plugin: it runs without the mirror
-    env = {**os.environ, "MODEL": str(models["policy"]), "DATASET": str(data), "PLUGIN": str(plugin),
+    model = models["vlm" if name in VLM_PORTS else "policy"]
+    env = {**os.environ, "MODEL": str(model), "DATASET": str(data), "PLUGIN": str(plugin),
            "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
            "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     if name in SERVERS:
@@ -148,7 +166,8 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in PORTS])
 def test_port_trains_two_steps(name, models, servers, tmp_path):
-    _check_port(name, models, servers, tmp_path, DATASETS.get(name, NUMINA))
+    rows = clevr_rows(tmp_path) if name in VLM_PORTS else DATASETS.get(name, NUMINA)
+    _check_port(name, models, servers, tmp_path, rows)
 
 
 def test_the_runner_trains_a_server_port_without_the_blocked_options(models, servers, tmp_path):
