@@ -47,6 +47,26 @@ def test_image_rows_go_unexpanded_with_their_images(idefics3):
     assert inputs[1] == {"prompt_token_ids": expected[1]}
 
 
+def test_a_pinned_later_turn_goes_as_the_trajectory_ids_with_images_collapsed(idefics3):
+    """A continued trajectory's prompt is its pinned ids (a reply kept as sampled, one token per character here),
+    each image's expanded tokens collapsed back to one slot; ids missing an image's tokens stop the rollout."""
+    template, _ = engine_template(str(idefics3))
+    tok = template.tokenizer
+    req = RolloutInferRequest(messages=[{"role": "user", "content": "<image> and <image>?"}],
+                              data_dict={"images": [_png((200, 0, 0)), _png((0, 0, 200))]})
+    images = req.data_dict["images"]
+    ids, row = template.encode_mm(req.messages, images)
+    reply = [i for c in "a red one" for i in tok(c, add_special_tokens=False)["input_ids"]]
+    template.pin(req.request_id, req.messages, images, ids + reply, row)
+    inputs, expected = vllm_inputs(template, [req])
+    slots = tok(template.render_mm(req.messages, 2), add_special_tokens=False)["input_ids"]
+    assert expected == [ids + reply] and inputs[0]["prompt_token_ids"] == slots + reply
+    spans = template.image_spans(ids)
+    template.pin(req.request_id, req.messages, images, ids[:spans[1][0]] + ids[spans[1][1]:], row)
+    with pytest.raises(RolloutError, match=r"image 1 of 2: its \d+ expanded tokens are not in the prompt"):
+        vllm_inputs(template, [req])
+
+
 def test_completions_may_not_use_special_tokens_but_end_of_sequence(idefics3):
     template, _ = engine_template(str(idefics3))
     allowed = allowed_token_ids(template, 600)
