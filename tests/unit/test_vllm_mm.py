@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
+from grpokit.engines.vllm_mm import (allowed_token_ids, check_prompt_ids, collapse_images, engine_template,
+                                     vllm_inputs)
 from grpokit.errors import RolloutError
 from grpokit.protocol import RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
@@ -65,6 +66,22 @@ def test_a_pinned_later_turn_goes_as_the_trajectory_ids_with_images_collapsed(id
     template.pin(req.request_id, req.messages, images, ids[:spans[1][0]] + ids[spans[1][1]:], row)
     with pytest.raises(RolloutError, match=r"image 1 of 2: its \d+ expanded tokens are not in the prompt"):
         vllm_inputs(template, [req])
+
+
+def test_collapsing_split_images_gives_the_rendered_slots(idefics3):
+    """Image splitting on (each image tiled, rows separated by newlines): the expanded ids still collapse to the
+    rendered prompt tokenized with one slot per image."""
+    from PIL import Image
+
+    template, _ = engine_template(str(idefics3))
+    template.processor.image_processor.do_image_splitting = True
+    template.processor.image_processor.size = {"longest_edge": 48}
+    images = [Image.new("RGB", (200, 90), (200, 0, 0)), Image.new("RGB", (16, 16), (0, 200, 0))]
+    messages = [{"role": "user", "content": "Look:\n<image>\nWhat colour? <image> and"}]
+    ids, _ = template.encode_mm(messages, images)
+    slots = collapse_images(template, ids, images, {})
+    assert len(ids) > len(slots) + 200  # the first image is tiled
+    assert slots == template.tokenizer(template.render_mm(messages, 2), add_special_tokens=False)["input_ids"]
 
 
 def test_completions_may_not_use_special_tokens_but_end_of_sequence(idefics3):
