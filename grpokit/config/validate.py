@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import re
 from pathlib import Path
 
@@ -256,12 +255,6 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
                    if sharded == "--deepspeed" else "plain DDP (drop --fsdp), or --deepspeed zero3_offload")
         raise ConfigError(f"{offload[0]} with {sharded} and vLLM colocate is not implemented (those engines "
                           f"partition the weights and optimizer state themselves); drop it and use {instead}")
-    if cfg.training.deepspeed and "LOCAL_RANK" not in os.environ:
-        # vLLM forms the one-process group first, and grpokit's one-process DeepSpeed set-up then lacks the
-        # launcher variables DeepSpeed requires
-        raise ConfigError(f"--deepspeed {cfg.training.deepspeed} with vLLM colocate in a process started without a "
-                          "launcher is not implemented; start it with `torchrun --nproc_per_node 1 -m grpokit "
-                          "train ...` (or more processes)")
 
 
 def _check_rewards(cfg: TrainConfig) -> None:

@@ -77,7 +77,7 @@ class GRPOTrainer:
         self.eval_dataset = eval_dataset
         self.state = TrainerState()
         self.callbacks = list(callbacks or [])
-        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset))
+        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None)
         self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
         self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
         self.template, self.state.max_steps = parts.template, parts.max_steps

@@ -46,15 +46,17 @@ class TrainingParts:
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
-                   num_prompts: int) -> TrainingParts:
+                   num_prompts: int, engine_given: bool = False) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
-    (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one."""
+    (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
+    ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
+    needs no whole copy for the in-process engine."""
     t = cfg.training
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
     ds_config = deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes) if t.deepspeed else None
-    whole = generation_copy(model) if (t.fsdp or zero3) else None  # a whole copy for the in-process engine
+    whole = generation_copy(model) if (t.fsdp or zero3) and not engine_given else None  # for the in-process engine
     if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
         model = shard_model(model, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]

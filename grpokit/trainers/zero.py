@@ -145,20 +145,27 @@ def backward(accelerator, model, loss) -> None:
         accelerator.backward(loss)
 
 
-# the launcher variables ensure_process_group set, as they were before (None: unset); None when it formed no group
+# the launcher variables ensure_process_group set, as they were before (None: unset); None when it set none
 _formed_env: dict[str, str | None] | None = None
+_owns_group = False  # whether ensure_process_group formed the group (else another library's: vLLM colocate's)
 
 
 def ensure_process_group(device: torch.device) -> None:
     """A one-process group (gloo on CPU, NCCL on CUDA) on a free local port when no launcher formed one, with the
     variables a launcher would set (DeepSpeed requires LOCAL_RANK), so that DeepSpeed runs in a single process
-    without MPI discovery (mpi4py). ``release_process_group`` undoes both at the end of the run."""
+    without MPI discovery (mpi4py). ``release_process_group`` undoes both at the end of the run.
+
+    A one-process group that vLLM colocate formed before (no launcher: vLLM starts its own) is used as it is, with
+    the launcher variables set for DeepSpeed; it stays vLLM's to destroy when the engine closes."""
     import socket
 
     import torch.distributed as dist
 
-    global _formed_env
-    if dist.is_initialized():  # a launcher's group, or the one a failed set-up of this process left behind
+    global _formed_env, _owns_group
+    if _formed_env is not None:  # this run's group, or the one a failed set-up of this process left behind
+        return
+    joined = dist.is_initialized()
+    if joined and (dist.get_world_size() > 1 or "LOCAL_RANK" in os.environ):  # a launcher's group
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,24 +174,27 @@ def ensure_process_group(device: torch.device) -> None:
     saved = {key: os.environ.get(key) for key in launcher}
     for key, value in launcher.items():
         os.environ.setdefault(key, value)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
-    _formed_env = saved
+    if not joined:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+    _formed_env, _owns_group = saved, not joined
 
 
 def release_process_group() -> None:
     """The end of a run, a failed one too: the one-process group ``ensure_process_group`` formed is destroyed after
     a barrier, with DeepSpeed's references to it (``deepspeed.comm.destroy_process_group``: a second run in this
     process would otherwise reach the dead group through them), and the launcher variables it set are put back as
-    they were. A no-op when a launcher formed the group (accelerate's ``end_training`` destroys that one)."""
+    they were. A no-op when a launcher formed the group (accelerate's ``end_training`` destroys that one); only the
+    variables when vLLM formed it (the engine's close destroys it)."""
     import sys
 
     import torch.distributed as dist
 
-    global _formed_env
+    global _formed_env, _owns_group
     if _formed_env is None:
         return
     saved, _formed_env = _formed_env, None
-    if dist.is_initialized():
+    owned, _owns_group = _owns_group, False
+    if owned and dist.is_initialized():
         dist.barrier()
         comm = sys.modules.get("deepspeed.comm")  # imported only when --deepspeed ran
         if comm is not None and comm.is_initialized():

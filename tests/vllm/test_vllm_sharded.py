@@ -100,7 +100,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_two_processes(model: Path, root: Path, *extra: str) -> list[list[dict]]:
+def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[list[dict]]:
+    """Train under torchrun with ``processes`` processes, or in one process without a launcher (0); each rank's
+    dumped checks."""
     plugin, dump = root / "vllm_sharded_plugin.py", root / "dump"
     plugin.write_text(PLUGIN)
     dump.mkdir(parents=True)
@@ -113,11 +115,16 @@ def _train_two_processes(model: Path, root: Path, *extra: str) -> list[list[dict
             "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOKIT_TEST_DUMP": str(dump), "GRPOKIT_TEST_MODEL": str(model),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--nnodes", "1",
                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "grpokit", "train"]
+    if not processes:
+        launcher = [sys.executable, "-m", "grpokit", "train"]
+        env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                          "MASTER_PORT")}
     proc = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    return [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()]
+            for r in range(max(processes, 1))]
 
 
 @pytest.mark.parametrize("sharding", [("--deepspeed", "zero3"), ("--fsdp", "true"), ("--deepspeed", "zero3", *LORA),
@@ -125,7 +132,20 @@ def _train_two_processes(model: Path, root: Path, *extra: str) -> list[list[dict
 def test_each_rank_engine_follows_the_sharded_trainer(tiny128, tmp_path, sharding):
     if sharding[:1] == ("--deepspeed",) and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
-    ranks = _train_two_processes(tiny128, tmp_path, *sharding)
+    ranks = _train(tiny128, tmp_path, *sharding)
+    _check_engines_follow(ranks)
+    assert ranks[0][-1]["engine"] == ranks[1][-1]["engine"]  # every rank's engine holds the same weights
+
+
+def test_zero3_in_one_process_without_a_launcher(tiny128, tmp_path):
+    """ms-swift's one-GPU recipe, `--deepspeed zero3 --use_vllm true` run as a plain command: vLLM forms the
+    one-process group as it starts, and DeepSpeed runs in it."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
+    _check_engines_follow(_train(tiny128, tmp_path, "--deepspeed", "zero3", processes=0))
+
+
+def _check_engines_follow(ranks: list[list[dict]]) -> None:
     for rows in ranks:
         initial = [r for r in rows if r["kind"] == "initial"]
         syncs = [r for r in rows if r["kind"] == "sync"]
@@ -134,4 +154,3 @@ def test_each_rank_engine_follows_the_sharded_trainer(tiny128, tmp_path, shardin
         assert all(s["engine_type"] == "vllm" for s in syncs)
         assert all(s["engine"] == s["trainer"] for s in syncs)
         assert syncs[-1]["engine"] != initial[0]["engine"]  # the weights did move, and the engine with them
-    assert ranks[0][-1]["engine"] == ranks[1][-1]["engine"]  # every rank's engine holds the same weights
