@@ -135,6 +135,14 @@ def test_fsdp_checkpoint_resumes_in_two_processes(setup, full_runs):
 
 
 @pytest.mark.slow
+def test_fsdp_full_weights_without_kl_match_one_process(setup):
+    """beta 0: no reference model to shard."""
+    one, fsdp = _run(setup, "full1_b0", 1, "--beta", "0"), _run(setup, "full_fsdp_b0", 2, "--beta", "0", "--fsdp", "true")
+    _check_same(one, fsdp)
+    assert _max_diff(_params(one / "dump"), _params(fsdp / "dump")) < 1e-4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("beta", ["0.04", "0"])
 def test_fsdp_lora_matches_one_process(setup, beta):
     one = _run(setup, f"lora1_{beta}", 1, *LORA, "--beta", beta)
