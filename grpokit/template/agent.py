@@ -22,6 +22,7 @@ from typing import Any
 from grpokit.errors import ConfigError, DataError
 from grpokit.template.carry import attach
 
+
 def parse_tools(value: Any, where: str) -> list[dict]:
     """A row's ``tools``: a list of function schemas, or that list as JSON text (ms-swift stores it so)."""
     if isinstance(value, str):
