@@ -28,7 +28,7 @@ from grpokit.data.images import count_placeholders, load_image, to_parts, with_i
 from grpokit.data.images import IMAGE_PLACEHOLDER, row_images
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
-from grpokit.template.encode import ChatTemplate, EncodedSample, _logprobs_consistent, _memo_key
+from grpokit.template.encode import ChatTemplate, EncodedSample, _memo_key, segment_masks
 
 # per-token tensors: left-padded like the prompt, zeros over the completion
 TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
@@ -128,7 +128,7 @@ class ProcessorTemplate(ChatTemplate):
             tokenizer.chat_template = processor.chat_template
         super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs, max_length=max_length,
                          truncation_strategy=truncation_strategy)
-        self._mm: OrderedDict[tuple, tuple[list[int], MMRow, int]] = OrderedDict()  # ids, row, tokens cut
+        self._mm: OrderedDict[tuple, tuple[list[int], MMRow]] = OrderedDict()  # ids, row
         self._pinned: dict[str, tuple[tuple, list[int], MMRow]] = {}  # request_id → a later turn's prompt
         # sampling must never emit an image (or other special) token: the training forward would then look for
         # an image that is not there ("Image features and image tokens do not match")
@@ -160,11 +160,11 @@ class ProcessorTemplate(ChatTemplate):
         key = (_memo_key(messages), tuple(_fingerprint(i) for i in images))
         if key not in self._mm:
             ids, tensors = self.expand(messages, images)
-            ids, tensors, cut = self._cut(ids, tensors)
-            self._mm[key] = (ids, MMRow(tensors), cut)
+            ids, tensors = self._cut(ids, tensors)
+            self._mm[key] = (ids, MMRow(tensors))
             while len(self._mm) > _MEMO_SIZE:
                 self._mm.popitem(last=False)
-        ids, row, _ = self._mm[key]
+        ids, row = self._mm[key]
         return list(ids), row
 
     def expand(self, messages: list[dict], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -173,14 +173,6 @@ class ProcessorTemplate(ChatTemplate):
         out = self.processor(text=[text], images=[[load_image(i) for i in images]], return_tensors="pt",
                              add_special_tokens=False)
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-
-    def tokens_cut(self, messages: list[dict], images: list) -> int:
-        """How many prompt ids ``encode_mm`` cut off (``--truncation_strategy`` left: at the start, right: at the
-        end) to fit ``--max_length``; 0 for a prompt that fits."""
-        if not images:
-            return 0
-        self.encode_mm(messages, images)
-        return self._mm[(_memo_key(messages), tuple(_fingerprint(i) for i in images))][2]
 
     def image_spans(self, ids: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each image's tokens: a run of image tokens with the special tokens around it (Qwen-VL's
@@ -212,19 +204,19 @@ class ProcessorTemplate(ChatTemplate):
             return any(a < n for a, _ in spans)
         return any(b > self.max_length for _, b in spans)
 
-    def _cut(self, ids: list[int], tensors: dict) -> tuple[list[int], dict, int]:
+    def _cut(self, ids: list[int], tensors: dict) -> tuple[list[int], dict]:
         """--max_length left/right on an expanded prompt: ids and per-token tensors cut alike, every image kept.
         DataError when the cut would pass through an image's tokens (the load-time check names the row)."""
         n = len(ids) - (self.max_length or len(ids))
         if n <= 0 or self.truncation_strategy not in ("left", "right"):
-            return ids, tensors, 0
+            return ids, tensors
         if self.cut_crosses_images(ids):
             raise DataError(f"--max_length {self.max_length} --truncation_strategy {self.truncation_strategy}: a "
                             f"{len(ids)}-token prompt would be cut through its image tokens; use "
                             "--truncation_strategy delete")
         keep = slice(n, None) if self.truncation_strategy == "left" else slice(0, self.max_length)
         tensors = {k: (v.reshape(1, -1)[:, keep] if k in TOKEN_KEYS else v) for k, v in tensors.items()}
-        return ids[keep], tensors, n
+        return ids[keep], tensors
 
     # -- later turns: the trajectory's own tokens as the next prompt ----------------------------------------
     def pin(self, request_id: str, messages: list[dict], images: list, ids: list[int], row: MMRow) -> None:
@@ -288,11 +280,7 @@ class ProcessorTemplate(ChatTemplate):
                 sample.prompt_ids, sample.extra["mm"] = self.encode_mm(prompt_messages, images)
             return sample
         segments = output.response_token_ids
-        masks = output.response_loss_mask or [[1] * len(s) for s in segments]
-        if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
-            raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
-                               f"differ from response_token_ids lengths {[len(s) for s in segments]}")
-        lp_segs = output.rollout_logprobs if _logprobs_consistent(output, masks) else None
+        masks, lp_segs = segment_masks(output)
         prompt_ids, row, gaps = self.encode_turns(prompt_messages, output.messages, segments, images,
                                                   output.request_id)
         ids: list[int] = []
