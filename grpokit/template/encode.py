@@ -112,11 +112,7 @@ class ChatTemplate:
         """Prompt ids + the trajectory's completion ids/masks, aligned token by token."""
         prompt_ids = self.encode_prompt(prompt_messages)
         segments = output.response_token_ids
-        masks = output.response_loss_mask or [[1] * len(s) for s in segments]
-        if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
-            raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
-                               f"differ from response_token_ids lengths {[len(s) for s in segments]}")
-        logprob_segments = output.rollout_logprobs if _logprobs_consistent(output, masks) else None
+        masks, logprob_segments = segment_masks(output)
         turns = self._assistant_turns(prompt_messages, output.messages, len(segments), output.request_id)
         ids: list[int] = []
         mask: list[int] = []
@@ -180,6 +176,17 @@ def _memo_key(messages: list[dict]) -> tuple | str:
             return json.dumps(messages, sort_keys=True, default=str)
         key.append((m["role"], m["content"]))
     return tuple(key)
+
+
+def segment_masks(output: RolloutOutput) -> tuple[list[list[int]], list[list[float]] | None]:
+    """The loss mask of each response segment (all ones when the output gives none), checked against the segments'
+    lengths, and the rollout logprobs when they are usable (``_logprobs_consistent``), else None."""
+    segments = output.response_token_ids
+    masks = output.response_loss_mask or [[1] * len(s) for s in segments]
+    if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
+        raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
+                           f"differ from response_token_ids lengths {[len(s) for s in segments]}")
+    return masks, output.rollout_logprobs if _logprobs_consistent(output, masks) else None
 
 
 def _logprobs_consistent(output: RolloutOutput, masks: list[list[int]]) -> bool:
