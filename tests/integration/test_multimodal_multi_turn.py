@@ -113,6 +113,22 @@ def _turn_runs(mask: torch.Tensor) -> int:
     return sum(1 for k, v in enumerate(m) if v and (k == 0 or not m[k - 1]))
 
 
+@pytest.fixture
+def rewarded():
+    """The ``images`` each call of the reward ``test_record_images`` got (registered for the test)."""
+    from grpokit.rewards import orms
+
+    calls: list = []
+
+    def record_images(completions, images, **kwargs):
+        calls.append(images)
+        return [0.0] * len(completions)
+
+    orms["test_record_images"] = record_images
+    yield calls
+    del orms["test_record_images"]
+
+
 def _recording(seen: list):
     """A GRPOTrainer that keeps each window's outputs, the training forward's logps and the batch."""
     from grpokit.trainers.grpo_trainer import GRPOTrainer
@@ -171,24 +187,13 @@ def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_images_from_reset_train_and_every_image_reaches_the_rewards(family, vlm_dirs, colour_env, tmp_path):
+def test_images_from_reset_train_and_every_image_reaches_the_rewards(family, vlm_dirs, colour_env, rewarded,
+                                                                     tmp_path):
     """reset's observation (one image) replaces the prompt; the trajectory's images are the row's, reset's, then
     the step's, in the trainer's batch and in the rewards' ``images``; logps equal the engine's on both turns."""
-    from grpokit.rewards import orms
-
     seen: list = []
-    rewarded: list = []
-
-    def record_images(completions, images, **kwargs):
-        rewarded.append(images)
-        return [0.0] * len(completions)
-
-    orms["test_record_images"] = record_images
-    try:
-        _train(vlm_dirs[family], _dataset(tmp_path, env="test_reset_observation"), tmp_path / "out",
-               _recording(seen), extra=("--reward_funcs", "test_record_images"))
-    finally:
-        del orms["test_record_images"]
+    _train(vlm_dirs[family], _dataset(tmp_path, env="test_reset_observation"), tmp_path / "out",
+           _recording(seen), extra=("--reward_funcs", "test_record_images"))
     assert len(seen) == 2 and len(rewarded) == 2
     for (outputs, logps, batch), images in zip(seen, rewarded):
         for o, imgs in zip(outputs, images):
@@ -336,30 +341,23 @@ def _append_image_scheduler(placeholder: str = "<image>"):
     return AppendImage
 
 
-def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reaches_the_rewards(vlm_dirs, tmp_path):
+def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reaches_the_rewards(vlm_dirs, rewarded,
+                                                                                         tmp_path):
     """In process, an image a scheduler appends to ``infer_request.images`` joins the trajectory: the trainer's batch
     holds both images, its logps equal the engine's on both turns, and rewards get the row's and the new image."""
     import io
 
     from PIL import Image
 
-    from grpokit.rewards import orms
     from grpokit.rollout.multi_turn import multi_turns
 
     seen: list = []
-    rewarded: list = []
-
-    def record_images(completions, images, **kwargs):
-        rewarded.append(images)
-        return [0.0] * len(completions)
-
-    orms["test_record_images"] = record_images
     multi_turns["test_append_image"] = _append_image_scheduler()
     try:
         trainer = _train(vlm_dirs["qwen2_vl"], _dataset(tmp_path), tmp_path / "out", _recording(seen),
                          extra=("--reward_funcs", "test_record_images"), scheduler="test_append_image")
     finally:
-        del orms["test_record_images"], multi_turns["test_append_image"]
+        del multi_turns["test_append_image"]
     assert trainer.state.global_step == 2 and len(seen) == 2 and len(rewarded) == 2
     for (outputs, logps, batch), images in zip(seen, rewarded):
         for o, imgs in zip(outputs, images):
