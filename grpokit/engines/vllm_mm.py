@@ -4,10 +4,10 @@ The trainer's prompt ids are the processor's (``ProcessorTemplate.encode_mm``: e
 model's image tokens), or, for a later turn of a multi-turn trajectory, the trajectory's own ids as they train
 (pinned on the template: ``ProcessorTemplate.encode_request``). Given ids that are expanded already, vLLM (0.32,
 Idefics3) expands them a second time, so the engine collapses each image's expanded tokens back to the image slot
-(``collapse_images``: each image's expansion is the processor's for that image alone) and passes those ids with the
-PIL images as ``multi_modal_data``; vLLM expands the slots again, and the engine checks that vLLM's
-``prompt_token_ids`` are the trainer's ids, so the ids that train are the ids vLLM sampled from, on every turn
-(a reply that would not re-tokenize to the ids sampled included).
+(``collapse_images``: each image's expansion is the processor's for that image alone, memoised on the template) and
+passes those ids with the PIL images as ``multi_modal_data``; vLLM expands the slots again, and the engine checks
+that vLLM's ``prompt_token_ids`` are the trainer's ids, so the ids that train are the ids vLLM sampled from, on
+every turn (a reply that would not re-tokenize to the ids sampled included).
 
 Every special token except end-of-sequence is kept out of completions (``allowed_token_ids``), as the transformers
 engine does: an image token in a completion would make the training forward look for an image that is not there.
@@ -79,7 +79,6 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
         prompts = template.encode_prompts([r.messages for r in requests])
         return [{"prompt_token_ids": p} for p in prompts], prompts
     inputs, expected = [], []
-    expansions: dict[int, list[int]] = {}  # id(image) → its expanded tokens (a group's requests share the images)
     for r in requests:
         images = row_images(r.data_dict)
         ids, _ = template.encode_request(r)  # a later turn: the trajectory's own ids (--max_length cut applied)
@@ -87,25 +86,20 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
         if not images:
             inputs.append({"prompt_token_ids": ids})
             continue
-        slots = collapse_images(template, ids, images, expansions)
+        slots = collapse_images(template, ids, images)
         inputs.append({"prompt_token_ids": slots, "multi_modal_data": {"image": [load_image(i) for i in images]}})
     return inputs, expected
 
 
-def collapse_images(template, ids: list[int], images: list, expansions: dict[int, list[int]]) -> list[int]:
+def collapse_images(template, ids: list[int], images: list) -> list[int]:
     """``ids`` (image tokens expanded by the processor) with each image's tokens, in order, replaced by the image
     slot (the processor's image token, which vLLM expands). Completions never hold image tokens (they are
     blocked), so every match is a prompt's or an observation's image."""
-    processor = template.processor
-    slot = template.tokenizer(processor.image_token, add_special_tokens=False)["input_ids"]
+    slot = template.tokenizer(template.processor.image_token, add_special_tokens=False)["input_ids"]
     out: list[int] = []
     k = 0
     for n, image in enumerate(images):
-        if id(image) not in expansions:
-            one = processor(text=[processor.image_token], images=[[load_image(image)]], return_tensors="pt",
-                            add_special_tokens=False)
-            expansions[id(image)] = one["input_ids"][0].tolist()
-        span = expansions[id(image)]
+        span = template.image_expansion(image)
         at = _find(ids, span, k)
         if at < 0:
             raise RolloutError(f"image {n} of {len(images)}: its {len(span)} expanded tokens are not in the prompt's "

@@ -129,6 +129,7 @@ class ProcessorTemplate(ChatTemplate):
         super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs, max_length=max_length,
                          truncation_strategy=truncation_strategy)
         self._mm: OrderedDict[tuple, tuple[list[int], MMRow]] = OrderedDict()  # ids, row
+        self._expansions: OrderedDict[str, list[int]] = OrderedDict()  # image fingerprint → its expanded ids
         self._pinned: dict[str, tuple[tuple, list[int], MMRow]] = {}  # request_id → a later turn's prompt
         # sampling must never emit an image (or other special) token: the training forward would then look for
         # an image that is not there ("Image features and image tokens do not match")
@@ -166,6 +167,17 @@ class ProcessorTemplate(ChatTemplate):
                 self._mm.popitem(last=False)
         ids, row = self._mm[key]
         return list(ids), row
+
+    def image_expansion(self, image) -> list[int]:
+        """The ids the processor expands one image's slot into, for that image alone (memoised by its contents)."""
+        key = _fingerprint(image)
+        if key not in self._expansions:
+            one = self.processor(text=[self.processor.image_token], images=[[load_image(image)]],
+                                 return_tensors="pt", add_special_tokens=False)
+            self._expansions[key] = one["input_ids"][0].tolist()
+            while len(self._expansions) > _MEMO_SIZE:
+                self._expansions.popitem(last=False)
+        return self._expansions[key]
 
     def expand(self, messages: list[dict], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The processor's prompt ids (image slots expanded into image tokens) and tensors, before --max_length."""

@@ -79,7 +79,7 @@ def test_collapsing_split_images_gives_the_rendered_slots(idefics3):
     images = [Image.new("RGB", (200, 90), (200, 0, 0)), Image.new("RGB", (16, 16), (0, 200, 0))]
     messages = [{"role": "user", "content": "Look:\n<image>\nWhat colour? <image> and"}]
     ids, _ = template.encode_mm(messages, images)
-    slots = collapse_images(template, ids, images, {})
+    slots = collapse_images(template, ids, images)
     assert len(ids) > len(slots) + 200  # the first image is tiled
     assert slots == template.tokenizer(template.render_mm(messages, 2), add_special_tokens=False)["input_ids"]
 
