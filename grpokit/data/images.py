@@ -28,7 +28,7 @@ from grpokit.errors import DataError
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_COLUMNS = ("images", "image")
 MAX_DECODED_IMAGE_BYTES = 64 * 1024 * 1024  # one base64 image decoded in process (a plugin's infer_request.images)
-_DATA_URI = re.compile(r"data:[\w.+/-]*(;[\w.+=-]+)*;base64,", re.ASCII)
+DATA_URI = re.compile(r"data:[\w.+/-]*(;[\w.+=-]+)*;base64,", re.ASCII)  # the prefix of a base64 data URI
 
 
 def row_images(row: dict) -> list:
@@ -75,7 +75,7 @@ def decode_image_ref(image: Any, where: str) -> Any:
     raw) becomes its bytes, bounded by ``MAX_DECODED_IMAGE_BYTES``; a path, bytes, PIL image or ``{"bytes",
     "path"}`` dict stays as it is. DataError (one line) for anything that cannot be opened here."""
     if isinstance(image, str):
-        match = _DATA_URI.match(image)
+        match = DATA_URI.match(image)
         text = image[match.end():] if match else image
         if match or not (_is_file(image) or "://" in image or "." in image):
             if len(text) * 3 // 4 > MAX_DECODED_IMAGE_BYTES + 2:

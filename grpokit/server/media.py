@@ -20,13 +20,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpokit.data.images import IMAGE_COLUMNS
+from grpokit.data.images import DATA_URI, IMAGE_COLUMNS
 from grpokit.engines.media_wire import image_to_wire
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 
 DEFAULT_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 KNOWN_FORMATS = (*DEFAULT_FORMATS, "TIFF", "ICO", "PPM", "TGA")  # what --image_formats may add
-_DATA_URI = re.compile(r"data:(?P<mime>[\w.+/-]*)(?P<params>(;[\w.+=-]+)*);base64,", re.ASCII)
 _URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
@@ -84,7 +83,7 @@ def take_images(requests: list[RolloutInferRequest], limits: ImageLimits) -> Non
 
 def image_bytes(ref: str, limits: ImageLimits, where: str) -> bytes:
     """The encoded image a wire string names: base64 data (a data URI or raw) or a file under a media root."""
-    match = _DATA_URI.match(ref)
+    match = DATA_URI.match(ref)
     if match:
         return _b64(ref[match.end():], limits, where)
     if _URL.match(ref):
