@@ -129,7 +129,7 @@ def run_train(cfg: TrainConfig):
         scheduler = build_scheduler(cfg, tokenizer)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
-    callbacks = [callbacks_map.get_or_raise(n)() for n in cfg.training.callbacks]
+    callbacks = [callbacks_map.get_or_raise(n) for n in cfg.training.callbacks]  # built by the trainer
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     try:
         trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,

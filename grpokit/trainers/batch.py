@@ -1,13 +1,20 @@
-"""The window's batch: rollouts encoded into padded tensors, and its micro-batch slices."""
+"""The window's batch: rollouts encoded into padded tensors, and its micro-batch slices.
+
+A ``RolloutBatch`` is typed first (``batch.completion_mask``) and also reads as the seed's mini-batch dict
+(``batch['completion_mask']``, ``batch['old_per_token_logps']``, ``.get``, ``in``, assignment), so that code
+written for ms-swift's ``_compute_loss_and_metrics`` runs on it. Keys that are no field of the batch live in
+``extra`` and travel with every ``select``/``split``/``to``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from grpokit.errors import RolloutError
+from grpokit.errors import PluginError, RolloutError
 from grpokit.template.encode import EncodedSample
 from grpokit.template.processor import MMRow
 
@@ -28,10 +35,67 @@ class RolloutBatch:
     num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
     extra: dict[str, Any] = field(default_factory=dict)  # per-row tensors a _prepare_inputs override adds
     mm_inputs: list[MMRow] | None = None  # vision-language models: each row's processor tensors (collate_mm)
+    # what one training step's loss reported, filled by training_step and read by the loop (not batch data)
+    step_metrics: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def logits_to_keep(self) -> int:
         return self.completion_mask.shape[1]
+
+    # -- the seed's names: ms-swift's mini-batch dict keys, as attributes and as keys ----------------------------
+    @property
+    def truncated_mask(self) -> torch.Tensor:
+        return self.truncated
+
+    @property
+    def old_per_token_logps(self) -> torch.Tensor | None:
+        return self.old_logps
+
+    @property
+    def ref_per_token_logps(self) -> torch.Tensor | None:
+        return self.ref_logps
+
+    @property
+    def rollout_per_token_logps(self) -> torch.Tensor | None:
+        return self.rollout_logps
+
+    @property
+    def num_items_in_batch(self) -> float | None:
+        return self.num_items
+
+    def __getitem__(self, key: str) -> Any:
+        name = SEED_KEYS.get(key)
+        if name is not None:
+            return getattr(self, name)
+        if key in self.extra:
+            return self.extra[key]
+        raise KeyError(f"{key!r}: the batch has the seed's keys {', '.join(SEED_KEYS)} and the extra keys "
+                       f"{', '.join(self.extra) or '(none)'}; add one with batch[{key!r}] = tensor")
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "logits_to_keep":
+            raise KeyError("batch['logits_to_keep'] is the completion width (completion_mask.shape[1]); change it "
+                           "by cutting completion_mask and the [N, C] logps, not by assignment")
+        name = SEED_KEYS.get(key)
+        if name is not None:
+            setattr(self, name, value)
+        else:
+            self.extra[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        name = SEED_KEYS.get(key) if isinstance(key, str) else None
+        return getattr(self, name) is not None if name is not None else key in self.extra
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def keys(self) -> Iterator[str]:
+        """The keys that hold a value: the seed's that are set, then the extra ones."""
+        yield from (k for k in SEED_KEYS if k in self)
+        yield from self.extra
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -42,7 +106,11 @@ class RolloutBatch:
         for f in fields(self):
             v = getattr(self, f.name)
             out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
-        out["extra"] = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in self.extra.items()}
+        out["step_metrics"] = {}
+        n = len(self)
+        out["extra"] = {k: (v[idx] if isinstance(v, torch.Tensor) or (isinstance(v, list) and isinstance(idx, slice)
+                                                                      and len(v) == n) else v)
+                        for k, v in self.extra.items()}
         if self.mm_inputs is not None:  # whole rows: a row's images never part from its image tokens
             rows = range(len(self))[idx] if isinstance(idx, slice) else (
                 idx.nonzero().flatten() if idx.dtype == torch.bool else idx).tolist()
@@ -55,6 +123,39 @@ class RolloutBatch:
             return [self.trim()]
         size = len(self) // n
         return [self.select(slice(i * size, (i + 1) * size)).trim() for i in range(n)]
+
+    def chunks(self, n: int) -> list[RolloutBatch]:
+        """``n`` equal consecutive row slices at the window's width (the seed's mini-batch dicts, untrimmed)."""
+        size = len(self) // n
+        return [self.select(slice(i * size, (i + 1) * size)) for i in range(n)]
+
+    @staticmethod
+    def join(parts: list[RolloutBatch], rows: int, hook: str) -> RolloutBatch:
+        """The mini-batches of a window put back together in order (their rows, and every key one of them has),
+        checked: ``hook`` names the override that returned them, ``rows`` is how many the window has."""
+        if not isinstance(parts, list) or not parts or not all(isinstance(p, RolloutBatch) for p in parts):
+            raise PluginError(f"{hook} returned {type(parts).__name__}; return the list of mini-batches that "
+                              "super() returned (each may have keys added)")
+        if sum(len(p) for p in parts) != rows:
+            raise PluginError(f"{hook} returned mini-batches of {sum(len(p) for p in parts)} rows in all; the window "
+                              f"has {rows} (add keys to the mini-batches, keep their rows)")
+        widths = {(p.input_ids.shape[1], p.logits_to_keep) for p in parts}
+        if len(widths) > 1:
+            raise PluginError(f"{hook} returned mini-batches of different widths {sorted(widths)}; keep the "
+                              "window's padding (the loop trims each micro-batch itself)")
+        keys = [set(p.extra) for p in parts]
+        if any(k != keys[0] for k in keys):
+            raise PluginError(f"{hook}: every mini-batch needs the same added keys, got {[sorted(k) for k in keys]}")
+        out: dict[str, Any] = {}
+        for f in fields(RolloutBatch):
+            if f.name in ("extra", "mm_inputs", "step_metrics"):
+                continue
+            values = [getattr(p, f.name) for p in parts]
+            out[f.name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
+        out["extra"] = {k: _cat([p.extra[k] for p in parts], k, hook) for k in keys[0]}
+        mm = [p.mm_inputs for p in parts]
+        out["mm_inputs"] = None if mm[0] is None else [row for m in mm for row in m]
+        return RolloutBatch(**out)
 
     def trim(self) -> RolloutBatch:
         """Drop padding columns that no row of this batch uses (left of prompts, right of completions)."""
@@ -74,9 +175,33 @@ class RolloutBatch:
         return out
 
     def to(self, device) -> RolloutBatch:
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **moved)
+        """The batch with its tensors on ``device``, the extra ones too (the step's metrics dict is shared: what
+        the loss reports on the moved batch reaches the loop)."""
+        moved: dict[str, Any] = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved["extra"] = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extra.items()}
+        out = replace(self, **moved)
+        out.step_metrics = self.step_metrics
+        return out
+
+
+def _cat(values: list, key: str, hook: str) -> Any:
+    """One added key over the window's mini-batches: tensors (one row each) concatenated, lists joined."""
+    if all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in values):
+        return torch.cat(values)
+    if all(isinstance(v, list) for v in values):
+        return [x for v in values for x in v]
+    raise PluginError(f"{hook}: key {key!r} must be a tensor or a list with one entry per row in each mini-batch, "
+                      f"got {', '.join(type(v).__name__ for v in values)}")
+
+
+# ms-swift's mini-batch dict keys → RolloutBatch fields (logits_to_keep is the completion width, read-only)
+SEED_KEYS: dict[str, str] = {
+    "input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+    "completion_mask": "completion_mask", "logits_to_keep": "logits_to_keep", "advantages": "advantages",
+    "old_per_token_logps": "old_logps", "ref_per_token_logps": "ref_logps",
+    "rollout_per_token_logps": "rollout_logps", "truncated_mask": "truncated", "num_items_in_batch": "num_items",
+}
 
 
 def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],

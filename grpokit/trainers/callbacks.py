@@ -1,4 +1,7 @@
-"""Callbacks hook into the training loop; plugins register them by name for `--callbacks NAME...`."""
+"""Callbacks hook into the training loop; plugins register them by name for `--callbacks NAME...`.
+
+Two shapes are accepted: grpokit's ``TrainerCallback`` (each hook gets the trainer) and any transformers
+``TrainerCallback`` (ms-swift's included), driven with HF's ``(args, state, control)`` (hf_callbacks.py)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ the training step, the loss and the optimizer step.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -31,9 +32,12 @@ from grpokit.engines.prefix import worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.errors import PluginError
+from grpokit.trainers import hf_callbacks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT
-from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
+from grpokit.trainers.distributed import deepspeed_stage, gather_cat, mean_over_processes, scalar
+from grpokit.trainers.hooks import check_subclass, loss_convention, overrides, positional_count
 from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator
 from grpokit.trainers.packing import ForwardOptions, completion_logps
@@ -41,8 +45,10 @@ from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
-from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
-from grpokit.trainers.zero import backward, grad_norm, release_process_group, synced_models
+from grpokit.trainers.window_producer import AsyncWindows, Models, WindowHooks, WindowProducer
+from grpokit.trainers.zero import backward, grad_norm, is_engine, release_process_group, synced_models
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,36 +58,52 @@ class TrainerState:
     prompts_consumed: int = 0  # position in the prompt stream (resumable)
     windows: int = 0
     last_logs: dict = field(default_factory=dict)
+    epoch: float = 0.0  # passes over the training prompts so far (HF's meaning)
+    log_history: list[dict] = field(default_factory=list)  # every logged dict, in order (HF's meaning)
 
 
 class GRPOTrainer:
-    """The GRPO training loop. Subclasses may override these hooks (docs/plugins.md shows each with an example):
-    ``_prepare_inputs(prompts, rollout=None) -> Window``, ``_generate_completions(requests)``,
-    ``_score_completions(requests, outputs)``, ``_prepare_model_inputs(inputs)``,
-    ``_get_per_token_logps_and_entropies(model, inputs, compute_entropy=False)``,
-    ``_compute_loss_and_metrics(model, inputs)`` and ``training_step(model, inputs)``. Every other underscore
-    method is private and may change.
+    """The GRPO training loop. Subclasses may override these hooks, with the seed's signatures (docs/plugins.md
+    shows each with an example): ``_prepare_inputs(prompts, rollout=None) -> Window``,
+    ``_generate_completions(requests)``, ``_score_completions(requests, outputs)``,
+    ``_prepare_batch_inputs(inputs) -> list of mini-batches``,
+    ``_compute_advantages(inputs, rewards_per_func, batch_encoded_inputs) -> [N]``,
+    ``_prepare_model_inputs(inputs)``, ``_get_per_token_logps_and_entropies(model, inputs, compute_entropy=False)``,
+    ``_compute_loss_and_metrics(model, inputs)`` (or ms-swift 4.6's ``(model, model_inputs, grpo_batch)``) and
+    ``training_step(model, inputs, num_items_in_batch=None)``. Every other underscore method is private and may
+    change; a subclass defining an ms-swift/TRL method grpokit never calls is refused (hooks.py).
 
     Public attributes, set in ``__init__`` and read by plugins and callbacks: ``cfg`` (the whole TrainConfig),
     ``args`` (its training options), ``plan`` (BatchPlan), ``loss_cfg``, ``state`` (TrainerState),
     ``accelerator``, ``model`` (as prepared by accelerate), ``policy`` (the model inside any wrapper),
     ``optimizer``, ``lr_scheduler``, ``ref_model`` (None with LoRA or beta 0), ``tokenizer``, ``template``,
-    ``engine``, ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``.
+    ``engine``, ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``; and the ones
+    ms-swift's trainer code reads: ``temperature``, ``num_generations``, ``beta``, ``epsilon_low``,
+    ``epsilon_high``, ``loss_type``.
     """
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
                  callbacks=None, chord_sft_dataset=None) -> None:
+        check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
         self.tokenizer = tokenizer
         self.eval_dataset = eval_dataset
+        self._num_prompts = len(train_dataset)
         self.state = TrainerState()
-        self.callbacks = list(callbacks or [])
-        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None)
+        # the seed's names (ms-swift's meanings), read by ported trainer code
+        self.temperature, self.num_generations = cfg.rollout.temperature, cfg.rollout.num_generations
+        self.beta, self.loss_type = self.loss_cfg.beta, self.loss_cfg.loss_type
+        self.epsilon_low, self.epsilon_high = self.loss_cfg.epsilon_low, self.loss_cfg.epsilon_high
+        self.model = model  # until set-up wraps it: what an OptimizerCallback's create_optimizer reads
+        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None,
+                               owner=self)
         self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
         self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
         self.template, self.state.max_steps = parts.template, parts.max_steps
         self._trainable_params = parts.trainable_params
+        self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
+        self._warn_sharded_grad_edit()
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
                                                     self.accelerator, parts.generation_model)
         # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
@@ -96,7 +118,7 @@ class GRPOTrainer:
                                prefetch_factor=self.args.dataloader_prefetch_factor,
                                multiprocessing_context=self.args.dataloader_multiprocessing_context)
         self._producer = WindowProducer(
-            self, prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
+            self._window_hooks(), prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
             accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
             log_completions=self.args.log_completions, offloader=self._offloader)
@@ -107,11 +129,65 @@ class GRPOTrainer:
             process_index=self.accelerator.process_index)
         self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
         self.output_dir = self._outputs.output_dir
+        self._loss_convention = loss_convention(self._compute_loss_and_metrics)
+        self._step_takes_num_items = positional_count(self.training_step) >= 3
         self._step_metrics = MetricsAccumulator()
         self._window_metrics: dict = {}
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
         self._last_sync_s = 0.0
         self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
+        self.callbacks, self._hf = self._build_callbacks(callbacks or [])
+        self._hf_event("on_init_end")
+
+    def _window_hooks(self) -> WindowHooks:
+        """The producer's callables: this trainer's bound methods for the hooks its class overrides (so they
+        apply), None for the rest (the producer's own defaults, without a detour through the trainer)."""
+        def mine(name: str):
+            return getattr(self, name) if overrides(type(self), GRPOTrainer, name) else None
+
+        return WindowHooks(logps=self._get_per_token_logps_and_entropies, progress=self._progress,
+                           generate=mine("_generate_completions"), score=mine("_score_completions"),
+                           prepare_batches=mine("_prepare_batch_inputs"), advantages=mine("_compute_advantages"))
+
+    def _progress(self) -> dict:
+        return {"global_step": self.state.global_step, "max_steps": self.state.max_steps}
+
+    def _warn_sharded_grad_edit(self) -> None:
+        """The seed's trap (its mechanism 3): under ZeRO >= 2 and FSDP ``p.grad`` is not the full gradient."""
+        if not overrides(type(self), GRPOTrainer, "training_step") or not self.accelerator.is_main_process:
+            return
+        stage = deepspeed_stage(self.args.deepspeed) if self.args.deepspeed else None
+        if self.args.fsdp or (stage is not None and stage >= 2):
+            how = "--fsdp" if self.args.fsdp else f"--deepspeed {self.args.deepspeed} (ZeRO-{stage})"
+            logger.warning("%s overrides training_step: under %s p.grad is not the full gradient (sharded, or None "
+                           "under DeepSpeed), so a gradient edit there does not see it; edit gradients in the loss "
+                           "(detach algebra, a tensor hook, an autograd.Function) or in an optimizer from "
+                           "optimizers_map", type(self).__qualname__, how)
+
+    def _build_callbacks(self, given: list) -> tuple[list, hf_callbacks.HFCallbackDriver | None]:
+        """grpokit callbacks (instances, or classes built with no arguments) and transformers callbacks (ms-swift's
+        built as ``cls(args, trainer)``), the latter driven with HF's args, state and control."""
+        mine, hf = [], []
+        args = None
+        for cb in given:
+            if hf_callbacks.is_hf_callback(cb):
+                if isinstance(cb, type):
+                    args = args or self._hf_args()
+                    cb = hf_callbacks.build(cb, args, self)
+                hf.append(cb)
+            else:
+                mine.append(cb() if isinstance(cb, type) else cb)
+        if not hf:
+            return mine, None
+        driver = hf_callbacks.HFCallbackDriver(
+            hf, args or self._hf_args(), max_steps=self.state.max_steps,
+            train_batch_size=self.args.per_device_train_batch_size, is_main=self.accelerator.is_main_process)
+        return mine + hf, driver
+
+    def _hf_args(self):
+        return hf_callbacks.hf_args(self.cfg.flat(), process_index=self.accelerator.process_index,
+                                    world_size=self.accelerator.num_processes,
+                                    is_main=self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------------------------------------------
     # the loop
@@ -125,7 +201,7 @@ class GRPOTrainer:
             self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
         try:
-            while self.state.global_step < self.state.max_steps:
+            while self.state.global_step < self.state.max_steps and not self._stop_requested():
                 micro_batches = self._next_window()  # rollout → rewards → advantages → logps, split
                 self.state.windows += 1
                 if self._train_on_window(micro_batches, bar):
@@ -142,6 +218,10 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
+    def _stop_requested(self) -> bool:
+        """A transformers callback set ``control.should_training_stop`` (the run then ends as at max_steps)."""
+        return self._hf is not None and self._hf.control.should_training_stop
+
     def _next_window(self) -> list[RolloutBatch]:
         """The next window's micro-batches. With --async_generate its rollout was started while the previous
         window trained, and the rollout of the window after it starts now."""
@@ -151,6 +231,7 @@ class GRPOTrainer:
             prompts, rollout, async_metrics = self._async.next(self.state.global_step)
             window = self._prepare_inputs(prompts, rollout)
         self.state.prompts_consumed = self._producer.prompts.position
+        self.state.epoch = self.state.prompts_consumed / max(1, self._num_prompts)
         # the weight sync that ended the previous window is reported with this one
         self._timing = {"logps": window.timing["logps"], "train": 0.0, "rollout": window.timing["rollout"],
                         "reward": window.timing["reward"], "sync": self._last_sync_s}
@@ -159,41 +240,89 @@ class GRPOTrainer:
         return window.micro_batches(self.plan.steps_per_generation)
 
     def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
-        """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights."""
+        """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights.
+        As in HF Trainer, ``training_step`` runs loss and backward inside ``accelerator.accumulate``; clipping and
+        the optimizer step come after it returns (``_optimizer_step``), so a gradient edit in an override on the
+        synchronising micro-step reaches the optimizer."""
         changed = False
+        first = True
         for _ in range(self.cfg.algorithm.num_iterations):
             for micro in micro_batches:
-                self.training_step(self.model, micro)
-                if self.accelerator.sync_gradients:
+                t0 = time.perf_counter()
+                micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
+                with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
+                    if first:
+                        self._hf_event("on_step_begin")
+                    self._run_training_step(micro)
+                synced = self.accelerator.sync_gradients
+                metrics = self._optimizer_step()
+                self._step_metrics.add({**micro.step_metrics, **metrics})
+                self._timing["train"] += time.perf_counter() - t0
+                first = synced
+                if synced:
                     changed = True
                     self._on_optimizer_step(bar)
+                    if self._stop_requested():
+                        return changed
+                else:
+                    self._hf_event("on_substep_end")
                 if self.state.global_step >= self.state.max_steps:
                     return changed
         return changed
 
-    def training_step(self, model, inputs: RolloutBatch) -> torch.Tensor:
-        """One micro-step: loss, backward, and (every gradient_accumulation_steps) the optimizer step."""
-        t0 = time.perf_counter()
+    def _run_training_step(self, micro: RolloutBatch) -> None:
+        if self._step_takes_num_items:
+            self.training_step(self.model, micro, micro.num_items)
+        else:  # an override of grpokit's earlier two-argument shape
+            self.training_step(self.model, micro)
+
+    def training_step(self, model, inputs: RolloutBatch, num_items_in_batch=None) -> torch.Tensor:
+        """One micro-step: the loss and its backward, nothing more (HF's contract: it returns once backward is
+        done; the loop clips and steps the optimizer after it). ``num_items_in_batch``: the loss denominator of
+        dapo/cispo/vespo (``inputs['num_items_in_batch']``), when given."""
         model.train()
-        with self.accelerator.accumulate(*synced_models(model)):  # a DeepSpeed engine accumulates itself
-            with self.accelerator.autocast():
-                loss, metrics = self._compute_loss_and_metrics(model, inputs)
-            backward(self.accelerator, model, loss)
-            # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
-            if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
-                norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
-                if norm is not None:
-                    metrics["grad_norm"] = scalar(norm)
-            self.optimizer.step()
-            if self.accelerator.sync_gradients:
-                self.lr_scheduler.step()
-                if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
-                    metrics["grad_norm"] = engine_norm
-            self.optimizer.zero_grad()
-        metrics["loss"] = loss.detach()
-        self._step_metrics.add(metrics)
-        self._timing["train"] += time.perf_counter() - t0
+        if num_items_in_batch is not None:
+            inputs.num_items = num_items_in_batch
+        with self.accelerator.autocast():
+            loss, metrics = self._loss_and_metrics(model, inputs)
+        backward(self.accelerator, model, loss)
+        inputs.step_metrics.update(metrics)
+        inputs.step_metrics["loss"] = loss.detach()
         return loss.detach()
+
+    def _loss_and_metrics(self, model, inputs: RolloutBatch):
+        """``_compute_loss_and_metrics`` in the convention its override uses (the seed's, or ms-swift 4.6's)."""
+        if self._loss_convention == "swift46":
+            out = self._compute_loss_and_metrics(model, inputs, inputs)
+        else:
+            out = self._compute_loss_and_metrics(model, inputs)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
+            raise PluginError(f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, "
+                              "metrics dict)")
+        return out[0], dict(out[1] or {})
+
+    def _optimizer_step(self) -> dict:
+        """The optimizer step, after ``training_step`` returned: on the synchronising micro-step clip (reported as
+        grad_norm), step, advance the learning-rate schedule and zero the gradients. A DeepSpeed engine's step runs
+        on every micro-step (it counts them, and reduces, clips and steps at its boundary)."""
+        metrics: dict = {}
+        if not self.accelerator.sync_gradients:
+            if self._engine_steps:
+                self.optimizer.step()
+            return metrics
+        self._hf_event("on_pre_optimizer_step")
+        # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
+        if self.args.max_grad_norm > 0 and self._trainable_params:
+            norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
+            if norm is not None:
+                metrics["grad_norm"] = scalar(norm)
+        self.optimizer.step()
+        self._hf_event("on_optimizer_step")
+        self.lr_scheduler.step()
+        if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
+            metrics["grad_norm"] = engine_norm
+        self.optimizer.zero_grad()
+        return metrics
 
     # ------------------------------------------------------------------------------------------------------
     # the window (hooks)
@@ -209,8 +338,21 @@ class GRPOTrainer:
 
     def _score_completions(self, requests: list[RolloutInferRequest], outputs: list[RolloutOutput]) -> torch.Tensor:
         """[N, F] rewards (NaN = not scored) from every reward function and model; gym rewards as a last column."""
-        return self._producer.score(requests, outputs, {"global_step": self.state.global_step,
-                                                        "max_steps": self.state.max_steps})
+        return self._producer.score(requests, outputs, self._progress())
+
+    def _prepare_batch_inputs(self, inputs: list[dict]) -> list[RolloutBatch]:
+        """The window's rows (one dict per trajectory, ``window.sample_rows``) encoded, with old/ref logps where
+        the loss needs them, cut into ``steps_per_generation`` mini-batches (the seed's mini-batch dicts, at the
+        window's width). Override to add keys: ``batch['my_key'] = tensor`` (one row each) reaches the loss."""
+        return self._producer.encode_rows(inputs).chunks(self.plan.steps_per_generation)
+
+    def _compute_advantages(self, inputs: list[dict], rewards_per_func: torch.Tensor,
+                            batch_encoded_inputs: list[RolloutBatch]) -> torch.Tensor:
+        """[N_global] advantages from ``rewards_per_func`` [N_global, F] (every process's rows, gathered) with the
+        --advantage_estimator and --scale_rewards registries; ``inputs`` are this process's rows,
+        ``batch_encoded_inputs`` its mini-batches (their old/ref logps give the --kl_in_reward penalty)."""
+        joined = RolloutBatch.join(batch_encoded_inputs, len(inputs), "batch_encoded_inputs")
+        return self._producer.estimate(inputs, rewards_per_func, joined).advantages
 
     # ------------------------------------------------------------------------------------------------------
     # forward and loss (hooks)
@@ -234,7 +376,7 @@ class GRPOTrainer:
         completion tokens, logits divided by the sampling temperature, the sampled tokens' logprobs (chunked in
         the output head's place, or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C]
         entropies or None)."""
-        opts = ForwardOptions(temperature=self.cfg.rollout.temperature, chunk_size=self.args.logps_chunk_size,
+        opts = ForwardOptions(temperature=self.temperature, chunk_size=self.args.logps_chunk_size,
                               padding_free=self.args.padding_free, share_prompts=self._share_prompts(model))
         return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
                                 compute_entropy)
@@ -252,7 +394,17 @@ class GRPOTrainer:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         return not getattr(base, "is_activation_checkpointing", False)
 
-    def _compute_loss_and_metrics(self, model, inputs: RolloutBatch) -> tuple[torch.Tensor, dict]:
+    def _compute_loss_and_metrics(self, model, inputs: RolloutBatch, grpo_batch: RolloutBatch | None = None
+                                  ) -> tuple[torch.Tensor, dict]:
+        """The policy loss of one micro-batch and its metrics. Called ``(model, inputs)`` (the seed's), or
+        ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
+        (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
+        come from ``_prepare_model_inputs``."""
+        if grpo_batch is not None:
+            if not isinstance(grpo_batch, RolloutBatch) or not isinstance(inputs, RolloutBatch):
+                raise PluginError("_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch "
+                                  "objects it was called with (change the forward's inputs in _prepare_model_inputs)")
+            inputs = grpo_batch
         a = self.cfg.algorithm
         inputs = inputs.to(self.accelerator.device)
         need_entropy = a.top_entropy_quantile < 1.0 or a.log_entropy
@@ -298,29 +450,40 @@ class GRPOTrainer:
     # step bookkeeping
     # ------------------------------------------------------------------------------------------------------
     def _on_optimizer_step(self, bar) -> None:
+        """Step bookkeeping: the reference model's EMA, then (HF's order) on_step_end, the log, evaluation and the
+        checkpoint, each at its interval or when a transformers callback asked for it through ``control``."""
         self.state.global_step += 1
         self._refresh_ref_model()
         step = self.state.global_step
+        self._hf_event("on_step_end")
+        control = self._hf.control if self._hf is not None else None
         first = step == 1 and self.args.logging_first_step
-        if step % self.args.logging_steps == 0 or step == self.state.max_steps or first:
+        if (step % self.args.logging_steps == 0 or step == self.state.max_steps or first
+                or (control is not None and (control.should_log or control.should_training_stop))):
             step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
             logs = {**self._window_metrics, **step_metrics,
                     **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs
+            self.state.log_history.append({**logs, "epoch": round(self.state.epoch, 4)})
             self._outputs.log(logs)
             self._call("on_log", logs)
             chord = {"mu": f"{logs['chord/mu']:.3f}", "sft_loss": f"{logs['chord/sft_loss']:.4f}"} \
                 if "chord/mu" in logs else {}
             bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}",
                             **chord)
-        if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
+        if self.eval_dataset is not None and ((self.args.eval_steps and step % self.args.eval_steps == 0)
+                                              or (control is not None and control.should_evaluate)):
             self.evaluate()
-        if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:
-            self._save_checkpoint()
+        every = self.args.save_strategy == "steps" and step % self.args.save_steps == 0
+        asked = control is not None and control.should_save
+        if (every or asked) and step < self.state.max_steps and not self._stop_requested():
+            self._save_checkpoint()  # (the last step's checkpoint is the final one, saved by _finish)
         bar.update(1)
         self._call("on_step_end")
+        if self._hf is not None:
+            self._hf.new_step()
 
     def _refresh_ref_model(self) -> None:
         a = self.cfg.algorithm
@@ -335,8 +498,19 @@ class GRPOTrainer:
         self._last_sync_s = time.perf_counter() - t0
 
     def _call(self, event: str, *args) -> None:
+        """A loop event for every callback: grpokit's get the trainer, transformers' HF's (args, state, control)."""
         for cb in self.callbacks:
-            getattr(cb, event)(self, *args)
+            if not hf_callbacks.is_hf_callback(cb):
+                getattr(cb, event)(self, *args)
+        if event == "on_log":
+            self._hf_event("on_log", logs=args[0])
+        elif event != "on_step_end":  # HF's on_step_end comes before the log (_on_optimizer_step)
+            self._hf_event(event)
+
+    def _hf_event(self, event: str, **kwargs) -> None:
+        if self._hf is not None:
+            self._hf.event(event, self.state, model=self.model, processing_class=self.tokenizer,
+                           optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------
     # checkpoints, evaluation, the end
@@ -370,6 +544,7 @@ class GRPOTrainer:
                                                   "max_steps": self.state.max_steps})
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
+        self._hf_event("on_evaluate", metrics=logs)
         return logs
 
     def _finish(self) -> None:

@@ -11,7 +11,6 @@ import torch
 
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import BatchPlan
-from grpokit.config.validate import json_object
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
 from grpokit.modeling import resolve_dtype_name
@@ -20,7 +19,7 @@ from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
-from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
 from grpokit.trainers.zero import EngineStep, deepspeed_config, ensure_process_group, is_zero3
 from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
@@ -46,11 +45,12 @@ class TrainingParts:
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
-                   num_prompts: int, engine_given: bool = False) -> TrainingParts:
+                   num_prompts: int, engine_given: bool = False, owner=None) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
     (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
-    needs no whole copy for the in-process engine."""
+    needs no whole copy for the in-process engine. ``owner``: the trainer being built, handed to an
+    ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point)."""
     t = cfg.training
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
@@ -62,8 +62,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters (check --tuner_type/--target_modules)")
-    optimizer = optimizers_map.get_or_raise(t.optimizer)(params, t)
-    scheduler = _lr_schedule(t, optimizer, max_steps)
+    optimizer, scheduler = build_optimizer(optimizers_map.get_or_raise(t.optimizer), params, t, owner, max_steps)
     if t.fsdp:
         prepared, optimizer, scheduler = _prepare_sharded(accelerator, model, optimizer, scheduler)
     elif ds_config is not None:
@@ -75,21 +74,6 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
                          trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer), whole)
-
-
-def _lr_schedule(t, optimizer, max_steps: int):
-    """transformers' schedule for --lr_scheduler_type, with the warm-up and --lr_scheduler_kwargs."""
-    from transformers import get_scheduler  # transformers loads on first use: `grpokit --help` is fast
-
-    extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
-    try:
-        return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=num_warmup_steps(t, max_steps),
-                             num_training_steps=max_steps, scheduler_specific_kwargs=extra)
-    except (ValueError, TypeError) as e:
-        option = f"--lr_scheduler_type {t.lr_scheduler_type}"
-        if extra:
-            option = f"--lr_scheduler_kwargs {t.lr_scheduler_kwargs} with {option}"
-        raise ConfigError(f"{option}: {str(e).splitlines()[0]}") from e
 
 
 def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
@@ -157,13 +141,6 @@ def _prepare_deepspeed(accelerator, model, optimizer, scheduler, ds_config: dict
 
 def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
-def num_warmup_steps(t, max_steps: int) -> int:
-    """--warmup_steps (below 1: a fraction of the steps, as transformers 5 reads it) or else --warmup_ratio."""
-    if t.warmup_steps >= 1:
-        return int(t.warmup_steps)
-    return math.ceil((t.warmup_steps or t.warmup_ratio) * max_steps)
 
 
 def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:

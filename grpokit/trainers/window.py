@@ -7,8 +7,6 @@ The part that drives the rollout and builds windows is ``WindowProducer`` (windo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
@@ -50,16 +48,29 @@ class Window:
         return micro
 
 
-class WindowHooks(Protocol):
-    """The trainer methods a ``WindowProducer`` calls (the override points of GRPOTrainer it reaches)."""
+def sample_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput]) -> list[dict]:
+    """The seed's per-trajectory ``inputs`` (what ms-swift's ``_prepare_batch_inputs`` and ``_compute_advantages``
+    receive): one dict per output with the row's dataset columns, ``messages``, ``prompt_id``, ``request_id``,
+    ``response_token_ids``, ``response_loss_mask``, ``rollout_infos``, ``finish_reason`` and ``is_truncated``;
+    ``_request``/``_output`` hold the objects themselves (grpokit's encoder reads them)."""
+    by_id = {r.request_id: r for r in requests}
+    rows = []
+    for o in outputs:
+        req = by_id[o.request_id]
+        finish = o.response.choices[0].finish_reason if o.response.choices else None
+        rows.append({**req.data_dict, "messages": o.messages, "prompt_id": o.prompt_id, "request_id": o.request_id,
+                     "response_token_ids": o.response_token_ids, "response_loss_mask": o.response_loss_mask,
+                     "rollout_infos": o.rollout_infos, "finish_reason": finish, "is_truncated": finish == "length",
+                     "_request": req, "_output": o})
+    return rows
 
-    def _generate_completions(self, requests: list[RolloutInferRequest]) -> list[RolloutOutput]: ...
 
-    def _score_completions(self, requests: list[RolloutInferRequest],
-                           outputs: list[RolloutOutput]) -> torch.Tensor: ...
-
-    def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch,
-                                           compute_entropy: bool = False): ...
+def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
+    """Mean, std, min and max of [N] advantages (the metrics a ``_compute_advantages`` override's values get)."""
+    a = advantages.float()
+    std = a.std() if len(a) > 1 else a.new_zeros(())
+    values = torch.stack([a.mean(), std, a.min(), a.max()]).tolist()
+    return dict(zip(("advantages/mean", "advantages/std", "advantages/min", "advantages/max"), values, strict=True))
 
 
 def window_num_items(completion_mask: torch.Tensor, truncated: torch.Tensor, *, loss_type: str,

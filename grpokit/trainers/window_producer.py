@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,13 @@ from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.offload import Offloader, offload_context
 from grpokit.trainers.prompts import PromptStream
+from grpokit.errors import PluginError
 from grpokit.trainers.window import (
     Window,
-    WindowHooks,
     WindowRollout,
+    advantage_stats,
     completion_rows,
+    sample_rows,
     window_metrics,
     window_num_items,
 )
@@ -56,15 +59,32 @@ class Models:
     micro_batch_size: int
 
 
+@dataclass
+class WindowHooks:
+    """The callables a ``WindowProducer`` calls where the trainer's hooks apply: the trainer's bound methods for
+    the hooks a subclass overrides, None for the others (the producer then runs its own default directly; the
+    trainer's default methods are thin entries into the same functions, for ``super()`` calls)."""
+
+    logps: Callable  # (model, batch, compute_entropy=False) -> ([B, C] logps, entropies or None)
+    progress: Callable[[], dict]  # {"global_step", "max_steps"}: what reward functions get as trainer_state
+    generate: Callable | None = None  # (requests) -> outputs
+    score: Callable | None = None  # (requests, outputs) -> [N, F]
+    prepare_batches: Callable | None = None  # (rows) -> list of mini-batches (RolloutBatch)
+    advantages: Callable | None = None  # (rows, rewards_per_func [N_global, F], mini-batches) -> [N_global]
+
+
 class WindowProducer:
     """Makes windows: ``rollout(prompts)`` (engine and rewards only), then ``build(rollout, step=...)`` (the
-    training model's logps, advantages, metrics). Trainer hooks are reached through ``hooks``; ``prompts`` (the
-    PromptStream, also drawn from by dynamic sampling and AsyncWindows) is public, the rest is its own."""
+    training model's logps, advantages, metrics). Overridden trainer hooks are reached through ``hooks``;
+    ``prompts`` (the PromptStream, also drawn from by dynamic sampling and AsyncWindows) is public, the rest is
+    its own."""
 
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
                  models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
                  plan: BatchPlan, log_completions: bool, offloader: Offloader | None = None) -> None:
         self.hooks, self.prompts, self.scheduler, self.template = hooks, prompts, scheduler, template
+        self._generate = hooks.generate or self.generate
+        self._score = hooks.score or (lambda requests, outputs: self.score(requests, outputs, hooks.progress()))
         self.rewards, self.models, self.accelerator = rewards, models, accelerator
         self.rollout_args, self.algorithm, self.plan = rollout_args, algorithm, plan
         self.log_completions = log_completions
@@ -86,9 +106,9 @@ class WindowProducer:
         t0 = time.perf_counter()
         requests = self.requests(prompts)
         with offload_context(self.offloader):  # the training model and optimizer wait in CPU memory
-            outputs = self.hooks._generate_completions(requests)
+            outputs = self._generate(requests)
         t1 = time.perf_counter()
-        rewards_per_func = self.hooks._score_completions(requests, outputs)
+        rewards_per_func = self._score(requests, outputs)
         return WindowRollout(requests, outputs, rewards_per_func,
                              {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
 
@@ -150,13 +170,26 @@ class WindowProducer:
         if a.dynamic_sample:
             requests, outputs, rewards_per_func, metrics = self._dynamic_sampling(requests, outputs,
                                                                                   rewards_per_func)
+        rows = sample_rows(requests, outputs)  # the seed's `inputs`: one dict per trajectory
         t0 = time.perf_counter()
-        batch = self._encode(requests, outputs)
+        batches = None  # the mini-batches, where a hook needs them
+        if self.hooks.prepare_batches is None:
+            batch = self.encode_rows(rows)
+        else:
+            batches = self.hooks.prepare_batches(rows)
+            batch = RolloutBatch.join(batches, len(rows), "_prepare_batch_inputs")
         timing = {"logps": time.perf_counter() - t0, **rollout.timing}
-        penalty = None
-        if a.kl_in_reward and a.beta != 0:
-            penalty = kl_reward_penalty(batch.old_logps, batch.ref_logps, batch.completion_mask, a.beta)
-        batch.advantages, rewards, adv_metrics = self._advantages(outputs, rewards_per_func, penalty)
+        all_rpf = gather_rows(self.accelerator, rewards_per_func)  # [N_global, F]
+        est = self.estimate(rows, all_rpf, batch)
+        advantages, adv_metrics = est.advantages, est.metrics
+        if self.hooks.advantages is not None:
+            if batches is None:
+                batches = batch.chunks(self.plan.steps_per_generation)
+            advantages = self._hook_advantages(rows, all_rpf, batches)
+            adv_metrics = {**est.metrics, **advantage_stats(advantages)}
+        start = row_offset(self.accelerator, len(outputs))
+        batch.advantages = advantages[start:start + len(outputs)].float()
+        rewards = est.rewards
         num_items = window_num_items(
             batch.completion_mask, batch.truncated, loss_type=a.loss_type, overlong_filter=a.overlong_filter,
             steps_per_generation=self.plan.steps_per_generation,
@@ -171,13 +204,14 @@ class WindowProducer:
         self._warn_without_signal(metrics.get("frac_reward_zero_std", 0.0))
         extras, logged = self._reward_logs.take([o.request_id for o in outputs])
         metrics.update({k if k not in metrics else f"reward_log/{k}": v for k, v in logged.items()})
-        rows = []
+        log_rows = []
         if self.log_completions:  # every rank builds its rows; all of them are gathered (a collective)
-            rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, self.rewards.names, step + 1)
-            for row, extra in zip(rows, extras):  # log_extra columns (TRL's completions table)
+            log_rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, self.rewards.names,
+                                       step + 1)
+            for row, extra in zip(log_rows, extras):  # log_extra columns (TRL's completions table)
                 row.update({k if k not in row else f"extra/{k}": v for k, v in extra.items()})
-            rows = gather_objects(self.accelerator, rows)
-        return Window(batch, requests, outputs, rewards_per_func, rewards, metrics, timing, num_items, rows)
+            log_rows = gather_objects(self.accelerator, log_rows)
+        return Window(batch, requests, outputs, rewards_per_func, rewards, metrics, timing, num_items, log_rows)
 
     def _warn_without_signal(self, zero: float) -> None:
         if zero > 0.8 and not self._warned_no_signal and self.accelerator.is_main_process:
@@ -208,8 +242,8 @@ class WindowProducer:
             rounds += 1
             requests = self.requests(self.prompts.next())
             with offload_context(self.offloader):  # resampling generates too
-                outputs = self.hooks._generate_completions(requests)
-            rewards_per_func = self.hooks._score_completions(requests, outputs)
+                outputs = self._generate(requests)
+            rewards_per_func = self._score(requests, outputs)
         chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
         filler = max(0, len(chosen) - len(keep_s))
         stats = {"dynamic_sampling/rounds": rounds,
@@ -218,25 +252,41 @@ class WindowProducer:
         chosen = chosen[rank * share:(rank + 1) * share]
         return [c[0] for c in chosen], [c[1] for c in chosen], torch.stack([c[2] for c in chosen]), stats
 
-    def _advantages(self, outputs: list[RolloutOutput], rewards_per_func: torch.Tensor,
-                    penalty: torch.Tensor | None):
-        """Group-relative advantages over the global batch (gathered across processes): this process's rows
-        [N], the global weighted rewards [N_global] and the estimator's metrics."""
+    def estimate(self, rows: list[dict], rewards_per_func: torch.Tensor, batch: RolloutBatch):
+        """The registries' group-relative advantages over the global batch: ``rows`` this process's trajectories
+        (sample_rows), ``rewards_per_func`` [N_global, F] (gathered), ``batch`` this process's encoded rows (its
+        old/ref logps give the --kl_in_reward penalty). Returns AdvantageOut over all processes: advantages
+        [N_global], weighted rewards [N_global], the estimator's metrics."""
         a, acc = self.algorithm, self.accelerator
-        gids = torch.tensor([int(o.prompt_id) for o in outputs])
+        penalty = None
+        if a.kl_in_reward and a.beta != 0:
+            penalty = kl_reward_penalty(batch.old_logps, batch.ref_logps, batch.completion_mask, a.beta)
+        gids = torch.tensor([int(r["prompt_id"]) for r in rows])
         rid_map: dict[str, int] = {}
-        rids = torch.tensor([rid_map.setdefault(f"{acc.process_index}:{o.request_id}", len(rid_map))
-                             + acc.process_index * 10_000_000 for o in outputs])
-        all_scores, all_g, all_r = (gather_rows(acc, x) for x in (rewards_per_func, gids, rids))
+        rids = torch.tensor([rid_map.setdefault(f"{acc.process_index}:{r['request_id']}", len(rid_map))
+                             + acc.process_index * 10_000_000 for r in rows])
+        all_g, all_r = (gather_rows(acc, x) for x in (gids, rids))
         all_pen = gather_rows(acc, penalty) if penalty is not None else None
-        out = compute_advantages(all_scores, self.rewards.weights, all_g, estimator=a.advantage_estimator,
-                                 scale=a.scale_rewards, request_ids=all_r, reward_penalty=all_pen,
-                                 reward_names=self.rewards.names)
-        start = row_offset(acc, len(outputs))
-        return out.advantages[start:start + len(outputs)].float(), out.rewards, out.metrics
+        return compute_advantages(rewards_per_func, self.rewards.weights, all_g, estimator=a.advantage_estimator,
+                                  scale=a.scale_rewards, request_ids=all_r, reward_penalty=all_pen,
+                                  reward_names=self.rewards.names)
 
-    def _encode(self, requests, outputs: list[RolloutOutput]) -> RolloutBatch:
-        """Encode trajectories (token ids as generated, never re-encoded) and add old/ref logps when needed."""
+    def _hook_advantages(self, rows, rewards_per_func: torch.Tensor, batches: list[RolloutBatch]) -> torch.Tensor:
+        """A ``_compute_advantages`` override's advantages, checked: one finite number per global row."""
+        out = self.hooks.advantages(rows, rewards_per_func, batches)
+        n = rewards_per_func.shape[0]
+        if not isinstance(out, torch.Tensor) or out.shape != (n,):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PluginError(f"_compute_advantages returned {got}; return a tensor of shape [{n}] (one advantage "
+                              "per row of rewards_per_func, every process's rows)")
+        if not torch.isfinite(out).all():
+            raise PluginError("_compute_advantages returned NaN or infinite advantages")
+        return out.detach().float().cpu()
+
+    def encode_rows(self, rows: list[dict]) -> RolloutBatch:
+        """The window's rows (sample_rows) as one batch: trajectories encoded (token ids as generated, never
+        re-encoded), old/ref logps added when needed."""
+        requests, outputs = [r["_request"] for r in rows], [r["_output"] for r in rows]
         by_id = {r.request_id: r for r in requests}
         mm = getattr(self.template, "multimodal", False)  # the processor template also takes the images
         samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
@@ -275,7 +325,7 @@ class WindowProducer:
         for start in range(0, len(batch), b):
             chunk = batch.select(slice(start, start + b)).trim().to(self.accelerator.device)
             with self.accelerator.autocast():
-                lp, _ = self.hooks._get_per_token_logps_and_entropies(model, chunk)
+                lp, _ = self.hooks.logps(model, chunk)
             out[start:start + b, : lp.shape[1]] = lp.float().cpu()
         return out
 
