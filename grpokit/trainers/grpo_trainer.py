@@ -9,78 +9,48 @@ the training step, the loss and the optimizer step.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from grpokit.algorithms import (
-    LossInputs,
-    compute_policy_loss,
-    ema_update_,
-    entropy_mask,
-    entropy_threshold,
-    loss_mask,
-    rollout_importance_weights,
-)
+from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
-from grpokit.engines.prefix import worth_sharing
 from grpokit.rollout.evaluate import evaluate_rows
-from grpokit.template.processor import collate_mm
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.errors import PluginError
-from grpokit.trainers import hf_callbacks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT
-from grpokit.trainers.distributed import deepspeed_stage, gather_cat, mean_over_processes, scalar
-from grpokit.trainers.hooks import check_subclass, loss_convention, overrides, positional_count
+from grpokit.trainers.distributed import mean_over_processes, scalar
+from grpokit.trainers.forward import model_kwargs, prompt_sharing
+from grpokit.trainers.hf_callbacks import RunCallbacks
+from grpokit.trainers.hooks import call_loss, check_subclass, loss_convention, positional_count
+from grpokit.trainers.hooks import warn_sharded_grad_edit, window_hooks
+from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
+from grpokit.trainers.state import StepValues, TrainerState
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
-from grpokit.trainers.window_producer import AsyncWindows, Models, WindowHooks, WindowProducer
+from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
 from grpokit.trainers.zero import backward, grad_norm, is_engine, release_process_group, synced_models
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainerState:
-    global_step: int = 0  # optimizer steps done
-    max_steps: int = 0
-    prompts_consumed: int = 0  # position in the prompt stream (resumable)
-    windows: int = 0
-    last_logs: dict = field(default_factory=dict)
-    epoch: float = 0.0  # passes over the training prompts so far (HF's meaning)
-    log_history: list[dict] = field(default_factory=list)  # every logged dict, in order (HF's meaning)
 
 
 class GRPOTrainer:
-    """The GRPO training loop. Subclasses may override these hooks, with the seed's signatures (docs/plugins.md
-    shows each with an example): ``_prepare_inputs(prompts, rollout=None) -> Window``,
-    ``_generate_completions(requests)``, ``_score_completions(requests, outputs)``,
-    ``_prepare_batch_inputs(inputs) -> list of mini-batches``,
-    ``_compute_advantages(inputs, rewards_per_func, batch_encoded_inputs) -> [N]``,
-    ``_prepare_model_inputs(inputs)``, ``_get_per_token_logps_and_entropies(model, inputs, compute_entropy=False)``,
-    ``_compute_loss_and_metrics(model, inputs)`` (or ms-swift 4.6's ``(model, model_inputs, grpo_batch)``) and
-    ``training_step(model, inputs, num_items_in_batch=None)``. Every other underscore method is private and may
-    change; a subclass defining an ms-swift/TRL method grpokit never calls is refused (hooks.py).
-
-    Public attributes, set in ``__init__`` and read by plugins and callbacks: ``cfg`` (the whole TrainConfig),
-    ``args`` (its training options), ``plan`` (BatchPlan), ``loss_cfg``, ``state`` (TrainerState),
-    ``accelerator``, ``model`` (as prepared by accelerate), ``policy`` (the model inside any wrapper),
-    ``optimizer``, ``lr_scheduler``, ``ref_model`` (None with LoRA or beta 0), ``tokenizer``, ``template``,
-    ``engine``, ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``; and the ones
-    ms-swift's trainer code reads: ``temperature``, ``num_generations``, ``beta``, ``epsilon_low``,
-    ``epsilon_high``, ``loss_type``.
-    """
+    """The GRPO training loop. A subclass may override the hooks of docs/plugins.md ("The hooks"), with the seed's
+    signatures: ``_prepare_inputs``, ``_generate_completions``, ``_score_completions``, ``_prepare_batch_inputs``,
+    ``_compute_advantages``, ``_prepare_model_inputs``, ``_get_per_token_logps_and_entropies``,
+    ``_compute_loss_and_metrics`` and ``training_step``; other underscore methods are private. Public attributes
+    (read by plugins and callbacks): ``cfg``, ``args``, ``plan``, ``loss_cfg``, ``state``, ``accelerator``,
+    ``model``, ``policy``, ``optimizer``, ``lr_scheduler``, ``ref_model``, ``tokenizer``, ``template``, ``engine``,
+    ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, and those ms-swift's code
+    reads: ``temperature``, ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
@@ -103,7 +73,8 @@ class GRPOTrainer:
         self.template, self.state.max_steps = parts.template, parts.max_steps
         self._trainable_params = parts.trainable_params
         self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
-        self._warn_sharded_grad_edit()
+        if self.accelerator.is_main_process:
+            warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
                                                     self.accelerator, parts.generation_model)
         # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
@@ -111,14 +82,10 @@ class GRPOTrainer:
                                          self.accelerator.device, self.accelerator.is_main_process)
         rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
-        prompts = PromptStream(train_dataset, self.plan.prompts_per_rollout, seed=self.args.seed,
-                               shuffle=cfg.data.dataset_shuffle, num_processes=self.accelerator.num_processes,
-                               process_index=self.accelerator.process_index,
-                               num_workers=self.args.dataloader_num_workers or 0,
-                               prefetch_factor=self.args.dataloader_prefetch_factor,
-                               multiprocessing_context=self.args.dataloader_multiprocessing_context)
+        prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
+                                       cfg.data.dataset_shuffle, self.accelerator)
         self._producer = WindowProducer(
-            self._window_hooks(), prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
+            window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
             accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
             log_completions=self.args.log_completions, offloader=self._offloader)
@@ -131,67 +98,18 @@ class GRPOTrainer:
         self.output_dir = self._outputs.output_dir
         self._loss_convention = loss_convention(self._compute_loss_and_metrics)
         self._step_takes_num_items = positional_count(self.training_step) >= 3
-        self._step_metrics = MetricsAccumulator()
-        self._window_metrics: dict = {}
-        self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
-        self._last_sync_s = 0.0
-        self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
-        self.callbacks, self._hf = self._build_callbacks(callbacks or [])
+        # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
+        distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
+        self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
+        self._pixel_dtype = next(self.policy.parameters()).dtype
+        self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
+        self.callbacks = self._callbacks.all
         self._hf_event("on_init_end")
-
-    def _window_hooks(self) -> WindowHooks:
-        """The producer's callables: this trainer's bound methods for the hooks its class overrides (so they
-        apply), None for the rest (the producer's own defaults, without a detour through the trainer)."""
-        def mine(name: str):
-            return getattr(self, name) if overrides(type(self), GRPOTrainer, name) else None
-
-        return WindowHooks(logps=self._get_per_token_logps_and_entropies, progress=self._progress,
-                           generate=mine("_generate_completions"), score=mine("_score_completions"),
-                           prepare_batches=mine("_prepare_batch_inputs"), advantages=mine("_compute_advantages"))
 
     def _progress(self) -> dict:
         return {"global_step": self.state.global_step, "max_steps": self.state.max_steps}
 
-    def _warn_sharded_grad_edit(self) -> None:
-        """The seed's trap (its mechanism 3): under ZeRO >= 2 and FSDP ``p.grad`` is not the full gradient."""
-        if not overrides(type(self), GRPOTrainer, "training_step") or not self.accelerator.is_main_process:
-            return
-        stage = deepspeed_stage(self.args.deepspeed) if self.args.deepspeed else None
-        if self.args.fsdp or (stage is not None and stage >= 2):
-            how = "--fsdp" if self.args.fsdp else f"--deepspeed {self.args.deepspeed} (ZeRO-{stage})"
-            logger.warning("%s overrides training_step: under %s p.grad is not the full gradient (sharded, or None "
-                           "under DeepSpeed), so a gradient edit there does not see it; edit gradients in the loss "
-                           "(detach algebra, a tensor hook, an autograd.Function) or in an optimizer from "
-                           "optimizers_map", type(self).__qualname__, how)
-
-    def _build_callbacks(self, given: list) -> tuple[list, hf_callbacks.HFCallbackDriver | None]:
-        """grpokit callbacks (instances, or classes built with no arguments) and transformers callbacks (ms-swift's
-        built as ``cls(args, trainer)``), the latter driven with HF's args, state and control."""
-        mine, hf = [], []
-        args = None
-        for cb in given:
-            if hf_callbacks.is_hf_callback(cb):
-                if isinstance(cb, type):
-                    args = args or self._hf_args()
-                    cb = hf_callbacks.build(cb, args, self)
-                hf.append(cb)
-            else:
-                mine.append(cb() if isinstance(cb, type) else cb)
-        if not hf:
-            return mine, None
-        driver = hf_callbacks.HFCallbackDriver(
-            hf, args or self._hf_args(), max_steps=self.state.max_steps,
-            train_batch_size=self.args.per_device_train_batch_size, is_main=self.accelerator.is_main_process)
-        return mine + hf, driver
-
-    def _hf_args(self):
-        return hf_callbacks.hf_args(self.cfg.flat(), process_index=self.accelerator.process_index,
-                                    world_size=self.accelerator.num_processes,
-                                    is_main=self.accelerator.is_main_process)
-
-    # ------------------------------------------------------------------------------------------------------
-    # the loop
-    # ------------------------------------------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------------------------------------
     def train(self) -> TrainerState:
         self._resume()
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
@@ -200,12 +118,15 @@ class GRPOTrainer:
         if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
             self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
+        step_metrics = MetricsAccumulator()  # the micro-steps' metrics until the next logging step
+        sync_s = 0.0  # the weight sync that ended the previous window, reported with the next one
         try:
-            while self.state.global_step < self.state.max_steps and not self._stop_requested():
-                micro_batches = self._next_window()  # rollout → rewards → advantages → logps, split
+            while self.state.global_step < self.state.max_steps and not self._callbacks.stop_requested():
+                window = self._next_window()  # rollout → rewards → advantages → logps
                 self.state.windows += 1
-                if self._train_on_window(micro_batches, bar):
-                    self._sync_weights()
+                values = StepValues(window.metrics, {**window.timing, "train": 0.0, "sync": sync_s}, step_metrics)
+                if self._train_on_window(window.micro_batches(self.plan.steps_per_generation), values, bar):
+                    sync_s = self._sync_weights()
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
             release_process_group()  # a one-process DeepSpeed group: no peer to wait for
@@ -218,34 +139,26 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
-    def _stop_requested(self) -> bool:
-        """A transformers callback set ``control.should_training_stop`` (the run then ends as at max_steps)."""
-        return self._hf is not None and self._hf.control.should_training_stop
-
-    def _next_window(self) -> list[RolloutBatch]:
-        """The next window's micro-batches. With --async_generate its rollout was started while the previous
-        window trained, and the rollout of the window after it starts now."""
+    def _next_window(self) -> Window:
+        """The next window (its metrics include --async_generate's). With --async_generate its rollout was started
+        while the previous window trained, and the rollout of the window after it starts now."""
         if self._async is None:
-            window, async_metrics = self._prepare_inputs(self._producer.prompts.next()), {}
+            window = self._prepare_inputs(self._producer.prompts.next())
         else:
             prompts, rollout, async_metrics = self._async.next(self.state.global_step)
             window = self._prepare_inputs(prompts, rollout)
+            window.metrics = {**window.metrics, **async_metrics}
         self.state.prompts_consumed = self._producer.prompts.position
         self.state.epoch = self.state.prompts_consumed / max(1, self._num_prompts)
-        # the weight sync that ended the previous window is reported with this one
-        self._timing = {"logps": window.timing["logps"], "train": 0.0, "rollout": window.timing["rollout"],
-                        "reward": window.timing["reward"], "sync": self._last_sync_s}
-        self._window_metrics = {**window.metrics, **async_metrics}
         self._outputs.write_completions(window.completion_rows)
-        return window.micro_batches(self.plan.steps_per_generation)
+        return window
 
-    def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
+    def _train_on_window(self, micro_batches: list[RolloutBatch], values: StepValues, bar) -> bool:
         """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights.
         As in HF Trainer, ``training_step`` runs loss and backward inside ``accelerator.accumulate``; clipping and
         the optimizer step come after it returns (``_optimizer_step``), so a gradient edit in an override on the
         synchronising micro-step reaches the optimizer."""
-        changed = False
-        first = True
+        changed, first = False, True
         for _ in range(self.cfg.algorithm.num_iterations):
             for micro in micro_batches:
                 t0 = time.perf_counter()
@@ -254,15 +167,13 @@ class GRPOTrainer:
                     if first:
                         self._hf_event("on_step_begin")
                     self._run_training_step(micro)
-                synced = self.accelerator.sync_gradients
-                metrics = self._optimizer_step()
-                self._step_metrics.add({**micro.step_metrics, **metrics})
-                self._timing["train"] += time.perf_counter() - t0
-                first = synced
-                if synced:
+                first = self.accelerator.sync_gradients
+                values.step_metrics.add({**micro.step_metrics, **self._optimizer_step()})
+                values.timing["train"] += time.perf_counter() - t0
+                if first:
                     changed = True
-                    self._on_optimizer_step(bar)
-                    if self._stop_requested():
+                    self._on_optimizer_step(bar, values)
+                    if self._callbacks.stop_requested():
                         return changed
                 else:
                     self._hf_event("on_substep_end")
@@ -284,22 +195,11 @@ class GRPOTrainer:
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
         with self.accelerator.autocast():
-            loss, metrics = self._loss_and_metrics(model, inputs)
+            loss, metrics = call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
         backward(self.accelerator, model, loss)
         inputs.step_metrics.update(metrics)
         inputs.step_metrics["loss"] = loss.detach()
         return loss.detach()
-
-    def _loss_and_metrics(self, model, inputs: RolloutBatch):
-        """``_compute_loss_and_metrics`` in the convention its override uses (the seed's, or ms-swift 4.6's)."""
-        if self._loss_convention == "swift46":
-            out = self._compute_loss_and_metrics(model, inputs, inputs)
-        else:
-            out = self._compute_loss_and_metrics(model, inputs)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
-            raise PluginError(f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, "
-                              "metrics dict)")
-        return out[0], dict(out[1] or {})
 
     def _optimizer_step(self) -> dict:
         """The optimizer step, after ``training_step`` returned: on the synchronising micro-step clip (reported as
@@ -324,9 +224,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad()
         return metrics
 
-    # ------------------------------------------------------------------------------------------------------
-    # the window (hooks)
-    # ------------------------------------------------------------------------------------------------------
+    # -- the window (hooks) --------------------------------------------------------------------------------------------
     def _prepare_inputs(self, prompts: list[dict], rollout: WindowRollout | None = None) -> Window:
         """One window: its rollout (or the one --async_generate made ahead), rewards, advantages, tensors."""
         rollout = rollout or self._producer.rollout(prompts)
@@ -354,22 +252,10 @@ class GRPOTrainer:
         joined = RolloutBatch.join(batch_encoded_inputs, len(inputs), "batch_encoded_inputs")
         return self._producer.estimate(inputs, rewards_per_func, joined).advantages
 
-    # ------------------------------------------------------------------------------------------------------
-    # forward and loss (hooks)
-    # ------------------------------------------------------------------------------------------------------
+    # -- forward and loss (hooks) --------------------------------------------------------------------------------------
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
-        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs. A vision-language batch adds
-        its rows' processor tensors (template/processor.py) and leaves positions to the model (Qwen-VL's are 3-D)."""
-        if inputs.mm_inputs is not None:
-            c = inputs.logits_to_keep
-            mm = collate_mm(inputs.mm_inputs, inputs.input_ids.shape[1] - c, c)
-            mm = {k: v.to(inputs.input_ids.device) for k, v in mm.items()}
-            if "pixel_values" in mm:
-                mm["pixel_values"] = mm["pixel_values"].to(next(self.policy.parameters()).dtype)
-            return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "position_ids": None,
-                    **mm}
-        return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
-                "position_ids": inputs.position_ids}
+        """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs (forward.model_kwargs)."""
+        return model_kwargs(inputs, self._pixel_dtype)
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
         """The one entry for old, ref and current logps: forward, and from the positions that predict the
@@ -377,22 +263,9 @@ class GRPOTrainer:
         the output head's place, or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C]
         entropies or None)."""
         opts = ForwardOptions(temperature=self.temperature, chunk_size=self.args.logps_chunk_size,
-                              padding_free=self.args.padding_free, share_prompts=self._share_prompts(model))
+                              padding_free=self.args.padding_free, share_prompts=self._sharing.get(id(model), False))
         return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
                                 compute_entropy)
-
-    def _share_prompts(self, model) -> bool:
-        """Compute each distinct prompt once (engines/prefix.py) where the model is called directly: not under
-        DDP/FSDP/DeepSpeed wrappers (their hooks expect one forward per backward) or gradient checkpointing, and
-        only for models big enough for it to pay off."""
-        if self.accelerator.num_processes > 1 or self.args.deepspeed or self.args.fsdp:
-            return False
-        if id(model) not in self._worth_sharing:  # counted once per model: its parameters do not change
-            self._worth_sharing[id(model)] = worth_sharing(model)
-        if not self._worth_sharing[id(model)]:
-            return False
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        return not getattr(base, "is_activation_checkpointing", False)
 
     def _compute_loss_and_metrics(self, model, inputs: RolloutBatch, grpo_batch: RolloutBatch | None = None
                                   ) -> tuple[torch.Tensor, dict]:
@@ -405,38 +278,13 @@ class GRPOTrainer:
                 raise PluginError("_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch "
                                   "objects it was called with (change the forward's inputs in _prepare_model_inputs)")
             inputs = grpo_batch
-        a = self.cfg.algorithm
         inputs = inputs.to(self.accelerator.device)
-        need_entropy = a.top_entropy_quantile < 1.0 or a.log_entropy
-        logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need_entropy)
-        mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as window_num_items counts
-        metrics: dict = {}
-        ent_mask = None
-        if entropies is not None:
-            if a.log_entropy:
-                metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
-            if a.top_entropy_quantile < 1.0:  # threshold over the global batch (ms-swift: mask keeps normaliser)
-                ent_all = gather_cat(self.accelerator, entropies[mask.bool()])
-                thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
-                ent_mask = entropy_mask(entropies, mask, thr)
-        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        is_weights = None
-        if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
-            rollout = torch.where(torch.isnan(inputs.rollout_logps), old, inputs.rollout_logps)
-            is_out = rollout_importance_weights(old, rollout, mask, a.rollout_importance_sampling_mode,
-                                                a.rollout_importance_sampling_threshold)
-            is_weights = is_out.weights
-            metrics.update(is_out.metrics)
-        out = compute_policy_loss(
-            LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
-                       ref_logps=inputs.ref_logps if self.loss_cfg.beta != 0 else None,
-                       rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask),
-            self.loss_cfg,
-        )
-        metrics.update(out.metrics)
+        need = needs_entropy(self.cfg.algorithm)
+        logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need)
+        loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)
         if self._chord is None:
-            return out.loss, metrics
-        loss, chord_metrics = self._chord.mix(out.loss, self.state.global_step, lambda b: self._sft_logps(model, b))
+            return loss, metrics
+        loss, chord_metrics = self._chord.mix(loss, self.state.global_step, lambda b: self._sft_logps(model, b))
         return loss, {**metrics, **chord_metrics}
 
     def _sft_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
@@ -446,23 +294,21 @@ class GRPOTrainer:
                               padding_free=self.args.padding_free, share_prompts=False)
         return completion_logps(model, self._prepare_model_inputs(batch), batch.logits_to_keep, opts)[0]
 
-    # ------------------------------------------------------------------------------------------------------
-    # step bookkeeping
-    # ------------------------------------------------------------------------------------------------------
-    def _on_optimizer_step(self, bar) -> None:
+    # -- step bookkeeping ----------------------------------------------------------------------------------------------
+    def _on_optimizer_step(self, bar, values: StepValues) -> None:
         """Step bookkeeping: the reference model's EMA, then (HF's order) on_step_end, the log, evaluation and the
         checkpoint, each at its interval or when a transformers callback asked for it through ``control``."""
         self.state.global_step += 1
         self._refresh_ref_model()
         step = self.state.global_step
         self._hf_event("on_step_end")
-        control = self._hf.control if self._hf is not None else None
+        control = self._callbacks.control
         first = step == 1 and self.args.logging_first_step
         if (step % self.args.logging_steps == 0 or step == self.state.max_steps or first
                 or (control is not None and (control.should_log or control.should_training_stop))):
-            step_metrics = mean_over_processes(self.accelerator, self._step_metrics.pop())  # a collective
-            logs = {**self._window_metrics, **step_metrics,
-                    **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
+            step_metrics = mean_over_processes(self.accelerator, values.step_metrics.pop())  # a collective
+            logs = {**values.window_metrics, **step_metrics,
+                    **{f"timing/{k}": round(v, 4) for k, v in values.timing.items()}}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
             logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs
@@ -478,43 +324,32 @@ class GRPOTrainer:
             self.evaluate()
         every = self.args.save_strategy == "steps" and step % self.args.save_steps == 0
         asked = control is not None and control.should_save
-        if (every or asked) and step < self.state.max_steps and not self._stop_requested():
+        if (every or asked) and step < self.state.max_steps and not self._callbacks.stop_requested():
             self._save_checkpoint()  # (the last step's checkpoint is the final one, saved by _finish)
         bar.update(1)
         self._call("on_step_end")
-        if self._hf is not None:
-            self._hf.new_step()
+        self._callbacks.new_step()
 
     def _refresh_ref_model(self) -> None:
         a = self.cfg.algorithm
         if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
             ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
 
-    def _sync_weights(self) -> None:
+    def _sync_weights(self) -> float:
+        """The engine's weights from the policy; returns the seconds it took."""
         t0 = time.perf_counter()
         self.engine.sync_weights(self.policy)
         if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
             self.accelerator.wait_for_everyone()  # from it before the push is done
-        self._last_sync_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def _call(self, event: str, *args) -> None:
-        """A loop event for every callback: grpokit's get the trainer, transformers' HF's (args, state, control)."""
-        for cb in self.callbacks:
-            if not hf_callbacks.is_hf_callback(cb):
-                getattr(cb, event)(self, *args)
-        if event == "on_log":
-            self._hf_event("on_log", logs=args[0])
-        elif event != "on_step_end":  # HF's on_step_end comes before the log (_on_optimizer_step)
-            self._hf_event(event)
+        self._callbacks.call(event, self, *args)
 
     def _hf_event(self, event: str, **kwargs) -> None:
-        if self._hf is not None:
-            self._hf.event(event, self.state, model=self.model, processing_class=self.tokenizer,
-                           optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, **kwargs)
+        self._callbacks.hf_event(event, self, **kwargs)
 
-    # ------------------------------------------------------------------------------------------------------
-    # checkpoints, evaluation, the end
-    # ------------------------------------------------------------------------------------------------------
+    # -- checkpoints, evaluation, the end ------------------------------------------------------------------------------
     def _save_checkpoint(self):
         in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}

@@ -74,3 +74,59 @@ class HFCallbackDriver:
     def new_step(self) -> None:
         """HF's ``control._new_step``: the per-step requests are answered once."""
         self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+
+
+class RunCallbacks:
+    """A run's callbacks: grpokit's (each hook gets the trainer) and transformers' (driven by an
+    ``HFCallbackDriver``). ``given`` holds instances or classes (grpokit's built with no arguments, HF's as
+    ``build`` says)."""
+
+    def __init__(self, given: list, trainer, cfg, accelerator) -> None:
+        is_main = accelerator.is_main_process
+
+        def make_args():
+            return hf_args(cfg.flat(), process_index=accelerator.process_index,
+                           world_size=accelerator.num_processes, is_main=is_main)
+
+        self.own, hf = [], []
+        args = None
+        for cb in given:
+            if is_hf_callback(cb):
+                if isinstance(cb, type):
+                    args = args or make_args()
+                    cb = build(cb, args, trainer)
+                hf.append(cb)
+            else:
+                self.own.append(cb() if isinstance(cb, type) else cb)
+        self.all = self.own + hf
+        self.hf = None if not hf else HFCallbackDriver(
+            hf, args or make_args(), max_steps=trainer.state.max_steps,
+            train_batch_size=cfg.training.per_device_train_batch_size, is_main=is_main)
+
+    @property
+    def control(self):
+        """HF's TrainerControl, or None without transformers callbacks."""
+        return None if self.hf is None else self.hf.control
+
+    def stop_requested(self) -> bool:
+        """A transformers callback set ``control.should_training_stop`` (the run then ends as at max_steps)."""
+        return self.hf is not None and self.hf.control.should_training_stop
+
+    def call(self, event: str, trainer, *args) -> None:
+        """A grpokit event (on_train_begin, on_log, on_save, on_step_end, on_train_end) for every callback; the
+        HF callbacks get it as HF's event (their on_step_end is sent earlier, before the log: ``hf_event``)."""
+        for cb in self.own:
+            getattr(cb, event)(trainer, *args)
+        if event == "on_log":
+            self.hf_event("on_log", trainer, logs=args[0])
+        elif event != "on_step_end":
+            self.hf_event(event, trainer)
+
+    def hf_event(self, event: str, trainer, **kwargs) -> None:
+        if self.hf is not None:
+            self.hf.event(event, trainer.state, model=trainer.model, processing_class=trainer.tokenizer,
+                          optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, **kwargs)
+
+    def new_step(self) -> None:
+        if self.hf is not None:
+            self.hf.new_step()

@@ -5,8 +5,12 @@ calls (a subclass defining one is refused, naming the grpokit hook that does tha
 from __future__ import annotations
 
 import inspect
+import logging
 
-from grpokit.errors import ConfigError
+from grpokit.errors import ConfigError, PluginError
+from grpokit.trainers.distributed import deepspeed_stage
+
+logger = logging.getLogger(__name__)
 
 # ms-swift's and TRL's GRPOTrainer (and transformers.Trainer) methods that grpokit's loop never calls → the grpokit
 # hook, registry or option that does their job
@@ -77,3 +81,40 @@ def loss_convention(method) -> str:
     if len(params) >= 3 and params[2].default is inspect.Parameter.empty:
         return "swift46"
     return "batch"
+
+
+def warn_sharded_grad_edit(cls: type, base: type, args) -> None:
+    """The seed's trap (its mechanism 3), said once at start-up: under DeepSpeed ZeRO >= 2 and FSDP ``p.grad`` is
+    not the full gradient, so a ``training_step`` override that edits it does not do what it does on one GPU."""
+    if not overrides(cls, base, "training_step"):
+        return
+    stage = deepspeed_stage(args.deepspeed) if args.deepspeed else None
+    if args.fsdp or (stage is not None and stage >= 2):
+        how = "--fsdp" if args.fsdp else f"--deepspeed {args.deepspeed} (ZeRO-{stage})"
+        logger.warning("%s overrides training_step: under %s p.grad is not the full gradient (sharded, or None under "
+                       "DeepSpeed), so a gradient edit there does not see it; edit gradients in the loss (detach "
+                       "algebra, a tensor hook, an autograd.Function) or in an optimizer from optimizers_map",
+                       cls.__qualname__, how)
+
+
+def call_loss(method, convention: str, model, inputs):
+    """``_compute_loss_and_metrics`` in the convention its override uses (loss_convention), its result checked."""
+    out = method(model, inputs, inputs) if convention == "swift46" else method(model, inputs)
+    if not (isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "backward")):
+        raise PluginError(f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, metrics "
+                          "dict)")
+    return out[0], dict(out[1] or {})
+
+
+def window_hooks(trainer, base: type):
+    """A WindowProducer's callables: the trainer's bound methods for the hooks its class overrides (so they apply),
+    None for the rest (the producer then runs its own defaults, without a detour through the trainer)."""
+    # imported here, not at the top: window_producer imports the rollout side, which hooks.py has no other use for
+    from grpokit.trainers.window_producer import WindowHooks
+
+    def mine(name: str):
+        return getattr(trainer, name) if overrides(type(trainer), base, name) else None
+
+    return WindowHooks(logps=trainer._get_per_token_logps_and_entropies, progress=trainer._progress,
+                       generate=mine("_generate_completions"), score=mine("_score_completions"),
+                       prepare_batches=mine("_prepare_batch_inputs"), advantages=mine("_compute_advantages"))

@@ -15,6 +15,14 @@ class PromptStream:
     groups. ``position`` counts the prompts drawn so far over all processes; a checkpoint stores it and a resume
     sets it back (a position always maps to the same row)."""
 
+    @classmethod
+    def for_run(cls, dataset, prompts_per_window: int, args, shuffle: bool, accelerator) -> PromptStream:
+        """The stream of a training run: seeded by --seed, read by --dataloader_* workers, one block per process."""
+        return cls(dataset, prompts_per_window, seed=args.seed, shuffle=shuffle,
+                   num_processes=accelerator.num_processes, process_index=accelerator.process_index,
+                   num_workers=args.dataloader_num_workers or 0, prefetch_factor=args.dataloader_prefetch_factor,
+                   multiprocessing_context=args.dataloader_multiprocessing_context)
+
     def __init__(self, dataset, prompts_per_window: int, *, seed: int, shuffle: bool, num_processes: int = 1,
                  process_index: int = 0, num_workers: int = 0, prefetch_factor: int | None = None,
                  multiprocessing_context: str | None = None) -> None:

@@ -1,6 +1,7 @@
 """``swift.rollout.multi_turn``: scheduler base classes, the built-in schedulers (ms-swift's class names) and
 ``multi_turns``."""
 
+from grpokit.errors import ConfigError
 from grpokit.rollout.builtin_schedulers import GYMScheduler, MathTipsScheduler  # noqa: F401 (re-exported)
 from grpokit.rollout.builtin_schedulers import ThinkingTipsScheduler as ThinkingModelTipsScheduler  # noqa: F401
 from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns  # noqa: F401
@@ -16,8 +17,6 @@ class OpenEnvScheduler(MultiTurnScheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         import importlib.util
-
-        from grpokit.errors import ConfigError
 
         if importlib.util.find_spec("openenv") is None:
             raise ConfigError("OpenEnvScheduler needs the openenv package (pip install openenv), and grpokit's "

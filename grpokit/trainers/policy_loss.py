@@ -1,0 +1,56 @@
+"""One micro-batch's policy loss from its logps: the loss mask, entropy logging and masking, rollout importance
+weights, then ``compute_policy_loss`` (grpokit.algorithms). What ``GRPOTrainer._compute_loss_and_metrics`` runs
+after the forward; a function of its inputs, so the trainer keeps only the hook."""
+
+from __future__ import annotations
+
+import torch
+
+from grpokit.algorithms import (
+    LossConfig,
+    LossInputs,
+    compute_policy_loss,
+    entropy_mask,
+    entropy_threshold,
+    loss_mask,
+    rollout_importance_weights,
+)
+from grpokit.config.args import AlgorithmArguments
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.distributed import gather_cat
+
+
+def needs_entropy(a: AlgorithmArguments) -> bool:
+    return a.top_entropy_quantile < 1.0 or a.log_entropy
+
+
+def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: RolloutBatch, a: AlgorithmArguments,
+                loss_cfg: LossConfig, accelerator) -> tuple[torch.Tensor, dict]:
+    """(loss, metrics) of one micro-batch: ``logps`` [B, C] carry the gradient, ``entropies`` [B, C] or None;
+    ``inputs`` on the training device (advantages, old/ref/rollout logps, masks, the loss denominator)."""
+    mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as window_num_items counts
+    metrics: dict = {}
+    ent_mask = None
+    if entropies is not None:
+        if a.log_entropy:
+            metrics["entropy"] = (entropies * mask).sum() / mask.sum().clamp(min=1)
+        if a.top_entropy_quantile < 1.0:  # threshold over the global batch (ms-swift: mask keeps normaliser)
+            ent_all = gather_cat(accelerator, entropies[mask.bool()])
+            thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
+            ent_mask = entropy_mask(entropies, mask, thr)
+    old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+    is_weights = None
+    if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
+        rollout = torch.where(torch.isnan(inputs.rollout_logps), old, inputs.rollout_logps)
+        is_out = rollout_importance_weights(old, rollout, mask, a.rollout_importance_sampling_mode,
+                                            a.rollout_importance_sampling_threshold)
+        is_weights = is_out.weights
+        metrics.update(is_out.metrics)
+    out = compute_policy_loss(
+        LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
+                   ref_logps=inputs.ref_logps if loss_cfg.beta != 0 else None,
+                   rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask),
+        loss_cfg,
+    )
+    metrics.update(out.metrics)
+    return out.loss, metrics

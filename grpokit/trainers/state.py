@@ -1,0 +1,30 @@
+"""The loop's values: ``TrainerState`` (the run's position, with HF's ``epoch`` and ``log_history``) and
+``StepValues`` (what one window hands to each of its optimizer steps' logs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from grpokit.trainers.outputs import MetricsAccumulator
+
+
+@dataclass
+class StepValues:
+    """What the loop logs at an optimizer step, carried as a value from the window to ``_on_optimizer_step``: the
+    window's metrics, its timings (seconds: rollout, reward, logps, the previous sync, train so far) and the
+    micro-steps' metrics since the last logging step."""
+
+    window_metrics: dict
+    timing: dict
+    step_metrics: MetricsAccumulator
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0  # optimizer steps done
+    max_steps: int = 0
+    prompts_consumed: int = 0  # position in the prompt stream (resumable)
+    windows: int = 0
+    last_logs: dict = field(default_factory=dict)
+    epoch: float = 0.0  # passes over the training prompts so far (HF's meaning)
+    log_history: list[dict] = field(default_factory=list)  # every logged dict, in order (HF's meaning)
