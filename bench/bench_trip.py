@@ -3,7 +3,7 @@
 A tiny model trains one step (one window: rollout, rewards, advantages, old logps, the training step, the
 optimizer step and its logging); ``sys.setprofile`` records every Python function called between the callbacks
 ``on_train_begin`` and ``on_step_end``, and the script prints how many distinct grpokit source files and functions
-that is (and, with ``--list``, which). The design notes in docs/PERFORMANCE.md quote the figure.
+that is (and, with ``--list``, which). docs/plugins.md ("Design notes: one window's trip") quotes the figures.
 
     PYTHONPATH=$PWD python bench/bench_trip.py [--list]
 """
