@@ -88,7 +88,8 @@ class GRPOTrainer:
             window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
             accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
-            log_completions=self.args.log_completions, offloader=self._offloader)
+            log_completions=self.args.log_completions, offloader=self._offloader,
+            images=bool(getattr(self.template, "multimodal", False)) or "images" in getattr(train_dataset, "column_names", ()))
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
         # CHORD (--chord_sft_dataset): an SFT term on expert rows mixed into each micro-batch's loss
         self._chord = None if chord_sft_dataset is None else ChordSFT(

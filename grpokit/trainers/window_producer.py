@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, 
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
-from grpokit.trainers.offload import Offloader, offload_context
+from grpokit.trainers.offload import Offloader
 from grpokit.trainers.prompts import PromptStream
 from grpokit.errors import PluginError
 from grpokit.trainers.window import (
@@ -81,7 +82,8 @@ class WindowProducer:
 
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
                  models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
-                 plan: BatchPlan, log_completions: bool, offloader: Offloader | None = None) -> None:
+                 plan: BatchPlan, log_completions: bool, offloader: Offloader | None = None,
+                 images: bool | None = None) -> None:
         self.hooks, self.prompts, self.scheduler, self.template = hooks, prompts, scheduler, template
         self._generate = hooks.generate or self.generate
         self._score = hooks.score or (lambda requests, outputs: self.score(requests, outputs, hooks.progress()))
@@ -89,6 +91,10 @@ class WindowProducer:
         self.rollout_args, self.algorithm, self.plan = rollout_args, algorithm, plan
         self.log_completions = log_completions
         self.offloader = offloader  # --offload_model/--offload_optimizer: applied around generation only
+        self._around_generation = offloader.offloaded if offloader is not None else nullcontext  # decided once
+        # decided once, not per request: whether trajectories carry images (a vision-language template, or rows
+        # with an images column); a text-only run never looks for them
+        self.images = bool(getattr(template, "multimodal", False)) if images is None else images
         self.request_config = RequestConfig(
             n=1, max_tokens=rollout_args.max_completion_length, temperature=rollout_args.temperature,
             top_p=rollout_args.top_p, top_k=rollout_args.top_k, repetition_penalty=rollout_args.repetition_penalty,
@@ -105,7 +111,7 @@ class WindowProducer:
         so --async_generate can run it in a background thread."""
         t0 = time.perf_counter()
         requests = self.requests(prompts)
-        with offload_context(self.offloader):  # the training model and optimizer wait in CPU memory
+        with self._around_generation():  # the training model and optimizer wait in CPU memory (--offload_*)
             outputs = self._generate(requests)
         t1 = time.perf_counter()
         rewards_per_func = self._score(requests, outputs)
@@ -134,7 +140,7 @@ class WindowProducer:
         kwargs: dict[str, Any] = {}
         for col in {k for r in requests for k in r.data_dict}:
             kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
-        images = [_trajectory_images(o, by_id) for o in outputs]  # the row's, then those of later turns
+        images = [_trajectory_images(o, by_id) if self.images else [] for o in outputs]  # the row's, then later turns'
         if any(images):  # as ms-swift: a trajectory's images replace the row's column
             kwargs["images"] = images
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
@@ -241,7 +247,7 @@ class WindowProducer:
                 break
             rounds += 1
             requests = self.requests(self.prompts.next())
-            with offload_context(self.offloader):  # resampling generates too
+            with self._around_generation():  # resampling generates too
                 outputs = self._generate(requests)
             rewards_per_func = self._score(requests, outputs)
         chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
@@ -288,7 +294,7 @@ class WindowProducer:
         re-encoded), old/ref logps added when needed."""
         requests, outputs = [r["_request"] for r in rows], [r["_output"] for r in rows]
         by_id = {r.request_id: r for r in requests}
-        mm = getattr(self.template, "multimodal", False)  # the processor template also takes the images
+        mm = bool(getattr(self.template, "multimodal", False))  # the processor template also takes the images
         samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
                                                **({"images": _trajectory_images(o, by_id)} if mm else {}))
                    for o in outputs]

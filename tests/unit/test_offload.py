@@ -174,7 +174,9 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
             return torch.zeros(0, 0)
 
     producer = WindowProducer.__new__(WindowProducer)
-    producer.hooks, producer.offloader = Hooks(), Offload()
+    hooks = Hooks()  # the callables the producer is given (window_producer.WindowHooks)
+    producer._generate, producer._score = hooks._generate_completions, hooks._score_completions
+    producer._around_generation = Offload().offloaded
     producer.requests = lambda prompts: []
     producer.rollout([])
     assert events == ["out", "generate", "back", "score"]
