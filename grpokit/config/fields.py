@@ -16,6 +16,7 @@ its own is at most ``INT_LIMIT`` (what 32-bit counters and C ``int`` arguments d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -111,9 +112,14 @@ def hints(group: type) -> dict:
     return _HINTS[group]
 
 
+@functools.cache
+def _group_fields(group: type) -> dict[str, tuple[dataclasses.Field, Kind]]:
+    return {f.name: (f, kind_of(hints(group)[f.name])) for f in dataclasses.fields(group)}
+
+
 def option_fields(groups) -> dict[str, tuple[dataclasses.Field, Kind]]:
     """Every option of the given dataclasses: name -> (field, its kind)."""
-    return {f.name: (f, kind_of(hints(g)[f.name])) for g in groups for f in dataclasses.fields(g)}
+    return {name: fk for g in groups for name, fk in _group_fields(g).items()}
 
 
 def _show(value) -> str:
@@ -176,8 +182,7 @@ def check_value(name: str, field: dataclasses.Field, kind: Kind, value) -> None:
 def check_fields(cfg) -> None:
     """Every option of ``cfg`` (a TrainConfig) against its field: type, finiteness, bounds, choices."""
     for part in (cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.reward, cfg.training):
-        kinds = option_fields([type(part)])
-        for name, (field, kind) in kinds.items():
+        for name, (field, kind) in _group_fields(type(part)).items():
             check_value(name, field, kind, getattr(part, name))
 
 

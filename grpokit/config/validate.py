@@ -54,6 +54,7 @@ def validate(cfg: TrainConfig) -> None:
     check_swift_options(cfg.swift_options, log=logger.warning)
     _check_swift_names(cfg)
     _check_evaluation(cfg)
+    _check_ref_sync(cfg)
     _real_loss_rules(cfg)
     check_chord_options(cfg)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
@@ -161,6 +162,20 @@ def _check_evaluation(cfg: TrainConfig) -> None:
     if asked and not d.val_dataset and not d.split_dataset_ratio:
         raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
                           "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
+
+
+def _check_ref_sync(cfg: TrainConfig) -> None:
+    """--sync_ref_model mixes the policy into a separate reference model; without one it would do nothing."""
+    a, m = cfg.algorithm, cfg.model
+    if not a.sync_ref_model:
+        return
+    if a.beta == 0:
+        raise ConfigError("--sync_ref_model true with --beta 0: no reference model is loaded (the KL term is off), so "
+                          "there is nothing to sync; drop --sync_ref_model or set --beta > 0")
+    if m.tuner_type == "lora":
+        raise ConfigError("--sync_ref_model true with --tuner_type lora: the reference is the base model with the "
+                          "adapters disabled, which mixing cannot change; drop --sync_ref_model or use --tuner_type "
+                          "full")
 
 
 def _check_freezing(m) -> None:

@@ -60,6 +60,8 @@ def test_every_default_is_within_its_own_field():
     (["--eval_steps", "3"], "--eval_steps 3 without validation data would never evaluate; add --val_dataset FILE "
                             "(or --split_dataset_ratio 0.1 to hold out part of --dataset), or drop it"),
     (["--eval_on_start", "true"], "--eval_on_start true without validation data would never evaluate"),
+    (["--sync_ref_model", "true", "--beta", "0"], "--sync_ref_model true with --beta 0: no reference model"),
+    (["--sync_ref_model", "true", "--tuner_type", "lora"], "--sync_ref_model true with --tuner_type lora"),
     # issue 27: NaN, seeds, epochs, checkpoint limits, negative numbers as values
     (["--learning_rate", "nan"], "--learning_rate nan: must be a finite number > 0; the default is 1e-06"),
     (["--beta", "-inf"], "--beta -inf: must be a finite number ≥ 0; the default is 0.04"),
@@ -206,3 +208,17 @@ def test_field_kinds_cover_every_option_type():
     for name, (_, kind) in option_fields(ALL_GROUPS).items():
         assert kind.base in (bool, int, float, str), (name, kind)
     assert kind_of(list[int]).is_list and kind_of(int | None).optional
+
+
+def test_docs_show_every_options_range():
+    """docs/options.md's type column carries each bounded option's range, as the check words it."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "options.md").read_text()
+    rows = dict(re.findall(r"^\| `--(\w+)` \| ([^|]+) \|", doc, flags=re.M))
+    for name, (field, _) in option_fields(ALL_GROUPS).items():
+        bounds = field.metadata.get(BOUNDS)
+        if bounds is not None:
+            assert name in rows and bounds.describe() in rows[name], (
+                f"docs/options.md: the row of --{name} should say {bounds.describe()!r}")
