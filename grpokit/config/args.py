@@ -20,12 +20,11 @@ from grpokit.protocol import (
     MIN_TEMPERATURE,
 )
 
-
 # --attn_impl's names (transformers' attn_implementation, and ms-swift's flash_attn for flash_attention_2)
 ATTN_IMPLS = ("sdpa", "eager", "flash_attn", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def _opt(default, help: str, ge=None, gt=None, le=None, lt=None, also=(), why="",  # noqa: A002 - argparse's name
+def _opt(default, help: str, ge=None, gt=None, le=None, lt=None, also=(), why="",  # noqa: A002 - argparse's
          json_object=False, **kw):
     """A field with its help text and what it accepts (``grpokit.config.fields`` checks every value against it):
     a numeric range (``ge``/``gt``/``le``/``lt``, ``also`` for documented values outside it, ``why`` said in the

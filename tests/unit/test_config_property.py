@@ -15,15 +15,13 @@ import string
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from grpokit.config.args import ALL_GROUPS  # noqa: E402
-from grpokit.config.fields import option_fields  # noqa: E402
-from grpokit.config.swift_options import REFUSED, WARNED  # noqa: E402
-from grpokit.errors import GrpokitError  # noqa: E402
+from grpokit.config.args import ALL_GROUPS
+from grpokit.config.fields import option_fields
+from grpokit.config.swift_options import REFUSED, WARNED
+from grpokit.errors import GrpokitError
 
 FIELDS = option_fields(ALL_GROUPS)
 SWIFT = sorted(WARNED.keys() | REFUSED.keys())
