@@ -192,9 +192,9 @@ class AlgorithmArguments:
     tau_pos: float = _opt(1.0, "sapo temperature for positive advantages", gt=0)
     tau_neg: float = _opt(1.05, "sapo temperature for negative advantages", gt=0)
     vespo_k_pos: float = _opt(2.0, "vespo: power k of the Gamma kernel W^k·e^(λ(1−W)) for advantages >= 0", ge=0)
-    vespo_lambda_pos: float = _opt(3.0, "vespo: decay λ of the Gamma kernel for advantages >= 0", ge=0)
+    vespo_lambda_pos: float = _opt(3.0, "vespo: decay λ of the Gamma kernel for advantages >= 0", gt=0)
     vespo_k_neg: float = _opt(3.0, "vespo: power k of the Gamma kernel for negative advantages", ge=0)
-    vespo_lambda_neg: float = _opt(2.0, "vespo: decay λ of the Gamma kernel for negative advantages", ge=0)
+    vespo_lambda_neg: float = _opt(2.0, "vespo: decay λ of the Gamma kernel for negative advantages", gt=0)
     real_tau: float = _opt(0.5, "real: temperature τ of REAL's in-group classification loss (logits s/τ)", gt=0)
     kl_in_reward: bool | None = _opt(None, "subtract β·KL from the reward instead of adding it to the loss; unset: "
                                            "true with rloo and reinforce_plus_plus, false otherwise (ms-swift's rule)")

@@ -4,8 +4,8 @@ Flags are parsed by `transformers.HfArgumentParser` into the dataclasses of `arg
 supplies defaults that flags override, each value first turned into its field's type (``fields.coerce_yaml``).
 `grpokit train` with neither `--model` nor `--dataset` runs the built-in demo (`demo.yaml`). Then every value is
 checked against its field (``fields.check_fields``), the derived defaults are filled (``resolve.resolve``) and the
-rules between options checked (``validate.validate``). The ``--external_plugins`` load in the pipeline, once,
-followed by the checks of the names they may register (``validate.check_registry_names``).
+rules between options checked (``validate.validate``). The ``--external_plugins`` load in the pipeline, once;
+with plugins given, the names they may register are checked there, right after (``validate.check_registry_names``).
 """
 
 from __future__ import annotations

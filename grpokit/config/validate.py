@@ -3,9 +3,9 @@
 ``validate(cfg)`` takes a resolved configuration (``grpokit.config.resolve``) and raises ``ConfigError`` (one line:
 option, value, fix) for the first problem. Order: every value against its own field (``fields.check_fields``:
 types, ranges, NaN), ms-swift's names, clashes between options, rollout modes, rewards, paths on disk, sampling
-and structured outputs; last, the batch plan (its divisibility rules). Names that an ``--external_plugins`` file
-may register (``--loss_type``, ``--advantage_estimator``, ...) are checked by ``check_registry_names``, which the
-pipeline calls right after it loads the plugins. A check that needs a model (reward columns against the dataset,
+and structured outputs; the registry names; last, the batch plan (its divisibility rules). Names that an
+``--external_plugins`` file may register (``--loss_type``, ``--advantage_estimator``, ...) are checked by
+``check_registry_names``: here when no plugin is given, else by the pipeline right after it loads the plugins. A check that needs a model (reward columns against the dataset,
 a model's context length) stays with the code that loads it.
 
 This module imports torch (through ``grpokit.algorithms``); ``grpokit.config.parse`` imports it only when it
@@ -61,12 +61,15 @@ def validate(cfg: TrainConfig) -> None:
     _check_rewards(cfg)
     _check_paths(cfg)
     _check_sampling(cfg)
+    if not cfg.reward.external_plugins:  # the registries are final already: check the names now
+        check_registry_names(cfg)
     batch_plan(cfg)
 
 
 def check_registry_names(cfg: TrainConfig) -> None:
     """The options whose values are names in registries a plugin may extend (``config/names.py``), with the rules
-    that look those names up; the pipeline calls it right after ``--external_plugins`` load."""
+    that look those names up. They are checked as soon as the registries are final: in ``validate`` when no
+    ``--external_plugins`` are given, else by the pipeline right after it loads them (still before any model)."""
     a = cfg.algorithm
     check_loss_type_pair(a.loss_type)
     validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)

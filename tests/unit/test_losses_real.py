@@ -10,7 +10,7 @@ import torch
 
 from grpokit.algorithms import LossConfig, LossInputs, compute_policy_loss, real_group_loss, real_scores
 from grpokit.config.parse import parse_train_args
-from grpokit.config.validate import check_registry_names, loss_config
+from grpokit.config.validate import loss_config
 from grpokit.errors import ConfigError
 
 LN, E = math.log, math.exp
@@ -93,11 +93,8 @@ def test_real_needs_whole_groups_in_the_micro_batch():
 
 
 def _cfg(*flags):
-    """Parsed and validated (parse_train_args runs grpokit.config.validate), then the registry names checked (as
-    the pipeline does once the plugins have loaded)."""
-    cfg = parse_train_args(["--model", "org/model", "--loss_type", "real", *flags])
-    check_registry_names(cfg)
-    return cfg
+    """Parsed and validated (parse_train_args runs grpokit.config.validate)."""
+    return parse_train_args(["--model", "org/model", "--loss_type", "real", *flags])
 
 
 def test_loss_config_carries_tau_and_group_size():
@@ -126,4 +123,4 @@ def test_real_forces_unscaled_rewards_with_a_warning(caplog):
 
 def test_fipo_is_refused_as_not_implemented():
     with pytest.raises(ConfigError, match="--loss_type fipo: ms-swift's FIPO .* is not implemented in grpokit"):
-        check_registry_names(parse_train_args(["--model", "org/model", "--loss_type", "fipo"]))
+        parse_train_args(["--model", "org/model", "--loss_type", "fipo"])
