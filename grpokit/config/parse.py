@@ -136,12 +136,16 @@ def _load_yaml(path: str, parser) -> dict:
         raise ConfigError(f"--config {path}: not valid YAML ({e.__class__.__name__}: {str(e).splitlines()[0]})")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value")
-    known = {f[2:] for f in _known_flags(parser)}
+    known = {f[2:] for f in _known_flags(parser)} - {"config"}
     for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+        if not isinstance(key, str) or key not in known:
+            if key == "config":
+                raise ConfigError(f"--config {path}: a config file cannot name another (config: ...); merge them")
+            close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
+    # `learning-rate:` is the flag's other spelling; argparse's defaults go by the underscore name
+    data = {key.replace("-", "_"): value for key, value in data.items()}
     return coerce_yaml(data, option_fields(ALL_GROUPS), where=f"--config {path}: ")
 
 

@@ -143,6 +143,7 @@ def _yaml(tmp_path, text: str):
     ("max_length: null\n", "max_length", None),
     ("output_dir: 2024\n", "output_dir", "2024"),
     ("lr_scheduler_kwargs: {num_cycles: 0.5}\n", "lr_scheduler_kwargs", {"num_cycles": 0.5}),
+    ("learning-rate: 2.0e-5\n", "learning_rate", 2e-5),  # the flag's hyphenated spelling: read, not dropped
 ])
 def test_yaml_values_take_their_field_types(tmp_path, text, option, value):
     cfg = _yaml(tmp_path, "dataset: [builtin:arithmetic]\n" * ("dataset:" not in text) + text)
@@ -162,6 +163,8 @@ def test_yaml_values_take_their_field_types(tmp_path, text, option, value):
     ("vllm_mode: local\n", "--vllm_mode local: unknown value; use one of colocate, server"),
     ("use_vllm: maybe\n", "use_vllm: 'maybe' is not true or false"),
     ("beta: true\n", "--beta True: expected a number, got bool"),
+    ("config: other.yaml\n", "a config file cannot name another (config: ...); merge them"),
+    ("1: 2\n", "unknown option 1"),
 ])
 def test_bad_yaml_values_are_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
