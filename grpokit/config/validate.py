@@ -133,6 +133,7 @@ def _check_swift_names(cfg: TrainConfig) -> None:
                           "or --optimizer NAME from the optimizers registry (a plugin may add one)")
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     _check_scheduler_name(t.lr_scheduler_type)
+    _check_trackers(t.report_to)
     if cfg.reward.code_exec_isolation not in ISOLATION_MODES:
         raise ConfigError(f"--code_exec_isolation {cfg.reward.code_exec_isolation}: unknown; use one of "
                           f"{', '.join(ISOLATION_MODES)}")
@@ -145,6 +146,29 @@ def _check_swift_names(cfg: TrainConfig) -> None:
                           "CPU; use --attn_impl sdpa (or eager)")
     _check_dataloader(t)
     _check_freezing(m)
+
+
+def _check_trackers(names: list[str]) -> None:
+    """--report_to: accelerate's tracker names, each installed (accelerate drops a missing one without a word)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [t.value for t in LoggerType]
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"--report_to {' '.join(names)}: none means no tracker; give none alone or only trackers")
+    for name in names:
+        if name == "none":
+            continue
+        if name not in known:
+            raise ConfigError(f"--report_to {name}: unknown tracker; use none or one of {', '.join(known)}")
+        available = [str(getattr(t, "value", t)) for t in get_available_trackers()]
+        if name == "all" and not available:
+            raise ConfigError("--report_to all: no tracker package is installed, so nothing would be reported; "
+                              "install one (e.g. pip install tensorboard), or use --report_to none")
+        if name != "all" and name not in available:
+            raise ConfigError(f"--report_to {name}: the {name} package is not installed, so nothing would be "
+                              f"reported; pip install {name}, or use --report_to none (logging.jsonl has every "
+                              "metric)")
 
 
 def _check_scheduler_name(name: str) -> None:

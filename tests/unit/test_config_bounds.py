@@ -92,6 +92,8 @@ def test_every_default_is_within_its_own_field():
     (["--lr_scheduler_type", "cosin"], "--lr_scheduler_type cosin: unknown; use one of transformers' schedules: "
                                        "linear, cosine"),
     (["--code_exec_isolation", "docker"], "--code_exec_isolation docker: unknown; use one of bwrap, none"),
+    (["--report_to", "tensorbord"], "--report_to tensorbord: unknown tracker; use none or one of all, "),
+    (["--report_to", "none", "wandb"], "--report_to none wandb: none means no tracker"),
 ])
 def test_bad_values_are_one_line_naming_option_value_and_fix(flags, message):
     assert _error(*flags).startswith(message)
@@ -230,3 +232,11 @@ def test_docs_show_every_options_range():
         if bounds is not None:
             assert name in rows and bounds.describe() in rows[name], (
                 f"docs/options.md: the row of --{name} should say {bounds.describe()!r}")
+
+
+def test_a_tracker_that_is_not_installed_is_refused_not_dropped():
+    from accelerate.tracking import get_available_trackers
+
+    installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
+    missing = next(n for n in ("dvclive", "aim", "clearml", "swanlab", "tensorboard") if n not in installed)
+    assert f"--report_to {missing}: the {missing} package is not installed" in _error("--report_to", missing)
