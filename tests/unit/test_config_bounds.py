@@ -240,3 +240,29 @@ def test_a_tracker_that_is_not_installed_is_refused_not_dropped():
     installed = {str(getattr(t, "value", t)) for t in get_available_trackers()}
     missing = next(n for n in ("dvclive", "aim", "clearml", "swanlab", "tensorboard") if n not in installed)
     assert f"--report_to {missing}: the {missing} package is not installed" in _error("--report_to", missing)
+
+
+@pytest.mark.parametrize("config, flags, message", [
+    ({"max_position_embeddings": 1024}, ["--max_completion_length", "2000"],
+     "--max_completion_length 2000: the model {m} holds 1024 positions (max_position_embeddings 1024 in its "
+     "config.json), so completions would run past its context; use at most 1024"),
+    ({"text_config": {"max_position_embeddings": 256}}, ["--max_new_tokens", "300"],
+     "--max_new_tokens 300: the model {m} holds 256 positions"),
+    ({"max_position_embeddings": 1024}, ["--max_length", "900", "--max_completion_length", "512"],
+     "--max_length 900 + --max_completion_length 512 = 1412 tokens, but the model {m} holds 1024 positions"),
+])
+def test_lengths_past_a_local_models_context_are_refused(tmp_path, config, flags, message):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _error("--model", str(tmp_path), *flags).startswith(message.format(m=tmp_path))
+
+
+def test_a_rope_scaling_factor_widens_the_context_and_a_config_without_one_is_not_guessed(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024,
+                                                      "rope_scaling": {"type": "yarn", "factor": 4.0}}))
+    assert parse_train_args([*ARITH, "--model", str(tmp_path), "--max_completion_length", "4000"])
+    (tmp_path / "config.json").write_text("{}")
+    assert parse_train_args([*ARITH, "--model", str(tmp_path), "--max_completion_length", "100000"])
