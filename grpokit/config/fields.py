@@ -26,6 +26,7 @@ from typing import Any, Literal
 from grpokit.errors import ConfigError
 
 INT_LIMIT = 2**31 - 1
+SHOWN_CHARS = 80  # at most this much of a bad value is repeated in its error line
 # metadata keys of ours: the argument parser must not pass them to argparse
 BOUNDS, JSON_OBJECT = "bounds", "json_object"
 OWN_KEYS = (BOUNDS, JSON_OBJECT)
@@ -103,18 +104,12 @@ def kind_of(hint) -> Kind:
     return Kind(str if literal else hint, is_list, optional, literal)
 
 
-_HINTS: dict[type, dict] = {}
-
-
-def hints(group: type) -> dict:
-    if group not in _HINTS:
-        _HINTS[group] = typing.get_type_hints(group)
-    return _HINTS[group]
-
-
 @functools.cache
 def _group_fields(group: type) -> dict[str, tuple[dataclasses.Field, Kind]]:
-    return {f.name: (f, kind_of(hints(group)[f.name])) for f in dataclasses.fields(group)}
+    """A dataclass's options with their kinds, from its annotations (not ``Field.type``, which the argument parser
+    rewrites in place)."""
+    hints = typing.get_type_hints(group)
+    return {f.name: (f, kind_of(hints[f.name])) for f in dataclasses.fields(group)}
 
 
 def option_fields(groups) -> dict[str, tuple[dataclasses.Field, Kind]]:
@@ -125,9 +120,8 @@ def option_fields(groups) -> dict[str, tuple[dataclasses.Field, Kind]]:
 def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(_show(v) for v in value) if value else "[]"
-    if isinstance(value, str):
-        return repr(value) if (not value or any(c.isspace() for c in value)) else value
-    return str(value)
+    text = repr(value) if isinstance(value, str) and (not value or any(c.isspace() for c in value)) else str(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"  # an error stays one short line
 
 
 def _type_word(kind: Kind) -> str:
@@ -136,14 +130,21 @@ def _type_word(kind: Kind) -> str:
     return {bool: "true or false", int: "a whole number", float: "a number", str: "text"}.get(kind.base, "a value")
 
 
+def _is_type(item, base, field: dataclasses.Field) -> bool:
+    if base is bool:
+        return isinstance(item, bool)
+    if base in (int, float) and isinstance(item, bool):  # True is an int to Python, not a number to a user
+        return False
+    if base is int:
+        return isinstance(item, int)
+    if base is float:
+        return isinstance(item, (int, float))
+    return isinstance(item, str) or (isinstance(item, dict) and field.metadata.get(JSON_OBJECT, False))
+
+
 def _check_item(name: str, kind: Kind, field: dataclasses.Field, item, shown: str) -> None:
     base = kind.base
-    ok = (isinstance(item, bool) if base is bool else
-          isinstance(item, int) and not isinstance(item, bool) if base is int else
-          isinstance(item, (int, float)) and not isinstance(item, bool) if base is float else
-          isinstance(item, str) or (isinstance(item, dict) and field.metadata.get(JSON_OBJECT, False))
-          if base is str else True)
-    if not ok:
+    if not _is_type(item, base, field):
         raise ConfigError(f"--{name} {shown}: expected {_type_word(kind)}, got {type(item).__name__}")
     if kind.literal and item not in kind.literal:
         raise ConfigError(f"--{name} {shown}: unknown value; use one of {', '.join(map(str, kind.literal))}")
