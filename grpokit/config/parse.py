@@ -1,20 +1,28 @@
-"""argv / YAML → `TrainConfig`, validated before anything heavy loads.
+"""argv / YAML → `TrainConfig`, resolved and validated before anything heavy loads.
 
 Flags are parsed by `transformers.HfArgumentParser` into the dataclasses of `args.py`; `--config file.yaml`
-supplies defaults that flags override. `grpokit train` with neither `--model` nor `--dataset` runs the built-in
-demo (`demo.yaml`).
+supplies defaults that flags override, each value first turned into its field's type (``fields.coerce_yaml``).
+`grpokit train` with neither `--model` nor `--dataset` runs the built-in demo (`demo.yaml`). Then every value is
+checked against its field (``fields.check_fields``), the derived defaults are filled (``resolve.resolve``) and the
+rules between options checked (``validate.validate``). The ``--external_plugins`` load in the pipeline, once;
+with plugins given, the names they may register are checked there, right after (``validate.check_registry_names``).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import logging
+import re
+import shutil
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import yaml
 
 from grpokit.config.args import ALL_GROUPS, TrainConfig
+from grpokit.config.fields import OWN_KEYS, check_fields, coerce_yaml, option_fields
 from grpokit.config.names import REGISTRIES, help_suffix
 from grpokit.config.swift_options import REFUSED, WARNED
 from grpokit.errors import ConfigError
@@ -23,14 +31,36 @@ from grpokit.plugins.loader import load_plugins_once
 logger = logging.getLogger(__name__)
 
 DEMO_YAML = Path(__file__).with_name("demo.yaml")
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.IGNORECASE)
 
 
 def _make_parser(prog: str):
     from transformers import HfArgumentParser
 
     class Parser(HfArgumentParser):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # `--learning_rate -1e-5`, `--beta -inf`: a negative number is a value (argparse's own pattern knows
+            # only -1 and -0.5, and reads -1e-5 as an unknown flag); the bounds then refuse what is out of range
+            self._negative_number_matcher = NEGATIVE_NUMBER
+
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            if any(key in field.metadata for key in OWN_KEYS):  # bounds are ours (fields.py), not argparse's
+                field = copy.copy(field)
+                field.metadata = MappingProxyType({k: v for k, v in field.metadata.items() if k not in OWN_KEYS})
+            HfArgumentParser._parse_dataclass_field(parser, field)
+
+        def _get_formatter(self):
+            # argparse builds a formatter, and asks the terminal its size, for each of the ~800 add_argument calls;
+            # asked once, parsing takes half the time
+            width = self.__dict__.get("_grpokit_width")
+            if width is None:
+                width = self.__dict__["_grpokit_width"] = shutil.get_terminal_size().columns - 2
+            return self.formatter_class(prog=self.prog, width=width)
+
         def error(self, message: str):  # one line, no usage dump
-            raise ConfigError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+            raise ConfigError(_argparse_line(message) or f"{self.prog}: {message} (see `{self.prog} --help`)")
 
     parser = Parser(ALL_GROUPS, prog=prog, epilog="ms-swift's other option names are accepted too: each one either "
                     "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
@@ -42,6 +72,22 @@ def _make_parser(prog: str):
             action.help += help_suffix(action.dest)
             action.metavar = "NAME"
     return parser
+
+
+_ARGPARSE = re.compile(r"^argument (--\w+)(?:/[-\w]+)*: (invalid choice|invalid (\w+) value): '(.*)'(?: \(choose from "
+                       r"(.*)\))?$", re.DOTALL)
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "string_to_bool": "true or false"}
+
+
+def _argparse_line(message: str) -> str | None:
+    """argparse's bad-value messages in grpokit's form: ``--option value: what it must be``."""
+    m = _ARGPARSE.match(message)
+    if m is None:
+        return None
+    option, kind, type_name, value, choices = m.groups()
+    if kind == "invalid choice":
+        return f"{option} {value}: unknown value; use one of {choices.replace(chr(39), '')}"
+    return f"{option} {value}: expected {_TYPE_WORDS.get(type_name, type_name)}"
 
 
 def _add_swift_options(parser) -> None:
@@ -90,13 +136,17 @@ def _load_yaml(path: str, parser) -> dict:
         raise ConfigError(f"--config {path}: not valid YAML ({e.__class__.__name__}: {str(e).splitlines()[0]})")
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value")
-    known = {f[2:] for f in _known_flags(parser)}
+    known = {f[2:] for f in _known_flags(parser)} - {"config"}
     for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+        if not isinstance(key, str) or key not in known:
+            if key == "config":
+                raise ConfigError(f"--config {path}: a config file cannot name another (config: ...); merge them")
+            close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(f"--config {path}: unknown option {key!r}{hint}")
-    return data
+    # `learning-rate:` is the flag's other spelling; argparse's defaults go by the underscore name
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    return coerce_yaml(data, option_fields(ALL_GROUPS), where=f"--config {path}: ")
 
 
 def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train") -> TrainConfig:
@@ -113,7 +163,7 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
         logger.warning("--vllm_server_api_key on the command line is readable by every process on this host "
                        "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead")
     if "model" not in user_keys and "dataset" not in user_keys:
-        demo = yaml.safe_load(DEMO_YAML.read_text())
+        demo = coerce_yaml(yaml.safe_load(DEMO_YAML.read_text()), option_fields(ALL_GROUPS), where="demo.yaml: ")
         defaults = {**demo, **defaults}
     if defaults:
         parser.set_defaults(**defaults)
@@ -123,10 +173,13 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
              if k in WARNED or k in REFUSED}
     groups = [g for g in groups if type(g) in ALL_GROUPS]
     cfg = TrainConfig(*groups, swift_options=swift)
+    check_fields(cfg)  # before resolve: an error names the option as given (--max_new_tokens, not its target)
     # imported here, not at the top: validation imports torch (through grpokit.algorithms), and `--help` above
     # must answer without it
+    from grpokit.config.resolve import resolve
     from grpokit.config.validate import validate
 
+    cfg = resolve(cfg)
     validate(cfg)
     return cfg
 

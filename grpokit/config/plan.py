@@ -3,12 +3,14 @@ and the run folder's checkpoints. Torch-free: the CLI prints the plan before any
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpokit.config.args import TrainConfig
 from grpokit.errors import ConfigError
+from grpokit.protocol import MAX_N
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def world_size() -> int:
 
 
 def _divisors_hint(total: int, g: int) -> str:
-    ok_g = [d for d in range(2, total + 1) if total % d == 0][:6]
+    ok_g = list(itertools.islice((d for d in range(2, min(total, MAX_N) + 1) if total % d == 0), 6))
     lo, hi = (total // g) * g, (total // g + 1) * g
     sizes = " or ".join(str(s) for s in (lo, hi) if s > 0)
     return f"use num_generations {', '.join(map(str, ok_g)) or '1'}, or a generation batch of {sizes}"

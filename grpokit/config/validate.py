@@ -1,9 +1,13 @@
-"""Every check of the options that needs no model, in one place, run by ``parse_train_args`` before anything loads.
+"""The rules between options, in one place, run by ``parse_train_args`` before anything loads; they change nothing.
 
-Order: plain ranges and clashes, rollout modes, rewards, paths on disk, then the ``--external_plugins`` are
-imported (they may register names) and the registry names (``--loss_type``, ``--advantage_estimator``, ...) and
-structured-output constraints are checked; last, the batch plan (its divisibility rules). A check that needs a
-model (reward columns against the dataset, a model's context length) stays with the code that loads it.
+``validate(cfg)`` takes a resolved configuration (``grpokit.config.resolve``) and raises ``ConfigError`` (one line:
+option, value, fix) for the first problem. Order: every value against its own field (``fields.check_fields``:
+types, ranges, NaN), ms-swift's names, clashes between options, rollout modes, rewards, paths on disk, the lengths
+against a local model folder's context (its config.json), sampling and structured outputs; the registry names;
+last, the batch plan (its divisibility rules). Names that an ``--external_plugins`` file may register
+(``--loss_type``, ``--advantage_estimator``, ...) are checked by ``check_registry_names``: here when no plugin is
+given, else by the pipeline right after it loads the plugins. A check that needs a loaded model (reward columns
+against the dataset, the demo model's or a hub model's context) stays with the code that loads it.
 
 This module imports torch (through ``grpokit.algorithms``); ``grpokit.config.parse`` imports it only when it
 parses for a run, so that ``grpokit train --help`` stays torch-free.
@@ -18,7 +22,6 @@ import re
 from pathlib import Path
 
 import torch
-
 from pydantic import ValidationError
 
 from grpokit.algorithms import (
@@ -31,12 +34,15 @@ from grpokit.algorithms import (
     validate_rollout_is_options,
 )
 from grpokit.config.args import TrainConfig
+from grpokit.config.context import check_context
+from grpokit.config.fields import check_fields
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
+from grpokit.config.resolve import OPTIM_NAMES
 from grpokit.config.swift_options import check_swift_options, is_rank0
-from grpokit.engines.structured import check_structured_options, load_json_schema
+from grpokit.engines.structured import check_structured_options
 from grpokit.errors import ConfigError
-from grpokit.plugins.loader import load_plugins_once
 from grpokit.protocol import RequestConfig
+from grpokit.rewards.isolation import ISOLATION_MODES
 from grpokit.template.prompts import check_data_options
 
 logger = logging.getLogger(__name__)
@@ -44,20 +50,35 @@ logger = logging.getLogger(__name__)
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError naming the option, its value and the fix, for the first problem found. ms-swift's options
-    that grpokit warns about get their one line each here, on rank 0."""
+    that grpokit warns about get their one line each here, on rank 0. ``cfg`` is not changed."""
+    check_fields(cfg)
     check_swift_options(cfg.swift_options, log=logger.warning)
-    _apply_swift_names(cfg)
-    _check_ranges(cfg)
+    _check_swift_names(cfg)
+    _check_evaluation(cfg)
+    _check_ref_sync(cfg)
     _real_loss_rules(cfg)
     check_chord_options(cfg)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)
     _check_paths(cfg)
-    load_plugins_once(cfg.reward.external_plugins)  # they may register the names checked next
-    _check_algorithm(cfg)
+    check_context(cfg)
     _check_sampling(cfg)
+    if not cfg.reward.external_plugins:  # the registries are final already: check the names now
+        check_registry_names(cfg)
     batch_plan(cfg)
+
+
+def check_registry_names(cfg: TrainConfig) -> None:
+    """The options whose values are names in registries a plugin may extend (``config/names.py``), with the rules
+    that look those names up. They are checked as soon as the registries are final: in ``validate`` when no
+    ``--external_plugins`` are given, else by the pipeline right after it loads them (still before any model)."""
+    a = cfg.algorithm
+    check_loss_type_pair(a.loss_type)
+    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
+    validate_loss_config(loss_config(cfg))
+    validate_entropy_quantile(a.top_entropy_quantile)
+    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold)
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
@@ -78,15 +99,11 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
-    """--loss_type real (REAL, grpokit/algorithms/losses_real.py): rewards unscaled (ms-swift forces it too, with a
-    warning), whole groups in every micro-batch, and no entropy mask (it would mask a policy term REAL lacks)."""
+    """--loss_type real (REAL, grpokit/algorithms/losses_real.py): whole groups in every micro-batch, and no entropy
+    mask (it would mask a policy term REAL lacks). Its unscaled rewards are ``resolve``'s."""
     a, t, g = cfg.algorithm, cfg.training, cfg.rollout.num_generations
     if a.loss_type != "real":
         return
-    if a.scale_rewards not in (None, "none") and is_rank0():
-        logger.warning("--scale_rewards %s is replaced by none: --loss_type real uses only the sign of each "
-                       "advantage (as ms-swift, which forces none too)", a.scale_rewards)
-    a.scale_rewards = "none"
     if t.per_device_train_batch_size % g:
         raise ConfigError(f"--loss_type real classifies whole groups inside each micro-batch, but "
                           f"per_device_train_batch_size {t.per_device_train_batch_size} is not a multiple of "
@@ -94,18 +111,6 @@ def _real_loss_rules(cfg: TrainConfig) -> None:
     if a.top_entropy_quantile < 1.0:
         raise ConfigError(f"--top_entropy_quantile {a.top_entropy_quantile} masks a per-token policy term, which "
                           "--loss_type real does not have, so it would do nothing; remove it")
-
-
-def _positive(name: str, value, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"--{name} {value}: must be {'≥ 0' if allow_zero else '> 0'}")
-
-
-# --optim (transformers' names) -> grpokit's --optimizer; other transformers optimizers are not implemented
-OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
-ATTN_IMPLS = ("sdpa", "eager", "flash_attn", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 def json_object(option: str, value) -> dict | None:
@@ -122,34 +127,84 @@ def json_object(option: str, value) -> dict | None:
     return out
 
 
-def _apply_swift_names(cfg: TrainConfig) -> None:
-    """ms-swift's spellings of grpokit options (older names, transformers' names) and the JSON options."""
-    m, r, t, a = cfg.model, cfg.rollout, cfg.training, cfg.algorithm
-    if a.kl_in_reward is None:
-        a.kl_in_reward = a.advantage_estimator in ("rloo", "reinforce_plus_plus")
-    if r.max_new_tokens is not None:
-        r.max_completion_length = r.max_new_tokens
-    if t.optim is not None:
-        if t.optim not in OPTIM_NAMES:
-            raise ConfigError(f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
-                              "or --optimizer NAME from the optimizers registry (a plugin may add one)")
-        t.optimizer = OPTIM_NAMES[t.optim]
-    if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
-        t.eval_steps, t.eval_on_start = None, False
+def _check_swift_names(cfg: TrainConfig) -> None:
+    """ms-swift's spellings of grpokit options (older names, transformers' names), the JSON options and the names
+    of choices that another library (transformers, multiprocessing) or another layer keeps."""
+    m, t = cfg.model, cfg.training
+    if t.optim is not None and t.optim not in OPTIM_NAMES:
+        raise ConfigError(f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
+                          "or --optimizer NAME from the optimizers registry (a plugin may add one)")
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
+    _check_scheduler_name(t.lr_scheduler_type)
+    _check_trackers(t.report_to)
+    if cfg.reward.code_exec_isolation not in ISOLATION_MODES:
+        raise ConfigError(f"--code_exec_isolation {cfg.reward.code_exec_isolation}: unknown; use one of "
+                          f"{', '.join(ISOLATION_MODES)}")
     gc_kwargs = json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs)
     if gc_kwargs and not m.gradient_checkpointing and is_rank0():
         logger.warning("--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
                        "default is true, grpokit's false)")
-    if m.attn_impl is not None:
-        if m.attn_impl not in ATTN_IMPLS:
-            raise ConfigError(f"--attn_impl {m.attn_impl}: unknown; use one of {', '.join(ATTN_IMPLS)}")
-        if m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
-            raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
-                              "CPU; use --attn_impl sdpa (or eager)")
+    if m.attn_impl is not None and m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
+        raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
+                          "CPU; use --attn_impl sdpa (or eager)")
     _check_dataloader(t)
     _check_freezing(m)
-    _positive("vllm_max_num_seqs", r.vllm_max_num_seqs)
+
+
+def _check_trackers(names: list[str]) -> None:
+    """--report_to: accelerate's tracker names, each installed (accelerate drops a missing one without a word)."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [t.value for t in LoggerType]
+    if "none" in names and len(names) > 1:
+        raise ConfigError(f"--report_to {' '.join(names)}: none means no tracker; give none alone or only trackers")
+    for name in names:
+        if name == "none":
+            continue
+        if name not in known:
+            raise ConfigError(f"--report_to {name}: unknown tracker; use none or one of {', '.join(known)}")
+        available = [str(getattr(t, "value", t)) for t in get_available_trackers()]
+        if name == "all" and not available:
+            raise ConfigError("--report_to all: no tracker package is installed, so nothing would be reported; "
+                              "install one (e.g. pip install tensorboard), or use --report_to none")
+        if name != "all" and name not in available:
+            raise ConfigError(f"--report_to {name}: the {name} package is not installed, so nothing would be "
+                              f"reported; pip install {name}, or use --report_to none (logging.jsonl has every "
+                              "metric)")
+
+
+def _check_scheduler_name(name: str) -> None:
+    from transformers import SchedulerType
+
+    names = [s.value for s in SchedulerType]
+    if name not in names:
+        raise ConfigError(f"--lr_scheduler_type {name}: unknown; use one of transformers' schedules: "
+                          f"{', '.join(names)}")
+
+
+def _check_evaluation(cfg: TrainConfig) -> None:
+    """--eval_steps / --eval_on_start need validation data: without it nothing would ever be evaluated."""
+    t, d = cfg.training, cfg.data
+    asked = (f"--eval_steps {t.eval_steps}" if t.eval_steps else "--eval_on_start true" if t.eval_on_start
+             else None)
+    if asked and not d.val_dataset and not d.split_dataset_ratio:
+        raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
+                          "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
+
+
+def _check_ref_sync(cfg: TrainConfig) -> None:
+    """--sync_ref_model mixes the policy into a separate reference model; without one it would do nothing."""
+    a, m = cfg.algorithm, cfg.model
+    if not a.sync_ref_model:
+        return
+    if a.beta == 0:
+        raise ConfigError("--sync_ref_model true with --beta 0: no reference model is loaded (the KL term is off), so "
+                          "there is nothing to sync; drop --sync_ref_model or set --beta > 0")
+    if m.tuner_type == "lora":
+        raise ConfigError("--sync_ref_model true with --tuner_type lora: the reference is the base model with the "
+                          "adapters disabled, which mixing cannot change; drop --sync_ref_model or use --tuner_type "
+                          "full")
 
 
 def _check_freezing(m) -> None:
@@ -160,8 +215,6 @@ def _check_freezing(m) -> None:
     if given and m.tuner_type != "full":
         raise ConfigError(f"--{given[0]} acts with --tuner_type full (as in ms-swift); with LoRA only the adapters "
                           "train: choose them with --target_modules / --target_regex")
-    if not 0 <= m.freeze_parameters_ratio <= 1:
-        raise ConfigError(f"--freeze_parameters_ratio {m.freeze_parameters_ratio}: must be in [0, 1]")
     for name in ("freeze_parameters_regex", "trainable_parameters_regex"):
         if options[name] is not None:
             try:
@@ -178,34 +231,6 @@ def _check_dataloader(t) -> None:
     if context is not None and context not in multiprocessing.get_all_start_methods():
         raise ConfigError(f"--dataloader_multiprocessing_context {context}: not a start method here; use one of "
                           f"{', '.join(multiprocessing.get_all_start_methods())}")
-
-
-def _check_ranges(cfg: TrainConfig) -> None:
-    t, r, a = cfg.training, cfg.rollout, cfg.algorithm
-    for name, value in [("num_generations", r.num_generations), ("max_completion_length", r.max_completion_length),
-                        ("per_device_train_batch_size", t.per_device_train_batch_size),
-                        ("gradient_accumulation_steps", t.gradient_accumulation_steps),
-                        ("num_iterations", a.num_iterations), ("logging_steps", t.logging_steps),
-                        ("save_steps", t.save_steps), ("learning_rate", t.learning_rate),
-                        ("per_device_eval_batch_size", t.per_device_eval_batch_size),
-                        ("dataloader_prefetch_factor", t.dataloader_prefetch_factor)]:
-        _positive(name, value)
-    for name, value in [("temperature", r.temperature), ("beta", a.beta), ("epsilon", a.epsilon),
-                        ("epsilon_high", a.epsilon_high), ("weight_decay", t.weight_decay),
-                        ("max_grad_norm", t.max_grad_norm), ("warmup_ratio", t.warmup_ratio),
-                        ("warmup_steps", t.warmup_steps), ("adam_epsilon", t.adam_epsilon),
-                        ("dataloader_num_workers", t.dataloader_num_workers), ("logps_chunk_size", t.logps_chunk_size)]:
-        _positive(name, value, allow_zero=True)
-    if r.num_generations < 2:
-        raise ConfigError(f"--num_generations {r.num_generations}: GRPO needs at least 2 completions per prompt "
-                          "to compare; use 2 or more")
-    if r.temperature == 0:
-        raise ConfigError("--temperature 0: greedy sampling gives every completion of a group the same reward and "
-                          "no learning signal; use a temperature > 0 (e.g. 1.0)")
-    if r.max_turns is not None and r.max_turns < 1:
-        raise ConfigError(f"--max_turns {r.max_turns}: must be ≥ 1")
-    if a.dynamic_sample and a.max_resample_times < 0:
-        raise ConfigError(f"--max_resample_times {a.max_resample_times}: must be ≥ 0")
 
 
 def _check_rollout_modes(cfg: TrainConfig) -> None:
@@ -289,19 +314,9 @@ def _check_paths(cfg: TrainConfig) -> None:
         earlier_run_checkpoints(t.output_dir, t.overwrite_output_dir)
 
 
-def _check_algorithm(cfg: TrainConfig) -> None:
-    a = cfg.algorithm
-    check_loss_type_pair(a.loss_type)
-    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
-    validate_loss_config(loss_config(cfg))
-    validate_entropy_quantile(a.top_entropy_quantile)
-    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold)
-
-
 def _check_sampling(cfg: TrainConfig) -> None:
     """The sampling options within the bounds every engine enforces on a request (``grpokit.protocol``), and a
-    bad regex/schema, fail here rather than at the first rollout; a schema file is read now (a rollout server may
-    not have the file)."""
+    bad regex/schema, fail here rather than at the first rollout (``resolve`` has read a schema file into its text)."""
     r = cfg.rollout
     try:
         RequestConfig(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -310,8 +325,6 @@ def _check_sampling(cfg: TrainConfig) -> None:
         err = e.errors()[0]
         field = {"max_tokens": "max_completion_length", "stop": "stop_words"}.get(str(err["loc"][0]), err["loc"][0])
         raise ConfigError(f"--{field} {err.get('input')!r}: {err['msg']}") from None
-    if r.structured_outputs_json:
-        r.structured_outputs_json = json.dumps(load_json_schema(r.structured_outputs_json))
     if r.structured_outputs_regex or r.structured_outputs_json:
         check_structured_options(r.structured_outputs_regex, r.structured_outputs_json)
 
@@ -341,8 +354,8 @@ _CHORD_SETTINGS = ("chord_sft_per_device_train_batch_size", "chord_mu_warmup_ste
 
 
 def check_chord_options(cfg: TrainConfig) -> None:
-    """The CHORD options: all or nothing with --chord_sft_dataset; mu's schedule within [0, 1] and peak ≥ valley.
-    Unset warm-up and decay steps become 0 (ms-swift needs them set)."""
+    """The CHORD options: all or nothing with --chord_sft_dataset, and mu's peak ≥ its valley (each in [0, 1] by
+    its field; ``resolve`` sets the unset warm-up and decay steps to 0, where ms-swift needs them set)."""
     a = cfg.algorithm
     if not a.chord_sft_dataset:
         given = [n for n in _CHORD_SETTINGS if getattr(a, n) is not None]
@@ -355,15 +368,6 @@ def check_chord_options(cfg: TrainConfig) -> None:
         if getattr(a, name) is None:
             raise ConfigError(f"--chord_sft_dataset needs --{name}; e.g. --chord_sft_per_device_train_batch_size 1 "
                               "--chord_mu_peak 0.9 --chord_mu_valley 0.05 (peak = valley: a constant mu)")
-    _positive("chord_sft_per_device_train_batch_size", a.chord_sft_per_device_train_batch_size)
-    a.chord_mu_warmup_steps = a.chord_mu_warmup_steps or 0
-    a.chord_mu_decay_steps = a.chord_mu_decay_steps or 0
-    _positive("chord_mu_warmup_steps", a.chord_mu_warmup_steps, allow_zero=True)
-    _positive("chord_mu_decay_steps", a.chord_mu_decay_steps, allow_zero=True)
-    for name in ("chord_mu_peak", "chord_mu_valley"):
-        if not 0.0 <= getattr(a, name) <= 1.0:
-            raise ConfigError(f"--{name} {getattr(a, name)}: mu weighs the SFT term against GRPO's, so it must be in "
-                              "[0, 1]")
     if a.chord_mu_peak < a.chord_mu_valley:
         raise ConfigError(f"--chord_mu_peak {a.chord_mu_peak} is below --chord_mu_valley {a.chord_mu_valley}: mu "
                           "decays from the peak to the valley; swap them, or set both equal for a constant mu")

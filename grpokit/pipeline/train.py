@@ -9,6 +9,8 @@ from accelerate.utils import set_seed
 
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
+from grpokit.config.resolve import resolve
+from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.engines.client import RolloutClient
@@ -97,7 +99,9 @@ def build_engine(cfg: TrainConfig):
 
 
 def run_train(cfg: TrainConfig):
-    load_plugins_once(cfg.reward.external_plugins)  # before any registry lookup (parsing loaded them already)
+    cfg = resolve(cfg)  # a no-op on a parsed configuration; fills a TrainConfig built in code the same way
+    load_plugins_once(cfg.reward.external_plugins)  # the one load, before any registry lookup
+    check_registry_names(cfg)  # the option values that name what a plugin may register, before any model loads
     check_names(cfg)
     plan = batch_plan(cfg)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)

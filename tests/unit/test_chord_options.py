@@ -44,7 +44,7 @@ def test_chord_needs_its_batch_size_peak_and_valley(missing):
     (["--chord_mu_peak", "1.5"], "--chord_mu_peak 1.5: "),
     (["--chord_mu_warmup_steps", "-1"], "--chord_mu_warmup_steps -1: must be ≥ 0"),
     (["--chord_mu_decay_steps", "-3"], "--chord_mu_decay_steps -3: must be ≥ 0"),
-    (["--chord_sft_per_device_train_batch_size", "0"], "--chord_sft_per_device_train_batch_size 0: must be > 0"),
+    (["--chord_sft_per_device_train_batch_size", "0"], "--chord_sft_per_device_train_batch_size 0: must be ≥ 1"),
 ])
 def test_bad_schedule_values_name_the_option_and_value(extra, start):
     assert _error(*CHORD, *extra).startswith(start)

@@ -172,11 +172,23 @@ def algo_plugin(tmp_path):
 ARITH = ["--dataset", "builtin:arithmetic"]
 
 
+def _set_up(argv: list[str]):
+    """What `grpokit train` runs before any model loads: parse (fields, resolve, validate), then the pipeline's
+    one plugin load and the checks of the names plugins may register (grpokit/pipeline/train.py run_train)."""
+    from grpokit.config.validate import check_registry_names
+    from grpokit.plugins.loader import load_plugins_once
+
+    cfg = parse_train_args(argv)
+    load_plugins_once(cfg.reward.external_plugins)
+    check_registry_names(cfg)
+    return cfg
+
+
 def test_plugin_names_are_accepted_once_the_plugin_loads(algo_plugin):
     with pytest.raises(ConfigError, match=r"^--loss_type 'gk_pg': unknown loss type; registered: "):
-        parse_train_args([*ARITH, "--loss_type", "gk_pg"])  # not registered before the plugin loads
-    cfg = parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_pg",
-                            "--advantage_estimator", "gk_above_mean"])
+        _set_up([*ARITH, "--loss_type", "gk_pg"])  # not registered before the plugin loads
+    cfg = _set_up([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_pg",
+                   "--advantage_estimator", "gk_above_mean"])
     assert (cfg.algorithm.loss_type, cfg.algorithm.advantage_estimator) == ("gk_pg", "gk_above_mean")
 
 
@@ -185,7 +197,7 @@ def test_unknown_name_lists_the_registered_ones_with_the_plugins(algo_plugin, op
     import grpokit.algorithms as alg
 
     with pytest.raises(ConfigError) as e:
-        parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), f"--{option}", "nope"])
+        _set_up([*ARITH, "--external_plugins", str(algo_plugin), f"--{option}", "nope"])
     registry = getattr(alg, REGISTRIES[option][0])
     assert str(e.value) == f"--{option} 'nope': unknown {registry.kind}; registered: {', '.join(sorted(registry))}"
     if option in ("loss_type", "advantage_estimator"):
@@ -194,10 +206,10 @@ def test_unknown_name_lists_the_registered_ones_with_the_plugins(algo_plugin, op
 
 def test_loss_without_normaliser_names_the_missing_half(algo_plugin):
     with pytest.raises(ConfigError, match=r"'gk_half' is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS"):
-        parse_train_args([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_half"])
+        _set_up([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_half"])
 
 
-def test_parsing_and_the_pipeline_import_a_plugin_once(tmp_path):
+def test_the_pipeline_imports_a_plugin_once_and_parsing_not_at_all(tmp_path):
     from grpokit.plugins.loader import load_plugins_once
 
     (tmp_path / "gk_count_runs.py").write_text("import builtins\n"
@@ -206,7 +218,9 @@ def test_parsing_and_the_pipeline_import_a_plugin_once(tmp_path):
 
     try:
         cfg = parse_train_args([*ARITH, "--external_plugins", str(tmp_path / "gk_count_runs.py")])
+        assert not hasattr(builtins, "gk_runs")  # parsing and validation load nothing
         assert load_plugins_once(cfg.reward.external_plugins) == ["gk_count_runs"]  # what run_train calls
+        assert load_plugins_once(cfg.reward.external_plugins) == ["gk_count_runs"]  # asked again: not re-run
         assert builtins.gk_runs == 1
     finally:
         sys.modules.pop("gk_count_runs", None)
@@ -293,7 +307,8 @@ def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monk
     (["--max_completion_length", str(1 << 21)], f"--max_completion_length {1 << 21}"),
     (["--async_generate", "true"], "--async_generate true needs an engine with its own copy"),
     (["--use_vllm", "true", "--sleep_level", "1", "--async_generate", "true"], "the engine cannot sleep"),
-    (["--use_vllm", "true", "--sleep_level", "2", "--eval_steps", "5"], "--sleep_level 2 with --eval_steps 5"),
+    (["--use_vllm", "true", "--sleep_level", "2", "--eval_steps", "5", "--split_dataset_ratio", "0.1"],
+     "--sleep_level 2 with --eval_steps 5"),
     (["--use_vllm", "true", "--offload_model", "true", "--deepspeed", "zero3"], "drop it and use --deepspeed zero3_"),
 ])
 def test_sampling_and_engine_options_fail_before_any_model_loads(tiny_model_dir, math_jsonl, flags, needle):

@@ -146,7 +146,8 @@ def test_ms_swift_spellings_of_grpokit_options():
     assert cfg.training.eval_steps is None  # eval_strategy no: never evaluate
     cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_steps", "5"])
     assert cfg.training.eval_steps is None  # unset eval_strategy follows save_strategy
-    cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "5"])
+    cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "5",
+                                   "--split_dataset_ratio", "0.1"])
     assert cfg.training.eval_steps == 5
 
 
@@ -157,11 +158,11 @@ def test_ms_swift_spellings_of_grpokit_options():
     (["--lr_scheduler_kwargs", "{num_cycles: 1}"], "--lr_scheduler_kwargs .*not valid JSON"),
     (["--gradient_checkpointing_kwargs", "[1]"], "--gradient_checkpointing_kwargs .*expected a JSON object"),
     (["--dataloader_prefetch_factor", "4"], "--dataloader_prefetch_factor 4: acts only with"),
-    (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0: must be > 0"),
+    (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0: must be ≥ 1"),
     (["--save_strategy", "epoch"], "save_strategy"),
     (["--dataloader_multiprocessing_context", "fork"], "acts only with --dataloader_num_workers > 0"),
     (["--dataloader_num_workers", "1", "--dataloader_multiprocessing_context", "threads"], "not a start method"),
-    (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be > 0"),
+    (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be ≥ 1"),
     (["--tuner_type", "lora", "--freeze_parameters", "x"], "--freeze_parameters acts with --tuner_type full"),
     (["--freeze_parameters_ratio", "1.5"], "must be in \\[0, 1\\]"),
     (["--freeze_parameters_regex", "("], "not a valid regex"),
