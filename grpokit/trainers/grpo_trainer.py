@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpokit.aio import cancel_background_work
 from grpokit.algorithms import (
     LossInputs,
     compute_policy_loss,
@@ -35,13 +36,15 @@ from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar
 from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.outputs import MetricsAccumulator, round_significant
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
+from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
+from grpokit.trainers.window_progress import WindowProgress
 from grpokit.trainers.zero import backward, grad_norm, release_process_group, synced_models
 
 
@@ -112,6 +115,8 @@ class GRPOTrainer:
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
         self._last_sync_s = 0.0
         self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
+        self._window = WindowProgress()  # the micro-steps of the current window trained so far (checkpoints)
+        self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
 
     # ------------------------------------------------------------------------------------------------------
     # the loop
@@ -124,17 +129,21 @@ class GRPOTrainer:
         if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
             self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
+        self._stop.install()
         try:
             while self.state.global_step < self.state.max_steps:
-                micro_batches = self._next_window()  # rollout → rewards → advantages → logps, split
-                self.state.windows += 1
-                if self._train_on_window(micro_batches, bar):
+                if not self._window.resumed:  # else: the rest of the window a checkpoint was taken inside
+                    self._window.start(self._next_window(), self.cfg.algorithm.num_iterations, self._window_metrics)
+                    self.state.windows += 1
+                if self._train_on_window(self._window, bar):
                     self._sync_weights()
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
+            cancel_background_work()  # an --async_generate rollout nobody will train on: drained below, not awaited
             release_process_group()  # a one-process DeepSpeed group: no peer to wait for
             raise
         finally:
+            self._stop.restore()
             bar.close()
             if self._async is not None:
                 self._async.drain()
@@ -158,17 +167,17 @@ class GRPOTrainer:
         self._outputs.write_completions(window.completion_rows)
         return window.micro_batches(self.plan.steps_per_generation)
 
-    def _train_on_window(self, micro_batches: list[RolloutBatch], bar) -> bool:
-        """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights."""
+    def _train_on_window(self, window: WindowProgress, bar) -> bool:
+        """num_iterations passes over the window's micro-batches not trained yet (a resume inside a window goes on
+        from there); True when an optimizer step changed weights."""
         changed = False
-        for _ in range(self.cfg.algorithm.num_iterations):
-            for micro in micro_batches:
-                self.training_step(self.model, micro)
-                if self.accelerator.sync_gradients:
-                    changed = True
-                    self._on_optimizer_step(bar)
-                if self.state.global_step >= self.state.max_steps:
-                    return changed
+        for micro in window.remaining():
+            self.training_step(self.model, micro)
+            if self.accelerator.sync_gradients:
+                changed = True
+                self._on_optimizer_step(bar)
+            if self.state.global_step >= self.state.max_steps:
+                return changed
         return changed
 
     def training_step(self, model, inputs: RolloutBatch) -> torch.Tensor:
@@ -307,7 +316,7 @@ class GRPOTrainer:
             logs = {**self._window_metrics, **step_metrics,
                     **{f"timing/{k}": round(v, 4) for k, v in self._timing.items()}}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-            logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
+            logs = {"step": step, **{k: round_significant(v) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs
             self._outputs.log(logs)
             self._call("on_log", logs)
@@ -317,10 +326,12 @@ class GRPOTrainer:
                             **chord)
         if self.eval_dataset is not None and self.args.eval_steps and step % self.args.eval_steps == 0:
             self.evaluate()
-        if self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps:
-            self._save_checkpoint()
+        due = self.args.save_strategy == "steps" and step % self.args.save_steps == 0 and step < self.state.max_steps
+        saved = self._save_checkpoint() if due else None
         bar.update(1)
         self._call("on_step_end")
+        if step < self.state.max_steps and (signum := self._stop.agreed(self.accelerator)):
+            raise self._stop.stopped(signum, step, saved or self._save_checkpoint())
 
     def _refresh_ref_model(self) -> None:
         a = self.cfg.algorithm
@@ -345,7 +356,8 @@ class GRPOTrainer:
         in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord)
+                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord,
+                                             window=self._window, step_metrics=self._step_metrics.state())
         self._call("on_save", str(ckpt))
         return ckpt
 
@@ -357,6 +369,8 @@ class GRPOTrainer:
         self.state.prompts_consumed = self._producer.prompts.position = loop["prompts_consumed"]
         if self._chord is not None:  # mu follows global_step; the SFT rows continue where the checkpoint left
             self._chord.position = loop.get("chord_sft_consumed", 0)
+        if self._window.load(loop["checkpoint"], self.accelerator.process_index, self._step_metrics):
+            self._window_metrics = self._window.metrics  # taken inside a window: its rest trains first
         self.engine.sync_weights(self.policy)
 
     def evaluate(self) -> dict:
