@@ -4,11 +4,14 @@ and the run folder's checkpoints. Torch-free: the CLI prints the plan before any
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpokit.config.args import TrainConfig
 from grpokit.errors import ConfigError
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,9 @@ def batch_plan(cfg: TrainConfig, world: int | None = None) -> BatchPlan:
 
 
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    """The ``checkpoint-N`` folders in ``output_dir``, oldest step first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    """The ``checkpoint-N`` folders in ``output_dir``, oldest step first. Exactly that name: a folder being
+    written (``checkpoint-N.tmp``) or set aside (``checkpoint-N.abandoned``, ``.unusable``) is not listed."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 

@@ -100,7 +100,7 @@ def _env(**extra: str) -> dict:
 
 def _cli(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(**env))
+                          check=False, timeout=timeout, env=_env(**env))
 
 
 def _start(args: list[str], **env: str) -> subprocess.Popen:
@@ -112,7 +112,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            out, err = proc.communicate()
+            _, err = proc.communicate()
             pytest.fail(f"run ended (rc {proc.returncode}) before {path.name}: {err[-3000:]}")
         assert time.monotonic() < deadline, f"{path.name} never appeared"
         time.sleep(0.05)
@@ -306,11 +306,11 @@ def tmpfs(setup, request):
     mnt = setup.root / f"tmpfs_{request.node.name}"
     mnt.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
-                          text=True)
+                          text=True, check=False)
     if proc.returncode != 0:
         pytest.skip(f"a real full disk needs a tmpfs mount, refused here: {proc.stderr.strip()[:200]}")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def test_full_disk_is_one_line_and_a_resume_after_freeing_space_equals_uninterrupted(setup, reference, tmpfs):
