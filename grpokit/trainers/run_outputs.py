@@ -175,7 +175,8 @@ class RunOutputs:
             if torn:
                 logger.warning("resume: dropped %d torn last line(s) of logging.jsonl/completions.jsonl", torn)
         self._write_args()
-        logger.info("resumed from %s at step %d", ckpt, step)
+        if main:
+            logger.info("resumed from %s at step %d", ckpt, step)
         return {**loop, "checkpoint": str(ckpt)}
 
     def _write_args(self) -> None:
