@@ -161,7 +161,8 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": round(time.time())}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": round(time.time()),
+              "start": _start_ticks(os.getpid())}
         for _ in range(3):  # a stale lock removed under us by another taker: try again
             with output_errors(self.path, "creating the lock file"):
                 try:
@@ -217,15 +218,24 @@ def _alive(owner: dict) -> bool:
         return False
     except PermissionError:
         return True
-    return not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    if _proc_stat(pid)[:1] == ["Z"]:  # exited, not reaped yet
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+    started = owner.get("start")  # the pid taken by another process since (a restarted container)
+    return started is None or _start_ticks(pid) in (None, started)
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (state first); [] where there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return []
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def _in_use_line(output_dir: Path, owner: dict) -> str:

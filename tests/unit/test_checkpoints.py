@@ -266,6 +266,10 @@ def test_the_lock_refuses_a_live_owner_and_takes_over_a_dead_or_torn_one(tmp_pat
     lock_path.write_text('{"pid": 12')  # a lock whose writer died mid-write
     RunLock(tmp_path).acquire()
     assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    # a live pid that started after the lock was written is another process (the pid was reused)
+    lock_path.write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "start": -5}))
+    RunLock(tmp_path).acquire()
+    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
 
 
 # ----------------------------------------------------------------------------------------------------------
