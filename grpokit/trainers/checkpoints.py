@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 ARGS_FILE = "args.json"
 TMP_SUFFIX = ".tmp"
+ABANDONED, UNUSABLE = "abandoned", "unusable"  # the reasons a folder is set aside (its name's suffix)
+SET_ASIDE = (ABANDONED, UNUSABLE)
 MAX_STATE_BYTES = 1 << 20  # a trainer_state.json is a few hundred bytes; a huge one is not ours
 
 
@@ -154,9 +156,15 @@ def set_aside(ckpt: Path, why: str) -> Path:
     return target
 
 
+def set_aside_dirs(output_dir: Path) -> list[Path]:
+    """The folders ``set_aside`` renamed (``checkpoint-N.abandoned``, ``.unusable``, with their ``-k`` copies)."""
+    return [p for p in Path(output_dir).glob("checkpoint-*.*")
+            if p.is_dir() and p.name.split(".", 1)[1].split("-")[0] in SET_ASIDE]
+
+
 def set_aside_newer(output_dir: Path, step: int) -> list[Path]:
     """A resume from an older checkpoint abandons the newer ones: renamed aside, kept for the user to look at."""
-    moved = [set_aside(c, "abandoned") for c in checkpoint_dirs(output_dir) if checkpoint_step(c) > step]
+    moved = [set_aside(c, ABANDONED) for c in checkpoint_dirs(output_dir) if checkpoint_step(c) > step]
     if moved:
         logger.warning("resuming at step %d: moved the newer checkpoints aside (%s); `latest` will not pick them",
                        step, ", ".join(p.name for p in moved))

@@ -17,6 +17,7 @@ from grpokit.errors import GrpokitError
 from grpokit.trainers.checkpoints import (
     ARGS_FILE,
     TMP_SUFFIX,
+    UNUSABLE,
     check_checkpoint,
     finish_checkpoint,
     load_error,
@@ -24,6 +25,7 @@ from grpokit.trainers.checkpoints import (
     resolve_resume,
     rotate,
     set_aside,
+    set_aside_dirs,
     set_aside_newer,
     skipped_line,
     temporary_dir,
@@ -124,7 +126,7 @@ class RunOutputs:
         this run's logs and plots."""
         earlier = earlier_run_checkpoints(self.output_dir, self.args.overwrite_output_dir)
         if self.accelerator.is_main_process:
-            for old in earlier:
+            for old in earlier + (set_aside_dirs(self.output_dir) if self.args.overwrite_output_dir else []):
                 shutil.rmtree(old, ignore_errors=True)
             self._log.truncate_after(0)
             self._completions.truncate_after(0)
@@ -151,7 +153,7 @@ class RunOutputs:
                                self.output_dir)
                 if main:  # set aside, not deleted: this run's rotation and a later `latest` never pick them
                     for bad, _ in skipped:
-                        set_aside(bad, "unusable")
+                        set_aside(bad, UNUSABLE)
                 acc.wait_for_everyone()
             self._start_fresh()
             return None

@@ -10,6 +10,7 @@ thread) the request never comes and the default behaviour stays.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -51,8 +52,9 @@ class StopRequest:
             self.signum = signum
             name = signal.Signals(signum).name
             again = "; press Ctrl-C again to stop at once without saving" if signum == signal.SIGINT else ""
-            print(f"grpokit: {name}: finishing the current optimizer step, then saving a checkpoint{again}",
-                  file=sys.stderr, flush=True)
+            if os.environ.get("RANK", "0") == "0":  # every process of a launch gets it; one says so
+                print(f"grpokit: {name}: finishing the current optimizer step, then saving a checkpoint{again}",
+                      file=sys.stderr, flush=True)
 
     def agreed(self, accelerator) -> int | None:
         """The signal any process received (a collective with several processes: all of them stop together)."""

@@ -119,6 +119,9 @@ def test_newer_checkpoints_are_set_aside_not_deleted(tmp_path):
     assert sorted(p.name for p in moved) == ["checkpoint-4.abandoned", "checkpoint-6.abandoned-2"]
     assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["checkpoint-2"]
     assert ck.latest_checkpoint(tmp_path)[0] == tmp_path / "checkpoint-2"
+    (tmp_path / "checkpoint-2.replaced").mkdir()  # not set aside: a save's own scratch name
+    assert sorted(p.name for p in ck.set_aside_dirs(tmp_path)) == [
+        "checkpoint-4.abandoned", "checkpoint-6.abandoned", "checkpoint-6.abandoned-2"]
 
 
 @pytest.mark.parametrize("limit, kept", [(None, [2, 4, 6]), (-1, [2, 4, 6]), (0, [2, 4, 6]), (2, [4, 6]),
