@@ -112,6 +112,15 @@ def check_checkpoint(ckpt: Path) -> dict:
     return state
 
 
+def check_window_processes(state: dict, num_processes: int, ckpt: Path) -> None:
+    """A checkpoint taken inside a window holds one window file per process: it resumes with as many."""
+    saved_by = state.get("window_processes")
+    if saved_by is not None and saved_by != num_processes:
+        raise ConfigError(f"--resume_from_checkpoint {ckpt}: taken inside a rollout window by {saved_by} "
+                          f"process(es), each holding its share of the window, and resumed with {num_processes}; "
+                          f"resume it with {saved_by}, or from a checkpoint at a window boundary")
+
+
 def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest usable checkpoint in ``output_dir`` and the newer ones skipped, each with the reason."""
     skipped = []

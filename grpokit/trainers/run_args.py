@@ -11,8 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
-from grpokit.trainers.checkpoints import ARGS_FILE, resolve_resume
+from grpokit.trainers.checkpoints import (
+    ARGS_FILE,
+    check_window_processes,
+    read_state,
+    resolve_resume,
+)
 
 HARMLESS = frozenset({
     # where and how outputs are written
@@ -81,4 +87,5 @@ def preflight_resume(output_dir: Path, resume: str | None, flat: dict) -> None:
     (RunOutputs.resume checks again, for trainers built without the pipeline)."""
     ckpt, _ = resolve_resume(Path(output_dir), resume)
     if ckpt is not None:
+        check_window_processes(read_state(ckpt), world_size(), ckpt)
         check_resume_args(read_args(ckpt / ARGS_FILE) or read_args(Path(output_dir) / ARGS_FILE), flat, ckpt)

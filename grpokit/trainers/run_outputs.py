@@ -19,6 +19,7 @@ from grpokit.trainers.checkpoints import (
     TMP_SUFFIX,
     UNUSABLE,
     check_checkpoint,
+    check_window_processes,
     finish_checkpoint,
     load_error,
     remove_leftovers,
@@ -111,6 +112,8 @@ class RunOutputs:
                 if main:
                     loop = {"global_step": step, "prompts_consumed": prompts_consumed, "max_steps": max_steps,
                             "python_random": repr(random.getstate()[1][:3]), **(extra or {})}
+                    if window is not None and window.unfinished:  # one window file per process
+                        loop["window_processes"] = acc.num_processes
                     finish_checkpoint(tmp, ckpt, loop)
                     rotate(self.output_dir, self.args.save_total_limit, keep=ckpt)
         except BaseException:
@@ -145,6 +148,7 @@ class RunOutputs:
         if main:
             remove_leftovers(self.output_dir)
         ckpt, skipped = resolve_resume(self.output_dir, self.args.resume_from_checkpoint)
+        acc.wait_for_everyone()  # every process chose before the main one renames anything
         if skipped and main:
             logger.warning(skipped_line(skipped))
         if ckpt is None:
@@ -158,6 +162,7 @@ class RunOutputs:
             self._start_fresh()
             return None
         loop = check_checkpoint(ckpt)
+        check_window_processes(loop, acc.num_processes, ckpt)
         changes = check_resume_args(read_args(ckpt / ARGS_FILE) or read_args(self.output_dir / ARGS_FILE),
                                     self._flat, ckpt)
         if changes and main:

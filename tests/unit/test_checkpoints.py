@@ -359,3 +359,12 @@ def test_logged_values_keep_six_significant_digits(value, want):
 def test_non_finite_values_stay_as_they_are():
     assert round_significant(float("inf")) == float("inf")
     assert round_significant(float("nan")) != round_significant(float("nan"))
+
+
+def test_a_checkpoint_inside_a_window_resumes_with_as_many_processes(tmp_path):
+    ckpt = _checkpoint(tmp_path, 3, window_processes=2)
+    state = ck.read_state(ckpt)
+    ck.check_window_processes(state, 2, ckpt)
+    with pytest.raises(ConfigError, match=r"by 2 process\(es\).*resumed with 1; resume it with 2"):
+        ck.check_window_processes(state, 1, ckpt)
+    ck.check_window_processes(ck.read_state(_checkpoint(tmp_path, 4)), 1, ckpt)  # at a window boundary: any
