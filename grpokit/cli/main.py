@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     except GrpokitError as e:
         code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
         if code is not None:
-            print(f"grpokit: stopped: {e}", file=sys.stderr, flush=True)
+            if os.environ.get("RANK", "0") == "0":  # every process of a launch stopped at the same step
+                print(f"grpokit: stopped: {e}", file=sys.stderr, flush=True)
             sys.exit(code)
         _fail(str(e))
     except KeyboardInterrupt:

@@ -59,7 +59,7 @@ PLUGIN = textwrap.dedent('''
         """After step FAULTS_PARK_STEP: touch `parked`, then wait for `go` (or be killed); 120 s at most."""
         def on_step_end(self, trainer):
             if trainer.state.global_step == int(os.environ.get("FAULTS_PARK_STEP", "-1")):
-                (trainer.output_dir / "parked").touch()
+                (trainer.output_dir / f"parked{os.environ.get('RANK', '')}").touch()
                 deadline = time.monotonic() + 120
                 while not (trainer.output_dir / "go").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -204,6 +204,36 @@ def test_sigterm_saves_then_resume_equals_uninterrupted(setup, reference):
     (out / "go").unlink()
     _ok(_cli(args + ["--resume_from_checkpoint", "latest"]))
     _assert_same_as_reference(out, reference)
+
+
+def test_sigterm_to_two_processes_saves_one_step_and_resumes_exactly(setup):
+    """torchrun with 2 processes, SIGTERM to the whole group while rank 0 waits after step 3 (inside a window):
+    the ranks agree, both save their share of the window into checkpoint-3, the resumed 2-process run equals
+    an uninterrupted 2-process run."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                "grpokit", "train"]
+    two = ("--per_device_train_batch_size", "2")
+    ref = setup.root / "two_reference"
+    res = subprocess.run([*launcher, *_args(setup, ref, *two)], capture_output=True, text=True, check=False,
+                         timeout=300, env=_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = setup.root / "two_sigterm"
+    args = _args(setup, out, *two, "--callbacks", "park")
+    proc = subprocess.Popen([*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(FAULTS_PARK_STEP="3"), start_new_session=True)
+    _wait_for(out / "parked0", proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    (out / "go").touch()
+    _, err = _finish(proc, timeout=200)
+    stopped = [line for line in err.splitlines() if line.startswith("grpokit: stopped:")]
+    assert len(stopped) == 1 and "after step 3" in stopped[0], err[-3000:]  # said once, by rank 0
+    assert {p.name for p in (out / "checkpoint-3").glob("window_rank*.pt")} == {"window_rank0.pt",
+                                                                              "window_rank1.pt"}
+    (out / "go").unlink()
+    res = subprocess.run([*launcher, *args, "--resume_from_checkpoint", "latest"], capture_output=True, text=True,
+                         check=False, timeout=300, env=_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _log(out) == _log(ref) and [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_ctrl_c_once_saves_twice_stops_at_once(setup):
