@@ -103,9 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _fail(f"unknown command {command!r}; use train, rollout or infer")
     except GrpokitError as e:
+        code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
+        if code is not None:
+            if os.environ.get("RANK", "0") == "0":  # every process of a launch stopped at the same step
+                print(f"grpokit: stopped: {e}", file=sys.stderr, flush=True)
+            sys.exit(code)
         _fail(str(e))
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        _fail("interrupted; nothing was saved since the last checkpoint (continue with --resume_from_checkpoint "
+              "latest)", 130)
 
 
 if __name__ == "__main__":

@@ -276,7 +276,9 @@ class TrainingArguments:
     callbacks: list[str] = _opt([], "callback names from the callbacks registry")
     logging_steps: int = _opt(1, "log every N optimizer steps", ge=1)
     save_steps: int = _opt(500, "checkpoint every N optimizer steps", ge=1)
-    save_total_limit: int | None = _opt(None, "keep at most N checkpoints", ge=1, why="unset keeps every checkpoint")
+    save_total_limit: int | None = _opt(None, "keep at most N checkpoints; unset, 0 or -1 keeps every one (as "
+                                        "transformers' Trainer reads them); the newest is never deleted", ge=-1,
+                                        why="unset, 0 or -1 keeps every checkpoint")
     save_final_model: bool = _opt(True, "save the trained model to output_dir at the end")
     eval_steps: int | None = _opt(None, "evaluate on --val_dataset every N steps (greedy accuracy with the rewards)",
                                   ge=1)

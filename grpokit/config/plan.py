@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from grpokit.config.args import TrainConfig
 from grpokit.errors import ConfigError
 from grpokit.protocol import MAX_N
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ def batch_plan(cfg: TrainConfig, world: int | None = None) -> BatchPlan:
 
 
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
-    """The ``checkpoint-N`` folders in ``output_dir``, oldest step first."""
-    found = [p for p in Path(output_dir).glob("checkpoint-*") if p.name.split("-")[-1].isdigit()]
+    """The ``checkpoint-N`` folders in ``output_dir``, oldest step first. Exactly that name: a folder being
+    written (``checkpoint-N.tmp``) or set aside (``checkpoint-N.abandoned``, ``.unusable``) is not listed."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if _CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 

@@ -24,13 +24,19 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
+from grpokit.rollout.remote import (
+    RemoteScheduler,
+    check_server_template,
+    trainer_plays_turns,
+)
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.chord_sft import load_chord_sft_dataset
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
+from grpokit.trainers.run_args import preflight_resume
+from grpokit.trainers.run_dir import RunLock, prepare_output_dir
 from grpokit.trainers.zero import release_process_group
 
 logger = logging.getLogger("grpokit")
@@ -104,8 +110,24 @@ def run_train(cfg: TrainConfig):
     check_registry_names(cfg)  # the option values that name what a plugin may register, before any model loads
     check_names(cfg)
     plan = batch_plan(cfg)
-    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    log = print if rank0 else (lambda *a, **k: None)
     log(plan.describe(), flush=True)
+    # the run folder before anything heavy loads: writable (a probe file), this run's alone (a lock), and the
+    # checkpoint a resume names whole and trained with the same options
+    t = cfg.training
+    prepare_output_dir(t.output_dir)
+    lock = RunLock(t.output_dir)
+    if rank0:
+        lock.acquire()
+    try:
+        preflight_resume(t.output_dir, t.resume_from_checkpoint, cfg.flat())
+        return _run_train(cfg, log)
+    finally:
+        lock.release()
+
+
+def _run_train(cfg: TrainConfig, log):
     d = cfg.data
     rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
                       load_from_cache_file=d.load_from_cache_file)

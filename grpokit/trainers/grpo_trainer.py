@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from grpokit.aio import cancel_background_work
 from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
@@ -31,14 +32,16 @@ from grpokit.trainers.hooks import call_loss, check_subclass, loss_convention, p
 from grpokit.trainers.hooks import warn_sharded_grad_edit, window_hooks
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.outputs import MetricsAccumulator, round_significant
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
+from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
+from grpokit.trainers.window_progress import WindowProgress
 from grpokit.trainers.zero import backward, grad_norm, is_engine, release_process_group, synced_models
 
 
@@ -105,6 +108,7 @@ class GRPOTrainer:
         self._pixel_dtype = next(self.policy.parameters()).dtype
         self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
         self.callbacks = self._callbacks.all
+        self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
         self._hf_event("on_init_end")
 
     def _progress(self) -> dict:
@@ -112,27 +116,37 @@ class GRPOTrainer:
 
     # -- the loop ------------------------------------------------------------------------------------------------------
     def train(self) -> TrainerState:
-        self._resume()
+        step_metrics = MetricsAccumulator()  # the micro-steps' metrics until the next logging step
+        resumed = self._resume(step_metrics)  # the rest of a window a checkpoint was taken inside, if any
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
             self._sync_weights()
         self._call("on_train_begin")
         if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
             self.evaluate()
         bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
-        step_metrics = MetricsAccumulator()  # the micro-steps' metrics until the next logging step
         sync_s = 0.0  # the weight sync that ended the previous window, reported with the next one
+        self._stop.install()
         try:
             while self.state.global_step < self.state.max_steps and not self._callbacks.stop_requested():
-                window = self._next_window()  # rollout → rewards → advantages → logps
-                self.state.windows += 1
-                values = StepValues(window.metrics, {**window.timing, "train": 0.0, "sync": sync_s}, step_metrics)
-                if self._train_on_window(window.micro_batches(self.plan.steps_per_generation), values, bar):
+                if resumed is None:
+                    window = self._next_window()  # rollout → rewards → advantages → logps
+                    self.state.windows += 1
+                    progress = WindowProgress.of(window.micro_batches(self.plan.steps_per_generation),
+                                                 self.cfg.algorithm.num_iterations, window.metrics)
+                    timing = {**window.timing, "train": 0.0, "sync": sync_s}
+                else:  # the saved micro-batches train first, then the next prompts are drawn
+                    progress, resumed = resumed, None
+                    timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0, "sync": sync_s}
+                values = StepValues(progress.metrics, timing, step_metrics, progress)
+                if self._train_on_window(values, bar):
                     sync_s = self._sync_weights()
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
+            cancel_background_work()  # an --async_generate rollout nobody will train on: drained below, not awaited
             release_process_group()  # a one-process DeepSpeed group: no peer to wait for
             raise
         finally:
+            self._stop.restore()
             bar.close()
             if self._async is not None:
                 self._async.drain()
@@ -154,32 +168,32 @@ class GRPOTrainer:
         self._outputs.write_completions(window.completion_rows)
         return window
 
-    def _train_on_window(self, micro_batches: list[RolloutBatch], values: StepValues, bar) -> bool:
-        """num_iterations passes over the window's micro-batches; True when an optimizer step changed weights.
+    def _train_on_window(self, values: StepValues, bar) -> bool:
+        """num_iterations passes over the window's micro-batches not trained yet (``values.window``: a resume inside
+        a window goes on from there); True when an optimizer step changed weights.
         As in HF Trainer, ``training_step`` runs loss and backward inside ``accelerator.accumulate``; clipping and
         the optimizer step come after it returns (``_optimizer_step``), so a gradient edit in an override on the
         synchronising micro-step reaches the optimizer."""
         changed, first = False, True
-        for _ in range(self.cfg.algorithm.num_iterations):
-            for micro in micro_batches:
-                t0 = time.perf_counter()
-                micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
-                with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
-                    if first:
-                        self._hf_event("on_step_begin")
-                    self._run_training_step(micro)
-                first = self.accelerator.sync_gradients
-                values.step_metrics.add({**micro.step_metrics, **self._optimizer_step()})
-                values.timing["train"] += time.perf_counter() - t0
+        for micro in values.window.remaining():
+            t0 = time.perf_counter()
+            micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
+            with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
                 if first:
-                    changed = True
-                    self._on_optimizer_step(bar, values)
-                    if self._callbacks.stop_requested():
-                        return changed
-                else:
-                    self._hf_event("on_substep_end")
-                if self.state.global_step >= self.state.max_steps:
+                    self._hf_event("on_step_begin")
+                self._run_training_step(micro)
+            first = self.accelerator.sync_gradients
+            values.step_metrics.add({**micro.step_metrics, **self._optimizer_step()})
+            values.timing["train"] += time.perf_counter() - t0
+            if first:
+                changed = True
+                self._on_optimizer_step(bar, values)
+                if self._callbacks.stop_requested():
                     return changed
+            else:
+                self._hf_event("on_substep_end")
+            if self.state.global_step >= self.state.max_steps:
+                return changed
         return changed
 
     def _run_training_step(self, micro: RolloutBatch) -> None:
@@ -311,7 +325,7 @@ class GRPOTrainer:
             logs = {**values.window_metrics, **step_metrics,
                     **{f"timing/{k}": round(v, 4) for k, v in values.timing.items()}}
             logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-            logs = {"step": step, **{k: round(v, 6) if isinstance(v, float) else v for k, v in logs.items()}}
+            logs = {"step": step, **{k: round_significant(v) if isinstance(v, float) else v for k, v in logs.items()}}
             self.state.last_logs = logs
             self.state.log_history.append({**logs, "epoch": round(self.state.epoch, 4)})
             self._outputs.log(logs)
@@ -325,11 +339,14 @@ class GRPOTrainer:
             self.evaluate()
         every = self.args.save_strategy == "steps" and step % self.args.save_steps == 0
         asked = control is not None and control.should_save
+        saved = None
         if (every or asked) and step < self.state.max_steps and not self._callbacks.stop_requested():
-            self._save_checkpoint()  # (the last step's checkpoint is the final one, saved by _finish)
+            saved = self._save_checkpoint(values)  # (the last step's checkpoint is the final one, saved by _finish)
         bar.update(1)
         self._call("on_step_end")
         self._callbacks.new_step()
+        if step < self.state.max_steps and (signum := self._stop.agreed(self.accelerator)):
+            raise self._stop.stopped(signum, step, saved or self._save_checkpoint(values))
 
     def _refresh_ref_model(self) -> None:
         a = self.cfg.algorithm
@@ -351,23 +368,29 @@ class GRPOTrainer:
         self._callbacks.hf_event(event, self, **kwargs)
 
     # -- checkpoints, evaluation, the end ------------------------------------------------------------------------------
-    def _save_checkpoint(self):
+    def _save_checkpoint(self, values: StepValues | None = None):
+        """A checkpoint at this step; inside a window (``values``) it holds the window's untrained rest too."""
         in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord)
+                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord,
+                                             window=values.window if values else None,
+                                             step_metrics=values.step_metrics.state() if values else None)
         self._call("on_save", str(ckpt))
         return ckpt
 
-    def _resume(self) -> None:
+    def _resume(self, step_metrics: MetricsAccumulator) -> WindowProgress | None:
+        """The loop's position from the checkpoint; returns the rest of the window it was taken inside (its
+        unlogged step metrics put back into ``step_metrics``), or None."""
         loop = self._outputs.resume()
         if loop is None:
-            return
+            return None
         self.state.global_step = loop["global_step"]
         self.state.prompts_consumed = self._producer.prompts.position = loop["prompts_consumed"]
         if self._chord is not None:  # mu follows global_step; the SFT rows continue where the checkpoint left
             self._chord.position = loop.get("chord_sft_consumed", 0)
         self.engine.sync_weights(self.policy)
+        return WindowProgress.load(loop["checkpoint"], self.accelerator.process_index, step_metrics)
 
     def evaluate(self) -> dict:
         """Greedy completions on the validation set, scored with the reward functions."""

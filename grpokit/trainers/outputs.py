@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from grpokit.errors import ConfigError
+from grpokit.trainers.run_dir import atomic_write_text, output_errors
+
 
 class MetricsAccumulator:
     """Averages scalar metrics over the micro-steps of one optimizer step."""
@@ -31,6 +34,27 @@ class MetricsAccumulator:
         self._count.clear()
         return out
 
+    def state(self) -> dict:
+        """The sums and counts since the last pop (a checkpoint between two log rows keeps them)."""
+        return {"sum": dict(self._sum), "count": dict(self._count)}
+
+    def load_state(self, state: dict) -> None:
+        self._sum.clear()
+        self._count.clear()
+        self._sum.update({str(k): float(v) for k, v in state.get("sum", {}).items()})
+        self._count.update({str(k): int(v) for k, v in state.get("count", {}).items()})
+
+
+SIGNIFICANT_DIGITS = 6
+
+
+def round_significant(value: float, digits: int = SIGNIFICANT_DIGITS) -> float:
+    """``value`` to ``digits`` significant digits (3e-7 stays 3e-7; rounding to decimals made it 0.0); NaN and
+    infinities as they are."""
+    if not math.isfinite(value) or value == 0:
+        return value
+    return float(f"{value:.{digits}g}")
+
 
 class JsonlLog:
     """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped. The file stays
@@ -43,28 +67,57 @@ class JsonlLog:
 
     def write(self, row: dict) -> None:
         if self.enabled:
-            if self._file is None:
-                self._file = self.path.open("a", encoding="utf-8")
-            self._file.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
-            self._file.flush()
+            with output_errors(self.path, "writing"):
+                if self._file is None:
+                    self._file = self.path.open("a", encoding="utf-8")
+                self._file.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+                self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:  # the flush of a full disk; the write that failed has said so already
+                pass
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> int:
+        """Keep the rows of steps up to ``step`` (rewritten atomically). A last line that is not JSON (torn by a
+        kill or a full disk) is dropped, not parsed; a bad line before it is an error naming the line. Returns
+        the number of torn lines dropped."""
         self.close()
         if not (self.enabled and self.path.exists()):
-            return
-        kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            return 0
+        lines = [line for line in self.path.read_bytes().split(b"\n") if line.strip()]
+        kept, torn = [], 0
+        for i, line in enumerate(lines):
+            row = _parse_row(line)
+            if row is None:
+                if i < len(lines) - 1:
+                    raise ConfigError(f"{self.path}: line {i + 1} is not a JSON object (the file was edited or "
+                                      "damaged); repair or delete that line, then resume")
+                torn += 1
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line.decode("utf-8") + "\n")
+        with output_errors(self.path, "rewriting"):
+            atomic_write_text(self.path, "".join(kept))
+        return torn
 
     def rows(self) -> list[dict]:
+        """Every row that parses (a torn last line is not a row)."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = (_parse_row(line) for line in self.path.read_bytes().split(b"\n") if line.strip())
+        return [r for r in rows if r is not None]
+
+
+def _parse_row(line: bytes) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def _jsonable(x):

@@ -1,21 +1,43 @@
 """Everything a run leaves in output_dir: args.json, logging.jsonl, completions.jsonl, trackers, checkpoints
-(save, rotate, resume, clear an earlier run's), the final model, plots and the end-of-run summary."""
+(save, rotate, resume, clear an earlier run's), the final model, plots and the end-of-run summary. The folder
+rules (atomic checkpoints, which checkpoint `latest` is, setting aside) are in checkpoints.py; probing, locking
+and OS errors in run_dir.py."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
 
-from grpokit.config.plan import checkpoint_dirs, earlier_run_checkpoints
-from grpokit.errors import ConfigError
+from grpokit.config.plan import earlier_run_checkpoints
+from grpokit.errors import GrpokitError
+from grpokit.trainers.checkpoints import (
+    ARGS_FILE,
+    TMP_SUFFIX,
+    UNUSABLE,
+    check_checkpoint,
+    check_window_processes,
+    finish_checkpoint,
+    load_error,
+    remove_leftovers,
+    resolve_resume,
+    rotate,
+    set_aside,
+    set_aside_dirs,
+    set_aside_newer,
+    skipped_line,
+    temporary_dir,
+)
 from grpokit.trainers.distributed import full_state_dict
 from grpokit.trainers.outputs import JsonlLog, plot_curves, progress_bar, summary_text
+from grpokit.trainers.run_args import check_resume_args, normalised, read_args
+from grpokit.trainers.run_dir import atomic_write_text, output_errors
+from grpokit.trainers.window_progress import WindowProgress
 
 logger = logging.getLogger(__name__)
-STATE_FILE = "trainer_state.json"
 
 
 class RunOutputs:
@@ -26,8 +48,11 @@ class RunOutputs:
         self.output_dir = Path(args.output_dir)
         main = accelerator.is_main_process
         if main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "args.json").write_text(json.dumps(flat_config, indent=2, default=str))
+            with output_errors(self.output_dir, "creating"):
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+        # args.json is written once resume() has compared the checkpoint's arguments with these
+        self._flat = normalised(flat_config)
+        self._args_text = json.dumps(self._flat, indent=2)
         self._log = JsonlLog(self.output_dir / "logging.jsonl", enabled=main)
         self._completions = JsonlLog(self.output_dir / "completions.jsonl", enabled=main and args.log_completions)
         if [r for r in args.report_to if r != "none"]:
@@ -58,31 +83,45 @@ class RunOutputs:
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def save_checkpoint(self, model, *, step: int, prompts_consumed: int, max_steps: int,
-                        extra: dict | None = None) -> Path:
+                        extra: dict | None = None, window: WindowProgress | None = None,
+                        step_metrics: dict | None = None) -> Path:
         """accelerate's state (optimizer, schedule, RNGs), the model as ``save_pretrained`` writes it, the
-        tokenizer, and the loop's position (with ``extra`` positions, e.g. CHORD's SFT rows); then the oldest
-        checkpoints beyond --save_total_limit go."""
+        tokenizer, args.json, the rest of an unfinished ``window`` (each process its share, with the
+        ``step_metrics`` not logged yet) and the loop's position (with ``extra`` positions, e.g. CHORD's SFT
+        rows), all into ``checkpoint-N.tmp``, which becomes ``checkpoint-N`` once complete (checkpoints.py);
+        then the oldest checkpoints beyond --save_total_limit go."""
         ckpt = self.output_dir / f"checkpoint-{step}"
         acc = self.accelerator
+        main = acc.is_main_process
         acc.wait_for_everyone()
-        acc.save_state(str(ckpt / "state"))
-        state_dict = full_state_dict(acc, model)  # a collective when weights are sharded
-        if acc.is_main_process:
-            acc.unwrap_model(model).save_pretrained(ckpt, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(ckpt)
-            loop = {"global_step": step, "prompts_consumed": prompts_consumed, "max_steps": max_steps,
-                    "python_random": repr(random.getstate()[1][:3]), **(extra or {})}
-            (ckpt / STATE_FILE).write_text(json.dumps(loop, indent=2))
-            self._rotate_checkpoints()
+        tmp = ckpt.with_name(ckpt.name + TMP_SUFFIX)
+        try:
+            with output_errors(tmp, "writing the checkpoint"):
+                if main:
+                    temporary_dir(ckpt)
+                acc.wait_for_everyone()
+                acc.save_state(str(tmp / "state"))
+                state_dict = full_state_dict(acc, model)  # a collective when weights are sharded
+                if window is not None:
+                    window.save(tmp, acc.process_index, step_metrics or {})
+                if main:
+                    acc.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                    self.tokenizer.save_pretrained(tmp)
+                    (tmp / ARGS_FILE).write_text(self._args_text)
+                acc.wait_for_everyone()  # every process's files are in before the state file seals them
+                if main:
+                    loop = {"global_step": step, "prompts_consumed": prompts_consumed, "max_steps": max_steps,
+                            "python_random": repr(random.getstate()[1][:3]), **(extra or {})}
+                    if window is not None and window.unfinished:  # one window file per process
+                        loop["window_processes"] = acc.num_processes
+                    finish_checkpoint(tmp, ckpt, loop)
+                    rotate(self.output_dir, self.args.save_total_limit, keep=ckpt)
+        except BaseException:
+            if main:  # a save that failed (a full disk) leaves the earlier checkpoints as they were, and its space
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         acc.wait_for_everyone()
         return ckpt
-
-    def _rotate_checkpoints(self) -> None:
-        limit = self.args.save_total_limit
-        if not limit:
-            return
-        for old in checkpoint_dirs(self.output_dir)[:-limit]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def _clear_earlier_run(self) -> None:
         """A fresh run starts with an output_dir of its own: an earlier run's checkpoints are deleted when
@@ -90,33 +129,69 @@ class RunOutputs:
         this run's logs and plots."""
         earlier = earlier_run_checkpoints(self.output_dir, self.args.overwrite_output_dir)
         if self.accelerator.is_main_process:
-            for old in earlier:
+            for old in earlier + (set_aside_dirs(self.output_dir) if self.args.overwrite_output_dir else []):
                 shutil.rmtree(old, ignore_errors=True)
             self._log.truncate_after(0)
             self._completions.truncate_after(0)
         self.accelerator.wait_for_everyone()
 
+    def _start_fresh(self) -> None:
+        self._clear_earlier_run()
+        self._write_args()
+
     def resume(self) -> dict | None:
-        """With --resume_from_checkpoint: load accelerate's state, drop log rows after the checkpoint, and return
-        the loop's position (``global_step``, ``prompts_consumed``). Without it: clear an earlier run, None."""
-        path = self.args.resume_from_checkpoint
-        if path == "latest":
-            ckpts = [c for c in checkpoint_dirs(self.output_dir) if (c / STATE_FILE).is_file()]
-            if not ckpts:
-                logger.warning("--resume_from_checkpoint latest: no checkpoint in %s; starting fresh", self.output_dir)
-            path = str(ckpts[-1]) if ckpts else None
-        if not path:
-            self._clear_earlier_run()
+        """With --resume_from_checkpoint: check the checkpoint and its arguments against this run's, load
+        accelerate's state, set newer checkpoints aside, drop log rows after the checkpoint (and a torn last
+        line), and return the loop's position (``global_step``, ``prompts_consumed``, ``checkpoint``). Without
+        it, or with ``latest`` and no usable checkpoint: start fresh, None."""
+        acc, main = self.accelerator, self.accelerator.is_main_process
+        if main:
+            remove_leftovers(self.output_dir)
+        ckpt, skipped = resolve_resume(self.output_dir, self.args.resume_from_checkpoint)
+        acc.wait_for_everyone()  # every process chose before the main one renames anything
+        if skipped and main:
+            logger.warning(skipped_line(skipped))
+        if ckpt is None:
+            if self.args.resume_from_checkpoint == "latest":
+                logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting fresh",
+                               self.output_dir)
+                if main:  # set aside, not deleted: this run's rotation and a later `latest` never pick them
+                    for bad, _ in skipped:
+                        set_aside(bad, UNUSABLE)
+                acc.wait_for_everyone()
+            self._start_fresh()
             return None
-        ckpt = Path(path)
-        if not (ckpt / STATE_FILE).is_file():
-            raise ConfigError(f"--resume_from_checkpoint {path}: not a grpokit checkpoint (no {STATE_FILE})")
-        self.accelerator.load_state(str(ckpt / "state"))
-        loop = json.loads((ckpt / STATE_FILE).read_text())
-        self._log.truncate_after(loop["global_step"])
-        self._completions.truncate_after(loop["global_step"])
-        logger.info("resumed from %s at step %d", ckpt, loop["global_step"])
-        return loop
+        loop = check_checkpoint(ckpt)
+        check_window_processes(loop, acc.num_processes, ckpt)
+        changes = check_resume_args(read_args(ckpt / ARGS_FILE) or read_args(self.output_dir / ARGS_FILE),
+                                    self._flat, ckpt)
+        if changes and main:
+            logger.warning("--resume_from_checkpoint %s: options changed that do not change what trains: %s; "
+                           "args.json records the new values", ckpt, ", ".join(changes))
+        try:
+            acc.load_state(str(ckpt / "state"))
+        except GrpokitError:
+            raise
+        except Exception as e:  # torch, safetensors and pickle each raise their own type
+            raise load_error(ckpt, e) from e
+        step = loop["global_step"]
+        if main:
+            if ckpt.parent.resolve() == self.output_dir.resolve():
+                set_aside_newer(self.output_dir, step)
+            torn = self._log.truncate_after(step) + self._completions.truncate_after(step)
+            if torn:
+                logger.warning("resume: dropped %d torn last line(s) of logging.jsonl/completions.jsonl", torn)
+        self._write_args()
+        if main:
+            logger.info("resumed from %s at step %d", ckpt, step)
+        return {**loop, "checkpoint": str(ckpt)}
+
+    def _write_args(self) -> None:
+        if self.accelerator.is_main_process:
+            path = self.output_dir / ARGS_FILE
+            with output_errors(path, "writing"):
+                atomic_write_text(path, self._args_text)
+        self.accelerator.wait_for_everyone()
 
     # -- the end ---------------------------------------------------------------------------------------------
     def finish(self, model, final_ckpt: Path) -> None:
@@ -128,8 +203,18 @@ class RunOutputs:
             return
         if self.args.save_final_model:
             final = self.output_dir / "final_model"
-            acc.unwrap_model(model).save_pretrained(final, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(final)
+            tmp = final.with_name(final.name + TMP_SUFFIX)
+            try:
+                with output_errors(tmp, "writing the final model"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    acc.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                    self.tokenizer.save_pretrained(tmp)
+                    if final.exists():
+                        shutil.rmtree(final)
+                    os.replace(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             extra["final model"] = str(final)
         rows = [r for r in self._log.rows() if "loss" in r]
         if self.args.plots:

@@ -6,17 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from grpokit.trainers.outputs import MetricsAccumulator
+from grpokit.trainers.window_progress import WindowProgress
 
 
 @dataclass
 class StepValues:
     """What the loop logs at an optimizer step, carried as a value from the window to ``_on_optimizer_step``: the
-    window's metrics, its timings (seconds: rollout, reward, logps, the previous sync, train so far) and the
-    micro-steps' metrics since the last logging step."""
+    window's metrics, its timings (seconds: rollout, reward, logps, the previous sync, train so far), the
+    micro-steps' metrics since the last logging step, and the window's micro-batches with how far they are trained
+    (a checkpoint inside the window saves the rest)."""
 
     window_metrics: dict
     timing: dict
     step_metrics: MetricsAccumulator
+    window: WindowProgress
 
 
 @dataclass

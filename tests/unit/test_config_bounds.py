@@ -78,8 +78,7 @@ def test_every_default_is_within_its_own_field():
     (["--seed", "-1"], "--seed -1: must be in [0, 4294967295] (the range numpy and torch seed from); the default "
                        "is 42"),
     (["--num_train_epochs", "0"], "--num_train_epochs 0.0: must be > 0; the default is 1"),
-    (["--save_total_limit", "-1"], "--save_total_limit -1: must be ≥ 1 (unset keeps every checkpoint)"),
-    (["--save_total_limit", "0"], "--save_total_limit 0: must be ≥ 1 (unset keeps every checkpoint)"),
+    (["--save_total_limit", "-2"], "--save_total_limit -2: must be ≥ -1 (unset, 0 or -1 keeps every checkpoint)"),
     (["--max_steps", "0"], "--max_steps 0: must be -1, or ≥ 1 (-1: train --num_train_epochs instead); the default "
                            "is -1"),
     (["--top_k", "-2"], "--top_k -2: must be in [-1, 1048576] (-1 or 0 disables top-k); the default is -1"),

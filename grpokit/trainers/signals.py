@@ -1,0 +1,71 @@
+"""SIGTERM and Ctrl-C during training: finish the optimizer step, save, stop with a line saying how to resume.
+
+``StopRequest.install()`` replaces the SIGTERM and SIGINT handlers for the length of ``train()``. The first of
+either only records the request; the loop asks ``requested`` after each optimizer step (all processes agree, so
+that every rank saves the same step), saves a checkpoint and raises ``RunStopped``, which the CLI turns into one
+line and exit status 143 (SIGTERM) or 130 (SIGINT). A second SIGINT raises KeyboardInterrupt at once, as Ctrl-C
+does without grpokit. Handlers can only be set on the main thread; elsewhere (a trainer driven from a worker
+thread) the request never comes and the default behaviour stays.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from grpokit.errors import GrpokitError
+
+EXIT_CODES = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+
+
+class RunStopped(GrpokitError):
+    """The run stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
+            name = signal.Signals(signum).name
+            again = "; press Ctrl-C again to stop at once without saving" if signum == signal.SIGINT else ""
+            if os.environ.get("RANK", "0") == "0":  # every process of a launch gets it; one says so
+                print(f"grpokit: {name}: finishing the current optimizer step, then saving a checkpoint{again}",
+                      file=sys.stderr, flush=True)
+
+    def agreed(self, accelerator) -> int | None:
+        """The signal any process received (a collective with several processes: all of them stop together)."""
+        if accelerator.num_processes == 1:
+            return self.signum
+        import torch
+
+        mine = torch.tensor([float(self.signum or 0)], device=accelerator.device)
+        return int(accelerator.reduce(mine, reduction="max").item()) or None
+
+    def stopped(self, signum: int, step: int, ckpt) -> RunStopped:
+        name = signal.Signals(signum).name
+        return RunStopped(f"{name}: stopped after step {step}; checkpoint saved in {ckpt}; continue with the same "
+                          "command and --resume_from_checkpoint latest", EXIT_CODES.get(signum, 128 + signum))
