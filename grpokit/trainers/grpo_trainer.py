@@ -39,6 +39,7 @@ from grpokit.trainers.outputs import MetricsAccumulator
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
+from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
@@ -112,6 +113,9 @@ class GRPOTrainer:
         self._timing = {"rollout": 0.0, "reward": 0.0, "logps": 0.0, "train": 0.0}
         self._last_sync_s = 0.0
         self._worth_sharing: dict[int, bool] = {}  # id(model) → whether prompt sharing pays off
+        self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
+        if self.reward_runner is not None:
+            self.reward_runner.set_limits(cfg.reward.reward_timeout)  # --reward_timeout
 
     # ------------------------------------------------------------------------------------------------------
     # the loop
@@ -180,11 +184,14 @@ class GRPOTrainer:
                 loss, metrics = self._compute_loss_and_metrics(model, inputs)
             backward(self.accelerator, model, loss)
             # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
+            norm = None
             if self.accelerator.sync_gradients and self.args.max_grad_norm > 0 and self._trainable_params:
                 norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
                 if norm is not None:
                     metrics["grad_norm"] = scalar(norm)
-            self.optimizer.step()
+            if self._step_guard.allow_step(self.accelerator, loss, norm, step=self.state.global_step + 1,
+                                           params=self._trainable_params):  # NaN/inf: skipped (step_guard.py)
+                self.optimizer.step()
             if self.accelerator.sync_gradients:
                 self.lr_scheduler.step()
                 if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
