@@ -84,3 +84,35 @@ def test_a_skipped_step_leaves_the_weights_unchanged_through_an_accelerator():
 def test_max_nonfinite_steps_must_be_a_positive_whole_number(bad):
     with pytest.raises(ConfigError, match=r"--max_nonfinite_steps .*must be a whole number ≥ 1"):
         StepGuard(bad)
+
+
+# --- sampling from non-finite logits is an error that says so ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast_decode", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_sampling_from_nan_weights_says_the_logits_are_not_finite(tiny_model_dir, fast_decode, temperature):
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.errors import RolloutError
+    from grpokit.modeling import load_causal_lm, load_tokenizer
+    from grpokit.protocol import RequestConfig, RolloutInferRequest
+    from grpokit.template.encode import ChatTemplate
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(NAN)  # what a diverged step (lr 1e10) leaves behind
+    engine = TransformersEngine(model, ChatTemplate(load_tokenizer(str(tiny_model_dir))))
+    engine.fast_decode = fast_decode
+    request = RolloutInferRequest(messages=[{"role": "user", "content": "1 + 1?"}])
+    with pytest.raises(RolloutError, match=r"sampling: the model's logits are not finite .*weights have diverged"):
+        engine.infer([request, request], RequestConfig(n=1, max_tokens=4, temperature=temperature))
+
+
+def test_inverse_cdf_refuses_nan_probabilities():
+    from grpokit.engines.sampling import inverse_cdf
+    from grpokit.errors import RolloutError
+
+    probs = torch.tensor([[0.5, 0.5], [NAN, NAN]])
+    with pytest.raises(RolloutError, match="not finite"):
+        inverse_cdf(probs, torch.full((2, 1), 0.3, dtype=torch.float64))
+    assert inverse_cdf(probs[:1], torch.full((1, 1), 0.7, dtype=torch.float64)).tolist() == [1]
