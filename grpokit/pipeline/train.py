@@ -104,7 +104,7 @@ def run_train(cfg: TrainConfig):
     log(plan.describe(), flush=True)
     d = cfg.data
     rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
-                      load_from_cache_file=d.load_from_cache_file)
+                      load_from_cache_file=d.load_from_cache_file, max_row_bytes=d.max_row_bytes)
     train_ds, val_ds = load_train_val(d.dataset or ["builtin:arithmetic"], d.val_dataset,
                                       system=resolve_system(d.system), seed=cfg.training.seed,
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
