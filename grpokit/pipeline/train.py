@@ -15,7 +15,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
-from grpokit.pipeline.models import load_policy, resolve_model_path
+from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -110,6 +110,7 @@ def run_train(cfg: TrainConfig):
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)  # context
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
