@@ -26,17 +26,16 @@ import logging
 import math
 import numbers
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
+from grpokit.rewards.deadline import (HEARTBEAT_S, DeadlinePassed, Raised, call_in_worker, call_with_heartbeat,
+                                      watch)
 from grpokit.rewards.calling import (RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs,
                                      trl_kwargs)
 
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _PREVIEW = 60
-HEARTBEAT_S = 30.0  # a "still running" line this often while a reward is slow
 _BLOCKED_GRACE_S = 2.0  # past --reward_timeout, how long the caller waits for an async reward blocking the loop
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -176,19 +174,19 @@ class RewardRunner:
             try:
                 return await (asyncio.wait_for(awaitable, timeout) if timeout is not None else awaitable)
             except BaseException as exc:  # noqa: BLE001 - SystemExit would stop the loop thread itself
-                return _Raised(exc)
+                return Raised(exc)
 
         future = self._ensure_loop().submit(wrap())
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout + _BLOCKED_GRACE_S
         try:
-            self._watch(future.done, lambda: [self.names[i]], started, deadline, future.result)
-        except _Timeout:
+            watch(future.done, lambda: [self.names[i]], started, self.heartbeat_s, deadline, future.result)
+        except DeadlinePassed:
             future.cancel()
             self._abandon_loop()
             raise self._timeout_error(i) from None
         out = future.result()
-        if isinstance(out, _Raised):
+        if isinstance(out, Raised):
             if isinstance(out.error, asyncio.TimeoutError):
                 raise self._timeout_error(i) from None
             raise out.error
@@ -197,51 +195,14 @@ class RewardRunner:
     def _call_sync(self, i: int, call: Callable[[], Any]) -> Any:
         """``call()`` (reward i, sync) on this thread, or with --reward_timeout in a daemon worker the caller
         waits on with a deadline; "still running" lines while it is slow. A coroutine it returns is awaited."""
-        started = time.monotonic()
         if self.timeout is None:
-            done = threading.Event()
-            watcher = threading.Thread(target=self._watch, args=(done.is_set, lambda: [self.names[i]], started),
-                                       kwargs={"wait": done.wait}, name="grpokit-reward-heartbeat", daemon=True)
-            watcher.start()
-            try:
-                out = call()
-            finally:
-                done.set()
+            out = call_with_heartbeat(call, self.names[i], self.heartbeat_s)
         else:
-            box = _Outcome()
-            worker = threading.Thread(target=box.run, args=(call,), name=f"grpokit-reward-{self.names[i]}",
-                                      daemon=True)
-            worker.start()
             try:
-                self._watch(box.done.is_set, lambda: [self.names[i]], started, started + self.timeout,
-                            box.done.wait)
-            except _Timeout:
+                out = call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
+            except DeadlinePassed:
                 raise self._timeout_error(i) from None
-            out = box.result()
         return self._await(i, out) if inspect.isawaitable(out) else out
-
-    def _watch(self, is_done: Callable[[], bool], running: Callable[[], list[str]], started: float,
-               deadline: float | None = None, wait: Callable[[float], Any] | None = None) -> None:
-        """Block until ``is_done()``, logging a heartbeat for ``running()`` every ``heartbeat_s``; _Timeout past
-        ``deadline``. ``wait(seconds)`` blocks up to that long (a future's result, an event's wait)."""
-        next_beat = started + self.heartbeat_s
-        while not is_done():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise _Timeout
-            if now >= next_beat:
-                for name in running():
-                    logger.warning("reward %r still running after %.1f s", name, now - started)
-                next_beat += self.heartbeat_s
-            until = next_beat if deadline is None else min(next_beat, deadline)
-            try:
-                wait(max(0.0, until - now)) if wait is not None else time.sleep(max(0.0, until - now))
-            except (FutureTimeout, FutureCancelled, asyncio.TimeoutError):
-                pass
-            except BaseException:  # the future's own exception: it is done, the caller reads it
-                if is_done():
-                    return
-                raise
 
     def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any],
                      log: RewardLog) -> tuple[Future, dict[int, bool]]:
@@ -271,9 +232,9 @@ class RewardRunner:
         future, done = pending
         deadline = None if self.timeout is None else started + self.timeout + _BLOCKED_GRACE_S
         try:
-            self._watch(future.done, lambda: [self.names[i] for i, d in done.items() if not d], started, deadline,
-                        future.result)
-        except _Timeout:
+            watch(future.done, lambda: [self.names[i] for i, d in done.items() if not d], started, self.heartbeat_s,
+                  deadline, future.result)
+        except DeadlinePassed:
             future.cancel()
             self._abandon_loop()
             late = [i for i, d in done.items() if not d]
@@ -367,39 +328,6 @@ class RewardRunner:
 
 
 _BAD = object()
-
-
-class _Timeout(Exception):
-    """A reward ran past its deadline (turned into a RewardError naming it)."""
-
-
-class _Raised:
-    """What a coroutine on the loop thread raised, carried back to the caller as a value."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _Outcome:
-    """What a worker thread's call returned or raised (any BaseException, re-raised on the caller's thread)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def run(self, call: Callable[[], Any]) -> None:
-        try:
-            self.value = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def _as_score(v: Any) -> Any:
