@@ -68,7 +68,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, padding_side="left")
     except Exception as e:  # noqa: BLE001 - a broken tokenizer file raises anything from json to the Rust side
-        raise ConfigError(f"--model {path}: cannot load a tokenizer ({_first_line(e)})") from e
+        what = "config.json" if folder.is_dir() and not _opens_as_json(folder / "config.json") else "a tokenizer"
+        raise ConfigError(f"--model {path}: cannot load {what} ({_first_line(e)})") from e
     if len(tok) < 2:
         raise ConfigError(f"--model {path}: the tokenizer loaded from the folder is empty ({len(tok)} tokens); "
                           f"check its tokenizer files ({', '.join(TOKENIZER_FILES)})")
@@ -100,11 +101,8 @@ def load_causal_lm(path: str, dtype, trust_remote_code: bool = False, attn_impl:
 def broken_file(folder: Path) -> str:
     """`` <file>`` for the first file of a model folder that does not open (config.json, a safetensors file whose
     header or size is wrong), or ``""`` when each opens on its own."""
-    config = folder / "config.json"
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return f" {config.name}"
+    if not _opens_as_json(folder / "config.json"):
+        return " config.json"
     from safetensors import safe_open
 
     for weights in sorted(folder.glob("*.safetensors")):
@@ -114,6 +112,14 @@ def broken_file(folder: Path) -> str:
         except Exception:  # noqa: BLE001 - SafetensorError, OSError
             return f" {weights.name} (truncated or not a safetensors file)"
     return ""
+
+
+def _opens_as_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def warn_if_not_causal_lm(path: str) -> bool:
