@@ -4,8 +4,8 @@ with its line number and the innermost cause, and no single row can take the mac
 ``scan_text_file`` runs on every ``.jsonl``/``.json``/``.csv`` file: each line is read with a bound
 (``--max_row_bytes``) before anything parses it, checked to be UTF-8, and (JSON Lines) parsed on its own with
 duplicate keys refused; a CSV header with a column twice is refused. A ``.json`` file holding one document (an
-array or an object) cannot be bounded per row without parsing it; it is checked for UTF-8 line by line, and the
-JSON loader's own error is made readable by ``json_problem`` when it fails.
+array or an object) cannot be bounded per row without parsing it; it is checked for UTF-8 in chunks (the error
+names the line), and the JSON loader's own error is made readable by ``json_problem`` when it fails.
 
 ``innermost`` digs the real cause out of an exception chain (``datasets`` wraps pyarrow's message in
 ``DatasetGenerationError: An error occurred while generating the dataset``).
@@ -87,19 +87,53 @@ def scan_text_file(path: Path, builder: str, where: str, max_row_bytes: int = MA
     if builder == "csv":
         _scan_csv(path, where, max_row_bytes)
         return
+    if path.suffix.lower() == ".json" and _first_char(path) == b"[":
+        _scan_utf8(path, where)  # one document: the bound does not apply to its lines, UTF-8 does
+        return
     lines = _lines(path, max_row_bytes, where)
     first = next(((n, t) for n, t in lines if t.strip()), None)
     if first is None:
         return
     if path.suffix.lower() == ".json" and not _is_json_lines(first[1]):
-        for _ in lines:  # one document: the bound does not apply to its lines, UTF-8 does
-            pass
+        _scan_utf8(path, where)  # a pretty-printed object: one document too
         return
     row = 0
     for number, text in itertools.chain([first], lines):  # one line in memory at a time
         if text.strip():
             _json_line(text.rstrip("\r\n"), f"line {number} (row {row})", where)
             row += 1
+
+
+def _first_char(path: Path) -> bytes:
+    """The first byte that is not whitespace (nor a UTF-8 byte-order mark), b"" for a blank file."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            stripped = chunk.lstrip(b" \t\r\n\xef\xbb\xbf")
+            if stripped:
+                return stripped[:1]
+    return b""
+
+
+def _scan_utf8(path: Path, where: str) -> None:
+    """DataError naming the line of the first byte that is not UTF-8, read in 1 MiB chunks."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                line += chunk.count(b"\n", 0, max(0, exc.start))
+                raise DataError(f"{where}: line {line} is not UTF-8; "
+                                "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            line += chunk.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: the file ends inside a UTF-8 character (a truncated file?); re-encode or "
+                        "re-copy it") from None
 
 
 def _is_json_lines(first_line: str) -> bool:

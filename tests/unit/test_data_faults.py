@@ -108,3 +108,13 @@ def test_the_innermost_cause_is_named():
     except RuntimeError as outer:
         assert innermost(outer).args[0].startswith("JSON parse error")
         assert one_line(outer) == "ValueError: JSON parse error: Missing a comma"
+
+
+def test_a_json_document_on_one_line_is_not_bounded_per_line(tmp_path):
+    path = tmp_path / "one_line.json"
+    path.write_text(json.dumps([json.loads(GOOD)] * 20))  # ~800 bytes on one line, rows of 40
+    assert len(load(path, max_row_bytes=100)) == 20
+    pretty = tmp_path / "pretty.json"
+    pretty.write_bytes(b'[\n  {"query": "1 + 1?", "solution": "2"},\n  {"query": "\xff", "solution": "3"}\n]\n')
+    with pytest.raises(DataError, match=r"line 3 is not UTF-8; re-encode"):
+        load(pretty)
