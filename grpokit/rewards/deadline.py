@@ -3,7 +3,7 @@
 ``watch`` blocks until something is done, logging "reward X still running after N s" every ``heartbeat_s`` and
 raising ``DeadlinePassed`` past a deadline. ``call_in_worker`` runs a sync call in a daemon thread and waits on it
 that way (a thread cannot be killed: one past its deadline is left behind, and the caller stops training);
-``call_with_heartbeat`` runs it on the caller's thread with a watcher thread that only logs. ``Raised`` carries
+``Heartbeat`` runs it on the caller's thread, with one long-lived watcher thread that only logs. ``Raised`` carries
 what a coroutine raised back to the caller as a value (a ``SystemExit`` raised inside a task would otherwise stop
 the event loop's thread itself).
 """
@@ -92,12 +92,51 @@ def call_in_worker(call: Callable[[], Any], name: str, timeout: float, heartbeat
     return box.result()
 
 
-def call_with_heartbeat(call: Callable[[], Any], name: str, heartbeat_s: float) -> Any:
-    """``call()`` on this thread, with a watcher thread that logs the heartbeat while it runs."""
-    done = threading.Event()
-    threading.Thread(target=watch, args=(done.is_set, lambda: [name], time.monotonic(), heartbeat_s),
-                     kwargs={"wait": done.wait}, name="grpokit-reward-heartbeat", daemon=True).start()
-    try:
-        return call()
-    finally:
-        done.set()
+class Heartbeat:
+    """One daemon thread (started on first use) that logs the heartbeat of the reward call in progress on the
+    caller's thread: a thread per call would cost ~1 ms of start-up on a busy machine, on every call."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._cond = threading.Condition()
+        self._current: tuple[str, float] | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def call(self, call: Callable[[], Any], name: str) -> Any:
+        """``call()`` on this thread, with "still running" lines while it runs."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="grpokit-reward-heartbeat", daemon=True)
+                self._thread.start()
+            current = self._current = (name, time.monotonic())
+            self._cond.notify()
+        try:
+            return call()
+        finally:
+            with self._cond:
+                if self._current is current:
+                    self._current = None
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                current = self._current
+                if current is None:
+                    self._cond.wait()
+                    continue
+                name, started = current
+                next_beat = started + self.every
+                while self._current is current and not self._closed:
+                    left = next_beat - time.monotonic()
+                    if left > 0:
+                        self._cond.wait(left)
+                        continue
+                    logger.warning("reward %r still running after %.1f s", name, time.monotonic() - started)
+                    next_beat += self.every

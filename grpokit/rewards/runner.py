@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
-from grpokit.rewards.deadline import (HEARTBEAT_S, DeadlinePassed, Raised, call_in_worker, call_with_heartbeat,
-                                      watch)
+from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
 from grpokit.rewards.calling import (RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs,
                                      trl_kwargs)
 
@@ -72,6 +71,7 @@ class RewardRunner:
         self.names = list(names)
         self.timeout: float | None = None
         self.heartbeat_s = HEARTBEAT_S
+        self._heartbeat = Heartbeat(HEARTBEAT_S)
         self.set_limits(timeout, heartbeat_s)
         self._is_async = [is_async_reward(f) for f in self.funcs]
         self._accepts = [accepted_kwargs(f) for f in self.funcs]
@@ -91,7 +91,7 @@ class RewardRunner:
                 raise ConfigError(f"{flag} {value!r}: must be a positive number of seconds"
                                   + (" (or unset for no limit)" if allow_none else ""))
         self.timeout = None if timeout is None else float(timeout)
-        self.heartbeat_s = float(heartbeat_s)
+        self.heartbeat_s = self._heartbeat.every = float(heartbeat_s)
 
     def compute(self, completions: list[str], kwargs: dict[str, Any], log: RewardLog | None = None) -> torch.Tensor:
         """Score ``completions`` with every function; ``kwargs`` holds columns (lists of length N) and extras.
@@ -134,7 +134,8 @@ class RewardRunner:
         return scores
 
     def close(self) -> None:
-        """Stop the event loop thread (if one was started)."""
+        """Stop the event loop thread (if one was started) and the heartbeat's."""
+        self._heartbeat.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -196,7 +197,7 @@ class RewardRunner:
         """``call()`` (reward i, sync) on this thread, or with --reward_timeout in a daemon worker the caller
         waits on with a deadline; "still running" lines while it is slow. A coroutine it returns is awaited."""
         if self.timeout is None:
-            out = call_with_heartbeat(call, self.names[i], self.heartbeat_s)
+            out = self._heartbeat.call(call, self.names[i])
         else:
             try:
                 out = call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
