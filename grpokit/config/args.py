@@ -111,6 +111,8 @@ class DataArguments:
     chat_template_kwargs: str | None = _opt(None, "more keyword arguments for the chat template, as a JSON object "
                                                   "(TRL's chat_template_kwargs), e.g. '{\"reasoning_effort\": "
                                                   "\"low\"}'", json_object=True)
+    max_row_bytes: int = _opt(8 << 20, "a .jsonl/.csv line (one row) longer than this many bytes is refused, "
+                                       "naming the line, before it is parsed (default 8 MiB)", ge=1)
 
 
 @dataclass
@@ -249,6 +251,10 @@ class RewardArguments:
     code_exec_isolation: str = _opt("bwrap", "code_exec reward: bwrap (each program in a bubblewrap sandbox with "
                                              "seccomp; refuses to start without it) or none (UNSAFE: no isolation, "
                                              "warned at every start)")
+    reward_timeout: float | None = _opt(None, "seconds one reward function may take on a batch (sync rewards then run "
+                                              "in a worker thread, async ones under asyncio's timeout); past it the "
+                                              "run stops with a reward error naming the function; unset: no limit "
+                                              "(a 'still running' line every 30 s either way)", gt=0)
 
 
 @dataclass
@@ -320,6 +326,9 @@ class TrainingArguments:
     dataloader_prefetch_factor: int | None = _opt(None, "windows each worker reads ahead (default 2)", ge=1)
     dataloader_multiprocessing_context: str | None = _opt(None, "how the workers start: fork, spawn or forkserver "
                                                                 "(default: the platform's)")
+    max_nonfinite_steps: int = _opt(3, "an optimizer step whose loss or grad norm is NaN/inf is skipped (weights "
+                                       "unchanged, warned); after this many such steps in a row the run stops",
+                                       ge=1)
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,

@@ -22,6 +22,7 @@ from datasets import Dataset
 
 from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
 from grpokit.data.columns import rename_columns
+from grpokit.data.files import MAX_ROW_BYTES, json_problem, one_line, scan_text_file
 from grpokit.data.hub import load_hub_dataset
 from grpokit.data.rows import normalize_rows
 from grpokit.data.images import check_images
@@ -34,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _split_count(spec: str, option: str) -> tuple[str, int | None]:
@@ -65,7 +61,7 @@ def _has_no_rows(path: Path, builder: str) -> bool:
     return not lines or "".join(lines).replace(" ", "") in ("[]", "{}")
 
 
-def _load_file(path: Path, spec: str, option: str) -> Dataset:
+def _load_file(path: Path, spec: str, option: str, max_row_bytes: int = MAX_ROW_BYTES) -> Dataset:
     if path.is_dir():
         if (path / "state.json").exists() or (path / "dataset_info.json").exists():
             loaded = datasets.load_from_disk(str(path))
@@ -90,19 +86,23 @@ def _load_file(path: Path, spec: str, option: str) -> Dataset:
         empty = False
     if empty:
         raise DataError(f"{option} {spec!r}: the file has no rows; fill it or pick another dataset")
+    if builder in ("json", "csv"):  # each line bounded, UTF-8 and (JSON Lines) parsed, before the loader reads it
+        scan_text_file(path, builder, f"{option} {spec!r}", max_row_bytes)
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # pyarrow / json errors carry the real cause; keep it on one line
-        raise DataError(f"{option} {spec!r}: could not read the {builder} file ({_one_line(exc)})") from exc
+        where = json_problem(path, spec) if builder == "json" else None
+        cause = where or one_line(exc)
+        raise DataError(f"{option} {spec!r}: could not read the {builder} file ({cause})") from exc
 
 
-def _load_source(base: str, spec: str, seed: int, option: str) -> Dataset:
+def _load_source(base: str, spec: str, seed: int, option: str, max_row_bytes: int = MAX_ROW_BYTES) -> Dataset:
     if base.startswith("builtin:"):
         name, _, split = base[len("builtin:") :].partition(":")
         return Dataset.from_list(builtin_rows(name, split or "train", seed))
     path = Path(base).expanduser()
     if path.exists():
-        return _load_file(path, spec, option)
+        return _load_file(path, spec, option, max_row_bytes)
     looks_local = base.startswith((".", "/", "~")) or path.suffix.lower() in BUILDERS
     if not looks_local and _HUB_ID.fullmatch(base):
         repo, _, subset = base.partition(":")
@@ -123,13 +123,15 @@ def _sample(ds: Dataset, count: int, seed: int) -> Dataset:
     return datasets.concatenate_datasets([ds] * repeats + ([order.select(range(rest))] if rest else []))
 
 
-def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset") -> Dataset:
+def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset",
+                      max_row_bytes: int = MAX_ROW_BYTES) -> Dataset:
     """Load one spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked.
 
-    ``option`` is the flag named in error messages (``--dataset`` or ``--val_dataset``).
+    ``option`` is the flag named in error messages (``--dataset`` or ``--val_dataset``); ``max_row_bytes``
+    bounds each line of a local text file (``--max_row_bytes``, ``grpokit.data.files``).
     """
     base, count = _split_count(spec.strip(), option)
-    ds = _load_source(base, spec, seed, option)
+    ds = _load_source(base, spec, seed, option, max_row_bytes)
     if len(ds) == 0:
         raise DataError(f"{option} {spec!r} has no rows; check the file or pick another dataset")
     if count is not None:
@@ -165,7 +167,7 @@ def concat_datasets(parts: list[tuple[str, Dataset]]) -> Dataset:
                 except Exception as exc:
                     raise DataError(
                         f"column {name!r} is {ds.features[name]} in {source} but {features[name]} in "
-                        f"{owner[name]}; make the types agree or load them separately ({_one_line(exc)})"
+                        f"{owner[name]}; make the types agree or load them separately ({one_line(exc)})"
                     ) from exc
         aligned.append(ds)
     return datasets.concatenate_datasets(aligned)
@@ -174,12 +176,13 @@ def concat_datasets(parts: list[tuple[str, Dataset]]) -> Dataset:
 @dataclass(frozen=True)
 class RowOptions:
     """How raw rows become prompts: ``--system`` (already read from its file), ``--columns``, and the
-    ``Dataset.map`` settings ``--dataset_num_proc`` / ``--load_from_cache_file``."""
+    ``Dataset.map`` settings ``--dataset_num_proc`` / ``--load_from_cache_file``, and ``--max_row_bytes``."""
 
     system: str | None = None
     columns: dict[str, str] = field(default_factory=dict)
     num_proc: int = 1
     load_from_cache_file: bool = False
+    max_row_bytes: int = MAX_ROW_BYTES
 
 
 def resolve_system(value: str | None) -> str | None:
@@ -200,7 +203,7 @@ def _load_many(specs: list[str], opts: RowOptions, seed: int, option: str, used:
     parts = []
     for spec in specs:
         source = f"{option} {spec!r}"
-        raw = load_dataset_spec(spec, seed=seed, option=option)
+        raw = load_dataset_spec(spec, seed=seed, option=option, max_row_bytes=opts.max_row_bytes)
         raw, matched = rename_columns(raw, opts.columns, source)
         used.update(matched)
         rows = normalize_rows(raw, opts.system, source=source, num_proc=opts.num_proc,

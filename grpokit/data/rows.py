@@ -18,6 +18,7 @@ from grpokit.errors import DataError
 
 ROLE_NAMES = {"human": "user", "gpt": "assistant", "bot": "assistant", "observation": "tool",
               "observations": "tool", "function_response": "tool", "tool_response": "tool"}
+ROLES = ("system", "user", "assistant", "tool")  # what the chat templates render (after the aliases above)
 _SHAREGPT_USER = ("user", "human")
 _SHAREGPT_ASSISTANT = ("assistant", "gpt", "bot")
 
@@ -54,6 +55,9 @@ def _standard_message(m: Any, where: str) -> dict:
     if role in ("tool_call", "function_call"):
         raise DataError(f"{where}: role {role!r} (ms-swift's tool-call message) is not supported in a prompt; "
                         "put the call in an assistant message's tool_calls")
+    if role not in ROLES:
+        raise DataError(f"{where}: unknown role {role!r}; use one of {', '.join(ROLES)} (or ms-swift's aliases "
+                        f"{', '.join(ROLE_NAMES)})")
     out["role"] = role
     return out
 

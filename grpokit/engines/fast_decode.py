@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from grpokit.engines.prefix import shared_prompts
-from grpokit.engines.sampling import inverse_cdf
+from grpokit.engines.sampling import check_finite_logits, inverse_cdf
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -350,7 +350,11 @@ class FastDecoder:
             for t in range(t_max):
                 cur = p + t
                 scores = processors(seqs[:, :cur], logits) if processors else logits
-                tok = scores.argmax(-1) if greedy else inverse_cdf(scores.softmax(-1), uniform[t])
+                if greedy:
+                    top, tok = scores.max(-1)
+                    check_finite_logits(top.float().clamp(min=torch.finfo(torch.float32).min), t)  # -inf: masked
+                else:
+                    tok = inverse_cdf(scores.softmax(-1), uniform[t])  # refuses NaN probabilities
                 if want_logprobs:
                     logprobs.append(scores.log_softmax(-1).gather(1, tok[:, None])[:, 0])
                 tok = torch.where(unfinished, tok, pad_token_id)

@@ -1,16 +1,46 @@
 """Sampling pieces shared by the transformers engine's two decoders (grpokit's loop and HF ``generate``): the
-logits processors HF builds for a request's settings, and one draw per row by inverse CDF."""
+logits processors HF builds for a request's settings, one draw per row by inverse CDF, and the check that the
+logits sampled from are finite (weights gone NaN after a diverged step would otherwise surface as an unrelated
+IndexError, or as garbage tokens under greedy decoding)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from grpokit.errors import RolloutError
+
+
+def check_finite_logits(row_values: torch.Tensor, step: int | None = None) -> None:
+    """RolloutError when a row's ``row_values`` [B] (the rows' largest logit, or their total probability) is
+    NaN or infinite: the model's logits are not finite (at generated token ``step``, when given)."""
+    bad = ~torch.isfinite(row_values)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        value = float(row_values[row])
+        raise RolloutError(f"sampling: the model's logits are not finite ({'nan' if math.isnan(value) else value}) "
+                           f"{'' if step is None else f'at generated token {step} '}of batch row {row}; the weights have diverged (see the loss "
+                           "and grad_norm of the last steps): lower --learning_rate or keep --max_grad_norm on")
+
+
+class FiniteLogitsCheck(LogitsProcessor):
+    """For HF ``generate``: the same check on each step's scores (their row maxima: NaN and +inf propagate)."""
+
+    def __init__(self, prompt_width: int) -> None:
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        check_finite_logits(scores.amax(-1).float().clamp(min=torch.finfo(torch.float32).min),
+                            input_ids.shape[1] - self.prompt_width)
+        return scores
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -21,6 +51,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     never be drawn."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
+    check_finite_logits(total[:, 0])  # NaN/inf logits give NaN probabilities: no valid index to draw
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 

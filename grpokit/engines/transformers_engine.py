@@ -7,12 +7,12 @@ import logging
 from collections import OrderedDict
 
 import torch
-from transformers import StoppingCriteria
+from transformers import LogitsProcessorList, StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
 from grpokit.engines.mm_generate import infer_mm
-from grpokit.engines.sampling import sampling_processors
+from grpokit.engines.sampling import FiniteLogitsCheck, sampling_processors
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
@@ -180,8 +180,7 @@ class TransformersEngine(InferEngine):
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if stopping is not None:
             kwargs["stopping_criteria"] = stopping
-        if structured is not None:
-            kwargs["logits_processor"] = structured
+        kwargs["logits_processor"] = LogitsProcessorList([*(structured or []), FiniteLogitsCheck(width)])
         share = worth_sharing(model) if self.share_prompts is None else self.share_prompts
         cache = prefill_shared_prompts(model, ids, att) if share else None
         if cache is not None:  # each distinct prompt was prefilled once; generate runs the last token on

@@ -1,4 +1,6 @@
-"""Load the policy (+ LoRA), the reference model and the tokenizer from local Hugging Face folders."""
+"""Load the policy (+ LoRA), the reference model and the tokenizer from local Hugging Face folders, and check the
+folder before anything heavy loads: a hub id is answered at once (no retries against an unreachable hub), the
+tokenizer must cover the model's vocabulary, and prompt + completion must fit in the model's context."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 from grpokit.config.args import ModelArguments
 from grpokit.config.validate import json_object
+from grpokit.data.hub import hub_unreachable_reason
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.default_model import ensure_default_model
@@ -15,6 +18,74 @@ from grpokit.pipeline.vlm_parts import freeze_vlm_parts, load_vlm, vlm_targets
 from grpokit.template.processor import is_vlm_folder, load_processor
 
 logger = logging.getLogger(__name__)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_source(path: str, option: str = "--model") -> None:
+    """ConfigError at once when ``path`` is no local folder. grpokit loads local folders only; for what looks
+    like a hub id the message says whether the hub answers (one short probe, ``data/hub.py``), instead of the
+    ~50 s of retries that transformers spends on an unreachable hub."""
+    if Path(path).expanduser().is_dir():
+        return
+    if Path(path).expanduser().exists():
+        raise ConfigError(f"{option} {path}: is a file, not a model folder (config.json, weights and tokenizer "
+                          "files in one folder)")
+    if _HUB_ID.fullmatch(path) and not path.startswith((".", "/", "~")):
+        import os
+
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        reason = "offline mode is on (HF_HUB_OFFLINE)" if offline else hub_unreachable_reason()
+        hint = (f"the hub cannot be reached ({reason})" if reason else
+                f"download it first: huggingface-cli download {path} --local-dir models/{path.rsplit('/', 1)[-1]}")
+        raise ConfigError(f"{option} {path}: no such local folder; grpokit loads local Hugging Face folders, and "
+                          f"{hint}; then pass the folder")
+    raise ConfigError(f"{option} {path}: no such folder")
+
+
+def check_tokenizer_covers(model, tokenizer, path: str) -> None:
+    """ConfigError when the tokenizer makes ids that the model's embedding has no row for (a tokenizer from
+    another model): they would fail later as an IndexError inside the forward."""
+    text_tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
+    rows = model.get_input_embeddings().num_embeddings
+    if len(text_tok) > rows:
+        raise ConfigError(f"--model {path}: the tokenizer has {len(text_tok)} tokens but the model's embedding only "
+                          f"{rows} rows, so ids from {rows} up have no embedding; use the tokenizer that came with "
+                          "this model")
+
+
+def context_length(model) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``, a VLM's text config's), or None."""
+    config = model.config
+    for c in (config, getattr(config, "text_config", None)):
+        n = getattr(c, "max_position_embeddings", None) if c is not None else None
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def bound_prompt_length(model, data, max_completion_length: int, path: str, log=print) -> int | None:
+    """Prompt + completion checked against the model's context before training. ``--max_completion_length`` must
+    leave room for a prompt; ``--max_length`` + it must fit. Unset ``--max_length`` becomes the room the context
+    leaves (so no row, however long, reaches the model whole; it is cut or dropped as --truncation_strategy
+    says). Returns the prompt bound (``data.max_length`` is set to it), or None for a model with no stated
+    context."""
+    ctx = context_length(model)
+    if ctx is None:
+        return data.max_length
+    if max_completion_length >= ctx:
+        raise ConfigError(f"--max_completion_length {max_completion_length}: the model {path} has a context of {ctx} "
+                          "tokens (max_position_embeddings), which must hold the prompt too; lower it below "
+                          f"{ctx}")
+    room = ctx - max_completion_length
+    if data.max_length is not None and data.max_length > room:
+        raise ConfigError(f"--max_length {data.max_length} + --max_completion_length {max_completion_length} = "
+                          f"{data.max_length + max_completion_length} tokens, past the model's context of {ctx} "
+                          f"(max_position_embeddings of {path}); lower --max_length to at most {room}")
+    if data.max_length is None:
+        data.max_length = room
+        log(f"prompts are bounded to {room} tokens (the model's context {ctx} minus --max_completion_length "
+            f"{max_completion_length}); set --max_length to choose, --truncation_strategy for how", flush=True)
+    return data.max_length
 
 
 def resolve_model_path(margs: ModelArguments, log=print) -> str:
@@ -26,12 +97,16 @@ def resolve_model_path(margs: ModelArguments, log=print) -> str:
 def load_policy(margs: ModelArguments, beta: float, log=print):
     """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref."""
     path = resolve_model_path(margs, log=log)
+    check_model_source(path)
+    if margs.ref_model and beta != 0:
+        check_model_source(margs.ref_model, "--ref_model")
     tokenizer = load_tokenizer(path, margs.trust_remote_code)
     lora = margs.tuner_type == "lora"
     vlm = is_vlm_folder(path)
     load = load_vlm if vlm else load_causal_lm
     model = load(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora), margs.trust_remote_code,
                  margs.attn_impl)
+    check_tokenizer_covers(model, tokenizer, path)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if margs.gradient_checkpointing:

@@ -17,7 +17,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
-from grpokit.pipeline.models import load_policy, resolve_model_path
+from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -130,12 +130,13 @@ def run_train(cfg: TrainConfig):
 def _run_train(cfg: TrainConfig, log):
     d = cfg.data
     rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
-                      load_from_cache_file=d.load_from_cache_file)
+                      load_from_cache_file=d.load_from_cache_file, max_row_bytes=d.max_row_bytes)
     train_ds, val_ds = load_train_val(d.dataset or ["builtin:arithmetic"], d.val_dataset,
                                       system=resolve_system(d.system), seed=cfg.training.seed,
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)  # context
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")

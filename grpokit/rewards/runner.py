@@ -5,6 +5,17 @@ Sync rewards run in order on the caller's thread. All async rewards of a batch a
 while the sync rewards do, so an I/O-bound judge overlaps with rule-based checks. A reward that breaks the
 contract stops training with a one-line ``RewardError``; to name the first bad sample of a reward that raised,
 the runner calls it again one sample at a time (only on that error path).
+
+Slow and runaway rewards (``--reward_timeout``, ``heartbeat_s``): with a timeout, each sync reward runs in a
+daemon worker thread that the caller waits on with a deadline, and each async reward runs under
+``asyncio.wait_for``; an async reward that blocks the event loop (``time.sleep`` in an ``async def``) is caught
+by the caller's own deadline on the whole batch. A reward past its deadline is a ``RewardError`` that names it
+and the limit (a thread cannot be killed: the timed-out worker is left behind as a daemon, and training stops as
+for any reward error). Without a timeout sync rewards run on the caller's thread as before (math-verify's own
+signal-based limit needs the main thread). Either way, a line "reward X still running after N s" is logged every
+``heartbeat_s`` while a reward is slow. Anything a reward raises, ``BaseException`` included (``sys.exit(0)``,
+``SystemExit``, ``GeneratorExit``, a stray ``CancelledError``), is a reward error naming it; only
+``KeyboardInterrupt`` (the user's Ctrl-C) goes through as it is.
 """
 
 from __future__ import annotations
@@ -15,13 +26,15 @@ import logging
 import math
 import numbers
 import sys
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
+from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
 from grpokit.rewards.calling import (RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs,
                                      trl_kwargs)
 
@@ -30,6 +43,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _PREVIEW = 60
+_BLOCKED_GRACE_S = 2.0  # past --reward_timeout, how long the caller waits for an async reward blocking the loop
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def is_async_reward(func: Any) -> bool:
@@ -48,17 +63,35 @@ def _preview(text: Any) -> str:
 class RewardRunner:
     """Calls reward functions on a batch and returns scores as a float32 tensor [N, F] (NaN = not scored)."""
 
-    def __init__(self, funcs: list[Any], names: list[str]) -> None:
+    def __init__(self, funcs: list[Any], names: list[str], timeout: float | None = None,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         if len(funcs) != len(names):
             raise ConfigError(f"RewardRunner: {len(funcs)} reward functions but {len(names)} names")
         self.funcs = list(funcs)
         self.names = list(names)
+        self.timeout: float | None = None
+        self.heartbeat_s = HEARTBEAT_S
+        self._heartbeat = Heartbeat(HEARTBEAT_S)
+        self.set_limits(timeout, heartbeat_s)
         self._is_async = [is_async_reward(f) for f in self.funcs]
         self._accepts = [accepted_kwargs(f) for f in self.funcs]
         self._trl = [convention(f) == "trl" for f in self.funcs]
         self._loop: LoopThread | None = LoopThread("grpokit-reward-loop") if any(self._is_async) else None
 
     # -- public ------------------------------------------------------------------------------------------------
+
+    def set_limits(self, timeout: float | None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        """``timeout``: seconds one reward call may take (None: no limit, --reward_timeout); ``heartbeat_s``:
+        how often a slow reward is reported."""
+        for flag, value, allow_none in (("--reward_timeout", timeout, True), ("heartbeat_s", heartbeat_s, False)):
+            if value is None and allow_none:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"{flag} {value!r}: must be a positive number of seconds"
+                                  + (" (or unset for no limit)" if allow_none else ""))
+        self.timeout = None if timeout is None else float(timeout)
+        self.heartbeat_s = self._heartbeat.every = float(heartbeat_s)
 
     def compute(self, completions: list[str], kwargs: dict[str, Any], log: RewardLog | None = None) -> torch.Tensor:
         """Score ``completions`` with every function; ``kwargs`` holds columns (lists of length N) and extras.
@@ -71,24 +104,28 @@ class RewardRunner:
         log = log if log is not None else RewardLog(n)
         scores = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)  # [N, F]
         async_idx = [i for i, a in enumerate(self._is_async) if a]
+        started = time.monotonic()
         pending = self._start_async(async_idx, completions, kwargs, log) if async_idx else None
         try:
             for i, func in enumerate(self.funcs):
                 if self._is_async[i]:
                     continue
                 try:
-                    out = self._invoke(i, completions, kwargs, log)
-                    if inspect.isawaitable(out):  # a plain def that returned a coroutine
-                        out = self._await(out)
-                except GrpokitError:
+                    out = self._call_sync(i, lambda i=i: self._invoke(i, completions, kwargs, log))
+                except (GrpokitError, KeyboardInterrupt):
                     raise
-                except Exception as exc:
+                except BaseException as exc:  # noqa: BLE001 - sys.exit(0) in a reward must not end the run quietly
                     raise self._raised_error(i, exc, completions, kwargs) from exc
                 scores[:, i] = self._check(i, out, completions)
-        finally:
-            results = pending.result() if pending is not None else []
+            results = self._wait_async(pending, started) if pending is not None else []
+        except BaseException:
+            if pending is not None:
+                pending[0].cancel()  # Ctrl-C or an error elsewhere: do not wait for the async rewards
+            raise
         for i, out in zip(async_idx, results):
             if isinstance(out, GrpokitError):
+                raise out
+            if isinstance(out, KeyboardInterrupt):
                 raise out
             if isinstance(out, BaseException):
                 raise self._raised_error(i, out, completions, kwargs) from out
@@ -97,7 +134,8 @@ class RewardRunner:
         return scores
 
     def close(self) -> None:
-        """Stop the event loop thread (if one was started)."""
+        """Stop the event loop thread (if one was started) and the heartbeat's."""
+        self._heartbeat.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -129,24 +167,94 @@ class RewardRunner:
             self._loop = LoopThread("grpokit-reward-loop")
         return self._loop
 
-    def _await(self, awaitable: Awaitable[Any]) -> Any:
+    def _await(self, i: int, awaitable: Awaitable[Any]) -> Any:
+        """Await on the loop thread, under the timeout (a plain def that returned a coroutine)."""
+        timeout = self.timeout
+
         async def wrap() -> Any:
-            return await awaitable
+            try:
+                return await (asyncio.wait_for(awaitable, timeout) if timeout is not None else awaitable)
+            except BaseException as exc:  # noqa: BLE001 - SystemExit would stop the loop thread itself
+                return Raised(exc)
 
-        return self._ensure_loop().submit(wrap()).result()
+        future = self._ensure_loop().submit(wrap())
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout + _BLOCKED_GRACE_S
+        try:
+            watch(future.done, lambda: [self.names[i]], started, self.heartbeat_s, deadline, future.result)
+        except DeadlinePassed:
+            future.cancel()
+            self._abandon_loop()
+            raise self._timeout_error(i) from None
+        out = future.result()
+        if isinstance(out, Raised):
+            if isinstance(out.error, asyncio.TimeoutError):
+                raise self._timeout_error(i) from None
+            raise out.error
+        return out
 
-    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Future:
+    def _call_sync(self, i: int, call: Callable[[], Any]) -> Any:
+        """``call()`` (reward i, sync) on this thread, or with --reward_timeout in a daemon worker the caller
+        waits on with a deadline; "still running" lines while it is slow. A coroutine it returns is awaited."""
+        if self.timeout is None:
+            out = self._heartbeat.call(call, self.names[i])
+        else:
+            try:
+                out = call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
+            except DeadlinePassed:
+                raise self._timeout_error(i) from None
+        return self._await(i, out) if inspect.isawaitable(out) else out
+
+    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any],
+                     log: RewardLog) -> tuple[Future, dict[int, bool]]:
+        timeout, done = self.timeout, {i: False for i in idx}
+
         async def call(i: int) -> Any:
-            return await self._invoke(i, completions, kwargs, log)
+            try:
+                coro = self._invoke(i, completions, kwargs, log)
+                return await (asyncio.wait_for(coro, timeout) if timeout is not None else coro)
+            except asyncio.TimeoutError:
+                return self._timeout_error(i)
+            except KeyboardInterrupt:
+                return KeyboardInterrupt()
+            except BaseException as exc:  # noqa: BLE001 - SystemExit would stop the loop thread itself
+                return exc
+            finally:
+                done[i] = True
 
         async def run_all() -> list[Any]:
-            return await asyncio.gather(*(call(i) for i in idx), return_exceptions=True)
+            return await asyncio.gather(*(call(i) for i in idx))
 
-        return self._ensure_loop().submit(run_all())
+        return self._ensure_loop().submit(run_all()), done
+
+    def _wait_async(self, pending: tuple[Future, dict[int, bool]], started: float) -> list[Any]:
+        """The async rewards' results; a RewardError for any still running past --reward_timeout (one that
+        blocks the loop thread, so that asyncio's own timeout cannot fire)."""
+        future, done = pending
+        deadline = None if self.timeout is None else started + self.timeout + _BLOCKED_GRACE_S
+        try:
+            watch(future.done, lambda: [self.names[i] for i, d in done.items() if not d], started, self.heartbeat_s,
+                  deadline, future.result)
+        except DeadlinePassed:
+            future.cancel()
+            self._abandon_loop()
+            late = [i for i, d in done.items() if not d]
+            raise self._timeout_error(late[0], blocking=True) from None
+        return future.result()
+
+    def _abandon_loop(self) -> None:
+        """A reward blocks the loop thread: leave it (a daemon) and start a fresh loop when one is needed."""
+        self._loop = None
+
+    def _timeout_error(self, i: int, blocking: bool = False) -> RewardError:
+        why = " (it blocks the event loop: an async reward must await, not sleep or compute)" if blocking else ""
+        return RewardError(f"reward {self.names[i]!r} timed out after {self.timeout:g} s (--reward_timeout "
+                           f"{self.timeout:g}){why}; make it faster or raise --reward_timeout")
 
     def _call_one(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> Any:
-        out = self._invoke(i, completions, kwargs, RewardLog(len(completions)))
-        return self._await(out) if inspect.isawaitable(out) else out
+        if self._is_async[i]:
+            return self._await(i, self._invoke(i, completions, kwargs, RewardLog(len(completions))))
+        return self._call_sync(i, lambda: self._invoke(i, completions, kwargs, RewardLog(len(completions))))
 
     # -- checking ------------------------------------------------------------------------------------------------
 
@@ -171,9 +279,10 @@ class RewardRunner:
         values = []
         for j, v in enumerate(out):
             f = _as_score(v)
-            if f is _BAD:
+            if f is _BAD or abs(f) > _FLOAT32_MAX:  # 1e39 is a float, and inf in float32 (the scores' dtype)
+                beyond = " (beyond float32's range, ±3.4e38, the training dtype of scores)" if f is not _BAD else ""
                 raise RewardError(
-                    f"reward {name!r}: sample {j} got score {_preview(v)} (need a finite number or None); "
+                    f"reward {name!r}: sample {j} got score {_preview(v)}{beyond} (need a finite number or None); "
                     f"completion {_preview(completions[j])}"
                 )
             values.append(f)
@@ -188,6 +297,8 @@ class RewardRunner:
             else "no single sample fails alone"
         )
         msg = str(exc).splitlines()[0] if str(exc) else ""
+        if isinstance(exc, SystemExit):
+            msg = f"exit status {exc.code!r}; a reward must return scores, not end the process"
         return RewardError(f"reward {name!r} raised {type(exc).__name__}: {msg} ({sample})")
 
     def _first_failing_sample(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> int | None:
@@ -196,7 +307,9 @@ class RewardRunner:
             row = {k: v[j : j + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in kwargs.items()}
             try:
                 self._call_one(i, completions[j : j + 1], row)
-            except Exception:
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 - a timeout (RewardError) or what the full call raised
                 return j
         return None
 

@@ -38,6 +38,7 @@ from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
+from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
@@ -83,7 +84,8 @@ class GRPOTrainer:
         # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
         self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
                                          self.accelerator.device, self.accelerator.is_main_process)
-        rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler)
+        rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler,
+                                timeout=cfg.reward.reward_timeout)
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
                                        cfg.data.dataset_shuffle, self.accelerator)
@@ -108,6 +110,7 @@ class GRPOTrainer:
         self._pixel_dtype = next(self.policy.parameters()).dtype
         self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
         self.callbacks = self._callbacks.all
+        self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
         self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
         self._hf_event("on_init_end")
 
@@ -183,7 +186,7 @@ class GRPOTrainer:
                     self._hf_event("on_step_begin")
                 self._run_training_step(micro)
             first = self.accelerator.sync_gradients
-            values.step_metrics.add({**micro.step_metrics, **self._optimizer_step()})
+            values.step_metrics.add({**micro.step_metrics, **self._optimizer_step(micro.step_metrics.get("loss"))})
             values.timing["train"] += time.perf_counter() - t0
             if first:
                 changed = True
@@ -216,10 +219,11 @@ class GRPOTrainer:
         inputs.step_metrics["loss"] = loss.detach()
         return loss.detach()
 
-    def _optimizer_step(self) -> dict:
+    def _optimizer_step(self, loss: torch.Tensor | None) -> dict:
         """The optimizer step, after ``training_step`` returned: on the synchronising micro-step clip (reported as
         grad_norm), step, advance the learning-rate schedule and zero the gradients. A DeepSpeed engine's step runs
-        on every micro-step (it counts them, and reduces, clips and steps at its boundary)."""
+        on every micro-step (it counts them, and reduces, clips and steps at its boundary). A NaN/inf ``loss`` or
+        grad norm skips the step (step_guard.py); --max_nonfinite_steps of them in a row stop the run."""
         metrics: dict = {}
         if not self.accelerator.sync_gradients:
             if self._engine_steps:
@@ -227,11 +231,14 @@ class GRPOTrainer:
             return metrics
         self._hf_event("on_pre_optimizer_step")
         # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
+        norm = None
         if self.args.max_grad_norm > 0 and self._trainable_params:
             norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
             if norm is not None:
                 metrics["grad_norm"] = scalar(norm)
-        self.optimizer.step()
+        if self._step_guard.allow_step(self.accelerator, loss, norm, step=self.state.global_step + 1,
+                                       params=self._trainable_params):
+            self.optimizer.step()
         self._hf_event("on_optimizer_step")
         self.lr_scheduler.step()
         if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step

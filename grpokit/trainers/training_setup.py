@@ -177,8 +177,9 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     return engine, scheduler
 
 
-def setup_rewards(funcs, names, weights, scheduler) -> Rewards:
-    """One name and weight per reward column; the scheduler's gym reward, if it gives one, is the last."""
+def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None) -> Rewards:
+    """One name and weight per reward column; the scheduler's gym reward, if it gives one, is the last.
+    ``timeout``: --reward_timeout, seconds one reward function may take on a batch."""
     funcs = list(funcs or [])
     names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
     uses_env_reward = bool(getattr(scheduler, "uses_env_reward", False))
@@ -192,5 +193,5 @@ def setup_rewards(funcs, names, weights, scheduler) -> Rewards:
                           f"({', '.join(names)}); give one weight each")
     if not names:
         raise ConfigError("no reward: pass --reward_funcs NAME (e.g. accuracy) or --reward_model PATH")
-    runner = RewardRunner(funcs, names[: len(funcs)]) if funcs else None
+    runner = RewardRunner(funcs, names[: len(funcs)], timeout=timeout) if funcs else None
     return Rewards(names, torch.tensor(w, dtype=torch.float32), runner, uses_env_reward)

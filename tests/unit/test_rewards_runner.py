@@ -267,3 +267,123 @@ def test_check_reward_columns():
     def needs_trainer_keys(completions, messages, response_token_ids, trainer_state, **kw): ...
 
     check_reward_columns([needs_trainer_keys], ["t"], set())  # the trainer always supplies these
+
+
+# --- timeouts, heartbeats, BaseException, float32 range (issue 27) ---------------------------------------------------
+
+
+def hanging_sync(completions, **kwargs):
+    threading.Event().wait(30)  # longer than any test waits: only the timeout ends the call
+    return [0.0] * len(completions)
+
+
+async def hanging_async(completions, **kwargs):
+    await asyncio.sleep(30)
+    return [0.0] * len(completions)
+
+
+async def blocking_async(completions, **kwargs):  # blocks the event loop: asyncio's own timeout cannot fire
+    threading.Event().wait(30)
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("func, blocks", [(hanging_sync, False), (hanging_async, False), (blocking_async, True)])
+def test_reward_timeout_cuts_off_a_hanging_reward_and_names_it(func, blocks):
+    import time
+
+    with RewardRunner([length_reward, func], ["len", "judge"], timeout=0.3) as runner:
+        t0 = time.monotonic()
+        with pytest.raises(RewardError) as err:
+            runner.compute(["a", "b"], {})
+        elapsed = time.monotonic() - t0
+        assert elapsed < 5, elapsed  # 0.3 s, plus the grace for a reward that blocks the loop
+        msg = str(err.value)
+        assert "reward 'judge' timed out after 0.3 s (--reward_timeout 0.3)" in msg, msg
+        assert ("blocks the event loop" in msg) == blocks
+        # the runner still works afterwards (a fresh loop replaces one a reward blocks)
+        assert RewardRunner([length_reward], ["len"], timeout=1).compute(["ab"], {}).tolist() == [[2.0]]
+        if blocks:
+            good = RewardRunner([Sleepy(0.0, 1.0)], ["ok"], timeout=1)
+            assert good.compute(["a"], {}).tolist() == [[1.0]]
+            good.close()
+
+
+def test_reward_within_the_timeout_is_scored_as_without_one():
+    with RewardRunner([length_reward, Sleepy(0.05, 0.5)], ["len", "sleepy"], timeout=5) as runner:
+        assert runner.compute(["ab", "c"], {}).tolist() == [[2.0, 0.5], [1.0, 0.5]]
+
+
+def test_sync_reward_runs_on_the_callers_thread_without_a_timeout_and_in_a_worker_with_one():
+    seen = []
+
+    def where(completions, **kwargs):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return [0.0] * len(completions)
+
+    RewardRunner([where], ["where"]).compute(["a"], {})
+    RewardRunner([where], ["where"], timeout=5).compute(["a"], {})
+    assert seen == [True, False]  # math-verify's signal-based limit keeps working when no timeout is asked for
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_heartbeat_line_while_a_reward_is_slow(caplog, timeout):
+    import time
+
+    def slow(completions, **kwargs):
+        time.sleep(0.35)
+        return [1.0] * len(completions)
+
+    with caplog.at_level(logging.WARNING, logger="grpokit.rewards.runner"):
+        with RewardRunner([slow, Sleepy(0.7, 1.0)], ["slow", "slow_async"], timeout=timeout,
+                          heartbeat_s=0.1) as runner:
+            assert runner.compute(["a"], {}).tolist() == [[1.0, 1.0]]
+    beats = [r.getMessage() for r in caplog.records if "still running after" in r.getMessage()]
+    assert any(m.startswith("reward 'slow' still running after") for m in beats), beats
+    assert any(m.startswith("reward 'slow_async' still running after") for m in beats), beats
+
+
+@pytest.mark.parametrize("exc, needle", [
+    (SystemExit(0), "raised SystemExit: exit status 0; a reward must return scores, not end the process"),
+    (GeneratorExit(), "raised GeneratorExit"),
+    (asyncio.CancelledError(), "raised CancelledError"),
+])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_base_exceptions_from_a_reward_are_reward_errors(exc, needle, is_async):
+    def sync_reward(completions, **kwargs):
+        raise exc
+
+    async def async_reward(completions, **kwargs):
+        raise exc
+
+    with RewardRunner([async_reward if is_async else sync_reward], ["quits"]) as runner:
+        with pytest.raises(RewardError) as err:
+            runner.compute(["a", "b"], {})
+    assert f"reward 'quits' {needle}" in str(err.value), str(err.value)
+    assert "(first failing sample 0 " in str(err.value)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_keyboard_interrupt_from_a_reward_goes_through(timeout):
+    def interrupted(completions, **kwargs):
+        raise KeyboardInterrupt
+
+    with RewardRunner([interrupted, Sleepy(30, 1.0)], ["ctrl_c", "slow"], timeout=timeout) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.compute(["a"], {})  # and the pending async reward is not waited for
+
+
+@pytest.mark.parametrize("score", [1e39, -1e39, 3.5e38])
+def test_scores_beyond_float32_are_refused_not_trained_on_as_inf(score):
+    with RewardRunner([lambda completions, **kw: [0.5, score]], ["huge"]) as runner:
+        with pytest.raises(RewardError) as err:
+            runner.compute(["a", "b"], {})
+    assert "reward 'huge': sample 1 got score" in str(err.value)
+    assert "beyond float32's range" in str(err.value)
+    ok = RewardRunner([lambda completions, **kw: [3.4e38, -3.4e38]], ["edge"]).compute(["a", "b"], {})
+    assert bool(ok.isfinite().all())
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "5", True])
+def test_reward_timeout_must_be_a_positive_number(bad):
+    with pytest.raises(ConfigError, match="--reward_timeout"):
+        RewardRunner([length_reward], ["len"], timeout=bad)
