@@ -1,18 +1,22 @@
 """Harness that runs inside the code sandbox: lock the process down, run the untrusted code, report on a pipe.
 
 The parent ships this file's text on a pipe together with the job (the program, its limits, the BPF that refuses
-``execve``, and in assert mode the steps to run), so nothing of the job touches a file system. It uses the
+``execve``; then, in call mode, the parent's calls), so nothing of the job touches a file system. It uses the
 standard library only, because it may run under a system interpreter. Order:
 
-1. the bootstrap (``sandbox.BOOT``) has read the job from its pipe into ``JOB``;
+1. the bootstrap (``sandbox.BOOT``) has read the job (the first line of its pipe) into ``JOB``;
 2. (privileged fallback only) drop to the slot uid; set the rlimits, then load the exec-refusing seccomp filter
    (``prctl``); if any of it fails, exit 121 without running the program;
 3. install the audit hook (an extra layer for clearer errors; nothing relies on it);
-4. run the program, then each step: ``exec`` runs set-up code, ``eval`` evaluates an expression and reports its
-   value as tagged JSON. Only exact builtin types are encoded; anything else is reported as unserialisable.
+4. run the program; in call mode (``JOB["serve"]``) then answer the parent's requests, one JSON line each on the
+   job pipe: ``{"q": n, "src": expression, "a": [tagged arguments]}``. The expression reads its arguments as
+   ``__A[i]`` and earlier results as ``__R[j]``; the answer is ``{"q": n, "v": tagged value}`` for exact builtin
+   types, ``{"q": n, "ref": n}`` for anything else (kept here as ``__R[n]``, so the parent can call its methods),
+   or ``{"q": n, "err": name, "mro": [names]}``. EOF on the job pipe ends the run.
 
 Reports are JSON lines on the report pipe. The parent trusts none of them beyond "these are the values the
-program's code produced": the expected values never enter the sandbox, and the parent does every comparison.
+program's code produced": the tests never enter the sandbox (only the calls the parent makes, with their
+arguments), and the parent decides every verdict.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ _PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_sp
 _NAME_EVENTS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
 _BLOCKED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess"}
 _TAGGED = {tuple: "tuple", set: "set", frozenset: "frozenset"}
+_SMALL_INT = 1 << 62  # larger ints travel as hex text: no decimal digit limit applies, either side
+MAX_ERR_NAMES = 16
 
 
 REPORT_FD = [4]
@@ -83,6 +89,8 @@ def encode(value: object, depth: int = 0) -> object:
     if depth > 200:
         raise TypeError("nested too deeply")
     t = type(value)
+    if t is int and not -_SMALL_INT < value < _SMALL_INT:
+        return {"__t": "int", "v": hex(value)}
     if value is None or t in (bool, int, float, str):
         return value
     if t is list:
@@ -96,6 +104,24 @@ def encode(value: object, depth: int = 0) -> object:
     if t is complex:
         return {"__t": "complex", "v": [value.real, value.imag]}
     raise TypeError(f"cannot serialise {t.__name__}")
+
+
+def decode(obj: object) -> object:
+    """The parent's tagged arguments back to values (the parent only sends what ``encode`` makes)."""
+    if type(obj) is list:
+        return [decode(v) for v in obj]
+    if type(obj) is not dict:
+        return obj
+    tag, v = obj["__t"], obj["v"]
+    if tag == "int":
+        return int(v, 16)
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag == "complex":
+        return complex(*v)
+    if tag == "dict":
+        return {decode(k): decode(x) for k, x in v}
+    return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x) for x in v)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -123,19 +149,36 @@ def _run_program(source: str, ns: dict) -> int:
         return 1
 
 
-def _run_steps(steps: list, ns: dict) -> None:
-    for k, (kind, src) in enumerate(steps):
+def _answer(q: int, src: str, args: list, ns: dict, results: dict) -> str:
+    try:
+        value = eval(compile(src, "tests.py", "eval"), ns, {"__A": [decode(a) for a in args], "__R": results})
+    except BaseException as exc:  # SystemExit too: a call must not end the run
+        names = [c.__name__ for c in type(exc).__mro__][:MAX_ERR_NAMES]
         try:
-            if kind == "exec":
-                exec(compile(src, "tests.py", "exec"), ns)
-                _report({"k": k, "ok": True})
-            else:
-                line = json.dumps({"k": k, "v": encode(eval(compile(src, "tests.py", "eval"), ns))})
-                os.write(REPORT_FD[0], (line + "\n").encode())
-        except BaseException as exc:  # SystemExit too: a test must not end the run
-            _report({"k": k, "err": type(exc).__name__})
-            if kind == "exec":
-                return  # a failed set-up step fails everything after it
+            msg = str(exc)[:200] if type(exc).__str__ is BaseException.__str__ else ""
+        except BaseException:
+            msg = ""
+        return json.dumps({"q": q, "err": type(exc).__name__, "mro": names, "msg": msg})
+    try:
+        return json.dumps({"q": q, "v": encode(value)})
+    except (TypeError, ValueError, RecursionError):
+        results[q] = value
+        return json.dumps({"q": q, "ref": q})
+
+
+def _serve(job_file, ns: dict) -> None:
+    """Answer the parent's calls until it closes the job pipe."""
+    results: dict = {}
+    while True:
+        line = job_file.readline()
+        if not line:
+            return
+        req = json.loads(line)
+        try:
+            out = _answer(int(req["q"]), req["src"], req["a"], ns, results)
+        except BaseException as exc:  # e.g. no memory left to encode the answer
+            out = json.dumps({"q": req["q"], "err": type(exc).__name__, "mro": []})
+        os.write(REPORT_FD[0], (out + "\n").encode())
 
 
 def _drop_uid(uid: int) -> None:
@@ -147,12 +190,13 @@ def _drop_uid(uid: int) -> None:
         raise OSError("could not drop to the sandbox uid")
 
 
-def main(job: dict) -> None:
+def main(job: dict, job_file) -> None:
     REPORT_FD[0] = int(job["report_fd"])
     try:
         if job.get("drop_uid") is not None:
             _drop_uid(int(job["drop_uid"]))
         _set_limits(job["limits"])
+        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
         if job.get("exec_filter"):
             _load_exec_filter(bytes.fromhex(job["exec_filter"]))
     except BaseException as exc:
@@ -162,8 +206,9 @@ def main(job: dict) -> None:
     sys.addaudithook(_hook)
     ns = {"__name__": "__main__", "__builtins__": builtins}
     status = _run_program(job["code"], ns)
-    if status == 0 and job.get("steps") is not None:
-        _run_steps(job["steps"], ns)
+    if status == 0 and job.get("serve"):
+        _report({"ready": True})
+        _serve(job_file, ns)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -174,4 +219,4 @@ def main(job: dict) -> None:
 
 
 if __name__ == "__sandbox__":
-    main(globals()["JOB"])
+    main(globals()["JOB"], globals()["JOB_FILE"])

@@ -4,7 +4,7 @@
 how to get it. Modes:
 
 - ``bwrap`` (default): every run in fresh user, PID, mount, network, IPC, UTS and cgroup namespaces made by
-  bubblewrap, with a read-only root (only ``/usr``, ``/etc``, the interpreter's prefix and the ``/lib``-style
+  bubblewrap, with a read-only root (only ``/usr``, a minimal ``/etc`` (``ETC_FILES``), the interpreter's prefix and the ``/lib``-style
   links), a private size-limited tmpfs at ``/tmp`` (the work dir), a fresh ``/proc`` that shows the sandbox only,
   a minimal read-only ``/dev``, no capabilities, no nested user namespaces, and the seccomp filter of
   ``seccomp_filter``. When the trainer runs as root, bubblewrap itself is started as a per-slot uid, so the
@@ -34,6 +34,8 @@ ISOLATION_MODES = ("bwrap", "none")
 SETUP_HINT = "scripts/setup_system.sh installs it"
 _PROBE = "import os, sys; print(os.path.realpath(sys.base_prefix)); print(os.path.dirname(os.__file__))"
 _LIB_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# the only files of the host's /etc a sandbox sees: what the dynamic loader and Python's time and locale need
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf")
 SLOT_UID_BASE = 1_600_000_000  # + (pid % 50000) * 256 + slot when the trainer runs as root
 
 
@@ -97,7 +99,10 @@ def _interpreter(as_root: bool) -> tuple[str, str]:
 
 
 def _mounts(prefix: str) -> tuple[str, ...]:
-    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    args = ["--ro-bind", "/usr", "/usr", "--dir", "/etc"]
+    for path in ETC_FILES:
+        if os.path.isfile(path):
+            args += ["--ro-bind", os.path.realpath(path), path]
     for link in _LIB_LINKS:
         if os.path.islink(link):
             args += ["--symlink", os.readlink(link), link]

@@ -7,9 +7,12 @@ Two programs, both deny lists on top of the user/PID/mount/network namespaces th
 - ``exec_filter()`` refuses ``execve``/``execveat``. It cannot go to bwrap (bwrap must still exec the
   interpreter), so the sandbox harness loads it with ``prctl`` before the untrusted code is even read.
 
-Refused calls kill the whole process (SIGSYS, reported as status "blocked"); ``clone3`` fails with ENOSYS instead,
-so that glibc falls back to ``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386)
-hit libseccomp's bad-architecture action, which kills too.
+Refused calls kill the whole process (SIGSYS); ``clone3`` fails with ENOSYS instead, so that glibc falls back to
+``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386) hit libseccomp's
+bad-architecture action, which kills too. Calls that would hold memory outside the address-space limit (SysV
+shared memory, message queues and semaphores, POSIX message queues, memfds), watch or lock files that other
+processes share (inotify, fanotify, ``flock``, ``fcntl`` locks and leases), or fill the tmpfs with inodes
+(``mkdir``, ``mknod``) fail with EPERM instead: refused, without killing a program that merely tries.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ _DENIED = (
     "sethostname", "setdomainname", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
 )  # fmt: skip
 _EXEC = ("execve", "execveat")
+# refused with EPERM: kernel memory the rlimits do not count, watches and locks on shared files, inode floods
+_REFUSED = (
+    "shmget", "shmat", "msgget", "msgsnd", "semget", "semop", "mq_open", "memfd_create", "memfd_secret",
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark", "flock",
+    "mkdir", "mkdirat", "mknod", "mknodat",
+)  # fmt: skip
+_FCNTL_LOCKS = (6, 7, 37, 38, 1024)  # F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE
+_CMP_EQ = 4
 
 
 class SeccompUnavailable(OSError):
@@ -109,6 +120,10 @@ def main_filter() -> bytes:
     f.rule(_errno_action(errno.ENOSYS), "clone3")
     for call in ("socket", "socketpair"):
         f.rule(KILL_PROCESS, call, (0, _CMP_NE, _AF_UNIX, 0))
+    for name in _REFUSED:
+        f.rule(_errno_action(errno.EPERM), name)
+    for cmd in _FCNTL_LOCKS:
+        f.rule(_errno_action(errno.EPERM), "fcntl", (1, _CMP_EQ, cmd, 0))
     return f.export()
 
 
