@@ -1,8 +1,10 @@
 """What one sandboxed run produced: its limits, its result, and why it failed, decided from what the parent saw.
 
 Statuses (``FAILURE_KINDS``) rest on the parent's own evidence only: ``timeout`` when its deadline passed or the
-kernel reports the CPU limit used up, ``output_limit`` when it counted too many bytes, ``memory`` when the
-child's peak resident memory reached half of its limit, ``crash`` when the child died of a signal (or claims so
+kernel reports the CPU limit used up, ``output_limit`` when it counted too many bytes, ``memory`` for a failed
+run (exit 1) whose peak resident memory, as the kernel counts it, reached half of its limit (that count includes
+the trainer the child was started from, so for a large trainer the harness's MemoryError note decides between
+``memory`` and ``error``: both are failures of an ordinary exit, which no status above can be forged from), ``crash`` when the child died of a signal (or claims so
 with an exit code above 128: the two look the same through bubblewrap), ``error`` for any other failure. A
 program cannot pick its status with an exit code or a report.
 
@@ -80,12 +82,13 @@ def classify(rc, stdout_b, stderr_b, notes: list[dict], timed_out: bool, too_muc
         res.status = "output_limit"
     elif timed_out or cpu_s >= cpu_limit - 0.05:
         res.status = "timeout"
-    elif rc != 0 and peak_bytes >= (int(limits.memory_mb) << 20) // 2:
+    elif rc == 1 and (peak_bytes >= (int(limits.memory_mb) << 20) // 2 or
+                      any(n.get("exception") == "MemoryError" for n in notes)):  # fmt: skip
         res.status = "memory"
     elif rc is not None and (rc < 0 or rc > 128):
         res.status = "crash"
-    elif rc != 0:
-        res.status = "error"
+    elif rc != 0 or any("blocked" in n for n in notes):
+        res.status = "error"  # a refusal of the audit hook that the code caught still fails (it can only lose)
     if rc == HARNESS_FAILED:
         fatal = [n["fatal"] for n in notes if "fatal" in n]
         if fatal:  # the program may write this too: escaped and cut, it is only a hint

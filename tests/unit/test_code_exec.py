@@ -100,7 +100,7 @@ def test_fork_bomb_leaves_no_processes(reward):
     ]
     out = reward(bombs, test_cases=[[DOUBLE[0]]] * 4)
     assert out == [0.0] * 4
-    assert reward.last_failures["blocked"] == 4
+    assert sum(reward.last_failures.values()) == 4
     assert sandbox_processes() == []
 
 
@@ -108,7 +108,7 @@ def test_network_is_blocked(reward):
     code = "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint(4)"  # loopback only, ever
     sneaky = "import socket\ntry:\n    socket.getaddrinfo('localhost', 80)\nexcept Exception:\n    pass\nprint(4)"
     assert reward([fenced(code), fenced(sneaky)], test_cases=[[DOUBLE[0]]] * 2) == [0.0, 0.0]
-    assert reward.last_failures["blocked"] == 2  # a caught refusal still fails the case
+    assert reward.last_failures["error"] + reward.last_failures["crash"] == 2  # a caught refusal still fails
 
 
 def test_writes_stay_inside_the_sandbox(reward):
@@ -253,3 +253,27 @@ def test_root_falls_back_when_user_namespaces_are_off(monkeypatch, caplog):
         assert int(res.stdout) in rt.slot_uids()
     finally:
         sandbox.ready.cache_clear()
+
+
+def test_one_time_budget_per_sample(reward):
+    """Ten stdin cases that each take most of the limit: the sample stops at its budget, not at ten limits."""
+    slow = fenced("import time\ntime.sleep(0.6)\nprint(int(input()) * 3)")
+    start = time.monotonic()
+    assert reward([slow], test_cases=[[DOUBLE[0]] * 10]) == [0.0]
+    assert time.monotonic() - start < 1 + 0.5 + 1.0  # timeout + start-up allowance + slack
+    assert reward.last_failures["timeout"] == 1
+
+
+def test_the_program_cannot_pick_its_failure_kind(reward):
+    codes = [fenced(f"import os\nos._exit({rc})") for rc in (137, 152, 159, 153)]
+    assert reward(codes, test_cases=[[DOUBLE[0]]] * 4) == [0.0] * 4
+    assert reward.last_failures["timeout"] == 0 and reward.last_failures["output_limit"] == 0
+    assert reward.last_failures["crash"] == 4
+
+
+def test_rows_with_tests_the_grader_cannot_run_are_refused(reward):
+    rows = [{"test_cases": "assert f(1) == 1"}, {"test_cases": DOUBLE}, {"test_cases": "import os\nassert f(1)"}]
+    with pytest.raises(ConfigError, match=r"code_exec: dataset row 2: test_cases\[2\]: import of 'os'") as err:
+        reward.check_rows(rows)
+    assert "\n" not in str(err.value)
+    reward.check_rows(rows[:2])
