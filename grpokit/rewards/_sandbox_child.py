@@ -1,12 +1,13 @@
 """Harness that runs inside the code sandbox: lock the process down, run the untrusted code, report on a pipe.
 
 The parent ships this file's text on a pipe together with the job (the program, its limits, the BPF that refuses
-``execve``; then, in call mode, the parent's calls), so nothing of the job touches a file system. It uses the
+``execve`` and mounts; then, in call mode, the parent's calls), so nothing of the job touches a file system. It uses the
 standard library only, because it may run under a system interpreter. Order:
 
 1. the bootstrap (``sandbox.BOOT``) has read the job (the first line of its pipe) into ``JOB``;
-2. (privileged fallback only) drop to the slot uid; set the rlimits, then load the exec-refusing seccomp filter
-   (``prctl``); if any of it fails, exit 121 without running the program;
+2. mount the private ``/tmp`` (size and inode bounds); (privileged fallback only) drop to the slot uid; clear
+   every capability; load the late seccomp filter (``prctl``: exec and the mount calls); set the rlimits; if
+   any of it fails, exit 121 without running the program;
 3. install the audit hook (an extra layer for clearer errors; nothing relies on it);
 4. run the program; in call mode (``JOB["serve"]``) then answer the parent's requests, one JSON line each on the
    job pipe: ``{"q": n, "src": expression, "a": [tagged arguments]}``. The expression reads its arguments as
@@ -56,19 +57,61 @@ def _set_limits(lim: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _load_exec_filter(bpf: bytes) -> None:
+def _mount_tmp(libc, spec: dict) -> None:
+    """A fresh tmpfs at /tmp with a size and an inode count (the kernel bounds both), made while the harness still
+    holds CAP_SYS_ADMIN in the sandbox's own user namespace (bubblewrap's tmpfs has no inode bound)."""
+    opts = f"size={int(spec['size'])},nr_inodes={int(spec['nr_inodes'])},mode=1777".encode()
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts) != 0:  # MS_NOSUID | MS_NODEV
+        raise OSError(ctypes_errno(libc), "mount of the private /tmp failed")
+    os.chdir("/tmp")
+
+
+def ctypes_errno(libc) -> int:
+    import ctypes
+
+    return ctypes.get_errno()
+
+
+def _drop_caps(libc) -> None:
+    """Clear every capability (effective, permitted, inheritable; ambient goes with permitted) and check it."""
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+    with open("/proc/self/status") as f:
+        caps = {k: v.strip() for k, v in (line.split(":", 1) for line in f if line.startswith("Cap"))}
+    if int(caps["CapEff"], 16) or int(caps["CapPrm"], 16):
+        raise OSError("capabilities are still held")
+
+
+def _lock_down(job: dict) -> None:
+    """Privileged fallback: drop to the slot uid; the tmpfs; no capabilities; the late seccomp filter."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if job.get("tmpfs"):
+        _mount_tmp(libc, job["tmpfs"])
+    if job.get("drop_uid") is not None:
+        _drop_uid(int(job["drop_uid"]))
+    if job.get("late_filter"):
+        _drop_caps(libc)
+        _load_filter(libc, bytes.fromhex(job["late_filter"]))
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+
+
+def _load_filter(libc, bpf: bytes) -> None:
     import ctypes
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]
 
 
 def _hook(event: str, args: tuple) -> None:
@@ -193,12 +236,9 @@ def _drop_uid(uid: int) -> None:
 def main(job: dict, job_file) -> None:
     REPORT_FD[0] = int(job["report_fd"])
     try:
-        if job.get("drop_uid") is not None:
-            _drop_uid(int(job["drop_uid"]))
+        _lock_down(job)
         _set_limits(job["limits"])
         resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
-        if job.get("exec_filter"):
-            _load_exec_filter(bytes.fromhex(job["exec_filter"]))
     except BaseException as exc:
         _report({"fatal": f"{type(exc).__name__}: {exc}"})
         os._exit(HARNESS_FAILED)

@@ -138,7 +138,7 @@ def resolve(mode: str = "bwrap") -> Runtime:
     bwrap = _need_bwrap()
     try:
         seccomp_filter.main_filter()
-        seccomp_filter.exec_filter()
+        seccomp_filter.late_filter()
     except seccomp_filter.SeccompUnavailable as exc:
         raise IsolationUnavailable(f"code_exec: {exc} ({SETUP_HINT})") from exc
     python, prefix = _interpreter(as_root)
@@ -166,11 +166,13 @@ def hint_for(error: str) -> str:
 
 def bwrap_args(rt: Runtime, uid: int | None, disk_bytes: int, seccomp_fd: int, status_fd: int) -> list[str]:
     """The bubblewrap part of the command (everything before the interpreter)."""
-    if rt.privileged:  # no user namespace: keep only what the harness needs to drop to the slot uid, first thing
-        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        ids = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
-        user = ["--unshare-user", "--disable-userns", *ids, "--cap-drop", "ALL"]
+    # the harness keeps CAP_SYS_ADMIN (of the sandbox's own user namespace, or of its private mount namespace in
+    # the privileged fallback) just long enough to mount /tmp with an inode bound, then clears every capability
+    if rt.privileged:  # no user namespace: also what the harness needs to drop to the slot uid
+        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
+    else:  # uid 0 inside, mapped to the slot uid (bubblewrap's own --uid nests a second user namespace, which
+        # would own no mount namespace); nested user namespaces are refused by the seccomp filter
+        user = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN"]
     return [
         rt.bwrap, *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",

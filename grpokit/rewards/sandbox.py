@@ -80,9 +80,11 @@ def _job(code: str, serve: bool, limits: SandboxLimits, rt: isolation.Runtime, r
         "nofile": limits.max_open_files,
         "nproc": limits.max_processes,
     }
-    exec_bpf = seccomp_filter.exec_filter().hex() if rt.mode == "bwrap" else None
-    job = {"harness": HARNESS, "code": code, "serve": serve, "limits": lim, "exec_filter": exec_bpf,
-           "report_fd": report_fd, "drop_uid": uid if rt.privileged else None}  # fmt: skip
+    iso = rt.mode == "bwrap"
+    job = {"harness": HARNESS, "code": code, "serve": serve, "limits": lim, "report_fd": report_fd,
+           "late_filter": seccomp_filter.late_filter().hex() if iso else None,
+           "tmpfs": {"size": limits.max_disk_bytes, "nr_inodes": limits.max_inodes} if iso else None,
+           "drop_uid": uid if rt.privileged else None}  # fmt: skip
     return json.dumps(job).encode() + b"\n"
 
 

@@ -35,6 +35,7 @@ class SandboxLimits:
     max_report_bytes: int = 16 << 20  # all the answers of one run
     max_file_bytes: int = 16 << 20
     max_disk_bytes: int = 64 << 20  # the private /tmp of one run
+    max_inodes: int = 4096  # files, directories and links in it (each is kernel memory the size does not count)
     max_open_files: int = 64
     max_processes: int = 64  # threads, per slot uid
 

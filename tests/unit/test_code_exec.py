@@ -149,12 +149,12 @@ def test_helpers_and_bad_input():
 def test_os_layers():
     layers = sandbox_layers()
     assert layers["isolation"] == "bwrap" and layers["seccomp"] and layers["network_namespace"]
-    res = run_python("import os\nprint(os.getuid())\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
+    res = run_python("import os\nprint(open('/proc/self/uid_map').read().split()[1])\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
                      "[l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
                      "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))")
     assert res.status == "ok", res.stderr
     uid_line, interfaces, pids = res.stdout.splitlines()
-    if os.geteuid() == 0:
+    if os.geteuid() == 0:  # uid 0 of its own user namespace, without capabilities, is a slot uid of the host
         assert int(uid_line) in isolation.resolve("bwrap").slot_uids()  # its own uid, not root, not nobody
     assert interfaces == "['lo']"  # an empty network namespace
     assert pids == "['1']"  # a fresh /proc: the program is pid 1 of its own namespace, nothing of the host
