@@ -21,7 +21,6 @@ import re
 import time
 from typing import Any, Callable
 
-from grpokit.rewards._sandbox_child import encode
 
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
     "abs all any bin bool bytes chr complex dict divmod enumerate filter float frozenset hex int isinstance len "

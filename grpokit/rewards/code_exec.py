@@ -22,7 +22,6 @@ out, runs out of memory, floods its output or fails scores 0; these are counted 
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import os

@@ -151,3 +151,18 @@ def test_integers_of_any_length():
 def test_log_safe_escapes_and_cuts():
     s = log_safe("a\nFORGED LINE\x1b[31mred" + "x" * 200_000)
     assert "\n" not in s and "\x1b" not in s and len(s) <= 201
+
+
+def test_test_values_never_travel_with_program_objects():
+    """``zip(f(), expected)`` answered by the program could pair every expected value with itself."""
+    class Gen:
+        def __iter__(self):
+            return iter([0, 0, 0])
+
+    tests = "expected = [1, 31, 8191]\nassert all(a == b for a, b in zip(g(), expected))\n" \
+            "assert list(map(f, [1, 5, 13])) == expected\nassert sorted(g()) == [0, 0, 0]"  # fmt: skip
+    sandbox = FakeSandbox({"g": Gen, "f": right})
+    sandbox.ns["g"] = lambda: Gen()
+    g = grade(prepare(tests), sandbox, time.monotonic() + 30)
+    assert (g.passed, g.checks) == (2, 3)  # zip over the program's items fails honestly; map(f) and sorted pass
+    assert "8191" not in json.dumps(sandbox.sent)
