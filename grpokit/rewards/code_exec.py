@@ -36,7 +36,7 @@ from grpokit.errors import ConfigError
 from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
 from grpokit.rewards.sandbox import STARTUP_ALLOWANCE_S, Session, ready, run_job
-from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits
+from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,15 @@ class CodeExecReward(ORM):
                 passed += 1
         return passed / len(cases), failures
 
+    def _score_safely(self, completion: str, cases: list[tuple[str, str]] | grader.Program) -> tuple[float, Counter]:
+        """A sample that breaks the grading (an OSError of the host, a bug) scores 0 and is counted; the run goes on."""
+        try:
+            return self._score(completion, cases)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__,
+                           log_safe(exc))
+            return 0.0, Counter(error=1)
+
     def __call__(self, completions: list[str], test_cases: list[Any], **kwargs: Any) -> list[float | None]:
         normalized = [normalize_test_cases(v, i) for i, v in enumerate(test_cases)]
         if len(normalized) != len(completions):
@@ -169,7 +178,7 @@ class CodeExecReward(ORM):
         scores: list[float | None] = [None] * len(completions)
         total: Counter = Counter()
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="code-exec") as pool:
-            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score(j[1], j[2]), jobs)):
+            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score_safely(j[1], j[2]), jobs)):
                 scores[i] = score
                 total.update(failures)
         self.last_failures = {k: total.get(k, 0) for k in FAILURE_KINDS}

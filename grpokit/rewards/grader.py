@@ -28,7 +28,7 @@ from grpokit.rewards.test_convert import COUNT_EQUAL, RAISES, Unconvertible, con
 
 MAX_DEPTH = 50  # nested calls of test functions
 _ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
-           RecursionError, MemoryError, AssertionError)  # fmt: skip
+           RuntimeError, MemoryError, AssertionError)  # fmt: skip
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Interpreter(Expressions):
             holds = not isinstance(stmt, ast.FunctionDef) and (_static_checks([stmt]) > 0 or self._calls_checks(stmt))
             try:
                 self.exec_block([stmt], self.globals)
-            except (*_ERRORS, _Return, _Break, _Continue):
+            except Exception:  # noqa: BLE001 - anything that goes wrong evaluating a test fails it, never the run
                 if not holds:
                     rest = [s for s in body[i + 1:] if not isinstance(s, ast.FunctionDef)]
                     self.checks += [False] * max(1, _static_checks(rest) + sum(map(self._calls_checks, rest)))
@@ -150,7 +150,9 @@ class Interpreter(Expressions):
     def _s_Assert(self, s, scope):
         try:
             ok = truth(self.ev(s.test, scope))
-        except _ERRORS:
+        except (_Return, _Break, _Continue):
+            raise
+        except Exception:  # noqa: BLE001 - an assert that cannot be evaluated fails
             ok = False
         self.checks.append(ok)
 

@@ -184,6 +184,31 @@ def bwrap_args(rt: Runtime, uid: int | None, disk_bytes: int, seccomp_fd: int, s
     ]  # fmt: skip
 
 
+def cgroup_delegation() -> str:
+    """Whether this process could give each sandbox a cgroup v2 ``memory.max``/``pids.max``, in one line. The
+    sandbox does not create cgroups: on the machines it runs on they belong to the supervisor, and memory is
+    bounded by rlimits, the seccomp refusals and the tmpfs bounds instead. What would be needed: a cgroup v2
+    hierarchy at /sys/fs/cgroup, this process's cgroup writable by it, with ``memory`` and ``pids`` enabled in its
+    ``cgroup.subtree_control`` (systemd's ``Delegate=yes``) and the trainer itself in a leaf beside the sandboxes'."""
+    root = Path("/sys/fs/cgroup")
+    if not (root / "cgroup.controllers").exists():
+        return "no: /sys/fs/cgroup is not a cgroup v2 hierarchy (v1 or hybrid)"
+    try:
+        own = next(line.split("::", 1)[1].strip() for line in open("/proc/self/cgroup") if line.startswith("0::"))
+    except (OSError, StopIteration):
+        return "no: this process has no cgroup v2 path"
+    mine = root / own.lstrip("/")
+    try:
+        enabled = set((mine / "cgroup.subtree_control").read_text().split())
+    except OSError as exc:
+        return f"no: {mine}/cgroup.subtree_control is not readable ({exc.strerror})"
+    if not os.access(mine, os.W_OK):
+        return f"no: {mine} is not writable by this process (not delegated)"
+    if not {"memory", "pids"} <= enabled:
+        return f"no: memory and pids are not enabled for the children of {mine}"
+    return f"available at {mine} (not used: see docs/rewards.md)"
+
+
 def describe(rt: Runtime) -> dict[str, object]:
     """Which protections are active (for logs and docs)."""
     iso = rt.mode == "bwrap"
@@ -198,6 +223,8 @@ def describe(rt: Runtime) -> dict[str, object]:
         "python": rt.python,
         "audit_hook": True,
         "rlimits": True,
+        "tmpfs_inode_bound": iso,
+        "cgroup_v2_delegation": cgroup_delegation(),
     }
 
 
