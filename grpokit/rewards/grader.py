@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail, truth
 from grpokit.rewards._grader_expr import Closure, ExcName, Expressions, bind, bind_args
-from grpokit.rewards.test_convert import COUNT_EQUAL, RAISES, Unconvertible, convert  # noqa: F401 (API)
+from grpokit.rewards.test_convert import COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, convert  # noqa: F401
 
 MAX_DEPTH = 50  # nested calls of test functions
 _ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
@@ -239,20 +239,22 @@ class Interpreter(Expressions):
                 if mod.name in MODULES or mod.name == "pytest":
                     scope.update(mod.names)
                 continue  # the program's module: its names are found as the program's anyway
-            scope[a.asname or a.name] = mod.names[a.name] if a.name in mod.names else (
-                Remote(a.name) if mod.name not in MODULES and mod.name != "pytest" else _missing(mod.name, a.name))
+            if mod.name == "typing":
+                scope[a.asname or a.name] = Module(f"typing.{a.name}", {})  # for annotations, which are not run
+            elif mod.name in MODULES or mod.name == "pytest":
+                scope[a.asname or a.name] = mod.names[a.name] if a.name in mod.names else _missing(mod.name, a.name)
+            else:
+                scope[a.asname or a.name] = Remote(a.name)  # the program's module (test_convert.PROGRAM_MODULES)
 
     def _module(self, name: str) -> Module:
         if name in MODULES:
             return Module(name, MODULES[name])
         if name == "pytest":
             return Module(name, {"approx": Approx, "raises": _raises})
-        if name in ("unittest", "__future__"):
-            return Module(name, {})
-        return Module(name, {})  # the program's own module: its attributes are the program's
+        return Module(name, {})  # unittest (converted away), __future__, or the program's module (see member)
 
     def member(self, base: Any, attr: str) -> Any:
-        if isinstance(base, Module) and base.name not in MODULES and base.name not in ("pytest", "unittest"):
+        if isinstance(base, Module) and base.name in PROGRAM_MODULES:
             return Remote(attr)
         return super().member(base, attr)
 

@@ -13,9 +13,15 @@ raises ``Unconvertible`` with one line saying what and where; code_exec refuses 
 from __future__ import annotations
 
 import ast
-import sys
 
-GRADER_MODULES = {"math", "typing", "collections", "numpy", "pytest", "unittest", "__future__"}
+from grpokit.rewards._grader_eval import MODULES
+
+GRADER_MODULES = {*MODULES, "pytest", "unittest", "__future__"}
+# the module names under which test files import the program (``from solution import f``); any other import of a
+# module the grader does not evaluate is refused: taken for the program's, its functions would be the program's
+# word on the expected side
+PROGRAM_MODULES = {"solution", "main", "candidate", "submission", "user_solution", "program", "code", "answer"}
+_PYTEST_NAMES = {"approx", "raises", "mark"}
 RAISES = "grader_raises__"  # the raises helper the converted unittest code calls (bound by the grader)
 COUNT_EQUAL = "grader_count_equal__"
 _STMTS = (ast.Assert, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.If, ast.For, ast.While, ast.Break,
@@ -219,20 +225,34 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
     return [call]
 
 
+def _check_import(node: ast.Import | ast.ImportFrom) -> None:
+    known = ", ".join(sorted(GRADER_MODULES - {"__future__"}))
+    if isinstance(node, ast.Import):
+        for a in node.names:
+            if a.name not in GRADER_MODULES and a.name not in PROGRAM_MODULES:
+                raise Unconvertible(f"import of {a.name!r}: the grader evaluates tests itself and knows only {known}"
+                                    f" (and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})")
+        return
+    mod = node.module or ""
+    if node.level or (mod not in GRADER_MODULES and mod not in PROGRAM_MODULES):
+        raise Unconvertible(f"import from {mod or '.'!r}: the grader evaluates tests itself and knows only {known} "
+                            f"(and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})")
+    allowed = MODULES.get(mod, _PYTEST_NAMES if mod == "pytest" else None)
+    if mod == "typing" or allowed is None:  # typing: annotations only; the program's module: any of its names
+        return
+    for a in node.names:
+        if a.name != "*" and a.name not in allowed:
+            raise Unconvertible(f"from {mod} import {a.name}: not a name the grader evaluates ({_where(node)})")
+
+
 def _validate(tree: ast.Module) -> None:
-    stdlib = set(sys.stdlib_module_names)
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt) and not isinstance(node, _STMTS):
             raise Unconvertible(f"`{type(node).__name__}` statements are not graded ({_where(node)})")
         if isinstance(node, ast.expr) and not isinstance(node, _EXPRS):
             raise Unconvertible(f"`{type(node).__name__}` expressions are not graded ({_where(node)})")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            for m in mods:
-                top = m.split(".")[0]
-                if top in stdlib and top not in GRADER_MODULES or (isinstance(node, ast.ImportFrom) and node.level):
-                    raise Unconvertible(f"import of {m or '.'!r}: the grader evaluates tests itself and knows "
-                                        f"only {', '.join(sorted(GRADER_MODULES - {'__future__'}))} ({_where(node)})")
+            _check_import(node)
         if isinstance(node, ast.Name) and node.id.startswith("__"):
             raise Unconvertible(f"the name {node.id[:40]} is not graded ({_where(node)})")
         if isinstance(node, ast.Attribute) and node.attr.startswith("_"):

@@ -116,7 +116,9 @@ def test_refused_files_say_why_in_one_line():
     for tests, why in [("import os\nassert f(1) == 1", "import of 'os'"), ("f(1)", "no assert"),
                        ("class A:\n    pass\nassert f(1)", "class A"), ("assert f(1).__class__", ".__class__"),
                        ("def test_a(tmp_path):\n    assert f(1)", "fixtures"), ("assert (", "not valid Python"),
-                       ("global x\nassert f(1)", "Global")]:  # fmt: skip
+                       ("global x\nassert f(1)", "Global"), ("import numpy.linalg\nassert f(1)", "numpy.linalg"),
+                       ("import sympy\nassert f(1) == sympy.sqrt(4)", "sympy"),
+                       ("from math import system\nassert f(1)", "math import system")]:  # fmt: skip
         with pytest.raises(Unconvertible, match=why) as err:
             prepare(tests)
         assert "\n" not in str(err.value)
