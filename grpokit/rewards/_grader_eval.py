@@ -46,6 +46,7 @@ MAX_SIZE = 1_000_000  # elements (or characters) a value computed here may have
 MAX_INT_BITS = 1 << 22  # bits an integer computed or decoded here may have
 MAX_WIDTH = 10_000  # a formatting width or precision
 MAX_OPS = 2_000_000  # expression nodes and statements evaluated per sample
+MAX_DECODED = 1_000_000  # values decoded from one sample's answers (each a few dozen bytes in the trainer)
 _WIDTH_RE = re.compile(r"(\d+|\*)")
 
 
@@ -128,6 +129,21 @@ MODULES = {
               "pi": math.pi},  # fmt: skip
     "typing": {},
 }
+
+
+def count_values(obj: Any, limit: int) -> int:
+    """How many JSON values ``obj`` holds (ValueError past ``limit``): what decoding it will keep in memory."""
+    n, stack = 0, [obj]
+    while stack:
+        o = stack.pop()
+        n += 1
+        if n > limit:
+            raise ValueError(f"more than {limit} values")
+        if type(o) is list:
+            stack.extend(o)
+        elif type(o) is dict:
+            stack.extend(o.values())
+    return n
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -231,7 +247,11 @@ class Budget:
     """Operations and wall time left to one sample's grading."""
 
     def __init__(self, deadline: float) -> None:
-        self.deadline, self.ops = deadline, 0
+        self.deadline, self.ops, self.decoded = deadline, 0, 0
+
+    def decoding(self, obj: Any) -> None:
+        """Count an answer's values against the sample's bound before it is decoded."""
+        self.decoded += count_values(obj, MAX_DECODED - self.decoded)
 
     def tick(self, n: int = 1) -> None:
         self.ops += n

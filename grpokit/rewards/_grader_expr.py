@@ -55,6 +55,7 @@ class Expressions:
             raise _Fail("no answer from the sandbox")
         if "v" in answer:
             try:
+                self.budget.decoding(answer["v"])
                 return checked(decode(answer["v"]))
             except (ValueError, TypeError, RecursionError) as exc:
                 raise _Fail(f"undecodable value ({exc})") from None
@@ -67,6 +68,15 @@ class Expressions:
             err.msg = answer["msg"][:200] if type(answer.get("msg")) is str else ""
             raise err
         raise _Fail("an answer of no known form")
+
+    def val(self, value: Any) -> Any:
+        """A program *name* used as a value (``assert ANSWER == 42``) is fetched: its value, or a kept object."""
+        if isinstance(value, Remote) and not value.src.startswith("__R["):
+            return self.query(value.src, [])
+        return value
+
+    def truth(self, value: Any) -> bool:
+        return truth(self.val(value))
 
     def remote_call(self, func_src: str, args: list, kwargs: dict) -> Any:
         parts, sent = [], []
@@ -131,14 +141,14 @@ class Expressions:
         return out
 
     def _UnaryOp(self, node, scope):
-        v = self.ev(node.operand, scope)
+        v = self.val(self.ev(node.operand, scope))
         if isinstance(node.op, ast.Not):
             return not truth(v)
         plain_operands(v)
         return _UNOPS[type(node.op)](v)
 
     def _BinOp(self, node, scope):
-        left, right = self.ev(node.left, scope), self.ev(node.right, scope)
+        left, right = self.val(self.ev(node.left, scope)), self.val(self.ev(node.right, scope))
         plain_operands(left, right)
         guard(type(node.op), left, right)
         return checked(_BINOPS[type(node.op)](left, right))
@@ -146,15 +156,15 @@ class Expressions:
     def _BoolOp(self, node, scope):
         is_and = isinstance(node.op, ast.And)
         for v in node.values:
-            value = self.ev(v, scope)
+            value = self.val(self.ev(v, scope))
             if truth(value) != is_and:
                 return value
         return value
 
     def _Compare(self, node, scope):
-        left = self.ev(node.left, scope)
+        left = self.val(self.ev(node.left, scope))
         for op, comp in zip(node.ops, node.comparators):
-            right = self.ev(comp, scope)
+            right = self.val(self.ev(comp, scope))
             plain_operands(left, right)
             result = _CMPOPS[type(op)](left, right)
             if not truth(result):
@@ -163,7 +173,7 @@ class Expressions:
         return True
 
     def _IfExp(self, node, scope):
-        return self.ev(node.body if truth(self.ev(node.test, scope)) else node.orelse, scope)
+        return self.ev(node.body if self.truth(self.ev(node.test, scope)) else node.orelse, scope)
 
     def _JoinedStr(self, node, scope):
         out = []
@@ -172,7 +182,7 @@ class Expressions:
         return checked("".join(out))
 
     def _FormattedValue(self, node, scope):
-        value = self.ev(node.value, scope)
+        value = self.val(self.ev(node.value, scope))
         plain_operands(value)
         spec = self.ev(node.format_spec, scope) if node.format_spec is not None else ""
         _format_guard(spec)
@@ -198,7 +208,7 @@ class Expressions:
         return getattr(base, attr)
 
     def _Subscript(self, node, scope):
-        base, index = self.ev(node.value, scope), self.ev(node.slice, scope)
+        base, index = self.ev(node.value, scope), self.val(self.ev(node.slice, scope))
         if isinstance(base, Remote):
             return self._remote_item(base, index)
         plain_operands(index)
@@ -274,7 +284,7 @@ class Expressions:
             if name == "filter":
                 if len(items) != 1:
                     raise _Fail("filter takes one iterable")
-                return [x for x in items[0] if truth(self.call(args[0], [x], {}))]
+                return [x for x in items[0] if self.truth(self.call(args[0], [x], {}))]
             return [self.call(args[0], list(xs), {}) for xs in zip(*items)]
         if name in _CONSUMERS:
             args = [list(self.iterate(a)) if isinstance(a, Remote) else a for a in args]
@@ -320,7 +330,7 @@ class Expressions:
         for item in self.iterate(self.ev(gen.iter, scope)):
             inner = dict(scope)
             bind(gen.target, item, inner)
-            if all(truth(self.ev(c, inner)) for c in gen.ifs):
+            if all(self.truth(self.ev(c, inner)) for c in gen.ifs):
                 self._generate(node, i + 1, inner, out)
 
     def call_closure(self, fn: Closure, args: list, kwargs: dict) -> Any:  # the statement interpreter overrides

@@ -244,7 +244,8 @@ def main(job: dict, job_file) -> None:
         os._exit(HARNESS_FAILED)
     sys.argv = ["solution.py"]
     sys.addaudithook(_hook)
-    ns = {"__name__": "__main__", "__builtins__": builtins}
+    # in call mode the tests import the program (``from solution import f``): its main guard does not run
+    ns = {"__name__": "solution" if job.get("serve") else "__main__", "__builtins__": builtins}
     status = _run_program(job["code"], ns)
     if status == 0 and job.get("serve"):
         _report({"ready": True})

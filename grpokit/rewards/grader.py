@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail, truth
+from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail
 from grpokit.rewards._grader_expr import Closure, ExcName, Expressions, bind, bind_args
 from grpokit.rewards.test_convert import COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, convert  # noqa: F401
 
@@ -149,7 +149,7 @@ class Interpreter(Expressions):
 
     def _s_Assert(self, s, scope):
         try:
-            ok = truth(self.ev(s.test, scope))
+            ok = self.truth(self.ev(s.test, scope))
         except (_Return, _Break, _Continue):
             raise
         except Exception:  # noqa: BLE001 - an assert that cannot be evaluated fails
@@ -198,7 +198,7 @@ class Interpreter(Expressions):
         raise _Fail("the tests raised")
 
     def _s_If(self, s, scope):
-        self.exec_block(s.body if truth(self.ev(s.test, scope)) else s.orelse, scope)
+        self.exec_block(s.body if self.truth(self.ev(s.test, scope)) else s.orelse, scope)
 
     def _loop_body(self, body: list[ast.stmt], scope: dict) -> bool:
         """False on break."""
@@ -218,7 +218,7 @@ class Interpreter(Expressions):
         self.exec_block(s.orelse, scope)
 
     def _s_While(self, s, scope):
-        while truth(self.ev(s.test, scope)):
+        while self.truth(self.ev(s.test, scope)):
             self.budget.tick()
             if not self._loop_body(s.body, scope):
                 return

@@ -277,3 +277,8 @@ def test_rows_with_tests_the_grader_cannot_run_are_refused(reward):
         reward.check_rows(rows)
     assert "\n" not in str(err.value)
     reward.check_rows(rows[:2])
+
+
+def test_test_code_imports_the_program_so_its_main_guard_does_not_run(reward):
+    program = fenced("def f(n):\n    return n + 1\nif __name__ == '__main__':\n    print(f(int(input())))")
+    assert reward([program], test_cases=["from solution import f\nassert f(1) == 2"]) == [1.0]

@@ -168,3 +168,15 @@ def test_test_values_never_travel_with_program_objects():
     g = grade(prepare(tests), sandbox, time.monotonic() + 30)
     assert (g.passed, g.checks) == (2, 3)  # zip over the program's items fails honestly; map(f) and sorted pass
     assert "8191" not in json.dumps(sandbox.sent)
+
+
+def test_program_variables_are_fetched_as_values():
+    assert score("assert ANSWER == 42\nassert TABLE[2] == 'c'\nassert not EMPTY",
+                 {"ANSWER": 42, "TABLE": "abc", "EMPTY": []}) == (3, 3)  # fmt: skip
+    assert score("assert ANSWER == 42", {"ANSWER": Yes()}) == (0, 1)
+
+
+def test_answers_are_bounded_in_what_they_keep():
+    tests = "xs = [f(i) for i in range(8)]\nassert len(xs) == 8"
+    assert score(tests, {"f": lambda i: list(range(200_000))}) == (0, 1)  # 1.6 M values: over the bound
+    assert score(tests, {"f": lambda i: list(range(1000))}) == (1, 1)
