@@ -23,8 +23,15 @@ from typing import Any, Callable
 
 
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
-    "abs all any bin bool bytes chr complex dict divmod enumerate filter float frozenset hex int isinstance len "
-    "list map max min oct ord pow range repr reversed round set sorted str sum tuple type zip").split()}  # fmt: skip
+    "abs all any bin bool bytes callable chr complex dict divmod enumerate filter float format frozenset hash hex "
+    "int isinstance issubclass iter len list map max min next oct ord pow range repr reversed round set sorted str "
+    "sum tuple type zip").split()}  # fmt: skip
+_SAFE_BUILTINS["print"] = lambda *args, **kwargs: None  # tests that print: nothing to show, nothing to decide
+# builtins the tests may not use: evaluated in the trainer they would reach past the grader's bounds (eval, open,
+# getattr with dunder names …), and taken for the program's they would put the program's word on the expected side
+UNSAFE_BUILTINS = {n for n in dir(builtins) if not n.startswith("_")} - set(_SAFE_BUILTINS) - {
+    n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)} - {
+    "True", "False", "None", "Ellipsis", "NotImplemented"}  # fmt: skip
 _MATH = {n: getattr(math, n) for n in (
     "isclose sqrt floor ceil fabs isnan isinf isfinite inf nan pi e tau log log2 log10 exp sin cos tan atan2 "
     "hypot gcd lcm trunc fsum copysign prod factorial comb perm isqrt").split()}  # fmt: skip
@@ -203,6 +210,8 @@ def guard(op: type, left: Any, right: Any) -> None:
 
 
 def call_guard(fn: Any, args: list, kwargs: dict) -> None:
+    if fn is format and len(args) > 1 and isinstance(args[1], str):
+        _format_guard(args[1])
     if fn is range and len(range(*args)) > MAX_SIZE:
         raise _Fail("range too large")
     if fn is pow and len(args) == 2:

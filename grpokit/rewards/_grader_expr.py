@@ -237,7 +237,7 @@ class Expressions:
         for k in node.keywords:
             value = self.ev(k.value, scope)
             if k.arg is None:
-                if type(value) is not dict or not all(type(key) is str for key in value):
+                if type(value) is not dict or not all(type(key) is str and key.isidentifier() for key in value):
                     raise _Fail("** of a non-dict")
                 kwargs.update(value)
             else:

@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail
 from grpokit.rewards._grader_expr import Closure, ExcName, Expressions, bind, bind_args
-from grpokit.rewards.test_convert import COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, convert  # noqa: F401
+from grpokit.rewards.test_convert import (  # noqa: F401 (Unconvertible: API)
+    COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, bound_names, convert,
+)  # fmt: skip
 
 MAX_DEPTH = 50  # nested calls of test functions
 _ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
@@ -35,6 +37,7 @@ _ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, Value
 class Program:
     module: ast.Module
     source_checks: int  # assert statements and raises blocks in the file
+    test_names: frozenset[str] = frozenset()  # names the tests bind: never the program's
 
 
 @dataclass
@@ -53,7 +56,7 @@ def _static_checks(nodes: list[ast.AST]) -> int:
 
 def prepare(tests: str) -> Program:
     module = convert(tests)
-    return Program(module, _static_checks(module.body))
+    return Program(module, _static_checks(module.body), frozenset(bound_names(module)))
 
 
 class _Return(Exception):
@@ -110,8 +113,10 @@ def _error_names(exc: BaseException) -> list[str]:
 
 
 class Interpreter(Expressions):
-    def __init__(self, call: Callable[[str, list], dict | None], budget: Budget) -> None:
+    def __init__(self, call: Callable[[str, list], dict | None], budget: Budget,
+                 test_names: frozenset[str] = frozenset()) -> None:  # fmt: skip
         super().__init__({}, call, budget)
+        self.test_names = test_names
         self.checks: list[bool] = []
         self.depth = 0
         self.globals.update({RAISES: _raises, COUNT_EQUAL: _count_equal})
@@ -253,6 +258,13 @@ class Interpreter(Expressions):
             return Module(name, {"approx": Approx, "raises": _raises})
         return Module(name, {})  # unittest (converted away), __future__, or the program's module (see member)
 
+    def lookup(self, name: str, scope: dict) -> Any:
+        value = super().lookup(name, scope)
+        if isinstance(value, Remote) and value.src == name and name in self.test_names and \
+                name not in scope and name not in self.globals:  # fmt: skip
+            raise _Fail(f"test name {name} used before it is bound")  # never the program's value instead
+        return value
+
     def member(self, base: Any, attr: str) -> Any:
         if isinstance(base, Module) and base.name in PROGRAM_MODULES:
             return Remote(attr)
@@ -330,7 +342,8 @@ def _handler_names(h: ast.ExceptHandler) -> list[str] | None:
 
 def grade(program: Program, call: Callable[[str, list], dict | None], deadline: float | None = None) -> Grade:
     """Run the converted tests; ``call(src, args)`` asks the sandbox (None when it cannot answer)."""
-    interp = Interpreter(call, Budget(deadline if deadline is not None else time.monotonic() + 3600))
+    budget = Budget(deadline if deadline is not None else time.monotonic() + 3600)
+    interp = Interpreter(call, budget, program.test_names)
     try:
         interp.run_module(program.module.body)
     except Unconvertible:

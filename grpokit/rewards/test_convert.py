@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 
-from grpokit.rewards._grader_eval import MODULES
+from grpokit.rewards._grader_eval import MODULES, UNSAFE_BUILTINS
 
 GRADER_MODULES = {*MODULES, "pytest", "unittest", "__future__"}
 # the module names under which test files import the program (``from solution import f``); any other import of a
@@ -262,8 +262,30 @@ def _validate(tree: ast.Module) -> None:
         if isinstance(node, ast.With) and any(i.optional_vars is not None and not isinstance(i.optional_vars, ast.Name)
                                               for i in node.items):
             raise Unconvertible(f"a with-target that is not a name ({_where(node)})")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in UNSAFE_BUILTINS and \
+                node.id not in bound_names(tree):  # fmt: skip
+            raise Unconvertible(f"the builtin {node.id}() is not evaluated by the grader ({_where(node)})")
     if not any(isinstance(n, (ast.Assert, ast.With)) for n in ast.walk(tree)):
         raise Unconvertible("no assert (nor raises check) the grader can evaluate")
+
+
+def bound_names(tree: ast.AST) -> set[str]:
+    """Every name the tests bind anywhere (assignments, defs, parameters, imports, loop and with targets): such a
+    name is never the program's, even where it is not bound yet."""
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+    return names
 
 
 def convert(source: str) -> ast.Module:

@@ -118,7 +118,8 @@ def test_refused_files_say_why_in_one_line():
                        ("def test_a(tmp_path):\n    assert f(1)", "fixtures"), ("assert (", "not valid Python"),
                        ("global x\nassert f(1)", "Global"), ("import numpy.linalg\nassert f(1)", "numpy.linalg"),
                        ("import sympy\nassert f(1) == sympy.sqrt(4)", "sympy"),
-                       ("from math import system\nassert f(1)", "math import system")]:  # fmt: skip
+                       ("from math import system\nassert f(1)", "math import system"),
+                       ("assert f(3) == eval('7')", "eval"), ("assert f(1) == getattr(x, 'y')", "getattr")]:  # fmt: skip
         with pytest.raises(Unconvertible, match=why) as err:
             prepare(tests)
         assert "\n" not in str(err.value)
@@ -180,3 +181,9 @@ def test_answers_are_bounded_in_what_they_keep():
     tests = "xs = [f(i) for i in range(8)]\nassert len(xs) == 8"
     assert score(tests, {"f": lambda i: list(range(200_000))}) == (0, 1)  # 1.6 M values: over the bound
     assert score(tests, {"f": lambda i: list(range(1000))}) == (1, 1)
+
+
+def test_test_names_are_never_the_programs():
+    tests = "if False:\n    expected = 7\nassert f(3) == expected\nprint('done')\nassert f(3) == 7"
+    assert score(tests, {"f": right, "expected": 0}) == (1, 2)  # not the program's `expected`, which it defines
+    assert score("def g():\n    return next(it)\nit = iter([7])\nassert f(3) == g()", {"f": right}) == (1, 1)
