@@ -153,6 +153,17 @@ def count_values(obj: Any, limit: int) -> int:
     return n
 
 
+def spread_hashes(items: Any) -> Any:
+    """``items`` (a list or tuple), refused when many of them share a hash: a set or dict of them would take
+    quadratic time to build (integers equal modulo 2**61 - 1 all hash alike, and a program can send 100 000)."""
+    if isinstance(items, (list, tuple)) and len(items) > 256:
+        distinct = len({hash(x) for x in items if isinstance(x, (int, float, complex, tuple, frozenset))})
+        numeric = sum(isinstance(x, (int, float, complex, tuple, frozenset)) for x in items)
+        if numeric - distinct > max(64, numeric // 8):
+            raise _Fail("keys whose hashes collide")
+    return items
+
+
 def decode(obj: Any, depth: int = 0) -> Any:
     """Tagged JSON (see ``_sandbox_child.encode``) to exact builtin values; ValueError for anything else."""
     if depth > 200:
@@ -164,10 +175,14 @@ def decode(obj: Any, depth: int = 0) -> Any:
     if type(obj) is not dict or set(obj) != {"__t", "v"}:
         raise ValueError("not a tagged value")
     tag, v = obj["__t"], obj["v"]
-    if tag in ("tuple", "set", "frozenset") and type(v) is list:
-        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x, depth + 1) for x in v)
+    if tag == "tuple" and type(v) is list:
+        return tuple(decode(x, depth + 1) for x in v)
+    if tag in ("set", "frozenset") and type(v) is list:
+        return (set if tag == "set" else frozenset)(_spread([decode(x, depth + 1) for x in v]))
     if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
-        return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v}
+        pairs = [(decode(k, depth + 1), decode(x, depth + 1)) for k, x in v]
+        _spread([k for k, _ in pairs])
+        return dict(pairs)
     if tag == "bytes" and type(v) is str:
         return bytes.fromhex(v)
     if tag == "int" and type(v) is str and len(v) <= MAX_INT_BITS // 4 + 3 and re.fullmatch(r"-?0x[0-9a-f]+", v):
@@ -177,10 +192,22 @@ def decode(obj: Any, depth: int = 0) -> Any:
     raise ValueError(f"unknown tag {str(tag)[:40]!r}")
 
 
+def _spread(items: list) -> list:
+    try:
+        return spread_hashes(items)
+    except _Fail as exc:
+        raise ValueError(str(exc)) from None
+
+
+MAX_DIVISION_BITS = 1 << 17  # long division is quadratic: both sides this large fail instead of taking minutes
+
+
 def _int_guard(op: type, left: Any, right: Any) -> None:
     if not (type(left) is int and type(right) is int):
         return
     lb, rb = left.bit_length(), right.bit_length()
+    if op in (ast.FloorDiv, ast.Mod, ast.Div) and min(lb, rb) > MAX_DIVISION_BITS:
+        raise _Fail("division of two huge integers")
     if op is ast.Pow and right > 0 and abs(left) > 1 and lb * right > MAX_INT_BITS:
         raise _Fail("power too large")
     if op is ast.LShift and lb + right > MAX_INT_BITS:
@@ -216,6 +243,12 @@ def call_guard(fn: Any, args: list, kwargs: dict) -> None:
         raise _Fail("range too large")
     if fn is pow and len(args) == 2:
         guard(ast.Pow, args[0], args[1])
+    if fn is pow and len(args) == 3 and type(args[2]) is int and args[2].bit_length() > MAX_DIVISION_BITS:
+        raise _Fail("modular power with a huge modulus")
+    if fn is divmod and len(args) == 2:
+        guard(ast.FloorDiv, args[0], args[1])
+    if fn in (set, frozenset, dict, collections.Counter) and args:
+        spread_hashes(args[0])
     if fn in (math.factorial, math.comb, math.perm) and any(type(a) is int and a > 50_000 for a in args):
         raise _Fail("factorial too large")
 

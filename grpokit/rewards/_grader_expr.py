@@ -15,7 +15,8 @@ from typing import Any
 
 from grpokit.rewards._grader_eval import (
     _BINOPS, _CMPOPS, _MATH, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
-    Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, truth,
+    Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, spread_hashes,
+    truth,
 )  # fmt: skip
 from grpokit.rewards._sandbox_child import encode
 
@@ -129,7 +130,7 @@ class Expressions:
         return self._seq(node, scope, list)
 
     def _Set(self, node, scope):
-        return self._seq(node, scope, set)
+        return self._seq(node, scope, lambda items: set(spread_hashes(items)))
 
     def _Dict(self, node, scope):
         out = {}
@@ -309,8 +310,9 @@ class Expressions:
         out: list = []
         self._generate(node, 0, dict(scope), out)
         if isinstance(node, ast.DictComp):
+            spread_hashes([k for k, _ in out])
             return checked(dict(out))
-        return checked(set(out) if isinstance(node, ast.SetComp) else out)
+        return checked(set(spread_hashes(out)) if isinstance(node, ast.SetComp) else out)
 
     _ListComp = _SetComp = _DictComp = _comp
 

@@ -239,6 +239,7 @@ def main(job: dict, job_file) -> None:
         _lock_down(job)
         _set_limits(job["limits"])
         resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (64, 64))  # queued signals are kernel memory too
     except BaseException as exc:
         _report({"fatal": f"{type(exc).__name__}: {exc}"})
         os._exit(HARNESS_FAILED)

@@ -187,3 +187,22 @@ def test_test_names_are_never_the_programs():
     tests = "if False:\n    expected = 7\nassert f(3) == expected\nprint('done')\nassert f(3) == 7"
     assert score(tests, {"f": right, "expected": 0}) == (1, 2)  # not the program's `expected`, which it defines
     assert score("def g():\n    return next(it)\nit = iter([7])\nassert f(3) == g()", {"f": right}) == (1, 1)
+
+
+def test_answers_that_would_take_the_trainer_quadratic_time_fail():
+    m = 2**61 - 1  # ints equal modulo m hash alike: a set of 100 000 of them would take minutes to build
+    colliding = [k * m for k in range(1, 100_001)]
+    answers = {"set": {"__t": "set", "v": colliding}, "list": colliding}
+
+    def call(src, args):  # answers as the harness would send them (a real set of these would hang this test too)
+        return {"q": 1, "v": answers[src.split("(")[0][2:]]}
+
+    start = time.monotonic()
+    for tests in ("assert len(f_set(1)) == 100000", "assert len(set(f_list(1))) == 100000",
+                  "assert len({x for x in f_list(1)}) == 100000"):
+        g = grade(prepare(tests), call, time.monotonic() + 30)
+        assert (g.passed, g.checks) == (0, 1), tests
+    big = 3 ** 400_000
+    assert score("assert f(1) % f(2) == 0", {"f": lambda n: big + n}) == (0, 1)  # quadratic long division
+    assert time.monotonic() - start < 10
+    assert score("assert len(f(1)) == 5000", {"f": lambda n: set(range(5000))}) == (1, 1)  # plain sets are fine
