@@ -245,6 +245,23 @@ def _check_import(node: ast.Import | ast.ImportFrom) -> None:
             raise Unconvertible(f"from {mod} import {a.name}: not a name the grader evaluates ({_where(node)})")
 
 
+_MODULE_NAMES = {**MODULES, "pytest": _PYTEST_NAMES, "unittest": {"TestCase", "main"}}
+
+
+def _check_module_attributes(tree: ast.Module) -> None:
+    """``np.array``, ``math.foo``: a name of a grader module that the grader does not evaluate is refused here, at
+    load, rather than failing every sample's check later."""
+    aliases = {a.asname or a.name: a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            mod = aliases[node.value.id]
+            names = _MODULE_NAMES.get(mod)
+            if mod == "typing" or names is None:
+                continue
+            if node.attr not in names:
+                raise Unconvertible(f"{mod}.{node.attr} is not evaluated by the grader ({_where(node)})")
+
+
 def _validate(tree: ast.Module) -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt) and not isinstance(node, _STMTS):
@@ -266,6 +283,7 @@ def _validate(tree: ast.Module) -> None:
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in UNSAFE_BUILTINS and \
                 node.id not in bound_names(tree):  # fmt: skip
             raise Unconvertible(f"the builtin {node.id}() is not evaluated by the grader ({_where(node)})")
+    _check_module_attributes(tree)
     if not any(isinstance(n, (ast.Assert, ast.With)) for n in ast.walk(tree)):
         raise Unconvertible("no assert (nor raises check) the grader can evaluate")
 

@@ -316,6 +316,9 @@ MEMORY = {  # kernel memory outside the address-space limit; each prints what it
                            "print('HELD', 0 if q < 0 else 1)",
     "empty_directories": "import os, time\nn = 0\ntry:\n    for i in range(300000):\n        os.mkdir(f'd{{i}}')\n"
                          "        n += 1\nexcept OSError as e:\n    print(e)\nprint('HELD', n * 1024)\ntime.sleep(1)",
+    "tmpfs_xattrs": "import os, time\nopen('a', 'w').close()\nn = 0\ntry:\n    for i in range(100000):\n"
+                    "        os.setxattr('a', f'user.k{{i}}', b'x' * 60000)\n        n += 1\nexcept OSError as e:\n"
+                    "    print(e)\nprint('HELD', n * 60000)\ntime.sleep(1)",
     "empty_files": "import os, time\nn = 0\ntry:\n    for i in range(300000):\n"
                    "        os.close(os.open(f'f{{i}}', os.O_CREAT | os.O_WRONLY))\n        n += 1\n"
                    "except OSError as e:\n    print(e)\nprint('HELD', n * 1024)\ntime.sleep(1)",

@@ -119,7 +119,8 @@ def test_refused_files_say_why_in_one_line():
                        ("global x\nassert f(1)", "Global"), ("import numpy.linalg\nassert f(1)", "numpy.linalg"),
                        ("import sympy\nassert f(1) == sympy.sqrt(4)", "sympy"),
                        ("from math import system\nassert f(1)", "math import system"),
-                       ("assert f(3) == eval('7')", "eval"), ("assert f(1) == getattr(x, 'y')", "getattr")]:  # fmt: skip
+                       ("assert f(3) == eval('7')", "eval"), ("assert f(1) == getattr(x, 'y')", "getattr"),
+                       ("import numpy as np\nassert (f(1) == np.array([1])).all()", "numpy.array")]:  # fmt: skip
         with pytest.raises(Unconvertible, match=why) as err:
             prepare(tests)
         assert "\n" not in str(err.value)
