@@ -19,7 +19,7 @@ import math
 import operator
 import re
 import time
-from typing import Any, Callable
+from typing import Any
 
 
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
@@ -302,5 +302,3 @@ class Budget:
         if self.ops % 512 == 0 and time.monotonic() > self.deadline:
             raise _Fail("out of time")
 
-
-QueryFn = Callable[[str, list], Any]

@@ -14,7 +14,7 @@ import builtins
 from typing import Any
 
 from grpokit.rewards._grader_eval import (
-    _BINOPS, _CMPOPS, _MATH, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
+    _BINOPS, _CMPOPS, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
     Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, spread_hashes,
     truth,
 )  # fmt: skip
@@ -386,7 +386,3 @@ def bind_args(a: ast.arguments, args: list, kwargs: dict, local: dict, ex: Expre
     missing = [p for p in params + [p.arg for p in a.kwonlyargs] if p not in local]
     if missing:
         raise _Fail(f"missing argument {missing[0][:40]}")
-
-
-__all__ = ["Closure", "Expressions", "bind", "bind_args", "CandidateError", "Approx", "Module", "Remote", "_Fail",
-           "_MATH"]

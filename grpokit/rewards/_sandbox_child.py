@@ -60,16 +60,12 @@ def _set_limits(lim: dict) -> None:
 def _mount_tmp(libc, spec: dict) -> None:
     """A fresh tmpfs at /tmp with a size and an inode count (the kernel bounds both), made while the harness still
     holds CAP_SYS_ADMIN in the sandbox's own user namespace (bubblewrap's tmpfs has no inode bound)."""
-    opts = f"size={int(spec['size'])},nr_inodes={int(spec['nr_inodes'])},mode=1777".encode()
-    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts) != 0:  # MS_NOSUID | MS_NODEV
-        raise OSError(ctypes_errno(libc), "mount of the private /tmp failed")
-    os.chdir("/tmp")
-
-
-def ctypes_errno(libc) -> int:
     import ctypes
 
-    return ctypes.get_errno()
+    opts = f"size={int(spec['size'])},nr_inodes={int(spec['nr_inodes'])},mode=1777".encode()
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts) != 0:  # MS_NOSUID | MS_NODEV
+        raise OSError(ctypes.get_errno(), "mount of the private /tmp failed")
+    os.chdir("/tmp")
 
 
 def _drop_caps(libc) -> None:
@@ -87,7 +83,7 @@ def _drop_caps(libc) -> None:
 
 
 def _lock_down(job: dict) -> None:
-    """Privileged fallback: drop to the slot uid; the tmpfs; no capabilities; the late seccomp filter."""
+    """In order: the private /tmp; (privileged fallback) the slot uid; no capabilities; the late seccomp filter."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
