@@ -170,7 +170,7 @@ class Session:
         q = self.calls
         self.out.await_q = q
         self.out.send(self.job_w, json.dumps({"q": q, "src": src, "a": args}).encode() + b"\n")
-        self.out.pump(lambda: self.out.answer is not None)
+        self.out.pump(lambda: self.out.answer is not None or self.out.rep_r not in self.out.reading)
         answer, self.out.answer, self.out.await_q = self.out.answer, None, None
         return answer if isinstance(answer, dict) else None
 
