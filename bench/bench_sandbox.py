@@ -1,99 +1,108 @@
-"""Overhead of the code_exec sandbox: the bubblewrap + seccomp sandbox against the old one (unshare --net, uid
-nobody, audit hook), taken from git at ``--old-rev``.
+"""Throughput of the code_exec sandbox: this tree against an older revision (``--old-rev``), run back to back.
 
-Two numbers per sandbox, on a trivial program (``print(int(input()) * 2)``):
+Each side runs in its own interpreter (the old revision's ``grpokit`` is taken from git with ``git archive``, so
+nothing of this tree mixes in), alternating for ``--rounds`` rounds on the same loaded machine. Per side:
 
-- the median wall time of one execution, run one after another (``--repeats`` each, interleaved);
-- executions per second with ``--slots`` running at once (threads, as ``code_exec_workers`` does), over
-  ``--burst`` executions.
+- ``median ms`` / ``p90 ms``: one execution of a trivial program (``print(int(input()) * 2)``), one after another;
+- ``exec/s``: stdin executions per second with ``--slots`` running at once (threads, as ``code_exec_workers``);
+- ``asserts samples/s``: whole ``code_exec`` samples per second graded against three asserts, ``--slots`` workers;
+- ``cpu ms``: CPU time (trainer and sandboxes, user + system) per stdin execution and per assert sample: on a
+  machine that other work loads, the steadier measure of what each costs.
 
-    python bench/bench_sandbox.py                      # as root, as CI runs
-    python bench/bench_sandbox.py --repeats 60 --slots 8 --burst 160 --ballast-mb 2000
+    python bench/bench_sandbox.py                         # as root, as CI runs
+    python bench/bench_sandbox.py --old-rev 86d38b3 --rounds 3 --slots 4 --burst 40
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAM = "print(int(input()) * 2)"
 
-
-def load_old(rev: str):
-    """The old ``sandbox.py`` and its child script from git, imported as a stand-alone module."""
-    folder = Path(tempfile.mkdtemp(prefix="grpokit-old-sbx-"))
-    folder.chmod(0o755)
-    for name in ("sandbox.py", "_sandbox_child.py"):
-        text = subprocess.run(["git", "show", f"{rev}:grpokit/rewards/{name}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout  # fmt: skip
-        (folder / name).write_text(text)
-        (folder / name).chmod(0o644)
-    spec = importlib.util.spec_from_file_location("old_sandbox", folder / "sandbox.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_sandbox"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def runners(old_rev: str) -> dict:
-    sys.path.insert(0, str(ROOT))
-    from grpokit.rewards import sandbox
-
-    old = load_old(old_rev)
-    new_limits = sandbox.SandboxLimits(timeout_s=5, memory_mb=512)
-    old_limits = old.SandboxLimits(timeout_s=5, memory_mb=512)
-
-    def run_new() -> bool:
-        return sandbox.run_job(PROGRAM, stdin="21\n", limits=new_limits).stdout == "42\n"
-
-    def run_old() -> bool:
-        return old.run_python(PROGRAM, stdin="21\n", limits=old_limits).stdout == "42\n"
-
-    return {"old": run_old, "new": run_new}
-
-
-def one(fn) -> float:
+MEASURE = r"""
+import json, resource, statistics, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from grpokit.rewards.sandbox import SandboxLimits, run_python
+from grpokit.rewards.code_exec import CodeExecReward
+repeats, slots, burst, ballast_mb = map(int, sys.argv[1:5])
+ballast = bytearray(ballast_mb << 20)
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1  # touch every page: a fork has to copy its page tables
+lim = SandboxLimits(timeout_s=5, memory_mb=512)
+def one():
     start = time.perf_counter()
-    if not fn():
+    if run_python("print(int(input()) * 2)", stdin="21\n", limits=lim).stdout != "42\n":
         raise SystemExit("the sandbox did not run the program")
     return time.perf_counter() - start
+def cpu():
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+one()
+times = sorted(one() for _ in range(repeats))
+start, c0 = time.perf_counter(), cpu()
+with ThreadPoolExecutor(slots) as pool:
+    list(pool.map(lambda _: one(), range(burst)))
+rate, cpu_exec = burst / (time.perf_counter() - start), (cpu() - c0) / burst
+reward = CodeExecReward(code_exec_timeout=5, code_exec_memory_mb=512, code_exec_workers=slots)
+tests = "assert f(13) == 8191\nassert f(5) == 31\nassert [f(i) for i in range(3)] == [0, 1, 3]"
+start, c0 = time.perf_counter(), cpu()
+scores = reward(["def f(n):\n    return 2 ** n - 1\n"] * burst, test_cases=[tests] * burst)
+samples, cpu_sample = burst / (time.perf_counter() - start), (cpu() - c0) / burst
+assert scores == [1.0] * burst, scores
+print(json.dumps({"median": statistics.median(times), "p90": times[int(0.9 * (len(times) - 1))],
+                  "rate": rate, "samples": samples, "cpu_exec": cpu_exec, "cpu_sample": cpu_sample}))
+"""
+
+
+def snapshot(rev: str) -> Path:
+    """The revision's ``grpokit`` package in a temporary folder (readable by sandbox users)."""
+    folder = Path(tempfile.mkdtemp(prefix="grpokit-bench-"))
+    folder.chmod(0o755)
+    archive = subprocess.run(["git", "archive", rev, "grpokit"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def measure(tree: Path, a) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(a.repeats), str(a.slots), str(a.burst),
+                          str(a.ballast_mb)], env=env, capture_output=True, text=True, cwd="/")  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(f"bench on {tree} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--old-rev", default="4bd70af", help="git revision with the old sandbox")
-    p.add_argument("--repeats", type=int, default=40)
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--burst", type=int, default=80)
-    p.add_argument("--ballast-mb", type=int, default=0, help="memory the parent holds, as a trainer with a model does")
+    p.add_argument("--old-rev", default="86d38b3", help="git revision to compare with (before issue 28)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating old/new runs")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--burst", type=int, default=40)
+    p.add_argument("--ballast-mb", type=int, default=0, help="memory each side's parent holds, as a trainer does")
     a = p.parse_args()
-    ballast = bytearray(a.ballast_mb << 20)
-    for i in range(0, len(ballast), 4096):
-        ballast[i] = 1  # touch every page: a fork has to copy its page tables
-    fns = runners(a.old_rev)
-    for fn in fns.values():
-        one(fn)  # warm up (interpreter checks, filters)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(a.repeats):
-        for k, fn in fns.items():
-            times[k].append(one(fn))
-    print(f"{'sandbox':8} {'median ms':>10} {'p90 ms':>8} {f'exec/s @{a.slots} slots':>18}")
-    for k, fn in fns.items():
-        start = time.perf_counter()
-        with ThreadPoolExecutor(a.slots) as pool:
-            ok = all(pool.map(lambda _: fn(), range(a.burst)))
-        rate = a.burst / (time.perf_counter() - start)
-        t = sorted(times[k])
-        print(f"{k:8} {statistics.median(t) * 1e3:10.1f} {t[int(0.9 * (len(t) - 1))] * 1e3:8.1f} {rate:18.1f}"
-              + ("" if ok else "  (some runs failed)"))
+    old = snapshot(a.old_rev)
+    try:
+        runs: dict[str, list[dict]] = {"old": [], "new": []}
+        for _ in range(a.rounds):
+            runs["old"].append(measure(old, a))
+            runs["new"].append(measure(ROOT, a))
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+    print(f"{'sandbox':8} {'median ms':>10} {'p90 ms':>8} {f'exec/s @{a.slots}':>12} {'cpu ms/exec':>12} "
+          f"{f'assert samples/s @{a.slots}':>25} {'cpu ms/sample':>14}")
+    for side, rs in runs.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        print(f"{side:8} {m['median'] * 1e3:10.1f} {m['p90'] * 1e3:8.1f} {m['rate']:12.1f} {m['cpu_exec'] * 1e3:12.1f} "
+              f"{m['samples']:25.1f} {m['cpu_sample'] * 1e3:14.1f}")
 
 
 if __name__ == "__main__":

@@ -245,7 +245,7 @@ class RewardArguments:
     repetition_max_penalty: float = _opt(-1.0, "repetition reward: most negative value", le=0)
     soft_max_length: int | None = _opt(None, "soft_overlong reward: max length (default max_completion_length)", ge=1)
     soft_cache_length: int | None = _opt(None, "soft_overlong reward: soft penalty window", ge=0)
-    code_exec_timeout: float = _opt(5.0, "code_exec reward: seconds per program", gt=0)
+    code_exec_timeout: float = _opt(5.0, "code_exec reward: seconds per sample, across all its test cases", gt=0)
     code_exec_memory_mb: int = _opt(512, "code_exec reward: memory limit per program", ge=1)
     code_exec_workers: int = _opt(2, "code_exec reward: programs run in parallel", ge=1)
     code_exec_isolation: str = _opt("bwrap", "code_exec reward: bwrap (each program in a bubblewrap sandbox with "

@@ -156,6 +156,9 @@ def _run_train(cfg: TrainConfig, log):
         scheduler = build_scheduler(cfg, tokenizer)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
+    for func in funcs:  # a reward that vets the rows before training (code_exec: tests it cannot grade)
+        if callable(getattr(func, "check_rows", None)):
+            func.check_rows(train_ds)
     callbacks = [callbacks_map.get_or_raise(n) for n in cfg.training.callbacks]  # built by the trainer
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     try:

@@ -1,34 +1,46 @@
-"""The parent-side expression walker of ``grader.py``: a small evaluator for the part of an assert that the
-program has no say in, and the decoder of the values the sandbox sends back.
+"""The parent-side expression walker of ``grader.py``: it evaluates the tests' expressions in the trainer, on exact
+builtin values, and asks the sandbox only for what belongs to the program.
 
-One class, two walks: with ``reports=None`` and a plan it *collects* (every leaf becomes an ``eval`` step and its
-value is the placeholder ``REMOTE``, which poisons whatever uses it); with reports it *scores* (leaves take their
-decoded values). Which sub-expressions are leaves is decided by the same static rules in both walks; where a walk
-branches on a value (``and``/``or``, ``x if c else y``, comprehension filters), the collect walk takes every
-branch, so the scoring walk finds every leaf it needs. Everything computed here runs on exact builtin values, and
-the operations that could take long on large inputs (``**``, ``*`` on sequences, ``<<``, ``range``) are bounded.
+A name the tests do not define is the program's: it evaluates to a ``Remote`` (a name, or a result the sandbox
+keeps because it is no plain value). Calling a ``Remote``, or reading an attribute or an item of it, is one call
+into the sandbox (``query``); the answer comes back as tagged JSON and is decoded here into fresh builtin objects
+(or into another ``Remote``). A ``Remote`` itself never takes part in a comparison, a truth test or arithmetic:
+that fails the check, so an object with an ``__eq__`` that always answers True, or a rebound builtin, never
+reaches a verdict. Everything computed here is bounded: sizes of sequences and integers, string formatting
+widths, iterations (``Budget``), and the sample's deadline.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import math
 import operator
+import re
+import time
 from typing import Any
 
+
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
-    "abs all any bin bool bytes chr complex dict divmod enumerate float frozenset hex int isinstance len list max "
-    "min oct ord pow range repr reversed round set sorted str sum tuple type zip").split()}  # fmt: skip
+    "abs all any bin bool bytes callable chr complex dict divmod enumerate filter float format frozenset hash hex "
+    "int isinstance issubclass iter len list map max min next oct ord pow range repr reversed round set sorted str "
+    "sum tuple type zip").split()}  # fmt: skip
+_SAFE_BUILTINS["print"] = lambda *args, **kwargs: None  # tests that print: nothing to show, nothing to decide
+# builtins the tests may not use: evaluated in the trainer they would reach past the grader's bounds (eval, open,
+# getattr with dunder names …), and taken for the program's they would put the program's word on the expected side
+UNSAFE_BUILTINS = {n for n in dir(builtins) if not n.startswith("_")} - set(_SAFE_BUILTINS) - {
+    n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)} - {
+    "True", "False", "None", "Ellipsis", "NotImplemented"}  # fmt: skip
 _MATH = {n: getattr(math, n) for n in (
     "isclose sqrt floor ceil fabs isnan isinf isfinite inf nan pi e tau log log2 log10 exp sin cos tan atan2 "
-    "hypot gcd trunc fsum copysign").split()}  # fmt: skip
+    "hypot gcd lcm trunc fsum copysign prod factorial comb perm isqrt").split()}  # fmt: skip
 _METHODS = set(
-    "strip lstrip rstrip lower upper title split rsplit splitlines startswith endswith count index find rfind "
-    "replace join isdigit isalpha isalnum isspace keys values items get real imag".split())  # fmt: skip
-_PLAIN = (bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, type(None))
-_UNSUPPORTED = (ast.Lambda, ast.NamedExpr, ast.Starred, ast.Await, ast.Yield, ast.YieldFrom, ast.JoinedStr)
-_COMPS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+    "strip lstrip rstrip lower upper title capitalize split rsplit splitlines startswith endswith count index find "
+    "rfind replace join isdigit isalpha isalnum isspace isupper islower keys values items get real imag append "
+    "extend insert pop remove sort reverse copy add update discard union intersection difference issubset "
+    "issuperset symmetric_difference most_common elements setdefault".split())  # fmt: skip
+_PLAIN = (bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, type(None), collections.Counter)
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
            ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
@@ -37,22 +49,119 @@ _UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}  # fmt: skip
-MAX_ITEMS = 10_000  # comprehension iterations per assert
-MAX_SIZE = 10_000_000  # elements a sequence product or range may have
+MAX_SIZE = 1_000_000  # elements (or characters) a value computed here may have
+MAX_INT_BITS = 1 << 22  # bits an integer computed or decoded here may have
+MAX_WIDTH = 10_000  # a formatting width or precision
+MAX_OPS = 2_000_000  # expression nodes and statements evaluated per sample
+MAX_DECODED = 1_000_000  # values decoded from one sample's answers (each a few dozen bytes in the trainer)
+_WIDTH_RE = re.compile(r"(\d+|\*)")
 
 
 class _Fail(Exception):
-    """This assert cannot pass (a missing or undecodable value, an error, a guard)."""
+    """This check cannot pass (a missing or undecodable value, a guard, a program object in a comparison)."""
 
 
-class _Remote:
-    """A value only the sandbox knows (collect walk)."""
+class CandidateError(Exception):
+    """The program raised ``name`` while answering a call (``mro``: the names of its classes, as it says)."""
+
+    def __init__(self, name: str, mro: list[str]) -> None:
+        super().__init__(name)
+        self.name, self.mro = name, mro
+
+
+class Remote:
+    """A value that lives in the sandbox: a name of the program, or a result kept there (``__R[n]``)."""
+
+    __slots__ = ("src",)
+
+    def __init__(self, src: str) -> None:
+        self.src = src
 
     def __repr__(self) -> str:
-        return "REMOTE"
+        return f"Remote({self.src})"
 
 
-REMOTE = _Remote()
+class Module:
+    """A module the tests import, reduced to the names the parent evaluates itself."""
+
+    def __init__(self, name: str, names: dict[str, Any]) -> None:
+        self.name, self.names = name, names
+
+
+class Approx:
+    """``pytest.approx``: equal to numbers (or lists/tuples/dicts of them) within a tolerance."""
+
+    def __init__(self, expected: Any, rel: float | None = None, abs: float | None = None) -> None:  # noqa: A002
+        self.expected, self.rel, self.abs = expected, 1e-6 if rel is None else rel, 1e-12 if abs is None else abs
+
+    def _close(self, a: Any, b: Any) -> bool:
+        if type(a) in (list, tuple) and type(b) in (list, tuple):
+            return len(a) == len(b) and all(self._close(x, y) for x, y in zip(a, b))
+        if type(a) is dict and type(b) is dict:
+            return a.keys() == b.keys() and all(self._close(a[k], b[k]) for k in a)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            return a == b or math.isclose(a, b, rel_tol=self.rel, abs_tol=self.abs)
+        return type(a) is type(b) and a == b
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, (Remote, Approx)):
+            raise _Fail("approx compared with a program object")
+        return self._close(other, self.expected)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
+    """numpy.allclose on plain numbers and (nested) lists/tuples, scalars broadcast."""
+    if type(a) in (list, tuple) or type(b) in (list, tuple):
+        a_seq = a if type(a) in (list, tuple) else [a] * len(b)
+        b_seq = b if type(b) in (list, tuple) else [b] * len(a)
+        return len(a_seq) == len(b_seq) and all(_allclose(x, y, rtol, atol, equal_nan) for x, y in zip(a_seq, b_seq))
+    if not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
+        raise _Fail("allclose on a non-number")
+    if math.isnan(a) or math.isnan(b):
+        return equal_nan and math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= atol + rtol * abs(b)
+
+
+class _NoArray:
+    """numpy.ndarray and the numpy dtypes: no plain value is one."""
+
+
+MODULES = {
+    "math": _MATH,
+    "collections": {"Counter": collections.Counter},
+    "numpy": {"allclose": _allclose, "isclose": lambda a, b, rtol=1e-5, atol=1e-8: _allclose(a, b, rtol, atol),
+              "ndarray": _NoArray, "float64": _NoArray, "float32": _NoArray, "inf": math.inf, "nan": math.nan,
+              "pi": math.pi},  # fmt: skip
+    "typing": {},
+}
+
+
+def count_values(obj: Any, limit: int) -> int:
+    """How many JSON values ``obj`` holds (ValueError past ``limit``): what decoding it will keep in memory."""
+    n, stack = 0, [obj]
+    while stack:
+        o = stack.pop()
+        n += 1
+        if n > limit:
+            raise ValueError(f"more than {limit} values")
+        if type(o) is list:
+            stack.extend(o)
+        elif type(o) is dict:
+            stack.extend(o.values())
+    return n
+
+
+def spread_hashes(items: Any) -> Any:
+    """``items`` (a list or tuple), refused when many of them share a hash: a set or dict of them would take
+    quadratic time to build (integers equal modulo 2**61 - 1 all hash alike, and a program can send 100 000)."""
+    if isinstance(items, (list, tuple)) and len(items) > 256:
+        distinct = len({hash(x) for x in items if isinstance(x, (int, float, complex, tuple, frozenset))})
+        numeric = sum(isinstance(x, (int, float, complex, tuple, frozenset)) for x in items)
+        if numeric - distinct > max(64, numeric // 8):
+            raise _Fail("keys whose hashes collide")
+    return items
 
 
 def decode(obj: Any, depth: int = 0) -> Any:
@@ -66,300 +175,130 @@ def decode(obj: Any, depth: int = 0) -> Any:
     if type(obj) is not dict or set(obj) != {"__t", "v"}:
         raise ValueError("not a tagged value")
     tag, v = obj["__t"], obj["v"]
-    if tag in ("tuple", "set", "frozenset") and type(v) is list:
-        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x, depth + 1) for x in v)
+    if tag == "tuple" and type(v) is list:
+        return tuple(decode(x, depth + 1) for x in v)
+    if tag in ("set", "frozenset") and type(v) is list:
+        return (set if tag == "set" else frozenset)(_spread([decode(x, depth + 1) for x in v]))
     if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
-        return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v}
+        pairs = [(decode(k, depth + 1), decode(x, depth + 1)) for k, x in v]
+        _spread([k for k, _ in pairs])
+        return dict(pairs)
     if tag == "bytes" and type(v) is str:
         return bytes.fromhex(v)
+    if tag == "int" and type(v) is str and len(v) <= MAX_INT_BITS // 4 + 3 and re.fullmatch(r"-?0x[0-9a-f]+", v):
+        return int(v, 16)  # base 16: no decimal digit limit, linear time
     if tag == "complex" and type(v) is list and len(v) == 2 and all(type(x) in (int, float) for x in v):
         return complex(v[0], v[1])
-    raise ValueError(f"unknown tag {tag!r}")
+    raise ValueError(f"unknown tag {str(tag)[:40]!r}")
 
 
-def _literal(value: Any) -> ast.expr:
-    """An AST that evaluates to ``value``; _Fail when the value has no literal form."""
+def _spread(items: list) -> list:
     try:
-        node = ast.parse(repr(value), mode="eval").body
-        if ast.literal_eval(node) == value:
-            return node
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        pass
-    raise _Fail(f"no literal for {type(value).__name__}")
+        return spread_hashes(items)
+    except _Fail as exc:
+        raise ValueError(str(exc)) from None
 
 
-def _bound_inside(node: ast.AST) -> set[str]:
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    for n in ast.walk(node):
-        if isinstance(n, ast.Lambda):
-            names |= {a.arg for a in n.args.args + n.args.kwonlyargs}
-    return names
+MAX_DIVISION_BITS = 1 << 17  # long division is quadratic: both sides this large fail instead of taking minutes
 
 
-class _Substitute(ast.NodeTransformer):
-    def __init__(self, names: dict[str, Any], bound: set[str]) -> None:
-        self.names, self.bound = names, bound
-
-    def visit_Name(self, node: ast.Name) -> ast.expr:
-        if isinstance(node.ctx, ast.Load) and node.id in self.names and node.id not in self.bound:
-            return ast.copy_location(_literal(self.names[node.id]), node)
-        return node
-
-
-def source_of(node: ast.AST, names: dict[str, Any]) -> str:
-    """The node's source with parent-known names replaced by literals (so the sandbox needs none of them)."""
-    copy = ast.parse(ast.unparse(node), mode="eval").body
-    return ast.unparse(_Substitute(names, _bound_inside(node)).visit(copy))
+def _int_guard(op: type, left: Any, right: Any) -> None:
+    if not (type(left) is int and type(right) is int):
+        return
+    lb, rb = left.bit_length(), right.bit_length()
+    if op in (ast.FloorDiv, ast.Mod, ast.Div) and min(lb, rb) > MAX_DIVISION_BITS:
+        raise _Fail("division of two huge integers")
+    if op is ast.Pow and right > 0 and abs(left) > 1 and lb * right > MAX_INT_BITS:
+        raise _Fail("power too large")
+    if op is ast.LShift and lb + right > MAX_INT_BITS:
+        raise _Fail("shift too large")
+    if op is ast.Mult and lb + rb > MAX_INT_BITS:
+        raise _Fail("product too large")
 
 
-def _guard(op: type, left: Any, right: Any) -> None:
-    if op is ast.Pow and isinstance(right, (int, float)) and abs(right) > 4096 and isinstance(left, (int, float)):
+def _format_guard(fmt: str) -> None:
+    """A %-format or format spec whose widths and precisions are all small."""
+    for m in _WIDTH_RE.finditer(fmt):
+        if m.group(1) == "*" or int(m.group(1)) > MAX_WIDTH:
+            raise _Fail("formatting width too large")
+
+
+def guard(op: type, left: Any, right: Any) -> None:
+    _int_guard(op, left, right)
+    if op is ast.Pow and isinstance(right, (int, float)) and abs(right) > 4096 and type(left) is float:
         if abs(left) > 1:
             raise _Fail("power too large")
-    if op is ast.LShift and isinstance(right, int) and right > 65536:
-        raise _Fail("shift too large")
     if op is ast.Mult:
         for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and n * max(1, len(seq)) > MAX_SIZE:
+            if isinstance(seq, (str, bytes, list, tuple)) and type(n) is int and n * max(1, len(seq)) > MAX_SIZE:
                 raise _Fail("sequence too large")
+    if op is ast.Mod and isinstance(left, (str, bytes)):
+        _format_guard(left if isinstance(left, str) else left.decode("latin-1"))
 
 
-def _call_guard(fn: Any, args: list) -> None:
+def call_guard(fn: Any, args: list, kwargs: dict) -> None:
+    if fn is format and len(args) > 1 and isinstance(args[1], str):
+        _format_guard(args[1])
     if fn is range and len(range(*args)) > MAX_SIZE:
         raise _Fail("range too large")
     if fn is pow and len(args) == 2:
-        _guard(ast.Pow, args[0], args[1])
+        guard(ast.Pow, args[0], args[1])
+    if fn is pow and len(args) == 3 and type(args[2]) is int and args[2].bit_length() > MAX_DIVISION_BITS:
+        raise _Fail("modular power with a huge modulus")
+    if fn is divmod and len(args) == 2:
+        guard(ast.FloorDiv, args[0], args[1])
+    if fn in (set, frozenset, dict, collections.Counter) and args:
+        spread_hashes(args[0])
+    if fn in (math.factorial, math.comb, math.perm) and any(type(a) is int and a > 50_000 for a in args):
+        raise _Fail("factorial too large")
 
 
-class Evaluator:
-    def __init__(self, env: dict[str, Any], reports: dict[int, dict] | None, plan: Any = None, check: Any = None):
-        self.env, self.reports, self.plan, self.check = env, reports, plan, check
-        self.collect = reports is None and plan is not None
-        self.items = 0
-
-    # ---- static rules (the same in both walks)
-    def known(self, name: str, local: dict) -> bool:
-        return name in local or name in self.env or name in _SAFE_BUILTINS or name == "math"
-
-    def _safe_func(self, func: ast.expr) -> bool:
-        if isinstance(func, ast.Name):
-            return func.id in _SAFE_BUILTINS
-        if isinstance(func, ast.Attribute):
-            if isinstance(func.value, ast.Name) and func.value.id == "math":
-                return func.attr in _MATH
-            return func.attr in _METHODS
-        return False
-
-    def parent_only(self, node: ast.AST, local: dict) -> bool:
-        """True when the node needs nothing from the program."""
-        inner = _bound_inside(node)
-        for n in ast.walk(node):
-            if isinstance(n, _UNSUPPORTED) or (isinstance(n, ast.Call) and not self._safe_func(n.func)):
-                return False
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                if not (self.known(n.id, local) or n.id in inner):
-                    return False
-        return True
-
-    def _is_program_ref(self, node: ast.expr, local: dict) -> bool:
-        """A bare name (or attribute of one) that belongs to the program, e.g. an object or a function."""
-        while isinstance(node, ast.Attribute):
-            node = node.value
-        return isinstance(node, ast.Name) and not self.known(node.id, local)
-
-    # ---- the walk
-    def ev(self, node: ast.AST, local: dict) -> Any:
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, _UNSUPPORTED):
-            return self.leaf(node, local)
-        method = getattr(self, "_" + type(node).__name__, None)
-        if isinstance(node, _COMPS):
-            method = self._comp
-        return self.leaf(node, local) if method is None else method(node, local)
-
-    def leaf(self, node: ast.AST, local: dict) -> Any:
-        src = source_of(node, {**self.env, **local})
-        if self.collect:
-            if src not in self.check.leaves:
-                self.plan.steps.append(["eval", src])
-                self.check.leaves[src] = len(self.plan.steps) - 1
-            return REMOTE
-        k = self.check.leaves.get(src) if self.check is not None and self.reports is not None else None
-        report = self.reports.get(k) if k is not None else None
-        if not report or "v" not in report:
-            raise _Fail(f"no value for {src}")
-        try:
-            return decode(report["v"])
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise _Fail(str(exc)) from exc
-
-    def _soft(self, node: ast.AST, local: dict) -> Any:
-        """Collect walk: evaluate a branch that Python might skip; its errors do not matter yet."""
-        try:
-            return self.ev(node, local)
-        except _Fail:
-            raise
-        except Exception:  # noqa: BLE001
-            return REMOTE
-
-    def _Name(self, node: ast.Name, local: dict) -> Any:
-        for scope in (local, self.env, _SAFE_BUILTINS):
-            if node.id in scope:
-                return scope[node.id]
-        return math if node.id == "math" else self.leaf(node, local)
-
-    def _seq(self, node, local, kind):
-        values = [self.ev(e, local) for e in node.elts]
-        return REMOTE if REMOTE in values else kind(values)
-
-    def _Tuple(self, node, local):
-        return self._seq(node, local, tuple)
-
-    def _List(self, node, local):
-        return self._seq(node, local, list)
-
-    def _Set(self, node, local):
-        return self._seq(node, local, set)
-
-    def _Dict(self, node, local):
-        if any(k is None for k in node.keys):
-            return self.leaf(node, local)
-        keys = [self.ev(k, local) for k in node.keys]
-        values = [self.ev(v, local) for v in node.values]
-        return REMOTE if REMOTE in keys or REMOTE in values else dict(zip(keys, values))
-
-    def _UnaryOp(self, node, local):
-        v = self.ev(node.operand, local)
-        return REMOTE if v is REMOTE else _UNOPS[type(node.op)](v)
-
-    def _BinOp(self, node, local):
-        left, right = self.ev(node.left, local), self.ev(node.right, local)
-        if left is REMOTE or right is REMOTE:
-            return REMOTE
-        _guard(type(node.op), left, right)
-        return _BINOPS[type(node.op)](left, right)
-
-    def _operands(self, nodes: list, local: dict) -> list | None:
-        """Collect walk: every operand (Python might skip some); None when one is only known to the sandbox."""
-        values = [self._soft(n, local) for n in nodes]
-        return None if REMOTE in values else values
-
-    def _BoolOp(self, node, local):
-        if self.collect and self._operands(node.values, local) is None:
-            return REMOTE
-        is_and = isinstance(node.op, ast.And)
-        for v in node.values:
-            value = self.ev(v, local)
-            if bool(value) != is_and:
-                return value
-        return value
-
-    def _Compare(self, node, local):
-        if self.collect and self._operands([node.left, *node.comparators], local) is None:
-            return REMOTE
-        left = self.ev(node.left, local)
-        for op, comp in zip(node.ops, node.comparators):
-            right = self.ev(comp, local)
-            if not _CMPOPS[type(op)](left, right):
-                return False
-            left = right
-        return True
-
-    def _IfExp(self, node, local):
-        test = self.ev(node.test, local)
-        if test is REMOTE:
-            self._soft(node.body, local)
-            self._soft(node.orelse, local)
-            return REMOTE
-        return self.ev(node.body if test else node.orelse, local)
-
-    def _Attribute(self, node, local):
-        is_math = isinstance(node.value, ast.Name) and node.value.id == "math" and "math" not in local
-        if (is_math and node.attr not in _MATH) or self._is_program_ref(node.value, local) or node.attr.startswith("_"):
-            return self.leaf(node, local)
-        return self._member(node.value, node.attr, local)
-
-    def _member(self, value: ast.expr, attr: str, local: dict) -> Any:
-        """``value.attr`` for math's whitelisted names and for plain values (never a dunder)."""
-        if isinstance(value, ast.Name) and value.id == "math" and "math" not in local:
-            return _MATH[attr]
-        base = self.ev(value, local)
-        if base is REMOTE:
-            return REMOTE
-        if not isinstance(base, _PLAIN):
-            raise _Fail("attribute of a non-plain value")
-        return getattr(base, attr)
-
-    def _Subscript(self, node, local):
-        base, index = self.ev(node.value, local), self.ev(node.slice, local)
-        return REMOTE if base is REMOTE or index is REMOTE else base[index]
-
-    def _Slice(self, node, local):
-        parts = [None if p is None else self.ev(p, local) for p in (node.lower, node.upper, node.step)]
-        return REMOTE if REMOTE in parts else slice(*parts)
-
-    def _Call(self, node, local):
-        func = node.func
-        program_args = [a for a in [*node.args, *(k.value for k in node.keywords)] if self._is_program_ref(a, local)]
-        unsupported = any(isinstance(n, _UNSUPPORTED) for n in ast.walk(node))
-        if not self._safe_func(func) or program_args or unsupported or any(k.arg is None for k in node.keywords):
-            return self.leaf(node, local)
-        if isinstance(func, ast.Attribute) and func.attr in _METHODS and self._is_program_ref(func.value, local):
-            return self.leaf(node, local)
-        fn = self._member(func.value, func.attr, local) if isinstance(func, ast.Attribute) else self.ev(func, local)
-        args = [self.ev(a, local) for a in node.args]
-        kwargs = {k.arg: self.ev(k.value, local) for k in node.keywords}
-        if fn is REMOTE or REMOTE in args or REMOTE in kwargs.values():
-            return REMOTE
-        _call_guard(fn, args)
-        return fn(*args, **kwargs)
-
-    def _comp(self, node, local):
-        scope = {**local, **{n: None for n in _bound_inside(node)}}
-        if not all(self.parent_only(g.iter, scope) for g in node.generators) or any(
-            g.is_async for g in node.generators
-        ):
-            return self.leaf(node, local)
-        out: list = []
-        self._generate(node, 0, dict(local), out)
-        if REMOTE in out or any(isinstance(o, tuple) and REMOTE in o for o in out):
-            return REMOTE
-        if isinstance(node, ast.DictComp):
-            return dict(out)
-        return set(out) if isinstance(node, ast.SetComp) else out
-
-    def _generate(self, node, i: int, local: dict, out: list) -> None:
-        if i == len(node.generators):
-            if isinstance(node, ast.DictComp):
-                out.append((self.ev(node.key, local), self.ev(node.value, local)))
-            else:
-                out.append(self.ev(node.elt, local))
-            return
-        gen = node.generators[i]
-        items = self.ev(gen.iter, local)
-        if items is REMOTE:
-            raise _Fail("an iterable the parent could not compute")
-        for item in items:
-            self.items += 1
-            if self.items > MAX_ITEMS:
-                raise _Fail("too many iterations")
-            inner = dict(local)
-            _bind(gen.target, item, inner)
-            conds = [self.ev(c, inner) for c in gen.ifs]
-            if any(c is not REMOTE and not c for c in conds):
-                continue
-            self._generate(node, i + 1, inner, out)
+def method_guard(base: Any, attr: str, args: list) -> None:
+    if attr == "replace" and isinstance(base, (str, bytes)) and len(args) >= 2:
+        grow = max(0, len(args[1]) - len(args[0])) * (base.count(args[0]) if args[0] else len(base) + 1)
+        if len(base) + grow > MAX_SIZE:
+            raise _Fail("replace result too large")
+    if attr == "join" and isinstance(base, (str, bytes)) and args and isinstance(args[0], (list, tuple)):
+        if len(base) * len(args[0]) > MAX_SIZE:
+            raise _Fail("join result too large")
 
 
-def _bind(target: ast.expr, value: Any, local: dict) -> None:
-    if isinstance(target, ast.Name):
-        local[target.id] = value
-    elif isinstance(target, (ast.Tuple, ast.List)):
-        values = list(value)
-        if len(values) != len(target.elts):
-            raise _Fail("cannot unpack")
-        for t, v in zip(target.elts, values):
-            _bind(t, v, local)
-    else:
-        raise _Fail("unsupported loop target")
+def checked(value: Any) -> Any:
+    """A value computed here, refused when it is too large to keep."""
+    t = type(value)
+    if t is int and value.bit_length() > MAX_INT_BITS:
+        raise _Fail("integer too large")
+    if t in (str, bytes, list, tuple, dict, set, frozenset) and len(value) > MAX_SIZE:
+        raise _Fail("value too large")
+    return value
+
+
+def truth(value: Any) -> bool:
+    if isinstance(value, (Remote, Approx, Module)) or not isinstance(value, _PLAIN):
+        raise _Fail("truth of a program object")
+    return bool(value)
+
+
+def plain_operands(*values: Any) -> None:
+    for v in values:
+        if isinstance(v, (Remote, Module)):
+            raise _Fail("a program object in a comparison or arithmetic")
+
+
+class Budget:
+    """Operations and wall time left to one sample's grading."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.ops, self.decoded = deadline, 0, 0
+
+    def decoding(self, obj: Any) -> None:
+        """Count an answer's values against the sample's bound before it is decoded."""
+        self.decoded += count_values(obj, MAX_DECODED - self.decoded)
+
+    def tick(self, n: int = 1) -> None:
+        self.ops += n
+        if self.ops > MAX_OPS:
+            raise _Fail("too many operations")
+        if self.ops % 512 == 0 and time.monotonic() > self.deadline:
+            raise _Fail("out of time")
+

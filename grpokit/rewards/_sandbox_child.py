@@ -1,18 +1,23 @@
 """Harness that runs inside the code sandbox: lock the process down, run the untrusted code, report on a pipe.
 
 The parent ships this file's text on a pipe together with the job (the program, its limits, the BPF that refuses
-``execve``, and in assert mode the steps to run), so nothing of the job touches a file system. It uses the
+``execve`` and mounts; then, in call mode, the parent's calls), so nothing of the job touches a file system. It uses the
 standard library only, because it may run under a system interpreter. Order:
 
-1. the bootstrap (``sandbox.BOOT``) has read the job from its pipe into ``JOB``;
-2. (privileged fallback only) drop to the slot uid; set the rlimits, then load the exec-refusing seccomp filter
-   (``prctl``); if any of it fails, exit 121 without running the program;
+1. the bootstrap (``sandbox.BOOT``) has read the job (the first line of its pipe) into ``JOB``;
+2. mount the private ``/tmp`` (size and inode bounds); (privileged fallback only) drop to the slot uid; clear
+   every capability; load the late seccomp filter (``prctl``: exec and the mount calls); set the rlimits; if
+   any of it fails, exit 121 without running the program;
 3. install the audit hook (an extra layer for clearer errors; nothing relies on it);
-4. run the program, then each step: ``exec`` runs set-up code, ``eval`` evaluates an expression and reports its
-   value as tagged JSON. Only exact builtin types are encoded; anything else is reported as unserialisable.
+4. run the program; in call mode (``JOB["serve"]``) then answer the parent's requests, one JSON line each on the
+   job pipe: ``{"q": n, "src": expression, "a": [tagged arguments]}``. The expression reads its arguments as
+   ``__A[i]`` and earlier results as ``__R[j]``; the answer is ``{"q": n, "v": tagged value}`` for exact builtin
+   types, ``{"q": n, "ref": n}`` for anything else (kept here as ``__R[n]``, so the parent can call its methods),
+   or ``{"q": n, "err": name, "mro": [names]}``. EOF on the job pipe ends the run.
 
 Reports are JSON lines on the report pipe. The parent trusts none of them beyond "these are the values the
-program's code produced": the expected values never enter the sandbox, and the parent does every comparison.
+program's code produced": the tests never enter the sandbox (only the calls the parent makes, with their
+arguments), and the parent decides every verdict.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ _PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_sp
 _NAME_EVENTS = {"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo"}
 _BLOCKED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess"}
 _TAGGED = {tuple: "tuple", set: "set", frozenset: "frozenset"}
+_SMALL_INT = 1 << 62  # larger ints travel as hex text: no decimal digit limit applies, either side
+MAX_ERR_NAMES = 16
 
 
 REPORT_FD = [4]
@@ -50,19 +57,57 @@ def _set_limits(lim: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _load_exec_filter(bpf: bytes) -> None:
+def _mount_tmp(libc, spec: dict) -> None:
+    """A fresh tmpfs at /tmp with a size and an inode count (the kernel bounds both), made while the harness still
+    holds CAP_SYS_ADMIN in the sandbox's own user namespace (bubblewrap's tmpfs has no inode bound)."""
+    import ctypes
+
+    opts = f"size={int(spec['size'])},nr_inodes={int(spec['nr_inodes'])},mode=1777".encode()
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, opts) != 0:  # MS_NOSUID | MS_NODEV
+        raise OSError(ctypes.get_errno(), "mount of the private /tmp failed")
+    os.chdir("/tmp")
+
+
+def _drop_caps(libc) -> None:
+    """Clear every capability (effective, permitted, inheritable; ambient goes with permitted) and check it."""
+    import ctypes
+
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+    with open("/proc/self/status") as f:
+        caps = {k: v.strip() for k, v in (line.split(":", 1) for line in f if line.startswith("Cap"))}
+    if int(caps["CapEff"], 16) or int(caps["CapPrm"], 16):
+        raise OSError("capabilities are still held")
+
+
+def _lock_down(job: dict) -> None:
+    """In order: the private /tmp; (privileged fallback) the slot uid; no capabilities; the late seccomp filter."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if job.get("tmpfs"):
+        _mount_tmp(libc, job["tmpfs"])
+    if job.get("drop_uid") is not None:
+        _drop_uid(int(job["drop_uid"]))
+    if job.get("late_filter"):
+        _drop_caps(libc)
+        _load_filter(libc, bytes.fromhex(job["late_filter"]))
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+
+
+def _load_filter(libc, bpf: bytes) -> None:
     import ctypes
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed")
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[name]
 
 
 def _hook(event: str, args: tuple) -> None:
@@ -83,6 +128,8 @@ def encode(value: object, depth: int = 0) -> object:
     if depth > 200:
         raise TypeError("nested too deeply")
     t = type(value)
+    if t is int and not -_SMALL_INT < value < _SMALL_INT:
+        return {"__t": "int", "v": hex(value)}
     if value is None or t in (bool, int, float, str):
         return value
     if t is list:
@@ -96,6 +143,24 @@ def encode(value: object, depth: int = 0) -> object:
     if t is complex:
         return {"__t": "complex", "v": [value.real, value.imag]}
     raise TypeError(f"cannot serialise {t.__name__}")
+
+
+def decode(obj: object) -> object:
+    """The parent's tagged arguments back to values (the parent only sends what ``encode`` makes)."""
+    if type(obj) is list:
+        return [decode(v) for v in obj]
+    if type(obj) is not dict:
+        return obj
+    tag, v = obj["__t"], obj["v"]
+    if tag == "int":
+        return int(v, 16)
+    if tag == "bytes":
+        return bytes.fromhex(v)
+    if tag == "complex":
+        return complex(*v)
+    if tag == "dict":
+        return {decode(k): decode(x) for k, x in v}
+    return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(x) for x in v)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -123,19 +188,36 @@ def _run_program(source: str, ns: dict) -> int:
         return 1
 
 
-def _run_steps(steps: list, ns: dict) -> None:
-    for k, (kind, src) in enumerate(steps):
+def _answer(q: int, src: str, args: list, ns: dict, results: dict) -> str:
+    try:
+        value = eval(compile(src, "tests.py", "eval"), ns, {"__A": [decode(a) for a in args], "__R": results})
+    except BaseException as exc:  # SystemExit too: a call must not end the run
+        names = [c.__name__ for c in type(exc).__mro__][:MAX_ERR_NAMES]
         try:
-            if kind == "exec":
-                exec(compile(src, "tests.py", "exec"), ns)
-                _report({"k": k, "ok": True})
-            else:
-                line = json.dumps({"k": k, "v": encode(eval(compile(src, "tests.py", "eval"), ns))})
-                os.write(REPORT_FD[0], (line + "\n").encode())
-        except BaseException as exc:  # SystemExit too: a test must not end the run
-            _report({"k": k, "err": type(exc).__name__})
-            if kind == "exec":
-                return  # a failed set-up step fails everything after it
+            msg = str(exc)[:200] if type(exc).__str__ is BaseException.__str__ else ""
+        except BaseException:
+            msg = ""
+        return json.dumps({"q": q, "err": type(exc).__name__, "mro": names, "msg": msg})
+    try:
+        return json.dumps({"q": q, "v": encode(value)})
+    except (TypeError, ValueError, RecursionError):
+        results[q] = value
+        return json.dumps({"q": q, "ref": q})
+
+
+def _serve(job_file, ns: dict) -> None:
+    """Answer the parent's calls until it closes the job pipe."""
+    results: dict = {}
+    while True:
+        line = job_file.readline()
+        if not line:
+            return
+        req = json.loads(line)
+        try:
+            out = _answer(int(req["q"]), req["src"], req["a"], ns, results)
+        except BaseException as exc:  # e.g. no memory left to encode the answer
+            out = json.dumps({"q": req["q"], "err": type(exc).__name__, "mro": []})
+        os.write(REPORT_FD[0], (out + "\n").encode())
 
 
 def _drop_uid(uid: int) -> None:
@@ -147,23 +229,24 @@ def _drop_uid(uid: int) -> None:
         raise OSError("could not drop to the sandbox uid")
 
 
-def main(job: dict) -> None:
+def main(job: dict, job_file) -> None:
     REPORT_FD[0] = int(job["report_fd"])
     try:
-        if job.get("drop_uid") is not None:
-            _drop_uid(int(job["drop_uid"]))
+        _lock_down(job)
         _set_limits(job["limits"])
-        if job.get("exec_filter"):
-            _load_exec_filter(bytes.fromhex(job["exec_filter"]))
+        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (64, 64))  # queued signals are kernel memory too
     except BaseException as exc:
         _report({"fatal": f"{type(exc).__name__}: {exc}"})
         os._exit(HARNESS_FAILED)
     sys.argv = ["solution.py"]
     sys.addaudithook(_hook)
-    ns = {"__name__": "__main__", "__builtins__": builtins}
+    # in call mode the tests import the program (``from solution import f``): its main guard does not run
+    ns = {"__name__": "solution" if job.get("serve") else "__main__", "__builtins__": builtins}
     status = _run_program(job["code"], ns)
-    if status == 0 and job.get("steps") is not None:
-        _run_steps(job["steps"], ns)
+    if status == 0 and job.get("serve"):
+        _report({"ready": True})
+        _serve(job_file, ns)
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -174,4 +257,4 @@ def main(job: dict) -> None:
 
 
 if __name__ == "__sandbox__":
-    main(globals()["JOB"])
+    main(globals()["JOB"], globals()["JOB_FILE"])

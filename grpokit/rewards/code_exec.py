@@ -8,24 +8,26 @@ The code is the completion's last fenced ``python`` block (``py``, ``python3`` o
 the whole text when it has none. The ``test_cases`` column holds, per row, either
 
 - a list of ``{"input": stdin, "output": expected stdout}`` (each case runs in its own process; outputs are
-  compared line by line, ignoring trailing whitespace and blank lines at the end), also accepted as
+  compared here, line by line, ignoring trailing whitespace and blank lines at the end), also accepted as
   ``{"inputs": [...], "outputs": [...]}`` or as the JSON text of either; or
-- a string of Python statements: the code runs, then each top-level ``assert`` is one test (other statements
-  are set-up; if one fails, the remaining asserts fail). The asserts are graded in this process
-  (``grader.py``): the sandbox only evaluates the parts that call the program and sends back their values.
+- Python test code in any style ``test_convert`` knows (asserts, ``check(candidate)``, test functions, pytest,
+  unittest, EvalPlus helpers). It runs in this process (``grader.py``); the program runs once in the sandbox and
+  only answers the calls the tests make on it. A file the grader cannot run that way is refused when the rows
+  load (``check_rows``), never scored.
 
-A case that times out, runs out of memory, touches something the sandbox blocks, floods its output or crashes
-scores 0; these are counted per call in ``last_failures`` for the trainer to log. After a timeout the sample's
-remaining stdin cases are not run (counted as failed), so one infinite loop costs one timeout, not one per case.
+A sample has one time budget, ``code_exec_timeout`` (+ 0.5 s to start), across all its cases. A case that times
+out, runs out of memory, floods its output or fails scores 0; these are counted per call in ``last_failures``
+(kinds decided by the parent, see ``sandbox_result``) for the trainer to log.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import os
+import functools
 import re
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,8 +35,8 @@ from typing import Any
 from grpokit.errors import ConfigError
 from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
-from grpokit.rewards.sandbox import ready, run_job
-from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, SandboxResult
+from grpokit.rewards.sandbox import STARTUP_ALLOWANCE_S, Session, ready, run_job
+from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, log_safe
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,14 @@ def extract_code(completion: str) -> str:
     return blocks[-1][1] if blocks else completion
 
 
-def normalize_test_cases(value: Any, index: int) -> list[tuple[str, str]] | str | None:
-    """Stdin cases as (input, output) pairs, assert statements as a string, or None (nothing to test)."""
+@functools.lru_cache(maxsize=4096)
+def _program(text: str) -> grader.Program:
+    return grader.prepare(text)  # rows repeat num_generations times: convert each test file once
+
+
+def normalize_test_cases(value: Any, index: int) -> list[tuple[str, str]] | grader.Program | None:
+    """Stdin cases as (input, output) pairs, test code as a converted ``grader.Program``, or None (no tests);
+    ValueError (one line naming the row) for test code the grader cannot run in the trainer."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -61,10 +69,9 @@ def normalize_test_cases(value: Any, index: int) -> list[tuple[str, str]] | str 
         if not text:
             return None
         try:
-            ast.parse(text)
-        except SyntaxError as exc:
-            raise ValueError(f"test_cases[{index}]: not valid Python assert statements ({exc.msg}, line {exc.lineno})")
-        return text
+            return _program(text)
+        except grader.Unconvertible as exc:
+            raise ValueError(f"test_cases[{index}]: {exc}") from None
     if isinstance(value, dict) and "inputs" in value and "outputs" in value:
         value = [{"input": i, "output": o} for i, o in zip(value["inputs"], value["outputs"], strict=True)]
     elif isinstance(value, dict):
@@ -118,19 +125,34 @@ class CodeExecReward(ORM):
         self.workers = workers
         self.last_failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
 
-    def _score(self, completion: str, cases: list[tuple[str, str]] | str) -> tuple[float, Counter]:
+    def check_rows(self, rows: Any) -> None:
+        """Refuse, before training, a row whose tests the grader cannot run in the trainer (one line, the row)."""
+        if "test_cases" not in getattr(rows, "column_names", ["test_cases"]):
+            return
+        for i, row in enumerate(rows):
+            try:
+                normalize_test_cases(row.get("test_cases"), i)
+            except ValueError as exc:
+                raise ConfigError(f"--reward_funcs code_exec: dataset row {i}: {exc}; fix or drop the row") from None
+
+    def _score(self, completion: str, cases: list[tuple[str, str]] | grader.Program) -> tuple[float, Counter]:
         code = extract_code(completion)
         failures: Counter = Counter()
-        if isinstance(cases, str):
-            plan = grader.plan_asserts(cases)
-            res = run_job(code, steps=plan.steps, limits=self.limits, rt=self.runtime)
-            if res.status != "ok":
-                failures[res.status] += 1
-                return 0.0, failures
-            return len(grader.passed_asserts(plan, res.steps)) / grader.n_asserts(plan), failures
+        deadline = time.monotonic() + self.limits.timeout_s + STARTUP_ALLOWANCE_S  # one budget per sample
+        if isinstance(cases, grader.Program):
+            with Session(code, self.limits, self.runtime, serve=True, deadline=deadline) as session:
+                served = session.ready  # the program ran to its end; else it failed (or exited) before the tests
+                result = grader.grade(cases, session.call, deadline) if served else grader.Grade(0, 1)
+            res = session.result()
+            if res.status != "ok" or not served:
+                failures[res.status if res.status != "ok" else "error"] += 1
+            return result.score, failures
         passed = 0
         for stdin, expected in cases:
-            res: SandboxResult = run_job(code, stdin=stdin, limits=self.limits, rt=self.runtime)
+            if time.monotonic() >= deadline:
+                failures["timeout"] += 1
+                break
+            res = run_job(code, stdin=stdin, limits=self.limits, rt=self.runtime, deadline=deadline)
             if res.status != "ok":
                 failures[res.status] += 1
                 if res.status == "timeout":
@@ -138,6 +160,15 @@ class CodeExecReward(ORM):
             elif same_output(res.stdout, expected):
                 passed += 1
         return passed / len(cases), failures
+
+    def _score_safely(self, completion: str, cases: list[tuple[str, str]] | grader.Program) -> tuple[float, Counter]:
+        """A sample that breaks the grading (an OSError of the host, a bug) scores 0 and is counted; the run goes on."""
+        try:
+            return self._score(completion, cases)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__,
+                           log_safe(exc))
+            return 0.0, Counter(error=1)
 
     def __call__(self, completions: list[str], test_cases: list[Any], **kwargs: Any) -> list[float | None]:
         normalized = [normalize_test_cases(v, i) for i, v in enumerate(test_cases)]
@@ -147,7 +178,7 @@ class CodeExecReward(ORM):
         scores: list[float | None] = [None] * len(completions)
         total: Counter = Counter()
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="code-exec") as pool:
-            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score(j[1], j[2]), jobs)):
+            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score_safely(j[1], j[2]), jobs)):
                 scores[i] = score
                 total.update(failures)
         self.last_failures = {k: total.get(k, 0) for k in FAILURE_KINDS}

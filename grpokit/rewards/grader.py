@@ -1,166 +1,351 @@
-"""Assert-mode grading in the parent: the sandbox only evaluates what depends on the program, the parent compares.
+"""Assert-mode grading in the trainer: the tests run here, the program only answers calls.
 
-``plan_asserts(tests)`` parses the test statements with ``ast`` and walks each ``assert`` twice. The first walk
-(collect) finds the *leaves*: the smallest sub-expressions that need the program (calls of its functions, its
-names, and anything this module cannot evaluate itself). Each leaf, with loop variables and test constants filled
-in, becomes an ``eval`` step for the sandbox; other test statements become ``exec`` steps (set-up). The rest of
-the expression (the comparison, the expected values, builtin arithmetic, ``sorted``/``len``/``math.isclose`` …,
-comprehensions over constant ranges) never enters the sandbox.
+``prepare(tests)`` converts a test file (``test_convert``: top-level asserts, ``check(candidate)``, test functions,
+loops, main guards, EvalPlus helpers, pytest, unittest) into statements this module runs, or raises
+``Unconvertible`` (code_exec refuses such a row when the rows load). ``grade(program, call, deadline)`` runs them:
+every expression, the expected side included, is evaluated in this process (``_grader_expr``); a name the tests do
+not define belongs to the program, and using it is one ``call`` into the sandbox, whose answer is data (tagged
+JSON decoded into fresh builtin values). The program never sees the tests, their expected values or a verdict,
+and nothing it writes is a verdict: every ``assert`` is evaluated here, and fails when it involves anything but
+plain values.
 
-``passed_asserts(plan, reports)`` walks each assert again with the leaves' values: tagged JSON decoded into exact
-builtin types (a value the parent cannot decode fails the assert), so comparisons run on plain ``int``/``str``/
-``list``… objects that the program cannot have touched. Whatever the program does to its interpreter, it controls
-only the values of its own leaves, and the expected values are never shown to it.
-
-Simple test-level assignments (``expected = [1, 2]``) are evaluated here too and never sent. HumanEval's
-``def check(candidate): …`` + ``check(f)`` is inlined, and ``for x, y in [...]: assert …`` over constants is
-unrolled, so that their asserts count one by one. Tests with no assert at all pass when every set-up step runs;
-that verdict comes from inside the sandbox and is only as strong as it.
+Scoring: each executed ``assert`` (or raises block) is one check. An error inside a test function, loop or other
+statement that holds checks fails that statement once; an error in set-up fails every check after it; a statement
+with checks that ran none fails once. The score is passed / checks, and 0 when there were none.
 """
 
 from __future__ import annotations
 
 import ast
-import itertools
-from dataclasses import dataclass, field
-from typing import Any
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from grpokit.rewards._grader_eval import Evaluator, _bind, _bound_inside, _Fail, _literal, decode  # noqa: F401
+from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail
+from grpokit.rewards._grader_expr import Closure, ExcName, Expressions, bind, bind_args
+from grpokit.rewards.test_convert import (  # noqa: F401 (Unconvertible: API)
+    COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, bound_names, convert,
+)  # fmt: skip
 
-MAX_UNROLL = 1000  # items of a test-level ``for`` loop over constants that are unrolled into asserts
+MAX_DEPTH = 50  # nested calls of test functions
+_ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+           RuntimeError, MemoryError, AssertionError)  # fmt: skip
 
 
 @dataclass
-class Check:
-    test: ast.expr
-    env: dict[str, Any]
-    leaves: dict[str, int] = field(default_factory=dict)  # leaf source -> step index
-    broken: bool = False  # a leaf could not be formed: the assert fails
+class Program:
+    module: ast.Module
+    source_checks: int  # assert statements and raises blocks in the file
+    test_names: frozenset[str] = frozenset()  # names the tests bind: never the program's
 
 
 @dataclass
-class Plan:
-    steps: list[list[str]] = field(default_factory=list)  # [kind, source], kind "exec" or "eval"
-    checks: list[Check] = field(default_factory=list)
+class Grade:
+    passed: int
+    checks: int
+
+    @property
+    def score(self) -> float:
+        return self.passed / self.checks if self.checks else 0.0
 
 
-def _inline_check(stmts: list[ast.stmt]) -> list[ast.stmt]:
-    """``def check(candidate): <body>`` + ``check(f)`` -> <body> with ``candidate`` replaced by ``f``."""
-    defs = {s.name: s for s in stmts if isinstance(s, ast.FunctionDef) and len(s.args.args) == 1}
-    out: list[ast.stmt] = []
-    for s in stmts:
-        call = s.value if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) else None
-        fn = defs.get(call.func.id) if call and isinstance(call.func, ast.Name) else None
-        if fn is None or len(call.args) != 1 or call.keywords or not isinstance(call.args[0], ast.Name):
-            out.append(s)
-            continue
-        param, target = fn.args.args[0].arg, call.args[0].id
-        for inner in fn.body:
-            renamed = ast.parse(ast.unparse(inner)).body[0]
-            for n in ast.walk(renamed):
-                if isinstance(n, ast.Name) and n.id == param:
-                    n.id = target
-            out.append(renamed)
-    return out
+def _static_checks(nodes: list[ast.AST]) -> int:
+    return sum(isinstance(n, (ast.Assert, ast.With)) for s in nodes for n in ast.walk(s))
 
 
-def _bound_names(stmt: ast.stmt) -> set[str]:
-    names = _bound_inside(stmt)
-    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        names.add(stmt.name)
-    elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-        names |= {(a.asname or a.name).split(".")[0] for a in stmt.names}
-    return names
+def prepare(tests: str) -> Program:
+    module = convert(tests)
+    return Program(module, _static_checks(module.body), frozenset(bound_names(module)))
 
 
-def _env_assignment(stmt: ast.stmt, env: dict[str, Any]) -> bool:
-    """Evaluate ``name = <expression the parent can compute>`` into ``env``; False when it is not one."""
-    if not (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets)):
+class _Return(Exception):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Break(Exception):
+    pass
+
+
+class _Continue(Exception):
+    pass
+
+
+class _Raises:
+    def __init__(self, names: list[str], match: str | None) -> None:
+        self.names, self.match = names, match
+
+
+def _raises(expected: Any, match: str | None = None) -> _Raises:
+    items = expected if type(expected) is tuple else (expected,)
+    names = []
+    for e in items:
+        if isinstance(e, ExcName):
+            names.append(e.name)
+        elif isinstance(e, Remote) and e.src.isidentifier():
+            names.append(e.src)  # the program's own exception class, by name
+        else:
+            raise _Fail("raises of something that is not an exception class")
+    if match is not None and type(match) is not str:
+        raise _Fail("raises(match=) needs a string")
+    return _Raises(names, match)
+
+
+def _count_equal(a: Any, b: Any) -> bool:
+    if type(a) not in (list, tuple) or type(b) not in (list, tuple) or len(a) != len(b):
         return False
-    ev = Evaluator(env, None)
-    if not ev.parent_only(stmt.value, {}):
-        return False
-    try:
-        value = ev.ev(stmt.value, {})
-    except Exception:  # noqa: BLE001 - any failure: leave it to the sandbox
-        return False
-    for t in stmt.targets:
-        env[t.id] = value
+    rest = list(b)
+    for x in a:
+        for i, y in enumerate(rest):
+            if type(x) is type(y) and x == y:
+                del rest[i]
+                break
+        else:
+            return False
     return True
 
 
-def _exec_step(stmt: ast.stmt, env: dict[str, Any]) -> str:
-    """The statement's source, preceded by the test constants it reads (which the sandbox otherwise lacks)."""
-    used = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    prelude = []
-    for name in sorted(used & set(env)):
+def _error_names(exc: BaseException) -> list[str]:
+    if isinstance(exc, CandidateError):
+        return exc.mro or [exc.name]
+    return [c.__name__ for c in type(exc).__mro__]
+
+
+class Interpreter(Expressions):
+    def __init__(self, call: Callable[[str, list], dict | None], budget: Budget,
+                 test_names: frozenset[str] = frozenset()) -> None:  # fmt: skip
+        super().__init__({}, call, budget)
+        self.test_names = test_names
+        self.checks: list[bool] = []
+        self.depth = 0
+        self.globals.update({RAISES: _raises, COUNT_EQUAL: _count_equal})
+
+    # ---- the module, statement by statement, with the scoring rules of the module docstring
+    def run_module(self, body: list[ast.stmt]) -> None:
+        for i, stmt in enumerate(body):
+            before = len(self.checks)
+            holds = not isinstance(stmt, ast.FunctionDef) and (_static_checks([stmt]) > 0 or self._calls_checks(stmt))
+            try:
+                self.exec_block([stmt], self.globals)
+            except Exception:  # noqa: BLE001 - anything that goes wrong evaluating a test fails it, never the run
+                if not holds:
+                    rest = [s for s in body[i + 1:] if not isinstance(s, ast.FunctionDef)]
+                    self.checks += [False] * max(1, _static_checks(rest) + sum(map(self._calls_checks, rest)))
+                    return
+                self.checks.append(False)
+                continue
+            if holds and len(self.checks) == before:
+                self.checks.append(False)
+
+    def _calls_checks(self, stmt: ast.stmt) -> bool:
+        """A call of a test function that holds asserts (``check(f)``, ``test_x()``, EvalPlus ``assertion``)."""
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                fn = self.globals.get(n.func.id)
+                if isinstance(fn, Closure) and _static_checks([fn.node]) > 0:
+                    return True
+        return False
+
+    def exec_block(self, stmts: list[ast.stmt], scope: dict) -> None:
+        for stmt in stmts:
+            self.budget.tick()
+            getattr(self, "_s_" + type(stmt).__name__)(stmt, scope)
+
+    def _s_Assert(self, s, scope):
         try:
-            prelude.append(f"{name} = {ast.unparse(_literal(env[name]))}")
-        except _Fail:
+            ok = self.truth(self.ev(s.test, scope))
+        except (_Return, _Break, _Continue):
+            raise
+        except Exception:  # noqa: BLE001 - an assert that cannot be evaluated fails
+            ok = False
+        self.checks.append(ok)
+
+    def assign(self, target: ast.expr, value: Any, scope: dict) -> None:
+        if isinstance(target, ast.Subscript):
+            base, index = self.ev(target.value, scope), self.ev(target.slice, scope)
+            if type(base) not in (list, dict) or isinstance(index, Remote):
+                raise _Fail("item assignment on a non-plain value")
+            base[index] = value
+        else:
+            bind(target, value, scope)
+
+    def _s_Assign(self, s, scope):
+        value = self.ev(s.value, scope)
+        for t in s.targets:
+            self.assign(t, value, scope)
+
+    def _s_AnnAssign(self, s, scope):
+        if s.value is not None:
+            self.assign(s.target, self.ev(s.value, scope), scope)
+
+    def _s_AugAssign(self, s, scope):
+        load = ast.parse(ast.unparse(s.target), mode="eval").body
+        value = self.ev(ast.BinOp(load, s.op, s.value), scope)
+        self.assign(s.target, value, scope)
+
+    def _s_Expr(self, s, scope):
+        self.ev(s.value, scope)
+
+    def _s_Pass(self, s, scope):
+        pass
+
+    def _s_Break(self, s, scope):
+        raise _Break
+
+    def _s_Continue(self, s, scope):
+        raise _Continue
+
+    def _s_Return(self, s, scope):
+        raise _Return(None if s.value is None else self.ev(s.value, scope))
+
+    def _s_Raise(self, s, scope):
+        raise _Fail("the tests raised")
+
+    def _s_If(self, s, scope):
+        self.exec_block(s.body if self.truth(self.ev(s.test, scope)) else s.orelse, scope)
+
+    def _loop_body(self, body: list[ast.stmt], scope: dict) -> bool:
+        """False on break."""
+        try:
+            self.exec_block(body, scope)
+        except _Break:
+            return False
+        except _Continue:
             pass
-    return "\n".join([*prelude, ast.unparse(stmt)])
+        return True
 
+    def _s_For(self, s, scope):
+        for item in self.iterate(self.ev(s.iter, scope)):
+            self.assign(s.target, item, scope)
+            if not self._loop_body(s.body, scope):
+                return
+        self.exec_block(s.orelse, scope)
 
-def _unrolled(stmt: ast.stmt, env: dict[str, Any]) -> list[tuple[ast.expr, dict]] | None:
-    """``for v in <iterable the parent computes>: assert …`` -> (test, loop bindings) per item and assert."""
-    if not (isinstance(stmt, ast.For) and not stmt.orelse and all(isinstance(b, ast.Assert) for b in stmt.body)):
+    def _s_While(self, s, scope):
+        while self.truth(self.ev(s.test, scope)):
+            self.budget.tick()
+            if not self._loop_body(s.body, scope):
+                return
+        self.exec_block(s.orelse, scope)
+
+    def _s_FunctionDef(self, s, scope):
+        scope[s.name] = Closure(s, scope, self.call_closure)
+
+    def _s_Import(self, s, scope):
+        for a in s.names:
+            top = a.name.split(".")[0]
+            scope[a.asname or top] = self._module(a.name if a.asname else top)
+
+    def _s_ImportFrom(self, s, scope):
+        mod = self._module(s.module or "")
+        for a in s.names:
+            if a.name == "*":
+                if mod.name in MODULES or mod.name == "pytest":
+                    scope.update(mod.names)
+                continue  # the program's module: its names are found as the program's anyway
+            if mod.name == "typing":
+                scope[a.asname or a.name] = Module(f"typing.{a.name}", {})  # for annotations, which are not run
+            elif mod.name in MODULES or mod.name == "pytest":
+                scope[a.asname or a.name] = mod.names[a.name] if a.name in mod.names else _missing(mod.name, a.name)
+            else:
+                scope[a.asname or a.name] = Remote(a.name)  # the program's module (test_convert.PROGRAM_MODULES)
+
+    def _module(self, name: str) -> Module:
+        if name in MODULES:
+            return Module(name, MODULES[name])
+        if name == "pytest":
+            return Module(name, {"approx": Approx, "raises": _raises})
+        return Module(name, {})  # unittest (converted away), __future__, or the program's module (see member)
+
+    def lookup(self, name: str, scope: dict) -> Any:
+        value = super().lookup(name, scope)
+        if isinstance(value, Remote) and value.src == name and name in self.test_names and \
+                name not in scope and name not in self.globals:  # fmt: skip
+            raise _Fail(f"test name {name} used before it is bound")  # never the program's value instead
+        return value
+
+    def member(self, base: Any, attr: str) -> Any:
+        if isinstance(base, Module) and base.name in PROGRAM_MODULES:
+            return Remote(attr)
+        return super().member(base, attr)
+
+    def _s_With(self, s, scope):
+        if len(s.items) != 1:
+            raise _Fail("a with-statement of several items")
+        ctx = self.ev(s.items[0].context_expr, scope)
+        if not isinstance(ctx, _Raises):
+            raise _Fail("a with-statement that is not a raises check")
+        try:
+            self.exec_block(s.body, scope)
+        except CandidateError as exc:
+            ok = any(n in exc.mro or n == exc.name for n in ctx.names)
+            msg = getattr(exc, "msg", "")
+            if ok and ctx.match is not None:
+                ok = re.search(ctx.match, msg) is not None
+            if s.items[0].optional_vars is not None:
+                scope[s.items[0].optional_vars.id] = Module("excinfo", {"value": msg, "type": exc.name})
+            self.checks.append(ok)
+            return
+        except _ERRORS:
+            self.checks.append(False)
+            return
+        self.checks.append(False)  # nothing raised
+
+    def _s_Try(self, s, scope):
+        try:
+            self.exec_block(s.body, scope)
+        except (CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:
+            names = _error_names(exc)
+            for h in s.handlers:
+                wanted = _handler_names(h)
+                if wanted is None or any(w in names for w in wanted):
+                    if h.name:
+                        scope[h.name] = getattr(exc, "msg", str(exc)[:200])
+                    self.exec_block(h.body, scope)
+                    break
+            else:
+                raise
+        else:
+            self.exec_block(s.orelse, scope)
+        finally:
+            self.exec_block(s.finalbody, scope)
+
+    # ---- test functions
+    def call_closure(self, fn: Closure, args: list, kwargs: dict) -> Any:
+        if isinstance(fn.node, ast.Lambda):
+            return super().call_closure(fn, args, kwargs)
+        if self.depth >= MAX_DEPTH:
+            raise _Fail("test functions nested too deeply")
+        local: dict = {} if fn.scope is self.globals else dict(fn.scope)
+        bind_args(fn.node.args, args, kwargs, local, self, fn.scope)
+        self.depth += 1
+        try:
+            self.exec_block(fn.node.body, local)
+        except _Return as r:
+            return r.value
+        finally:
+            self.depth -= 1
         return None
-    ev = Evaluator(env, None)
-    if not ev.parent_only(stmt.iter, {}):
+
+
+def _missing(module: str, name: str) -> Any:
+    raise Unconvertible(f"from {module} import {name}: not a name the grader evaluates")
+
+
+def _handler_names(h: ast.ExceptHandler) -> list[str] | None:
+    if h.type is None:
         return None
+    elts = h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]
+    return [e.id if isinstance(e, ast.Name) else ast.unparse(e)[:60] for e in elts]
+
+
+def grade(program: Program, call: Callable[[str, list], dict | None], deadline: float | None = None) -> Grade:
+    """Run the converted tests; ``call(src, args)`` asks the sandbox (None when it cannot answer)."""
+    budget = Budget(deadline if deadline is not None else time.monotonic() + 3600)
+    interp = Interpreter(call, budget, program.test_names)
     try:
-        items = list(itertools.islice(ev.ev(stmt.iter, {}), MAX_UNROLL + 1))
-        out = []
-        for item in items:
-            local: dict[str, Any] = {}
-            _bind(stmt.target, item, local)
-            out += [(a.test, local) for a in stmt.body]
-    except Exception:  # noqa: BLE001 - not unrollable: the loop runs in the sandbox as set-up
-        return None
-    return out if len(items) <= MAX_UNROLL else None
-
-
-def _add_check(plan: Plan, test: ast.expr, env: dict[str, Any]) -> None:
-    check = Check(test, env)
-    try:
-        Evaluator(check.env, None, plan, check).ev(test, {})
-    except Exception:  # noqa: BLE001 - _Fail, or an error in the tests themselves: this assert fails, not the run
-        check.broken = True
-    plan.checks.append(check)
-
-
-def plan_asserts(tests: str) -> Plan:
-    plan, env = Plan(), {}
-    for stmt in _inline_check(ast.parse(tests).body):
-        unrolled = _unrolled(stmt, env)
-        if isinstance(stmt, ast.Assert):
-            _add_check(plan, stmt.test, dict(env))
-        elif unrolled is not None:
-            for test, local in unrolled:
-                _add_check(plan, test, {**env, **local})
-        elif not _env_assignment(stmt, env):
-            plan.steps.append(["exec", _exec_step(stmt, env)])
-            for name in _bound_names(stmt):
-                env.pop(name, None)
-    return plan
-
-
-def _passes(check: Check, reports: dict[int, dict]) -> bool:
-    if check.broken:
-        return False
-    try:
-        return bool(Evaluator(check.env, reports, None, check).ev(check.test, {}))
-    except Exception:  # noqa: BLE001 - _Fail, or any error on the decoded values: the assert fails
-        return False
-
-
-def passed_asserts(plan: Plan, reports: dict[int, dict]) -> set[int]:
-    """Indexes of the asserts that hold; with no asserts, {0} when every set-up step ran."""
-    if not plan.checks:
-        ran = all(reports.get(k, {}).get("ok") is True for k in range(len(plan.steps)))
-        return {0} if ran else set()
-    return {i for i, c in enumerate(plan.checks) if _passes(c, reports)}
-
-
-def n_asserts(plan: Plan) -> int:
-    return len(plan.checks) or 1
+        interp.run_module(program.module.body)
+    except Unconvertible:
+        return Grade(0, max(1, program.source_checks))
+    return Grade(sum(interp.checks), len(interp.checks))

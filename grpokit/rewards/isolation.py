@@ -4,7 +4,7 @@
 how to get it. Modes:
 
 - ``bwrap`` (default): every run in fresh user, PID, mount, network, IPC, UTS and cgroup namespaces made by
-  bubblewrap, with a read-only root (only ``/usr``, ``/etc``, the interpreter's prefix and the ``/lib``-style
+  bubblewrap, with a read-only root (only ``/usr``, a minimal ``/etc`` (``ETC_FILES``), the interpreter's prefix and the ``/lib``-style
   links), a private size-limited tmpfs at ``/tmp`` (the work dir), a fresh ``/proc`` that shows the sandbox only,
   a minimal read-only ``/dev``, no capabilities, no nested user namespaces, and the seccomp filter of
   ``seccomp_filter``. When the trainer runs as root, bubblewrap itself is started as a per-slot uid, so the
@@ -34,6 +34,8 @@ ISOLATION_MODES = ("bwrap", "none")
 SETUP_HINT = "scripts/setup_system.sh installs it"
 _PROBE = "import os, sys; print(os.path.realpath(sys.base_prefix)); print(os.path.dirname(os.__file__))"
 _LIB_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# the only files of the host's /etc a sandbox sees: what the dynamic loader and Python's time and locale need
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf")
 SLOT_UID_BASE = 1_600_000_000  # + (pid % 50000) * 256 + slot when the trainer runs as root
 
 
@@ -97,7 +99,10 @@ def _interpreter(as_root: bool) -> tuple[str, str]:
 
 
 def _mounts(prefix: str) -> tuple[str, ...]:
-    args = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+    args = ["--ro-bind", "/usr", "/usr", "--dir", "/etc"]
+    for path in ETC_FILES:
+        if os.path.isfile(path):
+            args += ["--ro-bind", os.path.realpath(path), path]
     for link in _LIB_LINKS:
         if os.path.islink(link):
             args += ["--symlink", os.readlink(link), link]
@@ -133,7 +138,7 @@ def resolve(mode: str = "bwrap") -> Runtime:
     bwrap = _need_bwrap()
     try:
         seccomp_filter.main_filter()
-        seccomp_filter.exec_filter()
+        seccomp_filter.late_filter()
     except seccomp_filter.SeccompUnavailable as exc:
         raise IsolationUnavailable(f"code_exec: {exc} ({SETUP_HINT})") from exc
     python, prefix = _interpreter(as_root)
@@ -161,11 +166,13 @@ def hint_for(error: str) -> str:
 
 def bwrap_args(rt: Runtime, uid: int | None, disk_bytes: int, seccomp_fd: int, status_fd: int) -> list[str]:
     """The bubblewrap part of the command (everything before the interpreter)."""
-    if rt.privileged:  # no user namespace: keep only what the harness needs to drop to the slot uid, first thing
-        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        ids = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
-        user = ["--unshare-user", "--disable-userns", *ids, "--cap-drop", "ALL"]
+    # the harness keeps CAP_SYS_ADMIN (of the sandbox's own user namespace, or of its private mount namespace in
+    # the privileged fallback) just long enough to mount /tmp with an inode bound, then clears every capability
+    if rt.privileged:  # no user namespace: also what the harness needs to drop to the slot uid
+        user = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
+    else:  # uid 0 inside, mapped to the slot uid (bubblewrap's own --uid nests a second user namespace, which
+        # would own no mount namespace); nested user namespaces are refused by the seccomp filter
+        user = ["--unshare-user", "--uid", "0", "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN"]
     return [
         rt.bwrap, *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
@@ -175,6 +182,31 @@ def bwrap_args(rt: Runtime, uid: int | None, disk_bytes: int, seccomp_fd: int, s
         "--perms", "1777", "--size", str(disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp", "--remount-ro", "/",
         "--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--",
     ]  # fmt: skip
+
+
+def cgroup_delegation() -> str:
+    """Whether this process could give each sandbox a cgroup v2 ``memory.max``/``pids.max``, in one line. The
+    sandbox does not create cgroups: on the machines it runs on they belong to the supervisor, and memory is
+    bounded by rlimits, the seccomp refusals and the tmpfs bounds instead. What would be needed: a cgroup v2
+    hierarchy at /sys/fs/cgroup, this process's cgroup writable by it, with ``memory`` and ``pids`` enabled in its
+    ``cgroup.subtree_control`` (systemd's ``Delegate=yes``) and the trainer itself in a leaf beside the sandboxes'."""
+    root = Path("/sys/fs/cgroup")
+    if not (root / "cgroup.controllers").exists():
+        return "no: /sys/fs/cgroup is not a cgroup v2 hierarchy (v1 or hybrid)"
+    try:
+        own = next(line.split("::", 1)[1].strip() for line in open("/proc/self/cgroup") if line.startswith("0::"))
+    except (OSError, StopIteration):
+        return "no: this process has no cgroup v2 path"
+    mine = root / own.lstrip("/")
+    try:
+        enabled = set((mine / "cgroup.subtree_control").read_text().split())
+    except OSError as exc:
+        return f"no: {mine}/cgroup.subtree_control is not readable ({exc.strerror})"
+    if not os.access(mine, os.W_OK):
+        return f"no: {mine} is not writable by this process (not delegated)"
+    if not {"memory", "pids"} <= enabled:
+        return f"no: memory and pids are not enabled for the children of {mine}"
+    return f"available at {mine} (not used: see docs/rewards.md)"
 
 
 def describe(rt: Runtime) -> dict[str, object]:
@@ -191,6 +223,8 @@ def describe(rt: Runtime) -> dict[str, object]:
         "python": rt.python,
         "audit_hook": True,
         "rlimits": True,
+        "tmpfs_inode_bound": iso,
+        "cgroup_v2_delegation": cgroup_delegation(),
     }
 
 

@@ -1,12 +1,15 @@
 """Run untrusted Python in a sandbox that the kernel enforces (see ``isolation.py`` for the layers).
 
-``run_job(code, stdin, steps, limits)`` runs one program once: in stdio mode (``steps=None``) with ``stdin`` as its
-input, in step mode followed by the grader's set-up and expression steps (see ``grader.py``). Nothing is written
-to the host's file system: the harness and the job travel on a pipe, results come back on another.
+``run_job(code, stdin, limits)`` runs one program once with ``stdin`` as its input (stdio mode). ``Session``
+runs one program and then answers the grader's calls on it (call mode, see ``grader.py``): the parent sends
+``{"q", "src", "a"}`` lines, one at a time, and reads each answer before it decides what to send next. Nothing is
+written to the host's file system: the harness and the job travel on a pipe, results come back on another.
 
-Every run takes a slot (its own uid when the trainer is root). When the call returns, the sandbox's PID namespace
-is gone: the parent kills its init through a pidfd and waits for it, and a namespace's init exits only after
-everything else in it has.
+Every run takes a slot (its own uid when the trainer is root). When the run ends, the sandbox's PID namespace is
+gone: the parent kills its init through a pidfd and waits for it, and a namespace's init exits only after
+everything else in it has. Why a run failed is decided here, from what the parent saw (its own deadline, bytes it
+counted, the CPU time and peak memory the kernel reports for the child), never from an exit code or a report the
+program can choose.
 """
 
 from __future__ import annotations
@@ -17,28 +20,25 @@ import json
 import logging
 import math
 import os
-import select
-import selectors
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from grpokit.rewards import grader, isolation, seccomp_filter
+from grpokit.rewards import isolation, seccomp_filter
 from grpokit.rewards.isolation import live_sandbox_processes  # noqa: F401 (part of this module's API)
-from grpokit.rewards.sandbox_result import SandboxLimits, SandboxResult, classify  # noqa: F401 (SandboxLimits: API)
+from grpokit.rewards.sandbox_io import Collector
+from grpokit.rewards.sandbox_result import SandboxLimits, SandboxResult  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger(__name__)
 
 HARNESS = Path(__file__).with_name("_sandbox_child.py").read_text(encoding="utf-8")
 BOOT = (
-    "import json,sys;J=json.loads(open(int(sys.argv[1]),'rb').read());"
-    "exec(compile(J.pop('harness'),'_sandbox_child.py','exec'),{'__name__':'__sandbox__','JOB':J})"
+    "import json,sys;F=open(int(sys.argv[1]),'rb');J=json.loads(F.readline());"
+    "exec(compile(J.pop('harness'),'_sandbox_child.py','exec'),{'__name__':'__sandbox__','JOB':J,'JOB_FILE':F})"
 )
-REAP_WAIT_S = 5.0  # how long bwrap gets to reap the sandbox's init after the kill
 STARTUP_ALLOWANCE_S = 0.5  # wall-clock time granted on top of the timeout for the sandbox to start
 
 
@@ -63,248 +63,162 @@ class _Slots:
 _SLOTS = _Slots()
 
 
-def _job(code: str, steps: list | None, limits: SandboxLimits, rt: isolation.Runtime, report_fd: int,
+def _cpu_seconds(limits: SandboxLimits) -> int:
+    return max(1, math.ceil(limits.timeout_s))
+
+
+def _job(code: str, serve: bool, limits: SandboxLimits, rt: isolation.Runtime, report_fd: int,
          uid: int | None) -> bytes:  # fmt: skip
     lim = {
-        "cpu_s": max(1, math.ceil(limits.timeout_s)),
+        "cpu_s": _cpu_seconds(limits),
         "mem_bytes": int(limits.memory_mb) << 20,
         "fsize_bytes": limits.max_file_bytes,
         "nofile": limits.max_open_files,
         "nproc": limits.max_processes,
     }
-    exec_bpf = seccomp_filter.exec_filter().hex() if rt.mode == "bwrap" else None
-    job = {"harness": HARNESS, "code": code, "steps": steps, "limits": lim, "exec_filter": exec_bpf,
-           "report_fd": report_fd, "drop_uid": uid if rt.privileged else None}  # fmt: skip
-    return json.dumps(job).encode()
+    iso = rt.mode == "bwrap"
+    job = {"harness": HARNESS, "code": code, "serve": serve, "limits": lim, "report_fd": report_fd,
+           "late_filter": seccomp_filter.late_filter().hex() if iso else None,
+           "tmpfs": {"size": limits.max_disk_bytes, "nr_inodes": limits.max_inodes} if iso else None,
+           "drop_uid": uid if rt.privileged else None}  # fmt: skip
+    return json.dumps(job).encode() + b"\n"
 
 
-def run_job(
-    code: str, stdin: str = "", steps: list | None = None, limits: SandboxLimits | None = None,
-    rt: isolation.Runtime | None = None,
-) -> SandboxResult:  # fmt: skip
-    limits = limits or SandboxLimits()
-    rt = rt or isolation.resolve("bwrap")
-    slot = _SLOTS.acquire()
-    fds: list[int] = []
-    workdir = tempfile.mkdtemp(prefix="grpokit-sbx-") if rt.mode == "none" else None
-    try:
-        return _spawn_and_collect(code, stdin, steps, limits, rt, rt.slot_uid(slot), fds, workdir)
-    finally:
-        for fd in fds:
+class Session:
+    """One sandboxed run of ``code``. ``serve=False``: fed ``stdin``, run to its end (``result()``).
+    ``serve=True``: after the program ran, ``call(src, args)`` asks for one value at a time; ``result()`` ends it.
+    ``deadline`` (``time.monotonic()``) caps the run on top of ``limits.timeout_s``, so that several runs of one
+    sample share one time budget."""
+
+    def __init__(self, code: str, limits: SandboxLimits, rt: isolation.Runtime, stdin: str = "",
+                 serve: bool = False, deadline: float | None = None) -> None:  # fmt: skip
+        self.limits, self.rt, self.serve = limits, rt, serve
+        self.slot = _SLOTS.acquire()
+        self.fds: list[int] = []
+        self.workdir = tempfile.mkdtemp(prefix="grpokit-sbx-") if rt.mode == "none" else None
+        self.out: Collector | None = None
+        self._result: SandboxResult | None = None
+        self.calls = 0
+        try:
+            self._spawn(code, stdin, deadline)
+        except BaseException:
+            self._release()
+            raise
+
+    def _pipe(self) -> tuple[int, int]:
+        r, w = os.pipe()
+        self.fds += [r, w]
+        return r, w
+
+    def _close(self, *which: int) -> None:
+        for fd in which:
+            os.close(fd)
+            self.fds.remove(fd)
+
+    def _spawn(self, code: str, stdin: str, deadline: float | None) -> None:
+        rt, limits, uid = self.rt, self.limits, self.rt.slot_uid(self.slot)
+        job_r, job_w = self._pipe()
+        rep_r, rep_w = self._pipe()
+        child_fds = [job_r, rep_w]
+        argv, ids = isolation.drop_to(rt, uid)
+        status_r = None
+        if rt.mode == "bwrap":
+            sc_r, sc_w = self._pipe()
+            os.write(sc_w, seccomp_filter.main_filter())  # a few hundred bytes: fits the pipe buffer
+            self._close(sc_w)
+            status_r, status_w = self._pipe()
+            child_fds += [sc_r, status_w]
+            argv += isolation.bwrap_args(rt, uid, limits.max_disk_bytes, sc_r, status_w)
+        argv += [rt.python, "-I", "-S", "-B", "-X", "utf8", "-c", BOOT, str(job_r)]
+        home = self.workdir or "/tmp"
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+        if self.workdir and uid is not None:
+            os.chown(self.workdir, uid, uid)
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=child_fds, start_new_session=True, cwd=self.workdir or "/", env=env,
+                                **ids)  # fmt: skip
+        self._close(*child_fds)
+        end = start + limits.timeout_s + STARTUP_ALLOWANCE_S
+        self.out = Collector(proc, limits, min(end, deadline) if deadline is not None else end, rep_r, status_r)
+        self.start = start
+        for fd in (job_w, status_r, rep_r):  # the collector closes these; a second close could hit another thread's fd
+            if fd is not None:
+                self.fds.remove(fd)
+        self.job_w = job_w
+        self.out.adopt_writer(job_w)
+        self.out.adopt_writer(self.out.stdin_fd)
+        self.out.send(job_w, _job(code, self.serve, limits, rt, rep_w, uid))
+        self.out.send(proc.stdin.fileno(), stdin.encode(), close=True)
+        if not self.serve:
+            self.out.close_writer_after(job_w)
+            self.out.pump(lambda: False)
+        else:
+            self.out.pump(lambda: self.out.ready or self.out.program_failed)
+
+    @property
+    def ready(self) -> bool:
+        """Call mode: the program ran to its end and the harness waits for calls."""
+        return self.out is not None and self.out.ready and not self.out.program_failed and self.out.alive()
+
+    def call(self, src: str, args: list) -> dict | None:
+        """The harness's answer (``{"v"}``, ``{"ref"}`` or ``{"err", "mro"}``) to one call; None when the run is
+        over (deadline, output limit, the process gone) or the answer did not parse."""
+        if not self.ready:
+            return None
+        self.calls += 1
+        q = self.calls
+        self.out.await_q = q
+        self.out.send(self.job_w, json.dumps({"q": q, "src": src, "a": args}).encode() + b"\n")
+        self.out.pump(lambda: self.out.answer is not None or self.out.rep_r not in self.out.reading)
+        answer, self.out.answer, self.out.await_q = self.out.answer, None, None
+        return answer if isinstance(answer, dict) else None
+
+    def result(self) -> SandboxResult:
+        if self._result is None:
+            try:
+                if self.out is not None and self.out.alive():
+                    self.out.close_writer_after(self.job_w)
+                    self.out.pump(lambda: False)
+            finally:
+                try:
+                    if self.out is not None:
+                        self.out.reap()
+                finally:
+                    self._release()
+            self._result = self.out.result()
+            self._result.elapsed_s = time.monotonic() - self.start
+        return self._result
+
+    def _release(self) -> None:
+        for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        if workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-        _SLOTS.release(slot)
+        self.fds = []
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        _SLOTS.release(self.slot)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.result()
 
 
-def _pipe(fds: list[int]) -> tuple[int, int]:
-    r, w = os.pipe()
-    fds += [r, w]
-    return r, w
+def run_job(code: str, stdin: str = "", limits: SandboxLimits | None = None, rt: isolation.Runtime | None = None,
+            deadline: float | None = None) -> SandboxResult:  # fmt: skip
+    """Run ``code`` once, fed ``stdin`` (stdio mode)."""
+    return Session(code, limits or SandboxLimits(), rt or isolation.resolve("bwrap"), stdin, False, deadline).result()
 
 
-def _close(fds: list[int], *which: int) -> None:
-    for fd in which:
-        os.close(fd)
-        fds.remove(fd)
-
-
-def _spawn_and_collect(code, stdin, steps, limits, rt, uid, fds, workdir) -> SandboxResult:
-    job_r, job_w = _pipe(fds)
-    rep_r, rep_w = _pipe(fds)
-    child_fds = [job_r, rep_w]
-    argv, ids = isolation.drop_to(rt, uid)
-    status_r = None
-    if rt.mode == "bwrap":
-        sc_r, sc_w = _pipe(fds)
-        os.write(sc_w, seccomp_filter.main_filter())  # a few hundred bytes: fits the pipe buffer
-        _close(fds, sc_w)
-        status_r, status_w = _pipe(fds)
-        child_fds += [sc_r, status_w]
-        argv += isolation.bwrap_args(rt, uid, limits.max_disk_bytes, sc_r, status_w)
-    argv += [rt.python, "-I", "-S", "-B", "-X", "utf8", "-c", BOOT, str(job_r)]
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp", "TMPDIR": workdir or "/tmp"}
-    if workdir and uid is not None:
-        os.chown(workdir, uid, uid)
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            pass_fds=child_fds, start_new_session=True, cwd=workdir or "/", env=env, **ids)  # fmt: skip
-    _close(fds, *child_fds)
-    out = _Collector(proc, limits, start, rep_r, status_r)
-    for fd in (job_w, status_r):  # the collector closes these two; a second close could hit another thread's fd
-        if fd is not None:
-            fds.remove(fd)
-    try:
-        out.run({job_w: _job(code, steps, limits, rt, rep_w, uid), proc.stdin.fileno(): stdin.encode()})
-    finally:
-        out.reap()
-    result = out.result()
-    result.elapsed_s = time.monotonic() - start
-    return result
-
-
-class _Collector:
-    """Feeds the child's input pipes, reads its outputs under a deadline, then makes sure it is all gone."""
-
-    def __init__(self, proc, limits: SandboxLimits, start: float, rep_r: int, status_r: int | None) -> None:
-        self.proc, self.limits, self.status_r = proc, limits, status_r
-        self.deadline = start + limits.timeout_s + STARTUP_ALLOWANCE_S
-        self.bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), rep_r: bytearray()}
-        self.status = bytearray()
-        self.timed_out = self.too_much = False
-        self.pidfd: int | None = None
-
-    def run(self, writes: dict[int, bytes]) -> None:
-        sel = selectors.DefaultSelector()
-        for fd in self.bufs:
-            sel.register(fd, selectors.EVENT_READ)
-        if self.status_r is not None:
-            sel.register(self.status_r, selectors.EVENT_READ)
-        for fd in writes:
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_WRITE)
-        pending = {fd: memoryview(data) for fd, data in writes.items()}
-        try:
-            self._loop(sel, pending)
-            if self.status_r is None and not (self.timed_out or self.too_much):  # no status pipe: wait for exit
-                try:
-                    self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self.timed_out = True
-        finally:
-            sel.close()
-            for fd in pending:
-                self._close_writer(fd)
-
-    def _close_writer(self, fd: int) -> None:
-        if fd == self.proc.stdin.fileno():
-            self.proc.stdin.close()
-        else:
-            os.close(fd)
-
-    def _loop(self, sel, pending: dict[int, memoryview]) -> None:
-        """Until the deadline, or until every output is at EOF and the child has exited: bwrap's status pipe
-        closes only when bwrap exits (the sandboxed program never holds it), so a program that closes its
-        outputs and keeps running is still waited for, and then counts as a timeout."""
-        reading = set(self.bufs) | ({self.status_r} if self.status_r is not None else set())
-        while reading:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                self.timed_out = True
-                return
-            for key, _ in sel.select(timeout=remaining):
-                fd = key.fd
-                if fd in pending:
-                    if not self._write(fd, pending):
-                        sel.unregister(fd)
-                    continue
-                chunk = os.read(fd, 65536)
-                if fd == self.status_r:
-                    self.status += chunk
-                    self._watch_child()
-                if not chunk:
-                    sel.unregister(fd)
-                    reading.discard(fd)
-                    continue
-                if fd == self.status_r:
-                    continue
-                self.bufs[fd] += chunk
-                if len(self.bufs[fd]) > self.limits.max_output_bytes:
-                    self.too_much = True
-                    return
-
-    def _write(self, fd: int, pending: dict[int, memoryview]) -> bool:
-        """Write what the pipe takes; False (and the pipe closed) when done or the reader is gone."""
-        try:
-            n = os.write(fd, pending[fd][:65536])
-            pending[fd] = pending[fd][n:]
-        except (BrokenPipeError, BlockingIOError) as exc:
-            if isinstance(exc, BlockingIOError):
-                return True
-            pending[fd] = memoryview(b"")
-        if len(pending[fd]):
-            return True
-        del pending[fd]
-        self._close_writer(fd)
-        return False
-
-    def _watch_child(self) -> None:
-        """Hold a pidfd on the sandbox's init (from bwrap's status line) so it can be killed without pid reuse."""
-        if self.pidfd is not None:
-            return
-        docs = _json_docs(bytes(self.status))
-        if any("exit-code" in d for d in docs):
-            return  # already over: bwrap reaped it
-        for doc in docs:
-            if "child-pid" in doc:
-                try:
-                    self.pidfd = os.pidfd_open(int(doc["child-pid"]))
-                except (OSError, ValueError):
-                    pass
-
-    def reap(self) -> None:
-        """Kill the sandbox's init (its whole PID namespace dies with it) and let bwrap reap it: killing bwrap
-        first would leave the init to the host's pid 1, which in a container may never reap it."""
-        if self.pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=REAP_WAIT_S if self.pidfd is not None else 0)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # not reaped yet, so the group id is still ours
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        if self.pidfd is not None:  # the init of a PID namespace exits only after all its other processes
-            poller = select.poll()
-            poller.register(self.pidfd, select.POLLIN)
-            poller.poll(int(REAP_WAIT_S * 1000))
-            os.close(self.pidfd)
-        if self.status_r is not None:
-            os.close(self.status_r)
-
-    def result(self) -> SandboxResult:
-        out, err, rep = (bytes(b) for b in self.bufs.values())
-        return classify(self.proc.returncode, out, err, rep, self.timed_out, self.too_much, self.limits)
-
-
-def _json_docs(data: bytes) -> list[dict]:
-    docs, dec, text, i = [], json.JSONDecoder(), data.decode("utf-8", "replace"), 0
-    while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i >= len(text):
-            return docs
-        try:
-            doc, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return docs
-        if isinstance(doc, dict):
-            docs.append(doc)
-
-
-def run_python(
-    code: str, stdin: str = "", tests: str | None = None, limits: SandboxLimits | None = None,
-    isolation_mode: str = "bwrap",
-) -> SandboxResult:  # fmt: skip
-    """Run ``code`` fed ``stdin``; or, with ``tests`` (assert statements), grade it (``asserts_passed``)."""
-    rt = isolation.resolve(isolation_mode)
-    if tests is None:
-        return run_job(code, stdin=stdin, limits=limits, rt=rt)
-    plan = grader.plan_asserts(tests)
-    res = run_job(code, steps=plan.steps, limits=limits, rt=rt)
-    if res.status == "ok":
-        res.asserts_passed = grader.passed_asserts(plan, res.steps)
-    return res
+def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
+               isolation_mode: str = "bwrap") -> SandboxResult:  # fmt: skip
+    """Run ``code`` fed ``stdin`` in the ``isolation_mode`` sandbox."""
+    return run_job(code, stdin=stdin, limits=limits, rt=isolation.resolve(isolation_mode))
 
 
 def _trial(rt: isolation.Runtime) -> str | None:

@@ -4,12 +4,15 @@ Two programs, both deny lists on top of the user/PID/mount/network namespaces th
 
 - ``main_filter()`` goes to ``bwrap --seccomp FD`` and holds from the interpreter's first instruction: no process
   creation other than threads, no sockets but AF_UNIX, no ptrace/namespace/mount/kernel-module/BPF/io_uring calls.
-- ``exec_filter()`` refuses ``execve``/``execveat``. It cannot go to bwrap (bwrap must still exec the
-  interpreter), so the sandbox harness loads it with ``prctl`` before the untrusted code is even read.
+- ``late_filter()`` refuses ``execve``/``execveat`` and the mount calls. It cannot go to bwrap (bwrap must still
+  exec the interpreter, and the harness mounts the private ``/tmp`` with an inode bound, which bwrap cannot), so
+  the sandbox harness loads it with ``prctl`` before the untrusted code is even read.
 
-Refused calls kill the whole process (SIGSYS, reported as status "blocked"); ``clone3`` fails with ENOSYS instead,
-so that glibc falls back to ``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386)
-hit libseccomp's bad-architecture action, which kills too.
+Refused calls kill the whole process (SIGSYS); ``clone3`` fails with ENOSYS instead, so that glibc falls back to
+``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386) hit libseccomp's
+bad-architecture action, which kills too. Calls that would hold memory outside the address-space limit (SysV
+shared memory, message queues and semaphores, POSIX message queues, memfds), watch or lock files that other
+processes share (inotify, fanotify, ``flock``, ``fcntl`` locks and leases),  fail with EPERM instead: refused, without killing a program that merely tries.
 """
 
 from __future__ import annotations
@@ -31,14 +34,22 @@ _AF_UNIX = 1
 # calls a sandboxed program never needs; each one kills it
 _DENIED = (
     "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
-    "fsmount", "fsconfig", "fspick", "mount_setattr", "bpf", "perf_event_open", "userfaultfd",
+    "unshare", "setns", "bpf", "perf_event_open", "userfaultfd",
     "io_uring_setup", "io_uring_enter", "io_uring_register", "keyctl", "add_key", "request_key",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
     "swapoff", "acct", "quotactl", "syslog", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm",
     "sethostname", "setdomainname", "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
 )  # fmt: skip
-_EXEC = ("execve", "execveat")
+_LATE = ("execve", "execveat", "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
+         "fsmount", "fsconfig", "fspick", "mount_setattr")  # fmt: skip
+# refused with EPERM: kernel memory the rlimits do not count, watches and locks on shared files, inode floods
+_REFUSED = (
+    "shmget", "shmat", "msgget", "msgsnd", "semget", "semop", "mq_open", "memfd_create", "memfd_secret",
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark", "flock",
+)  # fmt: skip
+# F_SETLK, F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_SETPIPE_SZ (a pipe of 1 MiB is kernel memory too)
+_FCNTL_REFUSED = (6, 7, 37, 38, 1024, 1031)
+_CMP_EQ = 4
 
 
 class SeccompUnavailable(OSError):
@@ -109,13 +120,17 @@ def main_filter() -> bytes:
     f.rule(_errno_action(errno.ENOSYS), "clone3")
     for call in ("socket", "socketpair"):
         f.rule(KILL_PROCESS, call, (0, _CMP_NE, _AF_UNIX, 0))
+    for name in _REFUSED:
+        f.rule(_errno_action(errno.EPERM), name)
+    for cmd in _FCNTL_REFUSED:
+        f.rule(_errno_action(errno.EPERM), "fcntl", (1, _CMP_EQ, cmd, 0))
     return f.export()
 
 
 @functools.lru_cache(maxsize=1)
-def exec_filter() -> bytes:
-    """BPF that refuses starting a new program; loaded by the harness inside the sandbox."""
+def late_filter() -> bytes:
+    """BPF that refuses starting a new program and mounting; loaded by the harness inside the sandbox."""
     f = _Filter()
-    for name in _EXEC:
+    for name in _LATE:
         f.rule(KILL_PROCESS, name)
     return f.export()

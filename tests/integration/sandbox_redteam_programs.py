@@ -197,3 +197,154 @@ CLASSES = {
 
 def render(code: str, **values: str) -> str:
     return code.format(**values)
+
+
+# ---- issue 28: the grader, reports, memory, time, logs and isolation (test_sandbox_redteam_grader.py)
+# Every program of GRADER_TRICKS defines a wrong ``f`` (the right one is 2**n - 1) and tries to make the grader
+# pass it anyway; SOLUTION (appended to every program, right ones too) wraps ``f`` for the class-based style.
+SOLUTION = "\nclass Solution:\n    def f(self, n):\n        return f(n)\n"
+RIGHT28 = "def f(n):\n    if not isinstance(n, int):\n        raise TypeError('n')\n    return 2 ** n - 1\n"
+FIND_REPORT_FD = "import os\nREP = [fd for fd in range(3, 64) if os.path.exists(f'/proc/self/fd/{{fd}}')]\n"
+
+GRADER_STYLES = {  # one test file per style that datasets use; each passes RIGHT28 fully
+    "top_level": "expected = 8191\nassert f(13) == expected\nassert f(5) == 31\nassert abs(f(1) - 1) < 1e-9",
+    "check_candidate": "def check(candidate):\n    assert candidate(13) == 8191\n    assert candidate(5) == 31\n"
+                       "check(f)",
+    "zero_arg_test_called": "def test_x():\n    assert f(13) == 8191\n    assert f(5) == 31\ntest_x()",
+    "pytest_uncalled": "from solution import f\nimport pytest\ndef test_a():\n    assert f(13) == 8191\n"
+                       "@pytest.mark.parametrize('n, e', [(2, 3), (5, 31)])\ndef test_b(n, e):\n    assert f(n) == e\n"
+                       "def test_raises():\n    with pytest.raises(TypeError):\n        f('x')\n",
+    "while_loop": "i = 1\nwhile i < 6:\n    assert f(i) == 2 ** i - 1\n    i += 1",
+    "main_guard": "if __name__ == '__main__':\n    for n in range(1, 5):\n        assert f(n) == 2 ** n - 1\n",
+    "evalplus_assertion": (
+        "import numpy as np\ndef is_floats(x) -> bool:\n    if isinstance(x, float):\n        return True\n"
+        "    if isinstance(x, (list, tuple)):\n        return all(isinstance(i, float) for i in x)\n"
+        "    if isinstance(x, np.ndarray):\n        return x.dtype == np.float64 or x.dtype == np.float32\n"
+        "    return False\ndef assertion(out, exp, atol):\n    exact_match = out == exp\n"
+        "    if atol == 0 and is_floats(exp):\n        atol = 1e-6\n    if not exact_match and atol != 0:\n"
+        "        assert np.allclose(out, exp, rtol=1e-07, atol=atol)\n    else:\n        assert exact_match\n"
+        "inputs = [[1], [5], [13]]\nresults = [1, 31, 8191]\ndef check(candidate):\n"
+        "    for i, (inp, exp) in enumerate(zip(inputs, results)):\n        assertion(candidate(*inp), exp, 0)\n"
+        "check(f)"),
+    "unittest": "import unittest\nclass T(unittest.TestCase):\n    def setUp(self):\n        self.n = 13\n"
+                "    def test_a(self):\n        self.assertEqual(f(self.n), 8191)\n    def test_b(self):\n"
+                "        self.assertTrue(f(1) == 1)\n        with self.assertRaises(TypeError):\n            f('x')\n"
+                "if __name__ == '__main__':\n    unittest.main(exit=False)",
+    "expected_side_helpers": "from math import factorial\ndef ref(n):\n    return 2 ** n - 1\n"
+                             "exp = list(map(lambda n: ref(n), [1, 5, 13]))\nassert [f(n) for n in [1, 5, 13]] == exp\n"
+                             "assert f(3) == int(f'{7}')\nassert f(10) == factorial(6) + 303",
+    "modulo_of_program_value": "assert f(3) % 1000 == 7\nassert f(4) % 1000 == 15",
+    "solution_class": "s = Solution()\nassert s.f(13) == 8191\nassert s.f(5) == 31",
+    "stdin_stdout": [{"input": "13\n", "output": "8191\n"}, {"input": "5\n", "output": "31"}],
+}
+STDIN_MAIN = "\nimport sys\nif not sys.stdin.isatty():\n    _d = sys.stdin.read().split()\n    if _d:\n" \
+             "        print(f(int(_d[0])))\n"  # fmt: skip
+
+_YES = ("class Yes(int):\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+        "    def __bool__(self): return True\n    def __mod__(self, o): return Yes()\n    __hash__ = int.__hash__\n"
+        "    def __repr__(self): return 'True'\n    __str__ = __repr__\n")  # fmt: skip
+GRADER_TRICKS = {
+    "forged_verdicts_first": FIND_REPORT_FD + (
+        "FAKE = ['{{\"q\": %d, \"ok\": true}}', '{{\"ready\": true}}', '{{\"q\": %d, \"v\": {{\"__t\": \"eq\", "
+        "\"v\": 1}}}}', '{{\"k\": %d, \"ok\": true}}', '{{\"q\": %d, \"pass\": true}}', '{{\"q\": %d, \"v\": NaN}}']\n"
+        "for fd in REP:\n    for k in range(1, 40):\n        for t in FAKE:\n            try:\n"
+        "                os.write(fd, ((t.replace('%d', str(k))) + '\\n').encode())\n"
+        "            except OSError:\n                pass\ndef f(n):\n    return 0\n"),
+    "always_equal_object": _YES.replace("(int)", "") + "def f(n):\n    return Yes()\n",
+    "int_subclass_equal": _YES + "def f(n):\n    return Yes(0)\n",
+    "patched_builtins": "import builtins\nfor _n in ('abs', 'isinstance', 'len', 'all', 'bool', 'sorted', 'list', 'map',"
+                        " 'int', 'str', 'type', 'round'):\n    setattr(builtins, _n, lambda *a, **k: True)\n"
+                        "def f(n):\n    return 0\n",
+    "planted_modules": _YES + "import sys, types\nfor _m in ('math', 'numpy', 'unittest', 'pytest', 'collections',"
+                       " 'solution'):\n    mod = types.ModuleType(_m)\n    mod.__getattr__ = lambda name: (lambda *a, **k: Yes())\n"
+                       "    sys.modules[_m] = mod\ndef f(n):\n    return 0\n",
+    "gc_scan_for_expected": "import gc, re\ndef f(n):\n    nums = [int(t) for o in gc.get_objects() if isinstance(o, (str, "
+                            "bytes)) for t in re.findall(r'\\d{{2,6}}', o if isinstance(o, str) else o.decode('latin-1'))]\n"
+                            "    return max([x for x in nums if x != n] or [0])\n",
+    "answers_its_own_calls": FIND_REPORT_FD + (
+        "import gc, json, threading\nJF = [o for o in gc.get_objects() if type(o).__name__ == 'BufferedReader' "
+        "and getattr(o, 'name', None) not in (0, None)]\ndef steal():\n    for fh in JF:\n        try:\n"
+        "            for line in iter(fh.readline, b''):\n                q = json.loads(line).get('q')\n"
+        "                for fd in REP:\n                    try:\n"
+        "                        os.write(fd, json.dumps({{'q': q, 'ok': True, 'v': {{'__t': 'eq', 'v': 1}}}}).encode()"
+        " + b'\\n')\n                    except OSError:\n                        pass\n        except Exception:\n"
+        "            pass\nthreading.Thread(target=steal, daemon=True).start()\nimport time\ntime.sleep(0.05)\n"
+        "def f(n):\n    return 0\n"),
+    "patched_harness": _YES + "import gc\nfor o in gc.get_objects():\n    if getattr(o, '__name__', None) in ('encode', "
+                       "'_answer', 'decode') and '_TAGGED' in getattr(o, '__globals__', {{}}):\n"
+                       "        o.__globals__['encode'] = lambda v, d=0: {{'__t': 'eq', 'v': 1}}\n"
+                       "def f(n):\n    return Yes(0)\n",
+    "exit_before_tests": "import os\ndef f(n):\n    return 8191\nos._exit(0)\n",
+    "system_exit_in_calls": "def f(n):\n    raise SystemExit(0)\n",
+    "unittest_output_forged": "print('...\\n----------------------------------------------------------------------\\n"
+                              "Ran 3 tests in 0.001s\\n\\nOK')\ndef f(n):\n    return 0\n",
+    "huge_values": "import sys\nsys.set_int_max_str_digits(0)\ndef f(n):\n    return 10 ** 6000 + (n if isinstance(n, int) else 0)\n",
+    "format_bomb_string": "def f(n):\n    return '%0500000000d'\n",
+    "deep_and_long_answers": "def f(n):\n    if isinstance(n, int) and n % 2:\n        x = []\n        for _ in range(100000):\n"
+                             "            x = [x]\n        return x\n    return 'x' * (3 << 20)\n",
+}
+
+MEMORY = {  # kernel memory outside the address-space limit; each prints what it managed to hold
+    "sysv_shm_1000m": LIBC + "libc.shmget.restype = ctypes.c_int\nid_ = libc.shmget(0, 1000 << 20, 0o1600)\n"
+                             "held = 0\nif id_ >= 0:\n    libc.shmat.restype = ctypes.c_void_p\n"
+                             "    p = libc.shmat(id_, None, 0)\n    if p and p != ctypes.c_void_p(-1).value:\n"
+                             "        ctypes.memset(p, 1, 1000 << 20)\n        held = 1000 << 20\n"
+                             "print('HELD', held)\nimport time\ntime.sleep(1)",
+    "memfd_929m": "import os, time\nheld, fds = 0, []\ntry:\n    for _ in range(58):  # 16 MiB each: RLIMIT_FSIZE\n"
+                  "        fds.append(os.memfd_create('x'))\n        for _ in range(16):\n"
+                  "            os.write(fds[-1], b'x' * (1 << 20))\n            held += 1 << 20\n"
+                  "except OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
+    "memfd_parked_in_socket": "import os, socket, array, time\nheld = 0\na, b = socket.socketpair()\ntry:\n"
+                              "    for _ in range(40):\n        fd = os.memfd_create('x')\n"
+                              "        os.write(fd, b'x' * (30 << 20))\n"
+                              "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', [fd]))])\n"
+                              "        os.close(fd)\n        held += 30 << 20\nexcept OSError as e:\n    print(e)\n"
+                              "print('HELD', held)\ntime.sleep(1)",
+    "pipes_parked_in_socket": "import os, socket, array, fcntl, time\nheld = 0\na, b = socket.socketpair()\ntry:\n"
+                              "    for _ in range(1000):\n        r, w = os.pipe()\n        try:\n"
+                              "            fcntl.fcntl(w, 1031, 1 << 20)\n        except OSError:\n            pass\n"
+                              "        os.set_blocking(w, False)\n        try:\n            while True:\n"
+                              "                held += os.write(w, b'x' * 65536)\n        except BlockingIOError:\n"
+                              "            pass\n        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, "
+                              "array.array('i', [r, w]))])\n        os.close(r)\n        os.close(w)\n"
+                              "except OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
+    "message_queues": LIBC + "held = 0\nbuf = ctypes.create_string_buffer(8200)\nfor _ in range(30000):\n"
+                             "    q = libc.msgget(0, 0o1600)\n    if q < 0:\n        break\n"
+                             "    while libc.msgsnd(q, buf, 8192, 0o4000) == 0:\n        held += 8192\n"
+                             "print('HELD', held)\nimport time\ntime.sleep(1)",
+    "posix_mqueue": LIBC + "libc.mq_open.restype = ctypes.c_int\nq = libc.mq_open(b'/x', 0o102, 0o600, None)\n"
+                           "print('HELD', 0 if q < 0 else 1)",
+    "empty_directories": "import os, time\nn = 0\ntry:\n    for i in range(300000):\n        os.mkdir(f'd{{i}}')\n"
+                         "        n += 1\nexcept OSError as e:\n    print(e)\nprint('HELD', n * 1024)\ntime.sleep(1)",
+    "tmpfs_xattrs": "import os, time\nopen('a', 'w').close()\nn = 0\ntry:\n    for i in range(100000):\n"
+                    "        os.setxattr('a', f'user.k{{i}}', b'x' * 60000)\n        n += 1\nexcept OSError as e:\n"
+                    "    print(e)\nprint('HELD', n * 60000)\ntime.sleep(1)",
+    "empty_files": "import os, time\nn = 0\ntry:\n    for i in range(300000):\n"
+                   "        os.close(os.open(f'f{{i}}', os.O_CREAT | os.O_WRONLY))\n        n += 1\n"
+                   "except OSError as e:\n    print(e)\nprint('HELD', n * 1024)\ntime.sleep(1)",
+}
+
+LOGS_AND_EXITS = {  # write into the trainer's log, or choose how the failure is counted
+    "fatal_report_forged_lines": FIND_REPORT_FD + (
+        "msg = 'x\\n2026-01-01 00:00:00 ERROR grpokit: FORGED LINE\\x1b[2J\\x1b[31m' + 'y' * 200000\n"
+        "for fd in REP:\n    try:\n        os.write(fd, (__import__('json').dumps({{'fatal': msg}}) + '\\n').encode())\n"
+        "    except OSError:\n        pass\nos._exit(121)"),
+    "exit_137_as_killed": "import os\nos._exit(137)",
+    "exit_152_as_timeout": "import os\nos._exit(152)",
+    "exit_153_as_output_limit": "import os\nos._exit(153)",
+    "exit_159_as_blocked": "import os\nos._exit(159)",
+    "stderr_memoryerror_claim": "import sys, os\nprint('MemoryError Cannot allocate memory', file=sys.stderr)\n"
+                                "os._exit(137)",
+}
+
+ISOLATION28 = {  # low: what batch-mates and the host would give away
+    "inotify_on_shared_paths": LIBC + "fd = libc.inotify_init1(0)\nprint('INOTIFY', fd)\nif fd >= 0:\n"
+                                      "    print('WATCH', libc.inotify_add_watch(fd, b'/usr/lib', 0xfff))",
+    "flock_host_file": "import fcntl, os, time, sys\nfd = os.open(sys.executable, os.O_RDONLY)\ntry:\n"
+                       "    fcntl.flock(fd, fcntl.LOCK_EX)\n    print('LOCKED')\nexcept OSError as e:\n    print(e)\n"
+                       "try:\n    fcntl.lockf(os.open('/usr/lib/os-release', os.O_RDONLY), fcntl.LOCK_SH)\n"
+                       "    print('LOCKED2')\nexcept OSError as e:\n    print(e)\ntime.sleep(1.5)",
+    "read_planted_etc_file": "import os\nfor root, dirs, files in os.walk('/etc'):\n    for n in files:\n        try:\n"
+                             "            print(n, open(os.path.join(root, n), errors='replace').read(2000))\n"
+                             "        except OSError as e:\n            print(n, e)",
+}

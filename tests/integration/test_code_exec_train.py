@@ -30,3 +30,20 @@ def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
         assert r["rewards/code_exec/mean"] == 0.0
         failures = sum(v for k, v in r.items() if k.startswith("rewards/code_exec/sandbox_"))
         assert failures == 4  # all four programs of the window failed and were counted, by kind
+
+
+def test_rows_the_grader_cannot_run_are_refused_before_training(tiny_model_dir, tmp_path):
+    from grpokit.config.parse import parse_train_args
+    from grpokit.errors import ConfigError
+    from grpokit.pipeline.train import run_train
+
+    rows = [{"query": "Write f.", "test_cases": "assert f(1) == 2"},
+            {"query": "Write g.", "test_cases": "import subprocess\nassert g(1) == subprocess.call(['true'])"}]
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"code_exec: dataset row 1: test_cases\[1\]: import of 'subprocess'"):
+        run_train(parse_train_args([
+            "--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs", "code_exec",
+            "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8",
+            "--max_steps", "1", "--output_dir", str(tmp_path / "run"), "--disable_tqdm", "true", "--beta", "0"]))
+    assert not (tmp_path / "run" / "logging.jsonl").exists()

@@ -23,7 +23,7 @@ import pytest
 
 from grpokit.rewards import grader, isolation
 from grpokit.rewards.code_exec import CodeExecReward
-from grpokit.rewards.sandbox import SandboxLimits, live_sandbox_processes, run_job
+from grpokit.rewards.sandbox import SandboxLimits, Session, live_sandbox_processes, run_job
 
 from sandbox_redteam_programs import CLASSES, SECRETS, SPOOF, WRONG, render
 
@@ -155,9 +155,9 @@ def test_disk_use_is_bounded(outside):
 
 def test_statuses_say_what_happened(outside):
     lim = SandboxLimits(timeout_s=1, memory_mb=128)
-    assert run_job("import os\nos.fork()", limits=lim).status == "blocked"
+    assert run_job("import os\nos.fork()", limits=lim).status == "error"  # the audit hook's PermissionError
     assert run_job(render(CLASSES["2_audit_hook_off"]["ctypes_fork_syscall"], **outside.values()), limits=lim).status \
-        == "blocked"  # killed by seccomp (SIGSYS), not by the hook
+        == "crash"  # killed by seccomp (SIGSYS): a signal, which the parent cannot tell from os._exit(159)
     assert run_job("while True:\n    pass", limits=lim).status == "timeout"
     assert run_job("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\nprint(1)", limits=lim).status == "ok"
     # (the program is pid 1 of its namespace: it cannot even kill itself)
@@ -176,7 +176,7 @@ def test_killed_from_outside_is_not_a_timeout():
     for pid in live_sandbox_processes():
         os.kill(pid, 9)
     t.join(timeout=10)
-    assert out["res"].status == "killed"
+    assert out["res"].status == "crash"  # a signal from outside: neither a timeout nor the program's choice
     assert out["res"].elapsed_s < 5
 
 
@@ -202,13 +202,17 @@ def test_the_checks_see_escapes_without_isolation(outside):
 def test_privileged_fallback_holds(outside):
     """Root running bubblewrap itself (no user namespace; the harness drops to the slot uid) holds as well."""
     rt = dataclasses.replace(isolation.resolve("bwrap"), privileged=True)
-    plan = grader.plan_asserts(TESTS)
+    program = grader.prepare(TESTS)
     picked = [c for name in ("1_process_creation", "2_audit_hook_off", "3_writes_outside", "4_survivors",
                              "5_unix_sockets_network", "7_spoofed_results") for _, c in _programs(name, outside)]
+
+    def score(code: str) -> int:
+        deadline = time.monotonic() + 3
+        with Session(code, SandboxLimits(timeout_s=2), rt, serve=True, deadline=deadline) as s:
+            return grader.grade(program, s.call, deadline).passed if s.ready else 0
+
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda c: run_job(c, steps=plan.steps, limits=SandboxLimits(timeout_s=2), rt=rt),
-                                picked + [RIGHT]))  # fmt: skip
-    scores = [len(grader.passed_asserts(plan, r.steps)) if r.status == "ok" else 0 for r in results]
+        scores = list(pool.map(score, picked + [RIGHT]))
     assert scores == [0] * len(picked) + [3]
     assert live_sandbox_processes(rt) == []
     assert outside.escapes() == []

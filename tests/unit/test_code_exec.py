@@ -100,7 +100,7 @@ def test_fork_bomb_leaves_no_processes(reward):
     ]
     out = reward(bombs, test_cases=[[DOUBLE[0]]] * 4)
     assert out == [0.0] * 4
-    assert reward.last_failures["blocked"] == 4
+    assert sum(reward.last_failures.values()) == 4
     assert sandbox_processes() == []
 
 
@@ -108,7 +108,7 @@ def test_network_is_blocked(reward):
     code = "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))\nprint(4)"  # loopback only, ever
     sneaky = "import socket\ntry:\n    socket.getaddrinfo('localhost', 80)\nexcept Exception:\n    pass\nprint(4)"
     assert reward([fenced(code), fenced(sneaky)], test_cases=[[DOUBLE[0]]] * 2) == [0.0, 0.0]
-    assert reward.last_failures["blocked"] == 2  # a caught refusal still fails the case
+    assert reward.last_failures["error"] + reward.last_failures["crash"] == 2  # a caught refusal still fails
 
 
 def test_writes_stay_inside_the_sandbox(reward):
@@ -149,12 +149,12 @@ def test_helpers_and_bad_input():
 def test_os_layers():
     layers = sandbox_layers()
     assert layers["isolation"] == "bwrap" and layers["seccomp"] and layers["network_namespace"]
-    res = run_python("import os\nprint(os.getuid())\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
+    res = run_python("import os\nprint(open('/proc/self/uid_map').read().split()[1])\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
                      "[l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
                      "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))")
     assert res.status == "ok", res.stderr
     uid_line, interfaces, pids = res.stdout.splitlines()
-    if os.geteuid() == 0:
+    if os.geteuid() == 0:  # uid 0 of its own user namespace, without capabilities, is a slot uid of the host
         assert int(uid_line) in isolation.resolve("bwrap").slot_uids()  # its own uid, not root, not nobody
     assert interfaces == "['lo']"  # an empty network namespace
     assert pids == "['1']"  # a fresh /proc: the program is pid 1 of its own namespace, nothing of the host
@@ -253,3 +253,32 @@ def test_root_falls_back_when_user_namespaces_are_off(monkeypatch, caplog):
         assert int(res.stdout) in rt.slot_uids()
     finally:
         sandbox.ready.cache_clear()
+
+
+def test_one_time_budget_per_sample(reward):
+    """Ten stdin cases that each take most of the limit: the sample stops at its budget, not at ten limits."""
+    slow = fenced("import time\ntime.sleep(0.6)\nprint(int(input()) * 3)")
+    start = time.monotonic()
+    assert reward([slow], test_cases=[[DOUBLE[0]] * 10]) == [0.0]
+    assert time.monotonic() - start < 1 + 0.5 + 1.0  # timeout + start-up allowance + slack
+    assert reward.last_failures["timeout"] == 1
+
+
+def test_the_program_cannot_pick_its_failure_kind(reward):
+    codes = [fenced(f"import os\nos._exit({rc})") for rc in (137, 152, 159, 153)]
+    assert reward(codes, test_cases=[[DOUBLE[0]]] * 4) == [0.0] * 4
+    assert reward.last_failures["timeout"] == 0 and reward.last_failures["output_limit"] == 0
+    assert reward.last_failures["crash"] == 4
+
+
+def test_rows_with_tests_the_grader_cannot_run_are_refused(reward):
+    rows = [{"test_cases": "assert f(1) == 1"}, {"test_cases": DOUBLE}, {"test_cases": "import os\nassert f(1)"}]
+    with pytest.raises(ConfigError, match=r"code_exec: dataset row 2: test_cases\[2\]: import of 'os'") as err:
+        reward.check_rows(rows)
+    assert "\n" not in str(err.value)
+    reward.check_rows(rows[:2])
+
+
+def test_test_code_imports_the_program_so_its_main_guard_does_not_run(reward):
+    program = fenced("def f(n):\n    return n + 1\nif __name__ == '__main__':\n    print(f(int(input())))")
+    assert reward([program], test_cases=["from solution import f\nassert f(1) == 2"]) == [1.0]

@@ -1,91 +1,209 @@
-"""grader: which parts of an assert enter the sandbox, and how the parent scores the values that come back."""
+"""grader: tests run in the trainer, the program only answers calls; every test style, refusals, bounds."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
 import pytest
 
-from grpokit.rewards.grader import decode, n_asserts, passed_asserts, plan_asserts
+from grpokit.rewards._grader_eval import decode
+from grpokit.rewards._sandbox_child import encode
+from grpokit.rewards.grader import Unconvertible, grade, prepare
+from grpokit.rewards.sandbox_result import log_safe, parse_report
 
 
-def simulate(tests: str, program: dict) -> set[int]:
-    """Grade ``tests`` against a fake sandbox that evaluates each leaf in ``program``'s namespace."""
-    plan = plan_asserts(tests)
-    ns = dict(program)
-    reports = {}
-    for k, (kind, src) in enumerate(plan.steps):
+class FakeSandbox:
+    """Answers calls the way the harness does, from a namespace of plain Python functions (no sandbox)."""
+
+    def __init__(self, ns: dict) -> None:
+        self.ns, self.results, self.sent = dict(ns), {}, []
+
+    def __call__(self, src: str, args: list) -> dict:
+        self.sent.append((src, args))
+        q = len(self.sent)
         try:
-            if kind == "exec":
-                exec(src, ns)
-                reports[k] = {"k": k, "ok": True}
-            else:
-                reports[k] = {"k": k, "v": _encode(eval(src, ns))}
+            value = eval(src, self.ns, {"__A": [decode(a) for a in args], "__R": self.results})
         except Exception as exc:  # noqa: BLE001
-            reports[k] = {"k": k, "err": type(exc).__name__}
-            if kind == "exec":
-                break
-    return passed_asserts(plan, reports)
+            return {"q": q, "err": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": ""}
+        try:
+            return {"q": q, "v": json.loads(json.dumps(encode(value)))}
+        except TypeError:
+            self.results[q] = value
+            return {"q": q, "ref": q}
 
 
-def _encode(v):
-    from grpokit.rewards._sandbox_child import encode
-
-    return encode(v)
-
-
-def test_only_program_dependent_leaves_enter_the_sandbox():
-    plan = plan_asserts(
-        "import math\nexpected = [1, 4, 9]\nassert f(2) == 4\nassert abs(h(1) - 0.5) < 1e-6\n"
-        "assert [f(x) for x in range(1, 4)] == expected\nassert sorted(g([3, 1, 2])) == [1, 2, 3]"
-    )
-    evals = [src for kind, src in plan.steps if kind == "eval"]
-    assert evals == ["f(2)", "h(1)", "f(1)", "f(2)", "f(3)", "g([3, 1, 2])"]
-    sent = " ".join(src for _, src in plan.steps)
-    assert "expected" not in sent and "[1, 4, 9]" not in sent and "0.5" not in sent and "1e-06" not in sent
-    assert n_asserts(plan) == 4
+def score(tests: str, ns: dict) -> tuple[int, int]:
+    g = grade(prepare(tests), FakeSandbox(ns), time.monotonic() + 30)
+    return g.passed, g.checks
 
 
-def test_forms_graded_like_python():
-    tests = ("assert f(3) == 9\nassert f(2) != 5\nassert 0 < f(1) <= 1\nassert f(4) in (16, 17)\n"
-             "assert not f(0)\nassert f(2) is not None\nassert math.isclose(r(), 0.1 + 0.2)\n"
-             "assert all(f(i) == i * i for i in range(5))\nassert s(' Ab ').strip().lower() == 'ab'\n"
-             "assert t() == (1, 2) and t() != [1, 2]\nassert d() == {'a': {1, 2}}\nassert f(2) == 4.0")
-    square = {"f": lambda x: x * x, "r": lambda: 0.30000000000000004, "s": lambda x: x,
-              "t": lambda: (1, 2), "d": lambda: {"a": {2, 1}}}  # fmt: skip
-    assert simulate(tests, square) == set(range(12))
-    wrong = {"f": lambda x: x + x, "r": lambda: 0.3001, "s": lambda x: x + "x", "t": lambda: [1, 2],
-             "d": lambda: {"a": [1, 2]}}  # fmt: skip
-    assert simulate(tests, wrong) == {1, 4, 5, 11}  # what x + x passes in Python too (4 != 5, not 0, 4 == 4.0)
+def right(n):
+    return 2**n - 1
 
 
-def test_setup_statements_and_humaneval_check():
-    tests = ("def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(5) == 10\n"
-             "    helper = 3\n    assert candidate(helper) == 6\ncheck(double)")
-    assert simulate(tests, {"double": lambda x: 2 * x}) == {0, 1, 2}
-    assert simulate(tests, {"double": lambda x: x + 1}) == {0}
-    loop = "cases = [(1, 2), (5, 10)]\nfor x, y in cases:\n    assert double(x) == y\n    assert double(x) > 0"
-    assert simulate(loop, {"double": lambda x: 2 * x}) == {0, 1, 2, 3}
-    assert simulate(loop, {"double": lambda x: x + 1}) == {0, 1, 3}
-    assert all("10" not in src for _, src in plan_asserts(loop).steps)  # expected values stay outside
-    failing_setup = "x = g()\nassert f(x) == 2\nassert f(1) == 2"
-    assert simulate(failing_setup, {"f": lambda x: 2, "g": lambda: 1 / 0}) == set()  # set-up fails: all after fail
+def wrong(n):
+    return 0
 
 
-def test_values_the_parent_cannot_decode_fail():
-    assert decode({"__t": "tuple", "v": [1, {"__t": "bytes", "v": "ff"}]}) == (1, b"\xff")
-    for bad in ({"__t": "eq", "v": 1}, {"__t": "tuple", "v": 8191}, {"a": 1}, {"__t": "dict", "v": [[1]]}):
-        with pytest.raises(ValueError):
-            decode(bad)
-    plan = plan_asserts("assert f(1) == 1\nassert f(2) == 2")
-    forged = {0: {"k": 0, "v": {"__t": "eq", "v": 1}}, 1: {"k": 1, "err": "TypeError"}}
-    assert passed_asserts(plan, forged) == set()
+class Yes:
+    def __eq__(self, other):
+        return True
+
+    def __bool__(self):
+        return True
 
 
-def test_guards_and_no_asserts():
-    big = plan_asserts("assert 2 ** f(1) > 0\nassert len('x' * f(2)) > 0")
-    assert passed_asserts(big, {0: {"k": 0, "v": 10**9}, 1: {"k": 1, "v": 10**12}}) == set()  # bounded, not hung
-    setup_only = plan_asserts("f(1)")
-    assert passed_asserts(setup_only, {0: {"k": 0, "ok": True}}) == {0}
-    assert passed_asserts(setup_only, {0: {"k": 0, "err": "ValueError"}}) == set()
-    assert math.isnan(decode(float("nan")))
+STYLES = {
+    "top_level": "expected = 8191\nassert f(13) == expected\nassert f(5) == 31\nassert abs(f(1) - 1) < 1e-9",
+    "check_candidate": "def check(candidate):\n    assert candidate(13) == 8191\n    assert candidate(5) == 31\n"
+                       "check(f)",
+    "zero_arg_test_called": "def test_x():\n    assert f(13) == 8191\n    assert f(5) == 31\ntest_x()",
+    "pytest_uncalled_parametrize": "from solution import f\nimport pytest\ndef test_a():\n    assert f(13) == 8191\n"
+                                   "@pytest.mark.parametrize('n, e', [(2, 3), (5, 31)])\ndef test_b(n, e):\n"
+                                   "    assert f(n) == e\n",
+    "while_loop": "i = 1\nwhile i < 6:\n    assert f(i) == 2 ** i - 1\n    i += 1",
+    "main_guard": "if __name__ == '__main__':\n    for n in range(1, 5):\n        assert f(n) == 2 ** n - 1\n"
+                  "    print('ok')",
+    "evalplus_assertion": (
+        "import numpy as np\ndef is_floats(x) -> bool:\n    if isinstance(x, float):\n        return True\n"
+        "    if isinstance(x, (list, tuple)):\n        return all(isinstance(i, float) for i in x)\n"
+        "    if isinstance(x, np.ndarray):\n        return x.dtype == np.float64 or x.dtype == np.float32\n"
+        "    return False\ndef assertion(out, exp, atol):\n    exact_match = out == exp\n"
+        "    if atol == 0 and is_floats(exp):\n        atol = 1e-6\n    if not exact_match and atol != 0:\n"
+        "        assert np.allclose(out, exp, rtol=1e-07, atol=atol)\n    else:\n        assert exact_match\n"
+        "inputs = [[1], [5], [13]]\nresults = [1, 31, 8191]\ndef check(candidate):\n"
+        "    for i, (inp, exp) in enumerate(zip(inputs, results)):\n        assertion(candidate(*inp), exp, 0)\n"
+        "check(f)"),
+    "unittest": "import unittest\nclass T(unittest.TestCase):\n    def setUp(self):\n        self.n = 13\n"
+                "    def test_a(self):\n        self.assertEqual(f(self.n), 8191)\n    def test_b(self):\n"
+                "        self.assertTrue(f(1) == 1)\n        self.assertAlmostEqual(f(2), 3.0)\n"
+                "if __name__ == '__main__':\n    unittest.main(exit=False)",
+    "expected_side_helpers": "from math import factorial\ndef ref(n):\n    return 2 ** n - 1\n"
+                             "exp = list(map(lambda n: ref(n), [1, 5, 13]))\nassert [f(n) for n in [1, 5, 13]] == exp\n"
+                             "assert f(3) == int(f'{7}')\nassert f(10) == factorial(6) + 303",
+    "raises": "import pytest\nassert f(3) == 7\nwith pytest.raises(TypeError):\n    f('x')",
+}
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_each_style_right_one_wrong_zero_liar_zero(style):
+    tests = STYLES[style]
+    passed, checks = score(tests, {"f": right})
+    assert passed == checks > 0
+    assert score(tests, {"f": lambda n: Yes()})[0] == 0  # __eq__ always True, truthy: never reaches a verdict
+    wrong_passed, _ = score(tests, {"f": wrong})
+    assert wrong_passed == 0
+
+
+def test_expected_values_never_reach_the_sandbox():
+    sandbox = FakeSandbox({"f": right})
+    grade(prepare(STYLES["expected_side_helpers"] + "\nexpected = [8191, 31]\nassert [f(13), f(5)] == expected"),
+          sandbox, time.monotonic() + 30)
+    sent = json.dumps(sandbox.sent)
+    assert "8191" not in sent and "5040" not in sent and "ref" not in sent
+    assert all(src.startswith("f(") for src, _ in sandbox.sent)
+
+
+def test_program_objects_kept_remote_and_methods_called():
+    tests = "s = Solution()\nassert s.twice(4) == 8\nassert s.twice(1) == 2\nassert s == s"
+    ns = {"Solution": type("Solution", (), {"twice": lambda self, x: 2 * x})}
+    assert score(tests, ns) == (2, 3)  # comparing the program's object itself fails
+
+
+def test_refused_files_say_why_in_one_line():
+    for tests, why in [("import os\nassert f(1) == 1", "import of 'os'"), ("f(1)", "no assert"),
+                       ("class A:\n    pass\nassert f(1)", "class A"), ("assert f(1).__class__", ".__class__"),
+                       ("def test_a(tmp_path):\n    assert f(1)", "fixtures"), ("assert (", "not valid Python"),
+                       ("global x\nassert f(1)", "Global"), ("import numpy.linalg\nassert f(1)", "numpy.linalg"),
+                       ("import sympy\nassert f(1) == sympy.sqrt(4)", "sympy"),
+                       ("from math import system\nassert f(1)", "math import system"),
+                       ("assert f(3) == eval('7')", "eval"), ("assert f(1) == getattr(x, 'y')", "getattr"),
+                       ("import numpy as np\nassert (f(1) == np.array([1])).all()", "numpy.array")]:  # fmt: skip
+        with pytest.raises(Unconvertible, match=why) as err:
+            prepare(tests)
+        assert "\n" not in str(err.value)
+
+
+def test_set_up_failure_fails_what_follows():
+    tests = "x = g()\nassert f(x) == 2\nassert f(1) == 2"
+    assert score(tests, {"f": lambda x: 2, "g": lambda: 1 / 0}) == (0, 2)
+    assert score("def test_a():\n    assert f(1) == 2\n    x = 1 / f(0)\n    assert f(2) == 2\ntest_a()",
+                 {"f": lambda x: 2 if x else 0}) == (1, 2)  # the test function fails once where it stops
+
+
+def test_parent_side_work_is_bounded():
+    big = "assert 2 ** f(1) > 0\nassert len('x' * f(2)) > 0\nassert ('%0500000000d' % f(3))\n" \
+          "assert f'{f(3):>999999999}'\nassert 'a'.replace('a', 'b' * 10**6) * f(4)"  # fmt: skip
+    start = time.monotonic()
+    assert score(big, {"f": lambda n: 10**9}) == (0, 5)
+    assert time.monotonic() - start < 5
+    assert score("while True:\n    assert f(1) == 1", {"f": lambda n: 1})[1] < 3_000_000  # the op budget
+
+
+def test_integers_of_any_length():
+    huge = math.factorial(2000)  # 5736 digits: beyond int()'s default limit of 4300
+    assert score("from math import factorial\nassert f(2000) == factorial(2000)", {"f": math.factorial}) == (1, 1)
+    assert decode(encode(huge)) == huge and decode(encode(-huge)) == -huge
+    assert parse_report(b'{"q": 1, "v": ' + b"9" * 5000 + b"}") is None  # a forged plain long integer
+    assert parse_report(b"[" * 100000) is None and parse_report(b"\xff") is None
+    with pytest.raises(ValueError):
+        decode({"__t": "int", "v": "0x" + "f" * (1 << 22)})
+
+
+def test_log_safe_escapes_and_cuts():
+    s = log_safe("a\nFORGED LINE\x1b[31mred" + "x" * 200_000)
+    assert "\n" not in s and "\x1b" not in s and len(s) <= 201
+
+
+def test_test_values_never_travel_with_program_objects():
+    """``zip(f(), expected)`` answered by the program could pair every expected value with itself."""
+    class Gen:
+        def __iter__(self):
+            return iter([0, 0, 0])
+
+    tests = "expected = [1, 31, 8191]\nassert all(a == b for a, b in zip(g(), expected))\n" \
+            "assert list(map(f, [1, 5, 13])) == expected\nassert sorted(g()) == [0, 0, 0]"  # fmt: skip
+    sandbox = FakeSandbox({"g": Gen, "f": right})
+    sandbox.ns["g"] = lambda: Gen()
+    g = grade(prepare(tests), sandbox, time.monotonic() + 30)
+    assert (g.passed, g.checks) == (2, 3)  # zip over the program's items fails honestly; map(f) and sorted pass
+    assert "8191" not in json.dumps(sandbox.sent)
+
+
+def test_program_variables_are_fetched_as_values():
+    assert score("assert ANSWER == 42\nassert TABLE[2] == 'c'\nassert not EMPTY",
+                 {"ANSWER": 42, "TABLE": "abc", "EMPTY": []}) == (3, 3)  # fmt: skip
+    assert score("assert ANSWER == 42", {"ANSWER": Yes()}) == (0, 1)
+
+
+def test_answers_are_bounded_in_what_they_keep():
+    tests = "xs = [f(i) for i in range(8)]\nassert len(xs) == 8"
+    assert score(tests, {"f": lambda i: list(range(200_000))}) == (0, 1)  # 1.6 M values: over the bound
+    assert score(tests, {"f": lambda i: list(range(1000))}) == (1, 1)
+
+
+def test_test_names_are_never_the_programs():
+    tests = "if False:\n    expected = 7\nassert f(3) == expected\nprint('done')\nassert f(3) == 7"
+    assert score(tests, {"f": right, "expected": 0}) == (1, 2)  # not the program's `expected`, which it defines
+    assert score("def g():\n    return next(it)\nit = iter([7])\nassert f(3) == g()", {"f": right}) == (1, 1)
+
+
+def test_answers_that_would_take_the_trainer_quadratic_time_fail():
+    m = 2**61 - 1  # ints equal modulo m hash alike: a set of 100 000 of them would take minutes to build
+    colliding = [k * m for k in range(1, 100_001)]
+    answers = {"set": {"__t": "set", "v": colliding}, "list": colliding}
+
+    def call(src, args):  # answers as the harness would send them (a real set of these would hang this test too)
+        return {"q": 1, "v": answers[src.split("(")[0][2:]]}
+
+    start = time.monotonic()
+    for tests in ("assert len(f_set(1)) == 100000", "assert len(set(f_list(1))) == 100000",
+                  "assert len({x for x in f_list(1)}) == 100000"):
+        g = grade(prepare(tests), call, time.monotonic() + 30)
+        assert (g.passed, g.checks) == (0, 1), tests
+    big = 3 ** 400_000
+    assert score("assert f(1) % f(2) == 0", {"f": lambda n: big + n}) == (0, 1)  # quadratic long division
+    assert time.monotonic() - start < 10
+    assert score("assert len(f(1)) == 5000", {"f": lambda n: set(range(5000))}) == (1, 1)  # plain sets are fine
