@@ -219,7 +219,7 @@ def _silent_store_answers_within_the_cap(client: httpx.Client) -> None:
 def _a_disconnected_request_leaves_the_engine_free(client: httpx.Client, port: int) -> None:
     data = json.dumps(_infer({"max_tokens": 1000, "temperature": 1.0})).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(f"POST /infer/ HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+    sock.sendall(f"POST /infer/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
                  f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     threading.Event().wait(0.5)  # let it reach the engine (the unit test checks the timing with events)
     sock.close()
