@@ -49,7 +49,8 @@ def create_app(state: ServerState) -> ErrorMiddleware:
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:
-    """The guard's view of the options: key, body size, allowed hosts, and JSON item budgets; the weight
+    """The guard's view of the options: key, body size, allowed hosts, JSON item budgets and the longest string
+    (a base64 image at --max_image_mb, at least 4 MiB: no prompt that fits a context is longer); the weight
     metadata's budget follows from the served model's tensor count (a tensor's metadata is at most 20 items)."""
     o = state.options
     count = getattr(state.engine, "tensor_count", None)
@@ -58,9 +59,10 @@ def guard_policy(state: ServerState) -> GuardPolicy:
         n = count()
         path_items["/update_weights/"] = 20 * n + 16
         hints["/update_weights/"] = f"the served model has {n} tensors, so its metadata holds fewer items"
+    longest = max(4 << 20, -(-int(o.max_image_mb * 2**20) * 4 // 3) + 1024)  # a base64 image at --max_image_mb
     return GuardPolicy(api_key=o.api_key, max_body_bytes=o.max_body_bytes,
                        hosts=HostPolicy.for_bind(o.host, o.allowed_hosts), max_json_items=o.max_json_items,
-                       path_items=path_items, item_hints=hints)
+                       max_json_string=longest, path_items=path_items, item_hints=hints)
 
 
 def _add_infer_routes(app: FastAPI, state: ServerState) -> None:

@@ -4,7 +4,8 @@ Everything here answers before the application sees the request, so a bad reques
 reach the engine. In order: a ``Host`` (or ``Origin``) the server is not reached by gets 421 (server/hosts.py);
 ``Content-Length`` together with ``Transfer-Encoding`` (ambiguous framing) gets 400 and the connection is closed;
 a missing or wrong API key 401; a body over ``max_body_bytes`` 413; a body whose JSON would parse into more items
-than its endpoint's budget, or nest deeper than ``MAX_BODY_DEPTH``, 413/400 (server/json_bounds.py). Bodies are read
+than its endpoint's budget, hold a longer string than ``max_json_string``, or nest deeper than ``MAX_BODY_DEPTH``,
+413/400 (server/json_bounds.py). Bodies are read
 here (up to the limit) and replayed to the application. An answer given before the whole body was read closes the
 connection, so the rest of the body is never waited for.
 """
@@ -48,6 +49,7 @@ class GuardPolicy:
     max_body_bytes: int
     hosts: HostPolicy = field(default_factory=lambda: HostPolicy.for_bind("127.0.0.1"))
     max_json_items: int = 1_000_000
+    max_json_string: int = 24 << 20  # characters of one JSON string (a base64 image at --max_image_mb fits)
     path_items: dict[str, int] = field(default_factory=dict)
     item_hints: dict[str, str] = field(default_factory=dict)  # per path: why its budget is what it is
 
@@ -138,8 +140,9 @@ class GuardMiddleware:
             return body
         path = scope.get("path", "")
         budget = self.policy.path_items.get(path, self.policy.max_json_items)
-        measured = (await asyncio.to_thread(json_size, body, budget) if len(body) > SCAN_OFF_LOOP_BYTES
-                    else json_size(body, budget))
+        longest = self.policy.max_json_string
+        measured = (await asyncio.to_thread(json_size, body, budget, longest) if len(body) > SCAN_OFF_LOOP_BYTES
+                    else json_size(body, budget, longest))
         if measured.depth > MAX_BODY_DEPTH:
             await _send_error(send, 400, f"refused before parsing the body: JSON nested more than {MAX_BODY_DEPTH} "
                                          "levels deep")
@@ -149,6 +152,11 @@ class GuardMiddleware:
                                                     "--max_json_items")
             await _send_error(send, 413, f"the body holds more than {budget} JSON items (array elements and object "
                                          f"members), the limit of {path}; {hint}")
+            return None
+        if measured.longest > longest:
+            await _send_error(send, 413, f"the body holds a JSON string of more than {longest} characters, longer "
+                                         "than any prompt or base64 image this server takes; send less (images: "
+                                         "at most grpokit rollout --max_image_mb each)")
             return None
         return body
 

@@ -116,16 +116,20 @@ class _Attempt:
             orphan.close()
 
     def reap(self, tries: int = 3) -> None:
-        """After the deadline: shut the attempt's store connections (never those of the group in use), so that a
-        c10d call blocked on a silent store returns and the thread ends; again a second later while it lives."""
+        """After the deadline: shut the attempt's store connections, so that a c10d call blocked on a silent store
+        returns and the thread ends; again a second later while it lives (up to ``tries`` times). Skipped while the
+        group in use or a rendezvous still waited on talks to the same address (their connections look alike)."""
         if self.done.is_set():
             return
         wait = self.deadline - time.monotonic()
         if wait > 0:
             _timer(wait, self.reap, tries)
             return
-        live = self._receiver.comm
-        if live is None or live.where != self.where:
+        receiver = self._receiver
+        with receiver._lock:  # never cut the group in use, nor a newer rendezvous with the same store
+            in_use = (receiver.comm is not None and receiver.comm.where == self.where) or any(
+                a.where == self.where and not a.abandoned for a in receiver._pending)
+        if not in_use:
             shutdown_connections_to(self.host, self.port)
         if tries > 1:
             _timer(1.0, self.reap, tries - 1)
