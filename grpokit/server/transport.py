@@ -9,7 +9,8 @@ connection is always under one deadline of its current phase:
 - ``body``: the body must be complete within ``body_timeout_s`` of the headers and no gap between its bytes may
   exceed ``body_idle_s`` (408, closed; the application reads a disconnect);
 - ``idle`` (between keep-alive requests): uvicorn's keep-alive timer (``keep_alive_s``), closed silently;
-- ``busy`` (the whole request is in, the application works on it): no deadline of the transport.
+- ``busy`` (the whole request is in, the application works on it): no deadline of the transport, except that an
+  answer the client stops reading (the write buffer stays full) must drain within ``body_timeout_s`` (closed).
 
 At most ``max_connections`` connections are open (``connection_cap`` keeps it below the process's file-descriptor
 limit). One more evicts the open connection that has been waiting longest without a complete request (new or in
@@ -36,8 +37,8 @@ from grpokit.errors import ConfigError
 from grpokit.server.options import TransportLimits
 
 logger = logging.getLogger(__name__)
-BACKLOG = 128  # listen backlog; asyncio accepts up to this many connections per wake-up, so the fd reserve covers it
-FD_RESERVE = 64  # descriptors kept free beside the connections and one accept burst (logs, model files, threads)
+BACKLOG = 64  # listen backlog; asyncio accepts up to this many connections per wake-up
+FD_RESERVE = 64  # descriptors kept free beside the connections and accept bursts (logs, model files, threads)
 LOG_WINDOW_S = 60.0
 LOG_PER_WINDOW = 3
 
@@ -52,9 +53,10 @@ def open_fds() -> int:
 
 def connection_cap(requested: int) -> int:
     """The most connections to keep open: ``requested`` (0: as many as fit), below the soft RLIMIT_NOFILE minus the
-    descriptors open now, one accept burst and a reserve; ConfigError when fewer than 16 fit."""
+    descriptors open now, two accept bursts (one accepted over the cap, one whose evicted connections are still
+    closing) and a reserve; ConfigError when fewer than 16 fit."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    fit = (soft if soft != resource.RLIM_INFINITY else 1 << 20) - open_fds() - BACKLOG - FD_RESERVE
+    fit = (soft if soft != resource.RLIM_INFINITY else 1 << 20) - open_fds() - 2 * BACKLOG - FD_RESERVE
     if fit < 16:
         raise ConfigError(f"the file-descriptor limit ({soft}) leaves room for {max(fit, 0)} connections; raise it "
                           f"(ulimit -n {soft + 1024}) before starting grpokit rollout")
@@ -122,6 +124,7 @@ class GuardedH11Protocol(H11Protocol):
         self._phase = "new"
         self._since = self._last_data = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
 
     # phases and their deadline ---------------------------------------------------------------------------------
     def _enter(self, phase: str, timeout_s: float | None) -> None:
@@ -216,10 +219,33 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self._sync_phase()
 
+    def pause_writing(self) -> None:
+        """The client does not read its answer fast enough: it has ``body_timeout_s`` to drain it."""
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.body_timeout_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        if self.transport is not None:  # a closing transport too: a graceful close would wait on the client
+            if self.cycle is not None:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self._enter("closed", None)
+            self.transport.abort()  # its buffered answer is dropped: the client was not reading it
+        self.flow.resume_writing()  # wakes a send() waiting to drain; it sees the disconnect
+
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._write_timer = None
         self._phase = "closed"
         super().connection_lost(exc)
 

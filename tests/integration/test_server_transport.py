@@ -204,6 +204,35 @@ def test_200_slow_clients_leave_the_trainer_at_its_usual_pace(server):
     _after_each(proc, url, idle)
 
 
+def test_an_answer_the_client_never_reads_is_dropped_after_the_deadline(server):
+    proc, url, port, idle, _ = server
+    prompt = "the answer echoes this prompt " * 40  # ~1.2 KB echoed per request, plus its token ids
+    body = json.dumps({"requests": [{"messages": [{"role": "user", "content": prompt}]}] * 1500,
+                       "request_config": {"max_tokens": 1}}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills at once
+    s.connect(("127.0.0.1", port))
+    s.sendall(POST + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        s.settimeout(120)
+        assert s.recv(1, socket.MSG_PEEK)  # the answer has started to arrive (generation and encoding done)
+        time.sleep(BODY_S + 2.0)  # not read: its write stalls, and the server drops it after BODY_S
+        raw = b""
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(1 << 20):
+                raw += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        head, _, got = raw.partition(b"\r\n\r\n")
+        declared = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"content-length")))
+        assert declared > 4 << 20 and len(got) < declared, (declared, len(got), got[:300])  # cut short: not held for ever
+    finally:
+        s.close()
+    _after_each(proc, url, idle)
+
+
 def _raw(port: int, request: bytes, limit_s: float = 5.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(request)

@@ -162,7 +162,7 @@ def test_the_throttle_keeps_a_few_per_window_and_counts_the_rest(monkeypatch):
 def test_the_connection_cap_stays_below_the_descriptor_limit(monkeypatch):
     monkeypatch.setattr(transport.resource, "getrlimit", lambda which: (1024, 4096))
     monkeypatch.setattr(transport, "open_fds", lambda: 40)
-    fit = 1024 - 40 - transport.BACKLOG - transport.FD_RESERVE
+    fit = 1024 - 40 - 2 * transport.BACKLOG - transport.FD_RESERVE
     assert transport.connection_cap(0) == fit
     assert transport.connection_cap(100) == 100
     assert transport.connection_cap(5000) == fit
