@@ -14,6 +14,7 @@ fails at start-up; the rollout server answers 400). A schema is read from a file
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,14 @@ from typing import Any, Literal
 import torch
 
 from grpokit.errors import ConfigError, RolloutError
+from grpokit.protocol import MAX_JSON_DEPTH
+
+logger = logging.getLogger(__name__)
 
 # JSON compiled without free whitespace: a model cannot pad a completion with blanks until max_tokens runs out.
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine
+PROBE_TOKENS = 4  # tokens the up-front check walks through the grammar (llguidance builds its lexer lazily)
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,13 @@ class Constraint:
     @property
     def option(self) -> str:
         return "structured_outputs_regex" if self.kind == "regex" else "structured_outputs_json"
+
+    @property
+    def shown(self) -> str:
+        """How errors name it: a regex shortened; a schema is not repeated back."""
+        if self.kind == "json":
+            return "schema"
+        return repr(self.text if len(self.text) <= 80 else self.text[:77] + "...")
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint."""
@@ -66,13 +78,37 @@ def load_json_schema(value: dict | str) -> dict[str, Any]:
         raise ConfigError(f"structured_outputs_json {value}: no such file; pass a JSON schema as JSON text or "
                           "the path of a .json file")
     try:
-        schema = json.loads(text)
+        schema = _parse_schema_text(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"structured_outputs_json: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                           "pass a JSON schema as JSON text or the path of a .json file") from e
     if not isinstance(schema, dict):
         raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
     return schema
+
+
+def _parse_schema_text(text: str) -> Any:
+    """``json.loads`` of a schema's text, bounded in nesting (``MAX_JSON_DEPTH``, as schemas given as objects):
+    ConfigError instead of Python's RecursionError for text nested thousands deep."""
+    depth = 0
+    inside = escaped = False
+    for c in text:  # brackets outside strings; schemas are at most MAX_SCHEMA_CHARS in requests
+        if inside:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                inside = False
+        elif c == '"':
+            inside = True
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ConfigError(f"structured_outputs_json: the schema nests deeper than {MAX_JSON_DEPTH} levels")
+        elif c in "]}":
+            depth -= 1
+    return json.loads(text)
 
 
 def constraint_of(regex: str | None, schema: dict | str | None) -> Constraint | None:
@@ -97,7 +133,7 @@ def _schema_object(value: dict | str) -> dict[str, Any]:
         raise ConfigError("structured_outputs_json: a request carries the JSON schema itself, as a JSON object or "
                           "JSON text; a file path is read only from grpokit train's --structured_outputs_json")
     try:
-        schema = json.loads(value)
+        schema = _parse_schema_text(value)
     except json.JSONDecodeError as e:
         raise ConfigError(f"structured_outputs_json: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
             from e
@@ -137,12 +173,38 @@ def check_constraint(constraint: Constraint, lltokenizer=None) -> None:
         raise ConfigError(f"{constraint.option}: {_first_error_line(str(e))}") from e
     problem = llg.LLMatcher.validate_grammar(grammar, lltokenizer)
     if problem and not problem.startswith("WARNING"):
-        # a regex is shown (shortened); a schema is not repeated back
-        shown = ("schema" if constraint.kind == "json" else
-                 repr(constraint.text if len(constraint.text) <= 80 else constraint.text[:77] + "..."))
         hint = ("Rust regex syntax: no look-around or back-references" if constraint.kind == "regex"
                 else "a JSON schema (draft 2020-12 subset that llguidance supports)")
-        raise ConfigError(f"{constraint.option} {shown}: {_first_error_line(problem)}; expected {hint}")
+        raise ConfigError(f"{constraint.option} {constraint.shown}: {_first_error_line(problem)}; expected {hint}")
+    if lltokenizer is not None:
+        _probe(llg, lltokenizer, grammar, constraint)
+
+
+def _probe(llg, lltokenizer, grammar: str, constraint: Constraint) -> None:
+    """Walk the first ``PROBE_TOKENS`` tokens the grammar allows: llguidance builds its lexer lazily, so a pattern
+    such as ``x{1000}{1000}`` passes validation and hits the engine's size limits only on the first token."""
+    m = llg.LLMatcher(lltokenizer, grammar, log_level=0)
+    for _ in range(PROBE_TOKENS):
+        mask = None if m.is_error() else m.compute_bitmask()
+        if m.is_error():
+            raise ConfigError(row_error(constraint, m.get_error(), "mask"))
+        token = _first_allowed(mask, lltokenizer.eos_token)
+        if token is None or m.is_stopped():
+            return
+        if not m.consume_token(token):
+            raise ConfigError(row_error(constraint, m.get_error(), "token"))
+
+
+def _first_allowed(mask: bytes, eos: int) -> int | None:
+    """The lowest token id set in an llguidance bitmask (little-endian bits), other than ``eos``; None if none."""
+    for byte_index, byte in enumerate(mask):
+        while byte:
+            bit = (byte & -byte).bit_length() - 1
+            token = byte_index * 8 + bit
+            if token != eos:
+                return token
+            byte &= byte - 1
+    return None
 
 
 def check_structured_options(regex: str | None, schema: dict | str | None) -> Constraint | None:
@@ -173,9 +235,14 @@ class GrammarLogitsProcessor:
     disallowed logit to -inf. A row that produced EOS (or padding after a stop string) is left alone.
     Runs before temperature, top-k and top-p (generate() puts custom processors first), so the processed
     logprobs are those of the constrained distribution.
+
+    A row whose matcher fails (the grammar engine's limits, or no continuation at all) is ended with EOS and its
+    message kept in ``failed`` (row → one line); the other rows go on. The rollout server answers the request
+    of a failed row with a 400 (server/engine.py); ``batch`` is the number of rows seen.
     """
 
-    def __init__(self, lltokenizer, grammar: str, prompt_width: int, end_ids: set[int], eos_token_id: int) -> None:
+    def __init__(self, lltokenizer, grammar: str, prompt_width: int, end_ids: set[int], eos_token_id: int,
+                 constraint: Constraint | None = None) -> None:
         llg = _llguidance()
         self._llg = llg
         self._root = llg.LLMatcher(lltokenizer, grammar, log_level=0)
@@ -184,23 +251,44 @@ class GrammarLogitsProcessor:
         self.prompt_width = prompt_width
         self.end_ids = end_ids
         self.eos_token_id = eos_token_id
+        self.constraint = constraint
         self.matchers: list = []
         self.done: list[bool] = []
+        self.failed: dict[int, str] = {}
+        self._masks: dict[int, bytes] = {}  # each row's last bitmask: was its sampled token allowed?
+
+    @property
+    def batch(self) -> int:
+        return len(self.matchers)
 
     def __call__(self, input_ids_BL: torch.LongTensor, scores_BV: torch.FloatTensor) -> torch.FloatTensor:
         batch = scores_BV.shape[0]
+        ended: list[int] = []  # rows failed at this step: EOS is their only token
         if not self.matchers:
             self.matchers = [self._root.deep_copy() for _ in range(batch)]
             self.done = [False] * batch
         elif input_ids_BL.shape[1] > self.prompt_width:
             last = input_ids_BL[:, -1].tolist()
             for row, token in enumerate(last):
-                self._consume(row, token)
-        rows = [r for r in range(batch) if not self.done[r]]
+                if not self._consume(row, token):
+                    ended.append(row)
+        rows, masks = [], []
+        for r in range(batch):
+            if self.done[r]:
+                continue
+            mask = self._bitmask(r)
+            if mask is None:
+                ended.append(r)
+            else:
+                rows.append(r)
+                masks.append(mask)
+        if ended:
+            eos_only = torch.full_like(scores_BV[ended], float("-inf"))
+            eos_only[:, self.eos_token_id] = 0.0
+            scores_BV = scores_BV.index_copy(0, torch.tensor(ended, device=scores_BV.device), eos_only)
         if not rows:
             return scores_BV
-        packed = torch.stack([torch.frombuffer(bytearray(self._bitmask(r)), dtype=torch.uint8)
-                              for r in rows])  # [R, W]
+        packed = torch.stack([torch.frombuffer(bytearray(m), dtype=torch.uint8) for m in masks])  # [R, W]
         allowed_RV = allowed_from_bitmask(packed, scores_BV.shape[1]).to(scores_BV.device)
         dead = ~allowed_RV.any(dim=1)  # the grammar allows no token here (e.g. the model's vocabulary cannot
         if bool(dead.any()):  # spell what it needs): end the row instead of sampling from nothing (NaN)
@@ -209,25 +297,49 @@ class GrammarLogitsProcessor:
         sub = scores_BV.index_select(0, index).masked_fill(~allowed_RV, float("-inf"))
         return scores_BV.index_copy(0, index, sub)
 
-    def _bitmask(self, row: int) -> bytes:
+    def _fail(self, row: int, message: str) -> None:
+        if not self.failed:
+            logger.warning("structured outputs: row %d ended early: %s", row, message)
+        self.failed[row] = message
+        self.done[row] = True
+
+    def _bitmask(self, row: int) -> bytes | None:
         m = self.matchers[row]
         mask = m.compute_bitmask()
         if m.is_error():
-            raise ConfigError(f"structured outputs: the grammar allows no continuation here (llguidance: "
-                              f"{_first_error_line(m.get_error())}); check that the regex or schema matches text "
-                              "this model's tokens can spell")
+            self._fail(row, row_error(self.constraint, m.get_error(), "mask"))
+            return None
+        self._masks[row] = mask
         return mask
 
-    def _consume(self, row: int, token: int) -> None:
+    def _consume(self, row: int, token: int) -> bool:
+        """Advance the row's matcher by its sampled token; False (the row failed) when the matcher refuses it."""
         if self.done[row]:
-            return
+            return True
         m = self.matchers[row]
         if token in self.end_ids:
             self.done[row] = True
-            return
+            return True
         if not m.consume_token(token):
-            raise RolloutError(f"structured outputs: the sampler picked token {token}, which the grammar refuses "
-                               f"({_first_error_line(m.get_error())})")
+            mask = self._masks.get(row, b"")
+            if token // 8 >= len(mask) or not (mask[token // 8] >> (token % 8)) & 1:  # not from the grammar's mask:
+                raise RolloutError(f"structured outputs: the sampler picked token {token}, which the grammar "
+                                   f"refuses ({_first_error_line(m.get_error())})")  # a bug, not the request's
+            self._fail(row, row_error(self.constraint, m.get_error(), "token"))  # the engine's own limits
+            return False
+        return True
+
+
+def row_error(constraint: Constraint | None, error: str, stage: str) -> str:
+    """One line for a matcher that failed: at a mask (``stage`` "mask": nothing can follow, or a limit) or on a
+    token (the grammar engine's limits: the sampled token came from its own mask)."""
+    name = f"{constraint.option} {constraint.shown}" if constraint is not None else "structured outputs"
+    detail = _first_error_line(error or "stopped")
+    if stage == "mask":
+        return (f"{name}: the grammar allows no continuation here (llguidance: {detail}); check that the regex or "
+                "schema matches text this model's tokens can spell, within the grammar engine's limits")
+    return (f"{name}: the grammar engine cannot follow it (llguidance: {detail}); use a smaller pattern or schema "
+            "(fewer nested repetitions)")
 
 
 class StructuredOutputs:
@@ -273,4 +385,4 @@ class StructuredOutputs:
 
         grammar = self.grammar_for(constraint)
         return LogitsProcessorList([GrammarLogitsProcessor(self.lltokenizer, grammar, prompt_width, self.end_ids,
-                                                           self.eos_token_id)])
+                                                           self.eos_token_id, constraint)])

@@ -21,12 +21,15 @@ from grpokit.errors import GrpokitError
 from grpokit.server.bodies import InferBody
 from grpokit.server.engine import CANCEL
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
-from grpokit.server.guard import GuardMiddleware
+from grpokit.server.guard import GuardMiddleware, GuardPolicy
+from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
 from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
+
+MAX_MESSAGE_EXTRA_CHARS = 65536  # a message's fields beside role and content (tool_calls, name, ...), all together
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does
@@ -35,12 +38,31 @@ PEER_FAILED = 424  # Failed Dependency: the weight-sync peer (the trainer's stor
 
 def create_app(state: ServerState) -> ErrorMiddleware:
     """The ASGI application serving ``state``: error net → API-key/body-size guard → FastAPI app."""
-    app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # redirect_slashes off: Starlette's redirect of /infer to /infer/ builds its Location from the Host header
+    app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     app.state.server = state
     install_error_handlers(app)
     _add_infer_routes(app, state)
     _add_weight_routes(app, state)
-    return ErrorMiddleware(GuardMiddleware(app, state.options.api_key, state.options.max_body_bytes))
+    return ErrorMiddleware(GuardMiddleware(app, guard_policy(state)))
+
+
+def guard_policy(state: ServerState) -> GuardPolicy:
+    """The guard's view of the options: key, body size, allowed hosts, JSON item budgets and the longest string
+    (a base64 image at --max_image_mb, at least 4 MiB: no prompt that fits a context is longer); the weight
+    metadata's budget follows from the served model's tensor count (a tensor's metadata is at most 20 items)."""
+    o = state.options
+    count = getattr(state.engine, "tensor_count", None)
+    path_items, hints = {}, {}
+    if callable(count):
+        n = count()
+        path_items["/update_weights/"] = 20 * n + 16
+        hints["/update_weights/"] = f"the served model has {n} tensors, so its metadata holds fewer items"
+    longest = max(4 << 20, -(-int(o.max_image_mb * 2**20) * 4 // 3) + 1024)  # a base64 image at --max_image_mb
+    return GuardPolicy(api_key=o.api_key, max_body_bytes=o.max_body_bytes,
+                       hosts=HostPolicy.for_bind(o.host, o.allowed_hosts), max_json_items=o.max_json_items,
+                       max_json_string=longest, path_items=path_items, item_hints=hints)
 
 
 def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
@@ -64,6 +86,7 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
                                 headers={"Retry-After": "1"})
         if n == 0:
             return JSONResponse([])
+        _refuse_images_of_text_model(state, body)
         await _take_images(state, body)
         state.inflight += n
         try:
@@ -80,21 +103,27 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse([output_to_wire(o) for o in outputs])
 
 
+def _refuse_images_of_text_model(state: ServerState, body: InferBody) -> None:
+    """A text-only server refuses image requests before decoding anything (400)."""
+    if state.multimodal:
+        return
+    i = next((i for i, r in enumerate(body.requests) if r.images), None)
+    if i is None:
+        return
+    if state.options.engine == "vllm" and is_vlm_folder(state.options.model):
+        raise HTTPException(400, f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
+                                 f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
+                                 "transformers")
+    raise HTTPException(400, f"requests[{i}].images: this server serves a text-only model "
+                             f"({state.options.model}); serve a vision-language model for image requests")
+
+
 async def _take_images(state: ServerState, body: InferBody) -> None:
     """The requests' images decoded into their data_dicts (server/media.py), off the event loop; 4xx if refused."""
     try:
         await asyncio.to_thread(take_images, body.requests, state.image_limits)
     except ImageRefused as e:
         raise HTTPException(e.status, str(e)) from e
-    if not state.multimodal:
-        i = next((i for i, r in enumerate(body.requests) if r.data_dict.get("images")), None)
-        if i is not None and state.options.engine == "vllm" and is_vlm_folder(state.options.model):
-            raise HTTPException(400, f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
-                                     f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
-                                     "transformers")
-        if i is not None:
-            raise HTTPException(400, f"requests[{i}].images: this server serves a text-only model "
-                                     f"({state.options.model}); serve a vision-language model for image requests")
 
 
 def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
@@ -108,6 +137,34 @@ def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
         if r.request_config is not None and r.request_config.n != 1:
             raise HTTPException(400, f"requests[{i}].request_config.n {r.request_config.n}: the server samples one "
                                      "trajectory per request (n = 1); repeat the request instead")
+        for k, m in enumerate(r.messages):
+            extra = [key for key in m if key not in ("role", "content")]
+            if extra and bounded_chars([m[key] for key in extra], MAX_MESSAGE_EXTRA_CHARS) > MAX_MESSAGE_EXTRA_CHARS:
+                raise HTTPException(413, f"requests[{i}].messages[{k}]: its fields beside role and content "
+                                         f"({', '.join(map(str, extra))[:80]}) hold more than "
+                                         f"{MAX_MESSAGE_EXTRA_CHARS} characters; the server echoes messages back, "
+                                         "so send less")
+
+
+def bounded_chars(value, limit: int) -> int:
+    """Characters of the strings (keys included) and one per other value inside ``value``, counted until past
+    ``limit`` (the protocol already bounds the nesting)."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            for key, item in v.items():
+                total += len(key) if isinstance(key, str) else 1
+                stack.append(item)
+        elif isinstance(v, list):
+            total += len(v)
+            stack.extend(v)
+        else:
+            total += 1
+    return total
 
 
 async def until_disconnect(request: Request, work):
@@ -162,8 +219,13 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/update_weights/")
     async def update_weights(body: UpdateWeightsBody) -> dict:
+        metas = [m for b in body.buckets for m in b.tensors]
+        count = getattr(state.engine, "tensor_count", None)
+        if callable(count) and len(metas) > count():
+            raise HTTPException(422, f"cannot load the weights: {len(metas)} tensors announced, the served model has "
+                                     f"{count()}")
         problems = check_bucket_sizes(body, int(opts.max_weight_bucket_mb * 1024 * 1024))
-        problems += state.engine.check_weights([m for b in body.buckets for m in b.tensors])
+        problems += state.engine.check_weights(metas)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise HTTPException(422, f"cannot load the weights: {problems[0]}{more}")

@@ -64,6 +64,7 @@ def rollout_parser() -> argparse.ArgumentParser:
                    help="largest weight-sync bucket of several tensors the trainer may announce (more: 422)")
     p.add_argument("--max_sync_timeout_s", type=float, default=300.0,
                    help="caps the timeout a trainer asks for the weight-sync rendezvous and each broadcast")
+    _add_transport_options(p)
     _add_image_options(p)
     _add_vllm_options(p)
 
@@ -72,6 +73,25 @@ def rollout_parser() -> argparse.ArgumentParser:
 
     p.error = error
     return p
+
+
+def _add_transport_options(p: argparse.ArgumentParser) -> None:
+    """Connections and what the guard lets through (docs/server_mode.md, "Security" and "Deadlines")."""
+    p.add_argument("--allowed_hosts", nargs="*", default=[],
+                   help="further names a request's Host (and Origin) may give, beside loopback names and the --host "
+                        "address (others: 421; '*': any, e.g. behind a proxy that checks them)")
+    p.add_argument("--max_json_items", type=int, default=1_000_000,
+                   help="most JSON items (array elements and object members) in one body, counted before parsing "
+                        "(more: 413)")
+    p.add_argument("--header_timeout_s", type=float, default=10.0,
+                   help="the request line and headers must arrive within this, from the connection (else 408)")
+    p.add_argument("--body_timeout_s", type=float, default=60.0,
+                   help="a request's whole body must arrive within this, from its headers (else 408)")
+    p.add_argument("--body_idle_s", type=float, default=10.0, help="longest pause inside a request body (else 408)")
+    p.add_argument("--keep_alive_s", type=float, default=5.0, help="an idle keep-alive connection is closed after this")
+    p.add_argument("--max_connections", type=int, default=0,
+                   help="most open connections (0: as many as fit below the file-descriptor limit); one more closes "
+                        "the one waiting longest without a complete request")
 
 
 def _add_image_options(p: argparse.ArgumentParser) -> None:
@@ -85,6 +105,9 @@ def _add_image_options(p: argparse.ArgumentParser) -> None:
                    help="encoded bytes of the distinct images of one /infer/ call (more: 413)")
     p.add_argument("--max_image_pixels", type=int, default=4096 * 4096,
                    help="most pixels of one image, read from its header before decoding (more: 413)")
+    p.add_argument("--max_images_pixels", type=int, default=64 * 1024 * 1024,
+                   help="decoded pixels of the distinct images of one /infer/ call, read from their headers before "
+                        "any is decoded (more: 413)")
     p.add_argument("--image_formats", nargs="+", default=list(DEFAULT_FORMATS),
                    help="image formats accepted (others: 415)")
 
@@ -176,12 +199,17 @@ def options_from_argv(argv: list[str]):
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
                          max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,
-                         fast_decode=a.fast_decode == "true", **_image_options(a))
+                         fast_decode=a.fast_decode == "true", **_image_options(a), **_transport_options(a))
+
+
+def _transport_options(a: argparse.Namespace) -> dict:
+    return {k: getattr(a, k) for k in ("allowed_hosts", "max_json_items", "header_timeout_s", "body_timeout_s",
+                                       "body_idle_s", "keep_alive_s", "max_connections")}
 
 
 def _image_options(a: argparse.Namespace) -> dict:
     return {k: getattr(a, k) for k in ("media_root", "max_images_per_request", "max_image_mb", "max_images_mb",
-                                       "max_image_pixels", "image_formats")}
+                                       "max_image_pixels", "max_images_pixels", "image_formats")}
 
 
 def run_rollout_cli(argv: list[str]) -> None:
@@ -190,10 +218,9 @@ def run_rollout_cli(argv: list[str]) -> None:
     check_port_free(options.host, options.port)
     # imported here, not at the top: serving loads torch, transformers and the web stack, and parsing the options
     # (and `grpokit rollout --help`) should not
-    import uvicorn
-
     from grpokit.server.app import create_app
     from grpokit.server.state import build_state
+    from grpokit.server.transport import connection_cap, serve
 
     state = build_state(options)
     app = create_app(state)
@@ -201,5 +228,4 @@ def run_rollout_cli(argv: list[str]) -> None:
     turns = f", multi-turn: {options.multi_turn_scheduler}" if options.multi_turn_scheduler else ""
     print(f"grpokit rollout: serving {options.model} ({options.engine}{turns}) on "
           f"http://{options.host}:{options.port} ({auth})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    serve(app, options.host, options.port, options.transport_limits(connection_cap(options.max_connections)))

@@ -12,6 +12,7 @@ from contextvars import ContextVar
 
 import torch
 
+from grpokit.engines.structured import GrammarLogitsProcessor
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
@@ -24,17 +25,25 @@ CANCEL: ContextVar[threading.Event | None] = ContextVar("grpokit_cancel", defaul
 
 class CancellableRequests:
     """Mixin: ``infer_async`` remembers the calling HTTP request's cancel event for each engine request, so that
-    ``cancel_events`` can hand them to the sampler. Entries live until the batch holding them has run."""
+    ``cancel_events`` can hand them to the sampler. Entries live until the batch holding them has run. A request
+    whose rows the engine ended for its own reason (``_failed``, e.g. a grammar limit hit mid-generation) gets that
+    reason raised as a ConfigError (answered 400) while the rest of its batch is answered as usual."""
 
     def _init_cancel(self) -> None:
         self._cancel: dict[int, tuple[RolloutInferRequest, threading.Event]] = {}
+        self._failed: dict[int, tuple[RolloutInferRequest, str]] = {}  # id -> (request kept alive, why it ended)
 
     async def infer_async(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
         event = CANCEL.get()
         if event is not None:
             self._cancel[id(request)] = (request, event)  # the request is kept alive: its id stays unique
-        response = await super().infer_async(request, config)
-        self._cancel.pop(id(request), None)
+        try:
+            response = await super().infer_async(request, config)
+        finally:
+            self._cancel.pop(id(request), None)
+        failed = self._failed.pop(id(request), None)
+        if failed is not None:
+            raise ConfigError(failed[1])
         return response
 
     def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
@@ -70,7 +79,18 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
             if getattr(self.template, "multimodal", False):  # the text path checks the context as it encodes
                 self._check_mm_context(requests, config.max_tokens)
             with self.lock:
-                return super().infer(requests, config)
+                inner = self.logits_processor_factory
+                recorder = self.logits_processor_factory = _Recorder(inner) if inner is not None else None
+                try:
+                    out = super().infer(requests, config)
+                finally:
+                    self.logits_processor_factory = inner
+            if recorder is not None:
+                events = self.cancel_events(requests) or [None] * len(requests)
+                for i, message in recorder.failed_rows(config.n).items():
+                    if events[i] is None or not events[i].is_set():  # a cancelled call never comes back for it
+                        self._failed[id(requests[i])] = (requests[i], message)
+            return out
         finally:
             self._forget(requests)
 
@@ -88,14 +108,18 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
             if len(ids) + max_tokens > self.max_model_len:
                 raise ConfigError(context_message(i, len(ids), max_tokens, self.max_model_len))
 
+    def tensor_count(self) -> int:
+        """Parameters a weight sync may name (tied weights under each of their names)."""
+        return len(self._params)
+
     def check_weights(self, metas: list[TensorMeta]) -> list[str]:
-        """Problems with loading these tensors (unknown name, other shape, dtype that cannot cast); [] if none."""
+        """Problems with loading these tensors (other shape, dtype that cannot cast); [] if none. An unknown name
+        ends the check at once: it is the only problem reported."""
         problems = []
         for m in metas:
             param = self._params.get(m.name)
             if param is None:
-                problems.append(f"{m.name}: no such parameter in the served model")
-                continue
+                return [f"{m.name}: no such parameter in the served model"]
             if list(param.shape) != list(m.shape):
                 problems.append(f"{m.name}: shape {m.shape} but the served model has {list(param.shape)}")
             try:
@@ -117,6 +141,29 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
 
     def info(self) -> dict:
         return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device), "max_model_len": self.max_model_len}
+
+
+class _Recorder:
+    """Wraps the engine's logits-processor factory for one ``infer`` call and keeps the grammar processors it made,
+    one per generate call in order, so that rows a grammar ended map back to their requests."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.made: list[GrammarLogitsProcessor] = []
+
+    def __call__(self, config, prompt_width: int):
+        procs = self.factory(config, prompt_width)
+        self.made.extend(p for p in procs or () if isinstance(p, GrammarLogitsProcessor))
+        return procs
+
+    def failed_rows(self, n: int) -> dict[int, str]:
+        """Request index → message for every request with a failed row (rows are requests × ``n``, in order)."""
+        failed, offset = {}, 0
+        for proc in self.made:
+            for row, message in proc.failed.items():
+                failed.setdefault((offset + row) // n, message)
+            offset += proc.batch
+        return failed
 
 
 def model_context(model, limit: int | None) -> int:

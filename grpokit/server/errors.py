@@ -62,8 +62,11 @@ def install_error_handlers(app: FastAPI) -> None:
                                                                 detail=_jsonable_errors(errors)))
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException, the router's 404/405, body parsing
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content=error_body(str(exc.detail)),
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404 and _route_with_slash(app, request.url.path):  # no redirect: it would be built
+            message += f": the endpoint is {request.url.path[:64]}/ (with the slash)"  # from the Host header
+        return JSONResponse(status_code=exc.status_code, content=error_body(message),
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -71,6 +74,10 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return JSONResponse(status_code=500, content=error_body(f"internal error ({type(exc).__name__}); the "
                                                                 "server's log has the details"))
+
+
+def _route_with_slash(app: FastAPI, path: str) -> bool:
+    return not path.endswith("/") and any(getattr(r, "path", None) == path + "/" for r in app.routes)
 
 
 class ErrorMiddleware:

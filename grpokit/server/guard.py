@@ -1,13 +1,28 @@
-"""ASGI middleware in front of every endpoint: the API key and the body size limit.
+"""ASGI middleware in front of every endpoint: Host/Origin, framing, the API key, and the body's size and shape.
 
-Both answer before the application sees the request, so a bad request costs no JSON parsing and cannot reach
-the engine. Bodies are read here (up to the limit) and replayed to the application.
+Everything here answers before the application sees the request, so a bad request costs no JSON parsing and cannot
+reach the engine. In order: a ``Host`` (or ``Origin``) the server is not reached by gets 421 (server/hosts.py);
+``Content-Length`` together with ``Transfer-Encoding`` (ambiguous framing) gets 400 and the connection is closed;
+a missing or wrong API key 401; a body over ``max_body_bytes`` 413; a body whose JSON would parse into more items
+than its endpoint's budget, hold a longer string than ``max_json_string``, or nest deeper than ``MAX_BODY_DEPTH``,
+413/400 (server/json_bounds.py). Bodies are read
+here (up to the limit) and replayed to the application. An answer given before the whole body was read closes the
+connection, so the rest of the body is never waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+from dataclasses import dataclass, field
+
+from grpokit.server.hosts import HostPolicy
+from grpokit.server.json_bounds import MAX_BODY_DEPTH, json_size
+
+CLOSE = (b"connection", b"close")
+MISDIRECTED = 421
+SCAN_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are measured in a thread, off the event loop
 
 
 async def _send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -18,53 +33,49 @@ async def _send_error(send, status: int, message: str, headers: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
-class GuardMiddleware:
-    """Refuses requests without ``Authorization: Bearer <api_key>`` (401) and bodies over ``max_body_bytes`` (413)."""
+def _has_body(scope) -> bool:
+    for name, value in scope.get("headers") or []:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    """What the guard checks: ``api_key`` (None: no key), ``max_body_bytes``, the ``hosts`` a request may name,
+    and the JSON items a body may hold (``path_items`` per path, ``max_json_items`` elsewhere)."""
+
+    api_key: str | None
+    max_body_bytes: int
+    hosts: HostPolicy = field(default_factory=lambda: HostPolicy.for_bind("127.0.0.1"))
+    max_json_items: int = 1_000_000
+    max_json_string: int = 24 << 20  # characters of one JSON string (a base64 image at --max_image_mb fits)
+    path_items: dict[str, int] = field(default_factory=dict)
+    item_hints: dict[str, str] = field(default_factory=dict)  # per path: why its budget is what it is
+
+
+class GuardMiddleware:
+    """Applies a ``GuardPolicy`` to every HTTP request (module docstring)."""
+
+    def __init__(self, app, policy: GuardPolicy) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
+        self.policy = policy
+        self.api_key = policy.api_key.encode() if policy.api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
-            await _send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' "
-                                         "(the key given to grpokit rollout --api_key or GRPOKIT_API_KEY)",
-                              [(b"www-authenticate", b"Bearer")])
+        refusal = self._refuse_headers(scope)
+        if refusal is not None:
+            status, message, headers = refusal
+            if CLOSE in headers and status != 400 and not _has_body(scope):
+                headers = [h for h in headers if h != CLOSE]  # nothing unread: the connection can serve on
+            await _send_error(send, status, message, headers)
             return
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_body_bytes
-            except ValueError:
-                await _send_error(send, 400, f"bad Content-Length header {declared[:32]!r}")
-                return
-            if too_big:
-                await _send_error(send, 413, self._too_big_message(int(declared)))
-                return
-        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if scope.get("method") == "POST" and ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
-            await _send_error(send, 415, f"Content-Type {ctype.decode(errors='replace')!r}: send JSON with "
-                                         "'Content-Type: application/json'")
+        body = await self._read_body(scope, receive, send)
+        if body is None:
             return
-        chunks, size = [], 0
-        while True:  # read the body here, bounded, also when it comes chunked without a length
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await _send_error(send, 413, self._too_big_message(size, at_least=True))
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
         replayed = False
 
         async def replay():
@@ -76,12 +87,85 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
+    def _refuse_headers(self, scope) -> tuple[int, str, list] | None:
+        """(status, message, headers) of a refusal decided from the request line and headers, or None."""
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope.get("headers") or []:
+            if name in headers and name in (b"host", b"content-length", b"transfer-encoding", b"origin"):
+                return 400, f"the {name.decode()} header is sent twice; send it once", [CLOSE]
+            headers[name] = value
+        hosts = self.policy.hosts
+        if not hosts.allows_host(headers.get(b"host")):
+            shown = headers.get(b"host", b"(none)")[:64].decode("latin-1")
+            return (MISDIRECTED, f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
+                                 "connect by one of those, or start grpokit rollout with --allowed_hosts NAME", [CLOSE])
+        origin = headers.get(b"origin")
+        if origin is not None and not hosts.allows_origin(origin):
+            return (MISDIRECTED, f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server takes "
+                                 "no requests from web pages of other sites", [CLOSE])
+        if b"transfer-encoding" in headers and b"content-length" in headers:
+            return 400, "ambiguous framing: both Content-Length and Transfer-Encoding are sent; send one", [CLOSE]
+        if self.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
+            return (401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (the key given to "
+                         "grpokit rollout --api_key or GRPOKIT_API_KEY)", [(b"www-authenticate", b"Bearer"), CLOSE])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or len(declared) > 18:
+                return 400, f"bad Content-Length header {declared[:32]!r}", [CLOSE]
+            if int(declared) > self.policy.max_body_bytes:
+                return 413, self._too_big_message(int(declared)), [CLOSE]
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope.get("method") == "POST" and ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
+            return (415, f"Content-Type {ctype.decode(errors='replace')[:64]!r}: send JSON with "
+                         "'Content-Type: application/json'", [CLOSE])
+        return None
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, bounded in bytes and JSON items; None when refused (answered) or the client left."""
+        chunks, size = [], 0
+        while True:  # read the body here, bounded, also when it comes chunked without a length
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.policy.max_body_bytes:
+                await _send_error(send, 413, self._too_big_message(size, at_least=True), [CLOSE])
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if not body:
+            return body
+        path = scope.get("path", "")
+        budget = self.policy.path_items.get(path, self.policy.max_json_items)
+        longest = self.policy.max_json_string
+        measured = (await asyncio.to_thread(json_size, body, budget, longest) if len(body) > SCAN_OFF_LOOP_BYTES
+                    else json_size(body, budget, longest))
+        if measured.depth > MAX_BODY_DEPTH:
+            await _send_error(send, 400, f"refused before parsing the body: JSON nested more than {MAX_BODY_DEPTH} "
+                                         "levels deep")
+            return None
+        if measured.items > budget:
+            hint = self.policy.item_hints.get(path, "split the batch into smaller calls, or raise grpokit rollout "
+                                                    "--max_json_items")
+            await _send_error(send, 413, f"the body holds more than {budget} JSON items (array elements and object "
+                                         f"members), the limit of {path}; {hint}")
+            return None
+        if measured.longest > longest:
+            await _send_error(send, 413, f"the body holds a JSON string of more than {longest} characters, longer "
+                                         "than any prompt or base64 image this server takes; send less (images: "
+                                         "at most grpokit rollout --max_image_mb each)")
+            return None
+        return body
+
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
     def _too_big_message(self, size: int, at_least: bool = False) -> str:
-        limit_mb = self.max_body_bytes / 1024 / 1024
+        limit_mb = self.policy.max_body_bytes / 1024 / 1024
         more = "more than " if at_least else ""
         return (f"request body of {more}{size} bytes exceeds the server's limit of {limit_mb:g} MB; send smaller "
                 "batches or raise grpokit rollout --max_body_mb")

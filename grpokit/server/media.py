@@ -45,15 +45,17 @@ class ImageLimits:
     max_image_bytes: int = 16 * 1024 * 1024  # one image's encoded bytes (--max_image_mb)
     max_call_image_bytes: int = 256 * 1024 * 1024  # distinct images' encoded bytes in one call (--max_images_mb)
     max_image_pixels: int = 4096 * 4096
+    max_call_pixels: int = 64 * 1024 * 1024  # decoded pixels of one call's distinct images (--max_images_pixels)
     formats: tuple[str, ...] = DEFAULT_FORMATS
     media_roots: tuple[Path, ...] = ()  # resolved directories paths may name; empty: no path is read
 
 
 def take_images(requests: list[RolloutInferRequest], limits: ImageLimits) -> None:
     """Decode every request's ``images`` into its ``data_dict["images"]`` (PIL RGB images) in place, or raise
-    ``ImageRefused``. Identical strings in one call (a GRPO group's copies of a prompt) are decoded once."""
-    decoded: dict[str, object] = {}
-    total = 0
+    ``ImageRefused``. Identical strings in one call (a GRPO group's copies of a prompt) are decoded once. Every
+    image's header is read and the call's pixels counted against ``max_call_pixels`` before any is decoded."""
+    opened: dict[str, object] = {}
+    total = pixels = 0
     for i, r in enumerate(requests):
         where = f"requests[{i}]"
         hidden = [k for k in IMAGE_COLUMNS if r.data_dict.get(k)]
@@ -63,19 +65,31 @@ def take_images(requests: list[RolloutInferRequest], limits: ImageLimits) -> Non
         if len(r.images) > limits.max_images_per_request:
             raise ImageRefused(413, f"{where}.images: {len(r.images)} images exceed the server's "
                                     f"--max_images_per_request {limits.max_images_per_request}")
+        for k, ref in enumerate(r.images):
+            key = hashlib.sha1(ref.encode()).hexdigest()
+            if key in opened:
+                continue
+            data = image_bytes(ref, limits, f"{where}.images[{k}]")
+            total += len(data)
+            if total > limits.max_call_image_bytes:
+                raise ImageRefused(413, f"{where}.images[{k}]: the call's images exceed the server's "
+                                        f"--max_images_mb {limits.max_call_image_bytes / 2**20:g}; send fewer "
+                                        "images per call")
+            opened[key] = image = open_header(data, limits, f"{where}.images[{k}]")
+            pixels += image.size[0] * image.size[1]
+            if pixels > limits.max_call_pixels:
+                raise ImageRefused(413, f"{where}.images[{k}]: the call's images hold more than "
+                                        f"{limits.max_call_pixels} pixels, the server's --max_images_pixels; send "
+                                        "fewer or smaller images per call")
+    decoded: dict[str, object] = {}
+    for i, r in enumerate(requests):
         if not r.images:
             continue
         pil = []
         for k, ref in enumerate(r.images):
             key = hashlib.sha1(ref.encode()).hexdigest()
             if key not in decoded:
-                data = image_bytes(ref, limits, f"{where}.images[{k}]")
-                total += len(data)
-                if total > limits.max_call_image_bytes:
-                    raise ImageRefused(413, f"{where}.images[{k}]: the call's images exceed the server's "
-                                            f"--max_images_mb {limits.max_call_image_bytes / 2**20:g}; send fewer "
-                                            "images per call")
-                decoded[key] = open_image(data, limits, f"{where}.images[{k}]")
+                decoded[key] = decode(opened.pop(key), f"requests[{i}].images[{k}]")
             pil.append(decoded[key])
         r.data_dict = {**r.data_dict, "images": pil}
         r.images = []
@@ -111,34 +125,38 @@ def _too_big(where: str, size: int, limits: ImageLimits) -> ImageRefused:
 
 
 def _read_under_root(ref: str, limits: ImageLimits, where: str) -> bytes:
+    """A file under a media root. Every path that is not a regular file under one (missing, outside, a directory,
+    unreadable) gets the same 403, so that answers tell nothing about files elsewhere."""
     if not limits.media_roots:
         raise ImageRefused(403, f"{where}: image path {ref[:120]!r} refused: this server reads no files (start it "
                                 "with --media_root DIR to serve images from DIR, or send the image as base64)")
+    if any(ord(c) < 32 for c in ref) or len(ref) > 4096:
+        raise ImageRefused(400, f"{where}: image path has a control character (NUL, newline, ...) or more than "
+                                "4096 characters; fix the path")
     shown = ", ".join(map(str, limits.media_roots))
     path = Path(ref)
     candidates = [path] if path.is_absolute() else [root / path for root in limits.media_roots]
     for candidate in candidates:
         try:
             resolved = candidate.resolve(strict=True)
-        except (OSError, RuntimeError):
+            if not any(resolved.is_relative_to(root) for root in limits.media_roots) or not resolved.is_file():
+                continue  # outside every root, or a directory, FIFO or device: never opened
+            size = resolved.stat().st_size
+            if size > limits.max_image_bytes:
+                raise _too_big(where, size, limits)
+            with open(resolved, "rb") as f:
+                return f.read(limits.max_image_bytes + 1)
+        except ImageRefused:
+            raise
+        except (OSError, RuntimeError, ValueError):  # missing, a loop of links, unreadable
             continue
-        if not any(resolved.is_relative_to(root) for root in limits.media_roots):
-            raise ImageRefused(403, f"{where}: image path {ref[:120]!r} is outside the server's --media_root "
-                                    f"({shown}); move the file there or send it as base64")
-        if not resolved.is_file():  # a directory, FIFO or device: never opened
-            break
-        size = resolved.stat().st_size
-        if size > limits.max_image_bytes:
-            raise _too_big(where, size, limits)
-        with open(resolved, "rb") as f:
-            return f.read(limits.max_image_bytes + 1)
-    raise ImageRefused(400, f"{where}: image path {ref[:120]!r} is not a file under the server's --media_root "
-                            f"({shown}); fix the path")
+    raise ImageRefused(403, f"{where}: image path {ref[:120]!r} is not a readable file under the server's "
+                            f"--media_root ({shown}); put the file there or send it as base64")
 
 
-def open_image(data: bytes, limits: ImageLimits, where: str):
-    """A PIL RGB image from encoded bytes, checked: an allowed format, at most ``max_image_pixels`` (from the
-    header, before decoding), complete."""
+def open_header(data: bytes, limits: ImageLimits, where: str):
+    """A PIL image from encoded bytes with only its header read, checked: an allowed format, at most
+    ``max_image_pixels``. Nothing is decoded yet (``decode`` does that)."""
     from PIL import Image  # not at the top: Pillow is needed only by servers that receive images
 
     if len(data) > limits.max_image_bytes:
@@ -157,11 +175,21 @@ def open_image(data: bytes, limits: ImageLimits, where: str):
     width, height = image.size
     if width * height > limits.max_image_pixels:
         raise _bomb(where, f"{width}x{height} = {width * height} pixels", limits)
+    return image
+
+
+def decode(image, where: str):
+    """The RGB pixels of an image ``open_header`` checked; 400 if its data is truncated or corrupt."""
     try:
         return image.convert("RGB")
     except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
         raise ImageRefused(400, f"{where}: the {image.format} image cannot be decoded ({type(e).__name__}: "
                                 f"{str(e)[:80]}); send a complete image") from None
+
+
+def open_image(data: bytes, limits: ImageLimits, where: str):
+    """A PIL RGB image from encoded bytes, checked (``open_header``) and then decoded."""
+    return decode(open_header(data, limits, where), where)
 
 
 def _bomb(where: str, shown: str, limits: ImageLimits) -> ImageRefused:

@@ -7,10 +7,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpokit.errors import ConfigError
+from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import DEFAULT_FORMATS, KNOWN_FORMATS, ImageLimits
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """Deadlines and the connection cap of the HTTP transport (server/transport.py)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    body_idle_s: float = 10.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 512
 
 
 @dataclass
@@ -39,12 +51,21 @@ class ServerOptions:
     max_prefill_mb: float = 128.0  # transformers engine: attention memory of one generate call's prefill
     max_weight_bucket_mb: float = 1024.0  # largest weight-sync bucket holding several tensors
     max_sync_timeout_s: float = 300.0  # caps the timeout_s of /init_communicator/ (rendezvous, each broadcast)
+    # the transport (server/transport.py) and the guard (server/guard.py, hosts.py, json_bounds.py)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names beside loopback and the bound address
+    max_json_items: int = 1_000_000  # JSON items (array elements, object members) of one body
+    header_timeout_s: float = 10.0  # request line + headers, from the connection (or the end of keep-alive idle)
+    body_timeout_s: float = 60.0  # the whole body, from the end of the headers
+    body_idle_s: float = 10.0  # longest pause inside a body
+    keep_alive_s: float = 5.0  # idle keep-alive connection
+    max_connections: int = 0  # 0: as many as fit below the file-descriptor limit
     # images on requests (server/media.py): where paths may point, and the bounds of what a request may send
     media_root: list[str] = field(default_factory=list)
     max_images_per_request: int = 16
     max_image_mb: float = 16.0
     max_images_mb: float = 256.0
     max_image_pixels: int = 4096 * 4096
+    max_images_pixels: int = 64 * 1024 * 1024  # decoded pixels of one call's distinct images (from their headers)
     image_formats: list[str] = field(default_factory=lambda: list(DEFAULT_FORMATS))
     # swift rollout's vLLM options, same names; max_model_len also bounds the transformers engine's context
     vllm_max_model_len: int | None = None
@@ -62,6 +83,7 @@ class ServerOptions:
         if self.engine not in ("transformers", "vllm"):
             raise ConfigError(f"--engine {self.engine}: unknown engine; use transformers or vllm")
         self._check_limits()
+        self._check_transport()
         self._check_image_options()
         self._check_vllm_options()
         if self.max_batch_requests < 1:
@@ -92,8 +114,26 @@ class ServerOptions:
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
             raise ConfigError(f"--vllm_max_model_len {self.vllm_max_model_len}: must be at least 2")
 
+    def _check_transport(self) -> None:
+        for flag in ("header_timeout_s", "body_timeout_s", "body_idle_s", "keep_alive_s"):
+            if not 0 < getattr(self, flag) <= 3600:
+                raise ConfigError(f"--{flag} {getattr(self, flag)}: must be in (0, 3600] seconds")
+        if self.max_json_items < 1:
+            raise ConfigError(f"--max_json_items {self.max_json_items}: must be at least 1")
+        if self.max_connections < 0:
+            raise ConfigError(f"--max_connections {self.max_connections}: must be 0 (as many as the file-descriptor "
+                              "limit allows) or more")
+        HostPolicy.for_bind(self.host, self.allowed_hosts)  # ConfigError naming a malformed --allowed_hosts value
+
+    def transport_limits(self, max_connections: int) -> TransportLimits:
+        """The transport's deadlines, with ``max_connections`` already fitted to the fd limit."""
+        return TransportLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                               body_idle_s=self.body_idle_s, keep_alive_s=self.keep_alive_s,
+                               max_connections=max_connections)
+
     def _check_image_options(self) -> None:
-        for flag in ("max_images_per_request", "max_image_mb", "max_images_mb", "max_image_pixels"):
+        for flag in ("max_images_per_request", "max_image_mb", "max_images_mb", "max_image_pixels",
+                     "max_images_pixels"):
             if getattr(self, flag) <= 0:
                 raise ConfigError(f"--{flag} {getattr(self, flag)}: must be positive")
         self.image_formats = [f.upper() for f in self.image_formats]
@@ -111,7 +151,8 @@ class ServerOptions:
         mb = 1024 * 1024
         return ImageLimits(max_images_per_request=self.max_images_per_request,
                            max_image_bytes=int(self.max_image_mb * mb), max_call_image_bytes=int(self.max_images_mb * mb),
-                           max_image_pixels=self.max_image_pixels, formats=tuple(self.image_formats),
+                           max_image_pixels=self.max_image_pixels, max_call_pixels=self.max_images_pixels,
+                           formats=tuple(self.image_formats),
                            media_roots=tuple(Path(r).resolve() for r in self.media_root))
 
     def _check_vllm_options(self) -> None:

@@ -57,5 +57,17 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
                                             token_ids=[])
         return [answers.get(i) or ChatCompletionResponse(choices=[gone]) for i in range(len(requests))]
 
+    def tensor_count(self) -> int:
+        """Parameters a weight sync may name (the Hugging Face names of the served model)."""
+        return len(self._hf_shapes())
+
+    def check_weights(self, metas) -> list[str]:
+        """As the vLLM engine's, but an unknown name ends the check at once (the only problem reported)."""
+        known = self._hf_shapes()
+        unknown = next((m for m in metas if m.name not in known), None)
+        if unknown is not None:
+            return [f"{unknown.name}: no such parameter in the served model"]
+        return super().check_weights(metas)
+
     def info(self) -> dict:
         return {**super().info(), "max_model_len": self.max_model_len}

@@ -52,12 +52,13 @@ def server(tiny_model_dir):
         mp.setattr(weight_sync, "local_address_towards", lambda host, port: "127.0.0.1")
         options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", max_batch_requests=4,
                                 max_body_mb=1, vllm_max_model_len=96, max_sync_timeout_s=2)
-        with TestClient(create_app(build_state(options)), raise_server_exceptions=False) as client:
+        with TestClient(create_app(build_state(options)), raise_server_exceptions=False,
+                        base_url="http://127.0.0.1") as client:
             yield client
 
 
 def _send(client: TestClient, case):
-    kwargs = case.as_transport_kwargs(base_url="http://testserver")
+    kwargs = case.as_transport_kwargs(base_url="http://127.0.0.1")
     kwargs.pop("cookies", None)
     return client.request(**kwargs)
 

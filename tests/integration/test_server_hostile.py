@@ -1,23 +1,23 @@
-"""The hand-written hostile set: bad and hostile requests of the seven kinds the server once mishandled, sent to a
-real `grpokit rollout` (tiny model, API key, 127.0.0.1) running under `prlimit --as=4G`. Every one gets its 4xx (or
-its 200 where the input is fine), the error bodies are JSON, the connection keeps serving, nothing fails to
-allocate, and the peak RSS stays below twice the idle figure."""
+"""The hand-written hostile set: bad and hostile requests of the kinds the server once mishandled, sent to a real
+`grpokit rollout` (tiny model, API key, 127.0.0.1) running under `prlimit --as=4G`. Every one gets its 4xx (or its
+200 where the input is fine), the error bodies are JSON, /health/ answers within a second after each, nothing fails
+to allocate, the peak RSS stays below twice the idle figure and the descriptors go back to idle. ``CASES`` are the
+earlier rounds' (one keep-alive connection for all: it must survive each answer); ``ROUND3`` the third round's
+(small bodies that parsed or decoded into gigabytes, schemas and regexes past the grammar engine's limits, foreign
+Host and Origin), each on a fresh connection since some refusals close theirs."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-from test_server_support import free_port
+from test_server_support import fds_settle, health_s, limited_server, memory_kb, open_fds
 
 from grpokit.testing import build_tiny_model
 
@@ -123,47 +123,80 @@ CASES = [
 ]
 
 
-@contextlib.contextmanager
-def limited_server(model_dir, log_path):
-    """`grpokit rollout` under prlimit --as=4G; killed on exit."""
-    port = free_port()
-    cmd = ["prlimit", f"--as={4 << 30}", sys.executable, "-m", "grpokit", "rollout", "--model", str(model_dir),
-           "--port", str(port), "--torch_dtype", "float32", "--engine", "transformers", "--api_key", KEY,
-           "--max_sync_timeout_s", str(SYNC_CAP_S)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log_path, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health/", headers=AUTH, timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.3)
-        yield proc, url, port
-    finally:
-        proc.kill()
-        proc.wait(30)
+def _pngs_4096(count: int) -> list[str]:
+    """``count`` distinct 4096 x 4096 PNGs, a few KB each: 16M pixels apiece once decoded."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = []
+    for i in range(count):
+        buf = io.BytesIO()
+        Image.new("L", (4096, 4096), color=i).save(buf, "PNG")
+        out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return out
 
 
-def _memory(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) in kB, of the python process under prlimit (prlimit execs it: same pid)."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0])
-    return fields
+def _many_buckets(n: int) -> bytes:
+    bucket = '{"nbytes": 4, "tensors": [{"name": "w%d", "dtype": "float32", "shape": [1], "offset": 0, "nbytes": 4}]}'
+    return ('{"buckets": [' + ", ".join(bucket % i for i in range(n)) + '], "dry_run": true}').encode()
+
+
+def _empty_messages(mib: int) -> bytes:
+    return b'{"requests": [{"messages": [' + b"{}," * (mib * 2**20 // 3) + b'{}]}]}'
+
+
+def _unused_field(mib: int) -> bytes:
+    return (b'{"requests": [{"messages": [{"role": "user", "content": "hi", "note": "' + b"a" * (mib * 2**20) +
+            b'"}]}], "request_config": {"max_tokens": 2}}')
+
+
+REBIND = {"Host": "rebind.attacker.example:8000"}
+# third round: (name, method, path, body (JSON, bytes, or a callable making bytes), headers, status, words)
+ROUND3 = [
+    ("schema as text nested 3000 deep", "POST", "/infer/",
+     _infer({"structured_outputs_json": '{"a": ' * 3000 + "1" + "}" * 3000}), {}, 400, "nests deeper than"),
+    ("regex past the grammar limits", "POST", "/infer/", _infer({"structured_outputs_regex": "x{1000}{1000}"}), {},
+     400, "x{1000}{1000}"),
+    ("nested repetition past the grammar limits", "POST", "/infer/",
+     _infer({"structured_outputs_regex": "((a{100}){100}){100}"}), {}, 400, "cannot follow it"),
+    ("per-request regex past the grammar limits", "POST", "/infer/",
+     _infer(request_config={"structured_outputs_regex": "(y{1000}){1000}", "max_tokens": 4}), {}, 400,
+     "grammar engine"),
+    ("24 distinct 4096x4096 PNGs to a text-only server", "POST", "/infer/",
+     lambda: json.dumps({"requests": [{**_msg("x"), "images": [p]} for p in _pngs_4096(24)]}).encode(), {}, 400,
+     "text-only"),
+    ("update_weights dry run with 500k buckets", "POST", "/update_weights/", lambda: _many_buckets(500_000), {},
+     413, "tensors"),
+    ("53 MiB of empty messages", "POST", "/infer/", lambda: _empty_messages(53), {}, 413, "JSON items"),
+    ("2M numbers in data_dict", "POST", "/infer/",
+     lambda: b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "data_dict": {"n": [' +
+     b"0," * 2_000_000 + b'0]}}]}', {}, 413, "JSON items"),
+    ("one unused 60 MiB message field", "POST", "/infer/", lambda: _unused_field(60), {}, 413,
+     "JSON string of more than"),
+    ("one unused 20 MiB message field", "POST", "/infer/", lambda: _unused_field(20), {}, 413,
+     "beside role and content"),
+    ("body nested 600 deep", "POST", "/infer/", b"[" * 600 + b"]" * 600, {}, 400, "nested more than"),
+    ("rebinding Host on /infer/", "POST", "/infer/", _infer(), REBIND, 421, "rebind.attacker.example"),
+    ("rebinding Host on /init_communicator/", "POST", "/init_communicator/", INIT, REBIND, 421, "Host"),
+    ("foreign Origin on /init_communicator/", "POST", "/init_communicator/", INIT,
+     {"Origin": "http://rebind.attacker.example:8000"}, 421, "Origin"),
+    ("null Origin", "POST", "/infer/", _infer(), {"Origin": "null"}, 421, "Origin"),
+    ("slashless path with a foreign Host", "POST", "/infer", _infer(), REBIND, 421, "Host"),
+    ("slashless path", "POST", "/infer", _infer(), {}, 404, "the endpoint is /infer/"),
+    ("Content-Length and Transfer-Encoding", "POST", "/infer/", b"0\r\n\r\n",
+     {"Content-Length": "5", "Transfer-Encoding": "chunked"}, 400, "ambiguous framing"),
+    ("unknown tensor first of many", "POST", "/update_weights/",
+     lambda: _many_buckets(20).replace(b'"w0"', b'"nope.weight"'), {}, 422, "nope.weight: no such parameter"),
+]
 
 
 @pytest.fixture(scope="module")
 def hostile_server(tmp_path_factory):
     tiny = build_tiny_model(tmp_path_factory.mktemp("tiny"))
-    with limited_server(tiny, tmp_path_factory.mktemp("logs") / "rollout.log") as s:
+    with limited_server(tiny, tmp_path_factory.mktemp("logs") / "rollout.log", "--max_sync_timeout_s",
+                        str(SYNC_CAP_S), key=KEY) as s:
         yield s
 
 
@@ -179,7 +212,7 @@ def test_the_hostile_set_gets_4xx_within_bounded_memory(hostile_server):
     proc, url, port = hostile_server
     with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
         assert client.post("/infer/", json=_infer({"max_tokens": 32})).status_code == 200  # warm-up
-        idle_kb = _memory(proc.pid)["VmRSS"]
+        idle_kb = memory_kb(proc.pid)["VmRSS"]
         assert client.post("/infer/", json=_infer()).status_code == 200
         assert httpx.post(url + "/infer/", json=_infer(), timeout=10).status_code == 401  # no key
         wrong = []
@@ -199,9 +232,84 @@ def test_the_hostile_set_gets_4xx_within_bounded_memory(hostile_server):
         _a_disconnected_request_leaves_the_engine_free(client, port)
         assert client.get("/health/").json() == {"status": "ok"}
     assert proc.poll() is None
-    peak_kb = _memory(proc.pid)["VmHWM"]
+    peak_kb = memory_kb(proc.pid)["VmHWM"]
     print(f"\nhostile set: {len(CASES)} cases + 4 checks; idle RSS {idle_kb} kB, peak RSS {peak_kb} kB")
     assert peak_kb <= 2 * idle_kb, f"peak RSS {peak_kb} kB above twice the idle {idle_kb} kB"
+
+
+def _round3(url: str, name: str, method: str, path: str, body, headers: dict) -> httpx.Response:
+    """One request on a fresh connection (some refusals close theirs)."""
+    if callable(body):
+        body = body()
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    headers = {**AUTH, "Content-Type": "application/json", **headers}
+    if "Transfer-Encoding" in headers:  # httpx frames bodies itself: send this one as raw bytes
+        return _raw_request(url, method, path, body, headers)
+    with httpx.Client(base_url=url, timeout=120) as client:
+        return client.request(method, path, headers=headers, **kwargs)
+
+
+def _raw_request(url: str, method: str, path: str, body: bytes, headers: dict) -> httpx.Response:
+    port = int(url.rsplit(":", 1)[1])
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while chunk := sock.recv(65536):  # the server answers once and closes
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    raw_headers, _, content = rest.partition(b"\r\n\r\n")
+    parsed = dict(line.decode().split(": ", 1) for line in raw_headers.split(b"\r\n") if b": " in line)
+    return httpx.Response(int(status_line.split()[1]), headers=parsed, content=content)
+
+
+def test_the_third_round_gets_4xx_with_health_rss_and_fds_in_bounds(hostile_server):
+    proc, url, port = hostile_server
+    assert health_s(url, KEY) < 1.0
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        assert client.post("/infer/", json=_infer({"max_tokens": 32})).status_code == 200  # warm-up
+    time.sleep(6)  # keep-alive connections of earlier tests close
+    idle_kb, idle_fds = memory_kb(proc.pid)["VmRSS"], open_fds(proc.pid)
+    wrong, slow = [], []
+    for name, method, path, body, headers, status, words in ROUND3:
+        resp = _round3(url, name, method, path, body, headers)
+        answer = resp.json() if resp.headers.get("content-type") == "application/json" else None
+        error = answer.get("error", "") if isinstance(answer, dict) else ""
+        if resp.status_code != status or words not in error or "location" in resp.headers:
+            wrong.append((name, resp.status_code, resp.text[:300]))
+        took = health_s(url, KEY)
+        if took >= 1.0:
+            slow.append((name, took))
+        rss = memory_kb(proc.pid)["VmHWM"]
+        assert rss <= 2 * idle_kb, f"{name}: peak RSS {rss} kB above twice the idle {idle_kb} kB"
+    assert not wrong, wrong
+    assert not slow, slow
+    _a_new_init_wins_over_stale_ones(url)
+    fds = fds_settle(proc.pid, idle_fds, within_s=15)
+    assert fds <= idle_fds + 2, f"{fds} descriptors, {idle_fds} when idle"
+    peak_kb = memory_kb(proc.pid)["VmHWM"]
+    print(f"\nthird round: {len(ROUND3)} cases + 1 check; idle RSS {idle_kb} kB, peak RSS {peak_kb} kB, "
+          f"idle fds {idle_fds}")
+
+
+def _a_new_init_wins_over_stale_ones(url: str) -> None:
+    """Two inits waiting on a store that never answers; the trainer's init right after gets its own answer (the
+    store's silence, 424), not 429 behind them."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        body = {**INIT, "port": listener.getsockname()[1], "timeout_s": 600}
+        stale = [threading.Thread(target=httpx.post, args=(url + "/init_communicator/",),
+                                  kwargs={"json": body, "headers": AUTH, "timeout": 30}) for _ in range(2)]
+        for t in stale:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        resp = httpx.post(url + "/init_communicator/", json=body, headers=AUTH, timeout=30)
+        assert resp.status_code == 424 and f"within {SYNC_CAP_S:g}s" in resp.json()["error"], resp.text
+        assert time.monotonic() - t0 < SYNC_CAP_S + 3
+        for t in stale:
+            t.join(30)
 
 
 def _silent_store_answers_within_the_cap(client: httpx.Client) -> None:
@@ -219,7 +327,7 @@ def _silent_store_answers_within_the_cap(client: httpx.Client) -> None:
 def _a_disconnected_request_leaves_the_engine_free(client: httpx.Client, port: int) -> None:
     data = json.dumps(_infer({"max_tokens": 1000, "temperature": 1.0})).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(f"POST /infer/ HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+    sock.sendall(f"POST /infer/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
                  f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     threading.Event().wait(0.5)  # let it reach the engine (the unit test checks the timing with events)
     sock.close()

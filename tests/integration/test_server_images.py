@@ -127,8 +127,10 @@ def test_hostile_image_bodies_get_one_line_4xx(server, media, tmp_path):
     Image.effect_noise((256, 256), 80).convert("RGB").save(big, "PNG")  # ~190 KB > --max_image_mb 0.05
     cases = {
         "bad base64": (["data:image/png;base64,***"], 400, "not valid base64"),
-        "outside the media root": ([str(tmp_path / "secret.png")], 403, "outside the server's --media_root"),
-        "climbing out": (["../" * 8 + str(tmp_path / "secret.png")], 403, "outside"),
+        "outside the media root": ([str(tmp_path / "secret.png")], 403, "not a readable file under"),
+        "missing, as outside": ([str(tmp_path / "missing.png")], 403, "not a readable file under"),
+        "climbing out": (["../" * 8 + str(tmp_path / "secret.png")], 403, "not a readable file under"),
+        "a NUL byte": (["ok\u0000.png"], 400, "control character"),
         "a URL": (["http://example.com/x.png"], 400, "refused"),
         "too many images": ([uri] * 3, 413, "--max_images_per_request 2"),
         "oversized": (["data:image/png;base64," + base64.b64encode(big.getvalue()).decode()], 413, "--max_image_mb"),

@@ -94,7 +94,7 @@ def test_server_answers_400_for_an_invalid_regex_and_keeps_serving(tiny_model_di
 
     engine = build_served_engine("transformers", str(tiny_model_dir), "float32")
     state = ServerState(ServerOptions(model=str(tiny_model_dir)), engine, RolloutScheduler(engine))
-    client = TestClient(create_app(state))
+    client = TestClient(create_app(state), base_url="http://127.0.0.1")  # a Host the server answers
     body = {"requests": [{"messages": [{"role": "user", "content": "hi"}]}],
             "request_config": {"max_tokens": 24, "structured_outputs_regex": "(a"}}
     resp = client.post("/infer/", json=body)

@@ -47,7 +47,7 @@ def make_client(**overrides) -> tuple[TestClient, ServerState]:
     options = ServerOptions(model="echo", **{"max_batch_requests": 4, "max_body_mb": 0.01, **overrides})
     engine = EchoEngine()
     state = ServerState(options, engine, RolloutScheduler(engine))
-    return TestClient(create_app(state)), state
+    return TestClient(create_app(state), base_url="http://127.0.0.1"), state
 
 
 def _req(text: str, **extra) -> dict:

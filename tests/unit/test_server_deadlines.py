@@ -69,7 +69,7 @@ class _Probe:
 def _raw_post(port: int, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 

@@ -156,18 +156,71 @@ def test_stuck_rendezvous_are_bounded_and_closed_when_they_return(monkeypatch):
     receiver = WeightReceiver(max_timeout_s=0.1)
     receiver.GRACE_S = 0.0
     body = InitCommunicatorBody(host="127.0.0.1", port=1, rank=1, world_size=2, group="g", timeout_s=60)
-    for _ in range(WeightReceiver.MAX_PENDING):
+    # these fakes hold no socket that could be shut, so their threads stay: past MAX_STUCK of them, 429
+    for _ in range(WeightReceiver.MAX_STUCK):
         with pytest.raises(ServerError, match="did not finish within 0.1s"):
             receiver.open(body, torch.device("cpu"))
     with pytest.raises(RendezvousBusy, match="earlier rendezvous"):
         receiver.open(body, torch.device("cpu"))
-    receiver.close()  # answers at once although two rendezvous are still running
+    receiver.close()  # answers at once although the rendezvous are still running
     release.set()
     for _ in range(200):
-        if len(closed) == WeightReceiver.MAX_PENDING:
+        if len(closed) == WeightReceiver.MAX_STUCK:
             break
         threading.Event().wait(0.05)
-    assert len(closed) == WeightReceiver.MAX_PENDING and not receiver.is_open  # abandoned groups closed themselves
+    assert len(closed) == WeightReceiver.MAX_STUCK and not receiver.is_open  # abandoned groups closed themselves
+
+
+def test_a_silent_store_holds_no_rendezvous_slot_and_a_new_init_wins():
+    """Real c10d against a listener that accepts and never answers: at the deadline the attempt's connection is
+    shut down, so its thread ends; and with MAX_PENDING attempts under way a new init gives up the oldest."""
+    import socket
+    import threading
+
+    receiver = WeightReceiver(max_timeout_s=0.5)
+    receiver.GRACE_S = 0.5
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        body = InitCommunicatorBody(host="127.0.0.1", port=port, rank=1, world_size=2, group="g", timeout_s=60)
+        for _ in range(3):  # more than MAX_PENDING, one after the other: never 429
+            with pytest.raises(ServerError, match="did not finish within 0.5s"):
+                receiver.open(body, torch.device("cpu"))
+        for _ in range(40):
+            if not receiver._pending:
+                break
+            threading.Event().wait(0.05)
+        assert not receiver._pending  # every stuck thread ended
+        stale = InitCommunicatorBody(**{**body.model_dump(), "timeout_s": 60})
+        long_wait = WeightReceiver(max_timeout_s=30)
+        answers = []
+
+        def init() -> None:
+            try:
+                long_wait.open(stale, torch.device("cpu"))
+            except ServerError as e:
+                answers.append(str(e))
+
+        holders = [threading.Thread(target=init) for _ in range(WeightReceiver.MAX_PENDING)]
+        for t in holders:
+            t.start()
+        while len(long_wait._pending) < WeightReceiver.MAX_PENDING:
+            threading.Event().wait(0.01)
+        long_wait.max_timeout_s = 0.5  # the trainer's own init: it must not get 429 behind the stale ones
+        with pytest.raises(ServerError, match="did not finish within 0.5s"):
+            long_wait.open(body, torch.device("cpu"))
+        for _ in range(100):
+            if answers:
+                break
+            threading.Event().wait(0.05)
+        assert answers and all("given up for a newer" in a for a in answers), answers
+        long_wait.MAX_PENDING = 1  # one more init gives up the other stale one too, so the test ends
+        with pytest.raises(ServerError, match="did not finish within 0.5s"):
+            long_wait.open(body, torch.device("cpu"))
+        for t in holders:
+            t.join(5)
+        assert not any(t.is_alive() for t in holders) and len(answers) == 2
 
 
 def test_close_during_a_sync_leaves_the_group_to_the_sync(monkeypatch):

@@ -21,7 +21,7 @@ def vllm_server(tiny128):
     engine = build_served_engine("vllm", str(tiny128), "float32", 16, max_model_len=options.vllm_max_model_len,
                                  vllm={**options.vllm_settings(), "enforce_eager": True})
     state = ServerState(options, engine, build_scheduler(options, engine))
-    with TestClient(create_app(state)) as client:
+    with TestClient(create_app(state), base_url="http://127.0.0.1") as client:  # a Host the server answers
         yield client, engine
     engine.close()
 
