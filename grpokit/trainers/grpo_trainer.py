@@ -177,18 +177,18 @@ class GRPOTrainer:
         As in HF Trainer, ``training_step`` runs loss and backward inside ``accelerator.accumulate``; clipping and
         the optimizer step come after it returns (``_optimizer_step``), so a gradient edit in an override on the
         synchronising micro-step reaches the optimizer."""
-        changed, first = False, True
+        changed, step_begins = False, True
         for micro in values.window.remaining():
             t0 = time.perf_counter()
             micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
             with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
-                if first:
+                if step_begins:
                     self._hf_event("on_step_begin")
                 self._run_training_step(micro)
-            first = self.accelerator.sync_gradients
+            synced = step_begins = self.accelerator.sync_gradients  # the next micro-step starts a new step
             values.step_metrics.add({**micro.step_metrics, **self._optimizer_step(micro.step_metrics.get("loss"))})
             values.timing["train"] += time.perf_counter() - t0
-            if first:
+            if synced:
                 changed = True
                 self._on_optimizer_step(bar, values)
                 if self._callbacks.stop_requested():

@@ -131,6 +131,16 @@ class StopAfterTwo(TrainerCallback):
 callbacks_map['stop_after_two'] = StopAfterTwo
 '''
 
+# ms-swift 4.6's loss signature, adding a term on top of grpokit's loss
+LOSS_46 = '''
+class MyGRPOTrainer(GRPOTrainer):
+    def _compute_loss_and_metrics(self, model, model_inputs, grpo_batch):
+        loss, metrics_data = super()._compute_loss_and_metrics(model, model_inputs, grpo_batch)
+        metrics_data['mask_tokens'] = grpo_batch.completion_mask.sum()
+        metrics_data['same_batch'] = float(model_inputs['input_ids'] is grpo_batch['input_ids'])
+        return loss + 0.0 * grpo_batch.truncated_mask.float().sum(), metrics_data
+'''
+
 UNCALLED = '''
 class MyGRPOTrainer(GRPOTrainer):
     def _get_logps_via_local_forward(self, model, inputs):
@@ -277,6 +287,13 @@ def test_prepare_batch_inputs_key_reaches_the_loss(tiny_model_dir, math_jsonl, t
     train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_key", BATCH_KEY),
           "--max_steps", "2", "--steps_per_generation", "2")
     assert [r["my_weight"] for r in log_rows(tmp_path / "out")] == [0.5, 0.5]
+
+
+def test_ms_swift_46_loss_signature_is_called_its_way(tiny_model_dir, math_jsonl, tmp_path, restore):
+    train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_loss46", LOSS_46),
+          "--max_steps", "2")
+    rows = log_rows(tmp_path / "out")
+    assert all(r["mask_tokens"] > 0 and r["same_batch"] == 1.0 for r in rows)
 
 
 def test_uncalled_ms_swift_method_is_refused_in_one_line(tiny_model_dir, math_jsonl, tmp_path, restore):

@@ -184,3 +184,21 @@ def test_open_env_scheduler_says_what_is_missing():
 
     with pytest.raises(ConfigError, match="OpenEnv"):
         OpenEnvScheduler()
+
+
+def test_a_training_step_override_under_sharded_gradients_is_warned_once(caplog):
+    from grpokit.trainers.grpo_trainer import GRPOTrainer
+    from grpokit.trainers.hooks import warn_sharded_grad_edit
+
+    class Edits(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    caplog.set_level("WARNING", logger="grpokit.trainers.hooks")
+    for deepspeed, fsdp in (("zero3", ""), ("zero2", ""), (None, "full_shard")):
+        warn_sharded_grad_edit(Edits, GRPOTrainer, SimpleNamespace(deepspeed=deepspeed, fsdp=fsdp))
+    warn_sharded_grad_edit(Edits, GRPOTrainer, SimpleNamespace(deepspeed="zero1", fsdp=""))  # whole gradients
+    warn_sharded_grad_edit(GRPOTrainer, GRPOTrainer, SimpleNamespace(deepspeed="zero3", fsdp=""))  # no override
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all("p.grad is not the full gradient" in line for line in lines)
+    assert "ZeRO-3" in lines[0] and "ZeRO-2" in lines[1] and "--fsdp" in lines[2]
