@@ -37,6 +37,7 @@ from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.run_args import preflight_resume
 from grpokit.trainers.run_dir import RunLock, prepare_output_dir
+from grpokit.trainers.signals import stop_outside_the_loop
 from grpokit.trainers.zero import release_process_group
 
 logger = logging.getLogger("grpokit")
@@ -122,7 +123,8 @@ def run_train(cfg: TrainConfig):
         lock.acquire()
     try:
         preflight_resume(t.output_dir, t.resume_from_checkpoint, cfg.flat())
-        return _run_train(cfg, log)
+        with stop_outside_the_loop():  # the loop itself saves on SIGTERM (trainers/signals.py)
+            return _run_train(cfg, log)
     finally:
         lock.release()
 

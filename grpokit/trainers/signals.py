@@ -10,14 +10,17 @@ thread) the request never comes and the default behaviour stays.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 
 from grpokit.errors import GrpokitError
 
 EXIT_CODES = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+_stopping = threading.Event()  # a stop was requested: later SIGTERMs (a launcher repeats it) change nothing
 
 
 class RunStopped(GrpokitError):
@@ -26,6 +29,30 @@ class RunStopped(GrpokitError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def stop_outside_the_loop() -> Iterator[None]:
+    """SIGTERM while the run loads or finishes (outside ``train()``'s loop, which handles it itself): there is no
+    step to finish, so it stops at once, as RunStopped (one line, exit 143) rather than a silent -15."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame) -> None:
+        if _stopping.is_set():  # the loop saved and is on its way out; a repeated SIGTERM must not cut that short
+            return
+        _stopping.set()
+        raise RunStopped("SIGTERM: stopped outside the training loop; nothing was saved since the last checkpoint "
+                         "(continue from it with --resume_from_checkpoint latest)", EXIT_CODES[signal.SIGTERM])
+
+    _stopping.clear()
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stopping.clear()
 
 
 class StopRequest:
@@ -50,6 +77,7 @@ class StopRequest:
             raise KeyboardInterrupt
         if self.signum is None:
             self.signum = signum
+            _stopping.set()
             name = signal.Signals(signum).name
             again = "; press Ctrl-C again to stop at once without saving" if signum == signal.SIGINT else ""
             if os.environ.get("RANK", "0") == "0":  # every process of a launch gets it; one says so

@@ -33,7 +33,7 @@ from grpokit.trainers.run_dir import (
     output_errors,
     prepare_output_dir,
 )
-from grpokit.trainers.signals import StopRequest
+from grpokit.trainers.signals import RunStopped, StopRequest, stop_outside_the_loop
 from grpokit.trainers.window_progress import WindowProgress
 
 
@@ -293,6 +293,24 @@ def test_first_signal_is_recorded_and_a_second_ctrl_c_raises(capsys):
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_sigterm_outside_the_loop_stops_at_once_with_143():
+    with pytest.raises(RunStopped) as err, stop_outside_the_loop():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # not reached: the handler raised
+    assert err.value.exit_code == 143 and "nothing was saved" in str(err.value)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    stop = StopRequest()
+    with stop_outside_the_loop():
+        stop.install()  # the loop's own handler inside it, the outer one back after it
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        stop.restore()
+        os.kill(os.getpid(), signal.SIGTERM)  # a launcher repeating it while the stopped run exits: ignored
+    with pytest.raises(RunStopped), stop_outside_the_loop():  # a new run: a SIGTERM stops it again
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
 
 
 def test_run_sync_left_by_an_exception_cancels_and_collects_every_task(caplog):
