@@ -253,6 +253,11 @@ def main(job: dict, job_file) -> None:
     except BaseException:
         status = status or 1
     _report({"exit": status})
+    _report({"done": True})  # the parent reads this process's peak memory from /proc now, then closes the job pipe
+    try:
+        job_file.read()
+    except BaseException:
+        pass
     os._exit(status)
 
 

@@ -4,13 +4,16 @@
 how to get it. Modes:
 
 - ``bwrap`` (default): every run in fresh user, PID, mount, network, IPC, UTS and cgroup namespaces made by
-  bubblewrap, with a read-only root (only ``/usr``, a minimal ``/etc`` (``ETC_FILES``), the interpreter's prefix and the ``/lib``-style
-  links), a private size-limited tmpfs at ``/tmp`` (the work dir), a fresh ``/proc`` that shows the sandbox only,
-  a minimal read-only ``/dev``, no capabilities, no nested user namespaces, and the seccomp filter of
-  ``seccomp_filter``. When the trainer runs as root, bubblewrap itself is started as a per-slot uid, so the
-  sandbox owns nothing on the host. If that uid may not create user namespaces (they are disabled for
-  unprivileged users), root runs bubblewrap without a user namespace and the harness drops to the slot uid
-  (``setresuid``, which clears every capability) before it reads the program.
+  bubblewrap, with a read-only root (only ``/usr``, a minimal ``/etc`` (``ETC_FILES``), the interpreter's prefix
+  and the ``/lib``-style links), a private tmpfs at ``/tmp`` (the work dir; the harness mounts it with a size and
+  an inode bound while it still holds ``CAP_SYS_ADMIN`` of the sandbox's user namespace, then clears every
+  capability), a fresh ``/proc`` that shows the sandbox only, a minimal read-only ``/dev``, no nested user
+  namespaces (the seccomp filter refuses them), and the seccomp filter of ``seccomp_filter``. The program is uid 0
+  of its user namespace, without capabilities; when the trainer runs as root, bubblewrap itself is started as a
+  per-slot uid, which that uid 0 maps to, so the sandbox owns nothing on the host. If that uid may not create user
+  namespaces (they are disabled for unprivileged users), root runs bubblewrap without a user namespace and the
+  harness mounts ``/tmp``, then drops to the slot uid (``setresuid``, which clears every capability) before it
+  reads the program.
 - ``none``: no isolation at all (rlimits and the audit hook only). Unsafe; logged as a warning at every start.
 """
 

@@ -150,7 +150,9 @@ class Session:
         self.out.adopt_writer(self.out.stdin_fd)
         self.out.send(job_w, _job(code, self.serve, limits, rt, rep_w, uid))
         self.out.send(proc.stdin.fileno(), stdin.encode(), close=True)
-        if not self.serve:
+        if not self.serve:  # the harness waits at its end for the job pipe to close: its peak is read first
+            self.out.pump(lambda: self.out.done)
+            self.out.read_peak()
             self.out.close_writer_after(job_w)
             self.out.pump(lambda: False)
         else:
@@ -178,6 +180,7 @@ class Session:
         if self._result is None:
             try:
                 if self.out is not None and self.out.alive():
+                    self.out.read_peak()
                     self.out.close_writer_after(self.job_w)
                     self.out.pump(lambda: False)
             finally:

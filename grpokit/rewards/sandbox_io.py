@@ -29,7 +29,9 @@ class Collector:
         self.partial = bytearray()  # the report line being received
         self.report_bytes = 0
         self.notes: list[dict] = []  # the harness's reports other than answers (exceptions, fatal, blocked)
-        self.ready = self.program_failed = False
+        self.ready = self.program_failed = self.done = False
+        self.child_pid: int | None = None  # the sandbox's init on the host (bwrap mode), for its peak memory
+        self.peak = 0
         self.await_q: int | None = None
         self.answer: dict | None = None
         self.status = bytearray()
@@ -136,6 +138,8 @@ class Collector:
             self.answer = doc
         elif doc.get("ready") is True and not self.program_failed:
             self.ready = True
+        elif doc.get("done") is True:
+            self.done = True  # (a forged one only makes the parent look at the peak early)
         elif "exception" in doc or "fatal" in doc or "blocked" in doc:
             if len(self.notes) < 64:
                 self.notes.append(doc)
@@ -169,8 +173,25 @@ class Collector:
             if "child-pid" in doc:
                 try:
                     self.pidfd = os.pidfd_open(int(doc["child-pid"]))
+                    self.child_pid = int(doc["child-pid"])
                 except (OSError, ValueError):
                     pass
+
+    def read_peak(self) -> None:
+        """The child's peak resident memory (VmHWM) as the kernel reports it in /proc, while it is alive: evidence
+        for the ``memory`` status that the program cannot write (its own reports could say anything)."""
+        pid, fd = (self.child_pid, self.pidfd) if self.status_r is not None else (self.proc.pid, self.bwrap_fd)
+        if pid is None or fd is None:
+            return
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                hwm = next((int(line.split()[1]) for line in f if line.startswith(b"VmHWM:")), 0) * 1024
+        except (OSError, ValueError, IndexError):
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):  # still alive after the read: the pid was not reused, the number is its own
+            self.peak = max(self.peak, hwm)
 
     def _wait_exit(self, timeout: float) -> bool:
         """Wait (without reaping) until the child has exited; False when it is still running."""
@@ -222,6 +243,7 @@ class Collector:
         ru = self.rusage
         cpu = ru.ru_utime + ru.ru_stime if ru is not None else 0.0
         peak = ru.ru_maxrss * 1024 if ru is not None and ru.ru_maxrss * 1024 > self.parent_peak else 0
+        peak = max(peak, self.peak)
         return classify(self.proc.returncode, out, err, self.notes, self.timed_out, self.too_much, cpu, peak,
                         self.limits)  # fmt: skip
 

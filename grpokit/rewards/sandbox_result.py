@@ -1,12 +1,11 @@
 """What one sandboxed run produced: its limits, its result, and why it failed, decided from what the parent saw.
 
 Statuses (``FAILURE_KINDS``) rest on the parent's own evidence only: ``timeout`` when its deadline passed or the
-kernel reports the CPU limit used up, ``output_limit`` when it counted too many bytes, ``memory`` for a failed
-run (exit 1) whose peak resident memory, as the kernel counts it, reached half of its limit (that count includes
-the trainer the child was started from, so for a large trainer the harness's MemoryError note decides between
-``memory`` and ``error``: both are failures of an ordinary exit, which no status above can be forged from), ``crash`` when the child died of a signal (or claims so
-with an exit code above 128: the two look the same through bubblewrap), ``error`` for any other failure. A
-program cannot pick its status with an exit code or a report.
+kernel reports the CPU limit used up; ``output_limit`` when it counted too many bytes; ``memory`` for a failed run
+whose peak resident memory reached half of its limit (VmHWM, read by the parent from /proc while the child is
+alive, or the kernel's count at ``wait4`` where that is not mixed up with the trainer's own memory); ``crash`` when
+the child died of a signal (or claims so with an exit code above 128: the two look the same through bubblewrap);
+``error`` for any other failure. A program cannot pick its status with an exit code or a report.
 
 Report lines are parsed defensively (``parse_report``): bounded size, bounded integers (larger ones travel as
 hex, tagged), and a line that does not parse is dropped, never raised.
@@ -83,8 +82,7 @@ def classify(rc, stdout_b, stderr_b, notes: list[dict], timed_out: bool, too_muc
         res.status = "output_limit"
     elif timed_out or cpu_s >= cpu_limit - 0.05:
         res.status = "timeout"
-    elif rc == 1 and (peak_bytes >= (int(limits.memory_mb) << 20) // 2 or
-                      any(n.get("exception") == "MemoryError" for n in notes)):  # fmt: skip
+    elif rc != 0 and peak_bytes >= (int(limits.memory_mb) << 20) // 2:
         res.status = "memory"
     elif rc is not None and (rc < 0 or rc > 128):
         res.status = "crash"

@@ -333,6 +333,9 @@ LOGS_AND_EXITS = {  # write into the trainer's log, or choose how the failure is
     "exit_152_as_timeout": "import os\nos._exit(152)",
     "exit_153_as_output_limit": "import os\nos._exit(153)",
     "exit_159_as_blocked": "import os\nos._exit(159)",
+    "report_memoryerror_claim": FIND_REPORT_FD + "for fd in REP:\n    try:\n"
+                                "        os.write(fd, b'{{\"exception\": \"MemoryError\"}}\\n')\n"
+                                "    except OSError:\n        pass\nraise MemoryError",
     "stderr_memoryerror_claim": "import sys, os\nprint('MemoryError Cannot allocate memory', file=sys.stderr)\n"
                                 "os._exit(137)",
 }

@@ -88,7 +88,13 @@ def test_memory_bomb(reward):
     out = reward([fenced("x = bytearray(10**10)"), fenced("a = []\nwhile True:\n    a.append(' ' * 10**6)")],
                  test_cases=[[DOUBLE[0]]] * 2)  # fmt: skip
     assert out == [0.0, 0.0]
-    assert reward.last_failures["memory"] == 2
+    assert reward.last_failures["memory"] == 1  # the one that grew; the other was refused before it held anything
+    assert reward.last_failures["error"] == 1
+    claims = fenced("import os, sys\nprint('MemoryError', file=sys.stderr)\nfor fd in range(3, 64):\n    try:\n"
+                    "        os.write(fd, b'{\"exception\": \"MemoryError\"}\\n')\n    except OSError:\n        pass\n"
+                    "raise MemoryError")  # fmt: skip
+    assert reward([claims], test_cases=[[DOUBLE[0]]]) == [0.0]
+    assert reward.last_failures["memory"] == 0 and reward.last_failures["error"] == 1
 
 
 def test_fork_bomb_leaves_no_processes(reward):
