@@ -25,6 +25,7 @@ from grpokit.errors import ConfigError, DataError
 from grpokit.template.encode import ChatTemplate, EncodedSample
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.batch import RolloutBatch, collate
+from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 
 OPTION = "--chord_sft_dataset"
@@ -108,3 +109,12 @@ class ChordSFT:
             logps = logps_of(batch)
             sft = chord_sft_loss(logps, batch.completion_mask.to(logps.device), self.phi)
         return chord_mix(grpo_loss, sft, mu), {"chord/mu": mu, "chord/sft_loss": sft.detach()}
+
+
+def sft_logps(model, batch: RolloutBatch, *, device, model_kwargs: Callable[[RolloutBatch], dict], chunk_size,
+              padding_free: bool) -> torch.Tensor:
+    """The expert reply tokens' [B, C] logps under ``model``, from plain logits (temperature 1, as an SFT loss takes
+    them); ``model_kwargs``: the trainer's ``_prepare_model_inputs``."""
+    batch = batch.to(device)
+    opts = ForwardOptions(temperature=1.0, chunk_size=chunk_size, padding_free=padding_free, share_prompts=False)
+    return completion_logps(model, model_kwargs(batch), batch.logits_to_keep, opts)[0]

@@ -9,9 +9,9 @@ the training step, the loss and the optimizer step.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -22,17 +22,16 @@ from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
-from grpokit.errors import PluginError
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.chord_sft import ChordSFT
+from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.hooks import call_loss, check_subclass, loss_convention, positional_count
+from grpokit.trainers.hooks import call_loss, check_subclass, loss_batch, loss_convention, positional_count
 from grpokit.trainers.hooks import warn_sharded_grad_edit, window_hooks
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator, round_significant
+from grpokit.trainers.outputs import MetricsAccumulator, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
@@ -61,8 +60,7 @@ class GRPOTrainer:
                  callbacks=None, chord_sft_dataset=None) -> None:
         check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
-        self.tokenizer = tokenizer
-        self.eval_dataset = eval_dataset
+        self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
         self._num_prompts = len(train_dataset)
         self.state = TrainerState()
         # the seed's names (ms-swift's meanings), read by ported trainer code
@@ -96,8 +94,7 @@ class GRPOTrainer:
             log_completions=self.args.log_completions, offloader=self._offloader,
             images=bool(getattr(self.template, "multimodal", False)) or "images" in getattr(train_dataset, "column_names", ()))
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
-        # CHORD (--chord_sft_dataset): an SFT term on expert rows mixed into each micro-batch's loss
-        self._chord = None if chord_sft_dataset is None else ChordSFT(
+        self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
             chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index)
         self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
@@ -172,11 +169,9 @@ class GRPOTrainer:
         return window
 
     def _train_on_window(self, values: StepValues, bar) -> bool:
-        """num_iterations passes over the window's micro-batches not trained yet (``values.window``: a resume inside
-        a window goes on from there); True when an optimizer step changed weights.
-        As in HF Trainer, ``training_step`` runs loss and backward inside ``accelerator.accumulate``; clipping and
-        the optimizer step come after it returns (``_optimizer_step``), so a gradient edit in an override on the
-        synchronising micro-step reaches the optimizer."""
+        """num_iterations passes over the window's untrained micro-batches (``values.window``); True when an
+        optimizer step changed weights. As in HF Trainer, the optimizer step comes after ``training_step`` returns,
+        so a gradient edit in an override on the synchronising micro-step reaches the optimizer."""
         changed, step_begins = False, True
         for micro in values.window.remaining():
             t0 = time.perf_counter()
@@ -200,10 +195,8 @@ class GRPOTrainer:
         return changed
 
     def _run_training_step(self, micro: RolloutBatch) -> None:
-        if self._step_takes_num_items:
-            self.training_step(self.model, micro, micro.num_items)
-        else:  # an override of grpokit's earlier two-argument shape
-            self.training_step(self.model, micro)
+        extra = (micro.num_items,) if self._step_takes_num_items else ()  # else an override's 2-argument shape
+        self.training_step(self.model, micro, *extra)
 
     def training_step(self, model, inputs: RolloutBatch, num_items_in_batch=None) -> torch.Tensor:
         """One micro-step: the loss and its backward, nothing more (HF's contract: it returns once backward is
@@ -220,10 +213,9 @@ class GRPOTrainer:
         return loss.detach()
 
     def _optimizer_step(self, loss: torch.Tensor | None) -> dict:
-        """The optimizer step, after ``training_step`` returned: on the synchronising micro-step clip (reported as
-        grad_norm), step, advance the learning-rate schedule and zero the gradients. A DeepSpeed engine's step runs
-        on every micro-step (it counts them, and reduces, clips and steps at its boundary). A NaN/inf ``loss`` or
-        grad norm skips the step (step_guard.py); --max_nonfinite_steps of them in a row stop the run."""
+        """After ``training_step`` returned, on the synchronising micro-step: clip (grad_norm), step (skipped on a
+        NaN/inf ``loss`` or grad norm: step_guard.py), advance the schedule, zero the gradients. A DeepSpeed engine
+        steps on every micro-step (it counts them, and reduces, clips and steps at its boundary)."""
         metrics: dict = {}
         if not self.accelerator.sync_gradients:
             if self._engine_steps:
@@ -231,11 +223,10 @@ class GRPOTrainer:
             return metrics
         self._hf_event("on_pre_optimizer_step")
         # no parameters to clip under --deepspeed: its engine clips in optimizer.step()
-        norm = None
-        if self.args.max_grad_norm > 0 and self._trainable_params:
-            norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm)
-            if norm is not None:
-                metrics["grad_norm"] = scalar(norm)
+        clip = self.args.max_grad_norm > 0 and self._trainable_params
+        norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm) if clip else None
+        if norm is not None:
+            metrics["grad_norm"] = scalar(norm)
         if self._step_guard.allow_step(self.accelerator, loss, norm, step=self.state.global_step + 1,
                                        params=self._trainable_params):
             self.optimizer.step()
@@ -295,26 +286,16 @@ class GRPOTrainer:
         ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
         (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
         come from ``_prepare_model_inputs``."""
-        if grpo_batch is not None:
-            if not isinstance(grpo_batch, RolloutBatch) or not isinstance(inputs, RolloutBatch):
-                raise PluginError("_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch "
-                                  "objects it was called with (change the forward's inputs in _prepare_model_inputs)")
-            inputs = grpo_batch
-        inputs = inputs.to(self.accelerator.device)
+        inputs = loss_batch(inputs, grpo_batch).to(self.accelerator.device)
         need = needs_entropy(self.cfg.algorithm)
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need)
         loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)
         if self._chord is None:
             return loss, metrics
-        loss, chord_metrics = self._chord.mix(loss, self.state.global_step, lambda b: self._sft_logps(model, b))
+        loss, chord_metrics = self._chord.mix(loss, self.state.global_step, partial(
+            sft_logps, model, device=self.accelerator.device, model_kwargs=self._prepare_model_inputs,
+            chunk_size=self.args.logps_chunk_size, padding_free=self.args.padding_free))
         return loss, {**metrics, **chord_metrics}
-
-    def _sft_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """CHORD: the expert reply tokens' logps, from plain logits (temperature 1, as an SFT loss takes them)."""
-        batch = batch.to(self.accelerator.device)
-        opts = ForwardOptions(temperature=1.0, chunk_size=self.args.logps_chunk_size,
-                              padding_free=self.args.padding_free, share_prompts=False)
-        return completion_logps(model, self._prepare_model_inputs(batch), batch.logits_to_keep, opts)[0]
 
     # -- step bookkeeping ----------------------------------------------------------------------------------------------
     def _on_optimizer_step(self, bar, values: StepValues) -> None:
@@ -329,18 +310,12 @@ class GRPOTrainer:
         if (step % self.args.logging_steps == 0 or step == self.state.max_steps or first
                 or (control is not None and (control.should_log or control.should_training_stop))):
             step_metrics = mean_over_processes(self.accelerator, values.step_metrics.pop())  # a collective
-            logs = {**values.window_metrics, **step_metrics,
-                    **{f"timing/{k}": round(v, 4) for k, v in values.timing.items()}}
-            logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-            logs = {"step": step, **{k: round_significant(v) if isinstance(v, float) else v for k, v in logs.items()}}
+            logs = values.log_row(step, step_metrics, self.lr_scheduler.get_last_lr()[0])
             self.state.last_logs = logs
             self.state.log_history.append({**logs, "epoch": round(self.state.epoch, 4)})
             self._outputs.log(logs)
             self._call("on_log", logs)
-            chord = {"mu": f"{logs['chord/mu']:.3f}", "sft_loss": f"{logs['chord/sft_loss']:.4f}"} \
-                if "chord/mu" in logs else {}
-            bar.set_postfix(reward=f"{logs.get('reward', math.nan):.3f}", loss=f"{logs.get('loss', math.nan):.4f}",
-                            **chord)
+            bar.set_postfix(progress_postfix(logs))
         if self.eval_dataset is not None and ((self.args.eval_steps and step % self.args.eval_steps == 0)
                                               or (control is not None and control.should_evaluate)):
             self.evaluate()
@@ -379,10 +354,10 @@ class GRPOTrainer:
         """A checkpoint at this step; inside a window (``values``) it holds the window's untrained rest too."""
         in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
+        window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
                                              prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord,
-                                             window=values.window if values else None,
-                                             step_metrics=values.step_metrics.state() if values else None)
+                                             window=window, step_metrics=unlogged)
         self._call("on_save", str(ckpt))
         return ckpt
 
@@ -406,8 +381,7 @@ class GRPOTrainer:
             result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
                                    max_tokens=self.cfg.rollout.max_completion_length,
                                    batch_size=self.args.per_device_eval_batch_size,
-                                   trainer_state={"global_step": self.state.global_step,
-                                                  "max_steps": self.state.max_steps})
+                                   trainer_state=self._progress())
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         self._hf_event("on_evaluate", metrics=logs)

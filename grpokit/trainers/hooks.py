@@ -8,6 +8,7 @@ import inspect
 import logging
 
 from grpokit.errors import ConfigError, PluginError
+from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import deepspeed_stage
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,17 @@ def call_loss(method, convention: str, model, inputs):
         raise PluginError(f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, metrics "
                           "dict)")
     return out[0], dict(out[1] or {})
+
+
+def loss_batch(inputs, grpo_batch):
+    """The batch ``_compute_loss_and_metrics`` computes on: ``inputs`` (the seed's call), or ``grpo_batch`` in ms-swift
+    4.6's ``(model, model_inputs, grpo_batch)``, where both must be the batch objects the loop passed."""
+    if grpo_batch is None:
+        return inputs
+    if not isinstance(grpo_batch, RolloutBatch) or not isinstance(inputs, RolloutBatch):
+        raise PluginError("_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch objects it "
+                          "was called with (change the forward's inputs in _prepare_model_inputs)")
+    return grpo_batch
 
 
 def window_hooks(trainer, base: type):

@@ -56,6 +56,14 @@ def round_significant(value: float, digits: int = SIGNIFICANT_DIGITS) -> float:
     return float(f"{value:.{digits}g}")
 
 
+def progress_postfix(logs: dict) -> dict:
+    """What the progress bar shows after a logged step: reward and loss (and CHORD's mu and SFT loss)."""
+    shown = {"reward": f"{logs.get('reward', math.nan):.3f}", "loss": f"{logs.get('loss', math.nan):.4f}"}
+    if "chord/mu" in logs:
+        shown.update(mu=f"{logs['chord/mu']:.3f}", sft_loss=f"{logs['chord/sft_loss']:.4f}")
+    return shown
+
+
 class JsonlLog:
     """An append-only JSON-lines file; on resume, lines after the checkpoint's step are dropped. The file stays
     open between writes (each line is flushed), so a step's log line is one write, not an open and a close."""
