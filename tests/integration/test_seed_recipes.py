@@ -141,6 +141,18 @@ class MyGRPOTrainer(GRPOTrainer):
         return loss + 0.0 * grpo_batch.truncated_mask.float().sum(), metrics_data
 '''
 
+CONTROL = '''
+from swift.callbacks import TrainerCallback, callbacks_map
+
+class AskAtStepTwo(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            control.should_log = True
+            control.should_save = True
+
+callbacks_map['ask_at_step_two'] = AskAtStepTwo
+'''
+
 UNCALLED = '''
 class MyGRPOTrainer(GRPOTrainer):
     def _get_logps_via_local_forward(self, model, inputs):
@@ -281,6 +293,14 @@ def test_hf_callback_sees_each_step_and_stops_the_run(tiny_model_dir, math_jsonl
     assert trainer.state.global_step == 2  # stopped by control.should_training_stop, not at max_steps
     assert [r["step"] for r in log_rows(tmp_path / "out")] == [1, 2]
     assert (tmp_path / "out" / "checkpoint-2").is_dir()  # the run ended as a finished one
+
+
+def test_hf_control_should_log_and_should_save_are_honoured(tiny_model_dir, math_jsonl, tmp_path, restore):
+    plugin = write_plugin(tmp_path, "recipe_ctl", CONTROL, trainer=False)
+    train(tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "4", "--callbacks", "ask_at_step_two",
+          "--logging_steps", "100", "--logging_first_step", "false", "--save_steps", "100")
+    assert [r["step"] for r in log_rows(tmp_path / "out")] == [2, 4]  # asked for at 2; 4 is the last step
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_prepare_batch_inputs_key_reaches_the_loss(tiny_model_dir, math_jsonl, tmp_path, restore):
