@@ -8,7 +8,6 @@ Host and Origin), each on a fresh connection since some refusals close theirs.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import socket
@@ -270,7 +269,7 @@ def _raw_request(url: str, method: str, path: str, body: bytes, headers: dict) -
 
 
 def test_the_third_round_gets_4xx_with_health_rss_and_fds_in_bounds(hostile_server):
-    proc, url, port = hostile_server
+    proc, url, _ = hostile_server
     assert health_s(url, KEY) < 1.0
     idle_kb, idle_fds = IDLE["rss"], IDLE["fds"]  # at start-up, after one warm-up call
     wrong, slow, peaks = [], [], {}
