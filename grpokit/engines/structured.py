@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import OrderedDict
+from itertools import accumulate
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine
 PROBE_TOKENS = 4  # tokens the up-front check walks through the grammar (llguidance builds its lexer lazily)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -90,24 +93,9 @@ def load_json_schema(value: dict | str) -> dict[str, Any]:
 def _parse_schema_text(text: str) -> Any:
     """``json.loads`` of a schema's text, bounded in nesting (``MAX_JSON_DEPTH``, as schemas given as objects):
     ConfigError instead of Python's RecursionError for text nested thousands deep."""
-    depth = 0
-    inside = escaped = False
-    for c in text:  # brackets outside strings; schemas are at most MAX_SCHEMA_CHARS in requests
-        if inside:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                inside = False
-        elif c == '"':
-            inside = True
-        elif c in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise ConfigError(f"structured_outputs_json: the schema nests deeper than {MAX_JSON_DEPTH} levels")
-        elif c in "]}":
-            depth -= 1
+    brackets = [c for c in _JSON_STRING.sub('""', text) if c in "[]{}"]  # outside strings
+    if max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > MAX_JSON_DEPTH:
+        raise ConfigError(f"structured_outputs_json: the schema nests deeper than {MAX_JSON_DEPTH} levels")
     return json.loads(text)
 
 
@@ -215,14 +203,8 @@ def _probe(llg, lltokenizer, grammar: str, constraint: Constraint, limits=None) 
 
 def _first_allowed(mask: bytes, eos: int) -> int | None:
     """The lowest token id set in an llguidance bitmask (little-endian bits), other than ``eos``; None if none."""
-    for byte_index, byte in enumerate(mask):
-        while byte:
-            bit = (byte & -byte).bit_length() - 1
-            token = byte_index * 8 + bit
-            if token != eos:
-                return token
-            byte &= byte - 1
-    return None
+    bits = int.from_bytes(mask, "little") & ~(1 << eos)
+    return (bits & -bits).bit_length() - 1 if bits else None
 
 
 def check_structured_options(regex: str | None, schema: dict | str | None) -> Constraint | None:
