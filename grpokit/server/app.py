@@ -30,6 +30,7 @@ from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 MAX_MESSAGE_EXTRA_CHARS = 65536  # a message's fields beside role and content (tool_calls, name, ...), all together
+MAX_CALL_EXTRA_CHARS = 4 << 20  # the same over every message of one /infer/ call (each is echoed back twice)
 
 logger = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does
@@ -133,17 +134,26 @@ def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
     if n > max_batch_requests:
         raise HTTPException(413, f"{n} requests in one call exceed --max_batch_requests {max_batch_requests}; "
                                  "split the batch")
+    call_extra = 0
     for i, r in enumerate(body.requests):
         if r.request_config is not None and r.request_config.n != 1:
             raise HTTPException(400, f"requests[{i}].request_config.n {r.request_config.n}: the server samples one "
                                      "trajectory per request (n = 1); repeat the request instead")
         for k, m in enumerate(r.messages):
             extra = [key for key in m if key not in ("role", "content")]
-            if extra and bounded_chars([m[key] for key in extra], MAX_MESSAGE_EXTRA_CHARS) > MAX_MESSAGE_EXTRA_CHARS:
+            if not extra:
+                continue
+            chars = bounded_chars([m[key] for key in extra], MAX_MESSAGE_EXTRA_CHARS)
+            call_extra += chars
+            if chars > MAX_MESSAGE_EXTRA_CHARS:
                 raise HTTPException(413, f"requests[{i}].messages[{k}]: its fields beside role and content "
                                          f"({', '.join(map(str, extra))[:80]}) hold more than "
                                          f"{MAX_MESSAGE_EXTRA_CHARS} characters; the server echoes messages back, "
                                          "so send less")
+            if call_extra > MAX_CALL_EXTRA_CHARS:
+                raise HTTPException(413, f"requests[{i}].messages[{k}]: the call's message fields beside role and "
+                                         f"content hold more than {MAX_CALL_EXTRA_CHARS} characters (each is echoed "
+                                         "back); send fewer per call")
 
 
 def bounded_chars(value, limit: int) -> int:

@@ -12,7 +12,7 @@ from contextvars import ContextVar
 
 import torch
 
-from grpokit.engines.structured import GrammarLogitsProcessor
+from grpokit.engines.structured import GrammarLogitsProcessor, StructuredOutputs, request_limits
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
@@ -66,6 +66,11 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
         super().__init__(model, template, max_batch_size=max_batch_size)
         self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
         self._init_cancel()
+        if isinstance(self.logits_processor_factory, StructuredOutputs):  # constraints come from requests
+            try:
+                self.logits_processor_factory.limits = request_limits()
+            except ConfigError:  # llguidance is not installed: a constraint is refused when one comes
+                pass
         self.lock = threading.Lock()
         model.requires_grad_(False).eval()
         # remove_duplicate=False: tied weights answer to both names (embed_tokens and lm_head)

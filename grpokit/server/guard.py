@@ -97,17 +97,18 @@ class GuardMiddleware:
         hosts = self.policy.hosts
         if not hosts.allows_host(headers.get(b"host")):
             shown = headers.get(b"host", b"(none)")[:64].decode("latin-1")
-            return (MISDIRECTED, f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
-                                 "connect by one of those, or start grpokit rollout with --allowed_hosts NAME", [CLOSE])
+            return (MISDIRECTED, (f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
+                                  "connect by one of those, or start grpokit rollout with --allowed_hosts NAME"),
+                    [CLOSE])
         origin = headers.get(b"origin")
         if origin is not None and not hosts.allows_origin(origin):
-            return (MISDIRECTED, f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server takes "
-                                 "no requests from web pages of other sites", [CLOSE])
+            return (MISDIRECTED, (f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server "
+                                  "takes no requests from web pages of other sites"), [CLOSE])
         if b"transfer-encoding" in headers and b"content-length" in headers:
             return 400, "ambiguous framing: both Content-Length and Transfer-Encoding are sent; send one", [CLOSE]
         if self.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
-            return (401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (the key given to "
-                         "grpokit rollout --api_key or GRPOKIT_API_KEY)", [(b"www-authenticate", b"Bearer"), CLOSE])
+            return (401, ("missing or wrong API key: send the header 'Authorization: Bearer KEY' (the key given to "
+                          "grpokit rollout --api_key or GRPOKIT_API_KEY)"), [(b"www-authenticate", b"Bearer"), CLOSE])
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit() or len(declared) > 18:
@@ -116,8 +117,8 @@ class GuardMiddleware:
                 return 413, self._too_big_message(int(declared)), [CLOSE]
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope.get("method") == "POST" and ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
-            return (415, f"Content-Type {ctype.decode(errors='replace')[:64]!r}: send JSON with "
-                         "'Content-Type: application/json'", [CLOSE])
+            return (415, (f"Content-Type {ctype.decode(errors='replace')[:64]!r}: send JSON with "
+                          "'Content-Type: application/json'"), [CLOSE])
         return None
 
     async def _read_body(self, scope, receive, send) -> bytes | None:

@@ -57,7 +57,7 @@ def _structure(marks: bytes, max_items: int, max_depth: int) -> tuple[int, int]:
 
 def _longest(text: bytes, max_string: int) -> int:
     """The longest string of an unescaped body (quote to quote), up to the first slice where one passes the limit."""
-    longest, open_at, parity = 0, None, 0
+    longest, open_at = 0, None
     for start in range(0, len(text), _SLICE):
         a = np.frombuffer(text, dtype=np.uint8, count=min(_SLICE, len(text) - start), offset=start)
         where = np.flatnonzero(a == _QUOTE) + start

@@ -176,3 +176,16 @@ def test_the_trainer_stops_when_the_servers_prompt_ids_are_not_its_processors():
                                            r"difference at position 3\)") as e:
         check_prompt_ids(Template(), [request], [output([1, 9, 9, 2])])
     assert "\n" not in str(e.value)
+
+
+def test_the_calls_pixels_are_counted_from_headers_before_any_decode(monkeypatch):
+    from grpokit.server import media
+
+    decoded = []
+    monkeypatch.setattr(media, "decode", lambda image, where: decoded.append(where) or image.convert("RGB"))
+    big = [image_to_wire(_png(colour=(i, 0, 0))) for i in range(3)]  # distinct images of 8 x 6 = 48 pixels each
+    e = _refused(big, ImageLimits(max_call_pixels=100))
+    assert e.status == 413 and "--max_images_pixels" in str(e) and "images[2]" in str(e)
+    assert decoded == []  # refused from the headers: nothing was decoded
+    r = _take(big[:2] * 2, ImageLimits(max_call_pixels=100))  # copies of one image count once
+    assert len(r.data_dict["images"]) == 4 and len(decoded) == 2

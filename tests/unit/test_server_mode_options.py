@@ -183,3 +183,28 @@ def test_the_trainer_must_render_as_the_server_does(caplog):
         check_server_template(True, info)
     assert "--enable_thinking true: the rollout server's false is overridden" in caplog.text
 
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--header_timeout_s", "0"], "--header_timeout_s 0.0: must be in"),
+    (["--body_timeout_s", "1e9"], "--body_timeout_s"),
+    (["--max_json_items", "0"], "--max_json_items 0"),
+    (["--max_connections", "-1"], "--max_connections -1"),
+    (["--max_images_pixels", "0"], "--max_images_pixels 0"),
+    (["--allowed_hosts", "a b/c"], "--allowed_hosts"),
+])
+def test_rollout_transport_and_guard_options_are_checked(flags, needle):
+    from grpokit.server.cli import options_from_argv
+
+    with pytest.raises(ConfigError, match=needle):
+        options_from_argv(["--model", "m", "--engine", "transformers", *flags])
+
+
+def test_rollout_transport_options_reach_the_transport():
+    from grpokit.server.cli import options_from_argv
+
+    o = options_from_argv(["--model", "m", "--engine", "transformers", "--header_timeout_s", "3", "--body_idle_s",
+                           "2", "--allowed_hosts", "trainer-box", "--max_images_pixels", "1000"])
+    limits = o.transport_limits(50)
+    assert (limits.header_timeout_s, limits.body_idle_s, limits.max_connections) == (3.0, 2.0, 50)
+    assert o.allowed_hosts == ["trainer-box"] and o.image_limits().max_call_pixels == 1000
