@@ -315,7 +315,7 @@ class GRPOTrainer:
             self.state.log_history.append({**logs, "epoch": round(self.state.epoch, 4)})
             self._outputs.log(logs)
             self._call("on_log", logs)
-            bar.set_postfix(progress_postfix(logs))
+            bar.set_postfix(**progress_postfix(logs))
         if self.eval_dataset is not None and ((self.args.eval_steps and step % self.args.eval_steps == 0)
                                               or (control is not None and control.should_evaluate)):
             self.evaluate()
