@@ -65,10 +65,10 @@ def context_length(model) -> int | None:
 
 def bound_prompt_length(model, data, max_completion_length: int, path: str, log=print) -> int | None:
     """Prompt + completion checked against the model's context before training. ``--max_completion_length`` must
-    leave room for a prompt; ``--max_length`` + it must fit. Unset ``--max_length`` becomes the room the context
-    leaves (so no row, however long, reaches the model whole; it is cut or dropped as --truncation_strategy
-    says). Returns the prompt bound (``data.max_length`` is set to it), or None for a model with no stated
-    context."""
+    leave room for a prompt; ``--max_length`` + it must fit. Unset ``--max_length`` bounds prompts to the room the
+    context leaves (so no row, however long, reaches the model whole; it is cut or dropped as --truncation_strategy
+    says). Returns the prompt bound: ``data.max_length``, or that room when it is unset (``data`` is not changed:
+    args.json keeps what the user gave, so a resume compares like with like); None without either."""
     ctx = context_length(model)
     if ctx is None:
         return data.max_length
@@ -81,11 +81,11 @@ def bound_prompt_length(model, data, max_completion_length: int, path: str, log=
         raise ConfigError(f"--max_length {data.max_length} + --max_completion_length {max_completion_length} = "
                           f"{data.max_length + max_completion_length} tokens, past the model's context of {ctx} "
                           f"(max_position_embeddings of {path}); lower --max_length to at most {room}")
-    if data.max_length is None:
-        data.max_length = room
-        log(f"prompts are bounded to {room} tokens (the model's context {ctx} minus --max_completion_length "
-            f"{max_completion_length}); set --max_length to choose, --truncation_strategy for how", flush=True)
-    return data.max_length
+    if data.max_length is not None:
+        return data.max_length
+    log(f"prompts are bounded to {room} tokens (the model's context {ctx} minus --max_completion_length "
+        f"{max_completion_length}); set --max_length to choose, --truncation_strategy for how", flush=True)
+    return room
 
 
 def resolve_model_path(margs: ModelArguments, log=print) -> str:

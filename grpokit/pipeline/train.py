@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from accelerate.utils import set_seed
 
@@ -138,9 +139,10 @@ def _run_train(cfg: TrainConfig, log):
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
     model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
-    bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)  # context
+    bound = bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
-    prompts = PromptOptions.from_args(d, cfg.rollout)  # tools and template kwargs into the prompts, then --max_length
+    # tools and template kwargs into the prompts, then the prompt bound (--max_length, or the context's room)
+    prompts = PromptOptions.from_args(replace(d, max_length=bound), cfg.rollout)
     train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
     if val_ds is not None:
         val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")

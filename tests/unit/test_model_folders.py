@@ -103,7 +103,7 @@ def test_prompt_and_completion_are_checked_against_the_context():
     lines = []
     data = Data()
     assert bound_prompt_length(Ctx(1024), data, 256, "m", log=lambda *a, **k: lines.append(a[0])) == 768
-    assert data.max_length == 768 and "prompts are bounded to 768 tokens" in lines[0]
+    assert data.max_length is None and "prompts are bounded to 768 tokens" in lines[0]  # args.json keeps None
     assert bound_prompt_length(Ctx(1024), Data(500), 256, "m", log=print) == 500  # fits: kept
     with pytest.raises(ConfigError, match=r"--max_length 900 \+ --max_completion_length 256 = 1156 tokens, past the "
                                           r"model's context of 1024 .*at most 768"):
