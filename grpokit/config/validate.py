@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 
 import torch
-
 from pydantic import ValidationError
 
 from grpokit.algorithms import (

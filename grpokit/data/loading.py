@@ -23,8 +23,8 @@ from datasets import Dataset
 from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
 from grpokit.data.columns import rename_columns
 from grpokit.data.hub import load_hub_dataset
-from grpokit.data.rows import normalize_rows
 from grpokit.data.images import check_images
+from grpokit.data.rows import normalize_rows
 from grpokit.errors import ConfigError, DataError
 
 __all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_rows", "load_train_val",

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpokit.errors import ConfigError
-from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
+from grpokit.rewards.base import ORM, orms
 from grpokit.rewards.sandbox import ready, run_job
 from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, SandboxResult
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 
 from grpokit.errors import ServerError
-from grpokit.wire.group import Communicator, first_line, local_address_towards
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
+from grpokit.wire.group import Communicator, first_line, local_address_towards
 from grpokit.wire.weights import unpack
 
 logger = logging.getLogger(__name__)

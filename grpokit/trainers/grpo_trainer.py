@@ -28,9 +28,9 @@ from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.engines.prefix import worth_sharing
+from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.template.processor import collate_mm
-from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT
 from grpokit.trainers.distributed import gather_cat, mean_over_processes, scalar

@@ -17,9 +17,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from test_distributed import (PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _one_process, _params, _torchrun,
-                              make_setup)
+from test_distributed import (
+    PLUGIN,
+    B,
+    _args,
+    _dumps,
+    _log_rows,
+    _max_diff,
+    _one_process,
+    _params,
+    _torchrun,
+    make_setup,
+)
 
 # a trainer that, before it saves the final model, dumps the engine's greedy tokens for one prompt and how far
 # the engine's whole copy is from the gathered policy (a collective: every rank runs it)
@@ -107,8 +116,9 @@ def test_fsdp_engine_copy_final_model_and_shards(setup, full_runs):
     params = _params(full_runs.fsdp / "dump")
     assert _max_diff({n: p.detach() for n, p in model.named_parameters()}, params) == 0.0
     # the engine's greedy tokens equal the saved model's own greedy generate on the same prompt
-    from grpokit.template.encode import ChatTemplate
     from transformers import AutoTokenizer
+
+    from grpokit.template.encode import ChatTemplate
 
     template = ChatTemplate(AutoTokenizer.from_pretrained(final))
     prompt = template.encode_prompts([[{"role": "user", "content": "What is 2 + 3?"}]])[0]
@@ -137,7 +147,8 @@ def test_fsdp_checkpoint_resumes_in_two_processes(setup, full_runs):
 @pytest.mark.slow
 def test_fsdp_full_weights_without_kl_match_one_process(setup):
     """beta 0: no reference model to shard."""
-    one, fsdp = _run(setup, "full1_b0", 1, "--beta", "0"), _run(setup, "full_fsdp_b0", 2, "--beta", "0", "--fsdp", "true")
+    one = _run(setup, "full1_b0", 1, "--beta", "0")
+    fsdp = _run(setup, "full_fsdp_b0", 2, "--beta", "0", "--fsdp", "true")
     _check_same(one, fsdp)
     assert _max_diff(_params(one / "dump"), _params(fsdp / "dump")) < 1e-4
 

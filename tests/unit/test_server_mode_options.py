@@ -40,7 +40,8 @@ def test_split_by_size_keeps_each_call_under_both_limits():
 
 
 def test_last_round_only_masks_earlier_rounds_and_their_logprobs():
-    out = RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[], response_token_ids=[[1, 2], [3], [4, 5]],
+    out = RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[],
+                        response_token_ids=[[1, 2], [3], [4, 5]],
                         response_loss_mask=[[1, 1], [0], [1, 1]], rollout_logprobs=[[-.1, -.2], [], [-.3, -.4]])
     trained = last_round_only(out)
     assert trained.response_loss_mask == [[0, 0], [0], [1, 1]]

@@ -99,7 +99,8 @@ def test_warned_option_on_another_rank_is_silent(caplog, monkeypatch):
 
 
 @pytest.mark.parametrize("flag", [["--packing", "true"], ["--rlhf_type", "dpo"], ["--use_galore"],
-                                  ["--sequence_parallel_size", "2"], ["--advantage_reweight", "x"], ["--sdar_loss_coef", "0.1"],
+                                  ["--sequence_parallel_size", "2"], ["--advantage_reweight", "x"],
+                                  ["--sdar_loss_coef", "0.1"],
                                   ["--min_p", "0.1"], ["--num_beams", "4"], ["--save_only_model", "true"]])
 def test_a_refused_option_stops_with_its_name_and_reason(flag):
     with pytest.raises(ConfigError) as e:
