@@ -57,16 +57,30 @@ LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--targ
         "--lora_dropout", "0")  # dropout draws differ between process layouts
 
 
+@pytest.fixture(scope="session")
+def sharded_setup(tmp_path_factory) -> SimpleNamespace:
+    """The model, data and plugin of this file and test_sharded_zero3.py (the same for both), made once, so that
+    the one-process runs both compare with are the same runs: ``_run`` makes each of them once (``one_process``:
+    name → options; the multi-process runs differ by name and are made where they are asked for)."""
+    shared = make_setup(tmp_path_factory.mktemp("sharded"), PLUGIN + ENGINE_CHECK)
+    shared.one_process = {}
+    return shared
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> SimpleNamespace:
-    return make_setup(tmp_path_factory.mktemp("fsdp"), PLUGIN + ENGINE_CHECK)
+def setup(sharded_setup) -> SimpleNamespace:
+    return sharded_setup
 
 
 def _run(setup, name: str, nproc: int, *extra: str) -> Path:
     run = setup.root / name
     args = _args(setup.model, setup.data, run / "out", setup.plugin, B * 2 // nproc, *STEPS, *extra)
     if nproc == 1:
+        if name in setup.one_process:  # made for the other file (or an earlier test) with the same options
+            assert setup.one_process[name] == args, f"one-process run {name} asked for with other options"
+            return run
         _one_process(args, run / "dump")
+        setup.one_process[name] = args
     else:
         _torchrun(args, run / "dump")
     return run
