@@ -18,7 +18,6 @@ import re
 from typing import List
 
 import torch
-
 from swift.infer_engine import RequestConfig, TransformersEngine
 from swift.infer_engine.protocol import ChatCompletionResponse
 from swift.rewards import ORM, orms, rm_plugins

@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
 from grpokit.rewards import orms, rm_plugins
 from grpokit.rollout.env import envs
 from grpokit.rollout.multi_turn import multi_turns
-from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict
     out = tmp_path / "out"
     cfg = parse_train_args([
         "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2",
+        "--per_device_train_batch_size", "4",
         "--max_completion_length", "12", "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32",
         "--seed", "0", "--log_completions", "true", "--plots", "false", "--save_final_model", "false",
         "--disable_tqdm", "true", *extra])
