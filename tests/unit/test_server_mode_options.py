@@ -154,6 +154,7 @@ def test_rollout_takes_swift_rollouts_multi_turn_flags(monkeypatch, caplog):
         options_from_argv(["--model", "m", "--use_gym_env", "false"])
 
 
+@pytest.mark.numerics  # the server loads its model with --torch_dtype auto
 def test_rollout_enable_thinking_sets_the_servers_template_and_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
     assert options_from_argv(["--model", "m"]).chat_template_kwargs() == {}
