@@ -33,6 +33,7 @@ def main() -> None:
     from pathlib import Path
 
     from bench_step import resolve_model
+
     from grpokit.data.loading import load_dataset_spec, normalize_rows
     from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.modeling import load_causal_lm, load_tokenizer

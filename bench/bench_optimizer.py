@@ -31,6 +31,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     from bench_step import resolve_model
+
     from grpokit.modeling import load_causal_lm
     from grpokit.trainers.optimizers import build_adamw
 

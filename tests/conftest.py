@@ -6,9 +6,15 @@ directory and, after the test, puts back what tests and the code under test chan
 singleton states, torch's thread count, default dtype, grad mode and RNG, python's and numpy's RNG, environment
 variables, ``sys.path``, logging levels, and grpokit's registries (what plugins register).
 
+A skipped test fails the run unless its reason is in ``ALLOWED_SKIPS`` (each entry says why that skip is expected
+somewhere): a test that stops testing because something is missing (a system package, an extra, a download) must
+not pass silently. ``pytest_sessionfinish`` sets the exit status; the summary lists the skips with their reasons.
+
 Environment variables for the test run:
   GRPOKIT_TEST_THREADS=N   torch threads for the whole run (default: torch's own choice for this machine)
   GRPOKIT_CPU_BF16=0|1     `--torch_dtype auto` on a CPU: float32 / bfloat16 (default: by AVX512-BF16/AMX)
+  GRPOKIT_TEST_ALLOW_SKIPS=1  list unexpected skips without failing the run (a machine without bubblewrap, ...;
+                           CI never sets it)
 """
 
 from __future__ import annotations
@@ -28,7 +34,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 THREADS_ENV = "GRPOKIT_TEST_THREADS"
+ALLOW_SKIPS_ENV = "GRPOKIT_TEST_ALLOW_SKIPS"
 BASELINE: dict = {}  # torch settings every test starts from (set in pytest_configure)
+# skip reasons that do not fail the run (matched as substrings of the reason), each with why it is expected
+ALLOWED_SKIPS = {
+    "needs a CUDA device": "GPU-only: CI runs on CPU machines",
+    "auto follows the GPU there": "the CPU rule of --torch_dtype auto does not apply on a machine with a GPU",
+    "vllm is installed here": "checks the error without vLLM; the vLLM environment (scripts/test_vllm.sh) has it",
+    "finds the sandbox by its slot uid": "root-only: slot uids are switched to as root; unprivileged runs skip",
+    "the fallback is for root": "root-only: the fallback path exists only for root without user namespaces",
+}
+_SKIPS = pytest.StashKey[list]()
+_CONFIG: list = []  # the run's config, for pytest_runtest_logreport (reports carry none)
 
 
 def _absolute_import_paths() -> None:
@@ -40,6 +57,7 @@ def _absolute_import_paths() -> None:
 
 
 def pytest_configure(config) -> None:
+    _CONFIG[:] = [config]
     _absolute_import_paths()
     threads = os.environ.get(THREADS_ENV)
     if threads:
@@ -68,8 +86,41 @@ def pytest_report_header(config) -> list[str]:
     return [f"grpokit: torch threads {torch.get_num_threads()}, {_dtype_auto_line()}"]
 
 
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Record every skip (a skip in set-up, e.g. by a fixture, included; xfail is not a skip)."""
+    if report.skipped and not hasattr(report, "wasxfail") and _CONFIG:
+        _CONFIG[0].stash.setdefault(_SKIPS, []).append((report.nodeid, _skip_reason(report)))
+
+
+def _unexpected_skips(config) -> list[tuple[str, str]]:
+    return [(node, reason) for node, reason in config.stash.get(_SKIPS, [])
+            if not any(allowed in reason for allowed in ALLOWED_SKIPS)]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """An unexpected skip fails the run (on an xdist worker the controller decides, from the workers' reports)."""
+    if hasattr(session.config, "workerinput") or os.environ.get(ALLOW_SKIPS_ENV) == "1":
+        return
+    if _unexpected_skips(session.config) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    """The same facts after a `-q` run (which prints no header), with the order, so a failure can be replayed."""
+    """The same facts after a `-q` run (which prints no header), with the order, so a failure can be replayed;
+    then the skips that fail the run."""
+    unexpected = [] if hasattr(config, "workerinput") else _unexpected_skips(config)
+    if unexpected:
+        verdict = "listed only" if os.environ.get(ALLOW_SKIPS_ENV) == "1" else "these fail the run"
+        terminalreporter.write_line(f"grpokit: {len(unexpected)} skipped for a reason not in tests/conftest.py's "
+                                    f"ALLOWED_SKIPS ({verdict}; {ALLOW_SKIPS_ENV}=1 lists them only):", red=True)
+        for node, reason in unexpected:
+            terminalreporter.write_line(f"  {node}: {reason}")
     seed = getattr(config.option, "randomly_seed", None) if config.pluginmanager.hasplugin("randomly") else None
     order = f"random order, -p randomly --randomly-seed={seed}" if seed is not None else "file order"
     terminalreporter.write_line(f"grpokit: torch threads {torch.get_num_threads()} ({THREADS_ENV}="

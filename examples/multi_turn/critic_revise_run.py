@@ -18,8 +18,8 @@ Run directly (a tiny offline model, or --model DIR) to train two steps:
 
 from __future__ import annotations
 
-from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
 from grpokit.protocol import RolloutInferRequest, RolloutOutput, choice_logprobs
+from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
 
 
 class CriticReviseScheduler(MultiTurnScheduler):

@@ -33,8 +33,8 @@ import json
 from typing import Any
 
 import torch
-
 from countdown_check import check
+
 from grpokit.errors import RolloutError
 from grpokit.rewards import ORM, AsyncORM, orms
 from grpokit.rollout.env import Env, envs

@@ -18,6 +18,7 @@ from grpokit.algorithms.advantages import (
     validate_advantage_options,
 )
 from grpokit.algorithms.chord import chord_mix, chord_mu, chord_sft_loss
+from grpokit.algorithms.chunked_logps import chunked_lm_head_logps
 from grpokit.algorithms.ema import ema_update_
 from grpokit.algorithms.filters import (
     entropy_mask,
@@ -27,7 +28,6 @@ from grpokit.algorithms.filters import (
     overlong_mask,
     validate_entropy_quantile,
 )
-from grpokit.algorithms.chunked_logps import chunked_lm_head_logps
 from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
 from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.algorithms.losses import (
@@ -47,6 +47,8 @@ from grpokit.algorithms.losses import (
     validate_loss_config,
 )
 from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
+
+# isort: split
 from grpokit.algorithms.losses_real import real_group_loss, real_scores  # registers real (after vespo)
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,

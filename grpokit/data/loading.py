@@ -24,8 +24,8 @@ from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
 from grpokit.data.columns import rename_columns
 from grpokit.data.files import MAX_ROW_BYTES, json_problem, one_line, scan_text_file
 from grpokit.data.hub import load_hub_dataset
-from grpokit.data.rows import normalize_rows
 from grpokit.data.images import check_images
+from grpokit.data.rows import normalize_rows
 from grpokit.errors import ConfigError, DataError
 
 __all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_rows", "load_train_val",

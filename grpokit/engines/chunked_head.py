@@ -8,7 +8,8 @@ the last hidden states by its weight, the swapped forward calls ``chunked_lm_hea
 [B, n, 1] logps ([B, n, 2] with entropies) in the logits' place.
 
 Heads it understands: a plain ``nn.Linear`` (tied to the embeddings or not), and peft's LoRA ``Linear`` with
-plain adapters (u = s·A(dropout(h)) is computed as peft does, and u·Bᵀ joins each chunk's matmul). Anything else, and models that transform the head's output (logit soft-capping or
+plain adapters (u = s·A(dropout(h)) is computed as peft does, and u·Bᵀ joins each chunk's matmul). Anything
+else, and models that transform the head's output (logit soft-capping or
 scaling), take the plain path; ``plain_reason`` says why. A model that transforms the output in a way no config
 field announces is caught after its forward: its output is not the tensor the head returned.
 """

@@ -1,7 +1,8 @@
 """Trainer side of server mode: ``RolloutClient`` talks HTTP to one or several ``grpokit rollout`` servers.
 
 It implements the ``InferEngine`` interface (``infer``, ``sync_weights``, ``reset_prefix_cache``, ``close``) and
-returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so that the trainer, which
+returns whole trajectories with ``infer_trajectories``; ``grpokit.rollout.remote.RemoteScheduler`` wraps it so
+that the trainer, which
 only talks to a scheduler, runs unchanged in server mode (multi-turn then runs inside the server).
 
 Requests are split across servers keeping each ``prompt_id`` group on one server, then into calls that stay

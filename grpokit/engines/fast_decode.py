@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from grpokit.engines.prefix import shared_prompts

@@ -26,8 +26,8 @@ import torch
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
-from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
 from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
+from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.modeling import resolve_dtype_name

@@ -21,8 +21,8 @@ import torch
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, sync_shape
 from grpokit.errors import ServerError
-from grpokit.wire.group import Communicator, local_address_towards
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
+from grpokit.wire.group import Communicator, local_address_towards
 from grpokit.wire.weights import pack, plan_buckets
 
 logger = logging.getLogger(__name__)

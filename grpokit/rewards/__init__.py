@@ -9,8 +9,8 @@ from __future__ import annotations
 # noqa: F401 below: imported to register the built-ins
 from grpokit.rewards import code_exec, math_rewards, multimodal, prm, shape_rewards, toolbench  # noqa: F401
 from grpokit.rewards.base import ORM, PRM, TRAINER_KWARGS, AsyncORM, accepted_kwargs, orms, prms, required_columns
-from grpokit.rewards.calling import TrainerStateView, trl_convention
 from grpokit.rewards.build import build_reward_funcs, check_reward_columns, reward_name
+from grpokit.rewards.calling import TrainerStateView, trl_convention
 from grpokit.rewards.rm_plugin import (
     DefaultRMPlugin,
     GenRMPlugin,

@@ -17,8 +17,8 @@ import inspect
 from typing import Any
 
 from grpokit.errors import ConfigError
-from grpokit.rewards.calling import convention
 from grpokit.registry import Registry
+from grpokit.rewards.calling import convention
 
 # Keys the trainer passes to every reward call, whatever the dataset holds.
 TRAINER_KWARGS: frozenset[str] = frozenset(

@@ -42,7 +42,8 @@ def token_lengths(
 
 
 class Format(ORM):
-    """1.0 when the whole completion is ``<think>…</think>`` then ``<answer>…</answer>`` (whitespace between), else 0."""
+    """1.0 when the whole completion is ``<think>…</think>`` then ``<answer>…</answer>`` (whitespace between),
+    else 0."""
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float | None]:
         return [1.0 if _FORMAT_RE.fullmatch(c) else 0.0 for c in completions]

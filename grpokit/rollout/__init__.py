@@ -3,5 +3,7 @@
 Importing the package registers the built-in schedulers and environments (``multi_turns``, ``envs``).
 """
 
-from grpokit.rollout import builtin_schedulers  # noqa: F401 - registers the built-ins
-from grpokit.rollout import envs_builtin  # noqa: F401 - registers math_env
+from grpokit.rollout import (
+    builtin_schedulers,  # noqa: F401 - registers the built-ins
+    envs_builtin,  # noqa: F401 - registers math_env
+)

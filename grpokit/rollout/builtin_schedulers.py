@@ -20,11 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.errors import ConfigError, DataError, RolloutError
-from grpokit.rollout.env import Env, envs, reset_images, reset_values, start_messages
 from grpokit.data.images import row_images
-from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
-from grpokit.rollout.turn_images import check_takes_images
+from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.protocol import (
     ChatCompletionResponseChoice,
     RequestConfig,
@@ -33,7 +30,10 @@ from grpokit.protocol import (
     choice_logprobs,
 )
 from grpokit.rewards.math_rewards import answer_matches
+from grpokit.rollout.env import Env, envs, reset_images, reset_values, start_messages
+from grpokit.rollout.multi_turn import MultiTurnScheduler, Trajectory, multi_turns
 from grpokit.rollout.tools import parse_action, run_tool
+from grpokit.rollout.turn_images import check_takes_images
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from grpokit.data.images import IMAGE_PLACEHOLDER, check_image_ref
 from grpokit.errors import ConfigError, DataError
-from grpokit.registry import Registry
 from grpokit.protocol import RolloutInferRequest
+from grpokit.registry import Registry
 
 envs = Registry("gym environment", "--gym_env")
 

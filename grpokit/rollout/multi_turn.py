@@ -29,7 +29,6 @@ from typing import Any
 
 from grpokit.data.images import check_image_ref, row_images
 from grpokit.errors import ConfigError, DataError, RolloutError
-from grpokit.registry import Registry
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -38,8 +37,8 @@ from grpokit.protocol import (
     RolloutOutput,
     choice_logprobs,
 )
+from grpokit.registry import Registry
 from grpokit.rollout.scheduler import RolloutScheduler
-from grpokit.template.encode import ChatTemplate
 from grpokit.rollout.turn_images import (
     TrajectoryImages,
     same_image,
@@ -48,6 +47,7 @@ from grpokit.rollout.turn_images import (
     take_start_images,
     warn_unheld,
 )
+from grpokit.template.encode import ChatTemplate
 
 logger = logging.getLogger(__name__)
 

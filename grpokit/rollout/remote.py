@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from grpokit.engines.client import RolloutClient
 from grpokit.data.images import row_images
+from grpokit.engines.client import RolloutClient
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import RolloutScheduler

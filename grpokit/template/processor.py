@@ -24,8 +24,14 @@ from pathlib import Path
 
 import torch
 
-from grpokit.data.images import count_placeholders, load_image, to_parts, with_image_slots
-from grpokit.data.images import IMAGE_PLACEHOLDER, row_images
+from grpokit.data.images import (
+    IMAGE_PLACEHOLDER,
+    count_placeholders,
+    load_image,
+    row_images,
+    to_parts,
+    with_image_slots,
+)
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.template.encode import ChatTemplate, EncodedSample, _memo_key, segment_masks
@@ -90,7 +96,8 @@ def collate_mm(rows: list[MMRow], prompt_width: int, completion_width: int = 0) 
                 t, c = (torch.zeros(0, dtype=torch.long) if x is None else x.reshape(-1)
                         for x in (r.tensors.get(key), r.completion.get(key)))
                 c = c[:completion_width].to(t.dtype)
-                cols.append(torch.cat([t.new_zeros(prompt_width - len(t)), t, c, t.new_zeros(completion_width - len(c))]))
+                cols.append(torch.cat([t.new_zeros(prompt_width - len(t)), t, c,
+                                       t.new_zeros(completion_width - len(c))]))
             out[key] = torch.stack(cols)
         elif present[0].dim() in (4, 5) and key in ("pixel_values", "pixel_attention_mask") and _row_slots(rows):
             most = max(r.tensors[key].shape[1] if key in r.tensors else 0 for r in rows)

@@ -15,8 +15,8 @@ from typing import Any
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
-from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
+from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 
 logger = logging.getLogger(__name__)
 _SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "

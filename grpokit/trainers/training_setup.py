@@ -21,10 +21,10 @@ from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.trainers.window_producer import Rewards
 from grpokit.trainers.zero import EngineStep, deepspeed_config, ensure_process_group, is_zero3
 from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
 from grpokit.trainers.zero import initialize as zero_initialize
-from grpokit.trainers.window_producer import Rewards
 
 
 @dataclass
@@ -55,7 +55,8 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
-    ds_config = deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes) if t.deepspeed else None
+    ds_config = (deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes)
+                 if t.deepspeed else None)
     whole = generation_copy(model) if (t.fsdp or zero3) and not engine_given else None  # for the in-process engine
     if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
         model = shard_model(model, accelerator.device)
@@ -73,7 +74,8 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     # DeepSpeed clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer), whole)
+                         trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer),
+                         whole)
 
 
 def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):

@@ -1,13 +1,26 @@
-"""Every loss type × importance-sampling level, dynamic sampling and kl_in_reward train on a tiny model."""
+"""Loss types in the trainer, dynamic sampling and kl_in_reward train on a tiny model.
+
+Every loss type × importance-sampling level is checked against its formula in tests/unit/test_losses_combos.py
+(synthetic tensors); here three of them train, each checked on the trainer's own tensors with the same formula, for
+the wiring: what the trainer hands the loss (old, reference and current log-probs, advantages, the mask, the token
+count of the optimizer step) and what it logs. The three differ in each place the trainer's inputs matter: a
+per-sequence normaliser with a sequence-level ratio (grpo × sequence, GSPO), the optimizer step's token count with
+the per-token sequence ratio (dapo × sequence_token), and a loss with its own metric and no clipping (vespo).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_losses_combos import CLIP_KEYS, PPO_CLIP_KEYS, reference_loss  # noqa: E402 (the unit tests' formula)
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +54,7 @@ PLUGIN = textwrap.dedent("""
     orms['signal_from_second_draw'] = SignalFromSecondDraw
 """)
 
-COMBOS = [(loss, level) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-          for level in ("token", "sequence", "sequence_token")] + [
-    ("sapo", "token"), ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")]
-CLIP_KEYS = {"cispo": {"cispo_clip_ratio"},  # only the upper cap clips (TRL's and ms-swift's name)
-             "sapo": set(),  # sapo gates softly and clips nothing
-             "vespo": {"vespo/phi_seq_mean"}}  # vespo weighs whole sequences instead of clipping
-PPO_CLIP_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+WIRING = [("grpo", "sequence"), ("dapo", "sequence_token"), ("vespo", "token")]
 LOSS_TYPE_KEYS = PPO_CLIP_KEYS.union(*CLIP_KEYS.values())
 
 
@@ -94,65 +101,11 @@ def micro_steps(monkeypatch) -> list[dict]:
     return steps
 
 
-def _reference_loss(cfg, step: dict) -> tuple[float, dict[str, float]]:
-    """One micro-step's loss and metrics from its tensors, written out per loss type and level (grpokit/algorithms/
-    losses.py's docstring) for one process and one micro-step per optimizer step."""
-    mask = step["mask"]
-    keep = mask > 0
-    lp, old, ref = (torch.where(keep, step[k], 0.0) for k in ("logps", "old", "ref"))
-    adv = step["adv"][:, None]
-    n = mask.sum(1)
-    if cfg.importance_sampling_level == "token":
-        r = torch.exp(lp - old)
-    else:  # sequence ([B, 1]) and sequence_token ([B, T]): the value is exp(mean token log ratio) of the sequence
-        r = torch.exp(((lp - old) * mask).sum(1) / n.clamp(min=1))[:, None]
-        r = r if cfg.importance_sampling_level == "sequence" else r.expand_as(lp)
-    logged = {}
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(r, max=cfg.epsilon_high) * adv * lp
-        logged["cispo_clip_ratio"] = (r > cfg.epsilon_high) & (adv > 0)
-    elif cfg.loss_type == "vespo":  # φ(W) = e^λ·W^k·e^(−λW), W = Π_t r_t of the sequence; (k, λ) by the sign of A
-        log_w = ((lp - old) * mask).sum(1, keepdim=True)
-        k = torch.where(adv >= 0, cfg.vespo_k_pos, cfg.vespo_k_neg)
-        lam = torch.where(adv >= 0, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-        per_token = -phi * adv * lp
-        logged["vespo/phi_seq_mean"] = phi  # [B, 1]
-    elif cfg.loss_type == "sapo":
-        tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
-        per_token = -torch.sigmoid(tau * (r - 1)) * 4 / tau * adv
-    else:
-        per_token = -torch.min(r * adv, torch.clamp(r, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv)
-        low, high = (r < 1 - cfg.epsilon_low) & (adv < 0), (r > 1 + cfg.epsilon_high) & (adv > 0)
-        logged = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-    kl = torch.exp(ref - lp) - (ref - lp) - 1
-    per_token = (per_token + cfg.beta * kl) * mask
-    if cfg.loss_type in ("grpo", "sapo"):  # per-sequence mean, then batch mean
-        loss = (per_token.sum(1) / n.clamp(min=1)).mean()
-    elif cfg.loss_type == "dr_grpo":  # a constant: batch size × max completion length
-        loss = per_token.sum() / (len(mask) * cfg.max_completion_length)
-    elif cfg.loss_type == "luspo":  # each sequence's loss × its length, mean over the batch
-        loss = per_token.sum() / len(mask)
-    else:  # bnpo: the micro-batch's tokens; dapo, cispo, vespo: the optimizer step's tokens, the same here
-        loss = per_token.sum() / mask.sum()
-
-    def mean(x: torch.Tensor) -> float:
-        return float((x.float() * mask).sum() / mask.sum())
-
-    def ratio_mean(x: torch.Tensor) -> float:
-        """A value per sequence ([B, 1]: the sequence-level ratio and its clip decisions, vespo's φ) is averaged
-        over the sequences (TRL's global_masked_mean); a per-token value ([B, T]) over the trained tokens."""
-        return float(x.float().mean()) if x.shape[1] == 1 else mean(x)
-
-    return float(loss), {"is_ratio/mean": ratio_mean(r), "kl": mean(kl),
-                         **{k: ratio_mean(v) for k, v in logged.items()}}
-
-
-@pytest.mark.parametrize("loss_type, level", COMBOS)
-def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps, loss_type, level):
-    """Each variant computes its own loss: per micro-step, the trainer's loss and metrics equal the variant's
-    formula on the same tensors, its clip metrics (and only those) are logged, the ratio acts once the policy
-    moved, and the policy moved."""
+@pytest.mark.parametrize("loss_type, level", WIRING)
+def test_loss_types_train_on_the_trainers_tensors(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps,
+                                                  loss_type, level):
+    """Per micro-step, the trainer's loss and metrics equal the variant's formula on the same tensors, its clip
+    metrics (and only those) are logged, the ratio acts once the policy moved, and the policy moved."""
     # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts.
     # The stop string ends completions at different lengths, which the normalisers weigh differently.
     trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
@@ -164,7 +117,7 @@ def test_every_loss_and_level_trains(tiny_model_dir, math_jsonl, tmp_path, plugi
     assert all(len(set(s["mask"].sum(1).tolist())) > 1 for s in micro_steps)  # lengths vary in each micro-batch
     clip_keys = CLIP_KEYS.get(loss_type, PPO_CLIP_KEYS)
     for row, step in zip(rows, micro_steps, strict=True):
-        loss, metrics = _reference_loss(cfg, step)
+        loss, metrics = reference_loss(cfg, step)
         assert step["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
         assert set(step["metrics"]) == set(metrics) == {"is_ratio/mean", "kl", *clip_keys}
         for key, value in metrics.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from test_distributed import PLUGIN, _args, _close, _dumps, _max_diff, _one_process, _params, _torchrun
 
 pytestmark = pytest.mark.slow

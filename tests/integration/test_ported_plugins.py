@@ -1,19 +1,19 @@
-"""Porting = renaming imports: ms-swift's own plugin.py (imports renamed, nothing else) and the reward functions of
-TRL's GRPO documentation (unmodified, registered through a plugin) each train 2 steps on the tiny model."""
+"""Porting = renaming imports: a plugin file written as ms-swift users write one (imports renamed, nothing else)
+and reward functions in TRL's documented conventions (unmodified, registered through a plugin or named by import
+path) each train 2 steps on the tiny model. Both sources live in this repository (third_party.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
 from grpokit.rewards import orms, rm_plugins
 from grpokit.rollout.env import envs
 from grpokit.rollout.multi_turn import multi_turns
-from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 pytestmark = pytest.mark.slow
 
@@ -21,30 +21,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def swift_plugin_file(tmp_path):
-    return swift_plugin(tmp_path / "swift_plugin_renamed.py")  # read from the ms-swift mirror (third_party.py)
+    return swift_plugin(tmp_path / "swift_plugin_renamed.py")  # swift_style_plugin.py, imports renamed
 
-# The classes of ms-swift's plugin.py that need something outside this machine (never trained here):
-NEEDS_OUTSIDE = {
-    "external_code_reward": "CodeReward runs code in E2B's hosted sandbox (the e2b package and an API key)",
-    "external_code_reward_by_judge0": "CodeRewardByJudge0 posts to a Judge0 server (JUDGE0_ENDPOINT)",
-    "async_genrm": "AsyncGenRMReward calls a deployed OpenAI-compatible judge at construction (GENRM_API_BASE)",
-}
-# CustomEnv is `class CustomEnv(Env): pass`: reset/step stay abstract, so it cannot be built (nor in ms-swift).
-NOT_INSTANTIABLE = {"custom_env": "CustomEnv(Env) defines neither reset nor step (abstract, as in ms-swift)"}
-# Reward functions trained together in one run on rows that carry every column they read.
-SWIFT_REWARDS = ["external_countdown", "external_code_format", "thinking_tips", "external_tooluse_format_reward",
-                 "external_tooluse_length_reward", "external_tooluse_correct_reward"]
-HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
-if HAS_MATH_VERIFY:
-    SWIFT_REWARDS.append("external_r1v_acc")
-else:  # the class imports math_verify inside __call__
-    NEEDS_OUTSIDE["external_r1v_acc"] = "MultiModalAccuracyORM imports the math_verify package, not installed here"
+
+# CustomEnv is `class CustomEnv(Env)` with nothing in it: reset/step stay abstract, so it cannot be built.
+NOT_INSTANTIABLE = {"custom_env": "CustomEnv(Env) defines neither reset nor step (abstract)"}
+# The plugin's reward functions, trained together in one run on rows that carry every column they read, with
+# external_r1v_acc (a built-in under ms-swift's name) beside them.
+PLUGIN_REWARDS = ["external_countdown", "external_code_format", "thinking_tips", "external_tooluse_format_reward",
+                  "external_tooluse_length_reward", "external_tooluse_correct_reward"]
+SWIFT_REWARDS = [*PLUGIN_REWARDS, "external_r1v_acc"]
 
 TOOL_SOLUTION = '<tool_call>\n{"name": "calculator", "parameters": {"expression": "1+2"}}\n</tool_call>'
 
 
 def _rows(n: int = 4) -> list[dict]:
-    """Rows with the columns plugin.py's rewards and QwenLongPlugin read; no system message (QwenLong reads
+    """Rows with the columns the plugin's rewards and its qwenlong judge read; no system message (the judge reads
     messages[0] as the problem)."""
     return [{"messages": [{"role": "user", "content": f"<text>Doc {k}.</text> What is {k} + 2? Format your "
                                                         "response as follows: <answer>N</answer>"}],
@@ -62,7 +54,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict
     out = tmp_path / "out"
     cfg = parse_train_args([
         "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2",
+        "--per_device_train_batch_size", "4",
         "--max_completion_length", "12", "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32",
         "--seed", "0", "--log_completions", "true", "--plots", "false", "--save_final_model", "false",
         "--disable_tqdm", "true", *extra])
@@ -75,13 +68,14 @@ def _logs(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
 
 
-def test_swift_plugin_loads_and_lists_what_it_cannot_train_here(swift_plugin_file):
+def test_swift_plugin_loads_and_registers_in_every_registry(swift_plugin_file):
     from grpokit.plugins.loader import load_plugins
 
+    before = set(orms)
     load_plugins([str(swift_plugin_file)])
     registered = {"orms": set(orms), "rm": set(rm_plugins), "mt": set(multi_turns), "envs": set(envs)}
-    assert set(SWIFT_REWARDS) | set(NEEDS_OUTSIDE) <= registered["orms"]
-    assert {"my_rmplugin", "qwenlong"} <= registered["rm"] and "tool_call_scheduler" in registered["mt"]
+    assert set(PLUGIN_REWARDS) == registered["orms"] - before
+    assert {"my_rmplugin", "qwenlong"} <= registered["rm"] and "calculator_in_reply" in registered["mt"]
     assert set(NOT_INSTANTIABLE) <= registered["envs"]
     with pytest.raises(TypeError, match="abstract"):
         envs["custom_env"]({})
@@ -97,8 +91,8 @@ def test_swift_plugin_reward_functions_train(swift_plugin_file, tiny_model_dir, 
 
 
 def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_dir, tiny_rm_dir, tmp_path):
-    """CustomizedRMPlugin on a sequence classifier (template.encode + data_collator + to_device) and
-    QwenLongPlugin on a causal LM (grpokit.swift's TransformersEngine, choice.message.content), in one run."""
+    """my_rmplugin on a sequence classifier (template.encode + data_collator + to_device) and
+    qwenlong, a judge on a causal LM (grpokit.swift's TransformersEngine, choice.message.content), in one run."""
     out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
         "--reward_funcs", "external_countdown", "--reward_model", str(tiny_rm_dir), str(tiny_model_dir),
         "--reward_model_plugin", "my_rmplugin", "qwenlong"])
@@ -111,12 +105,12 @@ def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_d
 
 def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, tiny_model_dir, tmp_path):
     out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
-        "--reward_funcs", "external_countdown", "--multi_turn_scheduler", "tool_call_scheduler", "--max_turns", "2"])
+        "--reward_funcs", "external_countdown", "--multi_turn_scheduler", "calculator_in_reply", "--max_turns", "2"])
     assert len(_logs(out)) == 2
     # its step() on grpokit's objects: choice.message.content, token_ids, self.tokenizer, messages[-1] edited
     from transformers import AutoTokenizer
 
-    sched = multi_turns["tool_call_scheduler"](None, max_turns=2, tokenizer=AutoTokenizer.from_pretrained(
+    sched = multi_turns["calculator_in_reply"](None, max_turns=2, tokenizer=AutoTokenizer.from_pretrained(
         tiny_model_dir))
     text = "Action: calculator\nAction Input: 2+3\n"
     choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason="stop",
@@ -130,12 +124,12 @@ def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, ti
 
 
 def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
-    """The examples written for TRL's standard format (a prompt string column), read from TRL's docs."""
+    """The TRL-convention examples on TRL's standard format (a prompt string column)."""
     names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex3_reference", "trl_ex4_math",
              "trl_ex4_coding", "trl_ex5_async", "trl_ex6_logging"]
     rows = [{"prompt": f"What is {k} + 1? Put it in \\boxed{{}}.", "ground_truth": str(k + 1),
              "task": "math" if k % 2 else "coding"} for k in range(4)]
-    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")  # from the TRL mirror
+    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")
     out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
     logs = _logs(out)
     for r in logs:
@@ -160,7 +154,7 @@ def test_trl_conversational_example_reads_messages_from_a_conversational_dataset
     names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex2_format", "trl_ex5_async"]
     rows = [{"prompt": [{"role": "system", "content": "Think, then answer."},
                         {"role": "user", "content": f"What is {k} + 1?"}]} for k in range(4)]
-    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")  # from the TRL mirror
+    plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")
     out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
     for r in _logs(out):
         assert r["rewards/trl_ex2_format/mean"] == 0.0  # message lists read; a random model writes no <think>
@@ -173,7 +167,7 @@ def test_trl_examples_by_import_path_train_with_no_registration_at_all(tiny_mode
     """TRL's CLI form, ``--reward_funcs module.function``: each documentation example is a module of its own, as
     written, with no grpokit line in it; functions named this way are called TRL's way (Example 2 included, whose
     signature alone would read as ms-swift's), and the format follows the dataset (here conversational)."""
-    paths = trl_reward_modules(Path.cwd())  # from the TRL mirror; the current directory is searched first
+    paths = trl_reward_modules(Path.cwd())  # the current directory is searched first
     names = [paths[n] for n in ("trl_ex1_token_length", "trl_ex2_format", "trl_ex5_async")]
     rows = [{"prompt": [{"role": "user", "content": f"What is {k} + 1?"}]} for k in range(4)]
     out = _train(tiny_model_dir, tmp_path, None, rows, ["--reward_funcs", *names])
@@ -212,7 +206,7 @@ def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_mod
 
 
 def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(swift_plugin_file, tiny_model_dir, tmp_path):
-    """MultiTurnThinkingTips reads trajectory_inputs[request_id][-1] (the last round); with
+    """The plugin's thinking_tips reads trajectory_inputs[request_id][-1] (the last round); with
     thinking_tips_scheduler every round is its own sample, and all rounds of a request get the same reward."""
     out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
         "--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"])

@@ -20,12 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sandbox_redteam_programs import CLASSES, SECRETS, SPOOF, WRONG, render
 
 from grpokit.rewards import grader, isolation
 from grpokit.rewards.code_exec import CodeExecReward
 from grpokit.rewards.sandbox import SandboxLimits, Session, live_sandbox_processes, run_job
-
-from sandbox_redteam_programs import CLASSES, SECRETS, SPOOF, WRONG, render
 
 try:
     isolation.resolve("bwrap")

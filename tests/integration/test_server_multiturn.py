@@ -12,8 +12,8 @@ from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import ConfigError
-from grpokit.rollout.remote import RemoteScheduler
 from grpokit.protocol import RequestConfig, RolloutInferRequest
+from grpokit.rollout.remote import RemoteScheduler
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.testing import build_tiny_model
 from grpokit.trainers.factory import TrainerFactory

@@ -13,10 +13,10 @@ from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.client import RolloutClient
-from grpokit.rollout.remote import RemoteScheduler
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.protocol import RequestConfig, RolloutInferRequest
+from grpokit.rollout.remote import RemoteScheduler
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.template.encode import ChatTemplate
 from grpokit.testing import build_tiny_model

@@ -56,8 +56,8 @@ def test_zero3_json_file_autos_and_clashes(tmp_path):
 
 
 def test_every_stage_counts_gradient_accumulation_and_runs_in_one_process():
-    from accelerate.utils import DistributedType
     import torch
+    from accelerate.utils import DistributedType
 
     from grpokit.trainers.distributed import accelerate_plugins, check_backend
 

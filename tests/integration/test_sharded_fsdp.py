@@ -17,9 +17,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from test_distributed import (PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _one_process, _params, _torchrun,
-                              make_setup)
+from test_distributed import (
+    PLUGIN,
+    B,
+    _args,
+    _dumps,
+    _log_rows,
+    _max_diff,
+    _one_process,
+    _params,
+    _torchrun,
+    make_setup,
+)
 
 # a trainer that, before it saves the final model, dumps the engine's greedy tokens for one prompt and how far
 # the engine's whole copy is from the gathered policy (a collective: every rank runs it)
@@ -48,16 +57,30 @@ LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--targ
         "--lora_dropout", "0")  # dropout draws differ between process layouts
 
 
+@pytest.fixture(scope="session")
+def sharded_setup(tmp_path_factory) -> SimpleNamespace:
+    """The model, data and plugin of this file and test_sharded_zero3.py (the same for both), made once, so that
+    the one-process runs both compare with are the same runs: ``_run`` makes each of them once (``one_process``:
+    name → options; the multi-process runs differ by name and are made where they are asked for)."""
+    shared = make_setup(tmp_path_factory.mktemp("sharded"), PLUGIN + ENGINE_CHECK)
+    shared.one_process = {}
+    return shared
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> SimpleNamespace:
-    return make_setup(tmp_path_factory.mktemp("fsdp"), PLUGIN + ENGINE_CHECK)
+def setup(sharded_setup) -> SimpleNamespace:
+    return sharded_setup
 
 
 def _run(setup, name: str, nproc: int, *extra: str) -> Path:
     run = setup.root / name
     args = _args(setup.model, setup.data, run / "out", setup.plugin, B * 2 // nproc, *STEPS, *extra)
     if nproc == 1:
+        if name in setup.one_process:  # made for the other file (or an earlier test) with the same options
+            assert setup.one_process[name] == args, f"one-process run {name} asked for with other options"
+            return run
         _one_process(args, run / "dump")
+        setup.one_process[name] = args
     else:
         _torchrun(args, run / "dump")
     return run
@@ -107,8 +130,9 @@ def test_fsdp_engine_copy_final_model_and_shards(setup, full_runs):
     params = _params(full_runs.fsdp / "dump")
     assert _max_diff({n: p.detach() for n, p in model.named_parameters()}, params) == 0.0
     # the engine's greedy tokens equal the saved model's own greedy generate on the same prompt
-    from grpokit.template.encode import ChatTemplate
     from transformers import AutoTokenizer
+
+    from grpokit.template.encode import ChatTemplate
 
     template = ChatTemplate(AutoTokenizer.from_pretrained(final))
     prompt = template.encode_prompts([[{"role": "user", "content": "What is 2 + 3?"}]])[0]
@@ -137,7 +161,8 @@ def test_fsdp_checkpoint_resumes_in_two_processes(setup, full_runs):
 @pytest.mark.slow
 def test_fsdp_full_weights_without_kl_match_one_process(setup):
     """beta 0: no reference model to shard."""
-    one, fsdp = _run(setup, "full1_b0", 1, "--beta", "0"), _run(setup, "full_fsdp_b0", 2, "--beta", "0", "--fsdp", "true")
+    one = _run(setup, "full1_b0", 1, "--beta", "0")
+    fsdp = _run(setup, "full_fsdp_b0", 2, "--beta", "0", "--fsdp", "true")
     _check_same(one, fsdp)
     assert _max_diff(_params(one / "dump"), _params(fsdp / "dump")) < 1e-4
 

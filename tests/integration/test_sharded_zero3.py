@@ -10,8 +10,8 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from test_distributed import PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _params, _torchrun, make_setup
-from test_sharded_fsdp import ENGINE_CHECK, LORA, STEPS, _check_same, _run
+from test_distributed import B, _args, _dumps, _log_rows, _max_diff, _params, _torchrun
+from test_sharded_fsdp import LORA, STEPS, _check_same, _run, sharded_setup  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -20,8 +20,9 @@ ZERO3 = ("--deepspeed", "zero3")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> SimpleNamespace:
-    return make_setup(tmp_path_factory.mktemp("zero3"), PLUGIN + ENGINE_CHECK)
+def setup(sharded_setup) -> SimpleNamespace:  # noqa: F811 (the fixture imported above, asked for by name)
+    """test_sharded_fsdp.py's set-up: the one-process runs of the same options are made once for both files."""
+    return sharded_setup
 
 
 @pytest.fixture(scope="module")

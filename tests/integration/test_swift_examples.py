@@ -1,21 +1,20 @@
-"""The ports of ms-swift's GRPO example scripts (examples/ms-swift/*.sh) train 2 steps on the tiny model.
+"""The ports of ms-swift's GRPO example scripts (examples/ms-swift/*.sh), each read as written by bash with
+``MODEL``, ``DATASET`` (a local jsonl in the hub dataset's columns), ``HOST``, ``PORT``, ``PLUGIN``, ``EXAMPLES`` set.
 
-Each port is run as written by bash, with ``MODEL``, ``DATASET`` (a local jsonl in the hub dataset's columns),
-``HOST``, ``PORT``, ``PLUGIN``, ``EXAMPLES`` set, and ``grpokit`` defined as this interpreter's ``python -m grpokit``. A
-``grpokit rollout`` line inside a port is skipped: the test starts that server itself (one per configuration, shared
-by the ports that use it), with the port's server options less the GPU-only ones (listed in SERVERS).
+Every port's ``grpokit train`` command line is parsed and validated in this process and its whole set-up runs
+(plugins, datasets, the policy and reference models, DeepSpeed, the engine or the connection to the rollout server,
+reward functions and reward models, the trainer), stopping where training would start (``set_up_only``). Three
+ports (``TRAINED``) also train 2 steps end to end as the user runs them: bash, with ``grpokit`` this interpreter's
+``python -m grpokit``. A ``grpokit rollout`` line inside a port is skipped: the test starts that server itself (one
+per configuration, shared by the ports that use it), with the port's server options less the GPU-only ones
+(listed in SERVERS).
 
-Without vLLM installed (CI), ``--use_vllm true`` in colocate mode is run as ``--use_vllm false``: the one
+Without vLLM installed (CI), ``--use_vllm true`` in colocate mode is read as ``--use_vllm false``: the one
 substitution the test makes, since the in-process transformers engine samples the same policy; the vllm-marked
 tests (tests/vllm) cover the vLLM engine itself. Server-mode ports keep it (the server is grpokit's).
 
-``PLUGIN`` is ms-swift's plugin.py with its imports renamed, read from the local ms-swift mirror
-(tests/integration/third_party.py: a port that loads it skips without the mirror; the others run), except
-where PLUGINS names grpokit's own.
-
-``BLOCKED_UNTIL_MERGE`` names, per port, the options that other branches implement (empty now that they are
-merged); ``NOT_PORTABLE`` names the ports that fail with the reason (xfail strict: one that starts to pass fails
-the test, so the dict stays true).
+``PLUGIN`` is tests/integration/swift_style_plugin.py with its imports renamed (third_party.py), except where
+PLUGINS names grpokit's own.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "ms-swift"
 PORTS = sorted(p.name for p in EXAMPLES.glob("*.sh"))
-PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: ms-swift's plugin.py (third_party)
+PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others: the swift-style plugin (third_party)
 HAS_VLLM = vllm_installed()  # not find_spec alone: under pytest tests/vllm is a namespace package named vllm
 
 # dataset rows in the columns of the hub datasets the scripts name
@@ -90,23 +89,61 @@ SERVERS = {
                                          "--vllm_max_model_len", "1024", "--max_turns", "5"),
 }
 
-# What stops each port on this branch (main merged in, with every helper's branch of issues 19 to 21), found by
-# dropping blockers one by one until it trained. Nothing waits for another branch any more: the lead keeps this
-# dict empty, and a port that learns to run moves out of NOT_PORTABLE (strict xfail says so).
-BLOCKED_UNTIL_MERGE: dict[str, list[str]] = {}
+# The ports trained end to end, chosen so that together they take the most paths the others only set up:
+# - external_vllm_multi_turn.sh: server mode with the multi-turn loop inside the server (thinking_tips_scheduler on
+#   the async engine), a plugin reward that reads every round (trajectory_inputs), ZeRO-2, sequence-level IS,
+#   steps_per_generation 8 (several optimizer steps per window);
+# - plugin_run_external_reward_func.sh: a vision-language model with images through the in-process engine,
+#   ZeRO-1, model offload between phases, clip-higher and token-level IS;
+# - internal_chord.sh: CHORD's SFT loss mixed in from a second dataset, ZeRO-3, offload, colocate rollout.
+TRAINED = ("external_vllm_multi_turn.sh", "plugin_run_external_reward_func.sh", "internal_chord.sh")
 
-# Ports that fail on this branch, with what grpokit (or the one-process CPU translation) lacks.
-NOT_PORTABLE: dict[str, str] = {}
 
-
-def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
+def _script(name: str, script: str | None = None) -> str:
     script = (EXAMPLES / name).read_text() if script is None else script
     if not HAS_VLLM and "--vllm_mode colocate" in script:
         script = script.replace("--use_vllm true", "--use_vllm false")
+    return script
+
+
+def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
+    """The port as the user runs it: bash, each ``grpokit train`` a ``python -m grpokit`` process."""
     prelude = (f'grpokit() {{ if [ "$1" = rollout ]; then echo "(server started by the test)"; return 0; fi; '
                f'"{sys.executable}" -m grpokit "$@"; }}\nset -e\n')
-    return subprocess.run(["bash", "-c", prelude + script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(["bash", "-c", prelude + _script(name, script)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _train_argv(name: str, env: dict, cwd: Path, script: str | None = None) -> list[str]:
+    """The options of the port's one ``grpokit train`` line, as bash expands them (quotes, variables, defaults)."""
+    argv_file = cwd / "train_argv"
+    prelude = ('grpokit() { if [ "$1" = rollout ]; then return 0; fi; '
+               'if [ "$1" != train ] || [ -e "$ARGV_FILE" ]; then echo "not one grpokit train: $1" >&2; return 2; fi; '
+               'shift; printf "%s\\0" "$@" > "$ARGV_FILE"; }\nset -e\n')
+    run = subprocess.run(["bash", "-c", prelude + _script(name, script)], cwd=cwd,
+                         env={**env, "ARGV_FILE": str(argv_file)}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and argv_file.exists(), f"{name}: {run.stderr[-2000:]}"
+    return argv_file.read_text().split("\0")[:-1]
+
+
+@contextlib.contextmanager
+def set_up_only(monkeypatch):
+    """run_train with everything but the training: the trainer class's train() records the trainer it was called
+    on and returns. What a set-up holds for the run (a one-process DeepSpeed group, a server connection) is
+    released afterwards, as the end of a run releases it."""
+    from grpokit.trainers.factory import TrainerFactory
+    from grpokit.trainers.zero import release_process_group
+
+    built: list = []
+    monkeypatch.setattr(TrainerFactory.get_trainer_cls("grpo"), "train", lambda self: built.append(self))
+    try:
+        yield built
+    finally:
+        for trainer in built:
+            close = getattr(trainer.engine, "close", None)
+            if getattr(trainer.engine, "engine_type", "") == "server" and close is not None:
+                close()
+        release_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -130,25 +167,17 @@ def servers(models, tmp_path_factory):
         yield get
 
 
-def _marks(name: str):
-    if name in NOT_PORTABLE:
-        return [pytest.mark.xfail(strict=True, reason=NOT_PORTABLE[name])]
-    if name in BLOCKED_UNTIL_MERGE:
-        return [pytest.mark.xfail(strict=True, reason="blocked until merge: " + ", ".join(BLOCKED_UNTIL_MERGE[name]))]
-    return []
-
-
-def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str | None = None) -> None:
-    """Run the port (or ``script`` under its name) on ``rows`` and check that 2 steps trained with rewards."""
+def _port_env(name, models, servers, cwd: Path, rows: list[dict], script: str | None = None) -> dict:
+    """The variables the port reads, with its dataset written and its server (if any) running."""
     data = cwd / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = (EXAMPLES / name).read_text() if script is None else script
     if name in PLUGINS:
         plugin = PLUGINS[name]
     elif "${PLUGIN" in text or "{plugin}" in " ".join(SERVERS.get(name, ())):  # it loads ms-swift's plugin.py
-        plugin = swift_plugin(cwd / "swift_plugin_renamed.py")  # skips without the ms-swift mirror
+        plugin = swift_plugin(cwd / "swift_plugin_renamed.py")
     else:
-        plugin = cwd / "no_plugin_in_this_port"  # the port names no plugin: it runs without the mirror
+        plugin = cwd / "no_plugin_in_this_port"  # the port names no plugin
     model = models["vlm" if name in VLM_PORTS else "policy"]
     env = {**os.environ, "MODEL": str(model), "DATASET": str(data), "PLUGIN": str(plugin),
            "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
@@ -156,6 +185,11 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
     if name in SERVERS:
         options = tuple(o.replace("{plugin}", str(plugin)) for o in SERVERS[name])
         env["PORT"] = str(servers(options).port)
+    return env
+
+
+def _check_trained(name, env: dict, cwd: Path, script: str | None = None) -> None:
+    """Run the port (or ``script`` under its name) and check that 2 steps trained with rewards."""
     run = _run_port(name, env, cwd, script)
     assert run.returncode == 0, f"{name} failed:\n{(run.stdout + run.stderr)[-3000:]}"
     logged = [json.loads(line) for line in (cwd / "output" / "logging.jsonl").read_text().splitlines()]
@@ -164,21 +198,52 @@ def _check_port(name, models, servers, cwd: Path, rows: list[dict], script: str 
     assert all("reward" in r and any(k.startswith("rewards/") for k in r) for r in steps)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in PORTS])
+def _rows(name: str, cwd: Path) -> list[dict]:
+    return clevr_rows(cwd) if name in VLM_PORTS else DATASETS.get(name, NUMINA)
+
+
+def _check_set_up(name, env: dict, cwd: Path, monkeypatch, script: str | None = None):
+    """The port's command line parsed, validated and set up in this process; returns the trainer built."""
+    from grpokit.config.parse import parse_train_args
+    from grpokit.pipeline.train import run_train
+
+    argv = _train_argv(name, env, cwd, script)
+    with monkeypatch.context() as patch:
+        for key in ("MODEL", "DATASET", "PLUGIN", "EXAMPLES", "JUDGE_MODEL", "REWARD_MODEL", "HOST", "PORT"):
+            patch.delenv(key, raising=False)  # the set-up sees only the command line, as a user's process would
+        with set_up_only(patch) as built:
+            cfg = parse_train_args(argv)
+            trainer = run_train(cfg)
+    assert built == [trainer]
+    assert trainer.state.global_step == 0  # nothing trained
+    named = list(cfg.reward.reward_funcs) + [f"rm_{Path(p).name}" for p in cfg.reward.reward_model]
+    # every reward the command line names was built (a gym port's reward is the environment's: gym_reward)
+    assert trainer.reward_names and set(named) <= set(trainer.reward_names), (name, trainer.reward_names)
+    return trainer
+
+
+@pytest.mark.parametrize("name", PORTS)
+def test_port_parses_validates_and_sets_up(name, models, servers, tmp_path, monkeypatch):
+    env = _port_env(name, models, servers, tmp_path, _rows(name, tmp_path))
+    _check_set_up(name, env, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("name", TRAINED)
 def test_port_trains_two_steps(name, models, servers, tmp_path):
-    rows = clevr_rows(tmp_path) if name in VLM_PORTS else DATASETS.get(name, NUMINA)
-    _check_port(name, models, servers, tmp_path, rows)
+    env = _port_env(name, models, servers, tmp_path, _rows(name, tmp_path))
+    _check_trained(name, env, tmp_path)
 
 
-def test_the_runner_trains_a_server_port_without_the_blocked_options(models, servers, tmp_path):
-    """The harness itself (bash, the shared server, the variables) on
-    external_grpo_7b.sh less the lines BLOCKED_UNTIL_MERGE names, with ms-swift's server-mode multi-turn options
-    that this branch adds (--loss_scale, --vllm_server_pass_dataset): a blocked port then fails on its options
-    only. Rows with a `messages` column (the alias for `problem` is t19-data's)."""
-    blocked = ("--load_from_cache_file", "--dataloader_num_workers", "--dataset_num_proc", "--deepspeed")
+def test_a_server_port_with_more_server_mode_options_sets_up(models, servers, tmp_path, monkeypatch):
+    """external_grpo_7b.sh with ms-swift's server-mode multi-turn options added (--loss_scale,
+    --vllm_server_pass_dataset), less the options for a hub dataset and several processes, on rows with a
+    `messages` column."""
+    dropped = ("--load_from_cache_file", "--dataloader_num_workers", "--dataset_num_proc", "--deepspeed")
     script = "\n".join(line for line in (EXAMPLES / "external_grpo_7b.sh").read_text().splitlines()
-                       if not line.strip().startswith(blocked))
+                       if not line.strip().startswith(dropped))
     script = script.replace("--beta 0.04 \\", "--beta 0.04 --loss_scale last_round --vllm_server_pass_dataset true \\")
     assert "--vllm_server_pass_dataset true" in script
     rows = [{**r, "messages": [{"role": "user", "content": r["problem"]}]} for r in NUMINA]
-    _check_port("external_grpo_7b.sh", models, servers, tmp_path, rows, script)
+    env = _port_env("external_grpo_7b.sh", models, servers, tmp_path, rows, script)
+    trainer = _check_set_up("external_grpo_7b.sh", env, tmp_path, monkeypatch, script)
+    assert trainer.cfg.rollout.loss_scale == "last_round" and trainer.cfg.rollout.vllm_server_pass_dataset is True

@@ -13,6 +13,10 @@ from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.engines.chunked_head import plain_reason
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# chunked head log-probs equal the full head's within float tolerance
+pytestmark = pytest.mark.numerics
+
 TOL = 1e-6
 
 

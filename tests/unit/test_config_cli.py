@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
-
-import re
 
 import pytest
 
@@ -233,7 +232,8 @@ def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_pa
     assert earlier_run_checkpoints(tmp_path, overwrite=False) == []
     for n in (2, 4, 6, 8):
         (tmp_path / f"checkpoint-{n}").mkdir()
-    with pytest.raises(ConfigError, match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
+    with pytest.raises(ConfigError,
+                       match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
         earlier_run_checkpoints(tmp_path, overwrite=False)
     assert len(earlier_run_checkpoints(tmp_path, overwrite=True)) == 4
 

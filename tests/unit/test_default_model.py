@@ -64,7 +64,6 @@ def model_dir() -> Path:
 
 @pytest.mark.slow
 def test_cached_model_is_plain_and_matches_gguf_greedy(model_dir):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     record = dm.read_marker(model_dir)

@@ -15,7 +15,10 @@ import torch
 from grpokit.errors import ConfigError
 from grpokit.modeling import cpu_has_fast_bf16, resolve_dtype_name, torch_dtype
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="auto follows the GPU there, not the CPU")
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# the --torch_dtype auto rule itself, under either forced choice
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="auto follows the GPU there, not the CPU")]
 
 
 def test_the_variable_forces_either_choice(monkeypatch):

@@ -12,6 +12,10 @@ import torch
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
 from grpokit.engines.sampling import inverse_cdf, sampling_processors
 
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# greedy tokens of the fast decoder equal HF generate's; the sum order follows the threads
+pytestmark = pytest.mark.numerics
+
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0,
               eos_token_id=1, bos_token_id=None)

@@ -16,7 +16,6 @@ import pytest
 
 from grpokit.engines.base import InferEngine
 from grpokit.errors import ConfigError, RolloutError
-from grpokit.rollout.multi_turn import MultiTurnScheduler, build_scheduler, multi_turns
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -24,6 +23,7 @@ from grpokit.protocol import (
     RolloutInferRequest,
     RolloutOutput,
 )
+from grpokit.rollout.multi_turn import MultiTurnScheduler, build_scheduler, multi_turns
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.template.encode import ChatTemplate
 

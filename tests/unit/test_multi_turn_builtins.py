@@ -9,6 +9,7 @@ import pytest
 from test_multi_turn import ScriptedEngine, char_ids, encode, n_assistant, request, run_one, tiny_tokenizer
 
 from grpokit.errors import ConfigError, DataError, RolloutError
+from grpokit.protocol import RequestConfig
 from grpokit.rollout.builtin_schedulers import (
     GYMScheduler,
     MathTipsScheduler,
@@ -18,7 +19,6 @@ from grpokit.rollout.builtin_schedulers import (
     strip_think,
 )
 from grpokit.rollout.env import Env, GuessNumberEnv, envs
-from grpokit.protocol import RequestConfig
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.rollout.tools import ToolError, calculator, parse_action, run_tool
 

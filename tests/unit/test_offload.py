@@ -15,6 +15,10 @@ from grpokit.errors import ConfigError
 from grpokit.trainers.offload import Offloader, make_offloader
 from grpokit.trainers.window_producer import WindowProducer
 
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# offloaded and restored tensors are compared value for value
+pytestmark = pytest.mark.numerics
+
 
 def _model_and_optimizer():
     torch.manual_seed(0)

@@ -7,6 +7,10 @@ import torch
 
 from grpokit.engines.prefix import completion_logits, shared_prompts
 
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# a shared-prefix forward equals the plain forward within float tolerance
+pytestmark = pytest.mark.numerics
+
 
 def _batch(vocab: int):
     # two prompts of different lengths (left-padded), each with three completions of different lengths

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from grpokit.errors import ConfigError, RewardError
+from grpokit.errors import ConfigError
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.rewards import (
     DefaultRMPlugin,
     GenRMPlugin,
@@ -18,7 +19,6 @@ from grpokit.rewards import (
     rm_plugins,
 )
 from grpokit.rewards.rm_plugin import parse_judge_score, with_completion
-from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.testing import build_tiny_model
 
 PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]

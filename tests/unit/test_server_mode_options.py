@@ -40,7 +40,8 @@ def test_split_by_size_keeps_each_call_under_both_limits():
 
 
 def test_last_round_only_masks_earlier_rounds_and_their_logprobs():
-    out = RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[], response_token_ids=[[1, 2], [3], [4, 5]],
+    out = RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[],
+                        response_token_ids=[[1, 2], [3], [4, 5]],
                         response_loss_mask=[[1, 1], [0], [1, 1]], rollout_logprobs=[[-.1, -.2], [], [-.3, -.4]])
     trained = last_round_only(out)
     assert trained.response_loss_mask == [[0, 0], [0], [1, 1]]
@@ -153,6 +154,7 @@ def test_rollout_takes_swift_rollouts_multi_turn_flags(monkeypatch, caplog):
         options_from_argv(["--model", "m", "--use_gym_env", "false"])
 
 
+@pytest.mark.numerics  # the server loads its model with --torch_dtype auto
 def test_rollout_enable_thinking_sets_the_servers_template_and_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
     assert options_from_argv(["--model", "m"]).chat_template_kwargs() == {}

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from grpokit.engines.weight_sender import WeightSender
 from grpokit.engines.weights import named_sync_tensors, plain_name
 from grpokit.errors import ServerError
-from grpokit.engines.weight_sender import WeightSender
 from grpokit.server.weight_sync import WeightReceiver
 from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
 from grpokit.wire.weights import pack, plan_buckets, unpack
@@ -224,8 +224,6 @@ def test_a_silent_store_holds_no_rendezvous_slot_and_a_new_init_wins():
 
 
 def test_close_during_a_sync_leaves_the_group_to_the_sync(monkeypatch):
-    from grpokit.server import weight_sync
-
     receiver = WeightReceiver()
     closed = []
 

@@ -21,7 +21,6 @@ from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
 
 
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from grpokit.testing import build_tiny_tokenizer

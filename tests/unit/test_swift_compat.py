@@ -27,7 +27,7 @@ def tiny_rm(tmp_path_factory):
 
 
 def test_every_swift_import_of_the_ported_plugin_resolves(tmp_path):
-    """The `from grpokit.swift.X import a, b` lines of the renamed plugin.py, checked name by name."""
+    """The `from grpokit.swift.X import a, b` lines of the renamed swift-style plugin, checked name by name."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # conftest restores sys.path
     from third_party import swift_plugin
 

@@ -19,11 +19,6 @@ from grpokit.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 TSV = ROOT / "tests" / "data" / "ms-swift-options.tsv"
 
-# Implemented by changes developed next to this one; their fields arrive when they are merged. The lead empties
-# this set at merge time: after that every name must be a field, warned or refused.
-PENDING_MERGE: set[str] = set()
-
-
 def _generator():
     spec = importlib.util.spec_from_file_location("gen_porting_options", ROOT / "scripts" / "gen_porting_options.py")
     module = importlib.util.module_from_spec(spec)
@@ -40,7 +35,7 @@ def test_every_ms_swift_option_is_implemented_warned_or_refused_exactly_once():
     problems = []
     for name in SWIFT:
         homes = [kind for kind, table in (("field", FIELDS), ("warned", WARNED), ("refused", REFUSED)) if name in table]
-        if len(homes) > 1 or (not homes and name not in PENDING_MERGE):
+        if len(homes) != 1:
             problems.append(f"{name}: {homes or 'nowhere'}")
     assert problems == []
     assert set(WARNED) | set(REFUSED) | set(DEVIATIONS) <= set(SWIFT)  # no stray names in the tables
@@ -99,7 +94,8 @@ def test_warned_option_on_another_rank_is_silent(caplog, monkeypatch):
 
 
 @pytest.mark.parametrize("flag", [["--packing", "true"], ["--rlhf_type", "dpo"], ["--use_galore"],
-                                  ["--sequence_parallel_size", "2"], ["--advantage_reweight", "x"], ["--sdar_loss_coef", "0.1"],
+                                  ["--sequence_parallel_size", "2"], ["--advantage_reweight", "x"],
+                                  ["--sdar_loss_coef", "0.1"],
                                   ["--min_p", "0.1"], ["--num_beams", "4"], ["--save_only_model", "true"]])
 def test_a_refused_option_stops_with_its_name_and_reason(flag):
     with pytest.raises(ConfigError) as e:
@@ -249,8 +245,8 @@ def test_freezing_a_name_the_model_lacks_is_an_error(flags, match):
 
 
 def test_porting_worked_example_parses(tmp_path):
-    """docs/porting.md's translated ms-swift script: every option it uses is grpokit's (or arrives with a change in
-    PENDING_MERGE), and the command parses and validates."""
+    """docs/porting.md's translated ms-swift script: every option it uses is grpokit's, and the command parses and
+    validates."""
     import shlex
 
     doc = (ROOT / "docs" / "porting.md").read_text()
@@ -265,12 +261,7 @@ def test_porting_worked_example_parses(tmp_path):
     if "--system" in argv:  # ms-swift's scripts name a prompt file, read from the working directory (empty here)
         Path(argv[argv.index("--system") + 1]).write_text("You are a helpful assistant.")
     known = {f"--{n}" for n in FIELDS}
-    pending = [a for a in argv if a.startswith("--") and a not in known]
-    assert set(pending) <= {f"--{n}" for n in PENDING_MERGE}
-    for flag in pending:  # drop it and its value(s)
-        i = argv.index(flag)
-        j = next((k for k in range(i + 1, len(argv)) if argv[k].startswith("--")), len(argv))
-        del argv[i:j]
+    assert [a for a in argv if a.startswith("--") and a not in known] == []
     cfg = parse_train_args(argv)
     assert cfg.training.per_device_eval_batch_size == 4 and cfg.training.dataloader_num_workers == 4
 

@@ -10,6 +10,10 @@ import torch
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 
+# numerics: run again by .ci/run under the other dtype choice and one thread;
+# synced weights are compared with the policy's tensors
+pytestmark = pytest.mark.numerics
+
 
 def _peft_model(seed: int = 0, attention_bias: bool = False, **lora):
     from peft import LoraConfig, get_peft_model

@@ -112,7 +112,8 @@ def test_bad_tools_and_unknown_agent_template_are_refused():
                                       "tools": json.dumps([{"description": "x"}])}])
     with pytest.raises(DataError, match="a tool has no name"):
         prepare_prompts(ds, None, PromptOptions(), "d")
-    with pytest.raises(ConfigError, match="--agent_template glm4: not implemented in grpokit; use hermes, react_en or react_grpo"):
+    with pytest.raises(ConfigError,
+                       match="--agent_template glm4: not implemented in grpokit; use hermes, react_en or react_grpo"):
         PromptOptions.from_args(data_args(agent_template="glm4"))
 
 

@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpokit.engines.vllm_mm import (allowed_token_ids, check_prompt_ids, collapse_images, engine_template,
-                                     vllm_inputs)
+from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, collapse_images, engine_template, vllm_inputs
 from grpokit.errors import RolloutError
 from grpokit.protocol import RolloutInferRequest
 from grpokit.template.encode import ChatTemplate

@@ -14,8 +14,8 @@ import torch
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.transformers_engine import TransformersEngine
-from grpokit.rewards import ORM, orms
 from grpokit.protocol import RequestConfig, RolloutInferRequest
+from grpokit.rewards import ORM, orms
 from grpokit.template.encode import ChatTemplate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
