@@ -26,9 +26,10 @@ def check_finite_logits(row_values: torch.Tensor, step: int | None = None) -> No
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         value = float(row_values[row])
+        at = "" if step is None else f"at generated token {step} "
         raise RolloutError(f"sampling: the model's logits are not finite ({'nan' if math.isnan(value) else value}) "
-                           f"{'' if step is None else f'at generated token {step} '}of batch row {row}; the weights have diverged (see the loss "
-                           "and grad_norm of the last steps): lower --learning_rate or keep --max_grad_norm on")
+                           f"{at}of batch row {row}; the weights have diverged (see the loss and grad_norm of the "
+                           "last steps): lower --learning_rate or keep --max_grad_norm on")
 
 
 class FiniteLogitsCheck(LogitsProcessor):

@@ -17,8 +17,8 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 

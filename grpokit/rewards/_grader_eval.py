@@ -21,7 +21,6 @@ import re
 import time
 from typing import Any
 
-
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
     "abs all any bin bool bytes callable chr complex dict divmod enumerate filter float format frozenset hash hex "
     "int isinstance issubclass iter len list map max min next oct ord pow range repr reversed round set sorted str "

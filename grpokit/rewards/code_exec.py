@@ -22,10 +22,10 @@ out, runs out of memory, floods its output or fails scores 0; these are counted 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-import functools
 import re
 import time
 from collections import Counter
@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from grpokit.errors import ConfigError
-from grpokit.rewards.base import ORM, orms
 from grpokit.rewards import grader, isolation
+from grpokit.rewards.base import ORM, orms
 from grpokit.rewards.sandbox import STARTUP_ALLOWANCE_S, Session, ready, run_job
 from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, log_safe
 

@@ -25,7 +25,12 @@ from typing import Any, Callable
 from grpokit.rewards._grader_eval import MODULES, Approx, Budget, CandidateError, Module, Remote, _Fail
 from grpokit.rewards._grader_expr import Closure, ExcName, Expressions, bind, bind_args
 from grpokit.rewards.test_convert import (  # noqa: F401 (Unconvertible: API)
-    COUNT_EQUAL, PROGRAM_MODULES, RAISES, Unconvertible, bound_names, convert,
+    COUNT_EQUAL,
+    PROGRAM_MODULES,
+    RAISES,
+    Unconvertible,
+    bound_names,
+    convert,
 )  # fmt: skip
 
 MAX_DEPTH = 50  # nested calls of test functions

@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
+from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs, trl_kwargs
 from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
-from grpokit.rewards.calling import (RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs,
-                                     trl_kwargs)
 
 if TYPE_CHECKING:
     import torch

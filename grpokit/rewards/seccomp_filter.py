@@ -12,7 +12,8 @@ Refused calls kill the whole process (SIGSYS); ``clone3`` fails with ENOSYS inst
 ``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386) hit libseccomp's
 bad-architecture action, which kills too. Calls that would hold memory outside the address-space limit (SysV
 shared memory, message queues and semaphores, POSIX message queues, memfds), watch or lock files that other
-processes share (inotify, fanotify, ``flock``, ``fcntl`` locks and leases),  fail with EPERM instead: refused, without killing a program that merely tries.
+processes share (inotify, fanotify, ``flock``, ``fcntl`` locks and leases), fail with EPERM instead: refused,
+without killing a program that merely tries.
 """
 
 from __future__ import annotations

@@ -150,7 +150,8 @@ class ServerOptions:
         """The bounds on request images (paths resolved now, so a symlink swapped later cannot widen them)."""
         mb = 1024 * 1024
         return ImageLimits(max_images_per_request=self.max_images_per_request,
-                           max_image_bytes=int(self.max_image_mb * mb), max_call_image_bytes=int(self.max_images_mb * mb),
+                           max_image_bytes=int(self.max_image_mb * mb),
+                           max_call_image_bytes=int(self.max_images_mb * mb),
                            max_image_pixels=self.max_image_pixels, max_call_pixels=self.max_images_pixels,
                            formats=tuple(self.image_formats),
                            media_roots=tuple(Path(r).resolve() for r in self.media_root))

@@ -20,19 +20,18 @@ from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
-from grpokit.rollout.evaluate import evaluate_rows
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.rollout.evaluate import evaluate_rows
+from grpokit.trainers import hooks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.hooks import call_loss, check_subclass, loss_batch, loss_convention, positional_count
-from grpokit.trainers.hooks import warn_sharded_grad_edit, window_hooks
-from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
+from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
@@ -58,7 +57,7 @@ class GRPOTrainer:
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
                  callbacks=None, chord_sft_dataset=None) -> None:
-        check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
+        hooks.check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
         self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
         self._num_prompts = len(train_dataset)
@@ -76,7 +75,7 @@ class GRPOTrainer:
         self._trainable_params = parts.trainable_params
         self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
         if self.accelerator.is_main_process:
-            warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
+            hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
         self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
                                                     self.accelerator, parts.generation_model)
         # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
@@ -87,20 +86,20 @@ class GRPOTrainer:
         self.reward_names, self.reward_runner = rewards.names, rewards.runner
         prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
                                        cfg.data.dataset_shuffle, self.accelerator)
+        images = getattr(self.template, "multimodal", False) or "images" in getattr(train_dataset, "column_names", ())
         self._producer = WindowProducer(
-            window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template, rewards=rewards,
+            hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
+            rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
-            accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm, plan=self.plan,
-            log_completions=self.args.log_completions, offloader=self._offloader,
-            images=bool(getattr(self.template, "multimodal", False)) or "images" in getattr(train_dataset, "column_names", ()))
+            plan=self.plan, log_completions=self.args.log_completions, offloader=self._offloader, images=images)
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
         self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
             chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index)
         self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
         self.output_dir = self._outputs.output_dir
-        self._loss_convention = loss_convention(self._compute_loss_and_metrics)
-        self._step_takes_num_items = positional_count(self.training_step) >= 3
+        self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
+        self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3
         # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
         distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
         self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
@@ -206,7 +205,7 @@ class GRPOTrainer:
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
         with self.accelerator.autocast():
-            loss, metrics = call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
+            loss, metrics = hooks.call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
         backward(self.accelerator, model, loss)
         inputs.step_metrics.update(metrics)
         inputs.step_metrics["loss"] = loss.detach()
@@ -286,7 +285,7 @@ class GRPOTrainer:
         ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
         (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
         come from ``_prepare_model_inputs``."""
-        inputs = loss_batch(inputs, grpo_batch).to(self.accelerator.device)
+        inputs = hooks.loss_batch(inputs, grpo_batch).to(self.accelerator.device)
         need = needs_entropy(self.cfg.algorithm)
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need)
         loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)

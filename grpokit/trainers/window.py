@@ -7,6 +7,7 @@ The part that drives the rollout and builds windows is ``WindowProducer`` (windo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count

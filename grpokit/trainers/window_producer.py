@@ -17,6 +17,7 @@ from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
 from grpokit.data.images import row_images
+from grpokit.errors import PluginError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
@@ -24,7 +25,6 @@ from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.offload import Offloader
 from grpokit.trainers.prompts import PromptStream
-from grpokit.errors import PluginError
 from grpokit.trainers.window import (
     Window,
     WindowRollout,

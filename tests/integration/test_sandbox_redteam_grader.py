@@ -25,14 +25,21 @@ import time
 import uuid
 
 import pytest
+from sandbox_redteam_programs import (
+    GRADER_STYLES,
+    GRADER_TRICKS,
+    ISOLATION28,
+    LOGS_AND_EXITS,
+    MEMORY,
+    RIGHT28,
+    SOLUTION,
+    STDIN_MAIN,
+    render,
+)  # fmt: skip
 
 from grpokit.rewards import isolation
 from grpokit.rewards.code_exec import CodeExecReward
 from grpokit.rewards.sandbox import SandboxLimits, live_sandbox_processes, run_job
-
-from sandbox_redteam_programs import (
-    GRADER_STYLES, GRADER_TRICKS, ISOLATION28, LOGS_AND_EXITS, MEMORY, RIGHT28, SOLUTION, STDIN_MAIN, render,
-)  # fmt: skip
 
 try:
     isolation.resolve("bwrap")
@@ -91,8 +98,8 @@ def test_integers_of_any_length(reward):
     tests = "from math import factorial\nassert f(2000) == factorial(2000)\nassert f(3) == 6"
     right = "import math, sys\nsys.set_int_max_str_digits(0)\ndef f(n):\n    return math.factorial(n)\n"
     plain = "import math\ndef f(n):\n    return math.factorial(n)\n"  # no digit limit raised: fine as well
-    forged = "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"q\": 1, \"v\": ' + b'9' * 5000 + " \
-             "b'}\\n')\n    except OSError:\n        pass\ndef f(n):\n    return 0\n"  # fmt: skip
+    forged = "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"q\": 1, \"v\": ' + " \
+             "b'9' * 5000 + b'}\\n')\n    except OSError:\n        pass\ndef f(n):\n    return 0\n"  # fmt: skip
     huge = "import sys\nsys.set_int_max_str_digits(0)\ndef f(n):\n    return 10 ** 200000\n"
     assert reward([right, plain, forged, huge], test_cases=[tests] * 4) == [1.0, 1.0, 0.0, 0.0]
 

@@ -1,7 +1,7 @@
 """The seed's customisation recipes ("动手改": subclass GRPOTrainer, override a hook, register it in one
 --external_plugins file), each as its own plugin file written with ms-swift's (and TRL's) imports and ported by
-the documented rename (`from swift` → `from grpokit.swift`, `from trl` → `from grpokit.trl`) and nothing else, trained on
-the tiny model; each shows its effect from outside the run."""
+the documented rename (`from swift` → `from grpokit.swift`, `from trl` → `from grpokit.trl`) and nothing else,
+trained on the tiny model; each shows its effect from outside the run."""
 
 from __future__ import annotations
 

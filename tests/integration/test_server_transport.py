@@ -227,7 +227,8 @@ def test_an_answer_the_client_never_reads_is_dropped_after_the_deadline(server):
         head, _, got = raw.partition(b"\r\n\r\n")
         declared = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                             if line.lower().startswith(b"content-length")))
-        assert declared > 4 << 20 and len(got) < declared, (declared, len(got), got[:300])  # cut short: not held for ever
+        # cut short: not held for ever
+        assert declared > 4 << 20 and len(got) < declared, (declared, len(got), got[:300])
     finally:
         s.close()
     _after_each(proc, url, idle)

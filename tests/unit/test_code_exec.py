@@ -155,8 +155,8 @@ def test_helpers_and_bad_input():
 def test_os_layers():
     layers = sandbox_layers()
     assert layers["isolation"] == "bwrap" and layers["seccomp"] and layers["network_namespace"]
-    res = run_python("import os\nprint(open('/proc/self/uid_map').read().split()[1])\nprint(sorted(os.listdir('/proc/net/dev_snmp6') if False else "
-                     "[l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
+    res = run_python("import os\nprint(open('/proc/self/uid_map').read().split()[1])\n"
+                     "print(sorted([l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
                      "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))")
     assert res.status == "ok", res.stderr
     uid_line, interfaces, pids = res.stdout.splitlines()
