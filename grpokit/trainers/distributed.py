@@ -227,6 +227,8 @@ def exit_if_groups_linger(code: int) -> None:
     threads = c10d_threads()
     if threads == [] or (threads is None and "torch.distributed" not in sys.modules):
         return
+    logger.debug("process-group threads outlived their group (%s): leaving without finalizing the interpreter",
+                 ", ".join(threads or ["not listed"]))
     import atexit
     import threading
 

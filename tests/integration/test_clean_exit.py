@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent('''
         work.wait()
         del t, work
     assert c10d_threads(), "the gloo threads should still run here"
-    exit_if_groups_linger(0)
+    exit_if_groups_linger(int(sys.argv[2]))
     raise SystemExit("exit_if_groups_linger returned although backend threads were alive")
 ''')
 
@@ -62,13 +62,17 @@ def test_exit_with_lingering_backend_threads_is_clean(tmp_path):
     script = tmp_path / "exit_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for i in range(RUNS):
+    for i in range(RUNS + 1):
+        code = 0 if i < RUNS else 3  # the last launch: the status given is the status the processes end with
         marker = tmp_path / f"run{i}"
         cmd = [*_one_cpu(), sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(marker)]
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(marker), str(code)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
         assert "terminate called" not in proc.stderr, f"launch {i}: {proc.stderr[-3000:]}"
-        assert proc.returncode == 0, f"launch {i}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        if code == 0:
+            assert proc.returncode == 0, f"launch {i}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        else:  # torchrun fails and names each rank's status
+            assert proc.returncode != 0 and proc.stderr.count(f"exitcode  : {code} ") == 2, proc.stderr[-3000:]
         # the atexit handlers ran before the process left (logging, coverage and trackers rely on them)
         assert [Path(f"{marker}.{r}").read_text() for r in range(2)] == ["atexit ran"] * 2
 
