@@ -21,7 +21,21 @@ USAGE = """usage: grpokit {train,rollout,infer} [options]
 
 def _fail(message: str, code: int = 2) -> None:
     print(f"grpokit: error: {message}", file=sys.stderr, flush=True)
+    _exit_if_groups_linger(code)
     sys.exit(code)
+
+
+_process_entry = False  # main() runs as the process's entry point (argv from sys.argv), not called by a test
+
+
+def _exit_if_groups_linger(code: int) -> None:
+    """As the process's entry, after a run that formed a process group: leave without finalizing the interpreter
+    while torch's backend threads linger (trainers/distributed.py, exit_if_groups_linger)."""
+    if _process_entry and "torch.distributed" in sys.modules:
+        # not at the top: it loads torch, and `grpokit --help` answers without it
+        from grpokit.trainers.distributed import exit_if_groups_linger
+
+        exit_if_groups_linger(code)
 
 
 def infer_parser() -> argparse.ArgumentParser:
@@ -68,6 +82,8 @@ def _quiet_third_party() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global _process_entry
+    _process_entry = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         if not argv:
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             from grpokit.pipeline.train import run_train
 
             run_train(cfg)
+            _exit_if_groups_linger(0)
         elif command == "infer":
             args = infer_parser().parse_args(rest)
             from grpokit.pipeline.infer import run_infer

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 from grpokit.config.plan import world_size
@@ -186,3 +188,55 @@ def gather_cat(accelerator, t):
     padded = accelerator.pad_across_processes(t.detach(), dim=0, pad_index=float("nan"))
     allv = accelerator.gather(padded)
     return allv[~torch.isnan(allv)]
+
+
+# the threads torch's process-group backends run: gloo's workers (pt_gloo_runloop) and its TCP loop, NCCL's watchdog
+# and heartbeat monitor
+_C10D_THREAD_PREFIXES = ("pt_gloo", "gloo_tcp", "pt_nccl")
+
+
+def c10d_threads() -> list[str] | None:
+    """Names of the process-group backend threads alive in this process now (Linux: /proc/self/task), or None
+    where the threads cannot be listed."""
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+    names = []
+    for task in tasks:
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return [n for n in names if n.startswith(_C10D_THREAD_PREFIXES)]
+
+
+def exit_if_groups_linger(code: int) -> None:
+    """End the process now with ``code`` when process-group backend threads outlived their group; else return (the
+    caller exits as usual). Call on the main thread at the end of ``grpokit train``, after the group was destroyed
+    (``GRPOTrainer._finish`` destroys it on every rank after a barrier).
+
+    torch keeps the C++ side of a destroyed gloo group alive whenever something still references it (DDP's
+    reducer, FSDP2's device mesh in DTensor's sharding caches), so its worker threads never stop. A worker that
+    finishes a collective late (a loaded machine) drops the last reference to the collective's tensors, which
+    takes the GIL when Python owned them; if that happens while the interpreter is being finalized, Python ends
+    the thread (pthread_exit) inside a C++ destructor and the process aborts: "terminate called without an active
+    exception", SIGABRT, after a run that logged "done" (docs/distributed.md, "A clean exit"). So when such threads
+    are alive, the process does what finalization does that matters, in the same order (non-daemon threads joined,
+    atexit handlers run, stdio flushed) and leaves without finalizing the interpreter."""
+    threads = c10d_threads()
+    if threads == [] or (threads is None and "torch.distributed" not in sys.modules):
+        return
+    logger.debug("process-group threads outlived their group (%s): leaving without finalizing the interpreter",
+                 ", ".join(threads or ["not listed"]))
+    import atexit
+    import threading
+
+    threading._shutdown()  # what finalization runs first: join non-daemon threads (thread pools' exit hooks too)
+    atexit._run_exitfuncs()  # then the atexit handlers (logging.shutdown among them), as Py_FinalizeEx does
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to write
+            pass
+    os._exit(code)

@@ -98,9 +98,7 @@ def deepspeed_config(args, hidden_size: int, world: int) -> dict:
     for key, value in auto.items():
         if zero.get(key) == "auto":
             zero[key] = value
-    for precision in ("bf16", "fp16"):  # precision is the model's dtype and --torch_dtype's autocast
-        if ds.get(precision, {}).get("enabled") == "auto":
-            ds[precision]["enabled"] = False
+    _check_precision(ds, spec)
     ds.setdefault("steps_per_print", 10**9)
     ds["zero_allow_untested_optimizer"] = True  # grpokit's torch optimizer: no DeepSpeed op to compile
     ds["zero_force_ds_cpu_optimizer"] = False  # the same with optimizer offload
@@ -108,6 +106,27 @@ def deepspeed_config(args, hidden_size: int, world: int) -> dict:
     if left:
         raise ConfigError(f"--deepspeed {spec}: grpokit cannot fill \"auto\" for {', '.join(left)}; give values")
     return ds
+
+
+def _check_precision(ds: dict, spec: str) -> None:
+    """Precision is the model's dtype and --torch_dtype's autocast, as with DDP and --fsdp: float32 weights and
+    bf16/fp16 compute. DeepSpeed's own bf16/fp16 mode would cast the weights themselves (float32 copies only in its
+    optimizer) and compute other numbers (docs/distributed.md, "Precision"): "auto" turns it off, true is refused."""
+    for section in ("bf16", "bfloat16", "fp16"):  # "bfloat16": DeepSpeed's older name of the bf16 section
+        if section not in ds:
+            continue
+        value = ds[section]
+        if not isinstance(value, dict):
+            raise ConfigError(f"--deepspeed {spec}: the \"{section}\" section must be a JSON object such as "
+                              '{"enabled": "auto"}, got ' + json.dumps(value))
+        enabled = value.get("enabled", False)  # DeepSpeed's default
+        if enabled == "auto":
+            value["enabled"] = False
+        elif enabled is not False:
+            dtype = "float16" if section == "fp16" else "bfloat16"
+            raise ConfigError(f"--deepspeed {spec}: {section}.enabled {json.dumps(enabled)} would make DeepSpeed train "
+                              f"{dtype} weights, which computes other numbers than DDP and --fsdp (float32 weights, "
+                              f"{dtype} autocast); set it to \"auto\" or false and pass --torch_dtype {dtype}")
 
 
 def _flat(d: dict, prefix: str = ""):

@@ -51,3 +51,29 @@ def test_a_group_formed_by_someone_else_is_left_alone(no_launcher, tmp_path):
     zero.release_process_group()
     assert dist.is_initialized()  # accelerate's end_training destroys a launcher's group, not grpokit
     assert "RANK" not in os.environ
+
+
+def test_deepspeed_precision_modes_are_refused_and_auto_is_off(tmp_path):
+    """DeepSpeed's own bf16/fp16 mode casts the weights (float32 copies only in its optimizer) and drifts from DDP
+    and --fsdp (KL 1.7-5% apart at steps 2-3 on the tiny model, docs/distributed.md "Precision"): refused; "auto"
+    and false keep grpokit's precision (float32 weights, --torch_dtype's autocast)."""
+    import json
+    from types import SimpleNamespace
+
+    from grpokit.errors import ConfigError
+
+    def config(sections: dict) -> dict:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3}, **sections}))
+        args = SimpleNamespace(deepspeed=str(path), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                               max_grad_norm=1.0)
+        return zero.deepspeed_config(args, 32, 2)
+
+    ds = config({"bf16": {"enabled": "auto"}, "fp16": {"enabled": False, "loss_scale": 0}, "bfloat16": {}})
+    assert ds["bf16"]["enabled"] is False and ds["fp16"] == {"enabled": False, "loss_scale": 0}
+    for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+        with pytest.raises(ConfigError, match=rf"{section}\.enabled true would make DeepSpeed train {dtype} weights.*"
+                                              rf"set it to \"auto\" or false and pass --torch_dtype {dtype}"):
+            config({section: {"enabled": True}})
+    with pytest.raises(ConfigError, match=r'the "bf16" section must be a JSON object such as \{"enabled": "auto"\}'):
+        config({"bf16": True})
