@@ -34,12 +34,7 @@ from grpokit.engines.media_wire import images_from_wire, request_to_wire
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    RequestConfig,
-    RolloutInferRequest,
-    RolloutOutput,
-)
+from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    RequestConfig,
-    RolloutInferRequest,
-)
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.template.processor import MMRow, collate_mm
 
 

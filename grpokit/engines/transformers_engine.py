@@ -16,12 +16,7 @@ from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sh
 from grpokit.engines.sampling import FiniteLogitsCheck, sampling_processors
 from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    RequestConfig,
-    RolloutInferRequest,
-)
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
 logger = logging.getLogger(__name__)

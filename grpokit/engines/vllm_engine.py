@@ -31,12 +31,7 @@ from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.modeling import resolve_dtype_name
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    RequestConfig,
-    RolloutInferRequest,
-)
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.weights import parse_dtype
 

@@ -25,11 +25,7 @@ from grpokit.rewards import build_reward_funcs, check_reward_columns
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
-from grpokit.rollout.remote import (
-    RemoteScheduler,
-    check_server_template,
-    trainer_plays_turns,
-)
+from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map

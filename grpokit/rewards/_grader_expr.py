@@ -14,26 +14,8 @@ import builtins
 from typing import Any
 
 from grpokit.rewards._grader_eval import (
-    _BINOPS,
-    _CMPOPS,
-    _METHODS,
-    _PLAIN,
-    _SAFE_BUILTINS,
-    _UNOPS,
-    Approx,
-    Budget,
-    CandidateError,
-    Module,
-    Remote,
-    _Fail,
-    _format_guard,
-    call_guard,
-    checked,
-    decode,
-    guard,
-    method_guard,
-    plain_operands,
-    spread_hashes,
+    _BINOPS, _CMPOPS, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
+    Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, spread_hashes,
     truth,
 )  # fmt: skip
 from grpokit.rewards._sandbox_child import encode

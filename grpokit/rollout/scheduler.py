@@ -14,13 +14,7 @@ from collections.abc import Sequence
 
 from grpokit.aio import run_sync
 from grpokit.data.images import row_images
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    RequestConfig,
-    RolloutInferRequest,
-    RolloutOutput,
-    choice_logprobs,
-)
+from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput, choice_logprobs
 from grpokit.rollout.turn_images import take_entry_images, take_start_images
 
 logger = logging.getLogger(__name__)

@@ -13,12 +13,7 @@ from pathlib import Path
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
-from grpokit.trainers.checkpoints import (
-    ARGS_FILE,
-    check_window_processes,
-    read_state,
-    resolve_resume,
-)
+from grpokit.trainers.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
 
 HARMLESS = frozenset({
     # where and how outputs are written

@@ -9,12 +9,7 @@ import pytest
 import torch
 
 from grpokit.engines.base import InferEngine
-from grpokit.protocol import (
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    RequestConfig,
-    RolloutInferRequest,
-)
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.rollout.scheduler import RolloutScheduler, run_trajectories
 from grpokit.template.encode import EncodedSample
 from grpokit.trainers.batch import collate

@@ -8,14 +8,7 @@ import pytest
 from datasets import Dataset
 from PIL import Image
 
-from grpokit.data.images import (
-    check_images,
-    count_placeholders,
-    load_image,
-    row_images,
-    to_parts,
-    with_image_slots,
-)
+from grpokit.data.images import check_images, count_placeholders, load_image, row_images, to_parts, with_image_slots
 from grpokit.data.loading import load_train_val
 from grpokit.errors import DataError
 
