@@ -82,17 +82,18 @@ PLUGIN = textwrap.dedent('''
 
         def _compute_loss_and_metrics(self, model, inputs):
             loss, metrics = super()._compute_loss_and_metrics(model, inputs)
-            self._metrics = metrics  # the loop adds the optimizer step's grad_norm to this dict
             self._dump({"kind": "micro", "step": self.state.global_step + 1, "loss": float(loss.detach()),
                         "num_items": inputs.num_items, "tokens": float(inputs.completion_mask.sum()),
                         "kl": float(metrics["kl"]) if "kl" in metrics else None})  # unrounded, unlike the log
             return loss, metrics
 
-        def _on_optimizer_step(self, bar):
-            norm = self._metrics.get("grad_norm")
-            self._dump({"kind": "step", "step": self.state.global_step + 1,
-                        "grad_norm": None if norm is None else float(norm)})
-            super()._on_optimizer_step(bar)
+        def _optimizer_step(self, loss):
+            metrics = super()._optimizer_step(loss)  # grad_norm on the synchronising micro-step
+            if self.accelerator.sync_gradients:
+                norm = metrics.get("grad_norm")
+                self._dump({"kind": "step", "step": self.state.global_step + 1,
+                            "grad_norm": None if norm is None else float(norm)})
+            return metrics
 
         def _finish(self):  # the final weights, before the process group ends
             params = {n: _whole(p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters()}

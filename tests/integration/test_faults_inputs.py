@@ -193,7 +193,7 @@ def test_a_prompt_past_the_context_is_cut_with_a_count(tiny_model_dir, tmp_path)
 
 def test_a_completion_past_the_context_is_refused(tiny_model_dir, tmp_path):
     res = train(tiny_model_dir, tmp_path / "out", ["--max_completion_length", "2000"])
-    assert_one_error_line(res, "--max_completion_length 2000: the model", "has a context of 1024 tokens")
+    assert_one_error_line(res, "--max_completion_length 2000: the model", "max_position_embeddings 1024")
 
 
 # --- model folders ----------------------------------------------------------------------------------------------------

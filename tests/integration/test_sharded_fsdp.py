@@ -76,11 +76,12 @@ def _run(setup, name: str, nproc: int, *extra: str) -> Path:
     run = setup.root / name
     args = _args(setup.model, setup.data, run / "out", setup.plugin, B * 2 // nproc, *STEPS, *extra)
     if nproc == 1:
-        if name in setup.one_process:  # made for the other file (or an earlier test) with the same options
-            assert setup.one_process[name] == args, f"one-process run {name} asked for with other options"
+        made = setup.__dict__.setdefault("one_process", {})  # name → options (a setup of another file has none yet)
+        if name in made:  # made for the other file (or an earlier test) with the same options
+            assert made[name] == args, f"one-process run {name} asked for with other options"
             return run
         _one_process(args, run / "dump")
-        setup.one_process[name] = args
+        made[name] = args
     else:
         _torchrun(args, run / "dump")
     return run

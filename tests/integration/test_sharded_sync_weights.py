@@ -59,7 +59,10 @@ result = {"names_in_order": [n for n, _ in got] == [n for n, _ in named_sync_ten
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(result, f)
 import torch.distributed as dist
+from grpokit.trainers.distributed import exit_if_groups_linger
 dist.barrier()
+dist.destroy_process_group()
+exit_if_groups_linger(0)  # a gloo group torch still holds would abort the exit (docs/distributed.md, "A clean exit")
 '''
 
 

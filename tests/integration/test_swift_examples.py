@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,10 +101,13 @@ TRAINED = ("external_vllm_multi_turn.sh", "plugin_run_external_reward_func.sh", 
 
 
 def _script(name: str, script: str | None = None) -> str:
+    """The port as written, with two changes for this machine: vLLM colocate off without vLLM, and no tracker (the
+    ports name tensorboard, wandb or swanlab, none of them installed here: grpokit refuses a tracker it cannot
+    load, docs/porting.md)."""
     script = (EXAMPLES / name).read_text() if script is None else script
     if not HAS_VLLM and "--vllm_mode colocate" in script:
         script = script.replace("--use_vllm true", "--use_vllm false")
-    return script
+    return re.sub(r"--report_to( \w+)+", "--report_to none", script)
 
 
 def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
