@@ -63,8 +63,8 @@ def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes
                 self._evaluate_now()
             return super()._next_window()
 
-        def _on_optimizer_step(self, bar) -> None:
-            super()._on_optimizer_step(bar)
+        def _on_optimizer_step(self, bar, values) -> None:
+            super()._on_optimizer_step(bar, values)
             if self.state.global_step % eval_every == 0:
                 self._evaluate_now()
 

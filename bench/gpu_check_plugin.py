@@ -40,10 +40,10 @@ def _vllm_embedding(worker):
 
 
 class CheckedTrainer(GRPOTrainer):
-    def _sync_weights(self) -> None:
-        super()._sync_weights()
+    def _sync_weights(self) -> float:
+        seconds = super()._sync_weights()  # the loop logs it as timing/sync
         if getattr(self.engine, "engine_type", "") != "vllm":
-            return
+            return seconds
         ours = self.policy.get_input_embeddings().weight.detach().cpu().clone()  # (.cpu() of a CPU tensor: no copy)
         theirs = self.engine._run(self.engine.llm.collective_rpc, _vllm_embedding)[0][: ours.shape[0]]
         diff = float((ours.to(theirs.dtype).float() - theirs.float()).abs().max())  # as the sync casts them
@@ -51,6 +51,7 @@ class CheckedTrainer(GRPOTrainer):
         moved = float((ours.float() - before).abs().max()) if before is not None else None
         self._last_embedding = ours.float()
         self._sync_checks = [*getattr(self, "_sync_checks", []), {"diff": diff, "moved": moved}]
+        return seconds
 
     def _finish(self) -> None:
         out = Path(self.args.output_dir)

@@ -81,11 +81,12 @@ PLUGIN = textwrap.dedent('''
             return super().train()
 
         def _sync_weights(self):
-            super()._sync_weights()
+            seconds = super()._sync_weights()  # the loop logs it as timing/sync
             pad = self.engine.template.pad_token_id
             reference = TransformersEngine(self._plain_copy(), self.engine.template)
             self._dump({"kind": "sync", "step": self.state.global_step, "engine": _greedy(self.engine, pad),
                         "trainer": _greedy(reference, pad), "engine_type": self.engine.engine_type})
+            return seconds
 
 
     TrainerFactory.TRAINER_MAPPING["grpo"] = "vllm_sharded_plugin.SyncCheck"
