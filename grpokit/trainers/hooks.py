@@ -10,6 +10,7 @@ import logging
 from grpokit.errors import ConfigError, PluginError
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import deepspeed_stage
+from grpokit.trainers.window_producer import WindowHooks
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,6 @@ def loss_batch(inputs, grpo_batch):
 def window_hooks(trainer, base: type):
     """A WindowProducer's callables: the trainer's bound methods for the hooks its class overrides (so they apply),
     None for the rest (the producer then runs its own defaults, without a detour through the trainer)."""
-    # imported here, not at the top: window_producer imports the rollout side, which hooks.py has no other use for
-    from grpokit.trainers.window_producer import WindowHooks
-
     def mine(name: str):
         return getattr(trainer, name) if overrides(type(trainer), base, name) else None
 
