@@ -1,18 +1,19 @@
 """`grpokit train` fails on bad plugins, rewards and registry names with one line on stderr, no traceback.
 
-Each case is a real `python -m grpokit train` subprocess on the tiny model with max_steps 1; the runtime ones
-(a reward that breaks its contract) fail during the first rollout, after the progress bar has started.
+Each case is a real `python -m grpokit train` process (forked from a zygote that imported grpokit once:
+cli_process.py) on the tiny model with max_steps 1; the runtime ones (a reward that breaks its contract) fail
+during the first rollout, after the progress bar has started.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
@@ -67,9 +68,7 @@ def run_train_cli(model_dir: Path, out: Path, extra: list[str]) -> subprocess.Co
             "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "4",
             "--max_steps", "1", "--beta", "0", "--torch_dtype", "float32", "--save_final_model", "false",
             "--plots", "false", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    return run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
 
 
 CASES = {

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,9 @@ def train(model: Path, out: Path, extra: list[str], *, prefix: list[str] | None 
             "--max_steps", "1", "--beta", "0", "--torch_dtype", "float32", "--save_final_model", "false",
             "--plots", "false", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*(prefix or []), sys.executable, "-m", "grpokit", "train", *args], capture_output=True,
+    if not prefix:  # a process forked from the test process's zygote (cli_process.py): no interpreter start-up
+        return run_grpokit(["train", *args], env=env, timeout=timeout)
+    return subprocess.run([*prefix, sys.executable, "-m", "grpokit", "train", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +100,7 @@ def _env(**extra: str) -> dict:
 
 
 def _cli(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          check=False, timeout=timeout, env=_env(**env))
+    return run_grpokit(["train", *args], env=_env(**env), timeout=timeout)  # a forked process (cli_process.py)
 
 
 def _start(args: list[str], **env: str) -> subprocess.Popen:

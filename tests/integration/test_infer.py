@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
 
 def _infer(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpokit", "infer", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # a process forked from the test process's zygote (cli_process.py): no interpreter start-up
+    return run_grpokit(["infer", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 SCORING_PLUGIN = textwrap.dedent("""

@@ -6,12 +6,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_process import run_grpokit
 
 from grpokit.rewards import orms, prms, rm_plugins
 from grpokit.rollout.env import envs
@@ -134,8 +134,7 @@ def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_
             "--reward_funcs", "shorter_is_better", "--num_generations", "4", "--per_device_train_batch_size", "8",
             "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--beta", "0",
             "--torch_dtype", "float32", "--seed", "0", "--plots", "false", "--save_final_model", "false"]
-    res = subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                         timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)  # cli_process.py
     assert res.returncode == 0, res.stderr[-3000:]
     saved = json.loads((out / "args.json").read_text())
     assert (saved["loss_type"], saved["advantage_estimator"]) == ("vanilla_pg", "above_mean")

@@ -169,7 +169,7 @@ def test_fsdp_full_weights_without_kl_match_one_process(setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("beta", ["0.04", "0"])
+@pytest.mark.parametrize("beta", ["0.04"])  # β 0 (no reference) is the full-weight test's
 def test_fsdp_lora_matches_one_process(setup, beta):
     one = _run(setup, f"lora1_{beta}", 1, *LORA, "--beta", beta)
     fsdp = _run(setup, f"lora_fsdp_{beta}", 2, *LORA, "--beta", beta, "--fsdp", "true")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +59,7 @@ def plugin_file(tmp_path) -> Path:
 
 def _cli(args: list[str], timeout: int = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_grpokit(["train", *args], env=env, timeout=timeout)  # a forked process (cli_process.py)
 
 
 def _rows(out: Path) -> list[dict]:

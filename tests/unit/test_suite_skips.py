@@ -46,9 +46,12 @@ TESTS = textwrap.dedent('''
 def _session(tmp_path: Path, reason: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_probe.py").write_text(f"SKIP_REASON = {reason!r}\n" + TESTS)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+    # the installed plugins are not loaded (schemathesis, hypothesis, anyio, ... cost seconds of start-up per
+    # session and per xdist worker); the probe needs none but xdist, which `-n` loads by name
+    plugins = ["-p", "xdist.plugin"] if "-n" in args else []
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins,
                            *args, "test_probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
 
 
 def test_an_unexpected_skip_fails_the_run_and_names_the_test(tmp_path):
