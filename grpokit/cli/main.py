@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
-    _quiet_third_party()
+    if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
+        _quiet_third_party()
 
     # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
     # without torch (STYLE.md, thin entry point), and one command never loads another's stack

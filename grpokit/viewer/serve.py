@@ -29,6 +29,11 @@ def make_server(output_dir: Path, port: int, max_completion_steps: int = MAX_COM
         def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
             self._answer(send_body=False)
 
+        def _refuse(self) -> None:
+            self.send_error(405, "the viewer is read-only: GET or HEAD")
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815 - http.server's names
+
         def _answer(self, send_body: bool) -> None:
             path = self.path.split("?", 1)[0]
             if path in ("/", "/report.html"):

@@ -84,7 +84,7 @@
         series: [{ label: "step", value: (u, v) => (v === null ? "–" : String(v)) },
           ...g.keys.map((k, i) => ({ label: k, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
             points: { show: xs.length < 60 }, value: (u, v) => (v === null ? "–" : Number(v).toPrecision(4)) }))],
-        axes: [{ label: "step" }, { size: 60, values: (u, splits) => splits.map(tick) }],
+        axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000] }, { size: 60, values: (u, splits) => splits.map(tick) }],
       };
       const u = new uPlot(opts, [xs, ...ys], div);
       charts.push(u);
