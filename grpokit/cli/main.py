@@ -74,7 +74,7 @@ def view_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve", action="store_true", help="also serve the page live on 127.0.0.1 while the run "
                                                         "writes (it redraws when the logs grow)")
     p.add_argument("--port", type=int, default=None, help="port for --serve (default 8765; 0: a free one)")
-    p.add_argument("--max_completion_steps", type=int, default=200,
+    p.add_argument("--max_completion_steps", type=int, default=100,
                    help="steps whose completions the page holds: the first, the last and evenly spaced ones")
 
     def error(message):
@@ -94,7 +94,7 @@ def run_view(rest: list[str]) -> None:
         _fail(f"grpokit view: --port {port} is not a port; use 0-65535 (0: a free one)")
     if args.max_completion_steps < 1:
         _fail(f"grpokit view: --max_completion_steps {args.max_completion_steps} must be at least 1; use 1 or "
-              "more (default 200)")
+              "more (default 100)")
     # here, not at the top: the other commands never load the viewer
     from grpokit.viewer import write_report
 

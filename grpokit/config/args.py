@@ -295,7 +295,7 @@ class TrainingArguments:
     log_completions_max_tokens: int = _opt(256, "per-token data (decoded piece, logprob, entropy, loss mask) for at "
                                                 "most this many completion tokens of a completions.jsonl row (the "
                                                 "rest is counted as `cut`); 0 = none", ge=0)
-    log_completions_max_rows: int = _opt(64, "rows of each step (on each process) that carry per-token data and up "
+    log_completions_max_rows: int = _opt(16, "rows of each step (on each process) that carry per-token data and up "
                                              "to 4 JPEG thumbnails of 128 px; their token values cost one no-grad "
                                              "forward of these rows", ge=0)
     write_report: bool = _opt(True, "write output_dir/report.html at the end of the run (the trajectory viewer, "

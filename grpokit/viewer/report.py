@@ -15,7 +15,7 @@ from pathlib import Path
 from grpokit.errors import ConfigError
 
 REPORT_NAME = "report.html"
-MAX_COMPLETION_STEPS = 200  # steps whose completions the page holds (first, last and evenly spaced between)
+MAX_COMPLETION_STEPS = 100  # steps whose completions the page holds (first, last and evenly spaced between)
 STATIC = ("uPlot.iife.min.js", "uPlot.min.css", "app.js", "app.css")
 
 
