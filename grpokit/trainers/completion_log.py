@@ -56,10 +56,11 @@ def completion_log_rows(requests: list[RolloutInferRequest], outputs: list[Rollo
         for i in range(n):
             used = int(real[i].sum())  # completions are right-padded: their tokens come first
             keep = min(used, limits.max_tokens)
-            rows[i]["tokens"] = {
-                "text": token_pieces(tokenizer, ids[i][:keep]),
-                "logprob": _rounded(logps[i, :keep]), "entropy": _rounded(entropies[i, :keep]),
-                "mask": [int(m) for m in batch.completion_mask[i, :keep].tolist()], "cut": used - keep}
+            tokens = {"text": token_pieces(tokenizer, ids[i][:keep]), "logprob": _rounded(logps[i, :keep])}
+            if entropies is not None:  # an override of the logps entry may return none
+                tokens["entropy"] = _rounded(entropies[i, :keep])
+            tokens.update(mask=[int(m) for m in batch.completion_mask[i, :keep].tolist()], cut=used - keep)
+            rows[i]["tokens"] = tokens
     if images:
         for row, o in zip(rows[:n], outputs[:n], strict=True):
             found = o.rollout_infos.get("images") or row_images(by_id[o.request_id].data_dict)
@@ -69,17 +70,20 @@ def completion_log_rows(requests: list[RolloutInferRequest], outputs: list[Rollo
 
 
 @torch.no_grad()
-def _token_values(batch: RolloutBatch, forward: TokenForward) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, C] logps and entropies of ``batch``'s rows, chunk by chunk (each trimmed), on CPU."""
+def _token_values(batch: RolloutBatch, forward: TokenForward) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[n, C] logps and entropies of ``batch``'s rows, chunk by chunk (each trimmed), on CPU; entropies None when
+    the logps entry returned none."""
     logps = torch.zeros_like(batch.completion_mask)
-    entropies = torch.zeros_like(batch.completion_mask)
+    entropies: torch.Tensor | None = torch.zeros_like(batch.completion_mask)
     b, acc = forward.micro_batch_size, forward.accelerator
     for start in range(0, len(batch), b):
         chunk = batch.select(slice(start, start + b)).trim().to(acc.device)
         with acc.autocast():
             lp, ent = forward.logps(forward.model, chunk, compute_entropy=True)
         logps[start:start + b, : lp.shape[1]] = lp.float().cpu()
-        if ent is not None:
+        if ent is None:
+            entropies = None
+        elif entropies is not None:
             entropies[start:start + b, : ent.shape[1]] = ent.float().cpu()
     return logps, entropies
 

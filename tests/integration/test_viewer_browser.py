@@ -97,9 +97,9 @@ class _Tree(HTMLParser):
         self.cur.children.append(data)
 
 
-def _dom(url: str) -> Node:
+def _dom(url: str, *extra: str) -> Node:
     tree = _Tree()
-    tree.feed(_browser(url, "--dump-dom").stdout)
+    tree.feed(_browser(url, "--dump-dom", *extra).stdout)
     return tree.root
 
 
@@ -153,7 +153,10 @@ def test_report_renders_the_run_in_chromium(run_dir, tmp_path):
     rows = _jsonl(run_dir / "completions.jsonl")
     steps = sorted({r["step"] for r in rows})
     assert steps == [1, 2, 3] and [r["step"] for r in logs] == [1, 2, 3]
-    dom = _dom(report.as_uri())
+    shot = _artifacts(tmp_path) / "viewer_report.png"
+    dom = _dom(report.as_uri(), f"--screenshot={shot}")  # one launch renders the DOM and the screenshot
+    assert shot.stat().st_size > 10_000
+    print(f"viewer screenshot: {shot}")
 
     # the step selector lists the logged steps and shows the last one
     (select,) = dom.find_all(lambda n: n.attrs.get("id") == "step-select")
@@ -194,10 +197,25 @@ def test_report_renders_the_run_in_chromium(run_dir, tmp_path):
         assert float(shown) == pytest.approx(logs[-1][key], rel=1e-3, abs=1e-6)
     assert {c.attrs["data-key"] for c in dom.find_all(by_class("chart"))} >= {"loss", "lengths", "clip", "time"}
 
-    shot = _artifacts(tmp_path) / "viewer_report.png"
-    _browser(report.as_uri(), f"--screenshot={shot}")
-    assert shot.stat().st_size > 10_000
-    print(f"viewer screenshot: {shot}")
+    # a link chooses the view: step 1, coloured by entropy (blue, relative to the step's highest), best first
+    dom = _dom(report.as_uri() + "#step=1&colour=entropy&sort=high")
+    (summary,) = dom.find_all(lambda n: n.attrs.get("id") == "step-summary")
+    assert summary.text().startswith("step 1: ")
+    first = [r for r in rows if r["step"] == 1]
+    top = max(e for r in first for e in r["tokens"]["entropy"])
+    means = []
+    for g in dom.find_all(by_class("group")):
+        cards = g.find_all(by_class("completion"))
+        got = [float(c.attrs["data-reward"]) for c in cards]
+        assert got == sorted(got, reverse=True)
+        means.append(sum(got) / len(got))
+        for c in cards:
+            row = first[int(c.attrs["data-index"])]
+            assert row["group"] == g.attrs["data-group"]
+            for t, e in zip(c.find_all(by_class("tok")), row["tokens"]["entropy"], strict=True):
+                alpha = float(re.search(r"rgba\(47,\s*111,\s*223,\s*([0-9.]+)\)", t.attrs["style"]).group(1))
+                assert alpha == pytest.approx(min(1.0, e / top), abs=2e-3)
+    assert means == sorted(means, reverse=True) and len(means) == len({r["group"] for r in first})
 
 
 def test_multi_turn_and_vision_rows_show_masked_turns_and_thumbnails(tmp_path):

@@ -7,6 +7,14 @@
   const LIVE = document.body.dataset.live === "1";
   const state = { step: null, filter: "all", sort: "group", search: "", colour: "logprob", follow: true };
   const charts = [];
+  // a link may choose the view: report.html#step=3&colour=entropy&filter=zero&sort=high&q=text
+  for (const [k, v] of new URLSearchParams(location.hash.slice(1))) {
+    if (k === "step" && /^\d+$/.test(v)) { state.step = Number(v); state.follow = false; }
+    else if (k === "colour" && ["logprob", "entropy", "advantage", "mask"].includes(v)) state.colour = v;
+    else if (k === "filter" && ["all", "signal", "zero", "truncated"].includes(v)) state.filter = v;
+    else if (k === "sort" && ["group", "high", "low"].includes(v)) state.sort = v;
+    else if (k === "q") state.search = v.toLowerCase();
+  }
 
   // -- helpers ---------------------------------------------------------------------------------------------------
   function el(tag, attrs, ...children) {
@@ -149,7 +157,7 @@
 
   const COLOURS = {
     logprob: { legend: "white = likely, red = unlikely (p = e^logprob)", bg: (t, row) => `rgba(224,49,49,${(1 - Math.exp(t.v)).toFixed(3)})`, value: (tok, i) => tok.logprob[i] },
-    entropy: { legend: "blue = high entropy (relative to the step's highest)", bg: (t, row, scale) => `rgba(47,111,223,${Math.min(1, t.v / scale.entropy).toFixed(3)})`, value: (tok, i) => tok.entropy[i] },
+    entropy: { legend: "blue = high entropy (relative to the step's highest)", bg: (t, row, scale) => t.v === null ? "transparent" : `rgba(47,111,223,${Math.min(1, t.v / scale.entropy).toFixed(3)})`, value: (tok, i) => (tok.entropy ? tok.entropy[i] : null) },
     advantage: { legend: "green = positive advantage, red = negative (trained tokens)", bg: (t, row, scale) => t.m ? (row.advantage >= 0 ? `rgba(43,138,62,${Math.min(1, Math.abs(row.advantage) / scale.advantage).toFixed(3)})` : `rgba(224,49,49,${Math.min(1, Math.abs(row.advantage) / scale.advantage).toFixed(3)})`) : "transparent", value: (tok, i, row) => tok.mask[i] ? row.advantage : 0 },
     mask: { legend: "green = trained (loss mask 1), grey = masked (prompt-side, tool or environment output)", bg: (t) => t.m ? "rgba(43,138,62,0.30)" : "rgba(134,142,150,0.30)", value: (tok, i) => tok.mask[i] },
   };
@@ -163,7 +171,7 @@
       box.append(el("span", {
         class: "tok" + (t.m ? "" : " masked"), "data-i": String(i), "data-v": String(t.v), "data-mask": String(t.m),
         style: `background:${mode.bg(t, row, scale)}`,
-        title: `${JSON.stringify(piece)}  logprob ${fmt(tok.logprob[i])}  entropy ${fmt(tok.entropy[i])}  ${t.m ? "trained" : "masked (not trained)"}`,
+        title: `${JSON.stringify(piece)}  logprob ${fmt(tok.logprob[i])}  entropy ${fmt(tok.entropy ? tok.entropy[i] : null)}  ${t.m ? "trained" : "masked (not trained)"}`,
         text: piece }));
     });
     if (tok.cut) box.append(el("div", { class: "cut", text: `… ${tok.cut} more tokens (beyond --log_completions_max_tokens)` }));
@@ -217,7 +225,7 @@
     let groups = groupsOf(rows);
     const scale = { entropy: 1e-9, advantage: 1e-9 };
     for (const r of rows) {
-      if (r.tokens) for (const e of r.tokens.entropy) scale.entropy = Math.max(scale.entropy, e || 0);
+      if (r.tokens && r.tokens.entropy) for (const e of r.tokens.entropy) scale.entropy = Math.max(scale.entropy, e || 0);
       if (isNum(r.advantage)) scale.advantage = Math.max(scale.advantage, Math.abs(r.advantage));
     }
     if (state.filter === "zero") groups = groups.filter((g) => g.zero);
