@@ -1,7 +1,8 @@
 """`grpokit view --serve`: the report served live from 127.0.0.1 while a run writes to its folder. The page polls
 ``version`` (the sizes and times of the run's files) every 2 s and, when it changed, reloads ``data.json`` and
 redraws; ``/`` is the page built from the folder as it is now. Read-only: GET and HEAD of these three paths,
-anything else is answered 404 or 405."""
+anything else is answered 404 or 405; a request naming another host than 127.0.0.1 or localhost (DNS rebinding)
+is answered 403."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def make_server(output_dir: Path, port: int, max_completion_steps: int = MAX_COM
         do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815 - http.server's names
 
         def _answer(self, send_body: bool) -> None:
+            host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
+            if host not in ("127.0.0.1", "localhost"):  # a page elsewhere whose name was rebound to this machine
+                self.send_error(403, "the viewer answers requests for 127.0.0.1 or localhost only")
+                return
             path = self.path.split("?", 1)[0]
             if path in ("/", "/report.html"):
                 body, kind = render_html(report_data(output_dir, max_completion_steps), live=True), "text/html"

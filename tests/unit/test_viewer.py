@@ -96,6 +96,10 @@ def test_server_answers_its_three_paths_and_refuses_the_rest(tmp_path):
                 urllib.request.urlopen(urllib.request.Request(base + path, method=method, data=b"x" if
                                                               method == "POST" else None), timeout=10)
             assert e.value.code == code
+        with pytest.raises(urllib.error.HTTPError) as e:  # a rebound name: the page is not handed to that site
+            urllib.request.urlopen(urllib.request.Request(base + "/data.json", headers={"Host": "evil.example"}),
+                                   timeout=10)
+        assert e.value.code == 403
     finally:
         server.shutdown()
         server.server_close()
