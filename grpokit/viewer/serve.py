@@ -41,15 +41,19 @@ def make_server(output_dir: Path, port: int, max_completion_steps: int = MAX_COM
                 self.send_error(403, "the viewer answers requests for 127.0.0.1 or localhost only")
                 return
             path = self.path.split("?", 1)[0]
-            if path in ("/", "/report.html"):
-                body, kind = render_html(report_data(output_dir, max_completion_steps), live=True), "text/html"
-            elif path == "/data.json":
-                body = json.dumps(report_data(output_dir, max_completion_steps), ensure_ascii=False, allow_nan=False)
-                kind = "application/json"
-            elif path == "/version":
-                body, kind = version(output_dir), "text/plain"
-            else:
-                self.send_error(404, "the viewer serves /, /data.json and /version")
+            try:
+                if path in ("/", "/report.html"):
+                    body, kind = render_html(report_data(output_dir, max_completion_steps), live=True), "text/html"
+                elif path == "/data.json":
+                    data = report_data(output_dir, max_completion_steps)
+                    body, kind = json.dumps(data, ensure_ascii=False, allow_nan=False), "application/json"
+                elif path == "/version":
+                    body, kind = version(output_dir), "text/plain"
+                else:
+                    self.send_error(404, "the viewer serves /, /data.json and /version")
+                    return
+            except ConfigError as e:  # the folder went away or was emptied while being served
+                self.send_error(503, str(e))
                 return
             data = body.encode("utf-8")
             self.send_response(200)
