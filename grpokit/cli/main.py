@@ -1,4 +1,4 @@
-"""`grpokit train | rollout | infer`. Parsing only; help answers before torch is imported."""
+"""`grpokit train | rollout | infer | view`. Parsing only; help answers before torch is imported."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import warnings
 
 from grpokit.errors import GrpokitError
 
-USAGE = """usage: grpokit {train,rollout,infer} [options]
+USAGE = """usage: grpokit {train,rollout,infer,view} [options]
 
   train     GRPO-family training (no options: the built-in demo)
   rollout   serve rollouts over HTTP for --vllm_mode server
   infer     completions and reward scores of a model on a dataset
+  view      a run's trajectory viewer: OUTPUT_DIR/report.html (--serve: live while it trains)
 
 `grpokit COMMAND --help` lists a command's options."""
 
@@ -64,6 +65,46 @@ def infer_parser() -> argparse.ArgumentParser:
     return p
 
 
+def view_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpokit view", description="The trajectory viewer of a run: one self-contained "
+                                "HTML file (curves, completions by step and group, per-token colouring); "
+                                "docs/viewer.md.")
+    p.add_argument("output_dir", help="the run's --output_dir (logging.jsonl, completions.jsonl)")
+    p.add_argument("--output", default=None, help="where to write the page (default: OUTPUT_DIR/report.html)")
+    p.add_argument("--serve", action="store_true", help="also serve the page live on 127.0.0.1 while the run "
+                                                        "writes (it redraws when the logs grow)")
+    p.add_argument("--port", type=int, default=None, help="port for --serve (default 8765; 0: a free one)")
+    p.add_argument("--max_completion_steps", type=int, default=100,
+                   help="steps whose completions the page holds: the first, the last and evenly spaced ones")
+
+    def error(message):
+        _fail(f"grpokit view: {message} (see `grpokit view --help`)")
+
+    p.error = error
+    return p
+
+
+def run_view(rest: list[str]) -> None:
+    """`grpokit view`: standard library only, torch is never imported."""
+    args = view_parser().parse_args(rest)
+    if args.port is not None and not args.serve:
+        _fail("grpokit view: --port is for --serve; add --serve or drop --port")
+    port = 8765 if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        _fail(f"grpokit view: --port {port} is not a port; use 0-65535 (0: a free one)")
+    if args.max_completion_steps < 1:
+        _fail(f"grpokit view: --max_completion_steps {args.max_completion_steps} must be at least 1; use 1 or "
+              "more (default 100)")
+    # here, not at the top: the other commands never load the viewer
+    from grpokit.viewer import write_report
+
+    print(write_report(args.output_dir, args.output, args.max_completion_steps), flush=True)
+    if args.serve:
+        from grpokit.viewer.serve import serve
+
+        serve(args.output_dir, port, args.max_completion_steps)
+
+
 def _quiet_third_party() -> None:
     """Our own progress bar and summary are the output; silence per-file load/save bars of the libraries."""
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -95,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
-    _quiet_third_party()
+    if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
+        _quiet_third_party()
 
     # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
     # without torch (STYLE.md, thin entry point), and one command never loads another's stack
@@ -113,12 +155,14 @@ def main(argv: list[str] | None = None) -> None:
             from grpokit.pipeline.infer import run_infer
 
             run_infer(args)
+        elif command == "view":
+            run_view(rest)
         elif command == "rollout":
             from grpokit.server.cli import run_rollout_cli
 
             run_rollout_cli(rest)
         else:
-            _fail(f"unknown command {command!r}; use train, rollout or infer")
+            _fail(f"unknown command {command!r}; use train, rollout, infer or view")
     except GrpokitError as e:
         code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
         if code is not None:

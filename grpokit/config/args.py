@@ -289,7 +289,17 @@ class TrainingArguments:
     eval_steps: int | None = _opt(None, "evaluate on --val_dataset every N steps (greedy accuracy with the rewards)",
                                   ge=1)
     seed: int = _opt(42, "random seed", ge=0, le=2**32 - 1, why="the range numpy and torch seed from")
-    log_completions: bool = _opt(False, "write completions.jsonl")
+    log_completions: bool = _opt(False, "write completions.jsonl: each completion's prompt, text, group, rewards and "
+                                        "advantage, and for the first --log_completions_max_rows rows of a step "
+                                        "per-token data and image thumbnails (what `grpokit view` shows)")
+    log_completions_max_tokens: int = _opt(256, "per-token data (decoded piece, logprob, entropy, loss mask) for at "
+                                                "most this many completion tokens of a completions.jsonl row (the "
+                                                "rest is counted as `cut`); 0 = none", ge=0)
+    log_completions_max_rows: int = _opt(16, "rows of each step (on each process) that carry per-token data and up "
+                                             "to 4 JPEG thumbnails of 128 px; their token values cost one no-grad "
+                                             "forward of these rows", ge=0)
+    write_report: bool = _opt(True, "write output_dir/report.html at the end of the run (the trajectory viewer, "
+                                    "`grpokit view`)")
     resume_from_checkpoint: str | None = _opt(None, "checkpoint folder, or 'latest' for the newest in output_dir")
     report_to: list[str] = _opt(["none"], "trackers through accelerate: none, tensorboard, wandb, …")
     plots: bool = _opt(True, "write PNG plots of the main curves")

@@ -29,7 +29,7 @@ from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.hf_callbacks import RunCallbacks
 from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator, progress_postfix
+from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
@@ -91,7 +91,7 @@ class GRPOTrainer:
             hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
             rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
-            plan=self.plan, log_completions=self.args.log_completions, offloader=self._offloader, images=images)
+            plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
         self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
         self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
             chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,

@@ -8,6 +8,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -43,6 +44,25 @@ class MetricsAccumulator:
         self._count.clear()
         self._sum.update({str(k): float(v) for k, v in state.get("sum", {}).items()})
         self._count.update({str(k): int(v) for k, v in state.get("count", {}).items()})
+
+
+@dataclass(frozen=True)
+class CompletionLimits:
+    """How much of a step --log_completions writes beyond the text (completion_log.py): per-token data for at
+    most ``max_tokens`` tokens of each of the first ``max_rows`` rows, and up to ``max_images`` thumbnails of
+    at most ``thumbnail_px`` pixels a side on those rows."""
+
+    max_tokens: int
+    max_rows: int
+    thumbnail_px: int = 128
+    max_images: int = 4
+
+
+def completion_limits(args) -> CompletionLimits | None:
+    """The limits from the training options; None without --log_completions."""
+    if not args.log_completions:
+        return None
+    return CompletionLimits(max_tokens=args.log_completions_max_tokens, max_rows=args.log_completions_max_rows)
 
 
 SIGNIFICANT_DIGITS = 6

@@ -19,7 +19,7 @@ HARMLESS = frozenset({
     # where and how outputs are written
     "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "logging_steps", "logging_first_step",
     "save_steps", "save_strategy", "save_total_limit", "save_final_model", "plots", "report_to", "disable_tqdm",
-    "log_completions",
+    "log_completions", "log_completions_max_tokens", "log_completions_max_rows", "write_report",
     # evaluation (it reads the validation rows, trains on nothing)
     "eval_steps", "eval_strategy", "eval_on_start", "per_device_eval_batch_size", "val_dataset",
     # how the rows are read, not which

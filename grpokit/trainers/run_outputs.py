@@ -36,6 +36,7 @@ from grpokit.trainers.outputs import JsonlLog, plot_curves, progress_bar, summar
 from grpokit.trainers.run_args import check_resume_args, normalised, read_args
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
 from grpokit.trainers.window_progress import WindowProgress
+from grpokit.viewer import write_report
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,8 @@ class RunOutputs:
 
     # -- the end ---------------------------------------------------------------------------------------------
     def finish(self, model, final_ckpt: Path) -> None:
-        """The final model (--save_final_model), plots, and the summary printed at the end."""
+        """The final model (--save_final_model), plots, report.html (--write_report), and the summary printed at
+        the end."""
         acc = self.accelerator
         extra = {"logs": str(self.output_dir / "logging.jsonl"), "last checkpoint": str(final_ckpt)}
         state_dict = full_state_dict(acc, model) if self.args.save_final_model else None
@@ -223,4 +225,6 @@ class RunOutputs:
                 extra["plots"] = ", ".join(p.name for p in plots)
         if self.args.log_completions:
             extra["completions"] = str(self.output_dir / "completions.jsonl")
+        if self.args.write_report:  # the trajectory viewer; `grpokit view OUTPUT_DIR` rebuilds it
+            extra["report"] = str(write_report(self.output_dir))
         print(summary_text(rows, self.output_dir, extra), flush=True)

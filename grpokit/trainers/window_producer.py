@@ -22,14 +22,15 @@ from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.trainers.batch import RolloutBatch, collate
+from grpokit.trainers.completion_log import TokenForward, completion_log_rows
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.offload import Offloader
+from grpokit.trainers.outputs import CompletionLimits
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import (
     Window,
     WindowRollout,
     advantage_stats,
-    completion_rows,
     sample_rows,
     window_metrics,
     window_num_items,
@@ -82,7 +83,7 @@ class WindowProducer:
 
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
                  models: Models, accelerator, rollout_args: RolloutArguments, algorithm: AlgorithmArguments,
-                 plan: BatchPlan, log_completions: bool, offloader: Offloader | None = None,
+                 plan: BatchPlan, log_completions: CompletionLimits | None, offloader: Offloader | None = None,
                  images: bool | None = None) -> None:
         self.hooks, self.prompts, self.scheduler, self.template = hooks, prompts, scheduler, template
         self._generate = hooks.generate or self.generate
@@ -212,8 +213,11 @@ class WindowProducer:
         metrics.update({k if k not in metrics else f"reward_log/{k}": v for k, v in logged.items()})
         log_rows = []
         if self.log_completions:  # every rank builds its rows; all of them are gathered (a collective)
-            log_rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, self.rewards.names,
-                                       step + 1)
+            forward = TokenForward(self.hooks.logps, self.models.model, self.accelerator, self.models.micro_batch_size)
+            log_rows = completion_log_rows(requests, outputs, rewards_per_func, batch,
+                                           rewards[start:start + len(outputs)], self.rewards.names, step + 1,
+                                           limits=self.log_completions, forward=forward,
+                                           tokenizer=self.template.tokenizer, images=self.images)
             for row, extra in zip(log_rows, extras):  # log_extra columns (TRL's completions table)
                 row.update({k if k not in row else f"extra/{k}": v for k, v in extra.items()})
             log_rows = gather_objects(self.accelerator, log_rows)
