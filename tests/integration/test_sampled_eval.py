@@ -24,7 +24,7 @@ PLUGIN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tmp_path_factory):
-    """Three steps of the tiny model, evaluated at step 3 (and before step 1) with 4 samples per prompt."""
+    """Three steps of the tiny model, evaluated at step 3 with 4 samples per prompt."""
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
@@ -41,7 +41,7 @@ def run(tiny_model_dir, tmp_path_factory):
         "--external_plugins", str(tmp / "plugin.py"), "--reward_funcs", "even_length", "accuracy",
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
         "--learning_rate", "1e-3", "--torch_dtype", "float32", "--seed", "0", "--disable_tqdm", "true",
-        "--max_steps", "3", "--eval_steps", "3", "--eval_on_start", "true", "--num_generations_eval", "4"]))
+        "--max_steps", "3", "--eval_steps", "3", "--num_generations_eval", "4"]))
     return tmp, out
 
 
@@ -49,7 +49,7 @@ def test_eval_lines_carry_pass_at_k_mean_and_greedy(run):
     _, out = run
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    assert [r["step"] for r in evals] == [0, 3]
+    assert [r["step"] for r in evals] == [3]
     for row in evals:
         for reward in ("even_length", "accuracy"):
             figures = ("greedy", "pass@1", "pass@2", "pass@4", "mean@4")
