@@ -218,8 +218,8 @@ DEVIATIONS: dict[str, str] = {
     "dataloader_num_workers": "None = rows read in the training process (ms-swift: None = 1 worker on Linux): rows "
                               "are read from a dataset already in memory, where a worker process costs more than "
                               "it saves",
-    "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt, and one engine "
-                                  "call per 64 prompts keeps it fast",
+    "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt (and "
+                                  "--num_generations_eval samples), and one engine call per 64 prompts keeps it fast",
     "eval_steps": "None = no evaluation (ms-swift: None = every --save_steps when a validation set exists); set it "
                   "to evaluate",
 }
