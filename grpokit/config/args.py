@@ -322,8 +322,9 @@ class TrainingArguments:
     eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
     num_generations_eval: int | None = _opt(None, "evaluation also samples this many completions K per validation "
                                                   "prompt (at --temperature/--top_p/--top_k) and logs "
-                                                  "eval/<reward>/pass@k for k = 1, 2, 4, … and K, mean@K and 95% "
-                                                  "intervals; unset: the greedy pass alone", ge=1, le=MAX_N)
+                                                  "eval/<reward>/pass@k for k = 1, 2, 4, … and K, mean@K and their "
+                                                  "intervals (docs/options.md); unset: the greedy pass alone",
+                                            ge=1, le=MAX_N)
     eval_pass_threshold: float = _opt(1.0, "sampled evaluation: a sample passes (for pass@k) when its reward is at "
                                            "least this (1.0: a correct answer of an accuracy-type reward)")
     dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
