@@ -9,8 +9,11 @@ import json
 import math
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from grpokit.algorithms.pass_at_k import ks_up_to
 from grpokit.errors import ConfigError
+from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
 
 
@@ -21,6 +24,17 @@ def _settings(args) -> EvalSettings:
     if k and args.temperature == 0:
         raise ConfigError(f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
                           "pass); give --temperature 1.0 (or the training run's)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch_size {args.batch_size}: must be at least 1 (prompts per engine call), e.g. 64")
+    if not math.isfinite(args.eval_pass_threshold):
+        raise ConfigError(f"--eval_pass_threshold {args.eval_pass_threshold}: must be a finite reward value, e.g. 1.0")
+    try:  # the engine's own bounds on each sampling setting, said as one line naming the option
+        RequestConfig(n=k or 1, max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, seed=args.seed)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = {"max_tokens": "max_new_tokens", "n": "num_generations_eval"}.get(str(err["loc"][0]), err["loc"][0])
+        raise ConfigError(f"--{name} {err.get('input')!r}: {err['msg']} (see --help)") from exc
     return EvalSettings(max_tokens=args.max_new_tokens, batch_size=args.batch_size, num_generations=k,
                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         pass_threshold=args.eval_pass_threshold, seed=args.seed)

@@ -120,3 +120,21 @@ def test_num_generations_eval_that_would_never_sample_is_refused(extra, said):
 
     with pytest.raises(ConfigError, match=r"--num_generations_eval 4 .*" + re.escape(said)):
         parse_train_args(["--model", "m/m", "--dataset", "d.jsonl", "--num_generations_eval", "4", *extra])
+
+
+@pytest.mark.parametrize(("bad", "said"), [
+    ({"top_p": 0.0}, "--top_p 0.0: Input should be greater than 0"),
+    ({"num_generations_eval": 5000}, "--num_generations_eval 5000: Input should be less than or equal to 1024"),
+    ({"temperature": 0.0}, "--num_generations_eval 4 samples at --temperature, which is 0"),
+    ({"eval_pass_threshold": float("nan")}, "--eval_pass_threshold nan: must be a finite reward value"),
+    ({"batch_size": 0}, "--batch_size 0: must be at least 1"),
+])
+def test_eval_command_settings_are_checked_in_one_line(bad, said):
+    from grpokit.errors import ConfigError
+    from grpokit.pipeline.evaluate import _settings
+
+    args = {"num_generations_eval": 4, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "eval_pass_threshold": 1.0,
+            "max_new_tokens": 8, "batch_size": 4, "seed": 0}
+    with pytest.raises(ConfigError, match="^" + re.escape(said)) as err:
+        _settings(SimpleNamespace(**{**args, **bad}))
+    assert "\n" not in str(err.value)
