@@ -199,6 +199,9 @@ def _check_evaluation(cfg: TrainConfig) -> None:
         said = "--eval_strategy no" if t.eval_strategy else "--save_strategy no (which --eval_strategy follows)"
         raise ConfigError(f"--num_generations_eval {k} with {said} would never sample; use --eval_strategy steps "
                           "--eval_steps N, or drop it")
+    if k and not t.eval_steps and not t.eval_on_start and not t.callbacks:  # a callback may ask for evaluation
+        raise ConfigError(f"--num_generations_eval {k} without --eval_steps (or --eval_on_start true) would never "
+                          "sample; add --eval_steps N, or drop it")
 
 
 def _check_ref_sync(cfg: TrainConfig) -> None:

@@ -113,6 +113,7 @@ def test_settings_for_a_run_come_from_its_options():
     ([], "without validation data would never sample"),
     (["--val_dataset", "v.jsonl", "--eval_strategy", "no"], "with --eval_strategy no would never sample"),
     (["--val_dataset", "v.jsonl", "--save_strategy", "no"], "--save_strategy no (which --eval_strategy follows)"),
+    (["--val_dataset", "v.jsonl"], "without --eval_steps (or --eval_on_start true) would never sample"),
 ])
 def test_num_generations_eval_that_would_never_sample_is_refused(extra, said):
     from grpokit.config.parse import parse_train_args
