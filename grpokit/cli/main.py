@@ -1,4 +1,4 @@
-"""`grpokit train | rollout | infer | view`. Parsing only; help answers before torch is imported."""
+"""`grpokit train | rollout | infer | eval | view`. Parsing only; help answers before torch is imported."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import warnings
 
 from grpokit.errors import GrpokitError
 
-USAGE = """usage: grpokit {train,rollout,infer,view} [options]
+USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
   train     GRPO-family training (no options: the built-in demo)
   rollout   serve rollouts over HTTP for --vllm_mode server
   infer     completions and reward scores of a model on a dataset
+  eval      pass@k, mean@K and greedy scores of a model on a dataset (K samples per prompt)
   view      a run's trajectory viewer: OUTPUT_DIR/report.html (--serve: live while it trains)
 
 `grpokit COMMAND --help` lists a command's options."""
@@ -39,27 +40,41 @@ def _exit_if_groups_linger(code: int) -> None:
         exit_if_groups_linger(code)
 
 
-def infer_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grpokit infer", description="Completions and reward scores on a dataset.")
+def infer_parser(command: str = "infer") -> argparse.ArgumentParser:
+    """`grpokit infer`, or `grpokit eval`: the same options, with eval's defaults sampling K = 4 per prompt."""
+    evaluating = command == "eval"
+    description = ("pass@k, mean@K and greedy scores per reward on a dataset, with 95% intervals over prompts."
+                   if evaluating else "Completions and reward scores on a dataset.")
+    p = argparse.ArgumentParser(prog=f"grpokit {command}", description=description)
     p.add_argument("--model", default=None, help="model or checkpoint folder (full or LoRA adapter); "
                                                  "default: the built-in demo model")
     p.add_argument("--dataset", default="builtin:arithmetic:test", help="dataset spec, as for train")
     p.add_argument("--reward_funcs", nargs="+", default=["accuracy"], help="reward functions that score")
     p.add_argument("--max_new_tokens", type=int, default=20)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=1.0 if evaluating else 0.0,
+                   help="0 = greedy; with --num_generations_eval, the samples' temperature (the greedy pass is apart)")
+    p.add_argument("--top_p", type=float, default=1.0, help="the samples' nucleus sampling")
+    p.add_argument("--top_k", type=int, default=-1, help="the samples' top-k (-1: off)")
+    p.add_argument("--num_generations_eval", type=int, default=4 if evaluating else None,
+                   help="also sample K completions per prompt and report pass@k (k = 1, 2, 4, ... and K), mean@K and "
+                        "greedy per reward" + ("" if evaluating else " (as `grpokit eval`)"))
+    p.add_argument("--eval_pass_threshold", type=float, default=1.0,
+                   help="a sample passes (pass@k) when its reward is at least this")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--limit", type=int, default=0, help="first N prompts only")
     p.add_argument("--system", default=None)
     p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--external_plugins", nargs="*", default=[])
-    p.add_argument("--output", default=None, help="write the scores and completions as JSON lines here")
+    p.add_argument("--output", default="eval_results.jsonl" if evaluating else None,
+                   help="write the scores (first line) and the completions (greedy, then the samples, with `sample`) "
+                        "as JSON lines here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
                    help="grpokit's decode loop for Llama/Qwen2/Qwen3 models (false: HF generate)")
 
     def error(message):
-        _fail(f"grpokit infer: {message} (see `grpokit infer --help`)")
+        _fail(f"grpokit {command}: {message} (see `grpokit {command} --help`)")
 
     p.error = error
     return p
@@ -150,8 +165,14 @@ def main(argv: list[str] | None = None) -> None:
 
             run_train(cfg)
             _exit_if_groups_linger(0)
-        elif command == "infer":
-            args = infer_parser().parse_args(rest)
+        elif command in ("infer", "eval"):
+            parser = infer_parser(command)
+            args = parser.parse_args(rest)
+            k = args.num_generations_eval
+            if k is not None and (k < 1 or args.temperature == 0):  # said before the model loads
+                parser.error(f"--num_generations_eval {k}: must be at least 1, e.g. 4" if k < 1 else
+                             f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
+                             "pass); give --temperature 1.0 (or the training run's)")
             from grpokit.pipeline.infer import run_infer
 
             run_infer(args)
@@ -162,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
 
             run_rollout_cli(rest)
         else:
-            _fail(f"unknown command {command!r}; use train, rollout, infer or view")
+            _fail(f"unknown command {command!r}; use train, rollout, infer, eval or view")
     except GrpokitError as e:
         code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
         if code is not None:

@@ -286,8 +286,8 @@ class TrainingArguments:
                                         "transformers' Trainer reads them); the newest is never deleted", ge=-1,
                                         why="unset, 0 or -1 keeps every checkpoint")
     save_final_model: bool = _opt(True, "save the trained model to output_dir at the end")
-    eval_steps: int | None = _opt(None, "evaluate on --val_dataset every N steps (greedy accuracy with the rewards)",
-                                  ge=1)
+    eval_steps: int | None = _opt(None, "evaluate on --val_dataset every N steps (greedy accuracy with the rewards, "
+                                        "and pass@k with --num_generations_eval)", ge=1)
     seed: int = _opt(42, "random seed", ge=0, le=2**32 - 1, why="the range numpy and torch seed from")
     log_completions: bool = _opt(False, "write completions.jsonl: each completion's prompt, text, group, rewards and "
                                         "advantage, and for the first --log_completions_max_rows rows of a step "
@@ -330,6 +330,13 @@ class TrainingArguments:
                                                               "needs validation data); unset: as --save_strategy")
     per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating", ge=1)
     eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
+    num_generations_eval: int | None = _opt(None, "evaluation also samples this many completions K per validation "
+                                                  "prompt (at --temperature/--top_p/--top_k) and logs "
+                                                  "eval/<reward>/pass@k for k = 1, 2, 4, … and K, mean@K and their "
+                                                  "intervals (docs/options.md); unset: the greedy pass alone",
+                                            ge=1, le=MAX_N)
+    eval_pass_threshold: float = _opt(1.0, "sampled evaluation: a sample passes (for pass@k) when its reward is at "
+                                           "least this (1.0: a correct answer of an accuracy-type reward)")
     dataloader_num_workers: int | None = _opt(None, "worker processes that read the next windows' prompt rows "
                                                     "ahead of training (0 or unset: read in the training process)",
                                                     ge=0)

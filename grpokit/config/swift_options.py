@@ -163,8 +163,8 @@ _refuse(_NOT_YET + ": sampling beyond temperature/top_p/top_k/repetition_penalty
 _refuse(_NOT_YET + ": the RLSD and SDAR (self-distillation) extensions of GRPO and "
         "off-policy sequence masking", "advantage_reweight=None sdar_loss_coef=0.0 "
         "off_policy_sequence_mask_delta=None")
-_refuse(_NOT_YET + ": evaluation beyond greedy accuracy every --eval_steps (sampled eval groups, delays, best "
-        "model, early stop)", "num_generations_eval=None eval_delay=0 "
+_refuse(_NOT_YET + ": evaluation beyond greedy and sampled (pass@k) scores every --eval_steps (delays, best "
+        "model, early stop)", "eval_delay=0 "
         "load_best_model_at_end=False early_stop_interval=None max_epochs=None")
 _refuse(_NOT_YET + ": MoE router loss, NEFTune noise, torch.compile, batch-size search, full determinism",
         "router_aux_loss_coef=0.0 neftune_noise_alpha=None torch_compile=False auto_find_batch_size=False "
@@ -198,6 +198,9 @@ DEVIATIONS: dict[str, str] = {
     "torch_dtype": "auto: bfloat16 where the device supports it well, else float32 (ms-swift: the model's dtype)",
     "tuner_type": "full (ms-swift: lora); the demo config sets lora",
     "per_device_train_batch_size": "8 (ms-swift: 1), so that a default run holds whole groups of 8 generations",
+    "num_generations_eval": "None: evaluation is the greedy pass alone; given K, the greedy pass and K samples per "
+                            "prompt, reported as pass@k, mean@K and greedy (ms-swift: None samples "
+                            "--num_generations per prompt and reports their mean rewards)",
     "gradient_accumulation_steps": "1 (ms-swift: None, resolved to 1 for GRPO)",
     "gradient_checkpointing": "False: the small models grpokit is tuned for run faster without it (ms-swift: True)",
     "logging_steps": "1 (ms-swift: 5): GRPO steps are few and slow, every step is worth a log row",
@@ -215,8 +218,8 @@ DEVIATIONS: dict[str, str] = {
     "dataloader_num_workers": "None = rows read in the training process (ms-swift: None = 1 worker on Linux): rows "
                               "are read from a dataset already in memory, where a worker process costs more than "
                               "it saves",
-    "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt, and one engine "
-                                  "call per 64 prompts keeps it fast",
+    "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt (and "
+                                  "--num_generations_eval samples), and one engine call per 64 prompts keeps it fast",
     "eval_steps": "None = no evaluation (ms-swift: None = every --save_steps when a validation set exists); set it "
                   "to evaluate",
 }

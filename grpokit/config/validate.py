@@ -191,6 +191,17 @@ def _check_evaluation(cfg: TrainConfig) -> None:
     if asked and not d.val_dataset and not d.split_dataset_ratio:
         raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
                           "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
+    k = t.num_generations_eval
+    if k and not d.val_dataset and not d.split_dataset_ratio:
+        raise ConfigError(f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "
+                          "FILE and --eval_steps N, or drop it")
+    if k and (t.eval_strategy or t.save_strategy) == "no":  # unset, --eval_strategy follows --save_strategy
+        said = "--eval_strategy no" if t.eval_strategy else "--save_strategy no (which --eval_strategy follows)"
+        raise ConfigError(f"--num_generations_eval {k} with {said} would never sample; use --eval_strategy steps "
+                          "--eval_steps N, or drop it")
+    if k and not t.eval_steps and not t.eval_on_start and not t.callbacks:  # a callback may ask for evaluation
+        raise ConfigError(f"--num_generations_eval {k} without --eval_steps (or --eval_on_start true) would never "
+                          "sample; add --eval_steps N, or drop it")
 
 
 def _check_ref_sync(cfg: TrainConfig) -> None:

@@ -1,25 +1,24 @@
-"""`grpokit infer`: completions and reward-based accuracy of a model or checkpoint on a dataset."""
+"""`grpokit infer` and `grpokit eval`: completions and reward scores of a model or checkpoint on a dataset (greedy, or
+with --num_generations_eval K also pass@k and mean@K: pipeline/evaluate.py)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
 from grpokit.config.args import ModelArguments
 from grpokit.data.loading import load_dataset_spec, normalize_rows, resolve_system
 from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.pipeline.evaluate import score_and_report
 from grpokit.pipeline.models import load_for_inference, resolve_model_path
 from grpokit.plugins.loader import load_plugins
 from grpokit.rewards import build_reward_funcs
 from grpokit.rewards.runner import RewardRunner
-from grpokit.rollout.evaluate import EvalResult, evaluate_rows
+from grpokit.rollout.evaluate import EvalResult
 from grpokit.template.encode import ChatTemplate
 
 
 def run_infer(args) -> EvalResult:
-    """Load a model (full or LoRA adapter folder), generate on the dataset, print the scores."""
+    """Load a model (full or LoRA adapter folder), generate on the dataset, print (and write) the scores."""
     load_plugins(args.external_plugins)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -36,18 +35,7 @@ def run_infer(args) -> EvalResult:
     engine = TransformersEngine(model, template)
     engine.fast_decode = args.fast_decode == "true"
     engine.infer_on_loop_thread = True  # this job owns its rollout loop, as the trainer does
-    try:
-        result = evaluate_rows(engine, template, rows, runner, args.reward_funcs, args.max_new_tokens,
-                               temperature=args.temperature, batch_size=args.batch_size)
+    try:  # the scores, the table and the output file: pipeline/evaluate.py
+        return score_and_report(engine, template, rows, runner, args, path)
     finally:
         runner.close()
-    scores = ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items())
-    print(f"{path} on {args.dataset} ({len(rows)} prompts, {'greedy' if args.temperature == 0 else 'sampled'}): "
-          f"{scores}", flush=True)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            f.write(json.dumps({"model": path, "dataset": args.dataset, **result.metrics}) + "\n")
-            for row in result.rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return result

@@ -1,13 +1,13 @@
 """Reward functions (``orms``), process rewards (``prms``), reward-model plugins (``rm_plugins``) and their runner.
 
 Importing this package registers the built-ins: accuracy, format, react_format, cosine, repetition, soft_overlong,
-toolbench, math, code_exec (in ``orms``) and arithmetic_steps (in ``prms``). See docs/rewards.md.
+toolbench, math, code_exec, reasoning_gym (in ``orms``) and arithmetic_steps (in ``prms``). See docs/rewards.md.
 """
 
 from __future__ import annotations
 
 # noqa: F401 below: imported to register the built-ins
-from grpokit.rewards import code_exec, math_rewards, multimodal, prm, shape_rewards, toolbench  # noqa: F401
+from grpokit.rewards import code_exec, math_rewards, multimodal, prm, reasoning_gym, shape_rewards, toolbench  # noqa: F401
 from grpokit.rewards.base import ORM, PRM, TRAINER_KWARGS, AsyncORM, accepted_kwargs, orms, prms, required_columns
 from grpokit.rewards.build import build_reward_funcs, check_reward_columns, reward_name
 from grpokit.rewards.calling import TrainerStateView, trl_convention

@@ -21,7 +21,7 @@ from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
-from grpokit.rollout.evaluate import evaluate_rows
+from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
 from grpokit.trainers import hooks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
@@ -374,13 +374,12 @@ class GRPOTrainer:
         return WindowProgress.load(loop["checkpoint"], self.accelerator.process_index, step_metrics)
 
     def evaluate(self) -> dict:
-        """Greedy completions on the validation set, scored with the reward functions."""
+        """Greedy (and with --num_generations_eval, sampled: pass@k) completions on the validation set, scored
+        with the reward functions (rollout/evaluate.py)."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         with offload_context(self._offloader):  # evaluation generates too
-            result = evaluate_rows(self.engine, self.template, rows, self.reward_runner, self.reward_names,
-                                   max_tokens=self.cfg.rollout.max_completion_length,
-                                   batch_size=self.args.per_device_eval_batch_size,
-                                   trainer_state=self._progress())
+            result = evaluate_policy(self.engine, self.template, rows, self.reward_runner, self.reward_names,
+                                     EvalSettings.for_run(self.cfg), trainer_state=self._progress())
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         self._hf_event("on_evaluate", metrics=logs)

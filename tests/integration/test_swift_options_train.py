@@ -25,15 +25,15 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     from grpokit.trainers import grpo_trainer
 
     eval_calls = []
-    real_evaluate = grpo_trainer.evaluate_rows
+    real_evaluate = grpo_trainer.evaluate_policy
 
     def spy(*args, **kwargs):
-        eval_calls.append(kwargs["batch_size"])
+        eval_calls.append(args[5].batch_size)  # the EvalSettings
         state = kwargs["trainer_state"]  # rewards read trainer_state.global_step during evaluation too
         assert set(state) == {"global_step", "max_steps"} and state["max_steps"] == 3
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(grpo_trainer, "evaluate_rows", spy)
+    monkeypatch.setattr(grpo_trainer, "evaluate_policy", spy)
     val = tmp_path / "val.jsonl"
     val.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1"}], "solution": "2"}) + "\n")
     out = tmp_path / "run"

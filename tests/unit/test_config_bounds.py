@@ -30,7 +30,8 @@ ARITH = ["--dataset", "builtin:arithmetic"]
 # numeric options whose every finite value means something: reward values and weights may have either sign
 ANY_FINITE = {"reward_weights": "a weight per reward, negative to penalise",
               "cosine_min_len_value_wrong": "a reward value", "cosine_max_len_value_wrong": "a reward value",
-              "cosine_min_len_value_correct": "a reward value", "cosine_max_len_value_correct": "a reward value"}
+              "cosine_min_len_value_correct": "a reward value", "cosine_max_len_value_correct": "a reward value",
+              "eval_pass_threshold": "a reward value"}
 
 
 def _error(*flags: str) -> str:
