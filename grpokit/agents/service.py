@@ -45,19 +45,15 @@ class ChatService:
             raise ChatError(410, f"episode {episode.id} has ended ({episode.status}); its calls are final")
         config = request_config(body, self.defaults, fixed_sampling=episode is not None)
         messages = template_messages(body)
+        if episode is not None:
+            messages = episode.restore_replies(messages)
         data: dict = {}
-        parent, between = None, []
         try:
-            if episode is not None:
-                messages = episode.restore_replies(messages)
-                prompt_ids, parent, between = episode.plan(messages, self.template, body.n)
-                data[PROMPT_IDS] = prompt_ids
-            if self.context is not None and body.max_tokens is None and body.max_completion_tokens is None:
-                used = len(data[PROMPT_IDS]) if PROMPT_IDS in data else len(self.template.encode_prompt(messages))
-                config = config.model_copy(update={"max_tokens": max(1, min(config.max_tokens,
-                                                                            self.context - used))})
+            config, parent, between = self._planned(body, config, messages, episode, data)
             request = RolloutInferRequest(messages=messages, data_dict=data)
             response = await self.engine.infer_async(request, config)
+        except ChatError:
+            raise
         except ValueError as e:  # ConfigError: the prompt does not fit, the template cannot render it
             raise ChatError(400, f"{type(e).__name__}: {e}") from e
         except (RolloutError, GrpokitError) as e:
@@ -81,3 +77,21 @@ class ChatService:
             except RolloutError as e:
                 raise ChatError(410, str(e)) from e
         return completion_answer(body.model, choices, len(prompt_ids), sampled, prompt_ids)
+
+    def _planned(self, body: ChatBody, config: RequestConfig, messages: list[dict], episode: Episode | None,
+                 data: dict) -> tuple[RequestConfig, tuple[int, int] | None, list[int]]:
+        """The episode's planned prompt ids (into ``data``) and a call's max_tokens from what the context leaves;
+        ChatError (400) when the chat template cannot render the messages."""
+        parent, between = None, []
+        unset = body.max_tokens is None and body.max_completion_tokens is None
+        try:
+            if episode is not None:
+                prompt_ids, parent, between = episode.plan(messages, self.template, body.n)
+                data[PROMPT_IDS] = prompt_ids
+            if self.context is not None and unset:
+                used = len(data[PROMPT_IDS]) if PROMPT_IDS in data else len(self.template.encode_prompt(messages))
+                config = config.model_copy(update={"max_tokens": max(1, min(config.max_tokens, self.context - used))})
+        except Exception as e:  # noqa: BLE001 - jinja2 and the template's raise_exception: a bad conversation
+            raise ChatError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
+                                 f"{str(e)[:200]}") from e
+        return config, parent, between

@@ -26,7 +26,7 @@ from grpokit.server.errors import ErrorMiddleware, error_body, install_error_han
 from grpokit.server.guard import GuardMiddleware, GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
-from grpokit.server.openai_routes import add_openai_routes
+from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
 from grpokit.template.processor import is_vlm_folder
@@ -52,7 +52,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     if not state.multimodal:  # the OpenAI-compatible endpoint serves text (docs/agents.md)
         add_openai_routes(app, ChatService(state.engine, os.path.basename(os.path.normpath(state.options.model)),
                                            context=getattr(state.engine, "max_model_len", None)))
-    return ErrorMiddleware(GuardMiddleware(app, guard_policy(state)))
+    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:
