@@ -4,9 +4,9 @@ recorded, the same two under ``/episodes/<id>/v1`` (the episode's key is its bea
 ``grpokit rollout`` mounts the ``/v1`` routes beside its own (same API key, guard and bounds). Their errors carry
 the server's one line in OpenAI's shape, ``{"error": {"message": line, "type": ..., "code": status}}``
 (``OpenAIErrors`` rewrites every error answer under ``/v1`` and ``/episodes``, the guard's 401/413 included), so
-the ``openai`` package puts the line in its exception's message. For the in-process engine the trainer starts ``LocalEndpoint``: the episode routes only, on
-127.0.0.1, uvicorn in a thread of its own. The body and the answer are grpokit/agents/chat.py's, the call itself
-grpokit/agents/service.py's.
+the ``openai`` package puts the line in its exception's message. For the in-process engine the trainer starts
+``LocalEndpoint``: the episode routes only, on 127.0.0.1, uvicorn in a thread of its own. The body and the answer
+are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
 """
 
 from __future__ import annotations
