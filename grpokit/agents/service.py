@@ -27,20 +27,26 @@ class ChatService:
     ``defaults``: the sampling settings a call starts from (the trainer's, for episodes; its ``max_tokens`` bounds
     every call); ``version``: the policy version a call is recorded with (windows trained so far); ``context``:
     the served context length, when known: a call without ``max_tokens`` gets what is left of it after its prompt
-    (at most ``defaults.max_tokens``)."""
+    (at most ``defaults.max_tokens``); ``max_n``: the most choices one call may ask for (the rollout server's
+    --max_batch_requests: each choice is a sequence of the batch)."""
 
     def __init__(self, engine, model_name: str, defaults: RequestConfig | None = None,
-                 version: Callable[[], int] = lambda: 0, context: int | None = None) -> None:
+                 version: Callable[[], int] = lambda: 0, context: int | None = None,
+                 max_n: int | None = None) -> None:
         self.engine = engine
         self.template = getattr(engine, "template", None)  # None: a stub state (the schema only)
         self.model_name = model_name
         self.defaults = defaults or RequestConfig(max_tokens=4096)
         self.version = version
         self.context = context
+        self.max_n = max_n
 
     async def complete(self, body: ChatBody, episode: Episode | None = None) -> dict:
         """The ``chat.completion`` answer; ChatError (4xx) for a body the engine cannot serve."""
         check_body(body)
+        if self.max_n is not None and body.n > self.max_n:
+            raise ChatError(413, f"n {body.n} exceeds this server's --max_batch_requests {self.max_n} (each choice is "
+                                 "a sequence of one batch); ask for fewer choices per call")
         if episode is not None and not episode.open:
             raise ChatError(410, f"episode {episode.id} has ended ({episode.status}); its calls are final")
         config = request_config(body, self.defaults, fixed_sampling=episode is not None)

@@ -51,7 +51,8 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     _add_weight_routes(app, state)
     if not state.multimodal:  # the OpenAI-compatible endpoint serves text (docs/agents.md)
         add_openai_routes(app, ChatService(state.engine, os.path.basename(os.path.normpath(state.options.model)),
-                                           context=getattr(state.engine, "max_model_len", None)))
+                                           context=getattr(state.engine, "max_model_len", None),
+                                           max_n=state.options.max_batch_requests))
     return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
 
