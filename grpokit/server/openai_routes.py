@@ -127,6 +127,16 @@ class OpenAIErrors:
         await self.app(scope, receive, shaping_send)
 
 
+def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddleware:
+    """The ASGI application of the episode routes: error net → OpenAI error shape → body-size guard → FastAPI."""
+    app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
+    install_error_handlers(app)
+    add_episode_routes(app, service, recorder)
+    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it
+    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, policy)))
+
+
 class LocalEndpoint:
     """The episode routes over ``service`` on 127.0.0.1 (a free port), served by uvicorn in a daemon thread.
     ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops it."""
@@ -135,12 +145,7 @@ class LocalEndpoint:
         import uvicorn  # the rollout server's dependency; a run without --agent never starts one
 
         self.service, self.recorder = service, recorder
-        app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                      redirect_slashes=False)
-        install_error_handlers(app)
-        add_episode_routes(app, service, recorder)
-        guarded = ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, GuardPolicy(api_key=None,
-                                                                                max_body_bytes=LOCAL_BODY_BYTES))))
+        guarded = episode_app(service, recorder)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

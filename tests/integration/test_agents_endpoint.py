@@ -9,12 +9,11 @@ import socket
 import threading
 
 import pytest
+from agents_fakes import EchoEngine
 
-from grpokit.agents.engine import PROMPT_IDS
 from grpokit.agents.scheduler import AgentScheduler
 from grpokit.aio import run_sync
-from grpokit.engines.base import InferEngine
-from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
+from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.openai_routes import LocalEndpoint
 
 openai = pytest.importorskip("openai")  # the 'agents' extra (in dev)
@@ -101,31 +100,6 @@ def test_the_servers_api_key_guards_v1(rollout_v1):
 
 
 # -- episodes over a fake engine ------------------------------------------------------------------------------
-class EchoEngine(InferEngine):
-    """Answers each call with ``ack <the last message's content>`` (or a scripted text), on the planned ids."""
-
-    takes_prompt_ids = True
-
-    def __init__(self, template, script: str | None = None) -> None:
-        super().__init__()
-        self.template, self.tokenizer, self.script = template, template.tokenizer, script
-        self.calls = 0
-
-    def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
-        out = []
-        for r in requests:
-            self.calls += 1
-            text = self.script or f"ack {r.messages[-1]['content']}"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            choices = [ChatCompletionResponseChoice(index=k, message={"role": "assistant", "content": text},
-                                                    finish_reason="stop", token_ids=ids,
-                                                    logprobs={"content": [{"token_id": t, "logprob": -0.5}
-                                                                          for t in ids]}) for k in range(config.n)]
-            prompt = r.data_dict.get(PROMPT_IDS) or self.template.encode_prompt(r.messages)
-            out.append(ChatCompletionResponse(choices=choices, prompt_token_ids=prompt))
-        return out
-
-
 @pytest.fixture(scope="module")
 def template(tiny_model_dir):
     from grpokit.modeling import load_tokenizer
