@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 
+import openai  # the 'agents' extra (in dev): a missing install fails loudly, never skips
 import pytest
 from agents_fakes import EchoEngine
 
@@ -16,7 +17,6 @@ from grpokit.aio import run_sync
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.openai_routes import LocalEndpoint
 
-openai = pytest.importorskip("openai")  # the 'agents' extra (in dev)
 pytestmark = pytest.mark.slow
 KEY = "test-key"
 CALC = {"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",

@@ -21,7 +21,6 @@ import torch
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
-pytest.importorskip("openai")  # the 'agents' extra (in dev)
 pytestmark = pytest.mark.slow
 
 OPENAI_AGENT = textwrap.dedent('''
@@ -166,7 +165,6 @@ def test_an_openai_agent_trains_on_the_ids_the_endpoint_sampled(tiny_model_dir, 
 
 
 def test_an_agents_sdk_agent_trains(tiny_model_dir, tmp_path, recording_trainer):
-    pytest.importorskip("agents")  # the 'agents-sdk' extra (in dev)
     trainer, logs, _ = _train(tiny_model_dir, tmp_path, SDK_AGENT, "sdk_calculator", steps=2)
     assert trainer.state.global_step == 2 and len(logs) == 2
     for window in recording_trainer.windows:
