@@ -50,14 +50,15 @@ def rollout_v1(tiny_model_dir):
     from grpokit.server.app import create_app
     from grpokit.server.state import ServerOptions, build_state
 
-    options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", api_key=KEY, vllm_max_model_len=256)
+    options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", api_key=KEY, vllm_max_model_len=256,
+                            served_model_name="tiny-policy")
     served = _Served(create_app(build_state(options)))
     yield openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0)
     served.close()
 
 
 def test_chat_completions_with_n_and_logprobs(rollout_v1):
-    assert [m.id for m in rollout_v1.models.list().data] == [rollout_v1.models.list().data[0].id]
+    assert [m.id for m in rollout_v1.models.list().data] == ["tiny-policy"]
     r = rollout_v1.chat.completions.create(model="anything", messages=[{"role": "user", "content": "What is 2+3?"}],
                                            n=3, max_tokens=6, logprobs=True, seed=1)
     assert [c.index for c in r.choices] == [0, 1, 2]
