@@ -9,6 +9,7 @@ from grpokit.errors import ConfigError
 from grpokit.protocol import RolloutInferRequest
 
 PROMPT_IDS = "_grpokit_prompt_ids"  # data_dict key of a request's planned prompt ids (internal requests only)
+CANCEL = "_grpokit_cancel"  # data_dict key of the episode's threading.Event: set, its calls stop at the next token
 
 
 class EpisodeEngine(TransformersEngine):
@@ -36,3 +37,7 @@ class EpisodeEngine(TransformersEngine):
         rest = [r for r, g in zip(requests, given, strict=True) if g is None]
         rendered = iter(super()._encode(rest, max_tokens) if rest else [])
         return [list(g) if g is not None else next(rendered) for g in given]
+
+    def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
+        events = [r.data_dict.get(CANCEL) for r in requests]
+        return events if any(e is not None for e in events) else None

@@ -58,6 +58,8 @@ class Episode:
     error: str | None = None
     prompt_id: str = ""
     request_id: str = ""
+    ended: threading.Event = field(default_factory=threading.Event, repr=False)  # set by finish(): calls still
+    # generating stop at their next token (grpokit.agents.engine.CANCEL)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _continued: set = field(default_factory=set, repr=False)
 
@@ -121,6 +123,7 @@ class Episode:
     def finish(self, status: str, reward: float | None = None, error: str | None = None) -> None:
         with self._lock:
             self.status, self.reward, self.error = status, reward, error
+        self.ended.set()
 
 
 def _reply_key(m: dict) -> tuple:

@@ -15,7 +15,7 @@ from grpokit.agents.chat import (
     template_messages,
     token_logprobs,
 )
-from grpokit.agents.engine import PROMPT_IDS
+from grpokit.agents.engine import CANCEL, PROMPT_IDS
 from grpokit.agents.episodes import ChoiceRecord, Episode
 from grpokit.errors import GrpokitError, RolloutError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, choice_logprobs
@@ -40,6 +40,7 @@ class ChatService:
         self.version = version
         self.context = context
         self.max_n = max_n
+        self.inflight = 0  # calls inside the engine now (the endpoint's event loop is the only writer)
 
     async def complete(self, body: ChatBody, episode: Episode | None = None) -> dict:
         """The ``chat.completion`` answer; ChatError (4xx) for a body the engine cannot serve."""
@@ -53,11 +54,15 @@ class ChatService:
         messages = template_messages(body)
         if episode is not None:
             messages = episode.restore_replies(messages)
-        data: dict = {}
+        data: dict = {} if episode is None else {CANCEL: episode.ended}
         try:
             config, parent, between = self._planned(body, config, messages, episode, data)
             request = RolloutInferRequest(messages=messages, data_dict=data)
-            response = await self.engine.infer_async(request, config)
+            self.inflight += 1
+            try:
+                response = await self.engine.infer_async(request, config)
+            finally:
+                self.inflight -= 1
         except ChatError:
             raise
         except ValueError as e:  # ConfigError: the prompt does not fit, the template cannot render it

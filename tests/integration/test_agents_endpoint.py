@@ -188,6 +188,21 @@ def test_an_agent_that_raises_or_hangs_is_cut_off_and_counted(template):
     assert len(scheduler.recorder) == 0  # every session closed
 
 
+def test_an_agent_stuck_in_a_call_is_cut_off_and_its_generation_stopped(template):
+    async def agent(client, row):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "stall"}])
+        return 1.0
+
+    engine = EchoEngine(template, stall="stall")
+    scheduler = _scheduler(engine, agent, timeout=0.5)
+    try:
+        (out,) = run_sync(scheduler.async_infer(_requests(1), RequestConfig(max_tokens=64)))
+    finally:
+        scheduler.close()
+    assert out.rollout_infos["agent_status"] == "timeout" and out.rollout_infos["agent_calls"] == 0
+    assert engine.cancelled == 1 and scheduler.service.inflight == 0  # stopped before the rollout returned
+
+
 def test_an_episodes_session_needs_its_key_and_ends_with_its_agent(template):
     leaked = {}
 
