@@ -140,3 +140,14 @@ def test_a_failed_episode_trains_nothing(template):
     (out,) = episode_outputs(ep, train=False)
     assert out.response_loss_mask == [[0, 0]] and out.rollout_infos["total_reward"] == 0.0
     assert out.rollout_infos["agent_status"] == "failed"
+
+
+def test_the_docs_examples_compile():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL)
+    assert len(blocks) >= 3  # the plugin, the openai tool agent, the Agents SDK agent
+    for i, block in enumerate(blocks):
+        compile(block, f"docs/agents.md[python block {i}]", "exec")
