@@ -11,6 +11,7 @@ reward 0 and trains no token (its mask is 0); ``metrics()`` counts them.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 
@@ -67,6 +68,9 @@ class AgentScheduler(RolloutScheduler):
     @classmethod
     def from_args(cls, rollout_args, serve: Callable) -> AgentScheduler:
         check_agent_options(rollout_args)
+        if importlib.util.find_spec("openai") is None:  # looked up, not imported: the client is made per episode
+            raise ConfigError(f"--agent {rollout_args.agent}: the agent's client is openai's AsyncOpenAI, and the "
+                              "openai package is not installed; pip install 'grpokit[agents]'")
         return cls(agents.get_or_raise(rollout_args.agent), serve=serve, concurrency=rollout_args.agent_concurrency,
                    timeout=rollout_args.agent_timeout)
 

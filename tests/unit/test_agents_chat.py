@@ -151,3 +151,30 @@ def test_the_docs_examples_compile():
     assert len(blocks) >= 3  # the plugin, the openai tool agent, the Agents SDK agent
     for i, block in enumerate(blocks):
         compile(block, f"docs/agents.md[python block {i}]", "exec")
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"multi_turn_scheduler": "tool_call_scheduler"}, "the agent drives the episode itself"),
+    ({"use_vllm": True}, "--use_vllm true is not implemented"),
+    ({"vllm_mode": "server", "vllm_server_host": "127.0.0.1"}, "--vllm_mode server is not implemented"),
+])
+def test_agent_refuses_the_options_it_cannot_go_with(options, words):
+    from grpokit.agents.scheduler import check_agent_options
+    from grpokit.config.args import RolloutArguments
+    from grpokit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        check_agent_options(RolloutArguments(agent="a", **options))
+
+
+def test_agent_without_the_openai_package_fails_at_start(monkeypatch):
+    import importlib.util
+
+    from grpokit.agents.scheduler import AgentScheduler
+    from grpokit.config.args import RolloutArguments
+    from grpokit.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'grpokit\[agents\]'"):
+        AgentScheduler.from_args(RolloutArguments(agent="a"), serve=None)
