@@ -14,6 +14,7 @@ prompt is rendered afresh. Each choice trains exactly once.
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -133,8 +134,6 @@ def _reply_key(m: dict) -> tuple:
 
 
 def _args_text(args: Any) -> str:
-    import json  # stdlib; only reached when an episode has tool calls
-
     return args if isinstance(args, str) else json.dumps(args)
 
 
