@@ -60,6 +60,12 @@ def test_unsupported_fields_are_refused_by_name(kw, status, words):
     assert e.value.status == status
 
 
+def test_stop_is_a_string_or_a_bounded_list():
+    assert _body(stop="x" * 100).stop == "x" * 100
+    with pytest.raises(ValueError, match="at most 16 items"):
+        _body(stop=["x"] * 17)
+
+
 def test_an_unknown_role_is_refused():
     with pytest.raises(ChatError, match="messages\\[0\\].role 'robot'"):
         template_messages(ChatBody(model="m", messages=[{"role": "robot", "content": "x"}]))
