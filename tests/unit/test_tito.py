@@ -23,32 +23,17 @@ from grpokit.rollout.multi_turn import MultiTurnScheduler
 from grpokit.rollout.tito import RECORD_KEY, digest, tito_metrics
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prefix_audit import audit_prefix
+from grpokit.testing import THINK_DROPPING_TEMPLATE, build_tiny_tokenizer
 from grpokit.trainers.batch import collate
 
-# ChatML, except that an assistant message before the last user message loses its <think>...</think> block, as
-# Qwen3's template does
-DROPPING_TEMPLATE = (
-    "{% set ns = namespace(last_user=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}{% set content = m['content'] %}"
-    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
-    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
-    "{{ '<|im_start|>' + m['role'] + '\n' + content }}"
-    "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}"
-    "{{ '<|im_end|>' + '\n' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 THINK = "<think>\nplan it\n</think>\n\nAction: look"
 
 
 @functools.lru_cache(maxsize=2)
 def tokenizer(dropping: bool):
-    from grpokit.testing import build_tiny_tokenizer
-
     tok = build_tiny_tokenizer()
     if dropping:
-        tok.chat_template = DROPPING_TEMPLATE
+        tok.chat_template = THINK_DROPPING_TEMPLATE
     return tok
 
 
