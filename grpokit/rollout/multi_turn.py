@@ -176,7 +176,8 @@ class MultiTurnScheduler(RolloutScheduler):
         self._audit = audit_prefix(template)
         if self._audit.preserving is None:
             logger.debug("%s: cannot audit the chat template (%s)", type(self).__name__, self._audit.detail)
-        elif not self._audit.preserving:  # the engine samples from pinned ids where it renders with this template
+        elif not self._audit.preserving or getattr(self.infer_engine, "engine_type", "") == "server":
+            # the engine samples from pinned ids where it renders with this template; a rollout client never does
             logger.warning("%s", self._audit.line(getattr(self.infer_engine, "template", None) is template))
         return self._audit
 
@@ -203,19 +204,7 @@ class MultiTurnScheduler(RolloutScheduler):
                   **kwargs) -> RolloutOutput | list[RolloutOutput]:
         """Play one trajectory: infer → append/continue → on_turn_end → stop? → step() → next turn."""
         name = type(self).__name__
-        self.audit_template()
-        take_entry_images(infer_request, name)
-        known = row_images(infer_request.data_dict)
-        infer_request.images = list(known)  # ms-swift's field while hooks run (turn_images.py)
-        await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
-        start_changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
-        request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
-        traj = Trajectory()
-        images = TrajectoryImages(self.chat_template(), request)
-        record = TurnRecord(self.chat_template(), self.infer_engine)  # token in, token out (rollout/tito.py)
-        if start_changed:
-            traj.infos["images"] = list(images.images)
-        request.images = list(images.images)
+        request, traj, images, record = await self._start(infer_request)
         budget = (request.request_config or request_config).max_tokens
         total = self.completion_length_limit_scope == "total"
         turn = 1
@@ -267,6 +256,24 @@ class MultiTurnScheduler(RolloutScheduler):
             images.close()
             record.close()
             await self.on_trajectory_end(request)
+
+    async def _start(self, infer_request: RolloutInferRequest
+                     ) -> tuple[RolloutInferRequest, Trajectory, TrajectoryImages, TurnRecord]:
+        """Before the first turn: the audit (once), ``on_trajectory_start``, the first request, the bookkeeping."""
+        name = type(self).__name__
+        self.audit_template()
+        take_entry_images(infer_request, name)
+        known = row_images(infer_request.data_dict)
+        infer_request.images = list(known)  # ms-swift's field while hooks run (turn_images.py)
+        await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
+        start_changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
+        request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
+        traj = Trajectory()
+        images = TrajectoryImages(self.chat_template(), request)
+        if start_changed:
+            traj.infos["images"] = list(images.images)
+        request.images = list(images.images)
+        return request, traj, images, TurnRecord(self.chat_template(), self.infer_engine)
 
     async def _infer_turn(self, request: RolloutInferRequest, request_config: RequestConfig,
                           remaining: int | None) -> ChatCompletionResponse:
@@ -333,10 +340,8 @@ class MultiTurnScheduler(RolloutScheduler):
         """Template tokens from the end of the last assistant message (whose ids are ``seg``) to the next turn's
         generation header ([] when the next turn continues the assistant message or no chat template is known)."""
         template = self.chat_template()
-        if template is None or messages[-1]["role"] == "assistant":
-            return []
         last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
-        if last is None:
+        if template is None or last is None or last == len(messages) - 1:
             return []
         return template.encode_between(messages, last, len(messages), seg)
 

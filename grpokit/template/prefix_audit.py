@@ -32,8 +32,9 @@ class PrefixAudit:
     detail: str = ""
 
     def line(self, pinned: bool) -> str:
-        """The one start-up line for a template that is not prefix-preserving; ``pinned``: the engine samples a
-        later turn from the trajectory's own ids (it renders with this template), else it renders each turn."""
+        """The one start-up line for a template that is not prefix-preserving (or for an engine that renders each
+        turn itself); ``pinned``: the engine samples a later turn from the trajectory's own ids (it renders with
+        this template), else it renders each turn."""
         if pinned:
             does = ("grpokit trains each multi-turn trajectory on the ids sampled and samples every later turn from "
                     "the trajectory's own ids, never from a re-render of its messages")
@@ -41,6 +42,8 @@ class PrefixAudit:
             does = ("this engine renders each turn's prompt itself (a single-turn rollout server), so later turns are "
                     "sampled from a re-render; multi_turn/tito_violations counts the trajectories that then train on "
                     "other ids (run the scheduler on the server: grpokit rollout --multi_turn_scheduler NAME)")
+        if self.preserving:
+            return f"the chat template is prefix-preserving, but {does}; a reply's text may re-tokenize to other ids"
         return (f"the chat template is not prefix-preserving: rendering a longer conversation changes the tokens of "
                 f"an earlier turn (token {self.at} of {self.short_len} differs; {self.detail}); {does}")
 

@@ -38,7 +38,8 @@ def tokenizer(dropping: bool):
 
 
 def test_prefix_audit_tells_a_preserving_template_from_one_that_drops_think():
-    assert audit_prefix(ChatTemplate(tokenizer(False))).preserving is True
+    kept = audit_prefix(ChatTemplate(tokenizer(False)))
+    assert kept.preserving is True and "is prefix-preserving, but" in kept.line(False)  # a client: said anyway
     audit = audit_prefix(ChatTemplate(tokenizer(True)))
     assert audit.preserving is False and 0 < audit.at < audit.short_len
     line = audit.line(True)
