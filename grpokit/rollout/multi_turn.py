@@ -5,7 +5,8 @@ One trajectory = turns until the scheduler says stop. Each turn is one engine ca
 builds the next request (append a tool result, a tip, an environment observation, or continue the last assistant
 message). Text and tokens travel side by side: the loop keeps ``messages`` for rewards and the next turn, and per
 assistant message one segment of token ids + loss mask (+ logprobs) exactly as the engine produced them, so the
-trainer never re-encodes a completion (``ChatTemplate.encode_output``).
+trainer never re-encodes a completion (``ChatTemplate.encode_output``), and each later turn is sampled from the
+trajectory's own ids, never from a re-render of its messages (token in, token out: ``grpokit/rollout/tito.py``).
 
 Three ways to customise (``docs/multi_turn.md``): implement ``step()`` (and ``check_finished()``) and keep this
 loop; override ``run()`` entirely (it may return several ``RolloutOutput``s); or put environment logic in the

@@ -93,6 +93,7 @@ def trajectory_violation(full: np.ndarray, prompt_len: int, trained: np.ndarray,
         return "its rollout_infos['tito'] record is malformed"
     allowed = np.zeros(n, dtype=bool)
     prev, end = 0, 0
+    prefix, hashed = hashlib.blake2b(digest_size=8), 0  # the digest of full[:hashed], extended turn by turn: O(n)
     for t, entry in enumerate(record, 1):
         try:
             p, prompt_digest, k, kept_digest = entry
@@ -102,8 +103,12 @@ def trajectory_violation(full: np.ndarray, prompt_len: int, trained: np.ndarray,
         if p < 0 or k < 0:
             return f"turn {t}: its rollout_infos['tito'] record is malformed"
         if p > n:  # the turn lies beyond the trainer's cut
-            return None
-        if p < prev or digest(full[:p]) != prompt_digest:
+            end = p
+            break
+        if p >= prev:
+            prefix.update(np.asarray(full[hashed:p], dtype="<i8").tobytes())
+            hashed = p
+        if p < prev or prefix.copy().hexdigest() != prompt_digest:
             return (f"turn {t} was sampled from {p} prompt ids that are not the ids trained before it (a "
                     "re-rendered conversation, or another template or options on the sampling side)")
         end = p + k
