@@ -10,6 +10,7 @@ import functools
 import logging
 
 import pytest
+from test_multi_turn import tiny_tokenizer
 
 from grpokit.engines.base import InferEngine
 from grpokit.protocol import (
@@ -23,7 +24,7 @@ from grpokit.rollout.multi_turn import MultiTurnScheduler
 from grpokit.rollout.tito import RECORD_KEY, digest, tito_metrics
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prefix_audit import audit_prefix
-from grpokit.testing import THINK_DROPPING_TEMPLATE, build_tiny_tokenizer
+from grpokit.testing import THINK_DROPPING_TEMPLATE
 from grpokit.trainers.batch import collate
 
 THINK = "<think>\nplan it\n</think>\n\nAction: look"
@@ -31,9 +32,11 @@ THINK = "<think>\nplan it\n</think>\n\nAction: look"
 
 @functools.lru_cache(maxsize=2)
 def tokenizer(dropping: bool):
-    tok = build_tiny_tokenizer()
-    if dropping:
-        tok.chat_template = THINK_DROPPING_TEMPLATE
+    """test_multi_turn's tiny tokenizer (built once), or a copy with the think-dropping template."""
+    if not dropping:
+        return tiny_tokenizer()
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = THINK_DROPPING_TEMPLATE
     return tok
 
 
