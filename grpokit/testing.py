@@ -21,6 +21,21 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML, except that an assistant message before the last user message loses its <think>...</think> block, as
+# Qwen3's template does: a template that is not prefix-preserving (multi-turn token-in-token-out tests)
+THINK_DROPPING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + content }}"
+    "{% if not (loop.last and continue_final_message is defined and continue_final_message) %}"
+    "{{ '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -72,14 +87,18 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     seq_cls: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
-    """Build and save a tiny Qwen3-style causal LM (or a 1-label sequence classifier) with its tokenizer."""
+    """Build and save a tiny Qwen3-style causal LM (or a 1-label sequence classifier) with its tokenizer (and
+    ``chat_template`` instead of ChatML when given)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen3Config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -99,7 +99,7 @@ class TransformersEngine(InferEngine):
         if self.max_model_len is not None:
             self._check_text_size(requests, max_tokens)
         try:
-            prompts = self.template.encode_prompts([r.messages for r in requests])
+            prompts = self.template.encode_requests(requests)  # a later turn: the trajectory's own ids (pin_ids)
         except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception: a bad conversation
             raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
                               f"{str(e)[:200]}") from e

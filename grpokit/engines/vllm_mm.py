@@ -76,7 +76,7 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
         if any(row_images(r.data_dict) for r in requests):
             raise RolloutError("the vLLM engine was given image rows but serves this model as text-only; image "
                                "rows need an Idefics3 model folder with its processor")
-        prompts = template.encode_prompts([r.messages for r in requests])
+        prompts = template.encode_requests(requests)  # a later turn: the trajectory's own ids (pin_ids)
         return [{"prompt_token_ids": p} for p in prompts], prompts
     inputs, expected = [], []
     for r in requests:

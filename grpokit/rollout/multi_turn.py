@@ -5,7 +5,8 @@ One trajectory = turns until the scheduler says stop. Each turn is one engine ca
 builds the next request (append a tool result, a tip, an environment observation, or continue the last assistant
 message). Text and tokens travel side by side: the loop keeps ``messages`` for rewards and the next turn, and per
 assistant message one segment of token ids + loss mask (+ logprobs) exactly as the engine produced them, so the
-trainer never re-encodes a completion (``ChatTemplate.encode_output``).
+trainer never re-encodes a completion (``ChatTemplate.encode_output``), and each later turn is sampled from the
+trajectory's own ids, never from a re-render of its messages (token in, token out: ``grpokit/rollout/tito.py``).
 
 Three ways to customise (``docs/multi_turn.md``): implement ``step()`` (and ``check_finished()``) and keep this
 loop; override ``run()`` entirely (it may return several ``RolloutOutput``s); or put environment logic in the
@@ -39,6 +40,7 @@ from grpokit.protocol import (
 )
 from grpokit.registry import Registry
 from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.rollout.tito import TurnRecord
 from grpokit.rollout.turn_images import (
     TrajectoryImages,
     same_image,
@@ -48,6 +50,7 @@ from grpokit.rollout.turn_images import (
     warn_unheld,
 )
 from grpokit.template.encode import ChatTemplate
+from grpokit.template.prefix_audit import PrefixAudit, audit_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,8 @@ class MultiTurnScheduler(RolloutScheduler):
     """
 
     stop_words: tuple[str, ...] = ()
+    multi_turn = True  # the trainer audits its trajectories token in, token out (rollout/tito.py)
+    _audit: PrefixAudit | None = None  # the template's prefix audit, made before the first trajectory
 
     def __init__(self, infer_engine=None, max_turns: int | None = None, tokenizer=None, rollout_args=None,
                  **kwargs) -> None:
@@ -163,6 +168,20 @@ class MultiTurnScheduler(RolloutScheduler):
             self._template = ChatTemplate(self.tokenizer)
         return self._template
 
+    def audit_template(self) -> PrefixAudit | None:
+        """Whether the chat template keeps earlier turns' tokens when a conversation grows (once; None without a
+        template). Where it does not, one line says so and what grpokit does about it."""
+        template = self.chat_template()
+        if self._audit is not None or template is None:
+            return self._audit
+        self._audit = audit_prefix(template)
+        if self._audit.preserving is None:
+            logger.debug("%s: cannot audit the chat template (%s)", type(self).__name__, self._audit.detail)
+        elif not self._audit.preserving or getattr(self.infer_engine, "engine_type", "") == "server":
+            # the engine samples from pinned ids where it renders with this template; a rollout client never does
+            logger.warning("%s", self._audit.line(getattr(self.infer_engine, "template", None) is template))
+        return self._audit
+
     # -- the contract --------------------------------------------------------------------------------------
     def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
              current_turn: int) -> dict:
@@ -186,17 +205,7 @@ class MultiTurnScheduler(RolloutScheduler):
                   **kwargs) -> RolloutOutput | list[RolloutOutput]:
         """Play one trajectory: infer → append/continue → on_turn_end → stop? → step() → next turn."""
         name = type(self).__name__
-        take_entry_images(infer_request, name)
-        known = row_images(infer_request.data_dict)
-        infer_request.images = list(known)  # ms-swift's field while hooks run (turn_images.py)
-        await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
-        start_changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
-        request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
-        traj = Trajectory()
-        images = TrajectoryImages(self.chat_template(), request)
-        if start_changed:
-            traj.infos["images"] = list(images.images)
-        request.images = list(images.images)
+        request, traj, images, record = await self._start(infer_request)
         budget = (request.request_config or request_config).max_tokens
         total = self.completion_length_limit_scope == "total"
         turn = 1
@@ -205,6 +214,7 @@ class MultiTurnScheduler(RolloutScheduler):
                 remaining = budget - traj.completion_length() if total else None
                 response = await self._infer_turn(request, request_config, remaining)
                 choice = response.choices[0]
+                record.sampled(response.prompt_token_ids, choice.token_ids)
                 continuation = request.messages[-1]["role"] == "assistant"
                 _append_completion(request.messages, choice, continuation)
                 turn_result = await self.on_turn_end(request, choice, turn) or {}
@@ -221,17 +231,22 @@ class MultiTurnScheduler(RolloutScheduler):
                 if stop:
                     warn_unheld(request, images.images, f"{name}.on_turn_end at turn {turn}")
                     traj.add_turn(*model_turn, continuation)
-                    return self._output(traj, request.messages, response, turn, reason)
+                    record.kept(model_turn[0])
+                    return self._output(traj, request.messages, response, turn, reason, record)
                 before_step = copy.deepcopy(request.messages)
                 result = self._check_step(self.step(request, choice, turn), choice, turn, images.images)
                 seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
                 gap = images.between(f"{type(self).__name__}.step() at turn {turn}", result, seg)
-                between = (len(gap[0]) if gap is not None else self._between_length(result, traj, continuation)
-                           ) if total else 0
+                gap_ids = gap[0] if gap is not None else (
+                    self._between_ids(result.infer_request.messages, seg) if total or record.template else [])
+                between = len(gap_ids) if total else 0
                 if total and budget - traj.completion_length() - len(result.token_ids) - between <= 0:
                     traj.add_turn(*model_turn, continuation)  # no room for another turn: end as the model left it
-                    return self._output(traj, before_step, response, turn, "length_budget")
+                    record.kept(model_turn[0])
+                    return self._output(traj, before_step, response, turn, "length_budget", record)
                 traj.add_turn(result.token_ids, result.loss_mask, result.logprobs, continuation)
+                record.kept(result.token_ids)
+                record.pin_next(result.infer_request, result.token_ids, gap_ids)
                 traj.between_tokens += between
                 traj.infos.update(result.rollout_infos)
                 images.commit(result, gap, traj.infos)
@@ -240,7 +255,26 @@ class MultiTurnScheduler(RolloutScheduler):
                 turn += 1
         finally:
             images.close()
+            record.close()
             await self.on_trajectory_end(request)
+
+    async def _start(self, infer_request: RolloutInferRequest
+                     ) -> tuple[RolloutInferRequest, Trajectory, TrajectoryImages, TurnRecord]:
+        """Before the first turn: the audit (once), ``on_trajectory_start``, the first request, the bookkeeping."""
+        name = type(self).__name__
+        self.audit_template()
+        take_entry_images(infer_request, name)
+        known = row_images(infer_request.data_dict)
+        infer_request.images = list(known)  # ms-swift's field while hooks run (turn_images.py)
+        await self.on_trajectory_start([infer_request])  # in-place edits become the prompt the trainer encodes
+        start_changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
+        request = infer_request.model_copy(deep=True)  # appended turns never touch the trainer's prompt
+        traj = Trajectory()
+        images = TrajectoryImages(self.chat_template(), request)
+        if start_changed:
+            traj.infos["images"] = list(images.images)
+        request.images = list(images.images)
+        return request, traj, images, TurnRecord(self.chat_template(), self.infer_engine)
 
     async def _infer_turn(self, request: RolloutInferRequest, request_config: RequestConfig,
                           remaining: int | None) -> ChatCompletionResponse:
@@ -303,28 +337,25 @@ class MultiTurnScheduler(RolloutScheduler):
                                f"{len(images)} other(s) returned as 'images'; give the new images in one of them")
         return StepResult(req, ids, mask, lps, infos, appended or images)
 
-    def _between_length(self, result: StepResult, traj: Trajectory, continuation: bool) -> int:
-        """Template tokens from the end of the last assistant message to the next turn's generation header
-        (0 when the next turn continues the assistant message or no chat template is known)."""
-        messages = result.infer_request.messages
+    def _between_ids(self, messages: list[dict], seg: list[int]) -> list[int]:
+        """Template tokens from the end of the last assistant message (whose ids are ``seg``) to the next turn's
+        generation header ([] when the next turn continues the assistant message or no chat template is known)."""
         template = self.chat_template()
-        if template is None or messages[-1]["role"] == "assistant":
-            return 0
         last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
-        if last is None:
-            return 0
-        seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
-        return len(template.encode_between(messages, last, len(messages), seg))
+        if template is None or last is None or last == len(messages) - 1:
+            return []
+        return template.encode_between(messages, last, len(messages), seg)
 
     def _output(self, traj: Trajectory, messages: list[dict], response: ChatCompletionResponse, turn: int,
-                reason: str) -> RolloutOutput:
+                reason: str, record: TurnRecord | None = None) -> RolloutOutput:
         """Pack the trajectory; apply loss_scale and the logprob-count check."""
         if self.loss_scale == "last_round":
             for k in range(len(traj.loss_mask) - 1):
                 traj.loss_mask[k] = [0] * len(traj.loss_mask[k])
                 traj.logprobs[k] = []
         logprobs, dropped = traj.checked_logprobs()
-        infos = {**traj.infos, "num_turns": turn, "stop_reason": reason}
+        infos = {**traj.infos, **(record.infos() if record is not None else {}), "num_turns": turn,
+                 "stop_reason": reason}
         if dropped:
             infos["logprobs_dropped"] = infos.get("logprobs_dropped", 0) + 1
             logger.debug("%s: rollout logprobs do not match the trained tokens; dropped", type(self).__name__)

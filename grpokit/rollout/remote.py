@@ -21,6 +21,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.prefix_audit import audit_prefix
 
 logger = logging.getLogger(__name__)
 MEDIA_KEYS = ("images", "videos", "audios")  # prompt media in data_dict: sent whatever --vllm_server_pass_dataset
@@ -55,8 +56,17 @@ class RemoteScheduler(RolloutScheduler):
             logger.warning("the rollout server runs %s; the rows' columns are not sent to it (ms-swift's default): "
                            "add --vllm_server_pass_dataset true if its scheduler or environment reads them",
                            info.get("multi_turn_scheduler"))
+        if info.get("enable_multi_turn") and template is not None:  # the trainer renders the text between turns
+            audit = audit_prefix(template)
+            if audit.preserving is False:  # the server samples later turns from the trajectory's ids (pin_ids)
+                logger.warning("%s", audit.line(True))
         return cls(client, pass_dataset=pass_dataset, use_gym_env=rollout_args.use_gym_env,
                    loss_scale=rollout_args.loss_scale, template=template)
+
+    @property
+    def multi_turn(self) -> bool:  # the server's scheduler plays the turns: the trainer audits them (rollout/tito.py)
+        info = getattr(self.infer_engine, "engine_info", None)
+        return bool(info().get("enable_multi_turn")) if callable(info) else False
 
     @property
     def uses_env_reward(self) -> bool:  # the server's scheduler decides (e.g. gym_scheduler) unless told

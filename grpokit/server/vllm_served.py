@@ -37,7 +37,7 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
             if getattr(self.template, "multimodal", False):  # image tokens count: the processor's ids (memoised)
                 prompts = [self.template.encode_request(r)[0] for r in requests]
             else:
-                prompts = self.template.encode_prompts([r.messages for r in requests])  # memoised: no second render
+                prompts = self.template.encode_requests(requests)  # memoised; a later turn: its pinned ids
         except DataError:  # more image placeholders than images: answered 400 as it is
             raise
         except Exception as e:  # noqa: BLE001 - a conversation the template cannot render

@@ -3,7 +3,9 @@
 The prompt is rendered by the tokenizer's chat template. The completion is never re-encoded when token ids
 exist: each assistant segment is taken as the engine produced it (``response_token_ids[k]`` with
 ``response_loss_mask[k]``); only the text *between* assistant turns (end-of-turn markers, tool results, user
-tips, the next assistant header) is rendered by the template and tokenized, with loss mask 0.
+tips, the next assistant header) is rendered by the template and tokenized, with loss mask 0. A template that
+rewrites earlier turns (drops their ``<think>`` blocks) still gives that text; the sampled ids stay as sampled,
+and a multi-turn trajectory's later turns are sampled from those same ids (``pin_ids``, ``docs/multi_turn.md``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class ChatTemplate:
         # messages → prompt ids. The num_generations requests of a group share their prompt, which the engine
         # encodes to sample and the trainer again to build the batch; rendering the template costs ~0.5 ms each.
         self._prompt_ids: dict[str, list[int]] = {}
+        # request_id → (its conversation's key, ids): a later turn of a multi-turn trajectory is sampled from the
+        # trajectory's own ids (prompt, turns as trained, template text between), never from a re-render
+        self._pinned_ids: dict[str, tuple[tuple | str, list[int]]] = {}
         if getattr(tokenizer, "chat_template", None) is None:
             raise RolloutError("the tokenizer has no chat_template; use an instruct/chat model or set "
                                "tokenizer.chat_template in the model folder")
@@ -92,6 +97,28 @@ class ChatTemplate:
             ids = [self._truncated(i) for i in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
             self._prompt_ids.update(zip(missing, ids, strict=True))
         return [list(self._prompt_ids[k]) for k in keys]
+
+    def encode_requests(self, requests: list) -> list[list[int]]:
+        """The engine's prompt ids of each request: the pinned ids of a later turn (``pin_ids``) while its
+        conversation is the one pinned, else ``encode_prompts`` of its messages."""
+        out: list[list[int] | None] = [None] * len(requests)
+        missing = []
+        for k, r in enumerate(requests):
+            pinned = self._pinned_ids.get(r.request_id) if self._pinned_ids else None
+            if pinned is not None and pinned[0] == _memo_key(r.messages):
+                out[k] = list(pinned[1])
+            else:
+                missing.append(k)
+        for k, ids in zip(missing, self.encode_prompts([requests[k].messages for k in missing]), strict=True):
+            out[k] = ids
+        return out  # type: ignore[return-value]
+
+    def pin_ids(self, request_id: str, messages: list[dict], ids: list[int]) -> None:
+        """The next turn of ``request_id`` is sampled from ``ids`` while its conversation is ``messages``."""
+        self._pinned_ids[request_id] = (_memo_key(messages), list(ids))
+
+    def unpin_ids(self, request_id: str) -> None:
+        self._pinned_ids.pop(request_id, None)
 
     def prompt_lengths(self, conversations: list[list[dict]]) -> list[int]:
         """Token count of each rendered prompt, before any truncation."""
@@ -156,16 +183,30 @@ class ChatTemplate:
         content = msgs[i + off]["content"]
         after = self.render_prompt(msgs[: j + off])
         head = before + content
-        if not after.startswith(head):
-            raise RolloutError("the chat template does not render earlier turns unchanged (e.g. it strips "
-                               "<think> content from history); multi-turn token alignment needs a template "
-                               "that keeps past assistant messages verbatim")
-        text = after[len(head):]
+        if after.startswith(head):
+            text = after[len(head):]
+        else:  # the template rewrites earlier turns (drops their <think> blocks): the text after message i's
+            text = self._text_after(msgs[: j + off], i + off)  # content is still the template's own
         if seg and seg[-1] == self.eos_token_id:  # the model already produced the end-of-turn token
             eos_text = self.tokenizer.decode([self.eos_token_id])
             if text.startswith(eos_text):
                 text = text[len(eos_text):]
         return text
+
+
+    def _text_after(self, msgs: list[dict], i: int) -> str:
+        """What the template renders after message ``i``'s content up to the end of ``msgs``'s prompt, found
+        with that content replaced by a marker the template has no reason to rewrite (no <think> block)."""
+        marked = [*msgs[:i], {**msgs[i], "content": _MARKER}, *msgs[i + 1:]]
+        rendered = self.render_prompt(marked)
+        if rendered.count(_MARKER) != 1:
+            raise RolloutError("the chat template does not render an earlier assistant message's text (it rewrites "
+                               "or drops it); multi-turn token alignment needs a template that renders every "
+                               "message's content, earlier <think> blocks aside")
+        return rendered[rendered.index(_MARKER) + len(_MARKER):]
+
+
+_MARKER = "\u2063grpokit-earlier-turn\u2063"  # invisible separators: no text of a real conversation has it
 
 
 def _memo_key(messages: list[dict]) -> tuple | str:

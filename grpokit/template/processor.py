@@ -254,6 +254,10 @@ class ProcessorTemplate(ChatTemplate):
             return list(pinned[1]), pinned[2]
         return self.encode_mm(request.messages, images)
 
+    def encode_requests(self, requests: list[RolloutInferRequest]) -> list[list[int]]:
+        """Each request's prompt ids as ``encode_request`` gives them (a later turn's pinned ids included)."""
+        return [self.encode_request(r)[0] for r in requests]
+
     def encode_between_mm(self, full: list[dict], i: int, j: int, seg: list[int], images: list
                           ) -> tuple[list[int], MMRow]:
         """``encode_between`` with the images of the messages in between (one per placeholder, in order)

@@ -21,6 +21,7 @@ from grpokit.errors import PluginError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
+from grpokit.rollout.tito import tito_metrics
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
@@ -204,6 +205,8 @@ class WindowProducer:
         lengths, truncated = (gather_rows(self.accelerator, x)
                               for x in (batch.completion_mask.sum(1), batch.truncated.float()))
         metrics = {**window_metrics(rewards, lengths, truncated, adv_metrics), **metrics}
+        if getattr(self.scheduler, "multi_turn", False):  # ids trained = ids sampled + inserted (rollout/tito.py)
+            metrics.update(tito_metrics(batch, outputs, lambda t: gather_rows(self.accelerator, t[None]).sum(0)))
         funcs = self.rewards.runner.funcs if self.rewards.runner else []
         for name, func in zip(self.rewards.names, funcs):
             for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures

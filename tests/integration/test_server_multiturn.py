@@ -1,9 +1,12 @@
 """Multi-turn inside the server: a plugin scheduler loaded with --external_plugins runs every trajectory, reading
-the row's data_dict; the trainer side only sees finished trajectories."""
+the row's data_dict; the trainer side only sees finished trajectories. The served model's chat template drops
+earlier <think> blocks, and the training rows open each reply with one: the server samples every later turn from
+the trajectory's own ids, so the trainer counts 0 token-in-token-out violations (grpokit/rollout/tito.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import textwrap
 
 import httpx
@@ -15,7 +18,8 @@ from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.remote import RemoteScheduler
 from grpokit.rollout.scheduler import run_trajectories
-from grpokit.testing import build_tiny_model
+from grpokit.rollout.tito import RECORD_KEY
+from grpokit.testing import THINK_DROPPING_TEMPLATE, build_tiny_model
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
@@ -28,6 +32,11 @@ PLUGIN = textwrap.dedent('''
     @multi_turns.register("label_turns")
     class LabelTurns(MultiTurnScheduler):
         """Plays exactly max_turns turns; each user follow-up names the row's label and the turn."""
+
+        async def on_trajectory_start(self, requests):
+            for r in requests:
+                if r.data_dict.get("think"):  # the reply opens with a <think> block the template drops later
+                    r.messages.append({"role": "assistant", "content": "<think>\\nI plan.\\n</think>\\n\\n"})
 
         def check_finished(self, infer_request, response_choice, current_turn):
             return current_turn >= self.max_turns
@@ -42,7 +51,7 @@ PLUGIN = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiturn")
-    tiny = build_tiny_model(root / "tiny")
+    tiny = build_tiny_model(root / "tiny", chat_template=THINK_DROPPING_TEMPLATE)
     plugin = root / "label_plugin.py"
     plugin.write_text(PLUGIN)
     with rollout_server(tiny, root, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns",
@@ -83,7 +92,8 @@ class _Recording(GRPOTrainer):
 
 
 def _train_args(server, tmp_path, *extra):
-    rows = [{"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}"} for i in range(4)]
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}", "think": True}
+            for i in range(4)]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return ["--model", str(server.model), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
@@ -93,11 +103,14 @@ def _train_args(server, tmp_path, *extra):
             "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", *extra]
 
 
-def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path):
+def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path, caplog):
     """ms-swift's server-mode command shape: scheduler, max_turns and loss_scale on the trainer too, the rows'
-    columns passed on; the server's scheduler reads them and the trainer trains only the last round."""
+    columns passed on; the server's scheduler reads them and the trainer trains only the last round, on the ids
+    the server sampled (0 violations although the template drops the replies' <think> blocks)."""
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
+
+    caplog.set_level(logging.WARNING, logger="grpokit")
 
     saved, _Recording.outputs = TrainerFactory.TRAINER_MAPPING["grpo"], []
     TrainerFactory.TRAINER_MAPPING["grpo"] = _Recording
@@ -112,6 +125,12 @@ def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(serv
         label = o.messages[2]["content"].split()[0]  # the server's scheduler read data_dict["label"]
         assert label.startswith("L") and o.messages[4]["content"] == f"{label} after turn 2"
         assert [sum(m) for m in o.response_loss_mask[:-1]] == [0, 0]  # --loss_scale last_round, on the trainer
+        assert o.prompt_messages[-1]["content"].startswith("<think>") and len(o.rollout_infos[RECORD_KEY]) == 3
+    logs = [json.loads(line) for line in (tmp_path / "out" / "logging.jsonl").read_text().splitlines()]
+    steps = [r for r in logs if "loss" in r]
+    assert len(steps) == 2
+    assert all(r["multi_turn/tito_violations"] == 0 and r["multi_turn/tito_unchecked"] == 0 for r in steps)
+    assert any("not prefix-preserving" in r.getMessage() for r in caplog.records)  # the trainer's own audit
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -148,6 +167,10 @@ def test_trainer_plays_the_turns_against_a_single_turn_server(tmp_path_factory, 
     finally:
         TrainerFactory.TRAINER_MAPPING["grpo"] = saved
     assert not served["enable_multi_turn"] and served["weight_version"] >= 1  # the trainer's weights reached it
+    # the server renders each turn from the messages (no pinned ids reach it), so the audit runs and reports what
+    # it finds: on the tiny tokenizer a reply's text often re-tokenizes to other ids than were sampled
+    logs = [json.loads(line) for line in (tmp_path / "out" / "logging.jsonl").read_text().splitlines()]
+    assert all(r["multi_turn/tito_unchecked"] == 0 and "multi_turn/tito_violations" in r for r in logs if "loss" in r)
     assert trainer.state.global_step == 2 and _Recording.outputs
     for o in _Recording.outputs:
         assert [m["role"] for m in o.messages] == ["user", "assistant"] * 2
