@@ -160,6 +160,8 @@ class RolloutArguments:
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
     max_turns: int | None = _opt(None, "max turns per trajectory", ge=1)
     gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")
+    openenv_env: str | None = _opt(None, "OpenEnvScheduler: the OpenEnv environment to run in process, as "
+                                         "module:Class (or a factory returning one); a row's env_config.env wins")
     completion_length_limit_scope: Literal["total", "per_round"] = _opt(
         "per_round", "total: max_completion_length bounds the whole trajectory; per_round: each turn")
     loss_scale: Literal["default", "last_round"] = _opt("default", "last_round: only the last round trains "
