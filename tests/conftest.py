@@ -154,6 +154,7 @@ def _loaded_plugin_modules() -> set[str]:
 def _import_registry_modules() -> None:
     """Import every module that defines a registry, so that the first test to load a plugin does not also fill
     a registry nobody had snapshotted yet."""
+    import grpokit.agents  # noqa: F401
     import grpokit.algorithms.advantages  # noqa: F401
     import grpokit.algorithms.losses  # noqa: F401
     import grpokit.algorithms.rollout_is  # noqa: F401

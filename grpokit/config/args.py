@@ -162,6 +162,12 @@ class RolloutArguments:
     gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")
     openenv_env: str | None = _opt(None, "OpenEnvScheduler: the OpenEnv environment to run in process, as "
                                          "module:Class (or a factory returning one); a row's env_config.env wins")
+    agent: str | None = _opt(None, "agent name from the agents registry (an external plugin): each episode runs "
+                                   "its async agent(client, row) against the trainer's OpenAI-compatible endpoint "
+                                   "(docs/agents.md)")
+    agent_concurrency: int = _opt(64, "--agent: episodes run at once", ge=1, le=4096)
+    agent_timeout: float = _opt(600.0, "--agent: seconds one episode may take; past it the episode ends as a "
+                                       "counted timeout (reward 0, nothing trained)", gt=0)
     completion_length_limit_scope: Literal["total", "per_round"] = _opt(
         "per_round", "total: max_completion_length bounds the whole trajectory; per_round: each turn")
     loss_scale: Literal["default", "last_round"] = _opt("default", "last_round: only the last round trains "

@@ -8,6 +8,8 @@ from dataclasses import replace
 
 from accelerate.utils import set_seed
 
+from grpokit.agents import agents
+from grpokit.agents.scheduler import AgentScheduler, check_agent_options
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.resolve import resolve
@@ -26,6 +28,7 @@ from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plug
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
+from grpokit.server.openai_routes import LocalEndpoint
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
 from grpokit.trainers.callbacks import callbacks_map
@@ -77,10 +80,15 @@ def check_names(cfg: TrainConfig) -> None:
         rm_plugins.get_or_raise(name)
     if cfg.rollout.multi_turn_scheduler and cfg.rollout.vllm_mode != "server":
         multi_turns.get_or_raise(cfg.rollout.multi_turn_scheduler)
+    if cfg.rollout.agent:
+        check_agent_options(cfg.rollout)
+        agents.get_or_raise(cfg.rollout.agent)
     TrainerFactory.get_trainer_cls("grpo")
 
 
 def build_scheduler(cfg: TrainConfig, tokenizer):
+    if cfg.rollout.agent:  # episodes against a local OpenAI-compatible endpoint over the trainer's engine
+        return AgentScheduler.from_args(cfg.rollout, serve=LocalEndpoint)
     if not cfg.rollout.multi_turn_scheduler:
         return None
     scheduler = build_multi_turn(cfg.rollout, tokenizer)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from grpokit.agents.service import ChatService
 from grpokit.errors import GrpokitError
 from grpokit.server.bodies import InferBody
 from grpokit.server.engine import CANCEL
@@ -24,6 +26,7 @@ from grpokit.server.errors import ErrorMiddleware, error_body, install_error_han
 from grpokit.server.guard import GuardMiddleware, GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
+from grpokit.server.openai_routes import add_openai_routes
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
 from grpokit.template.processor import is_vlm_folder
@@ -46,6 +49,9 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     install_error_handlers(app)
     _add_infer_routes(app, state)
     _add_weight_routes(app, state)
+    if not state.multimodal:  # the OpenAI-compatible endpoint serves text (docs/agents.md)
+        add_openai_routes(app, ChatService(state.engine, os.path.basename(os.path.normpath(state.options.model)),
+                                           context=getattr(state.engine, "max_model_len", None)))
     return ErrorMiddleware(GuardMiddleware(app, guard_policy(state)))
 
 

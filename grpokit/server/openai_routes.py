@@ -1,0 +1,117 @@
+"""The OpenAI-compatible endpoint: ``POST /v1/chat/completions`` and ``GET /v1/models``, and, where episodes are
+recorded, the same two under ``/episodes/<id>/v1`` (the episode's key is its bearer token).
+
+``grpokit rollout`` mounts the ``/v1`` routes beside its own (same API key, guard, bounds and error shape:
+``{"error": one line}``; the ``openai`` package raises its ``APIStatusError`` with that line as ``.body`` and in
+its message). For the in-process engine the trainer starts ``LocalEndpoint``: the episode routes only, on
+127.0.0.1, uvicorn in a thread of its own. The body and the answer are grpokit/agents/chat.py's, the call itself
+grpokit/agents/service.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+
+from fastapi import FastAPI, HTTPException, Request
+
+from grpokit.agents.chat import ChatBody, ChatError, models_answer
+from grpokit.agents.episodes import Episode, EpisodeRecorder
+from grpokit.agents.service import ChatService
+from grpokit.errors import RolloutError
+from grpokit.server.errors import ErrorMiddleware, install_error_handlers
+from grpokit.server.guard import GuardMiddleware, GuardPolicy
+
+logger = logging.getLogger(__name__)
+LOCAL_BODY_BYTES = 32 << 20  # an episode's call: a long history, never images
+
+
+def add_openai_routes(app: FastAPI, service: ChatService) -> None:
+    """``/v1/models`` and ``/v1/chat/completions`` on ``app`` (the server's guard applies its API key)."""
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return models_answer(service.model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody) -> dict:
+        return await _served(service, body, None)
+
+
+def add_episode_routes(app: FastAPI, service: ChatService, recorder: EpisodeRecorder) -> None:
+    """``/episodes/<id>/v1/models`` and ``/episodes/<id>/v1/chat/completions``: the calls of one episode, each
+    recorded; the episode's key is the bearer token (401 otherwise), an unknown id 404, an ended one 410."""
+
+    def episode_of(episode_id: str, request: Request) -> Episode:
+        episode = recorder.get(episode_id)
+        if episode is None:
+            raise HTTPException(404, f"no open episode {episode_id[:40]!r}: episodes are reached only while their "
+                                     "agent runs")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), episode.key.encode()):
+            raise HTTPException(401, "missing or wrong episode key: use the client the agent was given (its api_key "
+                                     "is the episode's key)", headers={"WWW-Authenticate": "Bearer"})
+        return episode
+
+    @app.get("/episodes/{episode_id}/v1/models")
+    async def episode_models(episode_id: str, request: Request) -> dict:
+        episode_of(episode_id, request)
+        return models_answer(service.model_name)
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def episode_chat(episode_id: str, body: ChatBody, request: Request) -> dict:
+        return await _served(service, body, episode_of(episode_id, request))
+
+
+async def _served(service: ChatService, body: ChatBody, episode: Episode | None) -> dict:
+    try:
+        return await service.complete(body, episode)
+    except ChatError as e:
+        raise HTTPException(e.status, str(e)) from e
+    except RolloutError as e:
+        raise HTTPException(500, f"{type(e).__name__}: {e}") from e
+
+
+class LocalEndpoint:
+    """The episode routes over ``service`` on 127.0.0.1 (a free port), served by uvicorn in a daemon thread.
+    ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops it."""
+
+    def __init__(self, service: ChatService, recorder: EpisodeRecorder) -> None:
+        import uvicorn  # the rollout server's dependency; a run without --agent never starts one
+
+        self.service, self.recorder = service, recorder
+        app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                      redirect_slashes=False)
+        install_error_handlers(app)
+        add_episode_routes(app, service, recorder)
+        guarded = ErrorMiddleware(GuardMiddleware(app, GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)))
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(guarded, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # the trainer's process owns its signals
+        self._thread = threading.Thread(target=self._serve, name="grpokit-episodes", daemon=True)
+        self._thread.start()
+        for _ in range(2000):  # up to 20 s: the loop is up once uvicorn says so
+            if self._server.started or not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        if not self._server.started:
+            raise RolloutError("the local OpenAI endpoint for --agent did not start (see the log above)")
+
+    def _serve(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def base_url(self, episode: Episode) -> str:
+        """The ``base_url`` of an episode's client."""
+        return f"{self.url}/episodes/{episode.id}/v1"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
