@@ -25,10 +25,11 @@ STAMP="$(cat pyproject.toml requirements/lock.txt | sha256sum | cut -c1-16)"
 
 install_deps() {
     # torch is repeated so that nothing replaces the CPU build; the lock file pins what grpokit shares with the
-    # library (transformers, pydantic, httpx, ...), less the pins these libraries set themselves (the main
-    # environment's openai 3 and mcp 2.3, for openai-agents), and the extra pins the library
+    # library (transformers, pydantic, httpx, ...), less the pins these libraries set otherwise (the main
+    # environment's openai 3 and mcp 2.3, for openai-agents; openenv's gradio wants pillow<13), and the extra
+    # pins the library
     local constraints="$VENV/constraints.txt"
-    grep -viE '^(openai|mcp|mcp-types)==' requirements/lock.txt > "$constraints"
+    grep -viE '^(openai|mcp|mcp-types|pillow)==' requirements/lock.txt > "$constraints"
     "$PY" -m pip install -q 'torch==2.13.0' -c "$constraints" -e ".[$FLAVOUR]" pytest pytest-timeout
     "$PY" -m pip uninstall -q -y grpokit
 }
