@@ -62,7 +62,7 @@ class ChatBody(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)

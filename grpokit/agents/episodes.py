@@ -14,6 +14,7 @@ prompt is rendered afresh. Each choice trains exactly once.
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class Episode:
     error: str | None = None
     prompt_id: str = ""
     request_id: str = ""
+    ended: threading.Event = field(default_factory=threading.Event, repr=False)  # set by finish(): calls still
+    # generating stop at their next token (grpokit.agents.engine.CANCEL)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _continued: set = field(default_factory=set, repr=False)
 
@@ -121,6 +124,7 @@ class Episode:
     def finish(self, status: str, reward: float | None = None, error: str | None = None) -> None:
         with self._lock:
             self.status, self.reward, self.error = status, reward, error
+        self.ended.set()
 
 
 def _reply_key(m: dict) -> tuple:
@@ -130,8 +134,6 @@ def _reply_key(m: dict) -> tuple:
 
 
 def _args_text(args: Any) -> str:
-    import json  # stdlib; only reached when an episode has tool calls
-
     return args if isinstance(args, str) else json.dumps(args)
 
 

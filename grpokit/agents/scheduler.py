@@ -10,6 +10,8 @@ reward 0 and trains no token (its mask is 0); ``metrics()`` counts them.
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import logging
 from collections.abc import Callable, Sequence
 
@@ -66,6 +68,9 @@ class AgentScheduler(RolloutScheduler):
     @classmethod
     def from_args(cls, rollout_args, serve: Callable) -> AgentScheduler:
         check_agent_options(rollout_args)
+        if importlib.util.find_spec("openai") is None:  # looked up, not imported: the client is made per episode
+            raise ConfigError(f"--agent {rollout_args.agent}: the agent's client is openai's AsyncOpenAI, and the "
+                              "openai package is not installed; pip install 'grpokit[agents]'")
         return cls(agents.get_or_raise(rollout_args.agent), serve=serve, concurrency=rollout_args.agent_concurrency,
                    timeout=rollout_args.agent_timeout)
 
@@ -88,6 +93,7 @@ class AgentScheduler(RolloutScheduler):
         rows = [agent_row(r) for r in requests]
         episodes = await run_episodes(self.agent_fn, rows, endpoint, concurrency=self.concurrency,
                                       timeout=self.timeout, ids=[(r.prompt_id, r.request_id) for r in requests])
+        await self._drained()
         outputs: list[RolloutOutput] = []
         for request, episode in zip(requests, episodes, strict=True):
             for o in episode_outputs(episode, train=episode.status == "done"):
@@ -95,6 +101,17 @@ class AgentScheduler(RolloutScheduler):
                 outputs.append(o)
         self._count(episodes)
         return outputs
+
+    async def _drained(self, limit_s: float = 60.0) -> None:
+        """Wait for calls still generating (an agent cut off mid-call: its episode's end stops them at the next
+        token), so that no generation runs on the weights while they train."""
+        waited = 0.0
+        while self.service.inflight and waited < limit_s:
+            await asyncio.sleep(0.01)
+            waited += 0.01
+        if self.service.inflight:
+            logger.warning("%d endpoint call(s) still generating %g s after their episodes ended",
+                           self.service.inflight, limit_s)
 
     def _count(self, episodes) -> None:
         n = len(episodes)

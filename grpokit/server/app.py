@@ -26,7 +26,7 @@ from grpokit.server.errors import ErrorMiddleware, error_body, install_error_han
 from grpokit.server.guard import GuardMiddleware, GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
-from grpokit.server.openai_routes import add_openai_routes
+from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy
 from grpokit.template.processor import is_vlm_folder
@@ -41,7 +41,8 @@ PEER_FAILED = 424  # Failed Dependency: the weight-sync peer (the trainer's stor
 
 
 def create_app(state: ServerState) -> ErrorMiddleware:
-    """The ASGI application serving ``state``: error net → API-key/body-size guard → FastAPI app."""
+    """The ASGI application serving ``state``: error net → OpenAI error shape (/v1) → API-key/body-size guard →
+    FastAPI app."""
     # redirect_slashes off: Starlette's redirect of /infer to /infer/ builds its Location from the Host header
     app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   redirect_slashes=False)
@@ -50,9 +51,11 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     _add_infer_routes(app, state)
     _add_weight_routes(app, state)
     if not state.multimodal:  # the OpenAI-compatible endpoint serves text (docs/agents.md)
-        add_openai_routes(app, ChatService(state.engine, os.path.basename(os.path.normpath(state.options.model)),
-                                           context=getattr(state.engine, "max_model_len", None)))
-    return ErrorMiddleware(GuardMiddleware(app, guard_policy(state)))
+        name = state.options.served_model_name or os.path.basename(os.path.normpath(state.options.model))
+        add_openai_routes(app, ChatService(state.engine, name,
+                                           context=getattr(state.engine, "max_model_len", None),
+                                           max_n=state.options.max_batch_requests))
+    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:

@@ -32,6 +32,9 @@ def rollout_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi_turn_scheduler", default=None, help="multi-turn scheduler name (multi_turns registry)")
     p.add_argument("--max_turns", type=int, default=None, help="max turns per trajectory (multi-turn only)")
     p.add_argument("--gym_env", default=None, help="environment name (envs registry) for gym_scheduler")
+    p.add_argument("--served_model_name", default=None,
+                   help="the name /v1/models lists (the OpenAI-compatible endpoint, docs/agents.md; any model= of "
+                        "a call is served alike); default: the model folder's name")
     p.add_argument("--completion_length_limit_scope", default=None, choices=["total", "per_round"],
                    help="multi-turn: max_tokens bounds the whole trajectory (total) or each turn (per_round)")
     p.add_argument("--loss_scale", default=None, choices=["default", "last_round"],
@@ -199,7 +202,8 @@ def options_from_argv(argv: list[str]):
                          external_plugins=list(a.external_plugins), api_key=api_key, insecure=a.insecure,
                          max_batch_requests=a.max_batch_requests, max_inflight_requests=a.max_inflight_requests,
                          max_body_mb=a.max_body_mb, torch_dtype=a.torch_dtype, max_batch_size=a.max_batch_size,
-                         fast_decode=a.fast_decode == "true", **_image_options(a), **_transport_options(a))
+                         fast_decode=a.fast_decode == "true", served_model_name=a.served_model_name,
+                         **_image_options(a), **_transport_options(a))
 
 
 def _transport_options(a: argparse.Namespace) -> dict:

@@ -1,17 +1,19 @@
 """The OpenAI-compatible endpoint: ``POST /v1/chat/completions`` and ``GET /v1/models``, and, where episodes are
 recorded, the same two under ``/episodes/<id>/v1`` (the episode's key is its bearer token).
 
-``grpokit rollout`` mounts the ``/v1`` routes beside its own (same API key, guard, bounds and error shape:
-``{"error": one line}``; the ``openai`` package raises its ``APIStatusError`` with that line as ``.body`` and in
-its message). For the in-process engine the trainer starts ``LocalEndpoint``: the episode routes only, on
-127.0.0.1, uvicorn in a thread of its own. The body and the answer are grpokit/agents/chat.py's, the call itself
-grpokit/agents/service.py's.
+``grpokit rollout`` mounts the ``/v1`` routes beside its own (same API key, guard and bounds). Their errors carry
+the server's one line in OpenAI's shape, ``{"error": {"message": line, "type": ..., "code": status}}``
+(``OpenAIErrors`` rewrites every error answer under ``/v1`` and ``/episodes``, the guard's 401/413 included), so
+the ``openai`` package puts the line in its exception's message. For the in-process engine the trainer starts
+``LocalEndpoint``: the episode routes only, on 127.0.0.1, uvicorn in a thread of its own. The body and the answer
+are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import threading
@@ -75,6 +77,66 @@ async def _served(service: ChatService, body: ChatBody, episode: Episode | None)
         raise HTTPException(500, f"{type(e).__name__}: {e}") from e
 
 
+OPENAI_PATHS = ("/v1/", "/episodes/")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               410: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error"}
+
+
+def openai_error(body: bytes, status: int) -> bytes:
+    """A JSON error answer ``{"error": line, ...}`` in OpenAI's shape (other bodies unchanged)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(obj, dict) or not isinstance(obj.get("error"), str):
+        return body
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"error": {"message": obj["error"], "type": kind, "param": None, "code": str(status)}}).encode()
+
+
+class OpenAIErrors:
+    """ASGI wrapper: error answers of the OpenAI paths take OpenAI's shape (``openai_error``)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(OPENAI_PATHS):
+            await self.app(scope, receive, send)
+            return
+        held: dict = {}
+        chunks: list[bytes] = []
+
+        async def shaping_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held["start"] = message
+                return
+            if "start" not in held or message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            start = held.pop("start")
+            body = openai_error(b"".join(chunks), start["status"])
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, shaping_send)
+
+
+def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddleware:
+    """The ASGI application of the episode routes: error net → OpenAI error shape → body-size guard → FastAPI."""
+    app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
+    install_error_handlers(app)
+    add_episode_routes(app, service, recorder)
+    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it
+    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, policy)))
+
+
 class LocalEndpoint:
     """The episode routes over ``service`` on 127.0.0.1 (a free port), served by uvicorn in a daemon thread.
     ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops it."""
@@ -83,11 +145,7 @@ class LocalEndpoint:
         import uvicorn  # the rollout server's dependency; a run without --agent never starts one
 
         self.service, self.recorder = service, recorder
-        app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                      redirect_slashes=False)
-        install_error_handlers(app)
-        add_episode_routes(app, service, recorder)
-        guarded = ErrorMiddleware(GuardMiddleware(app, GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)))
+        guarded = episode_app(service, recorder)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

@@ -78,6 +78,7 @@ class ServerOptions:
     # swift rollout's template option: the default enable_thinking of the server's chat template (prompts that carry
     # the trainer's chat-template kwargs keep theirs); None: the template's own default
     enable_thinking: bool | None = None
+    served_model_name: str | None = None  # what /v1/models lists; None: the model folder's name
 
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "vllm"):

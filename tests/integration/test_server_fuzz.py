@@ -6,8 +6,8 @@ capped at 96 tokens and at most 4 requests per call, so that the bodies that val
 Weight-sync rendezvous never leave the process: the store connection is replaced by one that fails at once (a
 fuzzer must not dial the hosts it invents). Each endpoint gets 200 generated examples (bodies that fit the schema
 and bodies that do not, plus Schemathesis' coverage cases: other methods, missing and wrong-typed fields) with a
-fixed seed; each must answer below 500, every error as JSON with an ``error`` field, and ``/health/`` must answer
-after each one.
+fixed seed; each must answer below 500, every error as JSON with an ``error`` field (a one-line string; under
+``/v1/``, OpenAI's ``{"message": line, ...}``), and ``/health/`` must answer after each one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ COUNTS: Counter = Counter()
 
 def _openapi() -> dict:
     """The document the server serves; the routes do not depend on the model, so a stub state gives it."""
-    return create_app(ServerState(ServerOptions(model="stub"), None, None)).app.app.openapi()
+    return create_app(ServerState(ServerOptions(model="stub"), None, None)).app.app.app.openapi()
 
 
 schema = schemathesis.openapi.from_dict(_openapi())
@@ -71,9 +71,17 @@ def test_every_endpoint_answers_below_500_with_json_errors(case, server):
     response = _send(server, case)
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
     if response.status_code >= 400:
-        body = response.json()
-        assert isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"], response.text[:300]
+        assert _error_line(response, case.path), response.text[:300]
     assert server.get("/health/").json() == {"status": "ok"}
+
+
+def _error_line(response, path: str) -> str:
+    """The answer's one-line error: ``error`` itself, or under /v1/ OpenAI's ``error.message``."""
+    body = response.json()
+    error = body.get("error") if isinstance(body, dict) else None
+    if path.startswith("/v1/") and isinstance(error, dict):
+        error = error.get("message")
+    return error if isinstance(error, str) else ""
 
 
 JSON_VALUES = st.recursive(
@@ -85,7 +93,8 @@ RAW_BODIES = st.one_of(st.binary(max_size=512), JSON_VALUES.map(lambda v: json.d
 CONTENT_TYPES = st.sampled_from(["application/json", "application/json; charset=latin-1", "text/plain", "",
                                  "application/problem+json", "multipart/form-data"])
 ROUTES = [("GET", "/health/"), ("GET", "/get_engine_type/"), ("POST", "/infer/"), ("POST", "/init_communicator/"),
-          ("POST", "/update_weights/"), ("POST", "/close_communicator/"), ("POST", "/reset_prefix_cache/")]
+          ("POST", "/update_weights/"), ("POST", "/close_communicator/"), ("POST", "/reset_prefix_cache/"),
+          ("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
 
 
 @pytest.mark.parametrize("method, path", ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])
@@ -102,7 +111,7 @@ def test_raw_bodies_of_any_bytes_and_type_get_json_answers(server, method, path)
         response = server.request(method, path, content=body, headers=headers)
         assert response.status_code < 500, (body[:200], ctype, response.text[:300])
         if response.status_code >= 400:
-            assert isinstance(response.json().get("error"), str), response.text[:300]
+            assert _error_line(response, path), response.text[:300]
         assert server.get("/health/").json() == {"status": "ok"}
 
     check()
