@@ -118,6 +118,20 @@ PLUGIN = textwrap.dedent('''
             "agent": {"runtime": {"type": "subprocess"}, "harness": {"id": harness_id}}}))
 ''')
 
+FLAKY = PLUGIN + textwrap.dedent('''
+    class Flaky(OneCall):
+        """Plays the first task; the harness breaks on the second."""
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs):
+            if data.a == 4:
+                raise RuntimeError("harness broke")
+            return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs)
+
+    def load_environment():
+        return _env("vf_flaky", "vf_flaky")
+
+    __all__ = ["SumTaskset", "Flaky"]
+''')
 SINGLE = PLUGIN + textwrap.dedent('''
     def load_environment():
         return _env("vf_single", "vf_single")
@@ -184,3 +198,18 @@ def test_a_multi_turn_tool_verifiers_env_trains_as_one_trajectory_per_episode(ti
         # each call extends the one before: one trajectory of three replies, the tool results between them
         assert [m["role"] for m in said] == ["user", "assistant", "user", "assistant", "user", "assistant"]
         assert said[2]["content"].startswith("Observation: calculator(")
+
+
+def test_an_episode_verifiers_marks_failed_is_a_failed_episode_not_a_failed_run(tiny_model_dir, tmp_path):
+    pytest.importorskip("verifiers")
+    plugin = tmp_path / "vf_flaky.py"
+    plugin.write_text(FLAKY)
+    trainer, logs, completions, _ = _train(tiny_model_dir, tmp_path, plugin, "vf_flaky:load_environment")
+    assert trainer.state.global_step == 2
+    broken = [c for c in completions if c["prompt"] == "What is 4 + 1?"]
+    played = [c for c in completions if c["prompt"] == "What is 2 + 3?"]
+    assert broken and played
+    for c in broken:  # reward 0, no rubric score (nothing of it trained: the agent path's failure rule)
+        assert c["gym_reward"] == 0 and c["correct"] is None and c["length"] is None
+    for c in played:
+        assert c["gym_reward"] == pytest.approx(c["correct"] + 0.5 * c["length"])
