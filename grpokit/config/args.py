@@ -160,9 +160,16 @@ class RolloutArguments:
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
     max_turns: int | None = _opt(None, "max turns per trajectory", ge=1)
     gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")
+    openenv_env: str | None = _opt(None, "OpenEnvScheduler: the OpenEnv environment to run in process, as "
+                                         "module:Class (or a factory returning one); a row's env_config.env wins")
     agent: str | None = _opt(None, "agent name from the agents registry (an external plugin): each episode runs "
                                    "its async agent(client, row) against the trainer's OpenAI-compatible endpoint "
                                    "(docs/agents.md)")
+    verifiers_env: str | None = _opt(None, "a verifiers (0.4) environment to train on, with its own tasks, "
+                                           "harness and reward functions, served through the same endpoint as "
+                                           "--agent: module:attr (an Env or a function returning one), a module "
+                                           "with load_environment(), or a taskset id; --agent_concurrency and "
+                                           "--agent_timeout bound its episodes (docs/agents_envs.md)")
     agent_concurrency: int = _opt(64, "--agent: episodes run at once", ge=1, le=4096)
     agent_timeout: float = _opt(600.0, "--agent: seconds one episode may take; past it the episode ends as a "
                                        "counted timeout (reward 0, nothing trained)", gt=0)

@@ -250,11 +250,15 @@ def _check_rollout_modes(cfg: TrainConfig) -> None:
     server = r.vllm_mode == "server"
     # server mode: the server runs the trajectories; the trainer's multi-turn options are checked against the
     # server's at start-up (grpokit.rollout.remote.check_server_rollout), as ms-swift takes them on either side
-    used = [f for f, on in (("--gym_env", r.gym_env), ("--loss_scale", r.loss_scale != "default"),
+    used = [f for f, on in (("--gym_env", r.gym_env), ("--openenv_env", r.openenv_env),
+                            ("--loss_scale", r.loss_scale != "default"),
                             ("--max_turns", r.max_turns), ("--use_gym_env", r.use_gym_env is not None)) if on]
     if not server and r.multi_turn_scheduler is None and used:
         raise ConfigError(f"{used[0]} acts on multi-turn rollouts; add --multi_turn_scheduler NAME (e.g. "
                           "gym_scheduler, thinking_tips_scheduler)")
+    if r.openenv_env and server:
+        raise ConfigError(f"--openenv_env {r.openenv_env}: in server mode the rollout server's scheduler makes the "
+                          "environments; name it in each row's env_config.env (module:Class) instead")
     if r.vllm_server_pass_dataset and not server:
         raise ConfigError("--vllm_server_pass_dataset true sends the rows' columns to a rollout server; it needs "
                           "--vllm_mode server (in colocate mode the scheduler reads them anyway)")
@@ -295,7 +299,7 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
 
 def _check_rewards(cfg: TrainConfig) -> None:
     r, w = cfg.rollout, cfg.reward
-    gym = r.multi_turn_scheduler == "gym_scheduler"
+    gym = r.multi_turn_scheduler in ("gym_scheduler", "OpenEnvScheduler", "openenv_scheduler")
     if w.reward_weights:
         funcs = w.reward_funcs or ([] if (w.reward_model or gym) else ["accuracy"])
         n = len(funcs) + len(w.reward_model) + int(gym)

@@ -10,6 +10,14 @@ from accelerate.utils import set_seed
 
 from grpokit.agents import agents
 from grpokit.agents.scheduler import AgentScheduler, check_agent_options
+from grpokit.agents.verifiers_env import (
+    VerifiersScheduler,
+    check_verifiers_options,
+    env_tasks,
+    load_verifiers_env,
+    rubric_columns,
+    write_task_rows,
+)
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.resolve import resolve
@@ -83,10 +91,14 @@ def check_names(cfg: TrainConfig) -> None:
     if cfg.rollout.agent:
         check_agent_options(cfg.rollout)
         agents.get_or_raise(cfg.rollout.agent)
+    check_verifiers_options(cfg.rollout)
     TrainerFactory.get_trainer_cls("grpo")
 
 
-def build_scheduler(cfg: TrainConfig, tokenizer):
+def build_scheduler(cfg: TrainConfig, tokenizer, verifiers: tuple | None = None):
+    """``verifiers``: (env, tasks) of --verifiers_env, loaded once before the dataset (its tasks are the rows)."""
+    if verifiers is not None:
+        return VerifiersScheduler.from_env(*verifiers, cfg.rollout, serve=LocalEndpoint)
     if cfg.rollout.agent:  # episodes against a local OpenAI-compatible endpoint over the trainer's engine
         return AgentScheduler.from_args(cfg.rollout, serve=LocalEndpoint)
     if not cfg.rollout.multi_turn_scheduler:
@@ -138,7 +150,12 @@ def _run_train(cfg: TrainConfig, log):
     d = cfg.data
     rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
                       load_from_cache_file=d.load_from_cache_file, max_row_bytes=d.max_row_bytes)
-    train_ds, val_ds = load_train_val(d.dataset or ["builtin:arithmetic"], d.val_dataset,
+    verifiers = None
+    if cfg.rollout.verifiers_env:  # the environment's tasks are the rows unless --dataset gives its own
+        env = load_verifiers_env(cfg.rollout.verifiers_env)
+        verifiers = (env, env_tasks(env))
+    default = [write_task_rows(verifiers[1], cfg.training.output_dir)] if verifiers else ["builtin:arithmetic"]
+    train_ds, val_ds = load_train_val(d.dataset or default, d.val_dataset,
                                       system=resolve_system(d.system), seed=cfg.training.seed,
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
@@ -161,9 +178,10 @@ def _run_train(cfg: TrainConfig, log):
             scheduler = RemoteScheduler.from_args(engine, cfg.rollout,  # multi-turn runs inside the server
                                                   template=prompts.template(tokenizer))
     else:
-        scheduler = build_scheduler(cfg, tokenizer)
+        scheduler = build_scheduler(cfg, tokenizer, verifiers)
     env_reward = bool(getattr(scheduler, "uses_env_reward", False))
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
+    funcs, names, weights = rubric_columns(scheduler, funcs, names, cfg.reward.reward_weights or None)
     for func in funcs:  # a reward that vets the rows before training (code_exec: tests it cannot grade)
         if callable(getattr(func, "check_rows", None)):
             func.check_rows(train_ds)
@@ -172,7 +190,7 @@ def _run_train(cfg: TrainConfig, log):
     try:
         trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
                               eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
-                              reward_weights=cfg.reward.reward_weights or None, ref_model=ref, scheduler=scheduler,
+                              reward_weights=weights, ref_model=ref, scheduler=scheduler,
                               engine=engine, callbacks=callbacks,
                               # only when given: a plugin's trainer class without this argument keeps working
                               **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))

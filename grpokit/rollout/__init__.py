@@ -6,4 +6,5 @@ Importing the package registers the built-in schedulers and environments (``mult
 from grpokit.rollout import (
     builtin_schedulers,  # noqa: F401 - registers the built-ins
     envs_builtin,  # noqa: F401 - registers math_env
+    openenv_scheduler,  # noqa: F401 - registers OpenEnvScheduler (openenv itself is imported by the env's module)
 )

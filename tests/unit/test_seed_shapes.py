@@ -179,11 +179,18 @@ def test_hf_callbacks_are_built_and_driven_hfs_way():
     assert driver.state.log_history is loop.log_history
 
 
-def test_open_env_scheduler_says_what_is_missing():
+def test_open_env_scheduler_refuses_a_server_row_naming_the_in_process_fix():
+    from grpokit.protocol import RolloutInferRequest
+    from grpokit.rollout.multi_turn import multi_turns
     from grpokit.swift.rollout.multi_turn import OpenEnvScheduler
 
-    with pytest.raises(ConfigError, match="OpenEnv"):
-        OpenEnvScheduler()
+    assert multi_turns["OpenEnvScheduler"] is OpenEnvScheduler is multi_turns["openenv_scheduler"]
+    row = RolloutInferRequest(messages=[{"role": "user", "content": "Play"}],
+                              data_dict={"env_config": {"name": "openenv", "base_url": "http://127.0.0.1:8000"}})
+    with pytest.raises(ConfigError, match="in process: give env_config.env"):
+        OpenEnvScheduler()._make_env(row)
+    with pytest.raises(ConfigError, match="--openenv_env 'no_such_module:Env': cannot import"):
+        OpenEnvScheduler(openenv_env="no_such_module:Env")
 
 
 def test_a_training_step_override_under_sharded_gradients_is_warned_once(caplog):
