@@ -46,6 +46,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     install_error_handlers(app)
     _add_infer_routes(app, state)
     _add_weight_routes(app, state)
+    _add_check_route(app, state)
     return ErrorMiddleware(GuardMiddleware(app, guard_policy(state)))
 
 
@@ -260,6 +261,20 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         state.weight_version += 1
         return {"ok": True, "loaded": loaded, "weight_version": state.weight_version}
 
+    @app.post("/close_communicator/")
+    async def close_communicator() -> dict:
+        await asyncio.to_thread(state.receiver.close)
+        return {"ok": True}
+
+    @app.post("/reset_prefix_cache/")
+    async def reset_prefix_cache() -> dict:
+        state.engine.reset_prefix_cache()
+        return {"ok": True}
+
+
+def _add_check_route(app: FastAPI, state: ServerState) -> None:
+    """``POST /check_weights/`` (``--check_weight_sync`` on the trainer; docs/server_mode.md, "Weight sync")."""
+
     @app.post("/check_weights/")
     async def check_weights(body: CheckWeightsBody) -> dict:
         """After a sync: the trainer's checksums of what it sent against the weights the engine now holds."""
@@ -280,13 +295,3 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
                 return check_held(body, state.engine.weight_sums)
 
         return await asyncio.to_thread(check)
-
-    @app.post("/close_communicator/")
-    async def close_communicator() -> dict:
-        await asyncio.to_thread(state.receiver.close)
-        return {"ok": True}
-
-    @app.post("/reset_prefix_cache/")
-    async def reset_prefix_cache() -> dict:
-        state.engine.reset_prefix_cache()
-        return {"ok": True}

@@ -41,6 +41,11 @@ def sync(engine, policy, rollout_args, step: int, template=None) -> None:
     if not rollout_args.check_weight_sync or not hasattr(engine, "sync_weights_checked"):
         engine.sync_weights(policy)
         return
+    if overrides_sync(engine):  # a plugin's own sync_weights runs as it is: the checked path would bypass it
+        logger.warning("weight sync check skipped: %s.sync_weights is overridden, and the check works on the "
+                       "engine's own sync only", type(engine).__name__)
+        engine.sync_weights(policy)
+        return
     try:
         report = engine.sync_weights_checked(policy)
         t0 = time.perf_counter()
@@ -53,6 +58,13 @@ def sync(engine, policy, rollout_args, step: int, template=None) -> None:
         f"probe max |Δ logp| {probe[0]:.2g} ≤ {probe[1]:g}"
     logger.info("weight sync check after step %d passed: %d tensors match, %d not readable back, %s (%.3fs)",
                 step, report.checked, report.unreadable, said, report.seconds + time.perf_counter() - t0)
+
+
+def overrides_sync(engine) -> bool:
+    """Whether ``engine``'s ``sync_weights`` is not the one of the class that defines ``sync_weights_checked``
+    (a subclass or a monkeypatch replaced it)."""
+    owner = next(c for c in type(engine).__mro__ if "sync_weights_checked" in c.__dict__)
+    return type(engine).sync_weights is not owner.__dict__.get("sync_weights")
 
 
 def run_probe(engine, policy) -> tuple[float, float] | None:

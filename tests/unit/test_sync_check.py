@@ -201,3 +201,28 @@ def test_the_tolerance_is_the_less_precise_dtype_s():
     assert least_precise(torch.float32, torch.bfloat16) == torch.bfloat16
     assert least_precise(None, torch.float32) == torch.float32
     assert least_precise(torch.float16, torch.float32) == torch.float16
+
+
+def test_an_overridden_sync_is_run_as_it_is_and_not_checked(caplog):
+    from grpokit.trainers.sync_check import overrides_sync, sync
+
+    calls = []
+
+    class Engine:
+        def sync_weights(self, model):
+            calls.append("own")
+
+        def sync_weights_checked(self, model):
+            calls.append("checked")
+
+    class Patched(Engine):
+        def sync_weights(self, model):
+            calls.append("patched")
+
+    assert not overrides_sync(Engine()) and overrides_sync(Patched())
+    args = type("Rollout", (), {"check_weight_sync": True})()
+    sync(Patched(), None, args, step=3)
+    off = type("Rollout", (), {"check_weight_sync": False})()
+    sync(Engine(), None, off, step=3)
+    assert calls == ["patched", "own"]
+    assert "Patched.sync_weights is overridden" in caplog.text
