@@ -1,10 +1,9 @@
 """Checksums of synced weights, computed the same way on both sides of a weight sync.
 
 A tensor's checksum is three float64 sums over its flat values in the wire dtype: ``Σx``, ``Σ|x|`` and
-``Σ w_i·x_i`` with a position weight ``w_i = 1 + (i mod 1021) / 1021`` (counted within 4M-element chunks), so that
-a changed, zeroed, stale, shifted or transposed tensor changes at least one of them. The sums run on the tensor's
-device, a chunk at a time (no float64 copy of a whole tensor), and a caller stacks every tensor's [3] sums and
-moves them to the host once.
+``Σ w_i·x_i`` with a position weight ``w_i = 1 + (i mod 1021) / 1021``, so that a changed, zeroed, stale, shifted
+or transposed tensor changes at least one of them. The sums run on the tensor's device, a chunk at a time (no
+float64 copy of a whole tensor), and a caller stacks every tensor's [3] sums and moves them to the host once.
 
 Two sides add the same values in different orders (other devices, other reduction kernels), so sums agree to
 float64 rounding, not bit for bit: ``sums_agree`` allows ``RTOL_SAME`` of ``Σ|x|``, or the receiving dtype's
@@ -18,46 +17,52 @@ from collections.abc import Sequence
 
 import torch
 
-CHUNK = 1 << 22  # elements summed at once: bounds the float64 temporaries to 32 MiB
 PERIOD = 1021  # a prime: the position weights of rows of any power-of-two width differ
+CHUNK = PERIOD * 4096  # elements summed at once (a whole number of periods): bounds the temporaries
 RTOL_SAME = 1e-12  # float64 sums of the same values in another order: n · 2^-53 relative at worst for n ≤ 2^40,
 # far less for the pairwise/tree reductions torch uses; a one-element change of 1e-12 · Σ|x| is still caught
 SUMS = ("sum", "abs_sum", "weighted_sum")
 
 
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    return 1.0 + (torch.arange(n, device=device, dtype=torch.float64) % PERIOD) / PERIOD
+def _ramp(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device, dtype=torch.float64)
 
 
-def tensor_sums(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """[3] float64 on ``t``'s device: Σx, Σ|x|, Σ w_i·x_i over ``t``'s flat values (no host sync).
-    ``weights`` is a reusable ``_weights(CHUNK)`` on that device (made here when not given)."""
+def tensor_sums(t: torch.Tensor) -> torch.Tensor:
+    """[3] float64 on ``t``'s device: Σx, Σ|x|, Σ w_i·x_i over ``t``'s flat values, ``w_i = 1 + (i mod P)/P``
+    (no host sync). Two passes over the values: their float64 column sums and those of |x|, the values laid out
+    P to a row; Σx is the columns' total and Σw·x = Σx + (1/P)·Σ_k k·(column k's sum), so no weight vector as long
+    as the tensor is made."""
     flat = t.detach().reshape(-1)
-    n = flat.numel()
-    if weights is None or weights.device != flat.device or weights.numel() < min(n, CHUNK):
-        weights = _weights(min(max(n, 1), CHUNK), flat.device)
+    if not flat.is_floating_point():
+        flat = flat.to(torch.float64)
+    ramp = _ramp(PERIOD, flat.device)
     out = torch.zeros(3, dtype=torch.float64, device=flat.device)
-    for start in range(0, n, CHUNK):
-        c = flat[start:start + CHUNK].to(torch.float64)
-        out[0] += c.sum()
-        out[1] += c.abs().sum()
-        out[2] += torch.dot(c, weights[:c.numel()])
+    for start in range(0, flat.numel(), CHUNK):
+        c = flat[start:start + CHUNK]
+        whole = c.numel() // PERIOD * PERIOD
+        rest = c[whole:].to(torch.float64)
+        if whole:
+            columns = c[:whole].view(-1, PERIOD).sum(0, dtype=torch.float64)
+            out[0] += columns.sum()
+            out[1] += c[:whole].abs().view(-1, PERIOD).sum(0, dtype=torch.float64).sum()
+            out[2] += columns.dot(ramp) / PERIOD
+        out[0] += rest.sum()
+        out[1] += rest.abs().sum()
+        out[2] += rest.dot(ramp[:rest.numel()]) / PERIOD
+    out[2] += out[0]
     return out
 
 
 class SumsOf:
-    """Checksums of many tensors on one device, moved to the host together: ``add(t)`` per tensor, then
-    ``values()`` -> one ``[Σx, Σ|x|, Σw·x]`` list per tensor, in order."""
+    """Checksums of many tensors, moved to the host together: ``add(t)`` per tensor, then ``values()`` -> one
+    ``[Σx, Σ|x|, Σw·x]`` list per tensor, in order."""
 
     def __init__(self) -> None:
         self._rows: list[torch.Tensor] = []
-        self._weights: dict[torch.device, torch.Tensor] = {}
 
     def add(self, t: torch.Tensor) -> None:
-        w = self._weights.get(t.device)
-        if w is None:
-            w = self._weights[t.device] = _weights(CHUNK, t.device)
-        self._rows.append(tensor_sums(t, w))
+        self._rows.append(tensor_sums(t))
 
     def values(self) -> list[list[float]]:
         if not self._rows:

@@ -30,12 +30,16 @@ def test_sums_of_a_small_tensor_by_hand():
 
 
 def test_sums_in_chunks_equal_a_float64_loop(monkeypatch):
-    monkeypatch.setattr(checksum, "CHUNK", 4)  # 10 elements: chunks of 4, 4, 2, each counting positions from 0
+    # period 3, chunks of 6: 10 elements are a chunk of two whole rows, then one row and a rest of one;
+    # the position weight counts the flat index across chunks: w_i = 1 + (i mod 3)/3
+    monkeypatch.setattr(checksum, "PERIOD", 3)
+    monkeypatch.setattr(checksum, "CHUNK", 6)
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(0))
     flat = x.reshape(-1).double().tolist()
-    weighted = sum(v * (1 + (i % 4) / 1021) for i, v in enumerate(flat))
+    weighted = sum(v * (1 + (i % 3) / 3) for i, v in enumerate(flat))
     got = tensor_sums(x).tolist()
     assert got == pytest.approx([sum(flat), sum(map(abs, flat)), weighted], rel=1e-12)
+    assert tensor_sums(torch.tensor([True, False, True])).tolist() == pytest.approx([2.0, 2.0, 2.0 + 2 / 3])
 
 
 def test_sums_change_for_a_transpose_a_shift_and_one_element():
