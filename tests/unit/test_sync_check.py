@@ -230,3 +230,49 @@ def test_an_overridden_sync_is_run_as_it_is_and_not_checked(caplog):
     sync(Engine(), None, off, step=3)
     assert calls == ["patched", "own"]
     assert "Patched.sync_weights is overridden" in caplog.text
+
+
+class _HeldEngine:
+    """A served engine stand-in for POST /check_weights/: holds tensors by name, reads them back."""
+
+    def __init__(self, held: dict[str, torch.Tensor]) -> None:
+        self.held = held
+
+    def tensor_count(self) -> int:
+        return len(self.held)
+
+    def weight_sums(self, names):
+        return {n: (tensor_sums(self.held[n]).tolist(), self.held[n].dtype) for n in names if n in self.held}
+
+
+def _check_client(held: dict[str, torch.Tensor] | None):
+    from test_server_app import make_client
+
+    client, state = make_client(max_body_mb=1.0)
+    if held is not None:
+        engine = _HeldEngine(held)
+        state.engine.tensor_count, state.engine.weight_sums = engine.tensor_count, engine.weight_sums
+    return client, state
+
+
+def _body(tensors: dict[str, torch.Tensor], **extra) -> dict:
+    return {"buckets": [[{"name": n, "dtype": "float32", "sums": tensor_sums(t).tolist()}]
+                        for n, t in tensors.items()], **extra}
+
+
+def test_check_weights_route_answers_matches_mismatches_and_refusals():
+    w, v = torch.randn(4, 4), torch.randn(3)
+    client, state = _check_client({"w": w, "v": v})
+    answer = client.post("/check_weights/", json=_body({"w": w, "v": v})).json()
+    assert answer == {"ok": True, "problems": [], "count": 0, "checked": 2, "unreadable": 0}
+    answer = client.post("/check_weights/", json=_body({"w": w, "v": v * 2})).json()
+    assert not answer["ok"] and answer["problems"][0].startswith("bucket 1 of 2: v (")
+    answer = client.post("/check_weights/", json=_body({"w": w}, weight_version=state.weight_version + 1)).json()
+    assert not answer["ok"] and "another sync" in answer["problems"][0]
+    resp = client.post("/check_weights/", json=_body({"w": w, "v": v, "u": v}))  # more tensors than it holds
+    assert resp.status_code == 422 and "3 tensors listed" in resp.json()["error"]
+    resp = client.post("/check_weights/", json={"buckets": [[{"name": "w", "dtype": "float32", "sums": [1]}]]})
+    assert resp.status_code == 422
+    client, _ = _check_client(None)  # an engine that cannot read its weights back
+    resp = client.post("/check_weights/", json=_body({"w": w}))
+    assert resp.status_code == 501 and "--check_weight_sync false" in resp.json()["error"]
