@@ -61,7 +61,7 @@ def guard_policy(state: ServerState) -> GuardPolicy:
         n = count()
         path_items["/update_weights/"] = 20 * n + 16
         hints["/update_weights/"] = f"the served model has {n} tensors, so its metadata holds fewer items"
-        path_items["/check_weights/"] = 12 * n + 16  # a tensor's sums are 9 items
+        path_items["/check_weights/"] = 16 * n + 16  # a tensor's sums: its list, dict, keys and values, 12 items
         hints["/check_weights/"] = f"the served model has {n} tensors, so its checksums hold fewer items"
     longest = max(4 << 20, -(-int(o.max_image_mb * 2**20) * 4 // 3) + 1024)  # a base64 image at --max_image_mb
     return GuardPolicy(api_key=o.api_key, max_body_bytes=o.max_body_bytes,
