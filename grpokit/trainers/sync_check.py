@@ -61,10 +61,11 @@ def sync(engine, policy, rollout_args, step: int, template=None) -> None:
 
 
 def overrides_sync(engine) -> bool:
-    """Whether ``engine``'s ``sync_weights`` is not the one of the class that defines ``sync_weights_checked``
-    (a subclass or a monkeypatch replaced it)."""
+    """Whether ``engine``'s ``sync_weights`` is not the one of the class that defines ``sync_weights_checked``:
+    a subclass replaced it, or a function from another module was set on the class (a monkeypatch)."""
     owner = next(c for c in type(engine).__mro__ if "sync_weights_checked" in c.__dict__)
-    return type(engine).sync_weights is not owner.__dict__.get("sync_weights")
+    own = owner.__dict__.get("sync_weights")
+    return type(engine).sync_weights is not own or getattr(own, "__module__", None) != owner.__module__
 
 
 def run_probe(engine, policy) -> tuple[float, float] | None:

@@ -224,6 +224,13 @@ def test_an_overridden_sync_is_run_as_it_is_and_not_checked(caplog):
             calls.append("patched")
 
     assert not overrides_sync(Engine()) and overrides_sync(Patched())
+
+    class Monkeypatched(Engine):
+        sync_weights_checked = Engine.sync_weights_checked
+
+    Monkeypatched.sync_weights = lambda self, model: None
+    Monkeypatched.sync_weights.__module__ = "a_test_module"  # as a function defined in a test
+    assert overrides_sync(Monkeypatched())
     args = type("Rollout", (), {"check_weight_sync": True})()
     sync(Patched(), None, args, step=3)
     off = type("Rollout", (), {"check_weight_sync": False})()
