@@ -27,3 +27,8 @@ class RolloutError(GrpokitError, RuntimeError):
 
 class ServerError(GrpokitError, RuntimeError):
     """A rollout server is unreachable, timed out or answered with an error."""
+
+
+class WeightSyncError(GrpokitError, RuntimeError):
+    """After a weight sync the engine does not hold the trainer's weights (a checksum or the logprob probe
+    differs); the message names the bucket or tensor."""

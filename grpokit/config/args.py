@@ -156,6 +156,11 @@ class RolloutArguments:
     offload_optimizer: bool = _opt(False, "vLLM colocate: move the optimizer state to CPU memory while vLLM "
                                           "generates, back before training")
     weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket", ge=1)
+    check_weight_sync: bool = _opt(
+        True, "after every weight sync (server mode, vLLM colocate) check that the engine holds the trainer's "
+              "weights: float64 checksums of every tensor on both sides and a 4-token greedy logprob probe; a "
+              "mismatch stops the run naming the bucket or tensor. Costs one more read of every weight on each "
+              "side and one short generation per sync (docs/PERFORMANCE.md)")
     async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
     max_turns: int | None = _opt(None, "max turns per trajectory", ge=1)

@@ -31,10 +31,11 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception
 from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
-from grpokit.engines.weight_sender import WeightSender
-from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights
+from grpokit.engines.sync_check import SyncReport, check_body, check_servers
+from grpokit.engines.weight_sender import WeightSender, sends_here
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.wire.checksum import SumsOf
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
@@ -345,18 +346,28 @@ class RolloutClient(InferEngine):
 
     def sync_weights(self, model) -> None:
         """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
-        if _dist_rank() != 0:  # only rank 0 sends; sharded (DTensor) weights still need every rank to gather
-            if gathers_on_every_rank(model):  # FSDP2 or ZeRO-3
-                for _ in iter_sync_weights(model):
-                    pass
-            return
+        self._push(model, None)
 
+    def sync_weights_checked(self, model) -> SyncReport:
+        """``sync_weights``, then each server compares what its engine holds with the sums of the bytes sent
+        (``POST /check_weights/``, engines/sync_check.py); WeightSyncError naming server, bucket and tensor."""
+        sums = SumsOf()
+        sent = self._push(model, sums)
+        if sent is None:  # not rank 0: rank 0 sent, and checks
+            return SyncReport(here=False)
+        post = lambda i, path, body: self._request(i, "POST", path, body)  # noqa: E731
+        return check_servers(post, [e.label for e in self.endpoints], check_body(sent[0], sums.values()), sent[1])
+
+    def _push(self, model, sums: SumsOf | None):
+        if not sends_here(model):  # only rank 0 sends (another rank gathered its shards with it)
+            return None
         dtypes = {info.get("torch_dtype") for info in self._all_infos()}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
         t0 = time.perf_counter()
-        n = self._sender.sync(model, wire_dtype=wire, backend=self._backend(model))
-        logger.debug("weight sync: %d tensors to %d server(s) in %.2fs", n, len(self.endpoints),
+        sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums)
+        logger.debug("weight sync: %d buckets to %d server(s) in %.2fs", len(sent[0]), len(self.endpoints),
                      time.perf_counter() - t0)
+        return sent
 
     def reset_prefix_cache(self) -> None:
         for i in range(len(self.endpoints)):
@@ -382,9 +393,3 @@ class RolloutClient(InferEngine):
         servers_gpu = all(str(info.get("device", "cpu")).startswith("cuda") for info in self._all_infos())
         nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
         return "nccl" if on_gpu and servers_gpu and nccl else "gloo"
-
-
-def _dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

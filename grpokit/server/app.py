@@ -1,7 +1,7 @@
 """The rollout server's HTTP API (FastAPI). Endpoint names follow ms-swift's ``swift rollout``.
 
 ``GET /health/``, ``GET /get_engine_type/``, ``POST /infer/`` (trajectories through the server's scheduler),
-``POST /init_communicator/``, ``POST /update_weights/``, ``POST /close_communicator/``,
+``POST /init_communicator/``, ``POST /update_weights/``, ``POST /check_weights/``, ``POST /close_communicator/``,
 ``POST /reset_prefix_cache/``; ``GET /openapi.json`` describes them. Every error answer is JSON
 ``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request stops the server, and
 an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the next token).
@@ -28,9 +28,9 @@ from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.state import ServerState
-from grpokit.server.weight_sync import RendezvousBusy
+from grpokit.server.weight_sync import RendezvousBusy, check_held
 from grpokit.template.processor import is_vlm_folder
-from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
+from grpokit.wire.bodies import CheckWeightsBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
 
 MAX_MESSAGE_EXTRA_CHARS = 65536  # a message's fields beside role and content (tool_calls, name, ...), all together
 MAX_CALL_EXTRA_CHARS = 4 << 20  # the same over every message of one /infer/ call (each is echoed back twice)
@@ -55,6 +55,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
         add_openai_routes(app, ChatService(state.engine, name,
                                            context=getattr(state.engine, "max_model_len", None),
                                            max_n=state.options.max_batch_requests))
+    _add_check_route(app, state)
     return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
 
@@ -69,6 +70,8 @@ def guard_policy(state: ServerState) -> GuardPolicy:
         n = count()
         path_items["/update_weights/"] = 20 * n + 16
         hints["/update_weights/"] = f"the served model has {n} tensors, so its metadata holds fewer items"
+        path_items["/check_weights/"] = 16 * n + 16  # a tensor's sums: its list, dict, keys and values, 12 items
+        hints["/check_weights/"] = f"the served model has {n} tensors, so its checksums hold fewer items"
     longest = max(4 << 20, -(-int(o.max_image_mb * 2**20) * 4 // 3) + 1024)  # a base64 image at --max_image_mb
     return GuardPolicy(api_key=o.api_key, max_body_bytes=o.max_body_bytes,
                        hosts=HostPolicy.for_bind(o.host, o.allowed_hosts), max_json_items=o.max_json_items,
@@ -276,3 +279,28 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     async def reset_prefix_cache() -> dict:
         state.engine.reset_prefix_cache()
         return {"ok": True}
+
+
+def _add_check_route(app: FastAPI, state: ServerState) -> None:
+    """``POST /check_weights/`` (``--check_weight_sync`` on the trainer; docs/server_mode.md, "Weight sync")."""
+
+    @app.post("/check_weights/")
+    async def check_weights(body: CheckWeightsBody) -> dict:
+        """After a sync: the trainer's checksums of what it sent against the weights the engine now holds."""
+        count = getattr(state.engine, "tensor_count", None)
+        n = sum(len(b) for b in body.buckets)
+        if callable(count) and n > count():
+            raise HTTPException(422, f"cannot check the weights: {n} tensors listed, the served model has {count()}")
+        if not hasattr(state.engine, "weight_sums"):
+            raise HTTPException(501, f"the {state.options.engine} engine cannot read its weights back; run the "
+                                     "trainer with --check_weight_sync false")
+        if body.weight_version is not None and body.weight_version != state.weight_version:
+            return {"ok": False, "count": 1, "checked": 0, "unreadable": 0,
+                    "problems": [f"another sync (weight version {state.weight_version}) replaced version "
+                                 f"{body.weight_version} before the check; is a second trainer syncing?"]}
+
+        def check() -> dict:
+            with state.engine.lock:  # no sync loads while the weights are read back
+                return check_held(body, state.engine.weight_sums)
+
+        return await asyncio.to_thread(check)

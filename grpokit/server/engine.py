@@ -17,6 +17,7 @@ from grpokit.engines.transformers_engine import TransformersEngine, context_mess
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 from grpokit.wire.bodies import TensorMeta
+from grpokit.wire.checksum import SumsOf
 from grpokit.wire.weights import dtype_name, parse_dtype
 
 # The event of the HTTP call being served (set when its client disconnects); the app sets it around each call.
@@ -143,6 +144,15 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
             self._params[name].data.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def weight_sums(self, names: list[str]) -> dict:
+        """The weight-sync check: name → (checksums, dtype) of each parameter as the model holds it now, read
+        back from the parameters (grpokit/wire/checksum.py); names it does not hold are left out."""
+        sums, names = SumsOf(), [n for n in names if n in self._params]
+        for name in names:
+            sums.add(self._params[name])
+        return {n: (v, self._params[n].dtype) for n, v in zip(names, sums.values(), strict=True)}
 
     def info(self) -> dict:
         return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device), "max_model_len": self.max_model_len}

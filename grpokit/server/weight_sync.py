@@ -20,9 +20,10 @@ from collections.abc import Callable
 import torch
 
 from grpokit.errors import ServerError
-from grpokit.wire.bodies import InitCommunicatorBody, UpdateWeightsBody
+from grpokit.wire.bodies import CheckWeightsBody, InitCommunicatorBody, UpdateWeightsBody
+from grpokit.wire.checksum import compare_sums
 from grpokit.wire.group import Communicator, first_line, local_address_towards
-from grpokit.wire.weights import unpack
+from grpokit.wire.weights import parse_dtype, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -271,3 +272,14 @@ class WeightReceiver:
             self._retired.add(id(comm))
         else:
             comm.close()
+
+
+def check_held(body: CheckWeightsBody, weight_sums: Callable[[list[str]], dict], max_problems: int = 8) -> dict:
+    """The answer of ``POST /check_weights/``: the sums the trainer took over the bytes it sent, against the
+    sums of the weights the engine holds now (``weight_sums(names)``, read back from its parameters); one
+    problem per bucket that differs, at most ``max_problems`` of them, and ``count`` of all."""
+    sent = [(b, m.name, parse_dtype(m.dtype), m.sums) for b, bucket in enumerate(body.buckets) for m in bucket]
+    held = weight_sums([name for _, name, _, _ in sent])
+    problems, checked, unreadable = compare_sums(sent, held, len(body.buckets))
+    return {"ok": not problems, "problems": problems[:max_problems], "count": len(problems), "checked": checked,
+            "unreadable": unreadable}

@@ -22,7 +22,7 @@ from grpokit.config.plan import batch_plan
 from grpokit.config.validate import loss_config
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
-from grpokit.trainers import hooks
+from grpokit.trainers import hooks, sync_check
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
@@ -337,7 +337,7 @@ class GRPOTrainer:
     def _sync_weights(self) -> float:
         """The engine's weights from the policy; returns the seconds it took."""
         t0 = time.perf_counter()
-        self.engine.sync_weights(self.policy)
+        sync_check.sync(self.engine, self.policy, self.cfg.rollout, self.state.global_step, self.template)
         if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
             self.accelerator.wait_for_everyone()  # from it before the push is done
         return time.perf_counter() - t0

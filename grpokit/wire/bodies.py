@@ -1,4 +1,4 @@
-"""Weight-sync metadata: the bodies of /init_communicator/ and /update_weights/, torch-free.
+"""Weight-sync metadata: the bodies of /init_communicator/, /update_weights/ and /check_weights/, torch-free.
 
 HTTP bodies of the rollout server. Unknown fields are refused (``extra="forbid"``), as in the protocol models.
 
@@ -123,3 +123,35 @@ def check_bucket_sizes(body: UpdateWeightsBody, max_bucket_bytes: int) -> list[s
     return [f"bucket {i} of {b.nbytes} bytes with {len(b.tensors)} tensors exceeds --max_weight_bucket_mb {mb:g}; "
             "lower the trainer's --weight_sync_bucket_mb or raise the server's limit"
             for i, b in enumerate(body.buckets) if len(b.tensors) > 1 and b.nbytes > max_bucket_bytes]
+
+
+class TensorSums(BaseModel):
+    """One tensor's checksums as the sender computed them over the bytes it sent (grpokit/wire/checksum.py)."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=1024)
+    dtype: Literal[tuple(WIRE_DTYPES)] = Field(description="the wire dtype the sums were taken in")
+    sums: list[float | None] = Field(min_length=3, max_length=3,
+                                     description="Σx, Σ|x|, Σw·x in float64; null where not finite")
+
+
+class CheckWeightsBody(BaseModel):
+    """``POST /check_weights/``: after a sync, the checksums of every bucket it sent, bucket by bucket; the server
+    computes the same over the weights its engine now holds and names the buckets and tensors that differ."""
+
+    model_config = _STRICT
+
+    buckets: list[list[TensorSums]] = Field(max_length=MAX_TENSORS)
+    weight_version: int | None = Field(None, ge=0, description="the version the update answered: another sync "
+                                                                "since then is reported instead of a mismatch")
+
+    @model_validator(mode="after")
+    def _unique(self) -> CheckWeightsBody:
+        seen: set[str] = set()
+        for b in self.buckets:
+            for m in b:
+                if m.name in seen:
+                    raise ValueError(f"{m.name}: listed twice")
+                seen.add(m.name)
+        return self
