@@ -126,9 +126,9 @@ class AgentScheduler(RolloutScheduler):
             logger.warning("agent episodes of rollout %d: %d failed, %d timed out of %d (trained as reward 0, "
                            "masked)", self.windows, failures, timeouts, n)
 
-    def metrics(self) -> dict[str, float]:
+    def rollout_metrics(self) -> dict[str, float]:
         """The last rollout's episode counts (``agent/episodes``, ``agent/failures``, ``agent/timeouts``,
-        ``agent/calls_mean``)."""
+        ``agent/calls_mean``), which the trainer logs with the window's metrics (window_producer.py)."""
         return dict(self._last)
 
     def close(self) -> None:

@@ -207,6 +207,7 @@ class WindowProducer:
         metrics = {**window_metrics(rewards, lengths, truncated, adv_metrics), **metrics}
         if getattr(self.scheduler, "multi_turn", False):  # ids trained = ids sampled + inserted (rollout/tito.py)
             metrics.update(tito_metrics(batch, outputs, lambda t: gather_rows(self.accelerator, t[None]).sum(0)))
+        metrics.update(getattr(self.scheduler, "rollout_metrics", dict)())  # e.g. --agent's episode counts
         funcs = self.rewards.runner.funcs if self.rewards.runner else []
         for name, func in zip(self.rewards.names, funcs):
             for key, value in (getattr(func, "last_metrics", None) or {}).items():  # e.g. code_exec failures

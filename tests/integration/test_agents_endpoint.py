@@ -156,7 +156,7 @@ def test_64_concurrent_episodes_keep_their_own_calls(template):
     finally:
         scheduler.close()
     assert engine.calls == 64 * 3 and len(outputs) == 64  # every call landed, each episode one trajectory
-    assert scheduler.metrics() == {"agent/episodes": 64, "agent/failures": 0, "agent/timeouts": 0,
+    assert scheduler.rollout_metrics() == {"agent/episodes": 64, "agent/failures": 0, "agent/timeouts": 0,
                                    "agent/calls_mean": 3.0}
     for i, o in enumerate(outputs):
         assert o.rollout_infos["total_reward"] == float(i) and o.prompt_id == str(i % 8)
@@ -184,7 +184,7 @@ def test_an_agent_that_raises_or_hangs_is_cut_off_and_counted(template):
     assert [o.rollout_infos["total_reward"] for o in outputs] == [1.0, 0.0, 0.0]
     assert [sum(map(sum, o.response_loss_mask)) > 0 for o in outputs] == [True, False, False]  # masked
     assert "RuntimeError: the agent's own bug" in outputs[1].rollout_infos["agent_error"]
-    assert scheduler.metrics()["agent/failures"] == 1 and scheduler.metrics()["agent/timeouts"] == 1
+    assert scheduler.rollout_metrics()["agent/failures"] == 1 and scheduler.rollout_metrics()["agent/timeouts"] == 1
     assert len(scheduler.recorder) == 0  # every session closed
 
 

@@ -162,6 +162,8 @@ def test_an_openai_agent_trains_on_the_ids_the_endpoint_sampled(tiny_model_dir, 
         assert window.rewards_per_func[:, 0].tolist() == pytest.approx(rewards)
         assert batch.advantages.tolist() == pytest.approx(_grpo_advantages(rewards), abs=1e-5)
     assert any(r["grad_norm"] > 0 for r in logs)
+    # the episode counts reach the log every step (4 episodes a step: 2 prompts × num_generations 2)
+    assert [(r["agent/episodes"], r["agent/failures"], r["agent/timeouts"]) for r in logs] == [(4, 0, 0)] * 3
 
 
 def test_an_agents_sdk_agent_trains(tiny_model_dir, tmp_path, recording_trainer):
