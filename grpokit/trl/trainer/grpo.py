@@ -82,4 +82,4 @@ def build_trainer(spec: GRPOTrainer):
     return TrainerFactory.get_trainer_cls("grpo")(
         model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train, eval_dataset=val, reward_funcs=funcs,
         reward_names=names, reward_weights=cfg.reward.reward_weights or None, ref_model=ref,
-        engine=build_engine(cfg), callbacks=spec.callbacks)
+        engine=build_engine(cfg, template), callbacks=spec.callbacks, template=template)  # one template
