@@ -376,5 +376,10 @@ def build_scheduler(rollout_args, tokenizer, infer_engine=None, template: ChatTe
         raise ConfigError(f"--use_gym_env {str(uses_env_reward).lower()}: the scheduler "
                           f"{rollout_args.multi_turn_scheduler!r} ({type(scheduler).__name__}) did not take it; pass "
                           "its constructor's keyword arguments on to MultiTurnScheduler.__init__")
+    if infer_engine is not None and getattr(scheduler, "infer_engine", None) is None:
+        raise ConfigError(f"--multi_turn_scheduler {rollout_args.multi_turn_scheduler}: {type(scheduler).__name__} "
+                          "dropped its infer_engine argument; pass the constructor's arguments on to "
+                          "MultiTurnScheduler.__init__ (ms-swift's signature: infer_engine=None, max_turns=None, "
+                          "*args, **kwargs)")
     return scheduler
 

@@ -174,3 +174,54 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
     assert trainer.scheduler.infer_engine is trainer.engine and trainer.scheduler.chat_template() is template
     assert trainer.scheduler._template is template  # given at construction, not rebuilt from the tokenizer
     assert trainer.engine.infer_on_loop_thread is True and trainer.engine.fast_decode is False
+
+
+# -- schedulers get everything at construction ---------------------------------------------------------------------
+class _Engine:
+    tokenizer = None
+    template = None
+
+
+def test_a_scheduler_is_built_with_its_engine_template_and_gym_choice(monkeypatch):
+    from grpokit.config.args import RolloutArguments
+    from grpokit.errors import ConfigError
+    from grpokit.rollout.multi_turn import MultiTurnScheduler, build_scheduler, multi_turns
+
+    class SwiftStyle(MultiTurnScheduler):  # ms-swift's constructor: everything passed on
+        def __init__(self, infer_engine=None, max_turns=None, *args, **kwargs):
+            super().__init__(infer_engine, max_turns, *args, **kwargs)
+
+    class Drops(MultiTurnScheduler):  # keeps its own signature and forgets the rest
+        def __init__(self, infer_engine=None, max_turns=None, **kwargs):
+            super().__init__(None, max_turns)
+
+    monkeypatch.setitem(multi_turns, "swift_style", SwiftStyle)
+    monkeypatch.setitem(multi_turns, "drops", Drops)
+    engine, template = _Engine(), object()
+    built = build_scheduler(RolloutArguments(multi_turn_scheduler="swift_style", use_gym_env=True), None,
+                            infer_engine=engine, template=template, uses_env_reward=True)
+    assert built.infer_engine is engine and built._template is template and built.uses_env_reward is True
+    assert SwiftStyle.uses_env_reward is False  # the choice is the instance's, not the class's
+    with pytest.raises(ConfigError, match=r"--use_gym_env true: the scheduler 'drops' \(Drops\) did not take it"):
+        build_scheduler(RolloutArguments(multi_turn_scheduler="drops"), None, infer_engine=engine,
+                        uses_env_reward=True)
+    with pytest.raises(ConfigError, match="Drops dropped its infer_engine argument"):
+        build_scheduler(RolloutArguments(multi_turn_scheduler="drops"), None, infer_engine=engine)
+
+
+def test_the_trainer_refuses_a_scheduler_without_an_engine_and_builds_a_recipe_around_its_own():
+    from types import SimpleNamespace
+
+    from grpokit.errors import ConfigError
+    from grpokit.rollout.scheduler import RolloutScheduler
+    from grpokit.trainers.training_setup import setup_rollout
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(fast_decode=True, async_generate=False),
+                          training=SimpleNamespace(deepspeed=None))
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), state=None)
+    engine = _Engine()
+    engine.engine_type, engine.model = "test", None
+    with pytest.raises(ConfigError, match="the scheduler RolloutScheduler has no engine: build it with infer_engine"):
+        setup_rollout(engine, RolloutScheduler(), None, None, cfg, accelerator)
+    _, scheduler = setup_rollout(engine, lambda e: RolloutScheduler(e, max_turns=2), None, None, cfg, accelerator)
+    assert scheduler.infer_engine is engine and scheduler.max_turns == 2
