@@ -15,8 +15,6 @@ import logging
 import os
 from dataclasses import replace
 
-from accelerate.utils import set_seed
-
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.resolve import resolve
@@ -27,7 +25,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
-from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path
+from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -164,8 +162,8 @@ def _run_train(cfg: TrainConfig, plan, log):
     train_ds, val_ds = load_train_val(d.dataset or ["builtin:arithmetic"], d.val_dataset,
                                       system=resolve_system(d.system), seed=cfg.training.seed,
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
-    set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
-    model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    with seeded_weights(cfg.training.seed):  # the LoRA init is the same on every rank and run
+        model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
     bound = bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     # tools and template kwargs into the prompts, then the prompt bound (--max_length, or the context's room)

@@ -96,6 +96,7 @@ def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
         # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
         step_scheduler_with_optimizer=False)
     check_backend(accelerator, t)
+    # the run's one seeding (the pipeline makes the weights under a seed of their own: pipeline.models.seeded_weights)
     set_seed(t.seed, device_specific=True)  # seed + rank: ranks sample different completions
     if plan.prompts_per_rollout % accelerator.num_processes:
         raise ConfigError(
