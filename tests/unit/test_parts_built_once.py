@@ -1,5 +1,5 @@
 """Each part is built once and handed on (issue 30): one chat template shared by the prompts, the engine, the
-scheduler and the trainer; one batch plan; engines and schedulers configured through their constructors, never by
+scheduler, the trainer and CHORD; one batch plan; engines and schedulers configured through their constructors, never by
 an attribute set afterwards; registries that refuse a second object under a taken name unless told to override,
 while ms-swift-style item assignment keeps replacing."""
 
@@ -148,11 +148,15 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a} + 1?"}],
                                         "solution": str(a + 1)}) + "\n" for a in range(4)))
+    expert = tmp_path / "expert.jsonl"
+    expert.write_text(data.read_text())
     cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir",
                             str(tmp_path / "out"), "--max_steps", "1", "--num_generations", "2",
                             "--per_device_train_batch_size", "2", "--max_completion_length", "8", "--beta", "0",
                             "--torch_dtype", "float32", "--multi_turn_scheduler", "tool_call_scheduler",
                             "--max_turns", "2", "--reward_funcs", "format", "--fast_decode", "false",
+                            "--chord_sft_dataset", str(expert), "--chord_sft_per_device_train_batch_size", "1",
+                            "--chord_mu_peak", "0.5", "--chord_mu_valley", "0.5",
                             "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false"])
     calls = {"template": 0, "plan": 0}
     made, plan = PromptOptions.template, pipeline.batch_plan
@@ -171,6 +175,7 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
     assert calls == {"template": 1, "plan": 1}
     template = trainer.template
     assert trainer.engine.template is template and trainer._producer.template is template
+    assert trainer._chord.template is template  # CHORD's expert rows were prepared with it too (one build)
     assert trainer.scheduler.infer_engine is trainer.engine and trainer.scheduler.chat_template() is template
     assert trainer.scheduler._template is template  # given at construction, not rebuilt from the tokenizer
     assert trainer.engine.infer_on_loop_thread is True and trainer.engine.fast_decode is False
