@@ -49,7 +49,8 @@ def check_agent_options(rollout_args) -> None:
 
 class AgentScheduler(RolloutScheduler):
     """Plays one episode of ``agent_fn`` per request through an endpoint that ``serve(service, recorder)``
-    starts on first use (the trainer's ``LocalEndpoint``), over the trainer's engine (set as ``infer_engine``)."""
+    starts on first use (the trainer's ``LocalEndpoint``), over the trainer's engine (``infer_engine``; the
+    pipeline hands the trainer a recipe ``engine -> scheduler``, as for the multi-turn schedulers)."""
 
     uses_env_reward = True  # the agent's return value is the gym_reward column
 
@@ -66,13 +67,13 @@ class AgentScheduler(RolloutScheduler):
         self._last: dict[str, float] = {}
 
     @classmethod
-    def from_args(cls, rollout_args, serve: Callable) -> AgentScheduler:
+    def from_args(cls, rollout_args, serve: Callable, infer_engine=None) -> AgentScheduler:
         check_agent_options(rollout_args)
         if importlib.util.find_spec("openai") is None:  # looked up, not imported: the client is made per episode
             raise ConfigError(f"--agent {rollout_args.agent}: the agent's client is openai's AsyncOpenAI, and the "
                               "openai package is not installed; pip install 'grpokit[agents]'")
         return cls(agents.get_or_raise(rollout_args.agent), serve=serve, concurrency=rollout_args.agent_concurrency,
-                   timeout=rollout_args.agent_timeout)
+                   timeout=rollout_args.agent_timeout, infer_engine=infer_engine)
 
     def _started(self, config: RequestConfig):
         if self.endpoint is None:

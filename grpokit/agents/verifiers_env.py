@@ -157,9 +157,9 @@ class VerifiersScheduler(AgentScheduler):
         self._scores: dict[str, dict[str, float]] = {}  # by the episode's base URL: its session
 
     @classmethod
-    def from_env(cls, env, tasks: list, rollout_args, serve) -> VerifiersScheduler:
+    def from_env(cls, env, tasks: list, rollout_args, serve, infer_engine=None) -> VerifiersScheduler:
         return cls(env, tasks, serve=serve, concurrency=rollout_args.agent_concurrency,
-                   timeout=rollout_args.agent_timeout)
+                   timeout=rollout_args.agent_timeout, infer_engine=infer_engine)
 
     async def play(self, client, row: dict) -> float:
         """One episode of the row's task with the model at ``client``'s session; its reward (module docstring)."""
@@ -209,19 +209,20 @@ def _scores(episode) -> dict[str, float]:
     return {name: sum(v) / len(v) for name, v in seen.items()}
 
 
-def rubric_columns(scheduler, funcs: list, names: list[str], weights: list[float] | None):
-    """``funcs``/``names``/``weights`` with a weight-0 column per reward function of a ``VerifiersScheduler``
-    (before the gym_reward weight, when ``weights`` gives one); the inputs unchanged for any other scheduler."""
-    if not isinstance(scheduler, VerifiersScheduler):
+def rubric_columns(rubric: list[str] | None, funcs: list, names: list[str], weights: list[float] | None):
+    """``funcs``/``names``/``weights`` with a weight-0 column per reward function of a verifiers environment
+    (``rubric``: their names, ``reward_names(tasks)``; before the gym_reward weight, when ``weights`` gives one);
+    the inputs unchanged without one (None)."""
+    if rubric is None:
         return funcs, names, weights
-    clash = sorted(set(names) & set(scheduler.reward_names))
+    clash = sorted(set(names) & set(rubric))
     if clash:
         raise ConfigError(f"--reward_funcs {clash[0]}: the verifiers environment logs a reward function of that "
                           "name already; drop it from --reward_funcs")
-    extra = [RubricScore(n) for n in scheduler.reward_names]
+    extra = [RubricScore(n) for n in rubric]
     w = list(weights) if weights else [1.0] * len(names)
     gym = w[len(names):]  # the gym_reward weight, when given
-    return [*funcs, *extra], [*names, *scheduler.reward_names], [*w[:len(names)], *[0.0] * len(extra), *gym]
+    return [*funcs, *extra], [*names, *rubric], [*w[:len(names)], *[0.0] * len(extra), *gym]
 
 
 def check_verifiers_options(rollout_args) -> None:

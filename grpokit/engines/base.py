@@ -20,18 +20,19 @@ class InferEngine(ABC):
       answers other requests meanwhile). That thread takes the creating thread's torch thread count (torch keeps
       it per thread: a plain worker thread would use every core whatever the user set), and engines that are not
       thread-safe (vLLM's ``LLM``) never see two callers at once;
-    - with ``infer_on_loop_thread = True``, on the event loop's own thread. The trainer sets it on the engine it
-      owns: nothing else needs that loop while the batch generates (trajectories waiting on an environment queue
-      their next turn for the following batch either way), and sampling on the thread that also trains measured
-      ~20% faster per step on the tiny benchmark model here (bench/bench_step.py)."""
+    - with ``infer_on_loop_thread=True`` (a constructor argument), on the event loop's own thread. The trainer
+      and ``grpokit infer`` build the engines they own so: nothing else needs that loop while the batch
+      generates (trajectories waiting on an environment queue their next turn for the following batch either
+      way), and sampling on the thread that also trains measured ~20% faster per step on the tiny benchmark model
+      here (bench/bench_step.py)."""
 
     engine_type: str = "base"
 
-    def __init__(self) -> None:
+    def __init__(self, infer_on_loop_thread: bool = False) -> None:
         self._pending: list[tuple[RolloutInferRequest, RequestConfig, asyncio.Future]] = []
         self._flush_scheduled = False
         self._worker: ThreadPoolExecutor | None = None
-        self.infer_on_loop_thread = False
+        self.infer_on_loop_thread = infer_on_loop_thread
 
     @abstractmethod
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:

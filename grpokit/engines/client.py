@@ -207,8 +207,8 @@ class RolloutClient(InferEngine):
 
     def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
                  timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
-                 backoff_s: float = 0.5, wait: bool = True) -> None:
-        super().__init__()
+                 backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False) -> None:
+        super().__init__(infer_on_loop_thread)
         self.endpoints = endpoints_from(base_urls, hosts, ports)
         self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
         api_key = api_key or os.environ.get("GRPOKIT_API_KEY") or None
@@ -222,10 +222,11 @@ class RolloutClient(InferEngine):
             self.wait_for_server()
 
     @classmethod
-    def from_args(cls, r) -> RolloutClient:
+    def from_args(cls, r, infer_on_loop_thread: bool = False) -> RolloutClient:
         """From ``RolloutArguments`` (``vllm_server_*`` and ``weight_sync_bucket_mb``); waits for the servers."""
         return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
-                   timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb)
+                   timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb,
+                   infer_on_loop_thread=infer_on_loop_thread)
 
     # -- HTTP ----------------------------------------------------------------------------------------------
     def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,

@@ -26,8 +26,9 @@ STOP_CACHE_SIZE = 32  # stop-string criteria kept (each one scanned the vocabula
 class TransformersEngine(InferEngine):
     engine_type = "transformers"
 
-    def __init__(self, model, template: ChatTemplate, max_batch_size: int = 256) -> None:
-        super().__init__()
+    def __init__(self, model, template: ChatTemplate, max_batch_size: int = 256, *, fast_decode: bool = True,
+                 infer_on_loop_thread: bool = False) -> None:
+        super().__init__(infer_on_loop_thread)
         self.model = model
         self.template = template
         self.tokenizer = template.tokenizer
@@ -37,7 +38,7 @@ class TransformersEngine(InferEngine):
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
         self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
                                                           template.pad_token_id)
-        self.fast_decode = True  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
+        self.fast_decode = fast_decode  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
         self._fallback_reasons: set[str] = set()
         self._stop_criteria: OrderedDict[tuple[str, ...], object] = OrderedDict()
         self.max_model_len: int | None = None  # set (rollout server): prompt + max_tokens must fit, else ConfigError

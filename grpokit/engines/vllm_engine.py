@@ -87,8 +87,10 @@ class VllmEngine(InferEngine):
 
     engine_type = "vllm"
 
-    def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None) -> None:
-        super().__init__()
+    def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None, *, template=None,
+                 infer_on_loop_thread: bool = False) -> None:
+        """``template``: the run's chat template (the trainer's, so prompts render alike); None: the folder's."""
+        super().__init__(infer_on_loop_thread)
         self.settings = s = settings or VllmSettings()
         s.check()
         vllm = import_vllm()
@@ -129,7 +131,8 @@ class VllmEngine(InferEngine):
         except (ValueError, TypeError) as e:
             raise _start_error(e, model_path, s, self.device) from e
         # an Idefics3 folder: the processor template and images as multi_modal_data (engines/vllm_mm.py)
-        self.template, self.tokenizer = engine_template(model_path, tokenizer)
+        self.template, self.tokenizer = ((template, template.tokenizer) if template is not None
+                                         else engine_template(model_path, tokenizer))
         self._allowed = allowed_token_ids(self.template, self.llm.llm_engine.model_config.get_vocab_size())
         self.lock = threading.RLock()  # one generate / weight load at a time
         self._asleep = False
@@ -144,8 +147,9 @@ class VllmEngine(InferEngine):
         return self._executor.submit(fn, *args, **kwargs).result()
 
     @classmethod
-    def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0):
-        """The colocate engine from ``grpokit train``'s rollout options."""
+    def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0, *,
+                          template=None, infer_on_loop_thread: bool = False):
+        """The colocate engine from ``grpokit train``'s rollout options (``template``: the trainer's)."""
         r = rollout_args  # combinations of these options were checked with the others (grpokit.config.validate)
         settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
@@ -154,7 +158,7 @@ class VllmEngine(InferEngine):
                                 max_num_seqs=r.vllm_max_num_seqs,
                                 memory_option="--vllm_gpu_memory_utilization",
                                 memory_default=_field_default(r, "vllm_gpu_memory_utilization"))
-        return cls(model_path, settings)
+        return cls(model_path, settings, template=template, infer_on_loop_thread=infer_on_loop_thread)
 
     # -- sampling --------------------------------------------------------------------------------------------
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:

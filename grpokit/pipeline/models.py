@@ -4,9 +4,12 @@ tokenizer must cover the model's vocabulary, and prompt + completion must fit in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
+
+import torch
 
 from grpokit.config.args import ModelArguments
 from grpokit.config.validate import json_object
@@ -92,6 +95,17 @@ def resolve_model_path(margs: ModelArguments, log=print) -> str:
     if margs.model is not None:
         return margs.model
     return str(ensure_default_model(log=log))
+
+
+@contextlib.contextmanager
+def seeded_weights(seed: int):
+    """Weights made inside (LoRA adapters, any newly initialised part) come from ``seed`` on every rank and in every
+    run, and the process's random state is left as it was: the process is seeded once, by the trainer's set-up
+    (seed + rank, so that ranks sample different completions; trainers/training_setup.py)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 def load_policy(margs: ModelArguments, beta: float, log=print):

@@ -1,12 +1,19 @@
-"""`grpokit train`: assemble data, models, rewards, scheduler and engine; pick the trainer; run."""
+"""`grpokit train`: assemble data, models, rewards, scheduler and engine; pick the trainer; run.
+
+Each part is built once, from the options, and handed to the parts that use it (torchtune's recipe ``setup()``):
+the batch plan, the chat template (the prompts' rendering, the engine's, the scheduler's, the trainer's and
+CHORD's are one object), the engine and the scheduler, which get everything as constructor arguments; nothing is
+set on a part after it is built. A multi-turn scheduler for the trainer's own in-process engine is handed over as
+a recipe (``scheduler_recipe``): that engine exists only once the trainer has prepared the policy.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from dataclasses import replace
-
-from accelerate.utils import set_seed
 
 from grpokit.agents import agents
 from grpokit.agents.scheduler import AgentScheduler, check_agent_options
@@ -15,6 +22,7 @@ from grpokit.agents.verifiers_env import (
     check_verifiers_options,
     env_tasks,
     load_verifiers_env,
+    reward_names,
     rubric_columns,
     write_task_rows,
 )
@@ -28,7 +36,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
-from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path
+from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -36,6 +44,7 @@ from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plug
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
+from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.server.openai_routes import LocalEndpoint
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
@@ -95,30 +104,44 @@ def check_names(cfg: TrainConfig) -> None:
     TrainerFactory.get_trainer_cls("grpo")
 
 
-def build_scheduler(cfg: TrainConfig, tokenizer, verifiers: tuple | None = None):
-    """``verifiers``: (env, tasks) of --verifiers_env, loaded once before the dataset (its tasks are the rows)."""
+def scheduler_recipe(cfg: TrainConfig, tokenizer, template: ChatTemplate, verifiers: tuple | None = None):
+    """``engine -> scheduler`` for ``--multi_turn_scheduler``, ``--agent`` and ``--verifiers_env`` (None without
+    one), rendering with the run's template; --use_gym_env, when given, is the explicit choice whether total_reward
+    is a reward (as in ms-swift). ``verifiers``: (env, tasks) of --verifiers_env, loaded once before the dataset
+    (its tasks are the rows). An agent's episodes run against a local OpenAI-compatible endpoint over the engine."""
     if verifiers is not None:
-        return VerifiersScheduler.from_env(*verifiers, cfg.rollout, serve=LocalEndpoint)
-    if cfg.rollout.agent:  # episodes against a local OpenAI-compatible endpoint over the trainer's engine
-        return AgentScheduler.from_args(cfg.rollout, serve=LocalEndpoint)
+        return functools.partial(VerifiersScheduler.from_env, *verifiers, cfg.rollout, LocalEndpoint)
+    if cfg.rollout.agent:
+        return functools.partial(AgentScheduler.from_args, cfg.rollout, LocalEndpoint)
     if not cfg.rollout.multi_turn_scheduler:
         return None
-    scheduler = build_multi_turn(cfg.rollout, tokenizer)
-    if cfg.rollout.use_gym_env is not None:  # explicit, as in ms-swift: total_reward is (not) a reward
-        scheduler.uses_env_reward = cfg.rollout.use_gym_env
-    return scheduler
+    return functools.partial(build_multi_turn, cfg.rollout, tokenizer, template=template,
+                             uses_env_reward=cfg.rollout.use_gym_env)
 
 
-def build_engine(cfg: TrainConfig):
-    """None means: the trainer's default in-process TransformersEngine on the live weights."""
+def uses_env_reward(cfg: TrainConfig, scheduler) -> bool:
+    """Whether the scheduler's gym reward is a reward column: a built scheduler says; for a recipe, --use_gym_env
+    or the scheduler class's own ``uses_env_reward``."""
+    if scheduler is None or isinstance(scheduler, RolloutScheduler):
+        return bool(getattr(scheduler, "uses_env_reward", False))
+    if cfg.rollout.agent or cfg.rollout.verifiers_env:  # the episode's reward is the gym_reward column
+        return AgentScheduler.uses_env_reward
+    if cfg.rollout.use_gym_env is not None:
+        return cfg.rollout.use_gym_env
+    default = getattr(multi_turns.get_or_raise(cfg.rollout.multi_turn_scheduler), "uses_env_reward", False)
+    return default if isinstance(default, bool) else False  # a property is the instance's to answer
+
+
+def build_engine(cfg: TrainConfig, template: ChatTemplate):
+    """None means: the trainer's default in-process TransformersEngine on the live weights. The engines built here
+    sample on the trainer's loop thread (``infer_on_loop_thread``: the trainer owns its rollout loop)."""
     r = cfg.rollout
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
-        return RolloutClient.from_args(r)
+        return RolloutClient.from_args(r, infer_on_loop_thread=True)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
-        engine = VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
-                                              seed=cfg.training.seed)
-        engine.template = PromptOptions.from_args(cfg.data, r).template(engine.tokenizer)  # as the trainer renders
-        return engine
+        return VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
+                                            seed=cfg.training.seed, template=template,  # as the trainer renders
+                                            infer_on_loop_thread=True)
     return None
 
 
@@ -127,7 +150,7 @@ def run_train(cfg: TrainConfig):
     load_plugins_once(cfg.reward.external_plugins)  # the one load, before any registry lookup
     check_registry_names(cfg)  # the option values that name what a plugin may register, before any model loads
     check_names(cfg)
-    plan = batch_plan(cfg)
+    plan = batch_plan(cfg)  # the run's one plan, handed to the trainer
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = print if rank0 else (lambda *a, **k: None)
     log(plan.describe(), flush=True)
@@ -141,12 +164,22 @@ def run_train(cfg: TrainConfig):
     try:
         preflight_resume(t.output_dir, t.resume_from_checkpoint, cfg.flat())
         with stop_outside_the_loop():  # the loop itself saves on SIGTERM (trainers/signals.py)
-            return _run_train(cfg, log)
+            return _run_train(cfg, plan, log)
     finally:
         lock.release()
 
 
-def _run_train(cfg: TrainConfig, log):
+def _takes(trainer_cls, **parts) -> dict:
+    """The set-up's parts that ``trainer_cls.__init__`` takes: a plugin's trainer written with the older signature
+    (no ``template``/``plan``, no ``**kwargs``) makes its own from the options, as a trainer built in code does."""
+    params = inspect.signature(trainer_cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return parts
+    names = {p.name for p in params}
+    return {k: v for k, v in parts.items() if k in names}
+
+
+def _run_train(cfg: TrainConfig, plan, log):
     d = cfg.data
     rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
                       load_from_cache_file=d.load_from_cache_file, max_row_bytes=d.max_row_bytes)
@@ -158,30 +191,30 @@ def _run_train(cfg: TrainConfig, log):
     train_ds, val_ds = load_train_val(d.dataset or default, d.val_dataset,
                                       system=resolve_system(d.system), seed=cfg.training.seed,
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
-    set_seed(cfg.training.seed)  # before any weights are made: the LoRA init is the same on every rank and run
-    model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    with seeded_weights(cfg.training.seed):  # the LoRA init is the same on every rank and run
+        model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
     bound = bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     # tools and template kwargs into the prompts, then the prompt bound (--max_length, or the context's room)
     prompts = PromptOptions.from_args(replace(d, max_length=bound), cfg.rollout)
-    train_ds = prepare_prompts(train_ds, prompts.template(tokenizer), prompts, "--dataset")
+    template = prompts.template(tokenizer)  # the one chat template of the run: prompts, engine, scheduler, trainer
+    train_ds = prepare_prompts(train_ds, template, prompts, "--dataset")
     if val_ds is not None:
-        val_ds = prepare_prompts(val_ds, prompts.template(tokenizer), prompts, "--val_dataset")
-    chord_sft = load_chord_sft_dataset(cfg, tokenizer) if cfg.algorithm.chord_sft_dataset else None  # CHORD
-    engine = build_engine(cfg)
+        val_ds = prepare_prompts(val_ds, template, prompts, "--val_dataset")
+    chord_sft = (load_chord_sft_dataset(cfg, tokenizer, template)  # CHORD
+                 if cfg.algorithm.chord_sft_dataset else None)
+    engine = build_engine(cfg, template)
+    scheduler = scheduler_recipe(cfg, tokenizer, template, verifiers)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
         check_server_template(prompts.chat_template_kwargs.get("enable_thinking"), engine.engine_info())
-        if trainer_plays_turns(cfg.rollout, engine.engine_info()):  # single-turn server: each turn one request
-            scheduler = build_scheduler(cfg, tokenizer)
-            scheduler.infer_engine = engine
-        else:
-            scheduler = RemoteScheduler.from_args(engine, cfg.rollout,  # multi-turn runs inside the server
-                                                  template=prompts.template(tokenizer))
-    else:
-        scheduler = build_scheduler(cfg, tokenizer, verifiers)
-    env_reward = bool(getattr(scheduler, "uses_env_reward", False))
+        if not trainer_plays_turns(cfg.rollout, engine.engine_info()):  # multi-turn runs inside the server
+            scheduler = RemoteScheduler.from_args(engine, cfg.rollout, template=template)
+    if engine is not None and scheduler is not None and not isinstance(scheduler, RolloutScheduler):
+        scheduler = scheduler(engine)  # a single-turn server plays each turn as one request; or vLLM colocate
+    env_reward = uses_env_reward(cfg, scheduler)
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward)
-    funcs, names, weights = rubric_columns(scheduler, funcs, names, cfg.reward.reward_weights or None)
+    funcs, names, weights = rubric_columns(reward_names(verifiers[1]) if verifiers else None, funcs, names,
+                                           cfg.reward.reward_weights or None)
     for func in funcs:  # a reward that vets the rows before training (code_exec: tests it cannot grade)
         if callable(getattr(func, "check_rows", None)):
             func.check_rows(train_ds)
@@ -192,6 +225,7 @@ def _run_train(cfg: TrainConfig, log):
                               eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
                               reward_weights=weights, ref_model=ref, scheduler=scheduler,
                               engine=engine, callbacks=callbacks,
+                              **_takes(trainer_cls, template=template, plan=plan),
                               # only when given: a plugin's trainer class without this argument keeps working
                               **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
     except BaseException:

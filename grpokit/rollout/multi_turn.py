@@ -120,7 +120,7 @@ class MultiTurnScheduler(RolloutScheduler):
     _audit: PrefixAudit | None = None  # the template's prefix audit, made before the first trajectory
 
     def __init__(self, infer_engine=None, max_turns: int | None = None, tokenizer=None, rollout_args=None,
-                 **kwargs) -> None:
+                 template: ChatTemplate | None = None, **kwargs) -> None:
         scope = kwargs.pop("completion_length_limit_scope", None)
         loss_scale = kwargs.pop("loss_scale", None)
         max_turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
@@ -137,7 +137,7 @@ class MultiTurnScheduler(RolloutScheduler):
                               f"{', '.join(LENGTH_SCOPES)}")
         if self.loss_scale not in LOSS_SCALES:
             raise ConfigError(f"--loss_scale {self.loss_scale!r}: use one of {', '.join(LOSS_SCALES)}")
-        self._template = None
+        self._template = template  # the run's (the trainer's); None: built from the tokenizer when first needed
 
     # -- tokenizer and template ----------------------------------------------------------------------------
     @property
@@ -158,7 +158,8 @@ class MultiTurnScheduler(RolloutScheduler):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def chat_template(self):
-        """The ChatTemplate that renders text between assistant turns (the engine's, else built once)."""
+        """The ChatTemplate that renders text between assistant turns: the engine's, else the one given at
+        construction, else one built once from the tokenizer (a scheduler made without the run's template)."""
         engine_template = getattr(self.infer_engine, "template", None)
         if engine_template is not None and hasattr(engine_template, "encode_between"):
             return engine_template
@@ -393,8 +394,23 @@ def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoic
         messages.append({"role": "assistant", "content": text})
 
 
-def build_scheduler(rollout_args, tokenizer) -> MultiTurnScheduler:
-    """The scheduler named by ``--multi_turn_scheduler``; the trainer sets ``infer_engine`` later."""
+def build_scheduler(rollout_args, tokenizer, infer_engine=None, template: ChatTemplate | None = None,
+                    uses_env_reward: bool | None = None) -> MultiTurnScheduler:
+    """The scheduler named by ``--multi_turn_scheduler`` around ``infer_engine``, rendering with ``template`` (the
+    run's). ``uses_env_reward`` (--use_gym_env) is passed only when set, so that a plugin's constructor written
+    for ms-swift's arguments keeps working without it; a scheduler that drops it is refused."""
     cls = multi_turns.get_or_raise(rollout_args.multi_turn_scheduler)
-    return cls(infer_engine=None, max_turns=rollout_args.max_turns, tokenizer=tokenizer, rollout_args=rollout_args)
+    extra = {} if uses_env_reward is None else {"uses_env_reward": uses_env_reward}
+    scheduler = cls(infer_engine=infer_engine, max_turns=rollout_args.max_turns, tokenizer=tokenizer,
+                    rollout_args=rollout_args, template=template, **extra)
+    if uses_env_reward is not None and bool(getattr(scheduler, "uses_env_reward", False)) != uses_env_reward:
+        raise ConfigError(f"--use_gym_env {str(uses_env_reward).lower()}: the scheduler "
+                          f"{rollout_args.multi_turn_scheduler!r} ({type(scheduler).__name__}) did not take it; pass "
+                          "its constructor's keyword arguments on to MultiTurnScheduler.__init__")
+    if infer_engine is not None and getattr(scheduler, "infer_engine", None) is None:
+        raise ConfigError(f"--multi_turn_scheduler {rollout_args.multi_turn_scheduler}: {type(scheduler).__name__} "
+                          "dropped its infer_engine argument; pass the constructor's arguments on to "
+                          "MultiTurnScheduler.__init__ (ms-swift's signature: infer_engine=None, max_turns=None, "
+                          "*args, **kwargs)")
+    return scheduler
 

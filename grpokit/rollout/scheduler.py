@@ -25,9 +25,13 @@ class RolloutScheduler:
 
     uses_env_reward = False  # True: rollout_infos['total_reward'] becomes the extra reward column 'gym_reward'
 
-    def __init__(self, infer_engine=None, max_turns: int | None = None, **kwargs) -> None:
+    def __init__(self, infer_engine=None, max_turns: int | None = None, uses_env_reward: bool | None = None,
+                 **kwargs) -> None:
+        """``uses_env_reward``: --use_gym_env, an explicit choice over the class's default (None: the class's)."""
         self.infer_engine = infer_engine
         self.max_turns = max_turns
+        if uses_env_reward is not None:
+            self.uses_env_reward = uses_env_reward
         self.options = kwargs  # the rest of the rollout options, for subclasses
 
     @property

@@ -63,8 +63,8 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
     ``generate`` call ever sees half-updated weights."""
 
     def __init__(self, model, template, max_batch_size: int = 256, max_model_len: int | None = None,
-                 max_prefill_mb: float = 128.0) -> None:
-        super().__init__(model, template, max_batch_size=max_batch_size)
+                 max_prefill_mb: float = 128.0, fast_decode: bool = True) -> None:
+        super().__init__(model, template, max_batch_size=max_batch_size, fast_decode=fast_decode)
         self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
         self._init_cancel()
         if isinstance(self.logits_processor_factory, StructuredOutputs):  # constraints come from requests

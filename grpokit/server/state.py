@@ -88,10 +88,8 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     # a vision-language model: its processor is the template, loaded as the trainer loads it (same prompt ids)
     template = make_template(load_processor(model_path, tokenizer)) if vlm else ChatTemplate(tokenizer)
-    served = ServedTransformersEngine(model, template, max_batch_size=max_batch_size,
-                                      max_model_len=max_model_len, max_prefill_mb=max_prefill_mb)
-    served.fast_decode = fast_decode
-    return served
+    return ServedTransformersEngine(model, template, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                                    max_prefill_mb=max_prefill_mb, fast_decode=fast_decode)
 
 
 def load_served_vlm(model_path: str, dtype):
@@ -114,12 +112,9 @@ def build_scheduler(options: ServerOptions, engine):
              if getattr(options, k) is not None}
     args = RolloutArguments(multi_turn_scheduler=options.multi_turn_scheduler, max_turns=options.max_turns,
                             gym_env=options.gym_env, **extra)
-    scheduler = build_multi_turn(args, engine.tokenizer)
-    if options.use_gym_env is not None:  # explicit, as in swift rollout: total_reward is (not) the reward
-        scheduler.uses_env_reward = options.use_gym_env
-    if getattr(scheduler, "infer_engine", None) is None:
-        scheduler.infer_engine = engine
-    return scheduler
+    # use_gym_env: explicit, as in swift rollout: total_reward is (not) the reward
+    return build_multi_turn(args, engine.tokenizer, infer_engine=engine, template=engine.template,
+                            uses_env_reward=options.use_gym_env)
 
 
 def build_state(options: ServerOptions) -> ServerState:

@@ -14,14 +14,16 @@ from grpokit.server.engine import CancellableRequests
 
 
 class ServedVllmEngine(CancellableRequests, VllmEngine):
+    def __init__(self, model_path: str, settings: VllmSettings) -> None:
+        super().__init__(model_path, settings)
+        self._init_cancel()
+        self.max_model_len = self._context_length()
+
     @classmethod
     def build(cls, model_path: str, dtype: str, max_num_seqs: int, max_model_len: int | None,
               extra: dict) -> ServedVllmEngine:
         settings = VllmSettings(dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **extra)
-        engine = cls(model_path, settings)
-        engine._init_cancel()
-        engine.max_model_len = engine._context_length()
-        return engine
+        return cls(model_path, settings)
 
     def _context_length(self) -> int:
         for owner in (getattr(self.llm, "llm_engine", None), self.llm):

@@ -32,9 +32,10 @@ OPTION = "--chord_sft_dataset"
 REPLY_SOURCES = "a final assistant message in messages, or a solution/answer/response/output/completion column"
 
 
-def load_chord_sft_dataset(cfg: TrainConfig, tokenizer) -> Dataset:
+def load_chord_sft_dataset(cfg: TrainConfig, tokenizer, template: ChatTemplate | None = None) -> Dataset:
     """The expert rows: ``messages`` (the prompt, rendered as ``--dataset`` prompts are) and ``solution`` (the
-    reference reply). DataError naming the spec, the row and its columns where a row has no reply."""
+    reference reply). DataError naming the spec, the row and its columns where a row has no reply. ``template``:
+    the run's (the one ``ChordSFT`` encodes with, from the trainer); None: made from the options."""
     if hasattr(tokenizer, "image_processor"):
         raise ConfigError(f"{OPTION} with a vision-language model is not implemented (the SFT rows would need the "
                           "processor's image inputs); train CHORD on a text model, or drop --chord_sft_dataset")
@@ -47,7 +48,7 @@ def load_chord_sft_dataset(cfg: TrainConfig, tokenizer) -> Dataset:
         _check_replies(ds, f"{OPTION} {spec!r}")
         parts.append((f"{OPTION} {spec!r}", ds))
     prompts = PromptOptions.from_args(d, cfg.rollout)  # tools, template kwargs, --max_length as for --dataset
-    return prepare_prompts(concat_datasets(parts), prompts.template(tokenizer), prompts, OPTION)
+    return prepare_prompts(concat_datasets(parts), template or prompts.template(tokenizer), prompts, OPTION)
 
 
 def _check_replies(ds: Dataset, source: str) -> None:

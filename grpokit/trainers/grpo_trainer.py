@@ -56,9 +56,10 @@ class GRPOTrainer:
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
-                 callbacks=None, chord_sft_dataset=None) -> None:
+                 callbacks=None, chord_sft_dataset=None, template=None, plan=None) -> None:
         hooks.check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
-        self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, batch_plan(cfg), loss_config(cfg)
+        # template, plan: built once by the pipeline's set-up; made here for a trainer built in code
+        self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, plan or batch_plan(cfg), loss_config(cfg)
         self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
         self._num_prompts = len(train_dataset)
         self.state = TrainerState()
@@ -68,7 +69,7 @@ class GRPOTrainer:
         self.epsilon_low, self.epsilon_high = self.loss_cfg.epsilon_low, self.loss_cfg.epsilon_high
         self.model = model  # until set-up wraps it: what an OptimizerCallback's create_optimizer reads
         parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None,
-                               owner=self)
+                               owner=self, template=template)
         self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
         self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
         self.template, self.state.max_steps = parts.template, parts.max_steps

@@ -78,8 +78,8 @@ class GatheredWeightsEngine(TransformersEngine):
     ``sync_weights`` copies the trainable weights over from the shards, one tensor gathered at a time: a
     collective that the trainer calls on every rank after each optimizer step and on resume."""
 
-    def __init__(self, whole_model, template: ChatTemplate, device: torch.device) -> None:
-        super().__init__(whole_model.to(device), template)
+    def __init__(self, whole_model, template: ChatTemplate, device: torch.device, **options) -> None:
+        super().__init__(whole_model.to(device), template, **options)  # fast_decode, infer_on_loop_thread
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:

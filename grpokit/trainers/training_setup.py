@@ -45,12 +45,14 @@ class TrainingParts:
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
-                   num_prompts: int, engine_given: bool = False, owner=None) -> TrainingParts:
+                   num_prompts: int, engine_given: bool = False, owner=None,
+                   template: ChatTemplate | None = None) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
     (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
     needs no whole copy for the in-process engine. ``owner``: the trainer being built, handed to an
-    ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point)."""
+    ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point). ``template``: the
+    run's chat template, built once by the pipeline; None (a trainer built in code): made here from the options."""
     t = cfg.training
     accelerator = _accelerator(cfg, model, plan)
     max_steps = total_steps(t, plan, num_prompts)
@@ -73,9 +75,9 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     ref = _reference(accelerator, model, ref_model, cfg, ds_config if zero3 else None)
     # DeepSpeed clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
+    template = template or PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         trainable, max_steps, PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer),
-                         whole)
+                         trainable, max_steps, template, whole)
 
 
 def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
@@ -94,6 +96,7 @@ def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
         # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
         step_scheduler_with_optimizer=False)
     check_backend(accelerator, t)
+    # the run's one seeding (the pipeline makes the weights under a seed of their own: pipeline.models.seeded_weights)
     set_seed(t.seed, device_specific=True)  # seed + rank: ranks sample different completions
     if plan.prompts_per_rollout % accelerator.num_processes:
         raise ConfigError(
@@ -156,22 +159,30 @@ def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
 def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None):
     """The engine (the in-process transformers engine over the policy unless one is given; over
     ``generation_model``, a whole copy, when the policy is sharded) and the scheduler that drives it; refuses
-    --async_generate with an engine that samples from the live weights."""
+    --async_generate with an engine that samples from the live weights.
+
+    Nothing is set on a part after it is built. The engine built here samples on the loop's thread
+    (``infer_on_loop_thread``); one given is used as its builder made it (the pipeline builds its engines so).
+    ``scheduler``: None (single-turn), a scheduler holding its engine, or a callable ``engine -> scheduler``
+    for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``)."""
+    own = {"fast_decode": cfg.rollout.fast_decode, "infer_on_loop_thread": True}  # the engine built here
     if engine is None and generation_model is not None:
-        engine = GatheredWeightsEngine(generation_model, template, accelerator.device)
+        engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **own)
     elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
         # grpokit's engines gather ZeRO-3 partitions in their weight sync (engines/weights.py); another one would
         # be handed empty partitions
         raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
                           "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode")
-    engine = engine or TransformersEngine(policy, template)
-    if isinstance(engine, TransformersEngine):
-        engine.fast_decode = cfg.rollout.fast_decode
+    engine = engine or TransformersEngine(policy, template, **own)  # loop thread: our own loop (engines/base.py)
     check_engine(accelerator, engine)
-    engine.infer_on_loop_thread = True  # our own rollout loop: generate on this thread (engines/base.py)
-    scheduler = scheduler or RolloutScheduler(engine)
-    if scheduler.infer_engine is None:
-        scheduler.infer_engine = engine
+    if scheduler is None:
+        scheduler = RolloutScheduler(engine)
+    elif not isinstance(scheduler, RolloutScheduler) and callable(scheduler):
+        scheduler = scheduler(engine)
+    if getattr(scheduler, "infer_engine", None) is None:
+        raise ConfigError(f"the scheduler {type(scheduler).__name__} has no engine: build it with "
+                          "infer_engine=ENGINE, or pass a callable engine -> scheduler that the trainer calls with "
+                          "the engine it builds")
     if cfg.rollout.async_generate and engine.engine_type == "transformers":
         raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
                           "server, or --use_vllm true): the in-process transformers engine samples from the "

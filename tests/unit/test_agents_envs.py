@@ -7,34 +7,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpokit.agents.verifiers_env import (
-    SCORES_INFO,
-    RubricScore,
-    VerifiersScheduler,
-    check_verifiers_options,
-    rubric_columns,
-)
+from grpokit.agents.verifiers_env import SCORES_INFO, RubricScore, check_verifiers_options, rubric_columns
 from grpokit.config.args import RolloutArguments
 from grpokit.errors import ConfigError
 from grpokit.rollout.openenv_scheduler import observation_text
 
 
-def _scheduler(names):
-    s = VerifiersScheduler.__new__(VerifiersScheduler)  # the columns read only reward_names
-    s.reward_names = list(names)
-    return s
-
-
 def test_rubric_columns_log_each_function_at_weight_zero_before_the_gym_weight():
     fmt = object()
-    funcs, names, weights = rubric_columns(_scheduler(["correct", "length"]), [fmt], ["format"], None)
+    funcs, names, weights = rubric_columns(["correct", "length"], [fmt], ["format"], None)
     assert names == ["format", "correct", "length"] and funcs[0] is fmt
     assert weights == [1.0, 0.0, 0.0]  # setup_rewards appends gym_reward's 1.0: the rubric's total, counted once
-    _, _, weights = rubric_columns(_scheduler(["correct"]), [fmt], ["format"], [0.5, 2.0])  # format, gym_reward
+    _, _, weights = rubric_columns(["correct"], [fmt], ["format"], [0.5, 2.0])  # format, gym_reward
     assert weights == [0.5, 0.0, 2.0]
-    assert rubric_columns(object(), [fmt], ["format"], None) == ([fmt], ["format"], None)
+    assert rubric_columns(None, [fmt], ["format"], None) == ([fmt], ["format"], None)
     with pytest.raises(ConfigError, match="--reward_funcs correct"):
-        rubric_columns(_scheduler(["correct"]), [fmt], ["correct"], None)
+        rubric_columns(["correct"], [fmt], ["correct"], None)
 
 
 def test_a_rubric_column_reads_the_episode_scores_and_none_where_there_is_none():

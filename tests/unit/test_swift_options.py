@@ -195,7 +195,7 @@ def test_vllm_max_num_seqs_reaches_the_colocate_engine():
     built = []
 
     class Capture(VllmEngine):
-        def __init__(self, model_path, settings):
+        def __init__(self, model_path, settings, **kwargs):  # template, infer_on_loop_thread: the run's
             built.append(settings)
 
     cfg = parse_train_args(BASE + ["--vllm_max_num_seqs", "12"])

@@ -55,11 +55,9 @@ def build_trainer(spec: GRPOTrainer):
     as ``grpokit train`` prepares them."""
     # imported here, not at the top: `from grpokit.trl import GRPOConfig` stays light (no model, data or engine
     # code) until a trainer is built
-    from accelerate.utils import set_seed
-
     from grpokit.config.parse import parse_train_args
     from grpokit.data.rows import normalize_rows
-    from grpokit.pipeline.models import load_policy
+    from grpokit.pipeline.models import load_policy, seeded_weights
     from grpokit.pipeline.train import build_engine
     from grpokit.rewards import build_reward_funcs, check_reward_columns, reward_name
     from grpokit.template.prompts import PromptOptions, prepare_prompts
@@ -69,8 +67,8 @@ def build_trainer(spec: GRPOTrainer):
     train = normalize_rows(spec.train_dataset, cfg.data.system, source="train_dataset")
     val = None if spec.eval_dataset is None else normalize_rows(spec.eval_dataset, cfg.data.system,
                                                                 source="eval_dataset")
-    set_seed(cfg.training.seed)  # before any weights are made, as grpokit train does
-    model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=lambda *a, **k: None)
+    with seeded_weights(cfg.training.seed):  # the LoRA init from the seed, as grpokit train makes it
+        model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=lambda *a, **k: None)
     prompts = PromptOptions.from_args(cfg.data, cfg.rollout)
     template = prompts.template(tokenizer)
     train = prepare_prompts(train, template, prompts, "train_dataset")
@@ -82,4 +80,4 @@ def build_trainer(spec: GRPOTrainer):
     return TrainerFactory.get_trainer_cls("grpo")(
         model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train, eval_dataset=val, reward_funcs=funcs,
         reward_names=names, reward_weights=cfg.reward.reward_weights or None, ref_model=ref,
-        engine=build_engine(cfg), callbacks=spec.callbacks)
+        engine=build_engine(cfg, template), callbacks=spec.callbacks, template=template)  # one template
