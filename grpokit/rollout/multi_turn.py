@@ -28,8 +28,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.data.images import check_image_ref, row_images
-from grpokit.errors import ConfigError, DataError, RolloutError
+from grpokit.data.images import row_images
+from grpokit.errors import ConfigError, RolloutError
 from grpokit.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -43,7 +43,8 @@ from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.rollout.tito import TurnRecord
 from grpokit.rollout.turn_images import (
     TrajectoryImages,
-    same_image,
+    same_images,
+    step_images,
     take_appended,
     take_entry_images,
     take_start_images,
@@ -327,13 +328,13 @@ class MultiTurnScheduler(RolloutScheduler):
             raise RolloutError(f"{where}: rollout_infos must be a dict, got {type(infos).__name__}")
         appended = take_appended(req, list(known), where)
         if "images" in infos:  # ms-swift's override: accepted when it is the request's own list (DeepEyes)
-            if not _same_list(infos["images"], req.images):
+            if not same_images(infos["images"], req.images):
                 raise RolloutError(f"{where}: rollout_infos['images'] is kept by the loop (every image so far); "
                                    "append the new message's images to infer_request.images or return them as "
                                    "'images' in step()'s dict")
             infos = {k: v for k, v in infos.items() if k != "images"}
-        images = _step_images(ret.get("images"), where)
-        if appended and images and not _same_list(images, appended):
+        images = step_images(ret.get("images"), where)
+        if appended and images and not same_images(images, appended):
             raise RolloutError(f"{where}: {len(appended)} image(s) appended to infer_request.images and "
                                f"{len(images)} other(s) returned as 'images'; give the new images in one of them")
         return StepResult(req, ids, mask, lps, infos, appended or images)
@@ -365,24 +366,6 @@ class MultiTurnScheduler(RolloutScheduler):
             response = response.model_copy(update={"choices": [choice, *response.choices[1:]]})
         return RolloutOutput(response=response, messages=messages, response_token_ids=traj.token_ids,
                              response_loss_mask=traj.loss_mask, rollout_infos=infos, rollout_logprobs=logprobs)
-
-
-def _step_images(images: Any, where: str) -> list:
-    """``step()``'s ``images``: a list of images that open here (paths, bytes, PIL)."""
-    if images is None:
-        return []
-    if not isinstance(images, (list, tuple)):
-        raise RolloutError(f"{where}: 'images' must be a list of images, got {type(images).__name__}")
-    try:
-        for k, image in enumerate(images):
-            check_image_ref(image, f"{where}: image {k}")
-    except DataError as e:
-        raise RolloutError(str(e)) from e
-    return list(images)
-
-
-def _same_list(a: Any, b: Any) -> bool:
-    return a is b or (isinstance(a, (list, tuple)) and len(a) == len(b) and all(map(same_image, a, b)))
 
 
 def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoice, continuation: bool) -> None:

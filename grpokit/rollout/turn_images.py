@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from grpokit.data.images import IMAGE_PLACEHOLDER, count_placeholders, decode_image_ref, row_images
+from grpokit.data.images import IMAGE_PLACEHOLDER, check_image_ref, count_placeholders, decode_image_ref, row_images
 from grpokit.errors import DataError, RolloutError
 from grpokit.protocol import RolloutInferRequest
 from grpokit.template.processor import MMRow, join_rows
@@ -156,3 +156,22 @@ class TrajectoryImages:
     def close(self) -> None:
         for rid in self.pinned:
             self.template.unpin(rid)
+
+
+def step_images(images: Any, where: str) -> list:
+    """``step()``'s ``images``: a list of images that open here (paths, bytes, PIL)."""
+    if images is None:
+        return []
+    if not isinstance(images, (list, tuple)):
+        raise RolloutError(f"{where}: 'images' must be a list of images, got {type(images).__name__}")
+    try:
+        for k, image in enumerate(images):
+            check_image_ref(image, f"{where}: image {k}")
+    except DataError as e:
+        raise RolloutError(str(e)) from e
+    return list(images)
+
+
+def same_images(a: Any, b: Any) -> bool:
+    """Two image lists hold the same images (the same list, or equal item by item)."""
+    return a is b or (isinstance(a, (list, tuple)) and len(a) == len(b) and all(map(same_image, a, b)))
