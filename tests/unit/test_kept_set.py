@@ -161,3 +161,23 @@ def test_chunked_head_matches_reference(entropy):
     (want * g).sum().backward()
     torch.testing.assert_close(hidden.grad, h2.grad, rtol=0, atol=1e-10)
     torch.testing.assert_close(weight.grad, w2.grad, rtol=0, atol=1e-10)
+
+
+def test_mismatch_metrics_by_hand_and_reduced_by_max():
+    from grpokit.algorithms import mismatch_metrics
+    from grpokit.trainers.outputs import MetricsAccumulator
+
+    # d = trainer − sampler on the masked tokens with a sampler logprob: [0.1, −0.3] (the NaN and the masked token
+    # are left out) → max |d| 0.3, mean |d| 0.2, mean exp(d) = (e^0.1 + e^−0.3)/2 = 0.92304
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -4.0]])
+    sampler = torch.tensor([[-1.1, -1.7, float("nan"), -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    m = mismatch_metrics(trainer, sampler, mask)
+    assert float(m["mismatch/max_abs"]) == pytest.approx(0.3)
+    assert float(m["mismatch/mean_abs"]) == pytest.approx(0.2)
+    assert float(m["mismatch/ratio_mean"]) == pytest.approx((math.exp(0.1) + math.exp(-0.3)) / 2)
+    assert mismatch_metrics(trainer, torch.full_like(sampler, float("nan")), mask) == {}
+    acc = MetricsAccumulator()  # over micro-steps: the maximum is a maximum, the rest are means
+    acc.add({"mismatch/max_abs": 0.3, "mismatch/mean_abs": 0.2})
+    acc.add({"mismatch/max_abs": 0.1, "mismatch/mean_abs": 0.0})
+    assert acc.pop() == pytest.approx({"mismatch/max_abs": 0.3, "mismatch/mean_abs": 0.1})
