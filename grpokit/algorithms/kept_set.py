@@ -12,7 +12,9 @@ The kept set is rebuilt from the logits being evaluated, by the rule the sampler
 - blocked tokens (special tokens the engine is told never to emit) are out of K whatever their logit;
 - top-k: τ ≥ the k-th largest logit (ties at it are kept, as both samplers do);
 - top-p, on the logits top-k kept: sorted ascending, tokens are dropped while the cumulative probability is
-  ≤ 1 − top_p (HF's and vLLM's arithmetic); τ ≥ the smallest logit not dropped. Where tokens tie at the cut the
+  ≤ 1 − top_p (HF's and vLLM's rule); τ ≥ the smallest logit not dropped. Read from the top, a token is kept
+  when the mass above it is < top_p, so the cut is found among the largest logits (the k of top-k, else the 512
+  largest, sorting the whole row only where they hold less than top_p). Where tokens tie at the cut the
   samplers keep an arbitrary part of the tie (the sort's order), this rule keeps all of it;
 - min-p: τ ≥ max z + log(min_p) (p_v ≥ min_p · p_max; the ratio does not change when K is renormalised);
 - the sampled token is always in K: under the weights that sampled it, it is in K already; under later weights
@@ -32,6 +34,8 @@ import torch
 from torch import Tensor
 
 _ROWS_PER_SORT = 128  # top-p sorts this many rows at once: values + int64 indices, 12 bytes per vocabulary entry
+_NUCLEUS_GUESS = 512  # top-p looks for its cut among this many largest logits; it sorts only rows whose mass is
+# not reached within them
 
 
 @dataclass(frozen=True)
@@ -61,17 +65,34 @@ def _without_blocked(z: Tensor, s: SamplerSupport) -> Tensor:
     return z.index_fill(-1, torch.tensor(s.blocked, device=z.device), float("-inf"))
 
 
+def _nucleus_cut(top: Tensor, lse: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """The top-p cut among the largest logits ``top`` [n, m] (descending) of rows whose log-normaliser is ``lse``
+    [n]: a token is kept when the mass of the tokens above it is < top_p (the ascending rule read from the top).
+    Returns (τ [n], found [n]: the m tokens hold at least top_p, so no token below them is kept)."""
+    q = (top.double() - lse.double()[:, None]).exp()  # [n, m]
+    total = q.cumsum(-1)
+    kept = ((total - q) < top_p).sum(-1).clamp(min=1)  # [n] the first `kept` tokens are kept
+    return top.gather(-1, (kept - 1)[:, None])[:, 0], total[:, -1] >= top_p
+
+
 def _threshold_rows(z: Tensor, s: SamplerSupport) -> Tensor:
     """[n, V] logits (blocked ones -inf) → [n] τ."""
     v = z.shape[-1]
     tau = z.new_full(z.shape[:1], float("-inf"))
     if 0 < s.top_k < v:
-        tau = z.topk(s.top_k, dim=-1, sorted=False).values.amin(-1)
-    if s.top_p < 1.0:
-        zk = z if not 0 < s.top_k < v else z.masked_fill(z < tau[:, None], float("-inf"))
-        ascending = zk.sort(dim=-1).values
-        dropped = (ascending.softmax(-1).cumsum(-1) <= 1.0 - s.top_p).sum(-1).clamp(max=v - 1)  # a prefix
-        tau = torch.maximum(tau, ascending.gather(-1, dropped[:, None])[:, 0])
+        top = z.topk(s.top_k, dim=-1).values  # [n, k] descending
+        tau = top[:, -1]
+        if s.top_p < 1.0:  # over what top-k kept (ties at the k-th logit included): the cut is among the k
+            lse = torch.logsumexp(z.masked_fill(z < tau[:, None], float("-inf")), -1)
+            tau = _nucleus_cut(top, lse, s.top_p)[0]
+    elif s.top_p < 1.0:
+        top = z.topk(min(_NUCLEUS_GUESS, v), dim=-1).values
+        tau, found = _nucleus_cut(top, torch.logsumexp(z, -1), s.top_p)
+        if not bool(found.all()):  # a flat distribution: sort those rows whole (the samplers' arithmetic)
+            rows = (~found).nonzero()[:, 0]
+            ascending = z[rows].sort(dim=-1).values
+            dropped = (ascending.softmax(-1).cumsum(-1) <= 1.0 - s.top_p).sum(-1).clamp(max=v - 1)  # a prefix
+            tau[rows] = ascending.gather(-1, dropped[:, None])[:, 0]
     if s.min_p > 0.0:
         tau = torch.maximum(tau, z.amax(-1) + math.log(s.min_p))
     return tau

@@ -181,3 +181,13 @@ def test_mismatch_metrics_by_hand_and_reduced_by_max():
     acc.add({"mismatch/max_abs": 0.3, "mismatch/mean_abs": 0.2})
     acc.add({"mismatch/max_abs": 0.1, "mismatch/mean_abs": 0.0})
     assert acc.pop() == pytest.approx({"mismatch/max_abs": 0.3, "mismatch/mean_abs": 0.1})
+
+
+def test_top_p_on_a_flat_distribution_sorts_the_whole_row():
+    # V = 2000 equal-ish logits: the 512 largest hold ~26% of the mass < top_p 0.8, so the row is sorted whole
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 2000, generator=gen, dtype=torch.float64) * 0.01
+    z[0] = torch.randn(2000, generator=gen, dtype=torch.float64) * 8  # a peaked row beside them: found in the 512
+    index = torch.randint(0, 2000, (4,), generator=gen)
+    s = SamplerSupport(top_p=0.8)
+    torch.testing.assert_close(kept_set_logps(z, index, s), direct_kept_logps(z, index, s), rtol=0, atol=1e-12)
