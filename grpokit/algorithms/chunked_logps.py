@@ -15,8 +15,8 @@ temperature. The weight's gradient is summed over chunks in the weight's own dty
 chunk, no second weight-sized buffer). Entropy is a statistic without gradient, as in ``entropy_from_logits``.
 Each chunk's logits live in one float32 buffer that is shifted, exponentiated and scaled in place (two with
 entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak. With the sampler's kept set
-(``support``, algorithms/kept_set.py) a chunk adds its [n, V] bool mask and, for top-p, a sort of 128 rows at a
-time; forward saves the [B·C] thresholds, from which backward rebuilds each chunk's mask without sorting.
+(``support``, algorithms/kept_set.py) a chunk adds its [n, V] bool mask and a ``topk`` (top-p on a flat row: a
+sort, 128 rows at a time); forward saves the [B·C] thresholds, from which backward rebuilds each chunk's mask.
 """
 
 from __future__ import annotations
