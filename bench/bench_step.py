@@ -68,6 +68,8 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
             "--plots", "false", "--disable_tqdm", "true", "--callbacks", "bench_stamp", "--seed", "0"]
     if a.lora:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
+    if a.top_p != 1.0 or a.top_k > 0:  # given only when set: a --baseline revision may predate an option
+        args += ["--top_p", str(a.top_p), "--top_k", str(a.top_k)]
     run_train(parse_train_args(args))
     rows = [json.loads(x) for x in (out / "grpokit" / "logging.jsonl").read_text().splitlines()]
     steps = [b - a_ for a_, b in zip(stamps, stamps[1:])]
@@ -107,7 +109,8 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
                      num_generations=a.num_generations, max_completion_length=a.max_completion_length,
                      max_steps=a.steps, learning_rate=a.lr, beta=0.0, loss_type="grpo", use_cpu=True, bf16=False,
                      logging_steps=1, report_to=[], save_strategy="no", seed=0, temperature=1.0,
-                     gradient_accumulation_steps=1, use_vllm=False, disable_tqdm=True)
+                     gradient_accumulation_steps=1, use_vllm=False, disable_tqdm=True, top_p=a.top_p,
+                     **({"top_k": a.top_k} if a.top_k > 0 else {}))
     peft = None
     if a.lora:
         from peft import LoraConfig
@@ -171,6 +174,8 @@ def main() -> None:
     p.add_argument("--max_completion_length", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1: off)")
+    p.add_argument("--top_k", type=int, default=-1, help="top-k sampling (-1: off)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
     p.add_argument("--rounds", type=int, default=1, help="alternate the frameworks this many times")
@@ -197,26 +202,23 @@ def main() -> None:
         frameworks.append(f"grpokit@{a.baseline}")
         envs[frameworks[-1]] = {**env, "PYTHONPATH": checkout(a.baseline, work)}
     results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
-    try:
-        for _ in range(a.rounds):
-            for fw in frameworks:
-                cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
-                       a.model_path, *sys.argv[1:]]
-                subprocess.run(cmd, check=True, env=envs[fw])
-                results[fw].append(json.loads((work / f"{fw}.json").read_text()))
-    finally:
-        if a.baseline:  # unregister the temporary worktree from the repository
-            subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "worktree", "remove",
-                            "--force", str(work / "baseline")], check=False, capture_output=True)
+    for _ in range(a.rounds):
+        for fw in frameworks:
+            cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
+                   a.model_path, *sys.argv[1:]]
+            subprocess.run(cmd, check=True, env=envs[fw])
+            results[fw].append(json.loads((work / f"{fw}.json").read_text()))
     report(a, results)
 
 
 def checkout(rev: str, work: Path) -> str:
-    """A detached worktree of this repository at ``rev``, for the ``--baseline`` run; returns its path."""
+    """The files of this repository at ``rev`` (``git archive``: nothing is registered in the repository, so a
+    bench leaves no worktree behind), for the ``--baseline`` run; returns their folder."""
     path = work / "baseline"
+    path.mkdir()
     repo = Path(__file__).resolve().parent.parent
-    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
-                   capture_output=True)
+    tar = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(path)], input=tar, check=True)
     return str(path)
 
 

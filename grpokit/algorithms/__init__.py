@@ -28,6 +28,7 @@ from grpokit.algorithms.filters import (
     overlong_mask,
     validate_entropy_quantile,
 )
+from grpokit.algorithms.kept_set import SamplerSupport, kept_set_log_softmax, kept_set_logps
 from grpokit.algorithms.kl import k3_kl, kl_reward_penalty
 from grpokit.algorithms.logps import entropy_from_logits, selective_log_softmax
 from grpokit.algorithms.losses import (
@@ -53,6 +54,7 @@ from grpokit.algorithms.losses_real import real_group_loss, real_scores  # regis
 from grpokit.algorithms.rollout_is import (
     ROLLOUT_IS_MODES,
     RolloutISOut,
+    mismatch_metrics,
     rollout_importance_weights,
     validate_rollout_is_options,
 )
@@ -77,6 +79,7 @@ __all__ = [
     "LossOut",
     "PolicyTerms",
     "RolloutISOut",
+    "SamplerSupport",
     "TokenLoss",
     "compute_advantages",
     "compute_policy_loss",
@@ -86,8 +89,11 @@ __all__ = [
     "entropy_threshold",
     "groups_with_signal",
     "k3_kl",
+    "kept_set_log_softmax",
+    "kept_set_logps",
     "kl_reward_penalty",
     "loss_mask",
+    "mismatch_metrics",
     "num_items_per_micro_batch",
     "overlong_mask",
     "real_group_loss",

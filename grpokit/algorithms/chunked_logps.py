@@ -14,7 +14,9 @@ restored for the recomputation in backward), then float32 (float64 for float64 i
 temperature. The weight's gradient is summed over chunks in the weight's own dtype (one matmul-accumulate per
 chunk, no second weight-sized buffer). Entropy is a statistic without gradient, as in ``entropy_from_logits``.
 Each chunk's logits live in one float32 buffer that is shifted, exponentiated and scaled in place (two with
-entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak.
+entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak. With the sampler's kept set
+(``support``, algorithms/kept_set.py) a chunk adds its [n, V] bool mask and a ``topk`` (top-p on a flat row: a
+sort, 128 rows at a time); forward saves the [B·C] thresholds, from which backward rebuilds each chunk's mask.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from grpokit.algorithms.kept_set import SamplerSupport, kept_mask, kept_threshold
 
 
 def _row_chunks(n: int, size: int) -> list[slice]:
@@ -50,31 +54,37 @@ def _accumulate(grad: Tensor, gz: Tensor, gz_l: Tensor, x: Tensor) -> None:
 
 class _ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy):
+    def forward(ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy, support):
         cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         n = hidden.shape[0]  # hidden [N, H], weight [V, H], u [N, r] and lr_weight [V, r] or None, targets [N]
         lse = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
         picked = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
         entropy = torch.empty(n, dtype=cdt, device=hidden.device) if compute_entropy else None
+        tau = torch.empty(n, dtype=cdt, device=hidden.device) if support is not None else None  # [N] kept-set τ
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
         for s in _row_chunks(n, chunk_size):
             low_rank = (u[s], lr_weight) if u is not None else None
             z, ctx.logits_dtype = _chunk_logits(hidden[s], weight, bias, low_rank, temperature, cdt)
             picked[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1)
+            keep = None
+            if support is not None:  # the sampler's kept set (algorithms/kept_set.py): a [n, V] mask, this chunk's
+                tau[s] = kept_threshold(z, support)
+                keep = kept_mask(z, tau[s], targets[s], support)
             top = z.amax(-1, keepdim=True)  # [n, 1]
             z.sub_(top)  # in place from here on: the chunk's logits minus their max
             if entropy is None:
-                lse[s] = top.squeeze(-1) + z.exp_().sum(-1).log()
+                e = z.exp_()
+                lse[s] = top.squeeze(-1) + (e if keep is None else e.mul_(keep)).sum(-1).log()
             else:  # H = −Σ p log p = log S − Σ e·z / S with e = exp(z), S = Σ e (z shifted by its max)
                 e = z.exp()
                 total = e.sum(-1)
-                lse[s] = top.squeeze(-1) + total.log()
                 entropy[s] = total.log() - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
+                lse[s] = top.squeeze(-1) + (total if keep is None else e.mul_(keep).sum(-1)).log()
                 del e
-            del z  # before the next chunk's logits exist: one chunk at a time
-        ctx.save_for_backward(hidden, weight, bias, u, lr_weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+            del z, keep  # before the next chunk's logits exist: one chunk at a time
+        ctx.save_for_backward(hidden, weight, bias, u, lr_weight, targets, lse, tau)
+        ctx.temperature, ctx.chunk_size, ctx.support = temperature, chunk_size, support
         if entropy is None:
             return picked - lse, None
         ctx.mark_non_differentiable(entropy)
@@ -83,7 +93,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, bias, u, lr_weight, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, u, lr_weight, targets, lse, tau = ctx.saved_tensors
         grads = [torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
                  torch.zeros_like(weight) if ctx.needs_input_grad[1] else None,
                  torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None,
@@ -96,7 +106,9 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 low_rank = (u[s], lr_weight) if u is not None else None
                 z, _ = _chunk_logits(hidden[s], weight, bias, low_rank, ctx.temperature, lse.dtype)
             g = grad_logps[s].to(lse.dtype).unsqueeze(-1)  # [n, 1]
-            gz = z.sub_(lse[s].unsqueeze(-1)).exp_().mul_(-g)  # in place: d logp / d z = onehot − softmax, × g
+            keep = kept_mask(z, tau[s], targets[s], ctx.support) if ctx.support is not None else None
+            gz = z.sub_(lse[s].unsqueeze(-1)).exp_()  # in place: d logp / d z = onehot − softmax (over K), × g
+            gz = (gz if keep is None else gz.mul_(keep)).mul_(-g)
             gz.scatter_add_(-1, targets[s].unsqueeze(-1), g)
             gz.div_(ctx.temperature)  # [n, V] gradient of the unscaled logits
             if grad_b is not None:
@@ -111,16 +123,19 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                 _accumulate(grad_w, gz, gz_l, hidden[s])
             if grad_lr is not None:
                 _accumulate(grad_lr, gz, gz_l, u[s])
-            del z, gz, gz_l  # before the next chunk's logits exist: one chunk at a time
+            del z, gz, gz_l, keep  # before the next chunk's logits exist: one chunk at a time
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None
+        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None
 
 
 def chunked_lm_head_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                           temperature: float = 1.0, chunk_size: int = 1024, compute_entropy: bool = False,
-                          low_rank: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                          low_rank: tuple[Tensor, Tensor] | None = None, support: SamplerSupport | None = None
+                          ) -> tuple[Tensor, Tensor | None]:
     """log softmax((hidden·Wᵀ + b [+ u·Bᵀ]) / T)[targets] and optionally the entropy, ``chunk_size`` rows at a time.
+    With ``support``, the log-softmax is over the sampler's kept set (``kept_set_logps``); the entropy stays the
+    full distribution's.
 
     hidden [..., H], weight [V, H], bias [V] or None, targets [...]; ``low_rank`` = (u [..., r], B [V, r]) for a
     LoRA head's term s·A(dropout(h))·Bᵀ with u = s·A(dropout(h)). Returns (logps [...], entropies [...] or None),
@@ -143,5 +158,5 @@ def chunked_lm_head_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, t
     lead = targets.shape
     logps, entropy = _ChunkedHeadLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, u, lr_weight,
                                              targets.reshape(-1).long(), float(temperature), int(chunk_size),
-                                             bool(compute_entropy))
+                                             bool(compute_entropy), support)
     return logps.view(lead), (entropy.view(lead) if entropy is not None else None)

@@ -31,6 +31,9 @@ the trained tokens; sequence means are over every row of the micro-batch, an emp
   weights are equal, and for a micro-batch without trained tokens); ``clipped_frac``: tokens with ρ_t > C for
   the token modes, sequences with ρ_seq > C for the sequence modes.
 
+``mismatch_metrics`` reports the gap itself on every step with engine logprobs (``mismatch/max_abs``, ``mean_abs``,
+``ratio_mean``); ``mismatch/max_abs`` is the one metric the loop reduces by its maximum, not its mean.
+
 ms-swift's ``log_ppl_diff_max``/``_min`` are left out: grpokit averages every metric over micro-steps and ranks,
 which would make them neither a maximum nor a minimum. TRL logs the same gap differently
 (``sampling/sampling_logp_difference/*`` and ``sampling/importance_sampling_ratio/*``); grpokit follows
@@ -170,3 +173,16 @@ def _weight_metrics(weights: Tensor, mask: Tensor, threshold: float) -> dict[str
     ess_w = ess_w / (_masked_mean(ess_w, mask) + 1e-8)
     ess = torch.where(mask.sum() > 0, 1.0 / _masked_mean(ess_w.square(), mask).clamp(min=1e-10), 1.0)
     return {"is_weight_mean": _masked_mean(weights, mask), "ess": ess}
+
+
+@torch.no_grad()
+def mismatch_metrics(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The per-token gap d = trainer − sampler logprob over the completion tokens ``mask`` [B, T] marks that have
+    a sampler logprob (NaN ones are left out): ``mismatch/max_abs`` = max |d|, ``mismatch/mean_abs`` = mean |d|,
+    ``mismatch/ratio_mean`` = mean exp(d) (d clamped to ±20). Empty dict when no token has a sampler logprob."""
+    valid = (mask > 0) & ~torch.isnan(sampler_logps)
+    if not bool(valid.any()):
+        return {}
+    d = trainer_logps.double()[valid] - sampler_logps.double()[valid]  # [n]
+    return {"mismatch/max_abs": d.abs().max(), "mismatch/mean_abs": d.abs().mean(),
+            "mismatch/ratio_mean": d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().mean()}

@@ -227,6 +227,13 @@ class AlgorithmArguments:
     rollout_importance_sampling_mode: str | None = _opt(
         None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C", ge=1)
+    logps_support: Literal["sampler", "full"] = _opt(
+        "sampler", "the support of the training logps (old, current, reference) when sampling truncates (top_k, "
+                   "top_p < 1, special tokens an engine never emits): sampler renormalises each token's probability "
+                   "over the tokens the sampler kept, rebuilt from the logits by the sampler's rule, so the policy "
+                   "ratio compares the distributions that were sampled from (costs a top-k or a vocabulary sort "
+                   "per token); full uses the whole vocabulary (cheaper, but with top_p < 1 every ratio to the "
+                   "engine's logprobs is scaled by the kept mass)")
     sync_ref_model: bool = _opt(False, "mix the policy into the reference model every ref_model_sync_steps")
     ref_model_sync_steps: int = _opt(512, "steps between reference-model syncs", ge=1)
     ref_model_mixup_alpha: float = _opt(0.6, "ref ← α·policy + (1−α)·ref", ge=0, le=1)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from grpokit.algorithms.chunked_logps import chunked_lm_head_logps
+from grpokit.algorithms.kept_set import SamplerSupport
 
 # config fields of models whose forward changes the head's output (gemma2/3, cohere, granite, falcon-h1)
 _OUTPUT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
@@ -88,10 +89,12 @@ class ChunkedHead:
     """Swaps the model's output head for one call; see the module docstring. Build it only where
     ``plain_reason(model)`` is None."""
 
-    def __init__(self, model: nn.Module, temperature: float, chunk_size: int, compute_entropy: bool) -> None:
+    def __init__(self, model: nn.Module, temperature: float, chunk_size: int, compute_entropy: bool,
+                 support: SamplerSupport | None = None) -> None:
         inner = inner_model(model)
         self.head, self.model_name = inner.get_output_embeddings(), type(inner).__name__
         self.temperature, self.chunk_size, self.compute_entropy = temperature, chunk_size, compute_entropy
+        self.support = support  # the sampler's kept set (logps renormalised over it), None: the full vocabulary
 
     def _parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """(weight, bias, low_rank) of the head for these hidden states; low_rank = (u, B) of LoRA adapters."""
@@ -123,7 +126,7 @@ class ChunkedHead:
                                    f"targets {tuple(targets.shape)}; run with --logps_chunk_size 0")
             weight, bias, low_rank = self._parts(hidden)
             logps, ent = chunked_lm_head_logps(hidden, weight, bias, targets, self.temperature, self.chunk_size,
-                                               self.compute_entropy, low_rank)
+                                               self.compute_entropy, low_rank, self.support)
             out = torch.stack([logps, ent], dim=-1) if ent is not None else logps.unsqueeze(-1)
             produced.append(out)
             return out

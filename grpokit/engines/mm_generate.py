@@ -3,8 +3,9 @@
 The prompt ids and tensors come from the template's processor (``ProcessorTemplate.encode_mm``) and are batched
 by ``collate_mm``, the same function that builds the training forward's inputs. Every special token except
 end-of-sequence is suppressed (an image token in a completion would make the training forward look for an image
-that is not there). Logprobs are those of the model's own distribution divided by the temperature, which is
-what the trainer computes: suppression, top-k and top-p shape what is sampled, not the reported logprobs.
+that is not there). A token's logprob is the text paths' (docs/algorithms.md, "What a sampled token's logprob
+is"): the log-softmax of the scores it was sampled from, after the suppression, the temperature, top-k and
+top-p, i.e. renormalised over the kept set; the trainer rebuilds the same set (algorithms/kept_set.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
         mm["pixel_values"] = mm["pixel_values"].to(next(model.parameters()).dtype)
     greedy = config.temperature == 0
     kwargs = dict(max_new_tokens=config.max_tokens, do_sample=not greedy, pad_token_id=pad, eos_token_id=eos,
-                  use_cache=True, return_dict_in_generate=True, output_logits=config.logprobs,
+                  use_cache=True, return_dict_in_generate=True, output_scores=config.logprobs,
                   repetition_penalty=config.repetition_penalty, suppress_tokens=template.blocked_token_ids or None)
     if greedy:
         kwargs.update(temperature=None, top_p=None, top_k=None)
@@ -70,8 +71,8 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
     new = gen.sequences[:, width:]
     lps = None
     if config.logprobs:
-        logits = torch.stack(gen.logits, dim=1).float() / (config.temperature if not greedy else 1.0)
-        lps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+        scores = torch.stack(gen.scores, dim=1).float()  # [B, T, V] processed: what each token was drawn from
+        lps = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu().tolist()
     choices = []
     for r, row in enumerate(new.tolist()):
         ids, finish = _trim(row, eos, pad)

@@ -11,8 +11,9 @@ every turn (a reply that would not re-tokenize to the ids sampled included).
 
 Every special token except end-of-sequence is kept out of completions (``allowed_token_ids``), as the transformers
 engine does: an image token in a completion would make the training forward look for an image that is not there.
-vLLM's processed logprobs are those of the distribution it sampled from, over the allowed tokens; the trainer's
-logps are over the whole vocabulary, so the two differ per token by exactly ``-log(1 - P(blocked tokens))``.
+vLLM's processed logprobs are those of the distribution it sampled from, over the allowed tokens; the trainer
+leaves the same tokens out of its kept set (``--logps_support sampler``, algorithms/kept_set.py), so the two
+agree; with ``--logps_support full`` they differ per token by ``-log(1 - P(blocked tokens))``.
 """
 
 from __future__ import annotations

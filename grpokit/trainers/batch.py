@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from grpokit.algorithms.kept_set import SamplerSupport
 from grpokit.errors import PluginError, RolloutError
 from grpokit.template.encode import EncodedSample
 from grpokit.template.processor import MMRow
@@ -35,12 +36,21 @@ class RolloutBatch:
     num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
     extra: dict[str, Any] = field(default_factory=dict)  # per-row tensors a _prepare_inputs override adds
     mm_inputs: list[MMRow] | None = None  # vision-language models: each row's processor tensors (collate_mm)
+    # the sampler's kept set, as SamplerSupport's fields in plain values (a checkpoint loads with weights_only);
+    # None: logps over the full vocabulary (nothing truncated, or --logps_support full)
+    sampler_support: dict[str, Any] | None = None
     # what one training step's loss reported, filled by training_step and read by the loop (not batch data)
     step_metrics: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def logits_to_keep(self) -> int:
         return self.completion_mask.shape[1]
+
+    @property
+    def support(self) -> SamplerSupport | None:
+        """The kept set the training logps are renormalised over (algorithms/kept_set.py), or None."""
+        s = self.sampler_support
+        return None if s is None else SamplerSupport(**{**s, "blocked": tuple(s.get("blocked", ()))})
 
     # -- the seed's names: ms-swift's mini-batch dict keys, as attributes and as keys ----------------------------
     @property

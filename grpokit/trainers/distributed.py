@@ -17,6 +17,7 @@ from typing import Any
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
+from grpokit.trainers.outputs import MAX_METRICS
 from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
 from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 
@@ -144,12 +145,14 @@ def gather_objects(accelerator, items: list) -> list:
 
 
 def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric averaged over the ranks that report it (a rank's value is already its micro-step mean)."""
+    """Each metric averaged over the ranks that report it (a rank's value is already its micro-step mean); a
+    maximum (outputs.MAX_METRICS) is the ranks' maximum."""
     if accelerator.num_processes == 1:
         return metrics
     per_rank: list[dict[str, Any]] = gather_objects(accelerator, [metrics])
     keys = list(dict.fromkeys(k for m in per_rank for k in m))
-    return {k: sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in keys}
+    return {k: max(m[k] for m in per_rank if k in m) if k in MAX_METRICS
+            else sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in keys}
 
 
 def scalar(x) -> float:

@@ -1,10 +1,13 @@
 """The training forward's set-up decisions and inputs: which models compute each distinct prompt once (decided
-once per run, not per call), and the keyword arguments of ``model(**kwargs)`` for a batch."""
+once per run, not per call), the sampler's kept set the logps are taken over, and the keyword arguments of
+``model(**kwargs)`` for a batch."""
 
 from __future__ import annotations
 
 import torch
 
+from grpokit.algorithms import SamplerSupport
+from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.engines.prefix import worth_sharing
 from grpokit.template.processor import collate_mm
 from grpokit.trainers.batch import RolloutBatch
@@ -36,3 +39,16 @@ def model_kwargs(inputs: RolloutBatch, pixel_dtype: torch.dtype) -> dict:
     if "pixel_values" in mm:
         mm["pixel_values"] = mm["pixel_values"].to(pixel_dtype)
     return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "position_ids": None, **mm}
+
+
+def sampler_support(rollout: RolloutArguments, algorithm: AlgorithmArguments, template) -> dict | None:
+    """The kept set every engine samples from, as the batch carries it (RolloutBatch.sampler_support): top-k,
+    top-p, and for a vision-language template the special tokens the engines never emit (mm_generate's
+    suppress_tokens, vLLM's allowed_token_ids). None where nothing is truncated or with --logps_support full."""
+    if algorithm.logps_support == "full":
+        return None
+    blocked = list(template.blocked_token_ids) if getattr(template, "multimodal", False) else []
+    support = SamplerSupport(top_k=max(rollout.top_k, 0), top_p=rollout.top_p, blocked=tuple(blocked))
+    if not support.truncates:
+        return None
+    return {"top_k": support.top_k, "top_p": support.top_p, "min_p": support.min_p, "blocked": blocked}

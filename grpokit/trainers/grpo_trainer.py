@@ -278,7 +278,7 @@ class GRPOTrainer:
         opts = ForwardOptions(temperature=self.temperature, chunk_size=self.args.logps_chunk_size,
                               padding_free=self.args.padding_free, share_prompts=self._sharing.get(id(model), False))
         return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
-                                compute_entropy)
+                                compute_entropy, inputs.support)  # the sampler's kept set, or None (full)
 
     def _compute_loss_and_metrics(self, model, inputs: RolloutBatch, grpo_batch: RolloutBatch | None = None
                                   ) -> tuple[torch.Tensor, dict]:

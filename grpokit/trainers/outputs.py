@@ -15,9 +15,12 @@ from typing import Any, TextIO
 from grpokit.errors import ConfigError
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
 
+# metrics that are a maximum: reduced by max over micro-steps and processes, not averaged
+MAX_METRICS = frozenset({"mismatch/max_abs"})
+
 
 class MetricsAccumulator:
-    """Averages scalar metrics over the micro-steps of one optimizer step."""
+    """Averages scalar metrics over the micro-steps of one optimizer step (the ``MAX_METRICS``: their maximum)."""
 
     def __init__(self) -> None:
         self._sum: dict[str, float] = defaultdict(float)
@@ -26,11 +29,14 @@ class MetricsAccumulator:
     def add(self, metrics: dict[str, Any]) -> None:
         for k, v in metrics.items():
             v = float(v.item() if hasattr(v, "item") else v)  # NaN is kept: a NaN loss must show in the log
-            self._sum[k] += v
+            if k in MAX_METRICS:
+                self._sum[k] = max(self._sum[k], v) if self._count[k] else v
+            else:
+                self._sum[k] += v
             self._count[k] += 1
 
     def pop(self) -> dict[str, float]:
-        out = {k: self._sum[k] / self._count[k] for k in self._sum}
+        out = {k: self._sum[k] if k in MAX_METRICS else self._sum[k] / self._count[k] for k in self._sum}
         self._sum.clear()
         self._count.clear()
         return out
@@ -79,6 +85,8 @@ def round_significant(value: float, digits: int = SIGNIFICANT_DIGITS) -> float:
 def progress_postfix(logs: dict) -> dict:
     """What the progress bar shows after a logged step: reward and loss (and CHORD's mu and SFT loss)."""
     shown = {"reward": f"{logs.get('reward', math.nan):.3f}", "loss": f"{logs.get('loss', math.nan):.4f}"}
+    if "mismatch/max_abs" in logs:  # the sampler-vs-trainer logprob gap (0 when they agree)
+        shown["mismatch"] = f"{logs['mismatch/max_abs']:.2g}"
     if "chord/mu" in logs:
         shown.update(mu=f"{logs['chord/mu']:.3f}", sft_loss=f"{logs['chord/sft_loss']:.4f}")
     return shown

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpokit.algorithms import entropy_from_logits, selective_log_softmax
+from grpokit.algorithms import SamplerSupport, entropy_from_logits, kept_set_log_softmax, selective_log_softmax
 from grpokit.engines.chunked_head import ChunkedHead, inner_model, plain_reason
 from grpokit.engines.prefix import completion_logits, swapped_head
 
@@ -87,13 +87,15 @@ def check_packing(model, model_inputs: dict) -> None:
 
 
 def completion_logps(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions,
-                     compute_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, C] logps of the last C = ``logits_to_keep`` tokens (float32), and their entropies when asked."""
+                     compute_entropy: bool = False, support: SamplerSupport | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, C] logps of the last C = ``logits_to_keep`` tokens (float32), and their entropies when asked; with
+    ``support``, over the sampler's kept set (algorithms/kept_set.py)."""
     head = None
     if opts.chunk_size > 0:
         reason = plain_reason(model)
         if reason is None:
-            head = ChunkedHead(model, opts.temperature, opts.chunk_size, compute_entropy)
+            head = ChunkedHead(model, opts.temperature, opts.chunk_size, compute_entropy, support)
         elif reason not in _logged:
             _logged.add(reason)
             log.info("logps take the plain path (full logits) for this model: %s", reason)
@@ -101,25 +103,26 @@ def completion_logps(model, model_inputs: dict, logits_to_keep: int, opts: Forwa
     if not opts.padding_free:
         out = completion_logits(model, logits_to_keep=logits_to_keep, share_prompts=opts.share_prompts, head=head,
                                 **model_inputs)
-        return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy)
+        return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy, support)
     check_packing(model, model_inputs)
     packed = pack_rows(ids, model_inputs["attention_mask"], model_inputs["position_ids"], logits_to_keep)
     targets = packed.input_ids[:, packed.keep + 1]  # [1, K]
     with swapped_head(head, targets) as take:
         out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
                     logits_to_keep=packed.keep, use_cache=False)
-    logps_k, ent_k = _split(take(out), targets, head, opts.temperature, compute_entropy)
+    logps_k, ent_k = _split(take(out), targets, head, opts.temperature, compute_entropy, support)
     return _unpack(logps_k[0], packed, ids.shape[0], logits_to_keep), \
         (_unpack(ent_k[0], packed, ids.shape[0], logits_to_keep) if ent_k is not None else None)
 
 
-def _split(out: torch.Tensor, targets: torch.Tensor, head, temperature: float,
-           compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _split(out: torch.Tensor, targets: torch.Tensor, head, temperature: float, compute_entropy: bool,
+           support: SamplerSupport | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logps, entropies) from the chunked head's [.., n, k] results or from plain logits [.., n, V]."""
     if head is not None:
         return out[..., 0], (out[..., 1] if compute_entropy else None)
     logits = out.to(torch.float64 if out.dtype == torch.float64 else torch.float32) / temperature
-    logps = selective_log_softmax(logits, targets)
+    logps = selective_log_softmax(logits, targets) if support is None else kept_set_log_softmax(logits, targets,
+                                                                                                support)
     if not compute_entropy:
         return logps, None
     with torch.no_grad():

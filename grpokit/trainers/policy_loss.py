@@ -13,6 +13,7 @@ from grpokit.algorithms import (
     entropy_mask,
     entropy_threshold,
     loss_mask,
+    mismatch_metrics,
     rollout_importance_weights,
 )
 from grpokit.config.args import AlgorithmArguments
@@ -39,6 +40,9 @@ def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: Rol
             thr = entropy_threshold(ent_all, torch.ones_like(ent_all), a.top_entropy_quantile)
             ent_mask = entropy_mask(entropies, mask, thr)
     old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+    if inputs.rollout_logps is not None:
+        metrics.update(mismatch_metrics(_trainer_side(old, logps, inputs), inputs.rollout_logps,
+                                        inputs.completion_mask))
     is_weights = None
     if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
         rollout = torch.where(torch.isnan(inputs.rollout_logps), old, inputs.rollout_logps)
@@ -54,3 +58,12 @@ def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: Rol
     )
     metrics.update(out.metrics)
     return out.loss, metrics
+
+
+def _trainer_side(old: torch.Tensor, logps: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
+    """The trainer's logps to hold against the engine's: the old logps, unless they are the engine's own
+    (--async_generate copies them in), then this forward's (one optimizer step newer than the sampler)."""
+    engine = inputs.rollout_logps
+    if inputs.old_logps is None or not torch.equal(old, torch.nan_to_num(engine.to(old.dtype), nan=0.0)):
+        return old
+    return logps.detach()

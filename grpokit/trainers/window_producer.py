@@ -25,6 +25,7 @@ from grpokit.rollout.tito import tito_metrics
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows
 from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
+from grpokit.trainers.forward import sampler_support
 from grpokit.trainers.offload import Offloader
 from grpokit.trainers.outputs import CompletionLimits
 from grpokit.trainers.prompts import PromptStream
@@ -104,6 +105,7 @@ class WindowProducer:
             logprobs=bool(algorithm.rollout_importance_sampling_mode or rollout_args.async_generate),
             structured_outputs_regex=rollout_args.structured_outputs_regex,
             structured_outputs_json=rollout_args.structured_outputs_json)
+        self.support = sampler_support(rollout_args, algorithm, template)  # every batch's kept set (or None)
         self._warned_no_signal = False
         self._reward_logs = RewardLogBook()  # log_extra / log_metric records until their window is built
 
@@ -310,6 +312,7 @@ class WindowProducer:
         r = self.rollout_args
         limit = r.max_completion_length if r.completion_length_limit_scope == "total" else None
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
+        batch.sampler_support = self.support  # old, reference and current logps over the sampler's kept set
         if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
             # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
             batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
