@@ -5,9 +5,8 @@ vLLM is imported lazily: grpokit installs and runs without it. The engine runs v
 vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
 the CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
 merged per layer), never listed whole. Under a launcher each training process has an engine of its own
-(vllm_group.py). Logprobs are vLLM's *processed* logprobs (after ``allowed_token_ids``, temperature, top-k and
-top-p: renormalised over the kept set), the definition every engine shares (docs/algorithms.md, "What a sampled
-token's logprob is"); the trainer rebuilds the kept set from its logits by the same rule (algorithms/kept_set.py).
+(vllm_group.py). Logprobs are vLLM's *processed* ones (after ``allowed_token_ids``, temperature, top-k, top-p),
+the definition every engine shares (docs/algorithms.md); the trainer rebuilds the kept set (algorithms/kept_set.py).
 
 Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
 accelerator memory between rollouts: the engine sleeps after each generate call and wakes for the next one or for

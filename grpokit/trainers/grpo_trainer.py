@@ -23,6 +23,7 @@ from grpokit.config.validate import loss_config
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
 from grpokit.trainers import hooks, sync_check
+from grpokit.trainers.async_windows import AsyncWindows
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
@@ -39,7 +40,7 @@ from grpokit.trainers.state import StepValues, TrainerState
 from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
-from grpokit.trainers.window_producer import AsyncWindows, Models, WindowProducer
+from grpokit.trainers.window_producer import Models, WindowProducer
 from grpokit.trainers.window_progress import WindowProgress
 from grpokit.trainers.zero import backward, grad_norm, is_engine, release_process_group, synced_models
 
