@@ -105,6 +105,6 @@ def test_zero3_refuses_an_engine_that_cannot_gather():
 
     policy = torch.nn.Linear(2, 2)
     policy.weight.ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
-    cfg = SimpleNamespace(training=SimpleNamespace(deepspeed="zero3"))
+    cfg = SimpleNamespace(training=SimpleNamespace(deepspeed="zero3"), rollout=SimpleNamespace(fast_decode=True))
     with pytest.raises(ConfigError, match="ZeRO-3 with a custom engine is not implemented"):
         setup_rollout(SimpleNamespace(engine_type="custom"), None, policy, None, cfg, None)
