@@ -299,9 +299,11 @@ class FastDecoder:
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_norm(hidden_last)).float()
 
-    def _prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, cos, sin, total: int) -> torch.Tensor:
-        """Run the prompts; fill the cache of every row; logits of each row's last prompt token [B, V].
-        Rows with the same prompt (a group's num_generations copies) run once."""
+    def _prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor,
+                 total: int) -> torch.Tensor:
+        """Run the prompts; fill the cache of every row (none when ``total`` leaves no decode step); logits of each
+        row's last prompt token [B, V]. Rows with the same prompt (a group's num_generations copies) run once, and
+        their rope tables are built once."""
         b, p = input_ids.shape
         plan = shared_prompts(input_ids, 0)  # (first row of each distinct prompt, row → prompt), or None
         shared = plan is not None
@@ -315,10 +317,12 @@ class FastDecoder:
         shape = (r, self.n_kv, p, self.head_dim)
         k_tmp = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         v_tmp = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        hidden = self._forward(F.embedding(ids, self.embed), 0, mask[:, None], cos[rows, :p], sin[rows, :p],
-                               k_tmp, v_tmp)
+        cos, sin = self._rope_tables(positions[rows])
+        hidden = self._forward(F.embedding(ids, self.embed), 0, mask[:, None], cos, sin, k_tmp, v_tmp)
         logits = self._logits(hidden[:, -1])
         self.k_cache, self.v_cache = [], []
+        if total <= p + 1:  # one new token: sampled from these logits, no decode step reads a cache
+            return logits[inverse] if shared else logits
         self._reserve(b, min(total, p + CACHE_CHUNK))
         for dst, src in zip(self.k_cache + self.v_cache, k_tmp + v_tmp, strict=True):
             dst[:, :, :p] = src[inverse] if shared else src
@@ -338,12 +342,12 @@ class FastDecoder:
         t_max = max_new_tokens
         dev = input_ids.device
         key_valid = torch.cat([attention_mask.bool(), torch.ones(b, t_max, dtype=torch.bool, device=dev)], dim=1)
+        # rope tables are built per step: all at once they would be rows × context × head_dim floats, twice
         positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self._rope_tables(positions)
         seqs = torch.cat([input_ids, input_ids.new_full((b, t_max), pad_token_id)], dim=1)  # what processors see
         uniform = None if greedy else torch.rand(t_max, b, 1, device=dev, dtype=torch.float64)
         try:
-            logits = self._prefill(input_ids, key_valid[:, :p], cos, sin, p + t_max)
+            logits = self._prefill(input_ids, key_valid[:, :p], positions[:, :p], p + t_max)
             unfinished = torch.ones(b, dtype=torch.bool, device=dev)
             tokens, logprobs = [], []
             for t in range(t_max):
@@ -365,9 +369,9 @@ class FastDecoder:
                 if t == t_max - 1 or not bool(unfinished.any()):
                     break
                 self._reserve(b, cur + 1)
+                cos, sin = self._rope_tables(positions[:, cur:cur + 1])
                 hidden = self._forward(F.embedding(tok[:, None], self.embed), cur,
-                                       key_valid[:, None, None, :cur + 1], cos[:, cur:cur + 1],
-                                       sin[:, cur:cur + 1], self.k_cache, self.v_cache)
+                                       key_valid[:, None, None, :cur + 1], cos, sin, self.k_cache, self.v_cache)
                 logits = self._logits(hidden[:, -1])
         finally:
             self.k_cache, self.v_cache = [], []

@@ -102,6 +102,21 @@ def test_kv_cache_growth_keeps_what_is_written(monkeypatch):
     _check_logprobs(_model("qwen3"), shared=True)
 
 
+def test_memory_follows_distinct_prompts_and_new_tokens(monkeypatch):
+    """Rope tables are built for the distinct prompts, then one position per step (never rows × context at once),
+    and a one-token answer fills no KV cache: a server asked for 1500 copies of a long prompt stays near idle."""
+    decoder = FastDecoder(_model("qwen3"))
+    shapes, reserved = [], []
+    monkeypatch.setattr(decoder, "_rope_tables", lambda pos, f=decoder._rope_tables: shapes.append(pos.shape) or f(pos))
+    monkeypatch.setattr(decoder, "_reserve", lambda rows, n, f=decoder._reserve: reserved.append(rows) or f(rows, n))
+    ids, att = _prompts(shared=True)  # 7 rows, 3 distinct prompts, width 7
+    one, _ = decoder.generate(ids, att, 1, eos_token_id=-1, pad_token_id=0, greedy=True)
+    assert one.shape == (7, 1) and shapes == [(3, 7)] and reserved == []
+    shapes.clear()
+    three, _ = decoder.generate(ids, att, 3, eos_token_id=-1, pad_token_id=0, greedy=True)
+    assert shapes == [(3, 7), (7, 1), (7, 1)] and reserved and torch.equal(three[:, :1], one)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "llama+lora"])
 def test_on_cuda_logprobs_equal_the_models_forward(arch):
