@@ -256,6 +256,8 @@ class RolloutOutput(BaseModel):
     ``response_token_ids[k]`` are the token ids of the k-th assistant message after the prompt (a continued
     message is one segment); ``response_loss_mask[k]`` has the same length (0 = not trained on).
     ``rollout_logprobs[k]`` holds one logprob per token of segment k whose mask is 1.
+    ``weight_versions[k]`` is the weight version (the trainer's optimizer step at its last weight sync) that
+    sampled segment k: the oldest it can be (empty: not recorded).
     """
 
     response: ChatCompletionResponse
@@ -264,6 +266,7 @@ class RolloutOutput(BaseModel):
     response_loss_mask: list[list[int]] = Field(default_factory=list)
     rollout_infos: dict[str, Any] = Field(default_factory=dict)
     rollout_logprobs: list[list[float]] = Field(default_factory=list)
+    weight_versions: list[int] = Field(default_factory=list)
     request_id: str = ""
     prompt_id: str = ""
     # The prompt as the trajectory started (after on_trajectory_start edits, e.g. an env's first observation);

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grpokit.config.fields import BOUNDS, JSON_OBJECT, Bounds
+from grpokit.config.fields import opt as _opt
 from grpokit.protocol import (
     MAX_N,
     MAX_REPETITION_PENALTY,
@@ -22,21 +22,6 @@ from grpokit.protocol import (
 
 # --attn_impl's names (transformers' attn_implementation, and ms-swift's flash_attn for flash_attention_2)
 ATTN_IMPLS = ("sdpa", "eager", "flash_attn", "flash_attention_2", "flash_attention_3", "flex_attention")
-
-
-def _opt(default, help: str, ge=None, gt=None, le=None, lt=None, also=(), why="",  # noqa: A002 - argparse's
-         json_object=False, **kw):
-    """A field with its help text and what it accepts (``grpokit.config.fields`` checks every value against it):
-    a numeric range (``ge``/``gt``/``le``/``lt``, ``also`` for documented values outside it, ``why`` said in the
-    error), ``choices``, or ``json_object`` for a text option that YAML may give as a mapping."""
-    metadata = {"help": help, **kw}
-    if any(b is not None for b in (ge, gt, le, lt)) or also:
-        metadata[BOUNDS] = Bounds(ge=ge, gt=gt, le=le, lt=lt, also=tuple(also), why=why)
-    if json_object:
-        metadata[JSON_OBJECT] = True
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -161,7 +146,16 @@ class RolloutArguments:
               "weights: float64 checksums of every tensor on both sides and a 4-token greedy logprob probe; a "
               "mismatch stops the run naming the bucket or tensor. Costs one more read of every weight on each "
               "side and one short generation per sync (docs/PERFORMANCE.md)")
-    async_generate: bool = _opt(False, "generate the next window while training on this one (one step off-policy)")
+    async_generate: bool = _opt(False, "generate the next window while training on this one (one window "
+                                       "off-policy: --max_staleness of one window's optimizer steps)")
+    max_staleness: int | None = _opt(
+        None, "asynchronous training (TRL's name): windows are rolled out ahead by a background producer, and no "
+              "trained token is more than this many optimizer steps older than the weights that train it; 0 is "
+              "synchronous. Default: one window with --async_generate true, else 0 (docs/server_mode.md)", ge=0)
+    staleness_policy: Literal["wait", "drop"] = _opt(
+        "wait", "--max_staleness: wait (the producer waits, so no window is ever too old) or drop (the producer "
+                "runs one window further ahead; a window too old when its turn comes is dropped and its prompts "
+                "rolled out again)")
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
     max_turns: int | None = _opt(None, "max turns per trajectory", ge=1)
     gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")

@@ -250,3 +250,18 @@ def coerce_yaml(data: dict, fields: dict[str, tuple[dataclasses.Field, Kind]], w
         else:
             out[name] = _coerce_item(name, kind, field, value, where)
     return out
+
+
+def opt(default, help: str, ge=None, gt=None, le=None, lt=None, also=(), why="",  # noqa: A002 - argparse's
+         json_object=False, **kw):
+    """A field with its help text and what it accepts (``grpokit.config.fields`` checks every value against it):
+    a numeric range (``ge``/``gt``/``le``/``lt``, ``also`` for documented values outside it, ``why`` said in the
+    error), ``choices``, or ``json_object`` for a text option that YAML may give as a mapping."""
+    metadata = {"help": help, **kw}
+    if any(b is not None for b in (ge, gt, le, lt)) or also:
+        metadata[BOUNDS] = Bounds(ge=ge, gt=gt, le=le, lt=lt, also=tuple(also), why=why)
+    if json_object:
+        metadata[JSON_OBJECT] = True
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda d=default: list(d), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)

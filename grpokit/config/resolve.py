@@ -36,6 +36,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     r, t, a = out.rollout, out.training, out.algorithm
     if a.kl_in_reward is None:
         a.kl_in_reward = a.advantage_estimator in ("rloo", "reinforce_plus_plus")
+    if r.max_staleness is not None:  # an explicit bound decides; 0 is synchronous
+        r.async_generate = r.max_staleness > 0
     if r.max_new_tokens is not None:
         r.max_completion_length = r.max_new_tokens
     if t.optim in OPTIM_NAMES:

@@ -34,6 +34,7 @@ from grpokit.algorithms import (
     validate_rollout_is_options,
 )
 from grpokit.config.args import TrainConfig
+from grpokit.config.async_rules import async_option, check_staleness
 from grpokit.config.context import check_context
 from grpokit.config.fields import check_fields
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
@@ -66,7 +67,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_sampling(cfg)
     if not cfg.reward.external_plugins:  # the registries are final already: check the names now
         check_registry_names(cfg)
-    batch_plan(cfg)
+    check_staleness(cfg.rollout, batch_plan(cfg))
 
 
 def check_registry_names(cfg: TrainConfig) -> None:
@@ -269,7 +270,7 @@ def _check_rollout_modes(cfg: TrainConfig) -> None:
         raise ConfigError(f"{len(r.vllm_server_host)} --vllm_server_host value(s) but {len(r.vllm_server_port)} "
                           "--vllm_server_port value(s); give one port, or one per host")
     if r.async_generate and not (server or r.use_vllm):
-        raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
+        raise ConfigError(f"{async_option(r)} needs an engine with its own copy of the weights (--vllm_mode "
                           "server, or --use_vllm true): the in-process transformers engine samples from the "
                           "live training weights, which change while the next window would be generating")
     if r.use_vllm and not server:
@@ -283,11 +284,11 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
                           "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
                           "use --sleep_level 1")
     if r.sleep_level and r.async_generate:
-        raise ConfigError(f"--sleep_level {r.sleep_level} with --async_generate true: the engine cannot sleep "
+        raise ConfigError(f"--sleep_level {r.sleep_level} with {async_option(r)}: the engine cannot sleep "
                           "while it generates the next window during training; use --sleep_level 0")
     offload = [f"--{n} true" for n in ("offload_model", "offload_optimizer") if getattr(r, n)]
     if offload and r.async_generate:
-        raise ConfigError(f"{offload[0]} with --async_generate true: the next window generates while this one "
+        raise ConfigError(f"{offload[0]} with {async_option(r)}: the next window generates while this one "
                           "trains, so the training model cannot wait in CPU memory; drop one of the two")
     sharded = "--deepspeed" if cfg.training.deepspeed else "--fsdp" if cfg.training.fsdp else None
     if offload and sharded:

@@ -33,6 +33,7 @@ class RolloutBatch:
     old_logps: torch.Tensor | None = None  # [N, C]
     ref_logps: torch.Tensor | None = None  # [N, C]
     rollout_logps: torch.Tensor | None = None  # [N, C] engine logprobs (NaN where missing)
+    weight_version: torch.Tensor | None = None  # [N] long: the oldest weight version that sampled the row
     num_items: float | None = None  # loss denominator for dapo/cispo (set per micro-batch)
     extra: dict[str, Any] = field(default_factory=dict)  # per-row tensors a _prepare_inputs override adds
     mm_inputs: list[MMRow] | None = None  # vision-language models: each row's processor tensors (collate_mm)

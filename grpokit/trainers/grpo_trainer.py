@@ -23,7 +23,6 @@ from grpokit.config.validate import loss_config
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
 from grpokit.trainers import hooks, sync_check
-from grpokit.trainers.async_windows import AsyncWindows
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
@@ -34,6 +33,7 @@ from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, prog
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.rollout_buffer import RolloutBuffer, pending_windows
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
@@ -94,7 +94,7 @@ class GRPOTrainer:
             rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
             models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
             plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
-        self._async = AsyncWindows(self._producer) if cfg.rollout.async_generate else None
+        self._async = RolloutBuffer.for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness
         self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
             chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index)
@@ -143,7 +143,7 @@ class GRPOTrainer:
                     sync_s = self._sync_weights()
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
-            cancel_background_work()  # an --async_generate rollout nobody will train on: drained below, not awaited
+            cancel_background_work()  # a --max_staleness rollout nobody will train on: drained below, not awaited
             release_process_group()  # a one-process DeepSpeed group: no peer to wait for
             raise
         finally:
@@ -156,8 +156,7 @@ class GRPOTrainer:
         return self.state
 
     def _next_window(self) -> Window:
-        """The next window (its metrics include --async_generate's). With --async_generate its rollout was started
-        while the previous window trained, and the rollout of the window after it starts now."""
+        """The next window; with --max_staleness, the buffer's (rolled out ahead), its async metrics added."""
         if self._async is None:
             window = self._prepare_inputs(self._producer.prompts.next())
         else:
@@ -303,8 +302,9 @@ class GRPOTrainer:
         """Step bookkeeping: the reference model's EMA, then (HF's order) on_step_end, the log, evaluation and the
         checkpoint, each at its interval or when a transformers callback asked for it through ``control``."""
         self.state.global_step += 1
-        self._refresh_ref_model()
-        step = self.state.global_step
+        step, a = self.state.global_step, self.cfg.algorithm
+        if a.sync_ref_model and self.ref_model is not None and step % a.ref_model_sync_steps == 0:  # EMA reference
+            ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
         self._hf_event("on_step_end")
         control = self._callbacks.control
         first = step == 1 and self.args.logging_first_step
@@ -331,17 +331,13 @@ class GRPOTrainer:
         if step < self.state.max_steps and (signum := self._stop.agreed(self.accelerator)):
             raise self._stop.stopped(signum, step, saved or self._save_checkpoint(values))
 
-    def _refresh_ref_model(self) -> None:
-        a = self.cfg.algorithm
-        if a.sync_ref_model and self.ref_model is not None and self.state.global_step % a.ref_model_sync_steps == 0:
-            ema_update_(self.ref_model.parameters(), self.policy.parameters(), a.ref_model_mixup_alpha)
-
     def _sync_weights(self) -> float:
         """The engine's weights from the policy; returns the seconds it took."""
         t0 = time.perf_counter()
         sync_check.sync(self.engine, self.policy, self.cfg.rollout, self.state.global_step, self.template)
         if self.accelerator.num_processes > 1:  # rank 0 pushes to a rollout server; the others must not sample
             self.accelerator.wait_for_everyone()  # from it before the push is done
+        self._producer.weights_at = self.state.global_step  # the version the next rollouts are tagged with
         return time.perf_counter() - t0
 
     def _call(self, event: str, *args) -> None:
@@ -353,11 +349,12 @@ class GRPOTrainer:
     # -- checkpoints, evaluation, the end ------------------------------------------------------------------------------
     def _save_checkpoint(self, values: StepValues | None = None):
         """A checkpoint at this step; inside a window (``values``) it holds the window's untrained rest too."""
-        in_flight = self.plan.prompts_per_rollout if self._async and self._async.in_flight else 0  # not trained on
+        pending = pending_windows(self._async, self._producer.prompts)  # drawn again first after a resume
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=self.state.prompts_consumed - in_flight, extra=chord,
+                                             prompts_consumed=self._producer.prompts.position,
+                                             extra={**chord, "prompts_pending": pending},
                                              window=window, step_metrics=unlogged)
         self._call("on_save", str(ckpt))
         return ckpt
@@ -369,10 +366,11 @@ class GRPOTrainer:
         if loop is None:
             return None
         self.state.global_step = loop["global_step"]
-        self.state.prompts_consumed = self._producer.prompts.position = loop["prompts_consumed"]
+        self.state.prompts_consumed = self._producer.prompts.restore(loop)  # the frontier, and the pending windows
         if self._chord is not None:  # mu follows global_step; the SFT rows continue where the checkpoint left
             self._chord.position = loop.get("chord_sft_consumed", 0)
         self.engine.sync_weights(self.policy)
+        self._producer.weights_at = self.state.global_step
         return WindowProgress.load(loop["checkpoint"], self.accelerator.process_index, step_metrics)
 
     def evaluate(self) -> dict:
@@ -398,3 +396,4 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
         release_process_group()  # the one-process group of --deepspeed without a launcher, and its variables
         self.accelerator.end_training()
+

@@ -3,6 +3,7 @@ with ``--dataloader_num_workers N`` the rows of the next windows are read ahead 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -12,8 +13,11 @@ from torch.utils.data import DataLoader
 class PromptStream:
     """Windows of ``prompts_per_window`` prompts from a seeded permutation of the dataset per epoch (or the dataset
     order without shuffling). Process r takes the r-th block of each window, so every process's prompts are whole
-    groups. ``position`` counts the prompts drawn so far over all processes; a checkpoint stores it and a resume
-    sets it back (a position always maps to the same row)."""
+    groups. ``position`` counts the prompts drawn so far over all processes (the frontier); a window is named by
+    the position it starts at. A window drawn but never trained (an asynchronous rollout in flight at a checkpoint,
+    or one dropped as too stale) is handed back with ``requeue`` and drawn again before any new one, so that a
+    resume (``position`` and ``replay`` set back from the checkpoint) trains each prompt exactly once: a position
+    always maps to the same row. Drawing is thread-safe (a background rollout and dynamic sampling both draw)."""
 
     @classmethod
     def for_run(cls, dataset, prompts_per_window: int, args, shuffle: bool, accelerator) -> PromptStream:
@@ -38,17 +42,38 @@ class PromptStream:
         self.num_processes = num_processes
         self.process_index = process_index
         self.position = 0
+        self.replay: list[int] = []  # starts of windows handed back, drawn again (oldest first) before new ones
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) of the latest epoch read
+        self._lock = threading.Lock()
 
     def next(self) -> list[dict]:
         """This process's rows of the next window, each with its stream position as ``_prompt_index``."""
-        positions = self._positions(self.position)
-        if self.num_workers:
-            rows = self._read_ahead()
-        else:
-            rows = read_rows(self.dataset, self._indices(positions))
-        self.position += self.prompts_per_window
-        return [{"_prompt_index": pos, **row} for pos, row in zip(positions, rows, strict=True)]
+        return self.take()[1]
+
+    def take(self) -> tuple[int, list[dict]]:
+        """The next window: its start position and this process's rows (``next``'s)."""
+        with self._lock:
+            if self.replay:
+                start = self.replay.pop(0)
+                positions = self._positions(start)
+                rows = read_rows(self.dataset, self._indices(positions))
+            else:
+                start, positions = self.position, self._positions(self.position)
+                rows = self._read_ahead() if self.num_workers else read_rows(self.dataset, self._indices(positions))
+                self.position += self.prompts_per_window
+        return start, [{"_prompt_index": pos, **row} for pos, row in zip(positions, rows, strict=True)]
+
+    def restore(self, loop: dict) -> int:
+        """The frontier and the pending windows from a checkpoint's loop state; returns the frontier."""
+        with self._lock:
+            self.position = loop["prompts_consumed"]
+            self.replay = sorted(loop.get("prompts_pending", []))
+        return self.position
+
+    def requeue(self, starts: list[int]) -> None:
+        """Windows drawn and not trained: drawn again, in order, before any new window."""
+        with self._lock:
+            self.replay = sorted(set(self.replay) | set(starts))
 
     def _positions(self, window_start: int) -> range:
         share = self.prompts_per_window // self.num_processes

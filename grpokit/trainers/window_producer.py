@@ -1,9 +1,10 @@
 """The rollout half of training: prompts → trajectories → rewards → (dynamic sampling) → tensors and old/ref
-logps → advantages → a ``Window``. ``AsyncWindows`` runs the rollout of the next window in a background thread."""
+logps → advantages → a ``Window``. ``RolloutBuffer`` (--max_staleness) runs rollouts ahead in a background thread."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -79,7 +80,7 @@ class WindowHooks:
 class WindowProducer:
     """Makes windows: ``rollout(prompts)`` (engine and rewards only), then ``build(rollout, step=...)`` (the
     training model's logps, advantages, metrics). Overridden trainer hooks are reached through ``hooks``;
-    ``prompts`` (the PromptStream, also drawn from by dynamic sampling and AsyncWindows) is public, the rest is
+    ``prompts`` (the PromptStream, also drawn from by dynamic sampling and RolloutBuffer) is public, the rest is
     its own."""
 
     def __init__(self, hooks: WindowHooks, prompts: PromptStream, *, scheduler, template, rewards: Rewards,
@@ -92,6 +93,8 @@ class WindowProducer:
         self.rewards, self.models, self.accelerator = rewards, models, accelerator
         self.rollout_args, self.algorithm, self.plan = rollout_args, algorithm, plan
         self.log_completions = log_completions
+        self.weights_at = 0  # the engine's weight version: the optimizer step of the last sync (the loop sets it)
+        self._engine_lock = threading.Lock()  # the background producer and dynamic sampling take turns
         self.offloader = offloader  # --offload_model/--offload_optimizer: applied around generation only
         self._around_generation = offloader.offloaded if offloader is not None else nullcontext  # decided once
         # decided once, not per request: whether trajectories carry images (a vision-language template, or rows
@@ -109,17 +112,25 @@ class WindowProducer:
         self._reward_logs = RewardLogBook()  # log_extra / log_metric records until their window is built
 
     # -- the rollout: engine and rewards only (safe in the async thread) -----------------------------------
-    def rollout(self, prompts: list[dict]) -> WindowRollout:
-        """Trajectories and their rewards. Touches only the engine and the rewards, never the training model,
-        so --async_generate can run it in a background thread."""
+    def rollout(self, prompts: list[dict], version: int | None = None) -> WindowRollout:
+        """Trajectories and their rewards, each tagged with ``version`` (default: the engine's weight version
+        now). Touches only the engine and the rewards, never the training model, so --max_staleness can run it
+        in a background thread."""
         t0 = time.perf_counter()
         requests = self.requests(prompts)
-        with self._around_generation():  # the training model and optimizer wait in CPU memory (--offload_*)
-            outputs = self._generate(requests)
+        outputs = self._generate_tagged(requests, version)
         t1 = time.perf_counter()
         rewards_per_func = self._score(requests, outputs)
         return WindowRollout(requests, outputs, rewards_per_func,
                              {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
+
+    def _generate_tagged(self, requests: list[RolloutInferRequest], version: int | None) -> list[RolloutOutput]:
+        with self._engine_lock, self._around_generation():  # --offload_*: the training model waits in CPU memory
+            version = self.weights_at if version is None else version
+            outputs = self._generate(requests)
+        for o in outputs:
+            o.weight_versions = [version] * max(1, len(o.response_token_ids))
+        return outputs
 
     def requests(self, prompts: list[dict]) -> list[RolloutInferRequest]:
         """num_generations requests per prompt; the row's other columns travel as ``data_dict``."""
@@ -256,8 +267,7 @@ class WindowProducer:
                 break
             rounds += 1
             requests = self.requests(self.prompts.next())
-            with self._around_generation():  # resampling generates too
-                outputs = self._generate(requests)
+            outputs = self._generate_tagged(requests, None)  # on the current weights
             rewards_per_func = self._score(requests, outputs)
         chosen = (keep_s + spare)[:target]  # filled up from signal-free groups when resampling ran out
         filler = max(0, len(chosen) - len(keep_s))
@@ -312,6 +322,7 @@ class WindowProducer:
         limit = r.max_completion_length if r.completion_length_limit_scope == "total" else None
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
         batch.sampler_support = self.support  # old, reference and current logps over the sampler's kept set
+        batch.weight_version = torch.tensor([min(o.weight_versions, default=-1) for o in outputs])
         if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
             # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
             batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)

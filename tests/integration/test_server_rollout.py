@@ -145,9 +145,10 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
     assert rows[0]["async/staleness"] == 0  # the first window is generated before any update
     assert all(r["async/staleness"] == 1 for r in rows[1:])  # later ones sample from weights one step old
     assert all("async/time_saved_s" in r and "async/wait_s" in r for r in rows)
-    # the checkpoint does not count the window that was generated ahead but never trained on
+    # the window rolled out ahead but never trained on is pending in the checkpoint: drawn again first on resume
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-    assert state["prompts_consumed"] == 2 * trainer.plan.prompts_per_rollout
+    per = trainer.plan.prompts_per_rollout
+    assert (state["prompts_consumed"], state["prompts_pending"]) == (3 * per, [2 * per])
 
 
 def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):

@@ -1,0 +1,142 @@
+"""RolloutBuffer (--max_staleness) against a fake producer whose speed the test sets: the staleness bound under
+``wait`` and ``drop``, what each counts, and that every window drawn is trained once or pending (never lost, never
+twice), across a checkpoint's pending list and the stream's restore."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grpokit.config.async_rules import check_staleness
+from grpokit.config.plan import BatchPlan
+from grpokit.errors import ConfigError
+from grpokit.protocol import ChatCompletionResponse, RolloutOutput
+from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.rollout_buffer import RolloutBuffer, pending_windows
+from grpokit.trainers.window import WindowRollout
+
+PER_WINDOW = 2
+
+
+class FakeProducer:
+    """The parts of a WindowProducer the buffer uses: the prompt stream, ``weights_at`` and ``rollout``, which
+    takes ``delay_s`` and tags each output with the version it is given."""
+
+    def __init__(self, n_prompts: int = 400, delay_s: float = 0.0, fail_at: int | None = None) -> None:
+        self.prompts = PromptStream([{"q": i} for i in range(n_prompts)], PER_WINDOW, seed=0, shuffle=False)
+        self.weights_at, self.delay_s, self.fail_at, self.calls = 0, delay_s, fail_at, 0
+
+    def rollout(self, prompts, version=None):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError("the engine went away")
+        time.sleep(self.delay_s)
+        outputs = [RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[],
+                                 weight_versions=[version], prompt_id=str(p["_prompt_index"])) for p in prompts]
+        return WindowRollout([], outputs, torch.zeros(len(outputs), 1), {"rollout": self.delay_s, "reward": 0.0})
+
+
+def _train(buffer: RolloutBuffer, producer: FakeProducer, steps: int, train_s: float) -> tuple[list, list[dict]]:
+    """The loop's side: take a window, 'train' it (one optimizer step), publish the new weights."""
+    trained, metrics = [], []
+    for step in range(steps):
+        prompts, rollout, m = buffer.next(step)
+        assert all(step - v <= buffer.max_staleness for o in rollout.outputs for v in o.weight_versions), (step, m)
+        trained.append(prompts[0]["_prompt_index"])
+        metrics.append(m)
+        time.sleep(train_s)
+        producer.weights_at = step + 1
+    return trained, metrics
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_wait_never_drops_and_the_producer_waits_when_it_is_faster(k):
+    producer = FakeProducer(delay_s=0.0)
+    buffer = RolloutBuffer(producer, max_staleness=k, steps_per_window=1, policy="wait")
+    try:
+        trained, metrics = _train(buffer, producer, 12, train_s=0.01)
+    finally:
+        buffer.drain()
+    assert trained == [PER_WINDOW * i for i in range(12)]  # in order, none skipped, none twice
+    assert sum(m["async/dropped"] for m in metrics) == 0
+    assert sum(m["async/producer_waits"] for m in metrics) > 0
+    assert max(m["async/staleness_max"] for m in metrics) == k  # a fast producer runs the full bound ahead
+    assert metrics[0]["async/staleness_max"] == 0
+    assert [m["async/staleness_mean"] for m in metrics[k:]] == [k] * (12 - k)
+
+
+def test_drop_discards_windows_too_old_and_trains_their_prompts_later():
+    producer = FakeProducer(delay_s=0.0)
+    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="drop")
+    try:
+        trained, metrics = _train(buffer, producer, 12, train_s=0.01)
+        pending = pending_windows(buffer, producer.prompts)
+    finally:
+        buffer.drain()
+    dropped = sum(m["async/dropped"] for m in metrics)
+    assert dropped > 0 and dropped % PER_WINDOW == 0  # whole windows
+    assert len(set(trained)) == len(trained)  # never twice
+    frontier = producer.prompts.position
+    # every window up to the frontier is trained or pending: a dropped window's prompts came back
+    assert sorted(trained + pending_windows(buffer, producer.prompts)) == list(range(0, frontier, PER_WINDOW))
+    assert pending == pending_windows(buffer, producer.prompts)
+
+
+def test_a_slow_producer_makes_the_loop_wait_and_says_so():
+    producer = FakeProducer(delay_s=0.05)
+    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="wait")
+    try:
+        _, metrics = _train(buffer, producer, 4, train_s=0.0)
+    finally:
+        buffer.drain()
+    assert all(m["async/wait_s"] > 0.02 for m in metrics)
+    assert all(m["async/buffer_fill"] == 0 for m in metrics)
+
+
+def test_pending_windows_are_drawn_again_first_after_a_restore():
+    producer = FakeProducer(delay_s=0.0)
+    buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
+    try:
+        trained, _ = _train(buffer, producer, 5, train_s=0.01)
+        loop = {"prompts_consumed": producer.prompts.position,
+                "prompts_pending": pending_windows(buffer, producer.prompts)}
+    finally:
+        buffer.drain()
+    assert loop["prompts_pending"], "a fast producer has windows ahead"
+    resumed = FakeProducer()
+    assert resumed.prompts.restore(loop) == loop["prompts_consumed"]
+    again = RolloutBuffer(resumed, max_staleness=2, steps_per_window=1, policy="wait")
+    try:
+        after, _ = _train(again, resumed, 4, train_s=0.0)
+    finally:
+        again.drain()
+    assert after[:len(loop["prompts_pending"])] == loop["prompts_pending"]
+    assert sorted(trained + after) == list(range(0, PER_WINDOW * 9, PER_WINDOW))  # exactly once, in all
+
+
+def test_a_producer_error_reaches_the_loop_and_drain_returns():
+    producer = FakeProducer(fail_at=2)
+    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="wait")
+    buffer.next(0)
+    with pytest.raises(RuntimeError, match="went away"):
+        buffer.next(1)
+    done = threading.Event()
+    threading.Thread(target=lambda: (buffer.drain(), done.set()), daemon=True).start()
+    assert done.wait(5)
+    assert buffer.pending() == [PER_WINDOW]  # the window whose rollout failed was never trained
+
+
+def test_the_bound_is_at_least_one_window():
+    plan = BatchPlan(world_size=1, num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                     steps_per_generation=2, num_iterations=1)
+    r = type("R", (), {"max_staleness": 1})()
+    with pytest.raises(ConfigError, match="--max_staleness 1: one window trains 2 optimizer steps.*use "
+                                          "--max_staleness 2 or more"):
+        check_staleness(r, plan)
+    r.max_staleness = 2
+    check_staleness(r, plan)
+    r.max_staleness = 0
+    check_staleness(r, plan)
