@@ -1,5 +1,6 @@
-"""Off-policy sequence masking (grpokit/algorithms/off_policy_mask.py): which sequences a hand-worked batch masks,
-and that a masked sequence gets no policy gradient while the others keep theirs."""
+"""Off-policy sequence masking (--off_policy_sequence_mask_delta, grpokit/algorithms/off_policy_mask.py): which
+sequences a hand-worked batch masks, that a masked sequence gets no policy gradient while the others keep theirs,
+the trainer's wiring (engine logprobs first, old logps where the engine has none) and the option's parsing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import pytest
 import torch
 
 from grpokit.algorithms import LossConfig, LossInputs, compute_policy_loss, off_policy_sequence_mask
+from grpokit.config.args import AlgorithmArguments
+from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.policy_loss import policy_loss
 
 NAN = float("nan")
 DELTA = 0.5
@@ -115,3 +120,57 @@ def test_masked_rows_keep_their_kl_term():
     _, kl_only = _loss_and_grad(b, cfg, seq_mask, adv=torch.zeros(6, dtype=torch.float64), ref=ref)
     masked = torch.tensor(KEPT) == 0
     assert kl_only[masked].abs().sum() > 0 and torch.equal(grad[masked], kl_only[masked])
+
+
+def _rollout_batch(b: dict, rollout=True) -> RolloutBatch:
+    n, c = b["mask"].shape
+    ids = torch.zeros(n, c + 1, dtype=torch.long)
+    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=ids,
+                        completion_mask=b["mask"], truncated=torch.zeros(n, dtype=torch.bool), advantages=b["adv"],
+                        old_logps=b["old"], rollout_logps=b["rollout"] if rollout else None)
+
+
+def test_policy_loss_applies_the_mask_and_logs_it():
+    b = batch()
+    logps = b["logps"].clone().requires_grad_(True)
+    cfg = LossConfig()
+    args = AlgorithmArguments(off_policy_sequence_mask_delta=DELTA)
+    loss, metrics = policy_loss(logps, None, _rollout_batch(b), args, cfg, None)
+    expected, _ = _loss_and_grad(b, cfg, t(KEPT))
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
+    assert metrics["off_policy_mask/masked_ratio"].item() == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("rollout", [True, False])
+def test_policy_loss_without_the_option_is_unchanged(rollout):
+    """delta unset: the loss is the one without any sequence mask, bit for bit, and nothing is logged for it; a
+    delta no row reaches multiplies every row by 1, which changes no bit either."""
+    b = batch()
+    cfg = LossConfig(beta=0.0)
+    plain, plain_grad = _loss_and_grad(b, cfg)
+    for delta in (None, 1e9):
+        logps = b["logps"].clone().requires_grad_(True)
+        loss, metrics = policy_loss(logps, None, _rollout_batch(b, rollout),
+                                    AlgorithmArguments(off_policy_sequence_mask_delta=delta), cfg, None)
+        loss.backward()
+        assert torch.equal(loss, plain) and torch.equal(logps.grad, plain_grad)
+        assert any(k.startswith("off_policy_mask/") for k in metrics) is (delta is not None)
+
+
+BASE = ["--model", "m/m", "--dataset", "d.jsonl"]
+
+
+def test_the_option_parses_and_refuses_a_negative_delta():
+    assert parse_train_args(BASE).algorithm.off_policy_sequence_mask_delta is None
+    assert parse_train_args(BASE + ["--off_policy_sequence_mask_delta", "0.3"]).algorithm \
+        .off_policy_sequence_mask_delta == 0.3
+    with pytest.raises(ConfigError) as e:
+        parse_train_args(BASE + ["--off_policy_sequence_mask_delta", "-1"])
+    assert str(e.value) == "--off_policy_sequence_mask_delta -1.0: must be ≥ 0 (unset: no mask)"
+
+
+def test_the_option_is_refused_with_the_real_loss():
+    with pytest.raises(ConfigError, match="--off_policy_sequence_mask_delta 0.1 masks sequences out of a per-token "
+                                          "policy term, which --loss_type real does not have"):
+        parse_train_args(BASE + ["--loss_type", "real", "--per_device_train_batch_size", "8",
+                                 "--off_policy_sequence_mask_delta", "0.1"])
