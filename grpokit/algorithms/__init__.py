@@ -48,6 +48,7 @@ from grpokit.algorithms.losses import (
     validate_loss_config,
 )
 from grpokit.algorithms.losses_sequence import vespo_weights  # registers luspo and vespo
+from grpokit.algorithms.off_policy_mask import behaviour_logps, off_policy_sequence_mask
 
 # isort: split
 from grpokit.algorithms.losses_real import real_group_loss, real_scores  # registers real (after vespo)
@@ -70,6 +71,7 @@ __all__ = [
     "SCALE_MODES",
     "AdvantageContext",
     "AdvantageOut",
+    "behaviour_logps",
     "Centered",
     "chord_mix",
     "chord_mu",
@@ -95,6 +97,7 @@ __all__ = [
     "loss_mask",
     "mismatch_metrics",
     "num_items_per_micro_batch",
+    "off_policy_sequence_mask",
     "overlong_mask",
     "real_group_loss",
     "real_scores",

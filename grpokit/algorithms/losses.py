@@ -1,9 +1,9 @@
 """Policy losses of the GRPO family and their normalisation, as pure functions of per-token log-probs.
 
 One call: ratio r = exp(log-weight) at the chosen importance-sampling level → per-token policy loss of the loss
-type → × entropy mask → × rollout IS weights → + β·k3 KL → zero outside the mask → normaliser of the loss type.
-The entropy mask and the rollout IS weights act on the policy term only; the β·KL term is added after them, on every
-trained token, in TRL's order (``GRPOTrainer._compute_loss``).
+type → × entropy mask → × off-policy sequence mask → × rollout IS weights → + β·k3 KL → zero outside the mask →
+normaliser of the loss type. The masks and the rollout IS weights act on the policy term only; the β·KL term is
+added after them, on every trained token, in TRL's order (``GRPOTrainer._compute_loss``).
 
 Importance-sampling levels (``--importance_sampling_level``):
 - ``token`` — GRPO (arXiv 2402.03300): r_t = π_θ/π_old per token.
@@ -88,6 +88,7 @@ class LossInputs:
     rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term (vespo: joins its W)
     num_items: float | None = None  # dapo/cispo/vespo denominator: global token count, scaled for accumulation/ranks
     entropy_mask: Tensor | None = None  # [B, T] 0/1: zeroes low-entropy tokens' policy loss, keeps the normaliser
+    sequence_mask: Tensor | None = None  # [B] 0/1: zeroes whole sequences' policy loss, keeps the normaliser
 
 
 @dataclass
@@ -251,6 +252,8 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     per_token = out.loss  # [B, T] or [B, 1]: the policy term
     if inp.entropy_mask is not None:
         per_token = per_token * inp.entropy_mask.detach().to(dtype)
+    if inp.sequence_mask is not None:  # [B] -> [B, 1]: fits a [B, T] and a sequence-level [B, 1] policy term
+        per_token = per_token * inp.sequence_mask.detach().to(dtype).unsqueeze(-1)
     if rollout_w is not None and not out.includes_rollout_is:
         per_token = per_token * rollout_w
     kl = None

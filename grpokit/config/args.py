@@ -6,7 +6,7 @@ field metadata, so `grpokit train --help` documents every flag. Nothing here imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from grpokit.config.fields import opt as _opt
@@ -192,9 +192,8 @@ class RolloutArguments:
 class AlgorithmArguments:
     # names from registries that plugins may extend: checked after --external_plugins load (config/names.py)
     advantage_estimator: str = _opt("grpo", "advantage estimator (ADVANTAGE_ESTIMATORS)")
-    scale_rewards: str | None = _opt(
-        None, "advantage scaling (SCALE_MODES; default by estimator: grpo→group, rloo→none, "
-              "reinforce_plus_plus→batch, any other→group)")
+    scale_rewards: str | None = _opt(None, "advantage scaling (SCALE_MODES; default by estimator: grpo→group, "
+                                           "rloo→none, reinforce_plus_plus→batch, any other→group)")
     loss_type: str = _opt("grpo", "loss and its normalisation (POLICY_LOSSES and LOSS_NORMALIZERS)")
     importance_sampling_level: str = _opt(
         "token", "importance sampling level (IS_LEVELS): token = GRPO, sequence = GSPO, sequence_token = GSPO-token")
@@ -246,6 +245,9 @@ class AlgorithmArguments:
                                              "--chord_sft_dataset)", ge=0, le=1)
     chord_mu_valley: float | None = _opt(None, "CHORD: mu's final value after the decay (required with "
                                                "--chord_sft_dataset; equal to the peak: a constant mu)", ge=0, le=1)
+    off_policy_sequence_mask_delta: float | None = _opt(
+        None, "DeepSeek-V3.2: a sequence with a negative advantage whose mean log π_old − log π_θ per token exceeds "
+              "this gets no policy loss (π_old: the engine's logprobs, else the old logps)", ge=0, why="unset: no mask")
 
 
 @dataclass
@@ -386,8 +388,6 @@ class TrainConfig:
 
     def flat(self) -> dict:
         """All options in one dict (args.json; reward constructors pick their kwargs from it by name)."""
-        from dataclasses import asdict
-
         out: dict = {}
         for part in (self.model, self.data, self.rollout, self.algorithm, self.reward, self.training):
             out.update(asdict(part))

@@ -160,9 +160,8 @@ _refuse(_NOT_YET + ": vLLM quantisation, speculative decoding and raw engine kwa
         "vllm_quantization=None vllm_speculative_config=None vllm_engine_kwargs=None")
 _refuse(_NOT_YET + ": sampling beyond temperature/top_p/top_k/repetition_penalty (min_p, beam search)",
         "min_p=0.0 num_beams=1")
-_refuse(_NOT_YET + ": the RLSD and SDAR (self-distillation) extensions of GRPO and "
-        "off-policy sequence masking", "advantage_reweight=None sdar_loss_coef=0.0 "
-        "off_policy_sequence_mask_delta=None")
+_refuse(_NOT_YET + ": the RLSD and SDAR (self-distillation) extensions of GRPO",
+        "advantage_reweight=None sdar_loss_coef=0.0")
 _refuse(_NOT_YET + ": evaluation beyond greedy and sampled (pass@k) scores every --eval_steps (delays, best "
         "model, early stop)", "eval_delay=0 "
         "load_best_model_at_end=False early_stop_interval=None max_epochs=None")

@@ -100,8 +100,9 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
-    """--loss_type real (REAL, grpokit/algorithms/losses_real.py): whole groups in every micro-batch, and no entropy
-    mask (it would mask a policy term REAL lacks). Its unscaled rewards are ``resolve``'s."""
+    """--loss_type real (REAL, grpokit/algorithms/losses_real.py): whole groups in every micro-batch, and neither the
+    entropy mask nor the off-policy sequence mask (they would mask a policy term REAL lacks). Its unscaled rewards are
+    ``resolve``'s."""
     a, t, g = cfg.algorithm, cfg.training, cfg.rollout.num_generations
     if a.loss_type != "real":
         return
@@ -112,6 +113,10 @@ def _real_loss_rules(cfg: TrainConfig) -> None:
     if a.top_entropy_quantile < 1.0:
         raise ConfigError(f"--top_entropy_quantile {a.top_entropy_quantile} masks a per-token policy term, which "
                           "--loss_type real does not have, so it would do nothing; remove it")
+    if a.off_policy_sequence_mask_delta is not None:
+        raise ConfigError(f"--off_policy_sequence_mask_delta {a.off_policy_sequence_mask_delta} masks sequences "
+                          "out of a per-token policy term, which --loss_type real does not have, so it would do "
+                          "nothing; remove it")
 
 
 def json_object(option: str, value) -> dict | None:

@@ -1,6 +1,7 @@
-"""One micro-batch's policy loss from its logps: the loss mask, entropy logging and masking, rollout importance
-weights, then ``compute_policy_loss`` (grpokit.algorithms). What ``GRPOTrainer._compute_loss_and_metrics`` runs
-after the forward; a function of its inputs, so the trainer keeps only the hook."""
+"""One micro-batch's policy loss from its logps: the loss mask, entropy logging and masking, the off-policy
+sequence mask, rollout importance weights, then ``compute_policy_loss`` (grpokit.algorithms). What
+``GRPOTrainer._compute_loss_and_metrics`` runs after the forward; a function of its inputs, so the trainer keeps
+only the hook."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import torch
 from grpokit.algorithms import (
     LossConfig,
     LossInputs,
+    behaviour_logps,
     compute_policy_loss,
     entropy_mask,
     entropy_threshold,
     loss_mask,
     mismatch_metrics,
+    off_policy_sequence_mask,
     rollout_importance_weights,
 )
 from grpokit.config.args import AlgorithmArguments
@@ -43,9 +46,14 @@ def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: Rol
     if inputs.rollout_logps is not None:
         metrics.update(mismatch_metrics(_trainer_side(old, logps, inputs), inputs.rollout_logps,
                                         inputs.completion_mask))
+    seq_mask = None
+    if a.off_policy_sequence_mask_delta is not None:  # behaviour policy: the engine's logprobs, else the old logps
+        seq_mask, seq_metrics = off_policy_sequence_mask(logps, old, inputs.advantages, mask,
+                                                         a.off_policy_sequence_mask_delta, inputs.rollout_logps)
+        metrics.update(seq_metrics)
     is_weights = None
     if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
-        rollout = torch.where(torch.isnan(inputs.rollout_logps), old, inputs.rollout_logps)
+        rollout = behaviour_logps(old, inputs.rollout_logps)  # a token the engine did not sample: the old logp
         is_out = rollout_importance_weights(old, rollout, mask, a.rollout_importance_sampling_mode,
                                             a.rollout_importance_sampling_threshold)
         is_weights = is_out.weights
@@ -53,7 +61,8 @@ def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: Rol
     out = compute_policy_loss(
         LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
                    ref_logps=inputs.ref_logps if loss_cfg.beta != 0 else None,
-                   rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask),
+                   rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask,
+                   sequence_mask=seq_mask),
         loss_cfg,
     )
     metrics.update(out.metrics)

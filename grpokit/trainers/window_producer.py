@@ -104,7 +104,8 @@ class WindowProducer:
             n=1, max_tokens=rollout_args.max_completion_length, temperature=rollout_args.temperature,
             top_p=rollout_args.top_p, top_k=rollout_args.top_k, repetition_penalty=rollout_args.repetition_penalty,
             stop=list(rollout_args.stop_words),
-            logprobs=bool(algorithm.rollout_importance_sampling_mode or rollout_args.async_generate),
+            logprobs=bool(algorithm.rollout_importance_sampling_mode or rollout_args.async_generate
+                          or algorithm.off_policy_sequence_mask_delta is not None),  # the mask's behaviour policy
             structured_outputs_regex=rollout_args.structured_outputs_regex,
             structured_outputs_json=rollout_args.structured_outputs_json)
         self.support = sampler_support(rollout_args, algorithm, template)  # every batch's kept set (or None)

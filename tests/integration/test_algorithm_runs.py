@@ -94,7 +94,7 @@ def micro_steps(monkeypatch) -> list[dict]:
             logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
         steps.append({"loss": float(loss.detach()), "metrics": {k: float(v) for k, v in metrics.items()},
                       "logps": logps.float().cpu(), "old": inputs.old_logps, "ref": inputs.ref_logps,
-                      "adv": inputs.advantages, "mask": inputs.completion_mask})
+                      "adv": inputs.advantages, "mask": inputs.completion_mask, "rollout": inputs.rollout_logps})
         return loss, metrics
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss_and_metrics", recording)
@@ -246,6 +246,32 @@ def test_fast_decode_flag_chooses_the_sampler(tiny_model_dir, math_jsonl, tmp_pa
     assert trainer.engine.fast_decode is (fast == "true")
     assert calls == ({"fast": 1, "hf": 0} if fast == "true" else {"fast": 0, "hf": 1})  # one window: 2 steps
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_off_policy_sequence_mask_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps):
+    """--off_policy_sequence_mask_delta: the engine is asked for its logprobs (the mismatch metrics appear without
+    --rollout_importance_sampling_mode); each micro-step's mask holds the engine's logprobs (the behaviour policy)
+    against the policy's current ones, and a masked completion trains as one with advantage 0 would (β = 0). With
+    μ = 2 the second pass over the window sees the policy moved by the first: its negative completions got less
+    likely, past δ."""
+    delta = 1e-3
+    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
+                           ["--off_policy_sequence_mask_delta", str(delta), "--beta", "0", "--stop_words", "e",
+                            "--steps_per_generation", "1", "--num_iterations", "2"])
+    assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
+    for row, step in zip(rows, micro_steps, strict=True):
+        assert "mismatch/max_abs" in row and step["rollout"] is not None
+        mask = step["mask"]
+        kl = torch.where(mask > 0, step["rollout"] - step["logps"], 0.0).sum(1) / mask.sum(1).clamp(min=1)
+        assert (kl - delta).abs().min() > 1e-5  # no row at the threshold: the comparison below is not a coin toss
+        masked = (step["adv"] < 0) & (kl > delta)
+        assert step["metrics"]["off_policy_mask/masked_ratio"] == pytest.approx(masked.float().mean().item())
+        assert row["off_policy_mask/masked_ratio"] == pytest.approx(masked.float().mean().item())
+        assert row["off_policy_mask/kl_mean"] == pytest.approx(kl.mean().item(), abs=1e-6)
+        zeroed = {**step, "adv": torch.where(masked, 0.0, step["adv"]), "ref": step["old"]}
+        assert step["loss"] == pytest.approx(reference_loss(trainer.loss_cfg, zeroed)[0], rel=1e-4, abs=1e-6)
+    on_policy, second_pass = (r["off_policy_mask/masked_ratio"] for r in rows)
+    assert on_policy == 0 and second_pass > 0
 
 
 def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps):
