@@ -33,6 +33,7 @@ UNCALLED: dict[str, str] = {
     "_compute_loss": "_compute_loss_and_metrics(model, inputs)",
     "compute_liger_loss": "_compute_loss_and_metrics(model, inputs)",
     "get_high_entropy_mask": "--top_entropy_quantile, or _compute_loss_and_metrics",
+    "_compute_off_policy_sequence_mask": "--off_policy_sequence_mask_delta, or _compute_loss_and_metrics",
     "split_by_mini_batches": "_prepare_batch_inputs(inputs)",
     "_dynamic_sampling": "--dynamic_sample true (or _prepare_inputs)",
     "_move_model_to_vllm": "the engine's sync_weights (grpokit/engines)",
