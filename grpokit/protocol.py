@@ -241,6 +241,9 @@ class ChatCompletionResponseChoice(BaseModel):
     token_ids: list[int]
     # {"content": [{"token_id": int, "logprob": float}, ...]} when logprobs were asked for, else None
     logprobs: dict[str, Any] | None = None
+    # per token, the trainer's weight version (its optimizer step at the sync) that sampled it: a rollout server
+    # tags its answers (two versions in one choice: a partial rollout resumed on new weights); None elsewhere
+    weight_versions: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -256,8 +259,10 @@ class RolloutOutput(BaseModel):
     ``response_token_ids[k]`` are the token ids of the k-th assistant message after the prompt (a continued
     message is one segment); ``response_loss_mask[k]`` has the same length (0 = not trained on).
     ``rollout_logprobs[k]`` holds one logprob per token of segment k whose mask is 1.
-    ``weight_versions[k]`` is the weight version (the trainer's optimizer step at its last weight sync) that
-    sampled segment k: the oldest it can be (empty: not recorded).
+    ``weight_versions[k]`` has, per token of segment k, the weight version (the trainer's optimizer step at its
+    weight sync) that sampled it: the server's tag where it gave one, else the version the rollout began with (the
+    oldest it can be); a trajectory without tokens keeps one entry, ``[[version it began with]]``; empty: not
+    recorded.
     """
 
     response: ChatCompletionResponse
@@ -266,7 +271,7 @@ class RolloutOutput(BaseModel):
     response_loss_mask: list[list[int]] = Field(default_factory=list)
     rollout_infos: dict[str, Any] = Field(default_factory=dict)
     rollout_logprobs: list[list[float]] = Field(default_factory=list)
-    weight_versions: list[int] = Field(default_factory=list)
+    weight_versions: list[list[int]] = Field(default_factory=list)
     request_id: str = ""
     prompt_id: str = ""
     # The prompt as the trajectory started (after on_trajectory_start edits, e.g. an env's first observation);

@@ -12,6 +12,21 @@ def async_option(r) -> str:
     return f"--max_staleness {r.max_staleness}" if r.max_staleness else "--async_generate true"
 
 
+def check_partial_rollouts(r, server: bool) -> None:
+    """--partial_rollouts: a rollout server's engine pauses and continues; only while rolling out ahead."""
+    if not r.partial_rollouts:
+        return
+    if not server:
+        raise ConfigError("--partial_rollouts true: implemented in server mode (--vllm_mode server, the rollout "
+                          "server's transformers engine); not yet for vLLM colocate, nor for the in-process engine")
+    if not r.async_generate:
+        raise ConfigError("--partial_rollouts true continues rollouts across weight updates, which only happen "
+                          "during a rollout when windows are rolled out ahead: add --max_staleness K (K ≥ 1)")
+    if r.structured_outputs_regex or r.structured_outputs_json:
+        raise ConfigError("--partial_rollouts true with structured outputs: a grammar cannot resume mid-completion "
+                          "on new weights; drop one of the two")
+
+
 def check_staleness(r, plan: BatchPlan) -> None:
     """A window rolled out ahead is at least one window's optimizer steps old when it trains."""
     k, steps = r.max_staleness, plan.optimizer_steps_per_window

@@ -34,7 +34,7 @@ from grpokit.algorithms import (
     validate_rollout_is_options,
 )
 from grpokit.config.args import TrainConfig
-from grpokit.config.async_rules import async_option, check_staleness
+from grpokit.config.async_rules import async_option, check_partial_rollouts, check_staleness
 from grpokit.config.context import check_context
 from grpokit.config.fields import check_fields
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
@@ -254,6 +254,7 @@ def _check_rollout_modes(cfg: TrainConfig) -> None:
     """Server mode, multi-turn, vLLM colocate and async generation: combinations that cannot work."""
     r = cfg.rollout
     server = r.vllm_mode == "server"
+    check_partial_rollouts(r, server)
     # server mode: the server runs the trajectories; the trainer's multi-turn options are checked against the
     # server's at start-up (grpokit.rollout.remote.check_server_rollout), as ms-swift takes them on either side
     used = [f for f, on in (("--gym_env", r.gym_env), ("--openenv_env", r.openenv_env),

@@ -27,6 +27,12 @@ class InferEngine(ABC):
       here (bench/bench_step.py)."""
 
     engine_type: str = "base"
+    policy_version: int | None = None  # the trainer's optimizer step whose weights the next sync carries
+
+    def set_policy_version(self, version: int) -> None:
+        """Called by the trainer before each weight sync: an engine that tags its samples (a rollout server's
+        client sends it with the weights) reads it; others ignore it."""
+        self.policy_version = version
 
     def __init__(self, infer_on_loop_thread: bool = False) -> None:
         self._pending: list[tuple[RolloutInferRequest, RequestConfig, asyncio.Future]] = []

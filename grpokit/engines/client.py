@@ -30,6 +30,7 @@ from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception
 
 from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
+from grpokit.engines.client_calls import check_partial_rollouts, output_positions, split_by_size, split_requests
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
 from grpokit.engines.sync_check import SyncReport, check_body, check_servers
 from grpokit.engines.weight_sender import WeightSender, sends_here
@@ -156,50 +157,6 @@ def _describe(problem: Any) -> str:
     return f"{type(problem).__name__}: {problem}"
 
 
-def split_requests(requests: Sequence[RolloutInferRequest], n_servers: int) -> list[list[int]]:
-    """Indices per server: whole ``prompt_id`` groups, each to the least-loaded server so far, in order."""
-    groups: dict[str, list[int]] = {}
-    for i, r in enumerate(requests):
-        groups.setdefault(r.prompt_id, []).append(i)
-    parts: list[list[int]] = [[] for _ in range(n_servers)]
-    for idx in groups.values():
-        min(parts, key=len).extend(idx)
-    return [sorted(p) for p in parts]
-
-
-def split_by_size(sizes: Sequence[int], max_count: int, max_bytes: int) -> list[list[int]]:
-    """Consecutive positions grouped so that each group has at most ``max_count`` items whose ``sizes`` add up to
-    at most ``max_bytes`` (the server's --max_batch_requests and --max_body_mb). ServerError when one item alone
-    is larger: no split can send it."""
-    parts: list[list[int]] = []
-    used = 0
-    for i, size in enumerate(sizes):
-        if size > max_bytes:
-            raise ServerError(f"one rollout request is {size / 1024 / 1024:.1f} MB as JSON, more than the rollout "
-                              f"server's body limit ({max_bytes / 1024 / 1024:.1f} MB after the call's envelope); "
-                              "shorten the prompt or the row's columns (--vllm_server_pass_dataset false keeps "
-                              "them on the trainer), or start the server with a larger --max_body_mb")
-        if not parts or len(parts[-1]) >= max_count or used + size > max_bytes:
-            parts.append([])
-            used = 0
-        parts[-1].append(i)
-        used += size
-    return parts
-
-
-def _positions(requests: Sequence[RolloutInferRequest], idx: list[int], outputs: list[RolloutOutput]) -> list[int]:
-    """The request position of each output. Outputs come in request order (one or more per request)."""
-    pos, j = [], 0
-    for o in outputs:
-        k = j
-        while k < len(idx) and requests[idx[k]].request_id != o.request_id:
-            k += 1
-        if k < len(idx):
-            j = k
-        pos.append(idx[min(j, len(idx) - 1)])
-    return pos
-
-
 class RolloutClient(InferEngine):
     """HTTP client of one or several rollout servers, usable wherever an ``InferEngine`` is."""
 
@@ -207,7 +164,8 @@ class RolloutClient(InferEngine):
 
     def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
                  timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
-                 backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False) -> None:
+                 backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False,
+                 partial_rollouts: bool = False) -> None:
         super().__init__(infer_on_loop_thread)
         self.endpoints = endpoints_from(base_urls, hosts, ports)
         self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
@@ -217,16 +175,18 @@ class RolloutClient(InferEngine):
         self._infos: list[dict] | None = None
 
         post = lambda i, path, body, t: self._request(i, "POST", path, body, timeout=t, retries=0)  # noqa: E731
-        self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout)
+        self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout,
+                                    interrupt=partial_rollouts)
         if wait:
             self.wait_for_server()
 
     @classmethod
     def from_args(cls, r, infer_on_loop_thread: bool = False) -> RolloutClient:
-        """From ``RolloutArguments`` (``vllm_server_*`` and ``weight_sync_bucket_mb``); waits for the servers."""
+        """From ``RolloutArguments`` (``vllm_server_*``, ``weight_sync_bucket_mb``, ``partial_rollouts``); waits for
+        the servers."""
         return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
                    timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb,
-                   infer_on_loop_thread=infer_on_loop_thread)
+                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts)
 
     # -- HTTP ----------------------------------------------------------------------------------------------
     def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,
@@ -312,7 +272,7 @@ class RolloutClient(InferEngine):
             for o in outputs:  # a trajectory's images come back as base64: bytes for the trainer's processor
                 if "images" in o.rollout_infos:
                     o.rollout_infos["images"] = images_from_wire(o.rollout_infos["images"], o.request_id)
-            tagged.extend(zip(_positions(requests, idx, outputs), outputs))
+            tagged.extend(zip(output_positions(requests, idx, outputs), outputs))
         tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
         return tagged
 
@@ -362,10 +322,14 @@ class RolloutClient(InferEngine):
     def _push(self, model, sums: SumsOf | None):
         if not sends_here(model):  # only rank 0 sends (another rank gathered its shards with it)
             return None
-        dtypes = {info.get("torch_dtype") for info in self._all_infos()}
+        infos = self._all_infos()
+        if self._sender.interrupt:
+            check_partial_rollouts(infos)
+        dtypes = {info.get("torch_dtype") for info in infos}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
         t0 = time.perf_counter()
-        sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums)
+        sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums,
+                                        version=self.policy_version)
         logger.debug("weight sync: %d buckets to %d server(s) in %.2fs", len(sent[0]), len(self.endpoints),
                      time.perf_counter() - t0)
         return sent

@@ -77,11 +77,13 @@ class _Background:
 class WeightSender:
     """Pushes a model's weights to one or several rollout servers (trainer = rank 0, server i = rank i + 1)."""
 
-    def __init__(self, endpoints: list[tuple[str, int]], post: PostFn, bucket_mb: int, timeout_s: float) -> None:
+    def __init__(self, endpoints: list[tuple[str, int]], post: PostFn, bucket_mb: int, timeout_s: float,
+                 interrupt: bool = False) -> None:
         if bucket_mb < 1:
             raise ServerError(f"--weight_sync_bucket_mb {bucket_mb}: must be at least 1")
         self.endpoints = endpoints
         self.post = post
+        self.interrupt = interrupt  # --partial_rollouts: each update pauses the servers' running generation
         self.bucket_bytes = bucket_mb * 1024 * 1024
         self.timeout_s = timeout_s
         self.comm: Communicator | None = None
@@ -93,9 +95,11 @@ class WeightSender:
         return sum(len(b.tensors) for b in self.sync_summed(model, wire_dtype, backend)[0])
 
     def sync_summed(self, model, wire_dtype: torch.dtype | None = None, backend: str = "gloo",
-                    sums: SumsOf | None = None) -> tuple[list[WeightBucket], dict[int, Any]]:
+                    sums: SumsOf | None = None,
+                    version: int | None = None) -> tuple[list[WeightBucket], dict[int, Any]]:
         """``sync``, returning the buckets sent and each server's answer; with ``sums``, every tensor's checksums
-        are taken over the bytes as packed for the broadcast (on the bucket's device), in bucket order."""
+        are taken over the bytes as packed for the broadcast (on the bucket's device), in bucket order;
+        ``version``: the trainer's weight version, which the servers tag their samples with."""
         specs = [(name, sync_shape(t), _wire(t.dtype, wire_dtype)) for name, t in named_sync_tensors(model)]
         buckets = plan_buckets(specs, self.bucket_bytes)
         check = UpdateWeightsBody(buckets=buckets, dry_run=True).model_dump()
@@ -104,7 +108,7 @@ class WeightSender:
                                                                       for g in groups.values()):
             self._open(backend)
         try:
-            return buckets, self._send(model, buckets, sums)
+            return buckets, self._send(model, buckets, sums, version)
         except BaseException:
             self.close(notify=False)  # the servers' receive fails once our end is gone; they drop their groups
             raise
@@ -157,9 +161,9 @@ class WeightSender:
         self.comm, self.group = results["trainer"], group
         logger.info("weight sync: %s group of %d ranks at %s:%d", backend, world, host, port)
 
-    def _send(self, model, buckets: list[WeightBucket], sums: SumsOf | None) -> dict[int, Any]:
+    def _send(self, model, buckets: list[WeightBucket], sums: SumsOf | None, version: int | None) -> dict[int, Any]:
         comm = self.comm
-        body = UpdateWeightsBody(buckets=buckets).model_dump()
+        body = UpdateWeightsBody(buckets=buckets, version=version, interrupt=self.interrupt).model_dump()
         calls = _Background()
         for i in range(len(self.endpoints)):
             calls.start(i, lambda i=i: self.post(i, "/update_weights/", body, self.timeout_s))

@@ -256,14 +256,8 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         if not state.receiver.is_open:
             raise HTTPException(409, "no weight-sync group: POST /init_communicator/ first")
 
-        def receive() -> int:
-            with state.engine.lock:  # sampling waits until every bucket is in
-                loaded = state.receiver.receive(body, state.engine.load_weights)
-                state.engine.reset_prefix_cache()
-                return loaded
-
         try:
-            loaded = await asyncio.to_thread(receive)
+            loaded = await asyncio.to_thread(_receive, state, body)
         except GrpokitError as e:  # the trainer's end of the group failed or went away
             raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") \
                 from e
@@ -279,6 +273,24 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     async def reset_prefix_cache() -> dict:
         state.engine.reset_prefix_cache()
         return {"ok": True}
+
+
+def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
+    """Load one update's buckets under the engine's lock. With ``interrupt`` (--partial_rollouts), the generation
+    running now stops at its next token and hands the lock over, and continues once the weights are in."""
+    pausing = body.interrupt and hasattr(state.engine, "pause_for_update")
+    if pausing:
+        state.engine.pause_for_update()
+    try:
+        with state.engine.lock:  # sampling waits until every bucket is in
+            loaded = state.receiver.receive(body, state.engine.load_weights)
+            state.engine.reset_prefix_cache()
+            if body.version is not None:  # what the server's samples are tagged with from now on
+                state.engine.policy_version = body.version
+            return loaded
+    finally:
+        if pausing:  # loaded or not: paused rows continue (on the new weights when they came)
+            state.engine.resume_after_update()
 
 
 def _add_check_route(app: FastAPI, state: ServerState) -> None:

@@ -16,6 +16,7 @@ from grpokit.engines.structured import GrammarLogitsProcessor, StructuredOutputs
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
+from grpokit.server.partial import PartialRollouts
 from grpokit.wire.bodies import TensorMeta
 from grpokit.wire.checksum import SumsOf
 from grpokit.wire.weights import dtype_name, parse_dtype
@@ -58,7 +59,7 @@ class CancellableRequests:
                 self._cancel.pop(id(r), None)  # a cancelled call never comes back for it
 
 
-class ServedTransformersEngine(CancellableRequests, TransformersEngine):
+class ServedTransformersEngine(CancellableRequests, PartialRollouts, TransformersEngine):
     """``TransformersEngine`` on a model of its own. ``lock`` keeps sampling and weight loading apart, so that no
     ``generate`` call ever sees half-updated weights."""
 
@@ -67,6 +68,7 @@ class ServedTransformersEngine(CancellableRequests, TransformersEngine):
         super().__init__(model, template, max_batch_size=max_batch_size, fast_decode=fast_decode)
         self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
         self._init_cancel()
+        self._init_partial()  # a weight update may pause generation and continue it on the new weights
         if isinstance(self.logits_processor_factory, StructuredOutputs):  # constraints come from requests
             try:
                 self.logits_processor_factory.limits = request_limits()

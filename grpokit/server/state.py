@@ -57,6 +57,7 @@ class ServerState:
             "max_weight_bucket_mb": o.max_weight_bucket_mb,
             "max_sync_timeout_s": o.max_sync_timeout_s,
             "weight_version": self.weight_version,
+            "partial_rollouts": hasattr(self.engine, "pause_for_update"),  # an update can pause and resume sampling
             "communicator": self.receiver.is_open,
             "inflight_requests": self.inflight,  # load now; tests wait on it to act while a batch is served
             "multimodal": self.multimodal,

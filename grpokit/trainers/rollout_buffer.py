@@ -87,11 +87,14 @@ class RolloutBuffer:
             self._cond.notify_all()  # room for the producer
             counts, self._counts = self._counts, {k: 0.0 for k in self._counts}
         wait = time.perf_counter() - t0
-        ages = [step - v for o in item.rollout.outputs for v in (o.weight_versions or [item.version])]
+        ages = [step - min((v for seg in o.weight_versions for v in seg), default=item.version)
+                for o in item.rollout.outputs]  # each trajectory's oldest token
+        partial = sum(len({v for seg in o.weight_versions for v in seg}) > 1 for o in item.rollout.outputs)
         counts["dropped"] += dropped
         metrics = {"async/staleness": max(ages), "async/staleness_max": max(ages),
                    "async/staleness_mean": sum(ages) / len(ages), "async/buffer_fill": float(fill),
-                   "async/wait_s": wait, "async/time_saved_s": max(0.0, item.rollout.timing["rollout"] - wait),
+                   "async/partial_trajectories": float(partial), "async/wait_s": wait,
+                   "async/time_saved_s": max(0.0, item.rollout.timing["rollout"] - wait),
                    **{f"async/{k}": v for k, v in counts.items()}}
         return item.prompts, item.rollout, metrics
 

@@ -38,6 +38,8 @@ _PRECISION = [torch.float64, torch.float32, torch.float16, torch.bfloat16]  # mo
 def sync(engine, policy, rollout_args, step: int, template=None) -> None:
     """``engine.sync_weights(policy)``, checked (``rollout_args.check_weight_sync``) where the engine has weights
     of its own; one INFO line per check that passed, WeightSyncError naming the bucket or tensor otherwise."""
+    if hasattr(engine, "set_policy_version"):  # a plugin engine may not derive from InferEngine
+        engine.set_policy_version(step)
     if not rollout_args.check_weight_sync or not hasattr(engine, "sync_weights_checked"):
         engine.sync_weights(policy)
         return

@@ -130,7 +130,7 @@ class WindowProducer:
             version = self.weights_at if version is None else version
             outputs = self._generate(requests)
         for o in outputs:
-            o.weight_versions = [version] * max(1, len(o.response_token_ids))
+            o.weight_versions = _versions(o, version)
         return outputs
 
     def requests(self, prompts: list[dict]) -> list[RolloutInferRequest]:
@@ -323,7 +323,8 @@ class WindowProducer:
         limit = r.max_completion_length if r.completion_length_limit_scope == "total" else None
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
         batch.sampler_support = self.support  # old, reference and current logps over the sampler's kept set
-        batch.weight_version = torch.tensor([min(o.weight_versions, default=-1) for o in outputs])
+        batch.weight_version = torch.tensor([min((v for seg in o.weight_versions for v in seg), default=-1)
+                                             for o in outputs])
         if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
             # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
             batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
@@ -369,3 +370,16 @@ def _trajectory_images(output: RolloutOutput, by_id: dict) -> list:
 def _complete(rollout_logps: torch.Tensor | None, mask: torch.Tensor) -> bool:
     """Every trained token has an engine logprob."""
     return rollout_logps is not None and not torch.isnan(rollout_logps[mask.bool()]).any()
+
+
+def _versions(output: RolloutOutput, start: int) -> list[list[int]]:
+    """Per segment, per token: the server's tags where its answer carries them for the one segment (single-turn),
+    else ``start``, the version the rollout began with (the oldest any token can be). A trajectory without tokens
+    (an end-of-text token alone, stripped) keeps one entry: ``[[start]]``."""
+    segments = output.response_token_ids
+    if not any(segments):
+        return [[start]]
+    tagged = output.response.choices[-1].weight_versions if output.response.choices else None
+    if len(segments) == 1 and tagged is not None and len(tagged) == len(segments[0]):
+        return [list(tagged)]
+    return [[start] * len(seg) for seg in segments]

@@ -104,6 +104,10 @@ class UpdateWeightsBody(BaseModel):
 
     buckets: list[WeightBucket] = Field(max_length=MAX_TENSORS)
     dry_run: bool = Field(False, description="only check names, shapes and dtypes against the served model")
+    version: int | None = Field(None, ge=0, le=2**62, description="the trainer's weight version (its optimizer "
+                                "step): the server tags what it samples from these weights with it")
+    interrupt: bool = Field(False, description="partial rollouts: generation running now pauses at its next token "
+                                               "and continues on the new weights")
 
     @model_validator(mode="after")
     def _unique(self) -> UpdateWeightsBody:

@@ -35,7 +35,7 @@ class FakeProducer:
             raise RuntimeError("the engine went away")
         time.sleep(self.delay_s)
         outputs = [RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[],
-                                 weight_versions=[version], prompt_id=str(p["_prompt_index"])) for p in prompts]
+                                 weight_versions=[[version]], prompt_id=str(p["_prompt_index"])) for p in prompts]
         return WindowRollout([], outputs, torch.zeros(len(outputs), 1), {"rollout": self.delay_s, "reward": 0.0})
 
 
@@ -44,7 +44,7 @@ def _train(buffer: RolloutBuffer, producer: FakeProducer, steps: int, train_s: f
     trained, metrics = [], []
     for step in range(steps):
         prompts, rollout, m = buffer.next(step)
-        assert all(step - v <= buffer.max_staleness for o in rollout.outputs for v in o.weight_versions), (step, m)
+        assert all(step - v <= buffer.max_staleness for o in rollout.outputs for v in o.weight_versions[0]), (step, m)
         trained.append(prompts[0]["_prompt_index"])
         metrics.append(m)
         time.sleep(train_s)
@@ -140,3 +140,31 @@ def test_the_bound_is_at_least_one_window():
     check_staleness(r, plan)
     r.max_staleness = 0
     check_staleness(r, plan)
+
+
+@pytest.mark.parametrize("server, async_, regex, error", [
+    (False, True, None, "implemented in server mode"),
+    (True, False, None, "add --max_staleness K"),
+    (True, True, "[0-9]+", "a grammar cannot resume"),
+    (True, True, None, None),
+])
+def test_partial_rollouts_need_a_server_rolling_out_ahead_without_a_grammar(server, async_, regex, error):
+    from types import SimpleNamespace
+
+    from grpokit.config.async_rules import check_partial_rollouts
+
+    r = SimpleNamespace(partial_rollouts=True, async_generate=async_, structured_outputs_regex=regex,
+                        structured_outputs_json=None)
+    if error is None:
+        check_partial_rollouts(r, server)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            check_partial_rollouts(r, server)
+
+
+def test_a_server_engine_that_cannot_pause_is_named():
+    from grpokit.engines.client_calls import check_partial_rollouts
+
+    check_partial_rollouts([{"engine_type": "transformers", "partial_rollouts": True}])
+    with pytest.raises(ConfigError, match="not implemented for the rollout server's vllm engine"):
+        check_partial_rollouts([{"engine_type": "transformers", "partial_rollouts": True}, {"engine_type": "vllm"}])

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from grpokit.engines.client import RolloutClient, _positions, endpoints_from, split_requests
+from grpokit.engines.client import RolloutClient, endpoints_from, split_requests
+from grpokit.engines.client_calls import output_positions
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import (
     ChatCompletionResponse,
@@ -48,9 +49,9 @@ def test_split_keeps_prompt_groups_together_and_balances():
 def test_positions_follow_request_ids_with_several_outputs_per_request():
     requests = [_req("a", "r0"), _req("a", "r1"), _req("b", "r2")]
     idx = [0, 2]  # this server got requests 0 and 2; request r2 produced two outputs
-    assert _positions(requests, idx, [_out("r0"), _out("r2"), _out("r2")]) == [0, 2, 2]
+    assert output_positions(requests, idx, [_out("r0"), _out("r2"), _out("r2")]) == [0, 2, 2]
     # an output whose id is unknown stays with the request before it
-    assert _positions(requests, idx, [_out("r0"), _out("zz"), _out("r2")]) == [0, 0, 2]
+    assert output_positions(requests, idx, [_out("r0"), _out("zz"), _out("r2")]) == [0, 0, 2]
 
 
 def test_endpoints_from_hosts_ports_and_urls():

@@ -1,0 +1,112 @@
+"""Partial rollouts for the served transformers engine (``--partial_rollouts true`` on the trainer).
+
+A weight update that asks to interrupt (``UpdateWeightsBody.interrupt``) calls ``pause_for_update`` before it
+takes the engine's lock: the rows generating now stop at their next token (a stopping criterion, in the fast
+decode loop and HF ``generate`` alike), and the generate call hands the lock to the update while it waits. Once
+the new weights are in (``resume_after_update``), the paused rows continue from their prompt plus the tokens they
+have, with the tokens they have left, on the new weights: their finished tokens and logprobs are kept, and every
+token carries the weight version that sampled it (``ChatCompletionResponseChoice.weight_versions``).
+
+A continuation re-reads prompt + partial completion in one prefill, so it samples from exactly the distribution
+an uninterrupted row would have on the new weights (repetition penalty, top-k/top-p and stop strings see the
+whole sequence). Grammar-constrained rows cannot restart mid-grammar: the trainer refuses --partial_rollouts with
+structured outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from grpokit.protocol import ChatCompletionResponseChoice, RequestConfig
+
+
+class _Paused(StoppingCriteria):
+    """Every row stops once the engine's pause is set (a weight update is waiting for the lock), unless the call
+    cannot resume (a grammar-constrained one)."""
+
+    def __init__(self, engine: PartialRollouts) -> None:
+        self.engine = engine
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        stop = self.engine._pause.is_set() and self.engine._pausable
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class PartialRollouts:
+    """Mixin for an engine with ``lock``, ``_generate(prompts, config, events)`` and ``_stopping(stop, events)``
+    (TransformersEngine's). Counts the resumed rows in ``partial_resumes``."""
+
+    def _init_partial(self) -> None:
+        self._pause = threading.Event()
+        self._resumed = threading.Condition()
+        self._pausable = True  # False while a grammar-constrained call runs (it runs to its end)
+        self.partial_resumes = 0
+
+    def pause_for_update(self) -> None:
+        self._pause.set()
+
+    def resume_after_update(self) -> None:
+        with self._resumed:
+            self._pause.clear()
+            self._resumed.notify_all()
+
+    def _stopping(self, stop, events=None):
+        criteria = super()._stopping(stop, events)
+        return StoppingCriteriaList([*(criteria or []), _Paused(self)])
+
+    def _generate(self, prompts: list[list[int]], config: RequestConfig, events: list | None = None):
+        """Called with ``lock`` held; tags each token with the weight version; continues paused rows."""
+        version = self.policy_version
+        pausable = not (config.structured_outputs_regex or config.structured_outputs_json)
+        self._pausable = pausable
+        try:
+            choices = super()._generate(prompts, config, events)
+        finally:
+            self._pausable = True
+        for c in choices:
+            c.weight_versions = [version] * len(c.token_ids) if version is not None else None
+        while pausable:
+            paused = [i for i, c in enumerate(choices) if self._was_paused(c, config, events, i)]
+            if not paused:
+                return choices
+            self._wait_for_update()
+            version = self.policy_version
+            done = len(choices[paused[0]].token_ids)  # rows paused together have the same count of new tokens
+            rest = config.model_copy(update={"max_tokens": config.max_tokens - done})
+            more = super()._generate([prompts[i] + choices[i].token_ids for i in paused], rest,
+                                     None if events is None else [events[i] for i in paused])
+            self.partial_resumes += len(paused)
+            for i, m in zip(paused, more, strict=True):
+                choices[i] = self._joined(choices[i], m, version, config)
+        return choices
+
+    def _was_paused(self, c: ChatCompletionResponseChoice, config: RequestConfig, events, i: int) -> bool:
+        """A row that stopped short without an end: the pause ended it (not a caller who left)."""
+        if c.finish_reason != "length" or len(c.token_ids) >= config.max_tokens:
+            return False
+        return events is None or events[i] is None or not events[i].is_set()
+
+    def _wait_for_update(self) -> None:
+        """Give the lock to the waiting update, and take it back once the update is done."""
+        self.lock.release()
+        try:
+            with self._resumed:
+                while self._pause.is_set():
+                    self._resumed.wait(timeout=1.0)
+        finally:
+            self.lock.acquire()
+
+    def _joined(self, first: ChatCompletionResponseChoice, more: ChatCompletionResponseChoice, version,
+                config: RequestConfig) -> ChatCompletionResponseChoice:
+        ids = first.token_ids + more.token_ids
+        lps = None
+        if first.logprobs is not None and more.logprobs is not None:
+            lps = [float(x["logprob"]) for x in first.logprobs["content"] + more.logprobs["content"]]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        joined = self._choice(ids, more.finish_reason, text, lps, config)
+        versions = (first.weight_versions or []) + [version] * len(more.token_ids)
+        joined.weight_versions = versions if first.weight_versions is not None and version is not None else None
+        return joined
