@@ -33,7 +33,7 @@ from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, prog
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollout_buffer import RolloutBuffer, pending_windows
+from grpokit.trainers.rollout_buffer import RolloutBuffer, loop_position
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
@@ -349,11 +349,11 @@ class GRPOTrainer:
     # -- checkpoints, evaluation, the end ------------------------------------------------------------------------------
     def _save_checkpoint(self, values: StepValues | None = None):
         """A checkpoint at this step; inside a window (``values``) it holds the window's untrained rest too."""
-        pending = pending_windows(self._async, self._producer.prompts)  # drawn again first after a resume
+        consumed, pending = loop_position(self._async, self._producer.prompts)  # pending: drawn first on resume
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=self._producer.prompts.position,
+                                             prompts_consumed=consumed,
                                              extra={**chord, "prompts_pending": pending},
                                              window=window, step_metrics=unlogged)
         self._call("on_save", str(ckpt))

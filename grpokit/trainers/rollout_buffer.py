@@ -103,6 +103,14 @@ class RolloutBuffer:
         with self._cond:
             return sorted([r.start for r in self._ready] + ([] if self._running is None else [self._running]))
 
+    def loop_position(self) -> tuple[int, list[int]]:
+        """The stream's frontier and every window drawn and not trained (``pending()`` and the stream's ``replay``),
+        read at one instant. The producer draws only under this lock: a window drawn between two separate reads
+        would lie behind the frontier and in no pending list, and a resume would skip it."""
+        stream = self._producer.prompts
+        with self._cond:  # an RLock: pending() takes it again
+            return stream.position, sorted(set(self.pending()) | set(stream.replay))
+
     @property
     def in_flight(self) -> bool:
         return bool(self.pending())
@@ -149,6 +157,7 @@ class RolloutBuffer:
                 self._cond.notify_all()
 
 
-def pending_windows(buffer: RolloutBuffer | None, stream) -> list[int]:
-    """Start positions of every window drawn and not trained: rolled out ahead, or handed back to ``stream``."""
-    return sorted(set(buffer.pending() if buffer is not None else []) | set(stream.replay))
+def loop_position(buffer: RolloutBuffer | None, stream) -> tuple[int, list[int]]:
+    """What a checkpoint stores of the stream: its frontier and the start positions of every window drawn and not
+    trained (rolled out ahead, or handed back to ``stream``)."""
+    return buffer.loop_position() if buffer is not None else (stream.position, sorted(stream.replay))

@@ -15,7 +15,7 @@ from grpokit.config.plan import BatchPlan
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, RolloutOutput
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollout_buffer import RolloutBuffer, pending_windows
+from grpokit.trainers.rollout_buffer import RolloutBuffer, loop_position
 from grpokit.trainers.window import WindowRollout
 
 PER_WINDOW = 2
@@ -73,16 +73,15 @@ def test_drop_discards_windows_too_old_and_trains_their_prompts_later():
     buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="drop")
     try:
         trained, metrics = _train(buffer, producer, 12, train_s=0.01)
-        pending = pending_windows(buffer, producer.prompts)
+        frontier, pending = loop_position(buffer, producer.prompts)
     finally:
         buffer.drain()
     dropped = sum(m["async/dropped"] for m in metrics)
     assert dropped > 0 and dropped % PER_WINDOW == 0  # whole windows
     assert len(set(trained)) == len(trained)  # never twice
-    frontier = producer.prompts.position
     # every window up to the frontier is trained or pending: a dropped window's prompts came back
-    assert sorted(trained + pending_windows(buffer, producer.prompts)) == list(range(0, frontier, PER_WINDOW))
-    assert pending == pending_windows(buffer, producer.prompts)
+    assert sorted(trained + pending) == list(range(0, frontier, PER_WINDOW))
+    assert loop_position(buffer, producer.prompts) == (frontier, pending)
 
 
 def test_a_slow_producer_makes_the_loop_wait_and_says_so():
@@ -101,8 +100,8 @@ def test_pending_windows_are_drawn_again_first_after_a_restore():
     buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
     try:
         trained, _ = _train(buffer, producer, 5, train_s=0.01)
-        loop = {"prompts_consumed": producer.prompts.position,
-                "prompts_pending": pending_windows(buffer, producer.prompts)}
+        loop = dict(zip(("prompts_consumed", "prompts_pending"), loop_position(buffer, producer.prompts),
+                        strict=True))
     finally:
         buffer.drain()
     assert loop["prompts_pending"], "a fast producer has windows ahead"
@@ -115,6 +114,66 @@ def test_pending_windows_are_drawn_again_first_after_a_restore():
         again.drain()
     assert after[:len(loop["prompts_pending"])] == loop["prompts_pending"]
     assert sorted(trained + after) == list(range(0, PER_WINDOW * 9, PER_WINDOW))  # exactly once, in all
+
+
+class _CheckpointMoment(PromptStream):
+    """A stream whose frontier, once ``arm``ed and read by the test's thread (a checkpoint reading it), first lets
+    the producer finish the rollout it is held in (``release``) and waits, 0.5 s at most, for the producer to draw
+    its next window: the producer drawing in the middle of a checkpoint."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.release, self._drawn, self._reader = threading.Event(), threading.Event(), None
+        super().__init__(*args, **kwargs)
+
+    def arm(self) -> None:
+        self._drawn.clear()
+        self._reader = threading.get_ident()
+
+    @property
+    def position(self) -> int:
+        if self._reader == threading.get_ident():
+            self._reader = None
+            self.release.set()
+            self._drawn.wait(0.5)
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position = value
+        self._drawn.set()
+
+
+class _HeldProducer(FakeProducer):
+    """Its second rollout is held until the stream's ``release``; ``held`` says it got there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts = _CheckpointMoment([{"q": i} for i in range(40)], PER_WINDOW, seed=0, shuffle=False)
+        self.held = threading.Event()
+
+    def rollout(self, prompts, version=None):
+        if self.calls == 1:
+            self.held.set()
+            assert self.prompts.release.wait(10)
+        return super().rollout(prompts, version)
+
+
+def test_a_checkpoint_reads_frontier_and_pending_at_one_instant():
+    """A window the producer draws while a checkpoint is taken is behind the saved frontier and pending, or past
+    the frontier; never behind it and not pending (a resume would skip it: read one after the other, the pending
+    list said [2] and the frontier 6, and window 4 was in neither)."""
+    producer = _HeldProducer()
+    buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
+    try:
+        trained = [buffer.next(0)[0][0]["_prompt_index"]]  # window 0; the producer then rolls out window 2
+        assert producer.held.wait(10)
+        producer.prompts.arm()
+        frontier, pending = loop_position(buffer, producer.prompts)
+    finally:
+        producer.prompts.release.set()
+        buffer.drain()
+    assert (frontier, pending) == (2 * PER_WINDOW, [PER_WINDOW])
+    assert sorted(trained + pending) == list(range(0, frontier, PER_WINDOW))
 
 
 def test_a_producer_error_reaches_the_loop_and_drain_returns():
