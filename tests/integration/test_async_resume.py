@@ -1,6 +1,8 @@
 """The fault matrix of issue 33: a run killed with SIGKILL at chosen points, resumed with
 ``--resume_from_checkpoint latest`` each time, then let finish, trains every prompt of the epoch exactly once,
-in sync mode (K = 0), with --max_staleness 1 and with --max_staleness 2, all against one rollout server.
+in sync mode (K = 0), with --max_staleness 1, with --max_staleness 2, and with --max_staleness 2 and
+--partial_rollouts true (longer completions, so that weight updates interrupt rows), all against one rollout
+server.
 
 One run per mode, killed at successive points (each launch dies at one point, the next resumes and dies at the
 next), then a last launch that finishes the epoch (24 prompts, 2 per step: 12 steps, a checkpoint every 2):
@@ -16,8 +18,8 @@ saved          right after checkpoint-8 is sealed (on_save)                     
 between steps  after step 9, which has no checkpoint (on_step_end)                     x     x      x
 =============  =====================================================================  ====  =====  =====
 
-Not covered: a kill in the middle of a partial rollout (a window part-generated, kept and finished after the
-resume): grpokit has no partial rollouts yet; a window in flight at a kill is rolled out again whole.
+With partial rollouts, a window in flight at a kill may hold rows paused and continued across a weight update;
+nothing of it is saved (it is pending), and the resumed run rolls it out again whole.
 
 The check, on the last launch's outputs: completions.jsonl has steps 1..12, each with 2 prompts × 4 rows; every
 stream position 0..23 (``group``) and every dataset prompt is trained in exactly one step, with its 4 rows; and
@@ -126,7 +128,8 @@ STEPS = PROMPTS // PER_STEP
 SYNC_POINTS = [("reward:3", "on MainThread"), ("mid_step:5", "inside step 5"), ("saving:6", "saving checkpoint-6"),
                ("saved:8", "after checkpoint-8 was sealed"), ("step_end:9", "after step 9")]
 ASYNC_POINTS = [("reward:3", "on grpokit-rollout"), ("full:4", "windows ready")] + SYNC_POINTS[1:]
-MODES = {"sync": (0, SYNC_POINTS), "k1": (1, ASYNC_POINTS), "k2": (2, ASYNC_POINTS)}
+MODES = {"sync": (0, SYNC_POINTS, []), "k1": (1, ASYNC_POINTS, []), "k2": (2, ASYNC_POINTS, []),
+         "k2_partial": (2, ASYNC_POINTS, ["--partial_rollouts", "true", "--max_completion_length", "96"])}
 TIMES: dict[str, list[float]] = {}
 
 
@@ -147,7 +150,7 @@ def setup(tiny_model_dir, tmp_path_factory):
         f"{name}: {sum(t):.1f} ({' '.join(f'{x:.1f}' for x in t)})" for name, t in TIMES.items()))
 
 
-def _args(s: SimpleNamespace, out: Path, k: int) -> list[str]:
+def _args(s: SimpleNamespace, out: Path, k: int, extra: list[str]) -> list[str]:
     return ["train", "--model", str(s.model), "--dataset", str(s.data), "--output_dir", str(out),
             "--external_plugins", str(s.plugin), "--reward_funcs", "resume_even_length",
             "--callbacks", "resume_kill", "resume_kill_mid_step",
@@ -157,16 +160,16 @@ def _args(s: SimpleNamespace, out: Path, k: int) -> list[str]:
             "--num_train_epochs", "1", "--max_completion_length", "8", "--learning_rate", "1e-3",
             "--torch_dtype", "float32", "--seed", "5", "--save_steps", "2", "--log_completions", "true",
             "--logging_steps", "1", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false",
-            "--resume_from_checkpoint", "latest"]
+            "--resume_from_checkpoint", "latest", *extra]
 
 
-def _launch(s, out: Path, k: int, kill: str, mode: str):
+def _launch(s, out: Path, k: int, kill: str, mode: str, extra: list[str]):
     note = out.parent / f"{out.name}-note"
     note.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "RESUME_KILL": kill, "RESUME_NOTE": str(note)}
     t0 = time.perf_counter()
-    res = run_grpokit(_args(s, out, k), env=env, timeout=180)  # a forked process (cli_process.py)
+    res = run_grpokit(_args(s, out, k, extra), env=env, timeout=180)  # a forked process (cli_process.py)
     TIMES.setdefault(mode, []).append(time.perf_counter() - t0)
     return res, note.read_text() if note.exists() else None
 
@@ -179,15 +182,15 @@ def _pending(out: Path) -> list[int]:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_killed_at_every_point_trains_each_prompt_once(setup, mode):
-    k, points = MODES[mode]
+    k, points, extra = MODES[mode]
     out = setup.root / mode
     for kill, where in points:
-        res, note = _launch(setup, out, k, kill, mode)
+        res, note = _launch(setup, out, k, kill, mode, extra)
         assert res.returncode == -9 and note is not None, (kill, res.returncode, res.stderr[-3000:])
         assert where in note, (kill, note)
         if k and kill.split(":")[0] in ("full", "saved"):  # killed with windows rolled out ahead, pending
             assert _pending(out), (kill, note)
-    res, note = _launch(setup, out, k, "none:0", mode)
+    res, note = _launch(setup, out, k, "none:0", mode, extra)
     assert res.returncode == 0 and note is None, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
@@ -209,3 +212,5 @@ def test_killed_at_every_point_trains_each_prompt_once(setup, mode):
     if k:
         ages = [r["step"] - 1 - r["weight_version"] for r in rows]
         assert 0 <= min(ages) and max(ages) <= k, ages
+    if "--partial_rollouts" in extra:  # weight updates did interrupt rows, which then trained
+        assert sum(r.get("async/partial_trajectories", 0) for r in logs) > 0, logs
