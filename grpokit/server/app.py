@@ -286,7 +286,7 @@ def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
             loaded = state.receiver.receive(body, state.engine.load_weights)
             state.engine.reset_prefix_cache()
             if body.version is not None:  # what the server's samples are tagged with from now on
-                state.engine.policy_version = body.version
+                state.engine.set_policy_version(body.version)
             return loaded
     finally:
         if pausing:  # loaded or not: paused rows continue (on the new weights when they came)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import pytest
 import torch
@@ -181,6 +182,7 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
     hooks = Hooks()  # the callables the producer is given (window_producer.WindowHooks)
     producer._generate, producer._score = hooks._generate_completions, hooks._score_completions
     producer._around_generation = Offload().offloaded
+    producer._engine_lock, producer.weights_at = threading.Lock(), 0
     producer.requests = lambda prompts: []
     producer.rollout([])
     assert events == ["out", "generate", "back", "score"]
