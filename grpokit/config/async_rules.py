@@ -35,4 +35,8 @@ def check_staleness(r, plan: BatchPlan) -> None:
                           "gradient_accumulation_steps × num_iterations), so a window rolled out ahead is at least "
                           f"{steps} steps old; use --max_staleness {steps} or more (each further {steps} lets one "
                           "more window roll out ahead), or 0 to train synchronously")
+    if k and r.staleness_policy == "drop" and plan.world_size > 1:
+        raise ConfigError(f"--staleness_policy drop with {plan.world_size} processes: not implemented yet (each "
+                          "process would drop windows by its own timing, and they must train the same windows); "
+                          "use --staleness_policy wait")
 

@@ -4,6 +4,7 @@ twice), across a checkpoint's pending list and the stream's restore."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -191,13 +192,18 @@ def test_a_producer_error_reaches_the_loop_and_drain_returns():
 def test_the_bound_is_at_least_one_window():
     plan = BatchPlan(world_size=1, num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                      steps_per_generation=2, num_iterations=1)
-    r = type("R", (), {"max_staleness": 1})()
+    r = type("R", (), {"max_staleness": 1, "staleness_policy": "drop"})()
     with pytest.raises(ConfigError, match="--max_staleness 1: one window trains 2 optimizer steps.*use "
                                           "--max_staleness 2 or more"):
         check_staleness(r, plan)
     r.max_staleness = 2
     check_staleness(r, plan)
     r.max_staleness = 0
+    check_staleness(r, plan)
+    r.max_staleness, plan = 2, dataclasses.replace(plan, world_size=2)
+    with pytest.raises(ConfigError, match="--staleness_policy drop with 2 processes: not implemented yet"):
+        check_staleness(r, plan)
+    r.staleness_policy = "wait"
     check_staleness(r, plan)
 
 
