@@ -12,23 +12,13 @@ Reports medians over ``--repeats``.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -47,23 +37,11 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_check_"))
     model_dir = build_tiny_model(tmp / "model", hidden_size=a.hidden, num_layers=a.layers, vocab_size=a.vocab)
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(tmp / "server.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "grpokit", "rollout", "--model", str(model_dir), "--port",
-                                   str(port), "--torch_dtype", "float32", "--engine", "transformers"],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start:\n{(tmp / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.3)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_server import rollout_server
+
+    with rollout_server(str(model_dir), tmp / "server.log", "--torch_dtype", "float32", "--engine",
+                        "transformers") as port:
         client = RolloutClient(base_urls=[f"http://127.0.0.1:{port}"], timeout=120, bucket_mb=a.bucket_mb)
         model = load_causal_lm(str(model_dir), torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
@@ -80,9 +58,6 @@ def main() -> None:
             run_probe(client, model)
             probe.append(time.perf_counter() - t0)
         client.close()
-    finally:
-        server.kill()
-        server.wait(timeout=30)
     med = statistics.median
     print(f"model: {n_params / 1e6:.2f}M parameters ({a.layers} layers, hidden {a.hidden}), float32, "
           f"{report.checked} tensors checked; medians of {a.repeats}")

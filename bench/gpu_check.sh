@@ -5,18 +5,38 @@
 #
 # Needs a Python that has grpokit's dependencies and a CUDA build of vLLM (`pip install 'grpokit[vllm]'`); pick it
 # with PYTHON=/path/to/python (default python3). Extra arguments go to pytest. Exit 2: no GPU or no vLLM.
+#
+# Optional, BENCH_ASYNC=1 (after the tests) or BENCH_ASYNC=only (instead of them; vLLM not needed): the long-tail
+# benchmark of --max_staleness (bench/bench_async.py: sync, K = 1, 2, 4 side by side, docs/PERFORMANCE.md) with a
+# real-sized model on this GPU: a random Qwen3 with Qwen3-0.6B's body (bench/gpu_check_plugin.py model; no hub),
+# bfloat16, the rollout server (transformers engine, grpokit's decode loop) and the trainer sharing the GPU; about
+# 4 minutes. Its table also goes to $OUT/bench_async_gpu.txt when $OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: torch sees no CUDA device from $PY" >&2; exit 2
 fi
-if ! "$PY" -c "import vllm" 2>/dev/null; then
+bench="${BENCH_ASYNC:-0}"
+if [ "$bench" != only ] && ! "$PY" -c "import vllm" 2>/dev/null; then
     echo "gpu_check: $PY cannot import vllm; pip install 'grpokit[vllm]' (or set PYTHON=...)" >&2; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
-timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_fast_decode.py  # grpokit's decode loop
-timeout 470 "$PY" -m pytest -q -m vllm -p no:cacheprovider -s --durations=10 tests/vllm "$@"
-echo "gpu_check: passed in $(( $(date +%s) - start )) s"
+if [ "$bench" != only ]; then
+    timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_fast_decode.py  # grpokit's decode loop
+    timeout 470 "$PY" -m pytest -q -m vllm -p no:cacheprovider -s --durations=10 tests/vllm "$@"
+    echo "gpu_check: passed in $(( $(date +%s) - start )) s"
+fi
+if [ "$bench" = 1 ] || [ "$bench" = only ]; then
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    "$PY" bench/gpu_check_plugin.py model "$work/model"
+    # 64 completions of at most 256 tokens per step: on a GPU decoding is bound by per-token latency, training by
+    # tokens, so a larger batch than on the CPU brings the two closer
+    timeout 420 "$PY" bench/bench_async.py --model "$work/model" --device cuda --torch_dtype bfloat16 --pin off \
+        --trainer_threads 4 --server_threads 4 --steps 10 --rounds 1 --batch 64 --max_completion_length 256 \
+        | tee "${OUT:-$work}/bench_async_gpu.txt"
+    echo "gpu_check: bench_async done in $(( $(date +%s) - start )) s"
+fi
