@@ -1,9 +1,10 @@
 """Synchronous against asynchronous training (--max_staleness K) on a long-tail workload, side by side in one run.
 
 Starts one `grpokit rollout` server (transformers engine, subprocess, 127.0.0.1, free port) and trains the same
-settings once per mode against it (``--modes sync,1,2,4``: ``--max_staleness`` 0, 1, 2, 4 with
-``--staleness_policy wait``). Reports wall time per 100 trained groups (a group: one prompt's
-``--num_generations`` completions) from the optimizer steps' end times, the first step excluded, its ratio to
+settings once per mode against it (``--modes sync,1,2,4,2p``: ``--max_staleness`` 0, 1, 2, 4 with
+``--staleness_policy wait``, and ``Kp``: K with ``--partial_rollouts true``). Reports wall time per 100 trained
+groups (a group: one prompt's ``--num_generations`` completions) from the optimizer steps' end times, the first
+step excluded, its ratio to
 sync, and the logged ``async/staleness_mean`` (steps between the weights that sampled a completion and those it
 trains) and ``async/wait_s`` (the loop waiting for a window) of each mode, means over the same steps.
 
@@ -26,8 +27,8 @@ Placement: with ``taskset`` (util-linux) and two cores, the server runs on core 
 separate cores; the synchronous mode leaves one of them idle at any time. An untimed 3-step run goes first (the
 server's first batches), and ``--rounds`` runs every mode again, each round starting one mode later.
 
-``--partial_rollouts`` (rows still running when a window is cut off carried into the next window) is not
-implemented in grpokit yet: the flag is refused with a message saying so; the column is added when it lands.
+Partial rollouts (mode ``2p``): each weight sync interrupts the server's running generation at its next token,
+loads the weights and continues the paused rows on them, so a sync no longer waits for the rollout in flight.
 
     python bench/bench_async.py --steps 26 --rounds 3                # docs/PERFORMANCE.md's table, ~5 minutes
     python bench/bench_async.py --model DIR --device cuda --torch_dtype bfloat16 --rounds 1   # gpu_check.sh
@@ -47,32 +48,37 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PLUGIN = HERE / "bench_async_plugin.py"
-PARTIAL_ROLLOUTS_MISSING = (
-    "--partial_rollouts: partial rollouts (a window's unfinished completions continued in the next window instead "
-    "of holding it back) are not implemented in grpokit yet (issue 33); run without --partial_rollouts for the "
-    "'without partial rollouts' columns. bench_async.py adds the mode once `grpokit train` has the option.")
 
 
-def parse_modes(text: str) -> list[int]:
-    """``sync,1,2,4`` -> [0, 1, 2, 4] (``sync`` is ``--max_staleness 0``)."""
+def parse_modes(text: str) -> list[tuple[int, bool]]:
+    """``sync,1,2,4,2p`` -> [(0, False), (1, False), (2, False), (4, False), (2, True)]: (``--max_staleness``,
+    ``--partial_rollouts``); ``sync`` is ``--max_staleness 0``."""
     modes = []
     for part in text.split(","):
         part = part.strip()
-        k = 0 if part == "sync" else int(part) if part.isdigit() else None
-        if k is None:
-            raise SystemExit(f"--modes {text}: {part!r} is neither sync nor a number of steps")
-        modes.append(k)
+        partial = part.endswith("p")
+        digits = part[:-1] if partial else part
+        if part == "sync":
+            k = 0
+        elif digits.isdigit() and (int(digits) > 0 or not partial):
+            k = int(digits)
+        else:
+            raise SystemExit(f"--modes {text}: {part!r} is neither sync, a number of steps, nor K ≥ 1 followed by p")
+        modes.append((k, partial))
     return modes
 
 
-def mode_name(k: int) -> str:
-    return "sync" if k == 0 else f"K = {k}"
+def mode_name(mode: tuple[int, bool]) -> str:
+    k, partial = mode
+    if k == 0:
+        return "sync"
+    return f"K = {k}" + (" with partial rollouts" if partial else " without partial rollouts" if k > 1 else "")
 
 
-def train(a: argparse.Namespace, model: str, port: int, out: Path, k: int, cores: str | None,
+def train(a: argparse.Namespace, model: str, port: int, out: Path, mode: tuple[int, bool], cores: str | None,
           steps: int | None = None) -> dict:
-    """One training run at ``--max_staleness k`` (``steps``, default ``--steps``): its step end times and logged
-    rows."""
+    """One training run at ``mode`` (``--max_staleness``, ``--partial_rollouts``; ``steps``, default ``--steps``):
+    its step end times and logged rows."""
     from bench_server import pinned
 
     cmd = [sys.executable, "-m", "grpokit", "train", "--model", model, "--dataset", "builtin:arithmetic",
@@ -81,9 +87,9 @@ def train(a: argparse.Namespace, model: str, port: int, out: Path, k: int, cores
            "--num_generations", str(a.num_generations),
            "--per_device_train_batch_size", str(a.batch), "--max_completion_length", str(a.max_completion_length),
            "--output_dir", str(out), "--save_final_model", "false", "--save_steps", "100000", "--plots", "false",
-           "--beta", "0", "--torch_dtype", a.torch_dtype, "--max_staleness", str(k), "--staleness_policy", "wait",
+           "--beta", "0", "--torch_dtype", a.torch_dtype, "--max_staleness", str(mode[0]), "--staleness_policy", "wait",
            "--seed", "0", "--check_weight_sync", a.check_weight_sync, "--external_plugins", str(PLUGIN),
-           "--callbacks", "step_stamps"]
+           "--callbacks", "step_stamps", "--partial_rollouts", str(mode[1]).lower()]
     if a.lora:
         cmd += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--learning_rate", "2e-4"]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -91,7 +97,7 @@ def train(a: argparse.Namespace, model: str, port: int, out: Path, k: int, cores
     with open(log_path, "wb") as log:
         done = subprocess.run(pinned(cmd, cores), env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"training at --max_staleness {k} failed:\n{log_path.read_text()[-3000:]}")
+        raise SystemExit(f"training at {mode_name(mode)} failed:\n{log_path.read_text()[-3000:]}")
     stamps = [float(x) for x in (out / "step_stamps.txt").read_text().split()]
     rows = [json.loads(x) for x in (out / "logging.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/rollout" in r]  # the per-step rows (not the run summary)
@@ -124,7 +130,9 @@ def main() -> None:
                                                    "smollm, or a model folder")
     p.add_argument("--hidden", type=int, default=256, help="tiny: hidden size (bench_step.py's tiny is 128)")
     p.add_argument("--layers", type=int, default=2, help="tiny: layers")
-    p.add_argument("--modes", default="sync,1,2,4", help="comma-separated: sync and --max_staleness values")
+    p.add_argument("--modes", default="sync,1,2,4,2p",
+                   help="comma-separated: sync, --max_staleness values, and K followed by p for K with partial "
+                        "rollouts")
     p.add_argument("--steps", type=int, default=26, help="optimizer steps per mode (the first is not timed)")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of every mode, interleaved (sync, 1, 2, 4, then 1, 2, 4, sync, ...); the table gives "
@@ -136,7 +144,6 @@ def main() -> None:
     p.add_argument("--long_fraction", type=float, default=0.1, help="longtail: rows that run to the limit")
     p.add_argument("--short_mean", type=float, default=None,
                    help="longtail: the other rows' mean length (default max_completion_length / 8)")
-    p.add_argument("--partial_rollouts", action="store_true", help="not implemented in grpokit yet: refused")
     p.add_argument("--pin", default="auto", choices=["auto", "on", "off"],
                    help="server on core 0, trainer on core 1 (taskset); auto: when taskset and 2 cores exist")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: both processes on the GPU")
@@ -148,8 +155,6 @@ def main() -> None:
     p.add_argument("--trainer_threads", type=int, default=1)
     p.add_argument("--server_threads", type=int, default=1)
     a = p.parse_args()
-    if a.partial_rollouts:
-        raise SystemExit(PARTIAL_ROLLOUTS_MISSING)
     modes = parse_modes(a.modes)
     if a.steps < 3:
         raise SystemExit("--steps: at least 3 (the first is not timed)")
@@ -180,10 +185,10 @@ def main() -> None:
                         "--external_plugins", str(PLUGIN), threads=a.server_threads, cores=server_cores) as port:
         # untimed: the server's first batches (allocations, code paths warming up) would fall on the first mode
         train(a, model, port, work / "warmup", modes[0], trainer_cores, steps=3)
-        runs: dict[int, list[dict]] = {k: [] for k in modes}
+        runs: dict[tuple[int, bool], list[dict]] = {m: [] for m in modes}
         for r in range(a.rounds):  # interleaved, each round starting one mode later: a change of the machine's
-            for k in modes[r % len(modes):] + modes[:r % len(modes)]:  # load falls on every mode alike
-                runs[k].append(train(a, model, port, work / f"k{k}_r{r}", k, trainer_cores))
+            for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # load falls on every mode alike
+                runs[m].append(train(a, model, port, work / f"k{m[0]}{'p' if m[1] else ''}_r{r}", m, trainer_cores))
     load_after = loadavg()
     groups = a.batch / a.num_generations
     per_round = {k: [summarise(run, groups) for run in rs] for k, rs in runs.items()}
@@ -197,21 +202,20 @@ def main() -> None:
           f"excluded; {a.rounds} round(s), medians; {workload}; {placement}; OMP threads trainer "
           f"{a.trainer_threads}, server {a.server_threads}; "
           f"load average {load_before} before, {load_after} after; {time.monotonic() - t0:.0f} s in all")
-    base = res.get(0)
+    base = res.get((0, False))
     print("| mode | s / 100 groups | throughput vs sync | staleness mean (max) | loop wait s/step | producer idle "
           "s/step | rollout s | train s | sync s | mean length | at limit |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k, r in res.items():
         ratio = f"{base['s_per_100'] / r['s_per_100']:.2f}×" if base else "–"
-        wait, idle = ("= rollout", "–") if k == 0 else (f"{r['wait']:.3f}", f"{r['idle']:.3f}")
+        wait, idle = ("= rollout", "–") if k[0] == 0 else (f"{r['wait']:.3f}", f"{r['idle']:.3f}")
         print(f"| {mode_name(k)} | {r['s_per_100']:.1f} | {ratio} | {r['staleness']:.2f} ({r['staleness_max']:g}) | "
               f"{wait} | {idle} | {r['rollout']:.3f} | {r['train']:.3f} | {r['sync']:.3f} | "
               f"{r['length']:.1f} | {r['clipped']:.0%} |")
     if a.rounds > 1:
         print("s / 100 groups by round: " + "; ".join(
             f"{mode_name(k)} " + ", ".join(f"{x['s_per_100']:.1f}" for x in rs) for k, rs in per_round.items()))
-    print("(without partial rollouts: not implemented yet; rollout/train/sync: the loop's timing/* per step, "
-          "train includes timing/logps)")
+    print("(rollout/train/sync: the loop's timing/* per step, train includes timing/logps)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ served model; only where EOS falls is decided here. The distribution (environmen
   finish_reason ``length``);
 - ``GRPOKIT_BENCH_SHORT_MEAN`` (``max_tokens / 8``): the others' mean length (geometric, at most
   ``max_tokens - 1``);
+- a row that a weight update paused (``--partial_rollouts``) keeps its length when it continues: the continuation's
+  prompt is the row's prompt plus its tokens so far, which the plugin recognises and counts from;
 - ``GRPOKIT_BENCH_LENGTH_SEED`` (0); ``GRPOKIT_BENCH_LONGTAIL=0`` turns the workload off (lengths as sampled);
   ``GRPOKIT_BENCH_LENGTH_LOG=FILE`` appends each generate call's drawn lengths to FILE (to check that two modes
   drew the same).
@@ -47,6 +49,12 @@ def target_length(prompt_ids: list[int], k: int, max_tokens: int, long_fraction:
     return min(length, max_tokens - 1) if max_tokens > 1 else 1
 
 
+# a row's ids so far (prompt + tokens, no padding) -> (its target length, tokens it had): the rows of the latest
+# calls, so that a continuation (those ids as its prompt) keeps the row's length; bounded, oldest dropped first
+_RUNNING: dict[tuple[int, ...], tuple[int, int]] = {}
+_RUNNING_MAX = 4096
+
+
 class ForcedLengths(LogitsProcessor):
     """EOS (and the pad token, where the engine ends a row too) masked before each row's target length, EOS
     forced at it (``target_length``)."""
@@ -57,6 +65,8 @@ class ForcedLengths(LogitsProcessor):
         self.short_mean = float(os.environ.get("GRPOKIT_BENCH_SHORT_MEAN", max_tokens / 8))
         self.seed = int(os.environ.get("GRPOKIT_BENCH_LENGTH_SEED", "0"))
         self.targets: torch.Tensor | None = None
+        self.before: list[int] = []  # per row, the tokens a paused row had before this call
+        self.keys: list[tuple[int, ...] | None] = []
 
     def _targets(self, prompts: torch.Tensor) -> torch.Tensor:
         seen: dict[tuple[int, ...], int] = {}
@@ -66,9 +76,32 @@ class ForcedLengths(LogitsProcessor):
             while start < len(row) and row[start] == self.pad:  # left padding depends on the batch: not the prompt
                 start += 1
             key = tuple(row[start:])
+            # a paused row continued: its own length, counted from where it stopped (the last call saw its ids up to
+            # the token before the one it sampled last)
+            if key[:-1] in _RUNNING:
+                target, had = _RUNNING.pop(key[:-1])
+                out.append(target - had - 1)
+                self.before.append(had + 1)
+                continue
             k = seen[key] = seen.get(key, -1) + 1
             out.append(target_length(list(key), k, self.max_tokens, self.long_fraction, self.short_mean, self.seed))
+            self.before.append(0)
+        self.keys = [None] * len(out)
         return torch.tensor(out, device=prompts.device)
+
+    def _remember(self, input_ids: torch.LongTensor, t: int) -> None:
+        """Each running row's ids so far, with its length: what a continuation after a pause starts from."""
+        for i, row in enumerate(input_ids.tolist()):
+            if self.keys[i] is not None:
+                _RUNNING.pop(self.keys[i], None)
+            start = 0
+            while start < self.width and row[start] == self.pad:
+                start += 1
+            key = tuple(row[start:])
+            self.keys[i] = key
+            _RUNNING[key] = (int(self.targets[i]) + self.before[i], self.before[i] + t)
+        while len(_RUNNING) > _RUNNING_MAX:
+            _RUNNING.pop(next(iter(_RUNNING)))
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.targets is None:
@@ -77,6 +110,8 @@ class ForcedLengths(LogitsProcessor):
                 with open(os.environ["GRPOKIT_BENCH_LENGTH_LOG"], "a") as f:
                     f.write(f"{self.targets.tolist()}\n")
         t = input_ids.shape[1] - self.width  # tokens generated so far: this call picks token t + 1
+        if t > 0:
+            self._remember(input_ids, t)
         scores = scores.clone()
         early = self.targets > t + 1
         scores[early, self.eos] = float("-inf")
