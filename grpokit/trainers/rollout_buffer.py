@@ -2,8 +2,10 @@
 optimizer steps older than the weights that train it.
 
 Versions: a window is tagged with the weight version the engine held when its rollout began (the optimizer step
-of the last weight sync). A sync that lands while the rollout runs can only make later tokens newer, so the tag
-is the oldest the window's tokens can be, and the staleness measured from it is an upper bound.
+of the last weight sync), and each token with the version a rollout server says sampled it (with
+--partial_rollouts a row paused by a sync continues on the new weights: two versions in one trajectory). A sync
+that lands while the rollout runs can only make later tokens newer, so a trajectory's oldest token is never older
+than the window's tag, and the staleness measured from it is an upper bound.
 
 The producer (one thread, the engine and the reward functions only) keeps up to ``depth`` windows taken and not
 yet trained, ``depth = K // steps_per_window`` (the optimizer steps one window trains). With ``wait`` that depth
