@@ -113,10 +113,6 @@ class RolloutBuffer:
         with self._cond:  # an RLock: pending() takes it again
             return stream.position, sorted(set(self.pending()) | set(stream.replay))
 
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.pending())
-
     def drain(self) -> None:
         """Stop the producer (after the rollout it is running; its windows stay pending, never trained)."""
         with self._cond:
