@@ -130,6 +130,13 @@ def test_a_drip_fed_request_is_cut_at_the_header_deadline(server):
     _after_each(proc, url, idle)
 
 
+def _health_twice(url: str) -> float:
+    """The faster of two health calls: one slow answer while the suite's other worker holds the CPU is not the
+    server's doing (a server the idle connections starve stays slow on the second call too)."""
+    first = health_s(url, KEY)
+    return first if first < 1.0 else min(first, health_s(url, KEY))
+
+
 def test_more_idle_connections_than_descriptors_leave_health_answering(server):
     proc, url, port, idle, log = server
     lines_before = len(log.read_text().splitlines())
@@ -140,9 +147,9 @@ def test_more_idle_connections_than_descriptors_leave_health_answering(server):
         s.connect_ex(("127.0.0.1", port))
         socks.append(s)
         if i % 400 == 399:
-            answered.append(health_s(url, KEY))
+            answered.append(_health_twice(url))
     time.sleep(0.5)
-    answered.append(health_s(url, KEY))
+    answered.append(_health_twice(url))
     peak_fds = open_fds(proc.pid)
     assert all(t < 1.0 for t in answered), answered
     assert peak_fds < NOFILE - 64, peak_fds
