@@ -278,6 +278,10 @@ class RolloutOutput(BaseModel):
     # the trainer encodes this as the prompt, in colocate and server mode alike.
     prompt_messages: list[dict[str, Any]] | None = None
 
+    def oldest_weight_version(self) -> int | None:
+        """The oldest weight version among ``weight_versions`` (None: not recorded)."""
+        return min((v for segment in self.weight_versions for v in segment), default=None)
+
 
 def choice_logprobs(choice: ChatCompletionResponseChoice) -> list[float]:
     """The per-token logprobs of a choice, or [] when the engine returned none."""

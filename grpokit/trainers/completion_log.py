@@ -47,7 +47,7 @@ def completion_log_rows(requests: list[RolloutInferRequest], outputs: list[Rollo
     for i, (row, o) in enumerate(zip(rows, outputs, strict=True)):
         finish = o.response.choices[0].finish_reason if o.response.choices else None
         row.update(group=o.prompt_id, reward=float(rewards[i]), truncated=finish == "length",
-                   weight_version=min((v for seg in o.weight_versions for v in seg), default=None))  # oldest
+                   weight_version=o.oldest_weight_version())
     n = min(len(rows), limits.max_rows)
     if n and limits.max_tokens:
         logps, entropies = _token_values(batch.select(slice(0, n)), forward)

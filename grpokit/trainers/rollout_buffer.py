@@ -89,8 +89,8 @@ class RolloutBuffer:
             self._cond.notify_all()  # room for the producer
             counts, self._counts = self._counts, {k: 0.0 for k in self._counts}
         wait = time.perf_counter() - t0
-        ages = [step - min((v for seg in o.weight_versions for v in seg), default=item.version)
-                for o in item.rollout.outputs]  # each trajectory's oldest token
+        oldest = [o.oldest_weight_version() for o in item.rollout.outputs]  # each trajectory's oldest token
+        ages = [step - (item.version if v is None else v) for v in oldest]
         partial = sum(len({v for seg in o.weight_versions for v in seg}) > 1 for o in item.rollout.outputs)
         counts["dropped"] += dropped
         metrics = {"async/staleness": max(ages), "async/staleness_max": max(ages),

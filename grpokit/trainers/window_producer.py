@@ -323,8 +323,7 @@ class WindowProducer:
         limit = r.max_completion_length if r.completion_length_limit_scope == "total" else None
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
         batch.sampler_support = self.support  # old, reference and current logps over the sampler's kept set
-        batch.weight_version = torch.tensor([min((v for seg in o.weight_versions for v in seg), default=-1)
-                                             for o in outputs])
+        batch.weight_version = torch.tensor([-1 if (v := o.oldest_weight_version()) is None else v for o in outputs])
         if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
             # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
             batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
