@@ -13,7 +13,6 @@ from test_server_support import rollout_server
 from grpokit.config.parse import parse_train_args
 from grpokit.pipeline.train import run_train
 from grpokit.rewards import orms
-from grpokit.testing import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +28,8 @@ orms.register("async_test_even_length", _even_length, override=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model_dir):
+    return tiny_model_dir  # the session's tiny model (tests/conftest.py), built once
 
 
 def _train(tiny, out, *extra: str, port: int | None = None):

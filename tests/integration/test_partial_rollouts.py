@@ -18,14 +18,13 @@ from grpokit.engines.client import RolloutClient
 from grpokit.modeling import load_causal_lm, load_tokenizer
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
-from grpokit.testing import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model_dir):
+    return tiny_model_dir  # the session's tiny model (tests/conftest.py), built once
 
 
 @pytest.fixture(scope="module")
