@@ -138,17 +138,24 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
                             str(server.port), "--max_steps", "4", "--num_generations", "4",
                             "--per_device_train_batch_size", "8", "--max_completion_length", "8",
                             "--output_dir", str(out), "--save_final_model", "false", "--save_steps", "2",
-                            "--vllm_server_timeout", "60", "--async_generate", "true"])
+                            "--vllm_server_timeout", "60", "--async_generate", "true", "--log_completions", "true"])
     trainer = run_train(cfg)
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["async/staleness"] == 0  # the first window is generated before any update
-    assert all(r["async/staleness"] == 1 for r in rows[1:])  # later ones sample from weights one step old
+    # later ones are rolled out while the step before trains: from weights one step old, or from the new ones when
+    # the producer thread starts after that step's sync (a busy machine); never older
+    assert all(r["async/staleness"] in (0, 1) for r in rows[1:])
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    for r in rows:  # the staleness logged is the one the completions' weight versions give
+        versions = [c["weight_version"] for c in logged if c["step"] == r["step"]]
+        assert versions and r["async/staleness"] == r["step"] - 1 - min(versions)
     assert all("async/time_saved_s" in r and "async/wait_s" in r for r in rows)
     # the window rolled out ahead but never trained on is pending in the checkpoint: drawn again first on resume
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     per = trainer.plan.prompts_per_rollout
-    assert (state["prompts_consumed"], state["prompts_pending"]) == (3 * per, [2 * per])
+    # (or, when the producer had not yet drawn window 3 as step 2 saved, nothing pending and two windows consumed)
+    assert (state["prompts_consumed"], state["prompts_pending"]) in ((3 * per, [2 * per]), (2 * per, []))
 
 
 def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
