@@ -55,7 +55,6 @@ from grpokit.trainers.optimizers import optimizers_map
 from grpokit.trainers.run_args import preflight_resume
 from grpokit.trainers.run_dir import RunLock, prepare_output_dir
 from grpokit.trainers.signals import stop_outside_the_loop
-from grpokit.trainers.zero import release_process_group
 
 logger = logging.getLogger("grpokit")
 
@@ -220,16 +219,13 @@ def _run_train(cfg: TrainConfig, plan, log):
             func.check_rows(train_ds)
     callbacks = [callbacks_map.get_or_raise(n) for n in cfg.training.callbacks]  # built by the trainer
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
-    try:
-        trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
-                              eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
-                              reward_weights=weights, ref_model=ref, scheduler=scheduler,
-                              engine=engine, callbacks=callbacks,
-                              **_takes(trainer_cls, template=template, plan=plan),
-                              # only when given: a plugin's trainer class without this argument keeps working
-                              **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
-    except BaseException:
-        release_process_group()  # a set-up that failed after forming a one-process group (train() releases its own)
-        raise
+    # (a one-process group the set-up forms is the trainer's: released at its end, or when its set-up fails)
+    trainer = trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
+                          eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
+                          reward_weights=weights, ref_model=ref, scheduler=scheduler,
+                          engine=engine, callbacks=callbacks,
+                          **_takes(trainer_cls, template=template, plan=plan),
+                          # only when given: a plugin's trainer class without this argument keeps working
+                          **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
     trainer.train()
     return trainer

@@ -42,7 +42,7 @@ from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import Models, WindowProducer
 from grpokit.trainers.window_progress import WindowProgress
-from grpokit.trainers.zero import backward, grad_norm, is_engine, release_process_group, synced_models
+from grpokit.trainers.zero import backward, grad_norm, is_engine, released_on_error, synced_models
 
 
 class GRPOTrainer:
@@ -52,7 +52,8 @@ class GRPOTrainer:
     ``_compute_loss_and_metrics`` and ``training_step``; other underscore methods are private. Public attributes
     (read by plugins and callbacks): ``cfg``, ``args``, ``plan``, ``loss_cfg``, ``state``, ``accelerator``,
     ``model``, ``policy``, ``optimizer``, ``lr_scheduler``, ``ref_model``, ``tokenizer``, ``template``, ``engine``,
-    ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, and those ms-swift's code
+    ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, ``process_group`` (the
+    one-process group's lease, trainers/zero.py), and those ms-swift's code
     reads: ``temperature``, ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
@@ -71,46 +72,49 @@ class GRPOTrainer:
         self.model = model  # until set-up wraps it: what an OptimizerCallback's create_optimizer reads
         parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None,
                                owner=self, template=template)
-        self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
-        self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
-        self.template, self.state.max_steps = parts.template, parts.max_steps
-        self._trainable_params = parts.trainable_params
-        self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
-        if self.accelerator.is_main_process:
-            hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
-        self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                    self.accelerator, parts.generation_model)
-        # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
-        self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
-                                         self.accelerator.device, self.accelerator.is_main_process)
-        rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler,
-                                timeout=cfg.reward.reward_timeout)
-        self.reward_names, self.reward_runner = rewards.names, rewards.runner
-        prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
-                                       cfg.data.dataset_shuffle, self.accelerator)
-        images = getattr(self.template, "multimodal", False) or "images" in getattr(train_dataset, "column_names", ())
-        self._producer = WindowProducer(
-            hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
-            rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
-            models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
-            plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
-        self._async = RolloutBuffer.for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness
-        self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
-            chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index)
-        self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
-        self.output_dir = self._outputs.output_dir
-        self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
-        self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3
-        # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
-        distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
-        self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
-        self._pixel_dtype = next(self.policy.parameters()).dtype
-        self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
-        self.callbacks = self._callbacks.all
-        self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
-        self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
-        self._hf_event("on_init_end")
+        self.process_group = parts.process_group  # released at the end of the run, or here if the set-up fails
+        with released_on_error(self.process_group):
+            self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
+            self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
+            self.template, self.state.max_steps = parts.template, parts.max_steps
+            self._trainable_params = parts.trainable_params
+            self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
+            if self.accelerator.is_main_process:
+                hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
+            self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
+                                                        self.accelerator, parts.generation_model)
+            # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
+            self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
+                                             self.accelerator.device, self.accelerator.is_main_process)
+            rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler,
+                                    timeout=cfg.reward.reward_timeout)
+            self.reward_names, self.reward_runner = rewards.names, rewards.runner
+            prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
+                                           cfg.data.dataset_shuffle, self.accelerator)
+            columns = getattr(train_dataset, "column_names", ())
+            images = getattr(self.template, "multimodal", False) or "images" in columns
+            self._producer = WindowProducer(
+                hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
+                rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
+                models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
+                plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
+            self._async = RolloutBuffer.for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness
+            self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
+                chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
+                process_index=self.accelerator.process_index)
+            self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
+            self.output_dir = self._outputs.output_dir
+            self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
+            self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # or 2 (an override)
+            # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
+            distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
+            self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
+            self._pixel_dtype = next(self.policy.parameters()).dtype
+            self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
+            self.callbacks = self._callbacks.all
+            self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
+            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
+            self._hf_event("on_init_end")
 
     def _progress(self) -> dict:
         return {"global_step": self.state.global_step, "max_steps": self.state.max_steps}
@@ -144,7 +148,7 @@ class GRPOTrainer:
         except BaseException:
             bar.leave = False  # the error message, not a half-drawn bar, is the last thing on the terminal
             cancel_background_work()  # a --max_staleness rollout nobody will train on: drained below, not awaited
-            release_process_group()  # a one-process DeepSpeed group: no peer to wait for
+            self.process_group.release()  # a one-process group (--deepspeed/--fsdp): no peer to wait for
             raise
         finally:
             self._stop.restore()
@@ -179,7 +183,7 @@ class GRPOTrainer:
             with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
                 if step_begins:
                     self._hf_event("on_step_begin")
-                self._run_training_step(micro)
+                self.training_step(self.model, micro, *([micro.num_items] if self._step_takes_num_items else []))
             synced = step_begins = self.accelerator.sync_gradients  # the next micro-step starts a new step
             values.step_metrics.add({**micro.step_metrics, **self._optimizer_step(micro.step_metrics.get("loss"))})
             values.timing["train"] += time.perf_counter() - t0
@@ -193,10 +197,6 @@ class GRPOTrainer:
             if self.state.global_step >= self.state.max_steps:
                 return changed
         return changed
-
-    def _run_training_step(self, micro: RolloutBatch) -> None:
-        extra = (micro.num_items,) if self._step_takes_num_items else ()  # else an override's 2-argument shape
-        self.training_step(self.model, micro, *extra)
 
     def training_step(self, model, inputs: RolloutBatch, num_items_in_batch=None) -> torch.Tensor:
         """One micro-step: the loss and its backward, nothing more (HF's contract: it returns once backward is
@@ -394,6 +394,6 @@ class GRPOTrainer:
         if self.reward_runner is not None:
             self.reward_runner.close()
         self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
-        release_process_group()  # the one-process group of --deepspeed without a launcher, and its variables
+        self.process_group.release()  # the one-process group of --deepspeed without a launcher, and its variables
         self.accelerator.end_training()
 

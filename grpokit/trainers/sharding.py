@@ -25,7 +25,6 @@ from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.weights import whole_weight
 from grpokit.errors import ConfigError
 from grpokit.template.encode import ChatTemplate
-from grpokit.trainers.zero import ensure_process_group
 
 SHARDED_STATE_DIR = "fsdp_sharded"  # inside a checkpoint's accelerate state folder
 
@@ -47,14 +46,13 @@ def decoder_layer_names(model) -> set[str]:
 
 def shard_model(model, device: torch.device):
     """Shard ``model`` in place with FSDP2 over all processes: each decoder layer, then the root (embeddings, norm,
-    lm_head). Every rank must call it. A single process started without a launcher gets a one-process group of its
-    own (``zero.ensure_process_group``, released at the end of the run): nothing is sharded then, but the run takes
-    the same code path as under a launcher. Returns the model, now an FSDP module."""
+    lm_head). Every rank must call it, in a process group: a launcher's, or the one-process group the set-up forms
+    for a single process started without one (``zero.ensure_process_group``): nothing is sharded then, but the run
+    takes the same code path as under a launcher. Returns the model, now an FSDP module."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    ensure_process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model.to(device)
     layers = decoder_layer_names(model)

@@ -4,7 +4,7 @@ engine and scheduler wiring; the rewards. Each function checks its own options a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,14 @@ from grpokit.trainers.distributed import accelerate_plugins, check_backend, chec
 from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
 from grpokit.trainers.window_producer import Rewards
-from grpokit.trainers.zero import EngineStep, deepspeed_config, ensure_process_group, is_zero3
+from grpokit.trainers.zero import (
+    EngineStep,
+    ProcessGroupLease,
+    deepspeed_config,
+    ensure_process_group,
+    is_zero3,
+    released_on_error,
+)
 from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
 from grpokit.trainers.zero import initialize as zero_initialize
 
@@ -42,6 +49,7 @@ class TrainingParts:
     max_steps: int
     template: ChatTemplate
     generation_model: Any = None  # --fsdp: a whole copy of the policy for the in-process engine (sharding.py)
+    process_group: ProcessGroupLease = field(default_factory=ProcessGroupLease)  # formed for this run, if one was
 
 
 def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
@@ -52,9 +60,23 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
     needs no whole copy for the in-process engine. ``owner``: the trainer being built, handed to an
     ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point). ``template``: the
-    run's chat template, built once by the pipeline; None (a trainer built in code): made here from the options."""
+    run's chat template, built once by the pipeline; None (a trainer built in code): made here from the options.
+
+    --fsdp or --deepspeed in a single process started without a launcher: a one-process group is formed here,
+    and its lease (``parts.process_group``) is the caller's to release at the end of the run; a set-up that fails
+    releases it before raising."""
     t = cfg.training
     accelerator = _accelerator(cfg, model, plan)
+    lease = ensure_process_group(accelerator.device) if (t.fsdp or t.deepspeed) else ProcessGroupLease()
+    with released_on_error(lease):
+        return _prepared(accelerator, model, ref_model, tokenizer, cfg, plan, num_prompts, engine_given, owner,
+                         template, lease)
+
+
+def _prepared(accelerator, model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan, num_prompts: int,
+              engine_given: bool, owner, template: ChatTemplate | None,
+              lease: ProcessGroupLease) -> TrainingParts:
+    t = cfg.training
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
     ds_config = (deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes)
@@ -77,7 +99,7 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     template = template or PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer)
     return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         trainable, max_steps, template, whole)
+                         trainable, max_steps, template, whole, lease)
 
 
 def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
@@ -136,9 +158,8 @@ def _prepare_sharded(accelerator, model, optimizer, scheduler):
 
 def _prepare_deepspeed(accelerator, model, optimizer, scheduler, ds_config: dict):
     """A DeepSpeed engine (any stage) over the model and the torch optimizer, in the launcher's process group or
-    a one-process group of its own; the loop's ``optimizer.step()`` is the engine's step; checkpoints are the
+    the run's one-process group; the loop's ``optimizer.step()`` is the engine's step; checkpoints are the
     engine's own (zero.checkpoint_hooks)."""
-    ensure_process_group(accelerator.device)
     engine = zero_initialize(model.to(accelerator.device), optimizer, ds_config)
     checkpoint_hooks_deepspeed(accelerator, engine)
     return engine, EngineStep(engine, optimizer), accelerator.prepare_scheduler(scheduler)

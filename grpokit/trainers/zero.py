@@ -5,7 +5,7 @@ accelerate runs DeepSpeed only on GPUs (on CPU it silently trains with DDP inste
 DeepSpeed to accelerate: the Accelerator runs plain (multi-)process and this module wraps the policy (and, for
 stage 3, the full-weight reference model) in DeepSpeed engines over the same process group. A single process
 started without a launcher gets a one-process group of its own (``ensure_process_group``), so DeepSpeed never
-looks for MPI.
+looks for MPI; the run holds its lease and releases it.
 
 - The loop's backward is the engine's (``backward``: it scales by the accumulation steps as accelerate would) and
   its ``optimizer.step()`` is the engine's step on every micro-step (``EngineStep``); DeepSpeed counts the
@@ -21,6 +21,7 @@ looks for MPI.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -164,28 +165,62 @@ def backward(accelerator, model, loss) -> None:
         accelerator.backward(loss)
 
 
-# the launcher variables ensure_process_group set, as they were before (None: unset); None when it set none
-_formed_env: dict[str, str | None] | None = None
-_owns_group = False  # whether ensure_process_group formed the group (else another library's: vLLM colocate's)
+class ProcessGroupLease:
+    """The one-process group a run formed for itself (``ensure_process_group``) and the launcher variables it set;
+    ``release()`` (idempotent) undoes both. The run that formed it holds it and releases it at its end or when its
+    set-up fails: nothing about it is kept in this module."""
+
+    def __init__(self, saved_env: dict[str, str | None] | None = None, owned: bool = False) -> None:
+        """No arguments: a lease of nothing (a launcher's group, or a run that needs none)."""
+        self._saved: dict[str, str | None] | None = saved_env  # the variables as they were (None: unset)
+        self.owned = owned  # whether the group is this run's (else vLLM colocate's, which destroys it itself)
+
+    @property
+    def held(self) -> bool:
+        """Whether releasing it still undoes something."""
+        return bool(self._saved)
+
+    def release(self) -> None:
+        """The group destroyed after a barrier, with DeepSpeed's references to it
+        (``deepspeed.comm.destroy_process_group``: a second run in this process would otherwise reach the dead group
+        through them), and the launcher variables put back. Only the variables when vLLM formed the group (the
+        engine's close destroys it)."""
+        import sys
+
+        import torch.distributed as dist
+
+        saved, self._saved = self._saved, None
+        if not saved:  # released already, or nothing held
+            return
+        if self.owned and dist.is_initialized():
+            dist.barrier()
+            comm = sys.modules.get("deepspeed.comm")  # imported only when --deepspeed ran
+            if comm is not None and comm.is_initialized():
+                comm.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
-def ensure_process_group(device: torch.device) -> None:
+def ensure_process_group(device: torch.device) -> ProcessGroupLease:
     """A one-process group (gloo on CPU, NCCL on CUDA) on a free local port when no launcher formed one, with the
-    variables a launcher would set (DeepSpeed requires LOCAL_RANK), so that DeepSpeed runs in a single process
-    without MPI discovery (mpi4py). ``release_process_group`` undoes both at the end of the run.
+    variables a launcher would set (DeepSpeed requires LOCAL_RANK), so that DeepSpeed and FSDP2 run in a single
+    process without MPI discovery (mpi4py). Returns the lease the caller releases at the end of its run (one of
+    nothing when a launcher's group is there: accelerate's ``end_training`` destroys that one).
 
     A one-process group that vLLM colocate formed before (no launcher: vLLM starts its own) is used as it is, with
-    the launcher variables set for DeepSpeed; it stays vLLM's to destroy when the engine closes."""
+    the launcher variables set for DeepSpeed; its lease restores only the variables."""
     import socket
 
     import torch.distributed as dist
 
-    global _formed_env, _owns_group
-    if _formed_env is not None:  # this run's group, or the one a failed set-up of this process left behind
-        return
     joined = dist.is_initialized()
     if joined and (dist.get_world_size() > 1 or "LOCAL_RANK" in os.environ):  # a launcher's group
-        return
+        return ProcessGroupLease()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -195,36 +230,17 @@ def ensure_process_group(device: torch.device) -> None:
         os.environ.setdefault(key, value)
     if not joined:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
-    _formed_env, _owns_group = saved, not joined
+    return ProcessGroupLease(saved, owned=not joined)
 
 
-def release_process_group() -> None:
-    """The end of a run, a failed one too: the one-process group ``ensure_process_group`` formed is destroyed after
-    a barrier, with DeepSpeed's references to it (``deepspeed.comm.destroy_process_group``: a second run in this
-    process would otherwise reach the dead group through them), and the launcher variables it set are put back as
-    they were. A no-op when a launcher formed the group (accelerate's ``end_training`` destroys that one); only the
-    variables when vLLM formed it (the engine's close destroys it)."""
-    import sys
-
-    import torch.distributed as dist
-
-    global _formed_env, _owns_group
-    if _formed_env is None:
-        return
-    saved, _formed_env = _formed_env, None
-    owned, _owns_group = _owns_group, False
-    if owned and dist.is_initialized():
-        dist.barrier()
-        comm = sys.modules.get("deepspeed.comm")  # imported only when --deepspeed ran
-        if comm is not None and comm.is_initialized():
-            comm.destroy_process_group()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+@contextlib.contextmanager
+def released_on_error(lease: ProcessGroupLease):
+    """A set-up step of the run holding ``lease``: the lease is released if it raises (nobody else would)."""
+    try:
+        yield
+    except BaseException:
+        lease.release()
+        raise
 
 
 class EngineStep:

@@ -37,7 +37,7 @@ reference.merge_adapter()
 want = {plain_name(n): p.detach() for n, p in reference.named_parameters() if plain_name(n) is not None}
 if mode == "zero3":
     from grpokit.trainers.zero import ensure_process_group, initialize
-    ensure_process_group(torch.device("cpu"))
+    ensure_process_group(torch.device("cpu"))  # (its lease ends with this process)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     sharded = initialize(model, None, ds).module

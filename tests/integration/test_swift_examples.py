@@ -136,7 +136,6 @@ def set_up_only(monkeypatch):
     on and returns. What a set-up holds for the run (a one-process DeepSpeed group, a server connection) is
     released afterwards, as the end of a run releases it."""
     from grpokit.trainers.factory import TrainerFactory
-    from grpokit.trainers.zero import release_process_group
 
     built: list = []
     monkeypatch.setattr(TrainerFactory.get_trainer_cls("grpo"), "train", lambda self: built.append(self))
@@ -147,7 +146,7 @@ def set_up_only(monkeypatch):
             close = getattr(trainer.engine, "close", None)
             if getattr(trainer.engine, "engine_type", "") == "server" and close is not None:
                 close()
-        release_process_group()
+            trainer.process_group.release()
 
 
 @pytest.fixture(scope="module")

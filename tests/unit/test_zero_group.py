@@ -1,6 +1,6 @@
 """The one-process group that --deepspeed forms without a launcher (trainers/zero.py): released at the end of a run
 with the launcher variables it set, so a caller can run again in the same process; a launcher's group is left
-alone. The DeepSpeed runs themselves: tests/integration/test_deepspeed_stages.py."""
+alone. The DeepSpeed runs themselves, and a trainer's failing set-up: tests/integration/test_deepspeed_stages.py."""
 
 from __future__ import annotations
 
@@ -23,34 +23,45 @@ def no_launcher(monkeypatch):
     yield
     if dist.is_initialized():  # a failing test leaves no group to the next one
         dist.destroy_process_group()
-    monkeypatch.setattr(zero, "_formed_env", None)
 
 
 def test_group_formed_without_a_launcher_is_released_with_its_variables(no_launcher):
     for _ in range(2):  # a second run in the same process forms a fresh group
-        zero.ensure_process_group(torch.device("cpu"))
+        lease = zero.ensure_process_group(torch.device("cpu"))
+        assert lease.held and lease.owned
         assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
         assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("0", "0", "1")
-        zero.release_process_group()
-        assert not dist.is_initialized()
+        assert not zero.ensure_process_group(torch.device("cpu")).held  # a second call: the group is there
+        lease.release()
+        assert not dist.is_initialized() and not lease.held
         assert [k for k in LAUNCHER_VARS if k in os.environ] == []
-    zero.release_process_group()  # twice: nothing left to release
+    lease.release()  # twice: nothing left to release
 
 
 def test_variables_set_before_are_kept_and_put_back(no_launcher, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # set by the caller: used, and still set afterwards
-    zero.ensure_process_group(torch.device("cpu"))
+    lease = zero.ensure_process_group(torch.device("cpu"))
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"].isdigit()
-    zero.release_process_group()
+    lease.release()
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and "MASTER_PORT" not in os.environ
 
 
 def test_a_group_formed_by_someone_else_is_left_alone(no_launcher, tmp_path):
+    """vLLM colocate's one-process group (no launcher variables): used with the variables DeepSpeed needs, which
+    are taken back at the end; the group stays its owner's."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    zero.ensure_process_group(torch.device("cpu"))  # reuses it
-    zero.release_process_group()
-    assert dist.is_initialized()  # accelerate's end_training destroys a launcher's group, not grpokit
+    lease = zero.ensure_process_group(torch.device("cpu"))  # reuses it
+    assert lease.held and not lease.owned and os.environ["LOCAL_RANK"] == "0"
+    lease.release()
+    assert dist.is_initialized()  # its owner destroys it, not grpokit
     assert "RANK" not in os.environ
+
+
+def test_a_failing_set_up_releases_the_group_it_formed(no_launcher):
+    lease = zero.ensure_process_group(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="set-up"), zero.released_on_error(lease):
+        raise RuntimeError("a set-up step failed")
+    assert not dist.is_initialized() and "LOCAL_RANK" not in os.environ
 
 
 def test_deepspeed_precision_modes_are_refused_and_auto_is_off(tmp_path):
