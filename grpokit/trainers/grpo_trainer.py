@@ -105,7 +105,7 @@ class GRPOTrainer:
             self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
             self.output_dir = self._outputs.output_dir
             self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
-            self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # or 2 (an override)
+            self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # False: a 2-argument override
             # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
             distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
             self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
