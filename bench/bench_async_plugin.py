@@ -35,8 +35,9 @@ from grpokit.rewards import ORM, orms
 from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
 
 
-def target_length(prompt_ids: list[int], k: int, max_tokens: int, long_fraction: float, short_mean: float,
-                  seed: int) -> int:
+def target_length(
+    prompt_ids: list[int], k: int, max_tokens: int, long_fraction: float, short_mean: float, seed: int
+) -> int:
     """The completion length (EOS included) of the ``k``-th row of this prompt; ``max_tokens + 1`` means the row
     runs to the limit without EOS."""
     digest = hashlib.blake2b(f"{seed}|{k}|{','.join(map(str, prompt_ids))}".encode(), digest_size=16).digest()
@@ -105,7 +106,7 @@ class ForcedLengths(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.targets is None:
-            self.targets = self._targets(input_ids[:, :self.width])
+            self.targets = self._targets(input_ids[:, : self.width])
             if os.environ.get("GRPOKIT_BENCH_LENGTH_LOG"):
                 with open(os.environ["GRPOKIT_BENCH_LENGTH_LOG"], "a") as f:
                     f.write(f"{self.targets.tolist()}\n")
@@ -144,8 +145,9 @@ def _install() -> None:
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.logits_processor_factory = _WithForcedLengths(self.logits_processor_factory, self.template.eos_token_id,
-                                                           self.template.pad_token_id)
+        self.logits_processor_factory = _WithForcedLengths(
+            self.logits_processor_factory, self.template.eos_token_id, self.template.pad_token_id
+        )
 
     served.ServedTransformersEngine.__init__ = __init__
 

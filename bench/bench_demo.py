@@ -42,19 +42,24 @@ def run_seed(seed: int, out: Path, extra: list[str]) -> dict:
     wall = time.perf_counter() - t0
     minutes, seconds = ELAPSED.findall(log)[-1]  # the progress bar's last reading: the training loop alone
     rewards = [json.loads(line)["reward"] for line in (folder / "logging.jsonl").read_text().splitlines()]
-    return {"seed": seed, "train_s": 60 * int(minutes or 0) + int(seconds), "wall_s": round(wall, 1),
-            "reward_first": round(statistics.mean(rewards[:4]), 3),
-            "reward_last": round(statistics.mean(rewards[-4:]), 3), "held_out": held_out(str(folder / "final_model"))}
+    return {
+        "seed": seed,
+        "train_s": 60 * int(minutes or 0) + int(seconds),
+        "wall_s": round(wall, 1),
+        "reward_first": round(statistics.mean(rewards[:4]), 3),
+        "reward_last": round(statistics.mean(rewards[-4:]), 3),
+        "held_out": held_out(str(folder / "final_model")),
+    }
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 1, 2, 3, 4])
     parser.add_argument("--out", type=Path, default=Path("/tmp/grpokit-bench-demo"))
     parser.add_argument("--before", action="store_true", help="also score the untrained model")
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     print(f"recipe: the demo{' with ' + ' '.join(extra) if extra else ''}", flush=True)
     if args.before:
         print(f"before: held-out {held_out(None):.2f}", flush=True)
@@ -63,8 +68,10 @@ def main() -> None:
         rows.append(run_seed(seed, args.out, extra))
         print(json.dumps(rows[-1]), flush=True)
     accs = [r["held_out"] for r in rows]
-    print(f"held-out: {' / '.join(f'{a:.2f}' for a in accs)} (mean {statistics.mean(accs):.3f}, min {min(accs):.2f}); "
-          f"training {min(r['train_s'] for r in rows)}-{max(r['train_s'] for r in rows)} s")
+    print(
+        f"held-out: {' / '.join(f'{a:.2f}' for a in accs)} (mean {statistics.mean(accs):.3f}, min {min(accs):.2f}); "
+        f"training {min(r['train_s'] for r in rows)}-{max(r['train_s'] for r in rows)} s"
+    )
 
 
 if __name__ == "__main__":

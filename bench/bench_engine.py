@@ -53,10 +53,17 @@ def main() -> None:
 
     def raw() -> int:
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=a.max_new_tokens, do_sample=False, temperature=None,
-                                 top_p=None, top_k=None, pad_token_id=template.pad_token_id,
-                                 eos_token_id=template.eos_token_id)
-        new = out[:, enc["input_ids"].shape[1]:]
+            out = model.generate(
+                **enc,
+                max_new_tokens=a.max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=template.pad_token_id,
+                eos_token_id=template.eos_token_id,
+            )
+        new = out[:, enc["input_ids"].shape[1] :]
         count = 0
         for row in new.tolist():
             count += row.index(template.eos_token_id) + 1 if template.eos_token_id in row else len(row)
@@ -71,9 +78,12 @@ def main() -> None:
 
         return run
 
-    variants = {"raw HF generate": raw, "grpokit engine (fast decode loop)": engine(True),
-                "grpokit engine on HF generate": engine(False), "grpokit engine on HF generate, no sharing":
-                engine(False, share=False)}
+    variants = {
+        "raw HF generate": raw,
+        "grpokit engine (fast decode loop)": engine(True),
+        "grpokit engine on HF generate": engine(False),
+        "grpokit engine on HF generate, no sharing": engine(False, share=False),
+    }
     times: dict[str, list[float]] = {k: [] for k in variants}
     tokens: dict[str, int] = {}
     for _ in range(a.repeats):
@@ -81,8 +91,10 @@ def main() -> None:
             t0 = time.perf_counter()
             tokens[name] = fn()
             times[name].append(time.perf_counter() - t0)
-    print(f"model {a.model}: {a.prompts} prompts × {a.generations} completions, ≤{a.max_new_tokens} new tokens, "
-          f"greedy, {torch.get_num_threads()} threads, median of {a.repeats}")
+    print(
+        f"model {a.model}: {a.prompts} prompts × {a.generations} completions, ≤{a.max_new_tokens} new tokens, "
+        f"greedy, {torch.get_num_threads()} threads, median of {a.repeats}"
+    )
     base = tokens["raw HF generate"] / statistics.median(times["raw HF generate"])
     for name in variants:
         tps = tokens[name] / statistics.median(times[name])

@@ -17,8 +17,12 @@ import torch
 
 from grpokit.algorithms import SamplerSupport, chunked_lm_head_logps
 
-MODES = {"full": None, "top_k 20": SamplerSupport(top_k=20), "top_p 0.8": SamplerSupport(top_p=0.8),
-         "top_k 20 + top_p 0.8": SamplerSupport(top_k=20, top_p=0.8)}
+MODES = {
+    "full": None,
+    "top_k 20": SamplerSupport(top_k=20),
+    "top_p 0.8": SamplerSupport(top_p=0.8),
+    "top_k 20 + top_p 0.8": SamplerSupport(top_k=20, top_p=0.8),
+}
 
 
 def once(hidden, weight, targets, support, chunk: int) -> float:
@@ -38,14 +42,18 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024, help="--logps_chunk_size")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--logit_std", type=float, default=6.0,
-                   help="spread of the random logits: small is flat (top-p's cut lies beyond the 512 largest "
-                        "logits and whole rows are sorted), large is peaked like a trained model's")
+    p.add_argument(
+        "--logit_std",
+        type=float,
+        default=6.0,
+        help="spread of the random logits: small is flat (top-p's cut lies beyond the 512 largest "
+        "logits and whole rows are sorted), large is peaked like a trained model's",
+    )
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(a.rows, a.hidden, generator=gen)
-    weight = torch.randn(a.vocab, a.hidden, generator=gen) * (a.logit_std * 0.9 / a.hidden ** 0.5)  # z / T
+    weight = torch.randn(a.vocab, a.hidden, generator=gen) * (a.logit_std * 0.9 / a.hidden**0.5)  # z / T
     targets = torch.randint(0, a.vocab, (a.rows,), generator=gen)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for m, s in MODES.items():  # warm-up
@@ -54,8 +62,10 @@ def main() -> None:
         for m, s in MODES.items():
             times[m].append(once(hidden, weight, targets, s, a.chunk))
     full = statistics.median(times["full"])
-    print(f"V {a.vocab}, {a.rows} rows, hidden {a.hidden}, logit std {a.logit_std}, chunk {a.chunk}, "
-          f"{a.threads} thread(s), median of {a.repeats}")
+    print(
+        f"V {a.vocab}, {a.rows} rows, hidden {a.hidden}, logit std {a.logit_std}, chunk {a.chunk}, "
+        f"{a.threads} thread(s), median of {a.repeats}"
+    )
     for m, ts in times.items():
         med = statistics.median(ts)
         print(f"  {m:22s} {med:.3f} s  ({med / full:.2f}× full)")

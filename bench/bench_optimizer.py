@@ -61,8 +61,10 @@ def main() -> None:
             opt.step()
             times[name].append(time.perf_counter() - t)
     n = sum(q.numel() for q in next(iter(variants.values())).param_groups[0]["params"])
-    print(f"model {a.model}{' LoRA' if a.lora else ''}: {n / 1e6:.2f}M trainable parameters, "
-          f"{a.repeats} steps each, {a.threads} threads")
+    print(
+        f"model {a.model}{' LoRA' if a.lora else ''}: {n / 1e6:.2f}M trainable parameters, "
+        f"{a.repeats} steps each, {a.threads} threads"
+    )
     base = statistics.median(times["per-tensor loop"])
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -32,6 +32,7 @@ def main() -> None:
         async def call(completions, **kwargs):
             await asyncio.sleep(a.seconds)
             return [value] * len(completions)
+
         return call
 
     def rule(completions, **kwargs):
@@ -48,9 +49,11 @@ def main() -> None:
             runner.compute(completions, {})
             times.append(time.perf_counter() - t0)
     median, sequential = statistics.median(times), len(funcs) * a.seconds
-    print(f"{a.async_rewards} async reward(s){' + 1 sync' if a.sync else ''}, {a.seconds:g} s each: "
-          f"median {median:.3f} s per compute, {median / sequential:.2f}x of one after the other "
-          f"({sequential:.3f} s); ideal {a.seconds / sequential:.2f}x")
+    print(
+        f"{a.async_rewards} async reward(s){' + 1 sync' if a.sync else ''}, {a.seconds:g} s each: "
+        f"median {median:.3f} s per compute, {median / sequential:.2f}x of one after the other "
+        f"({sequential:.3f} s); ideal {a.seconds / sequential:.2f}x"
+    )
 
 
 if __name__ == "__main__":

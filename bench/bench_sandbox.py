@@ -97,12 +97,16 @@ def main() -> None:
             runs["new"].append(measure(ROOT, a))
     finally:
         shutil.rmtree(old, ignore_errors=True)
-    print(f"{'sandbox':8} {'median ms':>10} {'p90 ms':>8} {f'exec/s @{a.slots}':>12} {'cpu ms/exec':>12} "
-          f"{f'assert samples/s @{a.slots}':>25} {'cpu ms/sample':>14}")
+    print(
+        f"{'sandbox':8} {'median ms':>10} {'p90 ms':>8} {f'exec/s @{a.slots}':>12} {'cpu ms/exec':>12} "
+        f"{f'assert samples/s @{a.slots}':>25} {'cpu ms/sample':>14}"
+    )
     for side, rs in runs.items():
         m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        print(f"{side:8} {m['median'] * 1e3:10.1f} {m['p90'] * 1e3:8.1f} {m['rate']:12.1f} {m['cpu_exec'] * 1e3:12.1f} "
-              f"{m['samples']:25.1f} {m['cpu_sample'] * 1e3:14.1f}")
+        print(
+            f"{side:8} {m['median'] * 1e3:10.1f} {m['p90'] * 1e3:8.1f} {m['rate']:12.1f} {m['cpu_exec'] * 1e3:12.1f} "
+            f"{m['samples']:25.1f} {m['cpu_sample'] * 1e3:14.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,15 @@ def can_pin(cores_needed: int = 2) -> bool:
 
 
 @contextlib.contextmanager
-def rollout_server(model: str, log: Path, *args: str, threads: int = 1, cores: str | None = None,
-                   env: dict | None = None, start_timeout: float = 300):
+def rollout_server(
+    model: str,
+    log: Path,
+    *args: str,
+    threads: int = 1,
+    cores: str | None = None,
+    env: dict | None = None,
+    start_timeout: float = 300,
+):
     """Yield the port of a healthy `grpokit rollout --model model args...` (OMP_NUM_THREADS ``threads``, on
     ``cores`` when given); SystemExit with the end of its log when it does not come up."""
     port = free_port()

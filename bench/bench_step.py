@@ -59,13 +59,46 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
             stamps.append(time.perf_counter())
 
     callbacks_map["bench_stamp"] = Stamp
-    args = ["--model", a.model_path, "--dataset", PROMPTS, "--reward_funcs", "accuracy",
-            "--num_generations", str(a.num_generations), "--per_device_train_batch_size", str(a.batch),
-            "--max_completion_length", str(a.max_completion_length), "--max_steps", str(a.steps),
-            "--learning_rate", str(a.lr), "--beta", "0", "--loss_type", "grpo", "--torch_dtype", "float32",
-            "--output_dir", str(out / "grpokit"), "--overwrite_output_dir", "true", "--save_steps", "100000",
-            "--save_final_model", "false",
-            "--plots", "false", "--disable_tqdm", "true", "--callbacks", "bench_stamp", "--seed", "0"]
+    args = [
+        "--model",
+        a.model_path,
+        "--dataset",
+        PROMPTS,
+        "--reward_funcs",
+        "accuracy",
+        "--num_generations",
+        str(a.num_generations),
+        "--per_device_train_batch_size",
+        str(a.batch),
+        "--max_completion_length",
+        str(a.max_completion_length),
+        "--max_steps",
+        str(a.steps),
+        "--learning_rate",
+        str(a.lr),
+        "--beta",
+        "0",
+        "--loss_type",
+        "grpo",
+        "--torch_dtype",
+        "float32",
+        "--output_dir",
+        str(out / "grpokit"),
+        "--overwrite_output_dir",
+        "true",
+        "--save_steps",
+        "100000",
+        "--save_final_model",
+        "false",
+        "--plots",
+        "false",
+        "--disable_tqdm",
+        "true",
+        "--callbacks",
+        "bench_stamp",
+        "--seed",
+        "0",
+    ]
     if a.lora:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
     if a.top_p != 1.0 or a.top_k > 0:  # given only when set: a --baseline revision may predate an option
@@ -105,19 +138,36 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
         def on_step_end(self, *args, **kwargs):
             stamps.append(time.perf_counter())
 
-    cfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=a.batch,
-                     num_generations=a.num_generations, max_completion_length=a.max_completion_length,
-                     max_steps=a.steps, learning_rate=a.lr, beta=0.0, loss_type="grpo", use_cpu=True, bf16=False,
-                     logging_steps=1, report_to=[], save_strategy="no", seed=0, temperature=1.0,
-                     gradient_accumulation_steps=1, use_vllm=False, disable_tqdm=True, top_p=a.top_p,
-                     **({"top_k": a.top_k} if a.top_k > 0 else {}))
+    cfg = GRPOConfig(
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=a.batch,
+        num_generations=a.num_generations,
+        max_completion_length=a.max_completion_length,
+        max_steps=a.steps,
+        learning_rate=a.lr,
+        beta=0.0,
+        loss_type="grpo",
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        temperature=1.0,
+        gradient_accumulation_steps=1,
+        use_vllm=False,
+        disable_tqdm=True,
+        top_p=a.top_p,
+        **({"top_k": a.top_k} if a.top_k > 0 else {}),
+    )
     peft = None
     if a.lora:
         from peft import LoraConfig
 
         peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=a.model_path, reward_funcs=[accuracy], args=cfg, train_dataset=ds,
-                          peft_config=peft, callbacks=[Stamp()])
+    trainer = GRPOTrainer(
+        model=a.model_path, reward_funcs=[accuracy], args=cfg, train_dataset=ds, peft_config=peft, callbacks=[Stamp()]
+    )
     trainer.train()
     return {"step_s": [b - a_ for a_, b in zip(stamps, stamps[1:])]}
 
@@ -204,8 +254,17 @@ def main() -> None:
     results: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     for _ in range(a.rounds):
         for fw in frameworks:
-            cmd = [sys.executable, __file__, "--framework", fw, "--workdir", str(work), "--model_path",
-                   a.model_path, *sys.argv[1:]]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--framework",
+                fw,
+                "--workdir",
+                str(work),
+                "--model_path",
+                a.model_path,
+                *sys.argv[1:],
+            ]
             subprocess.run(cmd, check=True, env=envs[fw])
             results[fw].append(json.loads((work / f"{fw}.json").read_text()))
     report(a, results)
@@ -223,9 +282,11 @@ def checkout(rev: str, work: Path) -> str:
 
 
 def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
-    print(f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
-          f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps × "
-          f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads")
+    print(
+        f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
+        f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps × "
+        f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads"
+    )
     med, per_round, rss = {}, {}, {}
     for fw, runs in results.items():
         steps = [s for r in runs for s in (r["step_s"][1:] or r["step_s"])]
@@ -242,27 +303,41 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             print(f"           split (medians per step): {parts} ({100 * split['other'] / med[fw]:.1f}% other)")
             # pipeline overhead: the step outside the decode loop and the train phase (forward, backward,
             # optimizer); one rollout per step at these settings, so steps and decode calls pair up
-            outside = [step - g - s["train"] for r in runs
-                       for step, g, s in zip(r["step_s"][1:], r["generate_s"][1:], r["split"][1:])]
-            print(f"           outside the decode loop and the train phase: {statistics.median(outside):.4f} s/step "
-                  f"({100 * statistics.median(outside) / med[fw]:.1f}% of the step)")
+            outside = [
+                step - g - s["train"]
+                for r in runs
+                for step, g, s in zip(r["step_s"][1:], r["generate_s"][1:], r["split"][1:])
+            ]
+            print(
+                f"           outside the decode loop and the train phase: {statistics.median(outside):.4f} s/step "
+                f"({100 * statistics.median(outside) / med[fw]:.1f}% of the step)"
+            )
             # the same, with the engine's request handling (prompt encoding, building the sampling weights,
             # decoding the text) counted as generation: the trainer's own pipeline around the engine
-            around = [step - e - s["train"] for r in runs
-                      for step, e, s in zip(r["step_s"][1:], r["engine_s"][1:], r["split"][1:])]
-            print(f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
-                  f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)")
+            around = [
+                step - e - s["train"]
+                for r in runs
+                for step, e, s in zip(r["step_s"][1:], r["engine_s"][1:], r["split"][1:])
+            ]
+            print(
+                f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
+                f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)"
+            )
     base = f"grpokit@{a.baseline}"
     if "grpokit" in med and base in med:
         ratios = [g / b for g, b in zip(per_round["grpokit"], per_round[base])]
         spread = f" (rounds: {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""
-        print(f"  ratio grpokit/{base}: time {med['grpokit'] / med[base]:.3f}×{spread}, memory "
-              f"{rss['grpokit'] / rss[base]:.2f}×")
+        print(
+            f"  ratio grpokit/{base}: time {med['grpokit'] / med[base]:.3f}×{spread}, memory "
+            f"{rss['grpokit'] / rss[base]:.2f}×"
+        )
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
-        print(f"  ratio grpokit/trl: time {med['grpokit'] / med['trl']:.2f}×{spread}, memory "
-              f"{rss['grpokit'] / rss['trl']:.2f}×")
+        print(
+            f"  ratio grpokit/trl: time {med['grpokit'] / med['trl']:.2f}×{spread}, memory "
+            f"{rss['grpokit'] / rss['trl']:.2f}×"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results, "median_s": med}, indent=2))
 

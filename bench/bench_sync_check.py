@@ -40,8 +40,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_server import rollout_server
 
-    with rollout_server(str(model_dir), tmp / "server.log", "--torch_dtype", "float32", "--engine",
-                        "transformers") as port:
+    with rollout_server(
+        str(model_dir), tmp / "server.log", "--torch_dtype", "float32", "--engine", "transformers"
+    ) as port:
         client = RolloutClient(base_urls=[f"http://127.0.0.1:{port}"], timeout=120, bucket_mb=a.bucket_mb)
         model = load_causal_lm(str(model_dir), torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
@@ -59,11 +60,15 @@ def main() -> None:
             probe.append(time.perf_counter() - t0)
         client.close()
     med = statistics.median
-    print(f"model: {n_params / 1e6:.2f}M parameters ({a.layers} layers, hidden {a.hidden}), float32, "
-          f"{report.checked} tensors checked; medians of {a.repeats}")
-    print(f"sync {med(plain):.3f}s | checked sync {med(checked):.3f}s (checksums + /check_weights/: "
-          f"+{med(checked) - med(plain):.3f}s) | probe {med(probe):.3f}s | check in all "
-          f"+{med(checked) - med(plain) + med(probe):.3f}s per sync")
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters ({a.layers} layers, hidden {a.hidden}), float32, "
+        f"{report.checked} tensors checked; medians of {a.repeats}"
+    )
+    print(
+        f"sync {med(plain):.3f}s | checked sync {med(checked):.3f}s (checksums + /check_weights/: "
+        f"+{med(checked) - med(plain):.3f}s) | probe {med(probe):.3f}s | check in all "
+        f"+{med(checked) - med(plain) + med(probe):.3f}s per sync"
+    )
 
 
 if __name__ == "__main__":

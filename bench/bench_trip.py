@@ -31,7 +31,7 @@ def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
         if event == "call":
             code = frame.f_code
             if code.co_filename.startswith(root):
-                rel = code.co_filename[len(root) + 1:]
+                rel = code.co_filename[len(root) + 1 :]
                 files.add(rel)
                 funcs.add((rel, getattr(code, "co_qualname", code.co_name)))
 
@@ -44,12 +44,44 @@ def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
 
     callbacks_map["bench_trip"] = Trip
     model = build_tiny_model(workdir / "tiny")
-    run_train(parse_train_args([
-        "--model", str(model), "--dataset", "builtin:arithmetic#16", "--reward_funcs", "accuracy",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--max_steps", "1", "--beta", "0", "--torch_dtype", "float32", "--output_dir", str(workdir / "out"),
-        "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true", "--callbacks", "bench_trip",
-        "--logging_steps", "1", "--seed", "0"]))
+    run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(model),
+                "--dataset",
+                "builtin:arithmetic#16",
+                "--reward_funcs",
+                "accuracy",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "8",
+                "--max_steps",
+                "1",
+                "--beta",
+                "0",
+                "--torch_dtype",
+                "float32",
+                "--output_dir",
+                str(workdir / "out"),
+                "--save_final_model",
+                "false",
+                "--plots",
+                "false",
+                "--disable_tqdm",
+                "true",
+                "--callbacks",
+                "bench_trip",
+                "--logging_steps",
+                "1",
+                "--seed",
+                "0",
+            ]
+        )
+    )
     sys.setprofile(None)
     return files, funcs
 

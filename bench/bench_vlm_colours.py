@@ -28,15 +28,17 @@ class _Stop(Exception):
 def held_out_accuracy(trainer, rows) -> float:
     from grpokit.protocol import RequestConfig, RolloutInferRequest
 
-    config = RequestConfig(n=1, max_tokens=4, temperature=0.0,
-                           structured_outputs_regex=trainer.cfg.rollout.structured_outputs_regex)
+    config = RequestConfig(
+        n=1, max_tokens=4, temperature=0.0, structured_outputs_regex=trainer.cfg.rollout.structured_outputs_regex
+    )
     requests = [RolloutInferRequest(messages=r["messages"], data_dict={"images": r["images"]}) for r in rows]
     answers = [resp.choices[0].message["content"].strip() for resp in trainer.engine.infer(requests, config)]
     return sum(a == r["solution"] for a, r in zip(answers, rows)) / len(rows)
 
 
-def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes: float, steps: int,
-             zero_aligner: bool = True) -> dict:
+def run_seed(
+    seed: int, family: str, eval_every: int, target: float, max_minutes: float, steps: int, zero_aligner: bool = True
+) -> dict:
     from grpokit.config.parse import parse_train_args
     from grpokit.data.builtin import colours
     from grpokit.pipeline.train import run_train
@@ -51,8 +53,12 @@ def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes
     class Evaluated(GRPOTrainer):
         def _evaluate_now(self) -> None:
             acc = held_out_accuracy(self, rows)
-            point = {"seed": seed, "step": self.state.global_step, "seconds": round(time.perf_counter() - start, 1),
-                     "accuracy": round(acc, 3)}
+            point = {
+                "seed": seed,
+                "step": self.state.global_step,
+                "seconds": round(time.perf_counter() - start, 1),
+                "accuracy": round(acc, 3),
+            }
             curve.append(point)
             print(json.dumps(point), flush=True)
             if acc >= target or time.perf_counter() - start > 60 * max_minutes:
@@ -73,16 +79,38 @@ def run_seed(seed: int, family: str, eval_every: int, target: float, max_minutes
         saved = dict(TrainerFactory.TRAINER_MAPPING)
         TrainerFactory.TRAINER_MAPPING["grpo"] = Evaluated
         try:
-            run_train(parse_train_args(["--config", str(EXAMPLE), "--model", str(model), "--seed", str(seed),
-                                        "--output_dir", str(Path(tmp) / "out"), "--max_steps", str(steps),
-                                        "--disable_tqdm", "true"]))
+            run_train(
+                parse_train_args(
+                    [
+                        "--config",
+                        str(EXAMPLE),
+                        "--model",
+                        str(model),
+                        "--seed",
+                        str(seed),
+                        "--output_dir",
+                        str(Path(tmp) / "out"),
+                        "--max_steps",
+                        str(steps),
+                        "--disable_tqdm",
+                        "true",
+                    ]
+                )
+            )
         except _Stop:
             pass
         finally:
             TrainerFactory.TRAINER_MAPPING.clear()
             TrainerFactory.TRAINER_MAPPING.update(saved)
-    return {"seed": seed, "family": family, "start": curve[0]["accuracy"], "best": max(p["accuracy"] for p in curve),
-            "seconds": curve[-1]["seconds"], "steps": curve[-1]["step"], "curve": curve}
+    return {
+        "seed": seed,
+        "family": family,
+        "start": curve[0]["accuracy"],
+        "best": max(p["accuracy"] for p in curve),
+        "seconds": curve[-1]["seconds"],
+        "steps": curve[-1]["step"],
+        "curve": curve,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--max_minutes", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--random_aligner", action="store_true",
-                   help="build the model without --zero_aligner (random weights may tell colours apart untrained)")
+    p.add_argument(
+        "--random_aligner",
+        action="store_true",
+        help="build the model without --zero_aligner (random weights may tell colours apart untrained)",
+    )
     a = p.parse_args(argv)
     for seed in a.seeds:
         summary = run_seed(seed, a.family, a.eval_every, a.target, a.max_minutes, a.steps, not a.random_aligner)

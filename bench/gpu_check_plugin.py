@@ -73,10 +73,20 @@ def build_model(out: str, tiny: bool) -> None:
 
     tokenizer = build_tiny_tokenizer()
     hidden, layers, heads, kv, head_dim, inter = (64, 2, 4, 2, 32, 128) if tiny else (1024, 28, 16, 8, 128, 3072)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                         head_dim=head_dim, max_position_embeddings=1024, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -110,9 +120,11 @@ def report(out: Path, name: str, wall: str) -> bool:
             problems.append("the weights never moved between syncs")
     peak = "n/a (no CUDA)" if None in peaks or not peaks else f"{[round(p, 2) for p in peaks]} GiB"
     status = "FAIL" if problems else "PASS"
-    print(f"RESULT {name} {status}: {len(steps)} steps, {step_s:.2f} s/step (after the first), peak torch GPU "
-          f"memory per rank {peak}, {wall} s with start-up; grad_norm {[r.get('grad_norm') for r in steps]}"
-          f"{extra}{'; ' + '; '.join(problems) if problems else ''}")
+    print(
+        f"RESULT {name} {status}: {len(steps)} steps, {step_s:.2f} s/step (after the first), peak torch GPU "
+        f"memory per rank {peak}, {wall} s with start-up; grad_norm {[r.get('grad_norm') for r in steps]}"
+        f"{extra}{'; ' + '; '.join(problems) if problems else ''}"
+    )
     return not problems
 
 

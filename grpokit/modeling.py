@@ -29,8 +29,10 @@ def cpu_has_fast_bf16() -> bool:
     forced = os.environ.get("GRPOKIT_CPU_BF16", "")
     if forced:
         if forced not in ("0", "1"):
-            raise ConfigError(f"GRPOKIT_CPU_BF16={forced!r}: use 1 (bf16 for --torch_dtype auto on a CPU) or 0 "
-                              "(float32), or leave it unset to detect the CPU's bf16 instructions")
+            raise ConfigError(
+                f"GRPOKIT_CPU_BF16={forced!r}: use 1 (bf16 for --torch_dtype auto on a CPU) or 0 "
+                "(float32), or leave it unset to detect the CPU's bf16 instructions"
+            )
         return forced == "1"
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -63,16 +65,20 @@ def _first_line(exc: BaseException) -> str:
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES) and not trust_remote_code:
-        raise ConfigError(f"--model {path}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                          "copy the tokenizer files that came with the model into it")
+        raise ConfigError(
+            f"--model {path}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "copy the tokenizer files that came with the model into it"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, padding_side="left")
     except Exception as e:  # noqa: BLE001 - a broken tokenizer file raises anything from json to the Rust side
         what = "config.json" if folder.is_dir() and not _opens_as_json(folder / "config.json") else "a tokenizer"
         raise ConfigError(f"--model {path}: cannot load {what} ({_first_line(e)})") from e
     if len(tok) < 2:
-        raise ConfigError(f"--model {path}: the tokenizer loaded from the folder is empty ({len(tok)} tokens); "
-                          f"check its tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        raise ConfigError(
+            f"--model {path}: the tokenizer loaded from the folder is empty ({len(tok)} tokens); "
+            f"check its tokenizer files ({', '.join(TOKENIZER_FILES)})"
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -86,8 +92,10 @@ def attn_implementation(attn_impl: str | None) -> str | None:
 
 def load_causal_lm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str | None = None):
     if not Path(path).exists():
-        raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders; this machine "
-                          "may have no hub access)")
+        raise ConfigError(
+            f"model {path}: no such folder (grpokit loads local Hugging Face folders; this machine "
+            "may have no hub access)"
+        )
     kwargs = {"attn_implementation": attn_implementation(attn_impl)} if attn_impl else {}
     warn_if_not_causal_lm(path)
     try:
@@ -131,7 +139,11 @@ def warn_if_not_causal_lm(path: str) -> bool:
         return False  # the loader reports a missing or broken config itself
     if not archs or any(str(a).endswith(_CAUSAL_HEADS) for a in archs):
         return False
-    logger.warning("model %s: its config names %s, not a causal language model (…ForCausalLM); it loads as "
-                   "one with a newly initialised output head, so it starts from random next-token predictions. "
-                   "Pass the base or instruct checkpoint instead", path, ", ".join(map(str, archs)))
+    logger.warning(
+        "model %s: its config names %s, not a causal language model (…ForCausalLM); it loads as "
+        "one with a newly initialised output head, so it starts from random next-token predictions. "
+        "Pass the base or instruct checkpoint instead",
+        path,
+        ", ".join(map(str, archs)),
+    )
     return True

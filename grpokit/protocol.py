@@ -55,8 +55,9 @@ def check_utf8(value: Any, where: str, depth: int = 0) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{where}: character {e.start} is a lone UTF-16 surrogate ({value[e.start]!a}); send "
-                             "valid Unicode text") from None
+            raise ValueError(
+                f"{where}: character {e.start} is a lone UTF-16 surrogate ({value[e.start]!a}); send valid Unicode text"
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             check_utf8(k, where, depth + 1)
@@ -77,28 +78,34 @@ class RequestConfig(BaseModel):
 
     n: int = Field(1, ge=1, le=MAX_N, description="completions per request")
     max_tokens: int = Field(256, ge=1, le=MAX_TOKENS, description="new tokens per completion (per turn)")
-    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
-                               description=f"0 means greedy; otherwise at least {MIN_TEMPERATURE}")
+    temperature: float = Field(
+        1.0, ge=0.0, le=MAX_TEMPERATURE, description=f"0 means greedy; otherwise at least {MIN_TEMPERATURE}"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="-1 or 0 disables top-k")
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
-                                   description="stop strings (not included in the output)")
+    stop: list[StopString] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS, description="stop strings (not included in the output)"
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: bool = Field(False, description="return the sampled tokens' (processed) logprobs")
-    structured_outputs_regex: Text | None = Field(None, max_length=MAX_REGEX_CHARS,
-                                                  description="completion must match this regex")
+    structured_outputs_regex: Text | None = Field(
+        None, max_length=MAX_REGEX_CHARS, description="completion must match this regex"
+    )
     structured_outputs_json: dict[str, Any] | Text | None = Field(
-        None, description="completion must be JSON valid against this schema: a JSON object, or its JSON text "
-                          "(a file path is read only from grpokit train's --structured_outputs_json)"
+        None,
+        description="completion must be JSON valid against this schema: a JSON object, or its JSON text "
+        "(a file path is read only from grpokit train's --structured_outputs_json)",
     )
 
     @field_validator("temperature")
     @classmethod
     def _check_temperature(cls, t: float) -> float:
         if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature {t:g} must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller values "
-                             "overflow the scaled logits)")
+            raise ValueError(
+                f"temperature {t:g} must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller values "
+                "overflow the scaled logits)"
+            )
         return t
 
     @field_validator("structured_outputs_json")
@@ -110,9 +117,11 @@ class RequestConfig(BaseModel):
         if len(text) > MAX_SCHEMA_CHARS:
             raise ValueError(f"structured_outputs_json has {len(text)} characters, more than {MAX_SCHEMA_CHARS}")
         if isinstance(schema, str) and not schema.lstrip().startswith("{"):
-            raise ValueError("structured_outputs_json must be a JSON schema given as a JSON object or as JSON text "
-                             "starting with '{' (file paths are read only from grpokit train's "
-                             "--structured_outputs_json)")
+            raise ValueError(
+                "structured_outputs_json must be a JSON schema given as a JSON object or as JSON text "
+                "starting with '{' (file paths are read only from grpokit train's "
+                "--structured_outputs_json)"
+            )
         check_utf8(schema, "structured_outputs_json")
         return schema
 
@@ -128,8 +137,10 @@ def _content_text(content: Any, where: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
                 got = f"type {kind!r}" if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}[{k}]: only text parts {{'type': 'text', 'text': str}} are supported "
-                                 f"(this server serves a text-only chat template), got {got}")
+                raise ValueError(
+                    f"{where}[{k}]: only text parts {{'type': 'text', 'text': str}} are supported "
+                    f"(this server serves a text-only chat template), got {got}"
+                )
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"{where} must be a string or a list of text parts, got {_type_name(content)}")
@@ -160,12 +171,30 @@ def check_message(m: Any, i: int) -> dict[str, Any]:
 
 
 _MESSAGES_SCHEMA = {
-    "type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
-    "items": {"type": "object", "required": ["role", "content"], "additionalProperties": True, "properties": {
-        "role": {"type": "string", "minLength": 1, "maxLength": MAX_ROLE_CHARS},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}},
+    "type": "array",
+    "minItems": 1,
+    "maxItems": MAX_MESSAGES,
+    "items": {
+        "type": "object",
+        "required": ["role", "content"],
+        "additionalProperties": True,
+        "properties": {
+            "role": {"type": "string", "minLength": 1, "maxLength": MAX_ROLE_CHARS},
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "text"],
+                            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                        },
+                    },
+                ]
+            },
+        },
+    },
 }
 
 

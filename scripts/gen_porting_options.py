@@ -24,12 +24,18 @@ END = "<!-- END options -->"
 
 # ms-swift names that other changes implement (their fields arrive with them); shown as implemented
 ELSEWHERE = {
-    "columns": "column renames (docs/datasets.md)", "dataset_num_proc": "dataset preprocessing processes",
-    "load_from_cache_file": "dataset preprocessing cache", "truncation_strategy": "what --max_length does to a "
-    "long prompt", "enable_thinking": "chat-template switch", "agent_template": "tools rendered into the prompt",
-    "vllm_server_pass_dataset": "dataset columns sent to the rollout server", "padding_free": "packed training rows",
-    "offload_model": "training model moved to CPU while rolling out", "offload_optimizer": "optimizer state moved "
-    "to CPU while rolling out", "freeze_vit": "vision tower frozen", "freeze_aligner": "aligner frozen",
+    "columns": "column renames (docs/datasets.md)",
+    "dataset_num_proc": "dataset preprocessing processes",
+    "load_from_cache_file": "dataset preprocessing cache",
+    "truncation_strategy": "what --max_length does to a long prompt",
+    "enable_thinking": "chat-template switch",
+    "agent_template": "tools rendered into the prompt",
+    "vllm_server_pass_dataset": "dataset columns sent to the rollout server",
+    "padding_free": "packed training rows",
+    "offload_model": "training model moved to CPU while rolling out",
+    "offload_optimizer": "optimizer state moved to CPU while rolling out",
+    "freeze_vit": "vision tower frozen",
+    "freeze_aligner": "aligner frozen",
     "freeze_llm": "language model frozen",
 }
 
@@ -55,12 +61,24 @@ def _cell(text: str) -> str:
 
 def render(path: Path = TSV) -> str:
     swift, fields = ms_swift_options(path), _fields()
-    lines = ["#### Defaults that differ", "", "An ms-swift script that relies on one of these defaults behaves "
-             "differently here unless it passes ms-swift's value explicitly:", ""]
+    lines = [
+        "#### Defaults that differ",
+        "",
+        "An ms-swift script that relies on one of these defaults behaves "
+        "differently here unless it passes ms-swift's value explicitly:",
+        "",
+    ]
     for name in sorted(DEVIATIONS.keys() - SAME_ONCE_RESOLVED):
         lines.append(f"- `--{name}` {DEVIATIONS[name]}")
-    lines += ["", "#### Implemented", "", "ms-swift's meaning; a default that differs from ms-swift's is explained.",
-              "", "| option | ms-swift default | grpokit default | note |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "#### Implemented",
+        "",
+        "ms-swift's meaning; a default that differs from ms-swift's is explained.",
+        "",
+        "| option | ms-swift default | grpokit default | note |",
+        "|---|---|---|---|",
+    ]
     for name in sorted(n for n in swift if n in fields or n in ELSEWHERE):
         f = fields.get(name)
         ours = _default(f) if f else "(with its change)"

@@ -53,7 +53,8 @@ def _absolute_import_paths() -> None:
     sys.path[:] = [os.path.abspath(p) if not os.path.isabs(p) else p for p in sys.path]
     if os.environ.get("PYTHONPATH"):
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            os.path.abspath(p) if p and not os.path.isabs(p) else p for p in os.environ["PYTHONPATH"].split(os.pathsep))
+            os.path.abspath(p) if p and not os.path.isabs(p) else p for p in os.environ["PYTHONPATH"].split(os.pathsep)
+        )
 
 
 def pytest_configure(config) -> None:
@@ -64,10 +65,15 @@ def pytest_configure(config) -> None:
         if not threads.isdigit() or int(threads) < 1:
             raise pytest.UsageError(f"{THREADS_ENV}={threads!r}: give a positive number of torch threads")
         torch.set_num_threads(int(threads))  # before collection: module imports and module fixtures see it too
-    BASELINE.update(threads=torch.get_num_threads(), dtype=torch.get_default_dtype(),
-                    deterministic=(torch.are_deterministic_algorithms_enabled(),
-                                   torch.is_deterministic_algorithms_warn_only_enabled()),
-                    matmul=torch.get_float32_matmul_precision())
+    BASELINE.update(
+        threads=torch.get_num_threads(),
+        dtype=torch.get_default_dtype(),
+        deterministic=(
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        matmul=torch.get_float32_matmul_precision(),
+    )
 
 
 def _dtype_auto_line() -> str:
@@ -99,8 +105,11 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def _unexpected_skips(config) -> list[tuple[str, str]]:
-    return [(node, reason) for node, reason in config.stash.get(_SKIPS, [])
-            if not any(allowed in reason for allowed in ALLOWED_SKIPS)]
+    return [
+        (node, reason)
+        for node, reason in config.stash.get(_SKIPS, [])
+        if not any(allowed in reason for allowed in ALLOWED_SKIPS)
+    ]
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -117,14 +126,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     unexpected = [] if hasattr(config, "workerinput") else _unexpected_skips(config)
     if unexpected:
         verdict = "listed only" if os.environ.get(ALLOW_SKIPS_ENV) == "1" else "these fail the run"
-        terminalreporter.write_line(f"grpokit: {len(unexpected)} skipped for a reason not in tests/conftest.py's "
-                                    f"ALLOWED_SKIPS ({verdict}; {ALLOW_SKIPS_ENV}=1 lists them only):", red=True)
+        terminalreporter.write_line(
+            f"grpokit: {len(unexpected)} skipped for a reason not in tests/conftest.py's "
+            f"ALLOWED_SKIPS ({verdict}; {ALLOW_SKIPS_ENV}=1 lists them only):",
+            red=True,
+        )
         for node, reason in unexpected:
             terminalreporter.write_line(f"  {node}: {reason}")
     seed = getattr(config.option, "randomly_seed", None) if config.pluginmanager.hasplugin("randomly") else None
     order = f"random order, -p randomly --randomly-seed={seed}" if seed is not None else "file order"
-    terminalreporter.write_line(f"grpokit: torch threads {torch.get_num_threads()} ({THREADS_ENV}="
-                                f"{os.environ.get(THREADS_ENV, 'unset')}), {_dtype_auto_line()}, {order}")
+    terminalreporter.write_line(
+        f"grpokit: torch threads {torch.get_num_threads()} ({THREADS_ENV}="
+        f"{os.environ.get(THREADS_ENV, 'unset')}), {_dtype_auto_line()}, {order}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,6 +288,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture
 def math_jsonl(tmp_path) -> Path:
-    rows = [{"query": f"What is {a} + {b}? Answer with just the number.", "solution": str(a + b)}
-            for a in range(1, 5) for b in range(1, 5)]
+    rows = [
+        {"query": f"What is {a} + {b}? Answer with just the number.", "solution": str(a + b)}
+        for a in range(1, 5)
+        for b in range(1, 5)
+    ]
     return write_jsonl(tmp_path / "math.jsonl", rows)

@@ -68,11 +68,36 @@ def main() -> None:
     model = args.model or str(build_tiny_model(work / "model"))
     rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = parse_train_args([
-        "--model", model, "--dataset", str(work / "data.jsonl"), "--output_dir", str(work / "out"),
-        "--multi_turn_scheduler", "answer_tag", "--max_turns", "2", "--reward_funcs", "accuracy",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "32",
-        "--max_steps", args.max_steps, "--beta", "0", "--plots", "false", "--save_final_model", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            model,
+            "--dataset",
+            str(work / "data.jsonl"),
+            "--output_dir",
+            str(work / "out"),
+            "--multi_turn_scheduler",
+            "answer_tag",
+            "--max_turns",
+            "2",
+            "--reward_funcs",
+            "accuracy",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "32",
+            "--max_steps",
+            args.max_steps,
+            "--beta",
+            "0",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+        ]
+    )
     run_train(cfg)
 
 

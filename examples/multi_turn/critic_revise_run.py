@@ -31,29 +31,41 @@ class CriticReviseScheduler(MultiTurnScheduler):
         messages = [dict(m) for m in infer_request.messages]  # never edit the prompt the trainer encodes
         traj = Trajectory()
 
-        first = await self.infer_engine.infer_async(infer_request.model_copy(update={"messages": messages}),
-                                                    request_config)
+        first = await self.infer_engine.infer_async(
+            infer_request.model_copy(update={"messages": messages}), request_config
+        )
         answer = first.choices[0]
         messages.append({"role": "assistant", "content": answer.message["content"]})
         traj.add_turn(answer.token_ids, [1] * len(answer.token_ids), choice_logprobs(answer), continuation=False)
 
         question = next(m["content"] for m in reversed(infer_request.messages) if m["role"] == "user")
-        critic = RolloutInferRequest(messages=[{"role": "user", "content": self.critic_prompt.format(
-            question=question, answer=answer.message["content"])}])
+        critic = RolloutInferRequest(
+            messages=[
+                {
+                    "role": "user",
+                    "content": self.critic_prompt.format(question=question, answer=answer.message["content"]),
+                }
+            ]
+        )
         critique = (await self.infer_engine.infer_async(critic, request_config)).choices[0].message["content"]
 
         messages.append({"role": "user", "content": self.revise_prompt.format(critique=critique.strip())})
-        final = await self.infer_engine.infer_async(infer_request.model_copy(update={"messages": messages}),
-                                                    request_config)
+        final = await self.infer_engine.infer_async(
+            infer_request.model_copy(update={"messages": messages}), request_config
+        )
         revised = final.choices[0]
         messages.append({"role": "assistant", "content": revised.message["content"]})
-        traj.add_turn(revised.token_ids, [1] * len(revised.token_ids), choice_logprobs(revised),
-                      continuation=False)
+        traj.add_turn(revised.token_ids, [1] * len(revised.token_ids), choice_logprobs(revised), continuation=False)
 
         logprobs, _dropped = traj.checked_logprobs()
-        return RolloutOutput(response=final, messages=messages, response_token_ids=traj.token_ids,
-                             response_loss_mask=traj.loss_mask, rollout_logprobs=logprobs,
-                             rollout_infos={"num_turns": 2, "critique": critique})
+        return RolloutOutput(
+            response=final,
+            messages=messages,
+            response_token_ids=traj.token_ids,
+            response_loss_mask=traj.loss_mask,
+            rollout_logprobs=logprobs,
+            rollout_infos={"num_turns": 2, "critique": critique},
+        )
 
 
 multi_turns["critic_revise"] = CriticReviseScheduler
@@ -78,11 +90,34 @@ def main() -> None:
     model = args.model or str(build_tiny_model(work / "model"))
     rows = [{"query": f"What is {a} * {b}?", "solution": str(a * b)} for a in range(2, 6) for b in range(2, 6)]
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = parse_train_args([
-        "--model", model, "--dataset", str(work / "data.jsonl"), "--output_dir", str(work / "out"),
-        "--multi_turn_scheduler", "critic_revise", "--reward_funcs", "accuracy",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "32",
-        "--max_steps", args.max_steps, "--beta", "0", "--plots", "false", "--save_final_model", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            model,
+            "--dataset",
+            str(work / "data.jsonl"),
+            "--output_dir",
+            str(work / "out"),
+            "--multi_turn_scheduler",
+            "critic_revise",
+            "--reward_funcs",
+            "accuracy",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "32",
+            "--max_steps",
+            args.max_steps,
+            "--beta",
+            "0",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+        ]
+    )
     run_train(cfg)
 
 

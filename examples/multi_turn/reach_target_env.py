@@ -26,8 +26,10 @@ class ReachTargetEnv(Env):
     async def reset(self, config):
         self.target = int(self.env_config.get("target", 6))
         self.total = 0
-        rules = (f"We start at 0 and must reach exactly {self.target}. Each turn, reply with 1, 2 or 3 "
-                 "to add it to the total.")
+        rules = (
+            f"We start at 0 and must reach exactly {self.target}. Each turn, reply with 1, 2 or 3 "
+            "to add it to the total."
+        )
         return rules, {"target": self.target}, ""  # the observation replaces the row's prompt (as in ms-swift)
 
     async def step(self, action):
@@ -62,15 +64,46 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="grpokit_reach_target_"))
     model = args.model or str(build_tiny_model(work / "model"))
-    rows = [{"messages": [{"role": "user", "content": "Let's play a counting game."}],
-             "env_config": {"name": "reach_target", "target": t}} for t in range(4, 12)]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": "Let's play a counting game."}],
+            "env_config": {"name": "reach_target", "target": t},
+        }
+        for t in range(4, 12)
+    ]
     (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = parse_train_args([
-        "--model", model, "--dataset", str(work / "data.jsonl"), "--output_dir", str(work / "out"),
-        "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "6",
-        "--reward_funcs", "format", "--reward_weights", "0.1",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "16",
-        "--max_steps", args.max_steps, "--beta", "0", "--plots", "false", "--save_final_model", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            model,
+            "--dataset",
+            str(work / "data.jsonl"),
+            "--output_dir",
+            str(work / "out"),
+            "--multi_turn_scheduler",
+            "gym_scheduler",
+            "--max_turns",
+            "6",
+            "--reward_funcs",
+            "format",
+            "--reward_weights",
+            "0.1",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "16",
+            "--max_steps",
+            args.max_steps,
+            "--beta",
+            "0",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+        ]
+    )
     run_train(cfg)
 
 

@@ -20,8 +20,12 @@ from fractions import Fraction
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _RESULT_RE = re.compile(r"(.*?)=\s*-?\d+\s*", re.DOTALL)  # "expression = 18"
 MAX_EQUATION_CHARS = 200  # longer "equations" are not answers; also bounds the size of what is evaluated
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,13 @@ def check(reply: str, nums: Iterable[int], target: int) -> Verdict:
     uses = sorted(used) == nums
     shown = f"{value.numerator}/{value.denominator}" if value.denominator != 1 else str(value.numerator)
     if not uses:
-        return Verdict(equation, value, False, False,
-                       f"the answer uses {sorted(used)}, but the numbers are {nums}, each exactly once")
+        return Verdict(
+            equation,
+            value,
+            False,
+            False,
+            f"the answer uses {sorted(used)}, but the numbers are {nums}, each exactly once",
+        )
     if value != target:
         return Verdict(equation, value, True, False, f"{equation} = {shown}, not {target}")
     return Verdict(equation, value, True, True, "correct")

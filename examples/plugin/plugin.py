@@ -64,8 +64,7 @@ class CountdownORM(ORM):
         super().__init__(args)
         self.last_metrics: dict[str, float] = {}
 
-    def __call__(self, completions: list[str], target: list[int], nums: list[list[int]],
-                 **kwargs: Any) -> list[float]:
+    def __call__(self, completions: list[str], target: list[int], nums: list[list[int]], **kwargs: Any) -> list[float]:
         verdicts = [check(c, n, t) for c, n, t in zip(completions, nums, target, strict=True)]
         self.last_metrics = {
             "has_answer": _mean([float(v.equation is not None) for v in verdicts]),
@@ -95,8 +94,9 @@ class CountdownJudge(AsyncORM):
             return 0.0
         return max(0.0, 1.0 - float(abs(verdict.value - int(target))) / max(abs(int(target)), 1))
 
-    async def __call__(self, completions: list[str], target: list[int], nums: list[list[int]],
-                       **kwargs: Any) -> list[float]:
+    async def __call__(
+        self, completions: list[str], target: list[int], nums: list[list[int]], **kwargs: Any
+    ) -> list[float]:
         gate = asyncio.Semaphore(self.max_concurrency)
         in_flight, peak = 0, 0
 
@@ -124,8 +124,10 @@ orms["countdown_judge"] = CountdownJudge
 # ------------------------------------------------------------------------------------------------------------
 def _problem(data: dict[str, Any], who: str) -> tuple[list[int], int]:
     if "nums" not in data or "target" not in data:
-        raise RolloutError(f"{who} needs the dataset columns nums and target (e.g. --dataset builtin:countdown); "
-                           f"the row has {', '.join(sorted(data)) or 'no columns'}")
+        raise RolloutError(
+            f"{who} needs the dataset columns nums and target (e.g. --dataset builtin:countdown); "
+            f"the row has {', '.join(sorted(data)) or 'no columns'}"
+        )
     return [int(n) for n in data["nums"]], int(data["target"])
 
 
@@ -213,11 +215,11 @@ class Lion(torch.optim.Optimizer):
     decoupled weight decay. Every element moves by exactly ``lr`` (or 0), so Lion wants a learning rate 3-10×
     smaller than AdamW's. ``steps_taken`` counts real steps (accelerate skips the accumulation micro-steps)."""
 
-    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0
+    ) -> None:
         if lr <= 0 or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0:
-            raise ValueError(f"Lion: need lr > 0, 0 <= betas < 1, weight_decay >= 0; got {lr}, {betas}, "
-                             f"{weight_decay}")
+            raise ValueError(f"Lion: need lr > 0, 0 <= betas < 1, weight_decay >= 0; got {lr}, {betas}, {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
         self.steps_taken = 0
 

@@ -75,22 +75,36 @@ class ChatBody(BaseModel):
 def check_body(body: ChatBody) -> None:
     """What the field types cannot say; ChatError (400) naming the field and the fix."""
     if body.stream:
-        raise ChatError(400, "stream true: streaming is not supported by grpokit's endpoint; send stream false (or "
-                             "leave it out)")
+        raise ChatError(
+            400, "stream true: streaming is not supported by grpokit's endpoint; send stream false (or leave it out)"
+        )
     if body.top_logprobs:
-        raise ChatError(400, f"top_logprobs {body.top_logprobs}: only the sampled tokens' logprobs are returned; "
-                             "send top_logprobs 0 (or leave it out) with logprobs true")
+        raise ChatError(
+            400,
+            f"top_logprobs {body.top_logprobs}: only the sampled tokens' logprobs are returned; "
+            "send top_logprobs 0 (or leave it out) with logprobs true",
+        )
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(body, name):
-            raise ChatError(400, f"{name} {getattr(body, name):g}: not supported (the trainer's logprobs assume the "
-                                 "plain sampling distribution); send 0 or leave it out")
+            raise ChatError(
+                400,
+                f"{name} {getattr(body, name):g}: not supported (the trainer's logprobs assume the "
+                "plain sampling distribution); send 0 or leave it out",
+            )
     if body.store:
-        raise ChatError(400, "store true: grpokit's endpoint stores no completions for later retrieval; send false "
-                             "or leave it out")
-    if body.max_tokens is not None and body.max_completion_tokens is not None \
-            and body.max_tokens != body.max_completion_tokens:
-        raise ChatError(400, f"max_tokens {body.max_tokens} and max_completion_tokens {body.max_completion_tokens} "
-                             "differ; send one of them")
+        raise ChatError(
+            400, "store true: grpokit's endpoint stores no completions for later retrieval; send false or leave it out"
+        )
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise ChatError(
+            400,
+            f"max_tokens {body.max_tokens} and max_completion_tokens {body.max_completion_tokens} "
+            "differ; send one of them",
+        )
     if body.temperature is not None and 0 < body.temperature < 0.01:
         raise ChatError(400, f"temperature {body.temperature:g}: must be 0 (greedy) or at least 0.01")
     try:
@@ -109,9 +123,12 @@ def request_config(body: ChatBody, defaults: RequestConfig, *, fixed_sampling: b
         if value is None or value == getattr(defaults, name):
             continue
         if fixed_sampling:
-            raise ChatError(400, f"{name} {value:g}: an episode samples at the trainer's --{name} "
-                                 f"{getattr(defaults, name):g} (the loss's logprobs assume it); leave {name} out of "
-                                 f"the call or train with --{name} {value:g}")
+            raise ChatError(
+                400,
+                f"{name} {value:g}: an episode samples at the trainer's --{name} "
+                f"{getattr(defaults, name):g} (the loss's logprobs assume it); leave {name} out of "
+                f"the call or train with --{name} {value:g}",
+            )
         update[name] = value
     asked = body.max_completion_tokens or body.max_tokens
     if asked is not None:
@@ -158,8 +175,11 @@ def _template_tool_calls(calls: Any, i: int) -> list[dict]:
     for k, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ChatError(400, f"messages[{i}].tool_calls[{k}] needs function.name; send OpenAI's "
-                                 '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
+            raise ChatError(
+                400,
+                f"messages[{i}].tool_calls[{k}] needs function.name; send OpenAI's "
+                '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}',
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
@@ -174,8 +194,11 @@ def _checked_tools(tools: list[dict]) -> list[dict]:
     for k, tool in enumerate(tools):
         fn = tool.get("function") if tool.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ChatError(400, f"tools[{k}]: send OpenAI's {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                                 "\"parameters\": {...}}}} (only function tools are supported)")
+            raise ChatError(
+                400,
+                f'tools[{k}]: send OpenAI\'s {{"type": "function", "function": {{"name": ..., '
+                '"parameters": {...}}}} (only function tools are supported)',
+            )
     return tools
 
 
@@ -193,11 +216,15 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
-        kept.append(text[last:m.start()])
+        kept.append(text[last : m.start()])
         last = m.end()
-        calls.append({"id": f"call_{new_id()}", "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        calls.append(
+            {
+                "id": f"call_{new_id()}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
     kept.append(text[last:])
     return ("".join(kept).strip() if calls else text), calls
 
@@ -224,14 +251,24 @@ def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[float]) -> di
     return {"content": content, "refusal": None}
 
 
-def completion_answer(model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                      prompt_token_ids: list[int]) -> dict:
+def completion_answer(
+    model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int, prompt_token_ids: list[int]
+) -> dict:
     """The ``chat.completion`` object. Beside OpenAI's fields, ``prompt_token_ids`` (top level) and each choice's
     ``token_ids`` give the exact tokens (clients read them as extra fields)."""
-    return {"id": f"chatcmpl-{new_id()}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "prompt_token_ids": prompt_token_ids,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": f"chatcmpl-{new_id()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "prompt_token_ids": prompt_token_ids,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 def models_answer(model: str) -> dict:

@@ -24,9 +24,11 @@ class EpisodeEngine(TransformersEngine):
         if getattr(engine, "takes_prompt_ids", False):
             return engine
         if type(engine) is not TransformersEngine or getattr(engine.template, "multimodal", False):
-            raise ConfigError(f"--agent with the {getattr(engine, 'engine_type', type(engine).__name__)} engine is "
-                              "not implemented (an episode's calls sample on planned prompt ids); use the "
-                              "in-process transformers engine with a text model")
+            raise ConfigError(
+                f"--agent with the {getattr(engine, 'engine_type', type(engine).__name__)} engine is "
+                "not implemented (an episode's calls sample on planned prompt ids); use the "
+                "in-process transformers engine with a text model"
+            )
         new = cls(engine.model, engine.template, max_batch_size=engine.max_batch_size)
         new.fast_decode, new.share_prompts = engine.fast_decode, engine.share_prompts
         new._infer_thread()  # made here: it takes this thread's torch thread count (engines/base.py)

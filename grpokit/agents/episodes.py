@@ -85,20 +85,23 @@ class Episode:
             out.append(m)
         return out
 
-    def plan(self, messages: list[dict], template, n: int = 1) -> tuple[list[int], tuple[int, int] | None,
-                                                                         list[int]]:
+    def plan(self, messages: list[dict], template, n: int = 1) -> tuple[list[int], tuple[int, int] | None, list[int]]:
         """(prompt ids, the choice this call extends or None, the tokens between them) for a call's messages.
         A call of ``n`` > 1 choices extends nothing: each of its choices is then the root of its own chain."""
         if n == 1 and messages[-1]["role"] != "assistant":
             with self._lock:
-                candidates = [(call, k) for call in reversed(self.calls) for k in range(len(call.choices))
-                              if (call.index, k) not in self._continued and call.messages[-1]["role"] != "assistant"]
+                candidates = [
+                    (call, k)
+                    for call in reversed(self.calls)
+                    for k in range(len(call.choices))
+                    if (call.index, k) not in self._continued and call.messages[-1]["role"] != "assistant"
+                ]
             for call, k in candidates:
                 choice = call.choices[k]
                 base = [*call.messages, {"role": "assistant", "content": choice.text}]
-                if len(messages) <= len(base) or messages[:len(base)] != base:
+                if len(messages) <= len(base) or messages[: len(base)] != base:
                     continue
-                if any(m["role"] == "assistant" for m in messages[len(base):]):
+                if any(m["role"] == "assistant" for m in messages[len(base) :]):
                     continue
                 try:
                     between = template.encode_between(messages, len(base) - 1, len(messages), choice.token_ids)
@@ -107,8 +110,15 @@ class Episode:
                 return [*call.prompt_ids, *choice.token_ids, *between], (call.index, k), between
         return template.encode_prompt(messages), None, []
 
-    def record(self, messages: list[dict], prompt_ids: list[int], choices: list[ChoiceRecord], version: int,
-               parent: tuple[int, int] | None, between: list[int]) -> CallRecord:
+    def record(
+        self,
+        messages: list[dict],
+        prompt_ids: list[int],
+        choices: list[ChoiceRecord],
+        version: int,
+        parent: tuple[int, int] | None,
+        between: list[int],
+    ) -> CallRecord:
         """Add a finished call; RolloutError when the episode has ended meanwhile (its calls are final)."""
         with self._lock:
             if self.status != "running":
@@ -128,8 +138,10 @@ class Episode:
 
 
 def _reply_key(m: dict) -> tuple:
-    calls = tuple((c.get("function", {}).get("name"), _args_text(c.get("function", {}).get("arguments")))
-                  for c in m.get("tool_calls") or [])
+    calls = tuple(
+        (c.get("function", {}).get("name"), _args_text(c.get("function", {}).get("arguments")))
+        for c in m.get("tool_calls") or []
+    )
     return (m.get("content") or "", calls)
 
 
@@ -178,11 +190,19 @@ def episode_outputs(episode: Episode, train: bool = True) -> list[RolloutOutput]
     chains = _chains(episode)
     if not chains:
         messages = list(episode.row.get("messages") or [{"role": "user", "content": ""}])
-        choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": ""}, finish_reason="stop",
-                                              token_ids=[])
-        return [RolloutOutput(response=ChatCompletionResponse(choices=[choice]), prompt_messages=messages,
-                              messages=[*messages, {"role": "assistant", "content": ""}], response_token_ids=[[]],
-                              response_loss_mask=[[]], rollout_infos={**infos, "num_turns": 0, "agent_segments": 0})]
+        choice = ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": ""}, finish_reason="stop", token_ids=[]
+        )
+        return [
+            RolloutOutput(
+                response=ChatCompletionResponse(choices=[choice]),
+                prompt_messages=messages,
+                messages=[*messages, {"role": "assistant", "content": ""}],
+                response_token_ids=[[]],
+                response_loss_mask=[[]],
+                rollout_infos={**infos, "num_turns": 0, "agent_segments": 0},
+            )
+        ]
     out = []
     for chain in chains:
         root, (last, k) = episode.calls[chain[0][0]], chain[-1]
@@ -190,17 +210,29 @@ def episode_outputs(episode: Episode, train: bool = True) -> list[RolloutOutput]
         segments = [episode.calls[c].choices[j] for c, j in chain]
         messages = _transcript(leaf_call.messages, leaf.text)
         lps = [s.logprobs for s in segments]
-        choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": leaf.text},
-                                              finish_reason="length" if leaf.finish_reason == "length" else "stop",
-                                              token_ids=leaf.token_ids)
-        out.append(RolloutOutput(
-            response=ChatCompletionResponse(choices=[choice], prompt_token_ids=leaf_call.prompt_ids),
-            prompt_messages=root.messages, messages=messages,
-            response_token_ids=[list(s.token_ids) for s in segments],
-            response_loss_mask=[[int(train)] * len(s.token_ids) for s in segments],
-            rollout_logprobs=lps if train and all(len(lp) == len(s.token_ids) for lp, s in zip(lps, segments)) else [],
-            rollout_infos={**infos, "num_turns": len(chain), "agent_segments": len(chains),
-                           "policy_versions": [episode.calls[c].policy_version for c, _ in chain]}))
+        choice = ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": leaf.text},
+            finish_reason="length" if leaf.finish_reason == "length" else "stop",
+            token_ids=leaf.token_ids,
+        )
+        out.append(
+            RolloutOutput(
+                response=ChatCompletionResponse(choices=[choice], prompt_token_ids=leaf_call.prompt_ids),
+                prompt_messages=root.messages,
+                messages=messages,
+                response_token_ids=[list(s.token_ids) for s in segments],
+                response_loss_mask=[[int(train)] * len(s.token_ids) for s in segments],
+                rollout_logprobs=lps
+                if train and all(len(lp) == len(s.token_ids) for lp, s in zip(lps, segments))
+                else [],
+                rollout_infos={
+                    **infos,
+                    "num_turns": len(chain),
+                    "agent_segments": len(chains),
+                    "policy_versions": [episode.calls[c].policy_version for c, _ in chain],
+                },
+            )
+        )
     return out
 
 

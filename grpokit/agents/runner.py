@@ -34,13 +34,16 @@ def checked_reward(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"agent {name!r} returned {type(value).__name__} {str(value)[:40]}; return a finite number "
-                         "(the episode's reward) or None (score the transcript with --reward_funcs)")
+        raise ValueError(
+            f"agent {name!r} returned {type(value).__name__} {str(value)[:40]}; return a finite number "
+            "(the episode's reward) or None (score the transcript with --reward_funcs)"
+        )
     return float(value)
 
 
-async def run_episode(agent_fn: AgentFn, row: dict, endpoint, *, timeout: float, prompt_id: str = "",
-                      request_id: str = "") -> Episode:
+async def run_episode(
+    agent_fn: AgentFn, row: dict, endpoint, *, timeout: float, prompt_id: str = "", request_id: str = ""
+) -> Episode:
     """One episode of ``agent_fn`` on ``row``: opened, played, finished (done / failed / timeout), closed."""
     name = getattr(agent_fn, "__name__", type(agent_fn).__name__)
     episode = endpoint.recorder.open(row, prompt_id=prompt_id, request_id=request_id)
@@ -63,8 +66,15 @@ async def run_episode(agent_fn: AgentFn, row: dict, endpoint, *, timeout: float,
     return episode
 
 
-async def run_episodes(agent_fn: AgentFn, rows: Sequence[dict], endpoint, *, concurrency: int, timeout: float,
-                       ids: Sequence[tuple[str, str]] | None = None) -> list[Episode]:
+async def run_episodes(
+    agent_fn: AgentFn,
+    rows: Sequence[dict],
+    endpoint,
+    *,
+    concurrency: int,
+    timeout: float,
+    ids: Sequence[tuple[str, str]] | None = None,
+) -> list[Episode]:
     """An episode per row, at most ``concurrency`` at once, in the rows' order; ``ids``: (prompt_id, request_id)
     per row."""
     gate = asyncio.Semaphore(concurrency)

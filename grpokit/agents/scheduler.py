@@ -35,16 +35,22 @@ def check_agent_options(rollout_args) -> None:
     if not r.agent:
         return
     if r.multi_turn_scheduler:
-        raise ConfigError(f"--agent {r.agent} and --multi_turn_scheduler {r.multi_turn_scheduler}: the agent drives "
-                          "the episode itself; give one of them")
+        raise ConfigError(
+            f"--agent {r.agent} and --multi_turn_scheduler {r.multi_turn_scheduler}: the agent drives "
+            "the episode itself; give one of them"
+        )
     if r.gym_env:
         raise ConfigError(f"--agent {r.agent} and --gym_env {r.gym_env}: give one of them")
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
-        raise ConfigError(f"--agent {r.agent} with --vllm_mode server is not implemented: episodes are recorded by "
-                          "the trainer's own endpoint over its in-process engine; drop --vllm_mode server")
+        raise ConfigError(
+            f"--agent {r.agent} with --vllm_mode server is not implemented: episodes are recorded by "
+            "the trainer's own endpoint over its in-process engine; drop --vllm_mode server"
+        )
     if r.use_vllm:
-        raise ConfigError(f"--agent {r.agent} with --use_vllm true is not implemented (episode calls sample on "
-                          "planned prompt ids through the transformers engine); drop --use_vllm")
+        raise ConfigError(
+            f"--agent {r.agent} with --use_vllm true is not implemented (episode calls sample on "
+            "planned prompt ids through the transformers engine); drop --use_vllm"
+        )
 
 
 class AgentScheduler(RolloutScheduler):
@@ -54,8 +60,9 @@ class AgentScheduler(RolloutScheduler):
 
     uses_env_reward = True  # the agent's return value is the gym_reward column
 
-    def __init__(self, agent_fn: AgentFn, *, serve: Callable, concurrency: int = 64, timeout: float = 600.0,
-                 infer_engine=None) -> None:
+    def __init__(
+        self, agent_fn: AgentFn, *, serve: Callable, concurrency: int = 64, timeout: float = 600.0, infer_engine=None
+    ) -> None:
         super().__init__(infer_engine)
         self.agent_fn, self.serve = agent_fn, serve
         self.concurrency, self.timeout = concurrency, timeout
@@ -70,30 +77,46 @@ class AgentScheduler(RolloutScheduler):
     def from_args(cls, rollout_args, serve: Callable, infer_engine=None) -> AgentScheduler:
         check_agent_options(rollout_args)
         if importlib.util.find_spec("openai") is None:  # looked up, not imported: the client is made per episode
-            raise ConfigError(f"--agent {rollout_args.agent}: the agent's client is openai's AsyncOpenAI, and the "
-                              "openai package is not installed; pip install 'grpokit[agents]'")
-        return cls(agents.get_or_raise(rollout_args.agent), serve=serve, concurrency=rollout_args.agent_concurrency,
-                   timeout=rollout_args.agent_timeout, infer_engine=infer_engine)
+            raise ConfigError(
+                f"--agent {rollout_args.agent}: the agent's client is openai's AsyncOpenAI, and the "
+                "openai package is not installed; pip install 'grpokit[agents]'"
+            )
+        return cls(
+            agents.get_or_raise(rollout_args.agent),
+            serve=serve,
+            concurrency=rollout_args.agent_concurrency,
+            timeout=rollout_args.agent_timeout,
+            infer_engine=infer_engine,
+        )
 
     def _started(self, config: RequestConfig):
         if self.endpoint is None:
             if self.infer_engine is None:
-                raise ConfigError("AgentScheduler has no engine: the trainer sets infer_engine before the first "
-                                  "rollout")
-            self.service = ChatService(EpisodeEngine.over(self.infer_engine), SERVED_MODEL_NAME, config,
-                                       version=lambda: self.windows - 1)
+                raise ConfigError(
+                    "AgentScheduler has no engine: the trainer sets infer_engine before the first rollout"
+                )
+            self.service = ChatService(
+                EpisodeEngine.over(self.infer_engine), SERVED_MODEL_NAME, config, version=lambda: self.windows - 1
+            )
             self.endpoint = self.serve(self.service, self.recorder)
         self.service.defaults = config.model_copy(update={"n": 1, "logprobs": True})
         return self.endpoint
 
-    async def async_infer(self, requests: Sequence[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
+    async def async_infer(
+        self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig
+    ) -> list[RolloutOutput]:
         """An episode per request, at most --agent_concurrency at once; their trajectories, tagged."""
         endpoint = self._started(request_config)
         self.windows += 1
         rows = [agent_row(r) for r in requests]
-        episodes = await run_episodes(self.agent_fn, rows, endpoint, concurrency=self.concurrency,
-                                      timeout=self.timeout, ids=[(r.prompt_id, r.request_id) for r in requests])
+        episodes = await run_episodes(
+            self.agent_fn,
+            rows,
+            endpoint,
+            concurrency=self.concurrency,
+            timeout=self.timeout,
+            ids=[(r.prompt_id, r.request_id) for r in requests],
+        )
         await self._drained()
         outputs: list[RolloutOutput] = []
         for request, episode in zip(requests, episodes, strict=True):
@@ -111,8 +134,9 @@ class AgentScheduler(RolloutScheduler):
             await asyncio.sleep(0.01)
             waited += 0.01
         if self.service.inflight:
-            logger.warning("%d endpoint call(s) still generating %g s after their episodes ended",
-                           self.service.inflight, limit_s)
+            logger.warning(
+                "%d endpoint call(s) still generating %g s after their episodes ended", self.service.inflight, limit_s
+            )
 
     def _count(self, episodes) -> None:
         n = len(episodes)
@@ -121,11 +145,20 @@ class AgentScheduler(RolloutScheduler):
         calls = sum(len(e.calls) for e in episodes)
         for key, value in (("episodes", n), ("failures", failures), ("timeouts", timeouts), ("calls", calls)):
             self.totals[key] += value
-        self._last = {"agent/episodes": n, "agent/failures": failures, "agent/timeouts": timeouts,
-                      "agent/calls_mean": calls / max(n, 1)}
+        self._last = {
+            "agent/episodes": n,
+            "agent/failures": failures,
+            "agent/timeouts": timeouts,
+            "agent/calls_mean": calls / max(n, 1),
+        }
         if failures or timeouts:
-            logger.warning("agent episodes of rollout %d: %d failed, %d timed out of %d (trained as reward 0, "
-                           "masked)", self.windows, failures, timeouts, n)
+            logger.warning(
+                "agent episodes of rollout %d: %d failed, %d timed out of %d (trained as reward 0, masked)",
+                self.windows,
+                failures,
+                timeouts,
+                n,
+            )
 
     def rollout_metrics(self) -> dict[str, float]:
         """The last rollout's episode counts (``agent/episodes``, ``agent/failures``, ``agent/timeouts``,

@@ -30,9 +30,15 @@ class ChatService:
     (at most ``defaults.max_tokens``); ``max_n``: the most choices one call may ask for (the rollout server's
     --max_batch_requests: each choice is a sequence of the batch)."""
 
-    def __init__(self, engine, model_name: str, defaults: RequestConfig | None = None,
-                 version: Callable[[], int] = lambda: 0, context: int | None = None,
-                 max_n: int | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        model_name: str,
+        defaults: RequestConfig | None = None,
+        version: Callable[[], int] = lambda: 0,
+        context: int | None = None,
+        max_n: int | None = None,
+    ) -> None:
         self.engine = engine
         self.template = getattr(engine, "template", None)  # None: a stub state (the schema only)
         self.model_name = model_name
@@ -46,8 +52,11 @@ class ChatService:
         """The ``chat.completion`` answer; ChatError (4xx) for a body the engine cannot serve."""
         check_body(body)
         if self.max_n is not None and body.n > self.max_n:
-            raise ChatError(413, f"n {body.n} exceeds this server's --max_batch_requests {self.max_n} (each choice is "
-                                 "a sequence of one batch); ask for fewer choices per call")
+            raise ChatError(
+                413,
+                f"n {body.n} exceeds this server's --max_batch_requests {self.max_n} (each choice is "
+                "a sequence of one batch); ask for fewer choices per call",
+            )
         if episode is not None and not episode.open:
             raise ChatError(410, f"episode {episode.id} has ended ({episode.status}); its calls are final")
         config = request_config(body, self.defaults, fixed_sampling=episode is not None)
@@ -77,9 +86,15 @@ class ChatService:
             reply, finish = reply_message(text, parse_tools, single_call=body.parallel_tool_calls is False)
             lps = choice_logprobs(c)
             sampled += len(c.token_ids)
-            choice = {"index": k, "message": reply, "finish_reason": finish or c.finish_reason,
-                      "logprobs": token_logprobs(self.template.tokenizer, c.token_ids, lps) if body.logprobs
-                      and len(lps) == len(c.token_ids) else None, "token_ids": list(c.token_ids)}
+            choice = {
+                "index": k,
+                "message": reply,
+                "finish_reason": finish or c.finish_reason,
+                "logprobs": token_logprobs(self.template.tokenizer, c.token_ids, lps)
+                if body.logprobs and len(lps) == len(c.token_ids)
+                else None,
+                "token_ids": list(c.token_ids),
+            }
             choices.append(choice)
             records.append(ChoiceRecord(list(c.token_ids), lps, text, c.finish_reason, reply))
         if episode is not None:
@@ -89,8 +104,9 @@ class ChatService:
                 raise ChatError(410, str(e)) from e
         return completion_answer(body.model, choices, len(prompt_ids), sampled, prompt_ids)
 
-    def _planned(self, body: ChatBody, config: RequestConfig, messages: list[dict], episode: Episode | None,
-                 data: dict) -> tuple[RequestConfig, tuple[int, int] | None, list[int]]:
+    def _planned(
+        self, body: ChatBody, config: RequestConfig, messages: list[dict], episode: Episode | None, data: dict
+    ) -> tuple[RequestConfig, tuple[int, int] | None, list[int]]:
         """The episode's planned prompt ids (into ``data``) and a call's max_tokens from what the context leaves;
         ChatError (400) when the chat template cannot render the messages."""
         parent, between = None, []
@@ -103,6 +119,7 @@ class ChatService:
                 used = len(data[PROMPT_IDS]) if PROMPT_IDS in data else len(self.template.encode_prompt(messages))
                 config = config.model_copy(update={"max_tokens": max(1, min(config.max_tokens, self.context - used))})
         except Exception as e:  # noqa: BLE001 - jinja2 and the template's raise_exception: a bad conversation
-            raise ChatError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
-                                 f"{str(e)[:200]}") from e
+            raise ChatError(
+                400, f"the chat template cannot render these messages: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
         return config, parent, between

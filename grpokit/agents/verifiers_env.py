@@ -54,8 +54,9 @@ def load_verifiers_env(spec: str):
         try:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"--verifiers_env {spec}: cannot load {attr!r} from {module_name!r} "
-                              f"({type(e).__name__}: {e})") from e
+            raise ConfigError(
+                f"--verifiers_env {spec}: cannot load {attr!r} from {module_name!r} ({type(e).__name__}: {e})"
+            ) from e
         env = obj if isinstance(obj, vf.Env) else obj() if callable(obj) else obj
     else:
         try:
@@ -67,8 +68,10 @@ def load_verifiers_env(spec: str):
         else:
             env = _load_by_id(vf, spec)
     if not isinstance(env, vf.Env):
-        raise ConfigError(f"--verifiers_env {spec}: got {type(env).__name__}, not a verifiers.v1.Env; name an Env, "
-                          "a function returning one, or a taskset id")
+        raise ConfigError(
+            f"--verifiers_env {spec}: got {type(env).__name__}, not a verifiers.v1.Env; name an Env, "
+            "a function returning one, or a taskset id"
+        )
     return env
 
 
@@ -81,16 +84,20 @@ def _load_by_id(vf, spec: str):
             config = vf.resolve_env_config({"taskset": {"id": spec}})
         return vf.load_environment(config)
     except (ImportError, ValueError, TypeError) as e:
-        raise ConfigError(f"--verifiers_env {spec}: verifiers cannot load it as a taskset id "
-                          f"({type(e).__name__}: {str(e)[:300]}); give module:attr or an importable module with "
-                          "load_environment()") from e
+        raise ConfigError(
+            f"--verifiers_env {spec}: verifiers cannot load it as a taskset id "
+            f"({type(e).__name__}: {str(e)[:300]}); give module:attr or an importable module with "
+            "load_environment()"
+        ) from e
 
 
 def env_tasks(env) -> list:
     """The environment's tasks, in its taskset's order (an unbounded taskset is refused)."""
     if not env.taskset.bounded:
-        raise ConfigError(f"--verifiers_env: {type(env.taskset).__name__} is unbounded; bound it where the env is "
-                          "built (env.taskset = env.taskset.take(N))")
+        raise ConfigError(
+            f"--verifiers_env: {type(env.taskset).__name__} is unbounded; bound it where the env is "
+            "built (env.taskset = env.taskset.take(N))"
+        )
     tasks = []
     for task in env.taskset:
         tasks.append(task)
@@ -158,37 +165,48 @@ class VerifiersScheduler(AgentScheduler):
 
     @classmethod
     def from_env(cls, env, tasks: list, rollout_args, serve, infer_engine=None) -> VerifiersScheduler:
-        return cls(env, tasks, serve=serve, concurrency=rollout_args.agent_concurrency,
-                   timeout=rollout_args.agent_timeout, infer_engine=infer_engine)
+        return cls(
+            env,
+            tasks,
+            serve=serve,
+            concurrency=rollout_args.agent_concurrency,
+            timeout=rollout_args.agent_timeout,
+            infer_engine=infer_engine,
+        )
 
     async def play(self, client, row: dict) -> float:
         """One episode of the row's task with the model at ``client``'s session; its reward (module docstring)."""
         vf = _vf()
         k = row.get(TASK_COLUMN)
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.tasks):
-            raise DataError(f"--verifiers_env: row column {TASK_COLUMN!r} is {k!r}; it must index the "
-                            f"environment's {len(self.tasks)} tasks")
+            raise DataError(
+                f"--verifiers_env: row column {TASK_COLUMN!r} is {k!r}; it must index the "
+                f"environment's {len(self.tasks)} tasks"
+            )
         base_url = str(client.base_url).rstrip("/")
         # verifiers reads an endpoint's key from an environment variable: one of its own for each episode (the
         # key is the episode's session), there only while the episode runs
         var = f"GRPOKIT_EPISODE_KEY_{secrets.token_hex(8)}"
         os.environ[var] = client.api_key
         try:
-            ctx = vf.ModelContext(model=SERVED_MODEL_NAME, client=vf.EvalClientConfig(base_url=base_url,
-                                                                                        api_key_var=var))
+            ctx = vf.ModelContext(
+                model=SERVED_MODEL_NAME, client=vf.EvalClientConfig(base_url=base_url, api_key_var=var)
+            )
             episode = await self.env.run_episode(self.tasks[k], ctx)
         finally:
             os.environ.pop(var, None)
         errors = [e for t in episode.traces for e in t.errors] + list(episode.errors)
         if not episode.ok:
             first = errors[0] if errors else None
-            raise RolloutError(f"verifiers episode of task {k} failed: "
-                               f"{f'{first.type}: {first.message}' if first else 'not ok'}"[:500])
+            raise RolloutError(
+                f"verifiers episode of task {k} failed: {f'{first.type}: {first.message}' if first else 'not ok'}"[:500]
+            )
         self._scores[base_url] = _scores(episode)
         return float(sum(t.reward for t in episode.traces))
 
-    async def async_infer(self, requests: list[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
+    async def async_infer(
+        self, requests: list[RolloutInferRequest], request_config: RequestConfig
+    ) -> list[RolloutOutput]:
         self._scores.clear()
         async with self.env.serving():  # verifiers' interception servers, for this rollout's episodes
             outputs = await super().async_infer(requests, request_config)
@@ -217,12 +235,14 @@ def rubric_columns(rubric: list[str] | None, funcs: list, names: list[str], weig
         return funcs, names, weights
     clash = sorted(set(names) & set(rubric))
     if clash:
-        raise ConfigError(f"--reward_funcs {clash[0]}: the verifiers environment logs a reward function of that "
-                          "name already; drop it from --reward_funcs")
+        raise ConfigError(
+            f"--reward_funcs {clash[0]}: the verifiers environment logs a reward function of that "
+            "name already; drop it from --reward_funcs"
+        )
     extra = [RubricScore(n) for n in rubric]
     w = list(weights) if weights else [1.0] * len(names)
-    gym = w[len(names):]  # the gym_reward weight, when given
-    return [*funcs, *extra], [*names, *rubric], [*w[:len(names)], *[0.0] * len(extra), *gym]
+    gym = w[len(names) :]  # the gym_reward weight, when given
+    return [*funcs, *extra], [*names, *rubric], [*w[: len(names)], *[0.0] * len(extra), *gym]
 
 
 def check_verifiers_options(rollout_args) -> None:
@@ -230,12 +250,19 @@ def check_verifiers_options(rollout_args) -> None:
     r = rollout_args
     if not r.verifiers_env:
         return
-    for flag, value in (("--agent", r.agent), ("--multi_turn_scheduler", r.multi_turn_scheduler),
-                        ("--gym_env", r.gym_env)):
+    for flag, value in (
+        ("--agent", r.agent),
+        ("--multi_turn_scheduler", r.multi_turn_scheduler),
+        ("--gym_env", r.gym_env),
+    ):
         if value:
-            raise ConfigError(f"--verifiers_env {r.verifiers_env} and {flag} {value}: the environment plays its "
-                              "episodes itself; give one of them")
+            raise ConfigError(
+                f"--verifiers_env {r.verifiers_env} and {flag} {value}: the environment plays its "
+                "episodes itself; give one of them"
+            )
     if r.vllm_mode == "server" or r.use_vllm:
-        raise ConfigError(f"--verifiers_env {r.verifiers_env} with --vllm_mode server or --use_vllm true is not "
-                          "implemented (its episodes are recorded by the trainer's own endpoint over the in-process "
-                          "transformers engine); drop that option")
+        raise ConfigError(
+            f"--verifiers_env {r.verifiers_env} with --vllm_mode server or --use_vllm true is not "
+            "implemented (its episodes are recorded by the trainer's own endpoint over the in-process "
+            "transformers engine); drop that option"
+        )

@@ -76,4 +76,3 @@ def group_stats(x: Tensor, groups: Groups) -> GroupStats:
 def batch_stats(x: Tensor) -> GroupStats:
     """group_stats with the whole batch as one group: [1] or [1, C]."""
     return group_stats(x, Groups.single(x.shape[0], x.device))
-

@@ -204,8 +204,9 @@ def _check_inputs(
         raise RewardError(f"rewards_per_func must be [N, F] with N > 0 samples, got shape {tuple(rpf.shape)}")
     n, f = rpf.shape
     if weights.shape != (f,):
-        raise ConfigError(f"--reward_weights: {weights.numel()} weights for {f} reward functions; "
-                          "give one per function")
+        raise ConfigError(
+            f"--reward_weights: {weights.numel()} weights for {f} reward functions; give one per function"
+        )
     for name, t in (("group_ids", group_ids), ("request_ids", request_ids), ("reward_penalty", reward_penalty)):
         if t is not None and t.shape != (n,):
             raise RewardError(f"{name} must have shape [{n}] (one per sample), got {tuple(t.shape)}")
@@ -232,8 +233,10 @@ def _trajectory_index(group_ids: Tensor, request_ids: Tensor | None) -> tuple[Te
     position[order] = torch.arange(order.numel(), device=order.device)
     sample_to_rep = position[inverse]  # [N]
     if not torch.equal(group_ids, group_ids[rep][sample_to_rep]):
-        raise RolloutError("samples that share a request id have different group ids; one trajectory must belong "
-                           "to one prompt group (check the scheduler's prompt_id/request_id)")
+        raise RolloutError(
+            "samples that share a request id have different group ids; one trajectory must belong "
+            "to one prompt group (check the scheduler's prompt_id/request_id)"
+        )
     return rep, sample_to_rep
 
 
@@ -245,14 +248,32 @@ def _metrics(ctx: AdvantageContext, advantages: Tensor, reward_names: Sequence[s
     columns = [ctx.rewards[:, None], ctx.rewards_per_func] + ([advantages[:, None]] if joint else [])
     stats = batch_stats(torch.cat(columns, dim=1))
     adv = stats if joint else batch_stats(advantages[:, None])
-    parts = [stats.mean[0, :1 + f], stats.std[0, :1 + f], stats.n[0, 1:1 + f],
-             torch.stack([adv.mean[0, -1], adv.std[0, -1], advantages.min(), advantages.max(), group_std.mean(),
-                          (group_std <= 1e-8).to(group_std.dtype).mean()])]  # isclose(std, 0); std >= 0
+    parts = [
+        stats.mean[0, : 1 + f],
+        stats.std[0, : 1 + f],
+        stats.n[0, 1 : 1 + f],
+        torch.stack(
+            [
+                adv.mean[0, -1],
+                adv.std[0, -1],
+                advantages.min(),
+                advantages.max(),
+                group_std.mean(),
+                (group_std <= 1e-8).to(group_std.dtype).mean(),
+            ]
+        ),
+    ]  # isclose(std, 0); std >= 0
     values = iter(torch.cat(parts).tolist())  # one conversion for all of them
     means, stds, scored, scalars = ([next(values) for _ in range(p.numel())] for p in parts)
     out = {"reward/mean": means[0], "reward/batch_std": stds[0]}
-    keys = ("advantages/mean", "advantages/std", "advantages/min", "advantages/max", "reward/std",
-            "frac_reward_zero_std")
+    keys = (
+        "advantages/mean",
+        "advantages/std",
+        "advantages/min",
+        "advantages/max",
+        "reward/std",
+        "frac_reward_zero_std",
+    )
     out.update(zip(keys, scalars, strict=True))
     if reward_names is not None:
         for i, name in enumerate(reward_names):  # a function that scored nothing reports NaN, not 0

@@ -32,8 +32,9 @@ def _row_chunks(n: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, low_rank: tuple | None, temperature: float,
-                  cdt: torch.dtype) -> tuple[Tensor, torch.dtype]:
+def _chunk_logits(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, low_rank: tuple | None, temperature: float, cdt: torch.dtype
+) -> tuple[Tensor, torch.dtype]:
     """[n, V] logits / temperature in ``cdt`` (a tensor of our own, free to change in place), and the dtype the
     matmul produced them in. ``low_rank`` = (u [n, r], B [V, r]) adds u·Bᵀ in that dtype (a LoRA head)."""
     z = F.linear(hidden, weight, bias)  # [n, V] in the inputs' (or autocast's) dtype, as the model's own head
@@ -94,11 +95,13 @@ class _ChunkedHeadLogps(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logps, _grad_entropy):
         hidden, weight, bias, u, lr_weight, targets, lse, tau = ctx.saved_tensors
-        grads = [torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
-                 torch.zeros_like(weight) if ctx.needs_input_grad[1] else None,
-                 torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None,
-                 torch.empty_like(u) if ctx.needs_input_grad[3] else None,
-                 torch.zeros_like(lr_weight) if ctx.needs_input_grad[4] else None]
+        grads = [
+            torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
+            torch.zeros_like(weight) if ctx.needs_input_grad[1] else None,
+            torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None,
+            torch.empty_like(u) if ctx.needs_input_grad[3] else None,
+            torch.zeros_like(lr_weight) if ctx.needs_input_grad[4] else None,
+        ]
         grad_h, grad_w, grad_b, grad_u, grad_lr = grads
         enabled, ac_dtype, device = ctx.autocast
         for s in _row_chunks(hidden.shape[0], ctx.chunk_size):
@@ -129,10 +132,17 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None
 
 
-def chunked_lm_head_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                          temperature: float = 1.0, chunk_size: int = 1024, compute_entropy: bool = False,
-                          low_rank: tuple[Tensor, Tensor] | None = None, support: SamplerSupport | None = None
-                          ) -> tuple[Tensor, Tensor | None]:
+def chunked_lm_head_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    compute_entropy: bool = False,
+    low_rank: tuple[Tensor, Tensor] | None = None,
+    support: SamplerSupport | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """log softmax((hidden·Wᵀ + b [+ u·Bᵀ]) / T)[targets] and optionally the entropy, ``chunk_size`` rows at a time.
     With ``support``, the log-softmax is over the sampler's kept set (``kept_set_logps``); the entropy stays the
     full distribution's.
@@ -146,17 +156,30 @@ def chunked_lm_head_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, t
     if temperature <= 0:
         raise ValueError(f"chunked_lm_head_logps: temperature must be > 0, got {temperature}")
     if hidden.shape[:-1] != targets.shape or weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"chunked_lm_head_logps: hidden [..., H], weight [V, H] and targets [...], got "
-                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"chunked_lm_head_logps: hidden [..., H], weight [V, H] and targets [...], got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}"
+        )
     u = lr_weight = None
     if low_rank is not None:
         u, lr_weight = low_rank
         if u.shape[:-1] != targets.shape or lr_weight.shape != (weight.shape[0], u.shape[-1]):
-            raise ValueError(f"chunked_lm_head_logps: low_rank u [..., r] and B [V, r], got {tuple(u.shape)} and "
-                             f"{tuple(lr_weight.shape)}")
+            raise ValueError(
+                f"chunked_lm_head_logps: low_rank u [..., r] and B [V, r], got {tuple(u.shape)} and "
+                f"{tuple(lr_weight.shape)}"
+            )
         u = u.reshape(-1, u.shape[-1])
     lead = targets.shape
-    logps, entropy = _ChunkedHeadLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, u, lr_weight,
-                                             targets.reshape(-1).long(), float(temperature), int(chunk_size),
-                                             bool(compute_entropy), support)
+    logps, entropy = _ChunkedHeadLogps.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        u,
+        lr_weight,
+        targets.reshape(-1).long(),
+        float(temperature),
+        int(chunk_size),
+        bool(compute_entropy),
+        support,
+    )
     return logps.view(lead), (entropy.view(lead) if entropy is not None else None)

@@ -22,10 +22,14 @@ def ema_update_(ref_params: Iterable[Tensor], policy_params: Iterable[Tensor], a
         raise ConfigError(f"--ref_model_mixup_alpha {alpha}: must be in [0, 1] (1 copies the policy)")
     refs, pols = list(ref_params), list(policy_params)
     if len(refs) != len(pols):
-        raise ConfigError(f"--sync_ref_model: the reference model has {len(refs)} parameters and the policy "
-                          f"{len(pols)}; the reference must have the policy's architecture")
+        raise ConfigError(
+            f"--sync_ref_model: the reference model has {len(refs)} parameters and the policy "
+            f"{len(pols)}; the reference must have the policy's architecture"
+        )
     for i, (ref, pol) in enumerate(zip(refs, pols, strict=True)):
         if ref.shape != pol.shape:
-            raise ConfigError(f"--sync_ref_model: parameter {i} has shape {tuple(ref.shape)} in the reference and "
-                              f"{tuple(pol.shape)} in the policy; the reference must have the policy's architecture")
+            raise ConfigError(
+                f"--sync_ref_model: parameter {i} has shape {tuple(ref.shape)} in the reference and "
+                f"{tuple(pol.shape)} in the policy; the reference must have the policy's architecture"
+            )
         ref.lerp_(pol.to(device=ref.device, dtype=ref.dtype), alpha)  # ref + α(π − ref); exact at α = 0 and 1

@@ -38,8 +38,9 @@ def loss_mask(completion_mask: Tensor, truncated: Tensor, overlong_filter: bool)
 def validate_entropy_quantile(quantile: float) -> None:
     """--top_entropy_quantile must lie in (0, 1]."""
     if not 0.0 < quantile <= 1.0:
-        raise ConfigError(f"--top_entropy_quantile {quantile}: must be in (0, 1]; 1 trains every token, 0.2 the "
-                          "top 20% by entropy")
+        raise ConfigError(
+            f"--top_entropy_quantile {quantile}: must be in (0, 1]; 1 trains every token, 0.2 the top 20% by entropy"
+        )
 
 
 @torch.no_grad()

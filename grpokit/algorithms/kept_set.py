@@ -169,6 +169,8 @@ def kept_set_log_softmax(logits: Tensor, index: Tensor, s: SamplerSupport, chunk
     """Kept-set logprobs of ``index`` [B, T] under ``logits`` [B, T, V] (divided by the temperature), float32
     (float64 for float64 logits); no more than ``chunk`` rows' mask at a time."""
     if logits.ndim != 3 or index.shape != logits.shape[:2]:
-        raise ValueError(f"kept_set_log_softmax: logits [B, T, V] and index [B, T], got {tuple(logits.shape)} and "
-                         f"{tuple(index.shape)}")
+        raise ValueError(
+            f"kept_set_log_softmax: logits [B, T, V] and index [B, T], got {tuple(logits.shape)} and "
+            f"{tuple(index.shape)}"
+        )
     return _KeptSetLogSoftmax.apply(logits, index.long(), s, chunk)

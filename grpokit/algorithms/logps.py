@@ -59,8 +59,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
     """log softmax(logits)[index]: [B, T, V], [B, T] -> [B, T] (float32, or float64 for float64 logits)."""
     if logits.ndim != 3 or index.shape != logits.shape[:2]:
-        raise ValueError(f"selective_log_softmax: logits [B, T, V] and index [B, T], got {tuple(logits.shape)} "
-                         f"and {tuple(index.shape)}")
+        raise ValueError(
+            f"selective_log_softmax: logits [B, T, V] and index [B, T], got {tuple(logits.shape)} "
+            f"and {tuple(index.shape)}"
+        )
     return _SelectiveLogSoftmax.apply(logits, index.long())
 
 

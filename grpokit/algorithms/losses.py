@@ -156,8 +156,10 @@ def ppo_clip_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
     loss = -torch.min(capped * adv, clipped * adv)
     low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)
     high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)
-    return TokenLoss(loss=loss, logged={"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
-                                        "clip_ratio/region_mean": low | high})
+    return TokenLoss(
+        loss=loss,
+        logged={"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high},
+    )
 
 
 def cispo_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
@@ -196,8 +198,10 @@ def max_length_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg:
 
 def global_token_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossConfig) -> Tensor:
     if inp.num_items is None:
-        raise ConfigError(f"--loss_type {cfg.loss_type} divides by the global completion-token count; the trainer "
-                          "must pass LossInputs.num_items")
+        raise ConfigError(
+            f"--loss_type {cfg.loss_type} divides by the global completion-token count; the trainer "
+            "must pass LossInputs.num_items"
+        )
     num_items = float(inp.num_items)
     if num_items < 0:
         raise ConfigError(f"LossInputs.num_items is {num_items}; it must be the (non-negative) global token count")
@@ -226,9 +230,14 @@ def num_items_per_micro_batch(step_counts: Tensor, gradient_accumulation_steps: 
     return (step_counts.repeat_interleave(gradient_accumulation_steps) / scale).tolist()
 
 
-for _name, _fn in (("grpo", sequence_then_batch_mean), ("sapo", sequence_then_batch_mean), ("bnpo", token_mean),
-                   ("dr_grpo", max_length_normalized), ("dapo", global_token_normalized),
-                   ("cispo", global_token_normalized)):
+for _name, _fn in (
+    ("grpo", sequence_then_batch_mean),
+    ("sapo", sequence_then_batch_mean),
+    ("bnpo", token_mean),
+    ("dr_grpo", max_length_normalized),
+    ("dapo", global_token_normalized),
+    ("cispo", global_token_normalized),
+):
     LOSS_NORMALIZERS[_name] = _fn
 
 
@@ -259,8 +268,9 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     kl = None
     if cfg.beta != 0.0:  # after the masks and weights: β·KL reaches every trained token unweighted
         if inp.ref_logps is None:
-            raise ConfigError(f"--beta {cfg.beta} puts a KL term in the loss, which needs ref_logps; pass them or "
-                              "use --beta 0")
+            raise ConfigError(
+                f"--beta {cfg.beta} puts a KL term in the loss, which needs ref_logps; pass them or use --beta 0"
+            )
         kl = k3_kl(logps, torch.where(keep, inp.ref_logps.detach().to(dtype), 0.0))  # [B, T]
         per_token = per_token + cfg.beta * kl
     per_token = torch.where(keep, per_token, 0.0)  # [B, T]
@@ -303,11 +313,14 @@ def validate_loss_config(cfg: LossConfig) -> None:
     if cfg.delta is not None:
         if POLICY_LOSSES[cfg.loss_type] is not ppo_clip_loss:
             ppo = ", ".join(sorted(name for name, fn in POLICY_LOSSES.items() if fn is ppo_clip_loss))
-            raise ConfigError(f"--delta applies to the PPO-clip loss types ({ppo}), not --loss_type "
-                              f"{cfg.loss_type}; remove --delta")
+            raise ConfigError(
+                f"--delta applies to the PPO-clip loss types ({ppo}), not --loss_type {cfg.loss_type}; remove --delta"
+            )
         if not cfg.delta > 1.0 + cfg.epsilon_high:
-            raise ConfigError(f"--delta {cfg.delta}: must exceed 1 + epsilon_high = {1.0 + cfg.epsilon_high:g}, or it "
-                              "would override the clip range (TRL: delta > 1 + epsilon)")
+            raise ConfigError(
+                f"--delta {cfg.delta}: must exceed 1 + epsilon_high = {1.0 + cfg.epsilon_high:g}, or it "
+                "would override the clip range (TRL: delta > 1 + epsilon)"
+            )
     check: LossCheckFn | None = LOSS_CHECKS.get(cfg.loss_type)
     if check is not None:
         check(cfg)
@@ -316,26 +329,36 @@ def validate_loss_config(cfg: LossConfig) -> None:
 def warn_unless_level(cfg: LossConfig, levels: tuple[str, ...], why: str) -> None:
     """Log a warning when --importance_sampling_level is not one of ``levels`` (TRL warns, it does not refuse)."""
     if cfg.importance_sampling_level not in levels:
-        logger.warning("--loss_type %s with --importance_sampling_level %s: %s", cfg.loss_type,
-                       cfg.importance_sampling_level, why)
+        logger.warning(
+            "--loss_type %s with --importance_sampling_level %s: %s", cfg.loss_type, cfg.importance_sampling_level, why
+        )
 
 
 def _check_token_sum(cfg: LossConfig) -> None:
-    warn_unless_level(cfg, ("token",), "this normaliser sums per-token terms, so a sequence-level ratio counts each "
-                      "sequence once per token (its length) instead of once, as GSPO does; for the GSPO paper's "
-                      "setup use --loss_type grpo")
+    warn_unless_level(
+        cfg,
+        ("token",),
+        "this normaliser sums per-token terms, so a sequence-level ratio counts each "
+        "sequence once per token (its length) instead of once, as GSPO does; for the GSPO paper's "
+        "setup use --loss_type grpo",
+    )
 
 
 def _check_cispo(cfg: LossConfig) -> None:
     if cfg.epsilon_high < 1.0:
-        raise ConfigError(f"--loss_type cispo reads --epsilon_high as the absolute cap on the IS weight; "
-                          f"{cfg.epsilon_high} < 1 would scale down every on-policy token; use e.g. --epsilon_high 5.0")
+        raise ConfigError(
+            f"--loss_type cispo reads --epsilon_high as the absolute cap on the IS weight; "
+            f"{cfg.epsilon_high} < 1 would scale down every on-policy token; use e.g. --epsilon_high 5.0"
+        )
     _check_token_sum(cfg)
 
 
 def _check_sapo(cfg: LossConfig) -> None:
-    warn_unless_level(cfg, ("token",), "the SAPO paper gates each token's ratio; here each sequence's ratio gets "
-                      "one gate, as TRL computes it")
+    warn_unless_level(
+        cfg,
+        ("token",),
+        "the SAPO paper gates each token's ratio; here each sequence's ratio gets one gate, as TRL computes it",
+    )
 
 
 for _name in ("bnpo", "dr_grpo", "dapo"):

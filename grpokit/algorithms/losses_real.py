@@ -56,9 +56,11 @@ def real_group_loss(scores_B: Tensor, advantages_B: Tensor, group_size: int, tau
     ``advantages_B`` hold whole groups of ``group_size`` consecutive rows; positive means advantage > 0."""
     b = scores_B.shape[0]
     if group_size < 1 or b % group_size:
-        raise ConfigError(f"--loss_type real classifies whole groups, but this micro-batch has {b} rows for groups "
-                          f"of num_generations {group_size}; make per_device_train_batch_size a multiple of "
-                          "num_generations")
+        raise ConfigError(
+            f"--loss_type real classifies whole groups, but this micro-batch has {b} rows for groups "
+            f"of num_generations {group_size}; make per_device_train_batch_size a multiple of "
+            "num_generations"
+        )
     s_GK = (scores_B / tau).view(-1, group_size)  # [groups, K]
     pos_GK = (advantages_B.detach() > 0).view(-1, group_size)
     neg_GK = ~pos_GK
@@ -89,14 +91,21 @@ def real_normalized(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: LossC
 
 def _check_real(cfg: LossConfig) -> None:
     if not cfg.real_tau > 0:
-        raise ConfigError(f"--real_tau {cfg.real_tau}: REAL's temperature must be > 0 (ms-swift's default "
-                          f"{DEFAULT_REAL_TAU})")
+        raise ConfigError(
+            f"--real_tau {cfg.real_tau}: REAL's temperature must be > 0 (ms-swift's default {DEFAULT_REAL_TAU})"
+        )
     if cfg.rollout_importance_sampling_mode is not None:
-        raise ConfigError(f"--rollout_importance_sampling_mode {cfg.rollout_importance_sampling_mode} weights a "
-                          "per-token policy term, which --loss_type real does not have, so it would do nothing; "
-                          "remove it")
-    warn_unless_level(cfg, ("token",), "REAL's logit is always the mean token log-ratio of a completion, so the "
-                      "level only changes the logged is_ratio/mean")
+        raise ConfigError(
+            f"--rollout_importance_sampling_mode {cfg.rollout_importance_sampling_mode} weights a "
+            "per-token policy term, which --loss_type real does not have, so it would do nothing; "
+            "remove it"
+        )
+    warn_unless_level(
+        cfg,
+        ("token",),
+        "REAL's logit is always the mean token log-ratio of a completion, so the "
+        "level only changes the logged is_ratio/mean",
+    )
 
 
 POLICY_LOSSES["real"] = real_token_loss

@@ -72,8 +72,12 @@ def length_weighted_sum(per_token: Tensor, mask: Tensor, inp: LossInputs, cfg: L
 
 
 def _check_luspo(cfg: LossConfig) -> None:
-    warn_unless_level(cfg, ("sequence",), "LUSPO scales GSPO's sequence-level loss by the sequence length; use "
-                      "--importance_sampling_level sequence for the paper's setup")
+    warn_unless_level(
+        cfg,
+        ("sequence",),
+        "LUSPO scales GSPO's sequence-level loss by the sequence length; use "
+        "--importance_sampling_level sequence for the paper's setup",
+    )
 
 
 POLICY_LOSSES["luspo"] = ppo_clip_loss
@@ -103,26 +107,35 @@ def vespo_loss(terms: PolicyTerms, cfg: LossConfig) -> TokenLoss:
     """VESPO (arXiv 2602.10693): −sg[φ(W)]·A·log π_θ per token, so the gradient is φ(W)·A·∇log π; W includes the
     token-level rollout IS weights (TRL), which therefore do not multiply the loss again."""
     phi = vespo_weights(terms, cfg)  # [B, 1]
-    return TokenLoss(loss=-phi * terms.adv * terms.logps, logged={"vespo/phi_seq_mean": phi},
-                     includes_rollout_is=True)
+    return TokenLoss(loss=-phi * terms.adv * terms.logps, logged={"vespo/phi_seq_mean": phi}, includes_rollout_is=True)
 
 
 def _check_vespo(cfg: LossConfig) -> None:
     for flag, value in (("--vespo_k_pos", cfg.vespo_k_pos), ("--vespo_k_neg", cfg.vespo_k_neg)):
         if not value >= 0:
-            raise ConfigError(f"{flag} {value}: the power of VESPO's Gamma kernel W^k·e^(λ(1−W)) must be >= 0 "
-                              "(TRL's defaults: 2.0 for A >= 0, 3.0 for A < 0)")
+            raise ConfigError(
+                f"{flag} {value}: the power of VESPO's Gamma kernel W^k·e^(λ(1−W)) must be >= 0 "
+                "(TRL's defaults: 2.0 for A >= 0, 3.0 for A < 0)"
+            )
     for flag, value in (("--vespo_lambda_pos", cfg.vespo_lambda_pos), ("--vespo_lambda_neg", cfg.vespo_lambda_neg)):
         if not value > 0:
-            raise ConfigError(f"{flag} {value}: the decay of VESPO's Gamma kernel must be > 0 (TRL's defaults: 3.0 "
-                              "for A >= 0, 2.0 for A < 0)")
+            raise ConfigError(
+                f"{flag} {value}: the decay of VESPO's Gamma kernel must be > 0 (TRL's defaults: 3.0 "
+                "for A >= 0, 2.0 for A < 0)"
+            )
     mode = cfg.rollout_importance_sampling_mode
     if mode is not None and mode not in TOKEN_LEVEL_MODES:
-        raise ConfigError(f"--loss_type vespo multiplies the rollout IS weights into its sequence weight token by "
-                          f"token, so --rollout_importance_sampling_mode {mode} does not fit; use "
-                          f"{' or '.join(TOKEN_LEVEL_MODES)} (TRL refuses the sequence modes too)")
-    warn_unless_level(cfg, ("token",), "VESPO builds its own sequence weight from the token log-ratios, so the "
-                      "level only changes the logged is_ratio/mean; leave it at token")
+        raise ConfigError(
+            f"--loss_type vespo multiplies the rollout IS weights into its sequence weight token by "
+            f"token, so --rollout_importance_sampling_mode {mode} does not fit; use "
+            f"{' or '.join(TOKEN_LEVEL_MODES)} (TRL refuses the sequence modes too)"
+        )
+    warn_unless_level(
+        cfg,
+        ("token",),
+        "VESPO builds its own sequence weight from the token log-ratios, so the "
+        "level only changes the logged is_ratio/mean; leave it at token",
+    )
 
 
 POLICY_LOSSES["vespo"] = vespo_loss

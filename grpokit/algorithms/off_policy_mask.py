@@ -54,14 +54,22 @@ def _sequence_advantages(advantages: Tensor, keep: Tensor) -> Tensor:
     if advantages.dim() == 1:
         return advantages
     if advantages.shape != keep.shape:
-        raise ConfigError(f"off-policy sequence mask: advantages of shape {tuple(advantages.shape)} fit neither "
-                          f"[B] nor the mask's {tuple(keep.shape)}")
+        raise ConfigError(
+            f"off-policy sequence mask: advantages of shape {tuple(advantages.shape)} fit neither "
+            f"[B] nor the mask's {tuple(keep.shape)}"
+        )
     return torch.where(keep, advantages, 0.0).sum(-1) / keep.sum(-1).clamp(min=1).to(advantages.dtype)
 
 
 @torch.no_grad()
-def off_policy_sequence_mask(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, delta: float,
-                             rollout_logps: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def off_policy_sequence_mask(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    delta: float,
+    rollout_logps: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """(M [B] float 0/1, metrics) for ``logps``/``old_logps``/``rollout_logps`` [B, T] (current, old, engine with
     NaN where missing), ``advantages`` [B] or [B, T] and the loss ``mask`` [B, T]. 1 keeps the sequence."""
     if not delta >= 0:  # also NaN; the option's field refuses it first
@@ -74,6 +82,8 @@ def off_policy_sequence_mask(logps: Tensor, old_logps: Tensor, advantages: Tenso
     adv = _sequence_advantages(advantages.detach().float(), keep)
     masked = (adv < 0) & (kl > delta) & (lengths > 0)
     has_tokens = lengths > 0
-    metrics = {"off_policy_mask/masked_ratio": masked.float().mean() if masked.numel() else kl.new_zeros(()),
-               "off_policy_mask/kl_mean": kl[has_tokens].mean() if has_tokens.any() else kl.new_zeros(())}
+    metrics = {
+        "off_policy_mask/masked_ratio": masked.float().mean() if masked.numel() else kl.new_zeros(()),
+        "off_policy_mask/kl_mean": kl[has_tokens].mean() if has_tokens.any() else kl.new_zeros(()),
+    }
     return (~masked).to(logps.dtype), metrics

@@ -123,13 +123,16 @@ def validate_rollout_is_options(mode: str | None, threshold: float) -> None:
         return
     ROLLOUT_IS_MODES.get_or_raise(mode)
     if not threshold >= 1.0:
-        raise ConfigError(f"--rollout_importance_sampling_threshold {threshold}: must be >= 1 (an on-policy token "
-                          "has ratio 1); ms-swift's default is 2")
+        raise ConfigError(
+            f"--rollout_importance_sampling_threshold {threshold}: must be >= 1 (an on-policy token "
+            "has ratio 1); ms-swift's default is 2"
+        )
 
 
 @torch.no_grad()
-def rollout_importance_weights(old_logps: Tensor, rollout_logps: Tensor, mask: Tensor, mode: str,
-                               threshold: float) -> RolloutISOut:
+def rollout_importance_weights(
+    old_logps: Tensor, rollout_logps: Tensor, mask: Tensor, mode: str, threshold: float
+) -> RolloutISOut:
     """Detached weights [B, T] from ρ = exp(old − rollout), and ``rollout_correction/*`` metrics."""
     validate_rollout_is_options(mode, threshold)
     apply_mode: ModeFn = ROLLOUT_IS_MODES.get_or_raise(mode)
@@ -140,10 +143,14 @@ def rollout_importance_weights(old_logps: Tensor, rollout_logps: Tensor, mask: T
     log_ratio = (old - rollout).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T] log ρ, 0 on padding
     out = apply_mode(log_ratio, maskf, threshold)
     weights = out.weights * maskf  # 0 on padding
-    metrics = {**_offpolicy_metrics(old, rollout, maskf), **_weight_metrics(weights, maskf, threshold),
-               "clipped_frac": out.clipped_frac}
-    return RolloutISOut(weights=weights.to(old_logps.dtype),
-                        metrics={f"rollout_correction/{k}": v for k, v in metrics.items()})
+    metrics = {
+        **_offpolicy_metrics(old, rollout, maskf),
+        **_weight_metrics(weights, maskf, threshold),
+        "clipped_frac": out.clipped_frac,
+    }
+    return RolloutISOut(
+        weights=weights.to(old_logps.dtype), metrics={f"rollout_correction/{k}": v for k, v in metrics.items()}
+    )
 
 
 def _offpolicy_metrics(old: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -184,5 +191,8 @@ def mismatch_metrics(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor)
     if not bool(valid.any()):
         return {}
     d = trainer_logps.double()[valid] - sampler_logps.double()[valid]  # [n]
-    return {"mismatch/max_abs": d.abs().max(), "mismatch/mean_abs": d.abs().mean(),
-            "mismatch/ratio_mean": d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().mean()}
+    return {
+        "mismatch/max_abs": d.abs().max(),
+        "mismatch/mean_abs": d.abs().mean(),
+        "mismatch/ratio_mean": d.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp().mean(),
+    }

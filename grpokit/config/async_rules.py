@@ -17,26 +17,35 @@ def check_partial_rollouts(r, server: bool) -> None:
     if not r.partial_rollouts:
         return
     if not server:
-        raise ConfigError("--partial_rollouts true: implemented in server mode (--vllm_mode server, the rollout "
-                          "server's transformers engine); not yet for vLLM colocate, nor for the in-process engine")
+        raise ConfigError(
+            "--partial_rollouts true: implemented in server mode (--vllm_mode server, the rollout "
+            "server's transformers engine); not yet for vLLM colocate, nor for the in-process engine"
+        )
     if not r.async_generate:
-        raise ConfigError("--partial_rollouts true continues rollouts across weight updates, which only happen "
-                          "during a rollout when windows are rolled out ahead: add --max_staleness K (K ≥ 1)")
+        raise ConfigError(
+            "--partial_rollouts true continues rollouts across weight updates, which only happen "
+            "during a rollout when windows are rolled out ahead: add --max_staleness K (K ≥ 1)"
+        )
     if r.structured_outputs_regex or r.structured_outputs_json:
-        raise ConfigError("--partial_rollouts true with structured outputs: a grammar cannot resume mid-completion "
-                          "on new weights; drop one of the two")
+        raise ConfigError(
+            "--partial_rollouts true with structured outputs: a grammar cannot resume mid-completion "
+            "on new weights; drop one of the two"
+        )
 
 
 def check_staleness(r, plan: BatchPlan) -> None:
     """A window rolled out ahead is at least one window's optimizer steps old when it trains."""
     k, steps = r.max_staleness, plan.optimizer_steps_per_window
     if k and k < steps:
-        raise ConfigError(f"--max_staleness {k}: one window trains {steps} optimizer steps (steps_per_generation / "
-                          "gradient_accumulation_steps × num_iterations), so a window rolled out ahead is at least "
-                          f"{steps} steps old; use --max_staleness {steps} or more (each further {steps} lets one "
-                          "more window roll out ahead), or 0 to train synchronously")
+        raise ConfigError(
+            f"--max_staleness {k}: one window trains {steps} optimizer steps (steps_per_generation / "
+            "gradient_accumulation_steps × num_iterations), so a window rolled out ahead is at least "
+            f"{steps} steps old; use --max_staleness {steps} or more (each further {steps} lets one "
+            "more window roll out ahead), or 0 to train synchronously"
+        )
     if k and r.staleness_policy == "drop" and plan.world_size > 1:
-        raise ConfigError(f"--staleness_policy drop with {plan.world_size} processes: not implemented yet (each "
-                          "process would drop windows by its own timing, and they must train the same windows); "
-                          "use --staleness_policy wait")
-
+        raise ConfigError(
+            f"--staleness_policy drop with {plan.world_size} processes: not implemented yet (each "
+            "process would drop windows by its own timing, and they must train the same windows); "
+            "use --staleness_policy wait"
+        )

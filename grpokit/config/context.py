@@ -47,9 +47,13 @@ def check_context(cfg: TrainConfig) -> None:
     limit, source = found
     flag = "--max_new_tokens" if r.max_new_tokens is not None else "--max_completion_length"
     if r.max_completion_length > limit:
-        raise ConfigError(f"{flag} {r.max_completion_length}: the model {m.model} holds {limit} positions ({source} "
-                          f"in its config.json), so completions would run past its context; use at most {limit}")
+        raise ConfigError(
+            f"{flag} {r.max_completion_length}: the model {m.model} holds {limit} positions ({source} "
+            f"in its config.json), so completions would run past its context; use at most {limit}"
+        )
     if d.max_length is not None and d.max_length + r.max_completion_length > limit:
-        raise ConfigError(f"--max_length {d.max_length} + {flag} {r.max_completion_length} = "
-                          f"{d.max_length + r.max_completion_length} tokens, but the model {m.model} holds {limit} "
-                          f"positions ({source} in its config.json); lower one so the sum is at most {limit}")
+        raise ConfigError(
+            f"--max_length {d.max_length} + {flag} {r.max_completion_length} = "
+            f"{d.max_length + r.max_completion_length} tokens, but the model {m.model} holds {limit} "
+            f"positions ({source} in its config.json); lower one so the sum is at most {limit}"
+        )

@@ -51,8 +51,12 @@ class Bounds:
     def holds(self, value) -> bool:
         if value in self.also:
             return True
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     def describe(self) -> str:
         low = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None
@@ -121,7 +125,7 @@ def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(_show(v) for v in value) if value else "[]"
     text = repr(value) if isinstance(value, str) and (not value or any(c.isspace() for c in value)) else str(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 1] + "…"  # an error stays one short line
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"  # an error stays one short line
 
 
 def _type_word(kind: Kind) -> str:
@@ -160,8 +164,9 @@ def _check_item(name: str, kind: Kind, field: dataclasses.Field, item, shown: st
             why = f" ({b.why})" if b.why else ""
             raise ConfigError(f"--{name} {shown}: must be {b.describe()}{why}{_fix(field)}")
         if base is int and abs(item) > INT_LIMIT and (b is None or (b.le is None and b.lt is None)):
-            raise ConfigError(f"--{name} {shown}: must be at most {INT_LIMIT} in size (the largest count grpokit "
-                              f"takes){_fix(field)}")
+            raise ConfigError(
+                f"--{name} {shown}: must be at most {INT_LIMIT} in size (the largest count grpokit takes){_fix(field)}"
+            )
 
 
 def check_value(name: str, field: dataclasses.Field, kind: Kind, value) -> None:
@@ -215,8 +220,10 @@ def _coerce_item(name: str, kind: Kind, field: dataclasses.Field, item, where: s
         return _from_text(name, kind, item, where)
     if base is int and isinstance(item, float) and not isinstance(item, bool):
         if not item.is_integer():
-            raise ConfigError(f"{where}{name}: {item:g} is not a whole number; write an integer such as "
-                              f"{math.floor(item) if math.isfinite(item) else 1}")
+            raise ConfigError(
+                f"{where}{name}: {item:g} is not a whole number; write an integer such as "
+                f"{math.floor(item) if math.isfinite(item) else 1}"
+            )
         return int(item)
     if base is float and isinstance(item, int) and not isinstance(item, bool):
         return float(item)
@@ -239,8 +246,9 @@ def coerce_yaml(data: dict, fields: dict[str, tuple[dataclasses.Field, Kind]], w
         field, kind = fields[name]
         if value is None:
             if not kind.optional and not kind.is_list:
-                raise ConfigError(f"{where}{name}: needs a value ({_type_word(kind)}); remove the line to keep the "
-                                  "default")
+                raise ConfigError(
+                    f"{where}{name}: needs a value ({_type_word(kind)}); remove the line to keep the default"
+                )
             out[name] = [] if kind.is_list else None
         elif kind.is_list:
             items = value if isinstance(value, list) else [value]  # `reward_funcs: accuracy` is one name
@@ -252,8 +260,18 @@ def coerce_yaml(data: dict, fields: dict[str, tuple[dataclasses.Field, Kind]], w
     return out
 
 
-def opt(default, help: str, ge=None, gt=None, le=None, lt=None, also=(), why="",  # noqa: A002 - argparse's
-         json_object=False, **kw):
+def opt(
+    default,
+    help: str,
+    ge=None,
+    gt=None,
+    le=None,
+    lt=None,
+    also=(),
+    why="",  # noqa: A002 - argparse's
+    json_object=False,
+    **kw,
+):
     """A field with its help text and what it accepts (``grpokit.config.fields`` checks every value against it):
     a numeric range (``ge``/``gt``/``le``/``lt``, ``also`` for documented values outside it, ``why`` said in the
     error), ``choices``, or ``json_object`` for a text option that YAML may give as a mapping."""

@@ -62,9 +62,13 @@ def _make_parser(prog: str):
         def error(self, message: str):  # one line, no usage dump
             raise ConfigError(_argparse_line(message) or f"{self.prog}: {message} (see `{self.prog} --help`)")
 
-    parser = Parser(ALL_GROUPS, prog=prog, epilog="ms-swift's other option names are accepted too: each one either "
-                    "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
-                    "(docs/porting.md lists them all)")
+    parser = Parser(
+        ALL_GROUPS,
+        prog=prog,
+        epilog="ms-swift's other option names are accepted too: each one either "
+        "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
+        "(docs/porting.md lists them all)",
+    )
     parser.add_argument("--config", type=str, default=None, help="YAML file of options; flags override it")
     _add_swift_options(parser)
     for action in parser._actions:
@@ -74,8 +78,11 @@ def _make_parser(prog: str):
     return parser
 
 
-_ARGPARSE = re.compile(r"^argument (--\w+)(?:/[-\w]+)*: (invalid choice|invalid (\w+) value): '(.*)'(?: \(choose from "
-                       r"(.*)\))?$", re.DOTALL)
+_ARGPARSE = re.compile(
+    r"^argument (--\w+)(?:/[-\w]+)*: (invalid choice|invalid (\w+) value): '(.*)'(?: \(choose from "
+    r"(.*)\))?$",
+    re.DOTALL,
+)
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "string_to_bool": "true or false"}
 
 
@@ -160,8 +167,10 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
         defaults.update(_load_yaml(pre.config, parser))
     user_keys = set(defaults) | {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     if any(a.split("=", 1)[0] == "--vllm_server_api_key" for a in argv):
-        logger.warning("--vllm_server_api_key on the command line is readable by every process on this host "
-                       "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead")
+        logger.warning(
+            "--vllm_server_api_key on the command line is readable by every process on this host "
+            "(/proc/PID/cmdline, ps); set GRPOKIT_API_KEY in the environment instead"
+        )
     if "model" not in user_keys and "dataset" not in user_keys:
         demo = coerce_yaml(yaml.safe_load(DEMO_YAML.read_text()), option_fields(ALL_GROUPS), where="demo.yaml: ")
         defaults = {**demo, **defaults}
@@ -169,8 +178,9 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
         parser.set_defaults(**defaults)
     *groups, extra = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     _check_unknown(parser, extra)
-    swift = {k: v for g in groups if type(g) not in ALL_GROUPS for k, v in vars(g).items()
-             if k in WARNED or k in REFUSED}
+    swift = {
+        k: v for g in groups if type(g) not in ALL_GROUPS for k, v in vars(g).items() if k in WARNED or k in REFUSED
+    }
     groups = [g for g in groups if type(g) in ALL_GROUPS]
     cfg = TrainConfig(*groups, swift_options=swift)
     check_fields(cfg)  # before resolve: an error names the option as given (--max_new_tokens, not its target)
@@ -182,5 +192,3 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
     cfg = resolve(cfg)
     validate(cfg)
     return cfg
-
-

@@ -78,7 +78,8 @@ def batch_plan(cfg: TrainConfig, world: int | None = None) -> BatchPlan:
         if t.generation_batch_size % per_step:
             raise ConfigError(
                 f"--generation_batch_size {t.generation_batch_size} must be a multiple of per_device_train_batch_"
-                f"size × processes = {b} × {world} = {per_step}")
+                f"size × processes = {b} × {world} = {per_step}"
+            )
         spg = t.generation_batch_size // per_step
     else:
         spg = t.steps_per_generation or gas
@@ -88,11 +89,13 @@ def batch_plan(cfg: TrainConfig, world: int | None = None) -> BatchPlan:
         raise ConfigError(
             f"the generation batch {gbs} (= per_device_train_batch_size {b} × steps_per_generation {spg} × "
             f"{world} process(es)) is not divisible by num_generations {r.num_generations}; "
-            + _divisors_hint(gbs, r.num_generations))
+            + _divisors_hint(gbs, r.num_generations)
+        )
     if plan.micro_steps_per_window % gas:
         raise ConfigError(
             f"steps_per_generation × num_iterations = {spg} × {a.num_iterations} micro-steps per rollout is not a "
-            f"multiple of gradient_accumulation_steps {gas}; set --steps_per_generation to a multiple of {gas}")
+            f"multiple of gradient_accumulation_steps {gas}; set --steps_per_generation to a multiple of {gas}"
+        )
     return plan
 
 
@@ -110,7 +113,9 @@ def earlier_run_checkpoints(output_dir: str | Path, overwrite: bool) -> list[Pat
     earlier = checkpoint_dirs(output_dir)
     if earlier and not overwrite:
         names = ", ".join(p.name for p in earlier[:3]) + (", …" if len(earlier) > 3 else "")
-        raise ConfigError(f"--output_dir {output_dir} holds checkpoints of an earlier run ({names}): continue it with "
-                          "--resume_from_checkpoint latest, choose another --output_dir, or pass "
-                          "--overwrite_output_dir true to delete them")
+        raise ConfigError(
+            f"--output_dir {output_dir} holds checkpoints of an earlier run ({names}): continue it with "
+            "--resume_from_checkpoint latest, choose another --output_dir, or pass "
+            "--overwrite_output_dir true to delete them"
+        )
     return earlier

@@ -46,8 +46,11 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         t.eval_steps, t.eval_on_start = None, False
     if a.loss_type == "real" and a.scale_rewards != "none":
         if a.scale_rewards is not None and is_rank0():
-            logger.warning("--scale_rewards %s is replaced by none: --loss_type real uses only the sign of each "
-                           "advantage (as ms-swift, which forces none too)", a.scale_rewards)
+            logger.warning(
+                "--scale_rewards %s is replaced by none: --loss_type real uses only the sign of each "
+                "advantage (as ms-swift, which forces none too)",
+                a.scale_rewards,
+            )
         a.scale_rewards = "none"
     if a.chord_sft_dataset:
         a.chord_mu_warmup_steps = a.chord_mu_warmup_steps or 0

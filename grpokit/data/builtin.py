@@ -139,8 +139,12 @@ def countdown(split: str = "train", seed: int = 42) -> list[Row]:
     n_test = COUNTDOWN_SIZES["test"]
     chosen = problems[:n_test] if split == "test" else problems[n_test:]
     rows = [
-        {"messages": _user(countdown_prompt(list(nums), target)), "nums": list(nums), "target": target,
-         "solution": expr}
+        {
+            "messages": _user(countdown_prompt(list(nums), target)),
+            "nums": list(nums),
+            "target": target,
+            "solution": expr,
+        }
         for nums, target, expr in chosen
     ]
     return _ordered(rows, seed)
@@ -161,9 +165,7 @@ def guess_number(split: str = "train", seed: int = 42) -> list[Row]:
     """
     _check_split("guess_number", split)
     repeats = GUESS_NUMBER_TRAIN_REPEATS if split == "train" else 1
-    prompt = (
-        f"I am thinking of a number between 1 and {GUESS_NUMBER_MAX}. Guess it; reply with just the number."
-    )
+    prompt = f"I am thinking of a number between 1 and {GUESS_NUMBER_MAX}. Guess it; reply with just the number."
     rows = [
         {"messages": _user(prompt), "env_config": {"name": "guess_number", "secret": k}}
         for _ in range(repeats)

@@ -21,8 +21,10 @@ MESSAGES_COLUMNS = ("messages", "conversation", "conversations")
 QUERY_COLUMNS = ("prompt", "query", "question", "problem", "instruction", "input")
 SYSTEM_COLUMNS = ("system", "system_prompt")
 REPLY_COLUMNS = ("response", "output", "completion")  # a reference reply: becomes `solution` when there is none
-ACCEPTED = ("messages/conversation(s) (list of messages, ShareGPT from/value too), prompt (str or messages), "
-            "query, question, problem, instruction (+ input), input")
+ACCEPTED = (
+    "messages/conversation(s) (list of messages, ShareGPT from/value too), prompt (str or messages), "
+    "query, question, problem, instruction (+ input), input"
+)
 
 
 def parse_columns(value: str | dict | None) -> dict[str, str]:
@@ -38,12 +40,16 @@ def parse_columns(value: str | dict | None) -> dict[str, str]:
         try:
             mapping = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--columns {value!r}: not a JSON object or a JSON file ({exc.msg}); use e.g. "
-                              "--columns '{\"question\": \"query\", \"final_answer\": \"solution\"}'") from None
-    if not isinstance(mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
-                                                for k, v in mapping.items()):
-        raise ConfigError(f"--columns {value!r}: must map column names to column names, e.g. "
-                          "'{\"question\": \"query\"}'")
+            raise ConfigError(
+                f"--columns {value!r}: not a JSON object or a JSON file ({exc.msg}); use e.g. "
+                '--columns \'{"question": "query", "final_answer": "solution"}\''
+            ) from None
+    if not isinstance(mapping, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in mapping.items()
+    ):
+        raise ConfigError(
+            f'--columns {value!r}: must map column names to column names, e.g. \'{{"question": "query"}}\''
+        )
     if len(set(mapping.values())) != len(mapping):
         raise ConfigError(f"--columns {value!r}: two columns are mapped to the same name; map each to its own")
     return dict(mapping)
@@ -56,8 +62,10 @@ def rename_columns(ds: Dataset, mapping: dict[str, str], source: str) -> tuple[D
     renames = {k: v for k, v in renames.items() if k != v}
     for old, new in renames.items():
         if new in ds.column_names and new not in renames:
-            raise DataError(f"{source}: --columns maps {old!r} to {new!r}, but the dataset already has a column "
-                            f"{new!r}; map {new!r} elsewhere too, or pick another name")
+            raise DataError(
+                f"{source}: --columns maps {old!r} to {new!r}, but the dataset already has a column "
+                f"{new!r}; map {new!r} elsewhere too, or pick another name"
+            )
     used = {k for k in mapping if k.lower() in by_lower}
     return (ds.rename_columns(renames) if renames else ds), used
 
@@ -89,8 +97,10 @@ def find_layout(columns: list[str], source: str) -> Layout:
         else:
             out.query = _first(lower, QUERY_COLUMNS)
         if out.query is None:
-            raise DataError(f"{source}: no prompt column (columns: {', '.join(columns) or 'none'}); add one of: "
-                            f"{ACCEPTED}, or rename yours with --columns '{{\"your_column\": \"query\"}}'")
+            raise DataError(
+                f"{source}: no prompt column (columns: {', '.join(columns) or 'none'}); add one of: "
+                f'{ACCEPTED}, or rename yours with --columns \'{{"your_column": "query"}}\''
+            )
     out.system = _first(lower, SYSTEM_COLUMNS)
     out.history = lower.get("history")
     out.reply = _first(lower, ("solution", "answer") + REPLY_COLUMNS)

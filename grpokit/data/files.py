@@ -68,14 +68,18 @@ def _lines(path: Path, max_row_bytes: int, where: str):
                 return
             number += 1
             if len(raw.rstrip(b"\r\n")) > max_row_bytes:
-                raise DataError(f"{where}: line {number} is longer than --max_row_bytes {max_row_bytes} "
-                                f"({_size(max_row_bytes)}); shorten the row or raise --max_row_bytes")
+                raise DataError(
+                    f"{where}: line {number} is longer than --max_row_bytes {max_row_bytes} "
+                    f"({_size(max_row_bytes)}); shorten the row or raise --max_row_bytes"
+                )
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                bad = raw[exc.start:exc.start + 4]
-                raise DataError(f"{where}: line {number} is not UTF-8 (byte {exc.start + 1} of the line: {bad!r}); "
-                                "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                bad = raw[exc.start : exc.start + 4]
+                raise DataError(
+                    f"{where}: line {number} is not UTF-8 (byte {exc.start + 1} of the line: {bad!r}); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             yield number, text
 
 
@@ -126,14 +130,16 @@ def _scan_utf8(path: Path, where: str) -> None:
                 decoder.decode(chunk)
             except UnicodeDecodeError as exc:
                 line += chunk.count(b"\n", 0, max(0, exc.start))
-                raise DataError(f"{where}: line {line} is not UTF-8; "
-                                "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                raise DataError(
+                    f"{where}: line {line} is not UTF-8; re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
             line += chunk.count(b"\n")
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError:
-        raise DataError(f"{where}: the file ends inside a UTF-8 character (a truncated file?); re-encode or "
-                        "re-copy it") from None
+        raise DataError(
+            f"{where}: the file ends inside a UTF-8 character (a truncated file?); re-encode or re-copy it"
+        ) from None
 
 
 def _is_json_lines(first_line: str) -> bool:
@@ -148,14 +154,18 @@ def _json_line(text: str, line: str, where: str) -> None:
     try:
         row = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
-        near = text[max(0, exc.pos - 20):exc.pos + 20].strip()
-        raise DataError(f"{where}: {line} column {exc.colno} is not valid JSON ({exc.msg}, near {near!r}); "
-                        "each line of a .jsonl file must be one JSON object") from None
+        near = text[max(0, exc.pos - 20) : exc.pos + 20].strip()
+        raise DataError(
+            f"{where}: {line} column {exc.colno} is not valid JSON ({exc.msg}, near {near!r}); "
+            "each line of a .jsonl file must be one JSON object"
+        ) from None
     except ValueError as exc:  # a duplicate key
         raise DataError(f"{where}: {line} has a {exc}; give each column once") from None
     if not isinstance(row, dict):
-        raise DataError(f"{where}: {line} is a JSON {type(row).__name__}, not an object; each line of a "
-                        ".jsonl file must be one object {{\"column\": value, ...}}")
+        raise DataError(
+            f"{where}: {line} is a JSON {type(row).__name__}, not an object; each line of a "
+            '.jsonl file must be one object {{"column": value, ...}}'
+        )
 
 
 def _scan_csv(path: Path, where: str, max_row_bytes: int) -> None:
@@ -167,8 +177,10 @@ def _scan_csv(path: Path, where: str, max_row_bytes: int) -> None:
     seen: set[str] = set()
     for name in names:
         if name in seen:
-            raise DataError(f"{where}: the header (line {header[0]}) names column {name!r} twice; give each column "
-                            "a name of its own")
+            raise DataError(
+                f"{where}: the header (line {header[0]}) names column {name!r} twice; give each column "
+                "a name of its own"
+            )
         seen.add(name)
     for _ in lines:  # every line bounded and UTF-8
         pass

@@ -64,8 +64,9 @@ def check_image_ref(image: Any, where: str) -> None:
     if not isinstance(image, str) or not image:
         raise DataError(f"{where}: an image must be a file path, bytes or a PIL image, got {type(image).__name__}")
     if image.startswith(("http://", "https://", "ftp://")):
-        raise DataError(f"{where}: image URL {image[:120]!r} is refused (no network here); download it and pass "
-                        "the local path")
+        raise DataError(
+            f"{where}: image URL {image[:120]!r} is refused (no network here); download it and pass the local path"
+        )
     if not _is_file(image):
         raise DataError(f"{where}: image file {image[:200]!r} does not exist; fix the path in the images column")
 
@@ -76,17 +77,21 @@ def decode_image_ref(image: Any, where: str) -> Any:
     "path"}`` dict stays as it is. DataError (one line) for anything that cannot be opened here."""
     if isinstance(image, str):
         match = DATA_URI.match(image)
-        text = image[match.end():] if match else image
+        text = image[match.end() :] if match else image
         if match or not (_is_file(image) or "://" in image or "." in image):
             if len(text) * 3 // 4 > MAX_DECODED_IMAGE_BYTES + 2:
-                raise DataError(f"{where}: a base64 image of about {len(text) * 3 // 4} bytes exceeds "
-                                f"{MAX_DECODED_IMAGE_BYTES} bytes; pass a smaller image or a file path")
+                raise DataError(
+                    f"{where}: a base64 image of about {len(text) * 3 // 4} bytes exceeds "
+                    f"{MAX_DECODED_IMAGE_BYTES} bytes; pass a smaller image or a file path"
+                )
             try:
                 return base64.b64decode(text, validate=True)
             except (binascii.Error, ValueError):
                 if match:
-                    raise DataError(f"{where}: the data URI's base64 is not valid; pass 'data:image/png;base64,...', "
-                                    "raw base64, a file path, bytes or a PIL image") from None
+                    raise DataError(
+                        f"{where}: the data URI's base64 is not valid; pass 'data:image/png;base64,...', "
+                        "raw base64, a file path, bytes or a PIL image"
+                    ) from None
     check_image_ref(image, where)
     return image
 
@@ -105,8 +110,10 @@ def check_row_images(row: dict, where: str) -> None:
         check_image_ref(image, f"{where}: image {k}")
     slots = count_placeholders(row.get("messages") or [])
     if slots > len(images):
-        raise DataError(f"{where}: {slots} image placeholder(s) but {len(images)} image(s); give one image per "
-                        f"{IMAGE_PLACEHOLDER} (or image part), or remove the extra placeholders")
+        raise DataError(
+            f"{where}: {slots} image placeholder(s) but {len(images)} image(s); give one image per "
+            f"{IMAGE_PLACEHOLDER} (or image part), or remove the extra placeholders"
+        )
 
 
 def check_images(ds, source: str):
@@ -115,8 +122,11 @@ def check_images(ds, source: str):
     if not any(c in columns for c in IMAGE_COLUMNS):
         return ds
     if "image" in columns and "images" not in columns:  # TRL's one image per row: a list of one, as images
-        ds = ds.map(lambda row: {"images": [] if row["image"] is None else [row["image"]]}, remove_columns=["image"],
-                    desc=f"images of {source}")
+        ds = ds.map(
+            lambda row: {"images": [] if row["image"] is None else [row["image"]]},
+            remove_columns=["image"],
+            desc=f"images of {source}",
+        )
     if any(isinstance(m.get("content"), list) for row in ds.select_columns(["messages"]) for m in row["messages"]):
         ds = ds.map(lambda row: {"messages": to_placeholders(row["messages"])}, desc=f"image parts of {source}")
     for i in range(len(ds)):
@@ -131,8 +141,7 @@ def to_placeholders(messages: list[dict]) -> list[dict]:
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(IMAGE_PLACEHOLDER if p.get("type") == "image" else (p.get("text") or "")
-                              for p in content)
+            content = "".join(IMAGE_PLACEHOLDER if p.get("type") == "image" else (p.get("text") or "") for p in content)
         out.append({**m, "content": content})
     return out
 
@@ -165,8 +174,10 @@ def to_parts(messages: list[dict]) -> list[dict]:
                     parts.append({"type": "text", "text": piece})
             content = parts
         elif isinstance(content, list):  # typed parts (TRL); datasets fills a struct's missing keys with None
-            content = [{"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p.get("text") or ""}
-                       for p in content]
+            content = [
+                {"type": "image"} if p.get("type") == "image" else {"type": "text", "text": p.get("text") or ""}
+                for p in content
+            ]
         out.append({**m, "content": content})
     return out
 
@@ -177,8 +188,10 @@ def with_image_slots(messages: list[dict], n_images: int) -> list[dict]:
     parts = to_parts(messages)
     slots = count_placeholders(parts)
     if slots > n_images:
-        raise DataError(f"{slots} image placeholder(s) but {n_images} image(s) in the row; give one image per "
-                        f"{IMAGE_PLACEHOLDER}, or remove the extra placeholders")
+        raise DataError(
+            f"{slots} image placeholder(s) but {n_images} image(s) in the row; give one image per "
+            f"{IMAGE_PLACEHOLDER}, or remove the extra placeholders"
+        )
     missing = n_images - slots
     if missing:
         k = next((i for i, m in enumerate(parts) if m["role"] == "user"), 0)

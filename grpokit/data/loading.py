@@ -31,8 +31,16 @@ from grpokit.data.reasoning_gym import reasoning_gym_rows
 from grpokit.data.rows import normalize_rows
 from grpokit.errors import ConfigError, DataError
 
-__all__ = ["BUILTIN_TASKS", "RowOptions", "concat_datasets", "load_dataset_spec", "load_rows", "load_train_val",
-           "normalize_rows", "resolve_system"]
+__all__ = [
+    "BUILTIN_TASKS",
+    "RowOptions",
+    "concat_datasets",
+    "load_dataset_spec",
+    "load_rows",
+    "load_train_val",
+    "normalize_rows",
+    "resolve_system",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +136,9 @@ def _sample(ds: Dataset, count: int, seed: int) -> Dataset:
     return datasets.concatenate_datasets([ds] * repeats + ([order.select(range(rest))] if rest else []))
 
 
-def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset",
-                      max_row_bytes: int = MAX_ROW_BYTES) -> Dataset:
+def load_dataset_spec(
+    spec: str, *, seed: int = 42, option: str = "--dataset", max_row_bytes: int = MAX_ROW_BYTES
+) -> Dataset:
     """Load one spec as raw rows (not yet normalised), sub-sampled to ``#N`` rows if asked.
 
     ``option`` is the flag named in error messages (``--dataset`` or ``--val_dataset``); ``max_row_bytes``
@@ -141,8 +150,9 @@ def load_dataset_spec(spec: str, *, seed: int = 42, option: str = "--dataset",
         raise DataError(f"{option} {spec!r} has no rows; check the file or pick another dataset")
     if count is not None:
         if count > len(ds):
-            logger.warning("%s %r asks for %d rows but has only %d; the rows repeat (as in ms-swift)", option,
-                           spec, count, len(ds))
+            logger.warning(
+                "%s %r asks for %d rows but has only %d; the rows repeat (as in ms-swift)", option, spec, count, len(ds)
+            )
         ds = _sample(ds, count, seed)
     return ds
 
@@ -198,8 +208,10 @@ def resolve_system(value: str | None) -> str | None:
     if value.endswith(".txt"):
         path = Path(value).expanduser()
         if not path.is_file():
-            raise ConfigError(f"--system {value}: a value ending in .txt is read as a file, and there is no such "
-                              "file; fix the path, or pass the prompt text itself")
+            raise ConfigError(
+                f"--system {value}: a value ending in .txt is read as a file, and there is no such "
+                "file; fix the path, or pass the prompt text itself"
+            )
         return path.read_text(encoding="utf-8")
     return value.replace("\\n", "\n")
 
@@ -211,8 +223,9 @@ def _load_many(specs: list[str], opts: RowOptions, seed: int, option: str, used:
         raw = load_dataset_spec(spec, seed=seed, option=option, max_row_bytes=opts.max_row_bytes)
         raw, matched = rename_columns(raw, opts.columns, source)
         used.update(matched)
-        rows = normalize_rows(raw, opts.system, source=source, num_proc=opts.num_proc,
-                              load_from_cache_file=opts.load_from_cache_file)
+        rows = normalize_rows(
+            raw, opts.system, source=source, num_proc=opts.num_proc, load_from_cache_file=opts.load_from_cache_file
+        )
         parts.append((source, check_images(rows, source)))  # data/images.py
     return concat_datasets(parts)
 
@@ -248,8 +261,10 @@ def load_train_val(
     val = _load_many(val_dataset, opts, seed, "--val_dataset", used) if val_dataset else None
     unused = sorted(set(opts.columns) - used)
     if unused:
-        raise ConfigError(f"--columns names {', '.join(map(repr, unused))}, which no dataset has (matched "
-                          "ignoring case); fix the name or drop it from --columns")
+        raise ConfigError(
+            f"--columns names {', '.join(map(repr, unused))}, which no dataset has (matched "
+            "ignoring case); fix the name or drop it from --columns"
+        )
     if val is not None:
         return train, val
     if split_dataset_ratio == 0.0:

@@ -37,8 +37,9 @@ def _registry() -> dict:
         # not at the top: an optional extra, imported only for a reasoning_gym: spec or the reasoning_gym reward
         from reasoning_gym.factory import DATASETS
     except ImportError as exc:
-        raise DataError(f"reasoning-gym tasks need the reasoning-gym package, which is not installed; {INSTALL}"
-                        ) from exc
+        raise DataError(
+            f"reasoning-gym tasks need the reasoning-gym package, which is not installed; {INSTALL}"
+        ) from exc
     return DATASETS
 
 
@@ -52,7 +53,7 @@ def _value(text: str):
 def parse_spec(base: str, option: str = "--dataset") -> tuple[str, dict]:
     """``'reasoning_gym:chain_sum?size=50&min_terms=2'`` → ``('chain_sum', {'size': 50, 'seed': 42,
     'min_terms': 2})``."""
-    task, _, query = base[len(PREFIX):].partition("?")
+    task, _, query = base[len(PREFIX) :].partition("?")
     params: dict = {}
     for key, text in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if key in params:
@@ -63,8 +64,10 @@ def parse_spec(base: str, option: str = "--dataset") -> tuple[str, dict]:
     for key, high in (("size", MAX_SIZE), ("seed", 2**32 - 1)):
         value = params[key]
         if not isinstance(value, int) or isinstance(value, bool) or not (1 if key == "size" else 0) <= value <= high:
-            raise DataError(f"{option} {base!r}: {key}={value!r} must be a whole number in "
-                            f"[{1 if key == 'size' else 0}, {high}], e.g. {key}={DEFAULT_SIZE if key == 'size' else 1}")
+            raise DataError(
+                f"{option} {base!r}: {key}={value!r} must be a whole number in "
+                f"[{1 if key == 'size' else 0}, {high}], e.g. {key}={DEFAULT_SIZE if key == 'size' else 1}"
+            )
     return task, params
 
 
@@ -73,8 +76,9 @@ def _check_task(task: str, base: str, option: str) -> tuple[type, type]:
     if task not in tasks:
         near = difflib.get_close_matches(task, tasks, n=3)
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise DataError(f"{option} {base!r}: unknown reasoning-gym task {task!r}{hint}; available: "
-                        f"{', '.join(sorted(tasks))}")
+        raise DataError(
+            f"{option} {base!r}: unknown reasoning-gym task {task!r}{hint}; available: {', '.join(sorted(tasks))}"
+        )
     return tasks[task]
 
 
@@ -86,8 +90,10 @@ def _dataset(task: str, config_json: str, base: str, option: str):
     names = [f.name for f in dataclasses.fields(config_cls)]
     unknown = sorted(set(params) - set(names))
     if unknown:
-        raise DataError(f"{option} {base!r}: {', '.join(unknown)} is not an option of reasoning-gym's {task}; its "
-                        f"options: {', '.join(names)}")
+        raise DataError(
+            f"{option} {base!r}: {', '.join(unknown)} is not an option of reasoning-gym's {task}; its "
+            f"options: {', '.join(names)}"
+        )
     # not at the top: the optional extra (see _registry)
     from reasoning_gym import create_dataset
 
@@ -95,8 +101,9 @@ def _dataset(task: str, config_json: str, base: str, option: str):
         return create_dataset(task, **params)
     except (AssertionError, ValueError, TypeError) as exc:  # the task's own config checks
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"{option} {base!r}: reasoning-gym's {task} refuses this config ({why}); fix the "
-                        "value") from exc
+        raise DataError(
+            f"{option} {base!r}: reasoning-gym's {task} refuses this config ({why}); fix the value"
+        ) from exc
 
 
 def task_dataset(task: str, config: dict, base: str | None = None, option: str = "--dataset"):
@@ -113,6 +120,11 @@ def reasoning_gym_rows(base: str, option: str = "--dataset") -> list[dict]:
         entry = ds[index]
         answer = None if entry.get("answer") is None else str(entry["answer"])
         ref = {"task": task, "config": params, "index": index, "answer": answer}
-        rows.append({"messages": [{"role": "user", "content": str(entry["question"])}], "solution": answer,
-                     ENTRY_COLUMN: json.dumps(ref, sort_keys=True)})
+        rows.append(
+            {
+                "messages": [{"role": "user", "content": str(entry["question"])}],
+                "solution": answer,
+                ENTRY_COLUMN: json.dumps(ref, sort_keys=True),
+            }
+        )
     return rows

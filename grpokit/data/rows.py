@@ -16,8 +16,15 @@ from grpokit.data import CONVERSATIONAL_COLUMN
 from grpokit.data.columns import ACCEPTED, Layout, find_layout
 from grpokit.errors import DataError
 
-ROLE_NAMES = {"human": "user", "gpt": "assistant", "bot": "assistant", "observation": "tool",
-              "observations": "tool", "function_response": "tool", "tool_response": "tool"}
+ROLE_NAMES = {
+    "human": "user",
+    "gpt": "assistant",
+    "bot": "assistant",
+    "observation": "tool",
+    "observations": "tool",
+    "function_response": "tool",
+    "tool_response": "tool",
+}
 ROLES = ("system", "user", "assistant", "tool")  # what the chat templates render (after the aliases above)
 _SHAREGPT_USER = ("user", "human")
 _SHAREGPT_ASSISTANT = ("assistant", "gpt", "bot")
@@ -46,18 +53,23 @@ def _standard_message(m: Any, where: str) -> dict:
     role = m["role"] if m.get("role") is not None else m.get("from")
     content = m["content"] if m.get("content") is not None else m.get("value")
     if not isinstance(role, str):
-        raise DataError(f"{where}: a message has no role (keys: {', '.join(map(str, m))}); use role/content or "
-                        "ShareGPT from/value")
+        raise DataError(
+            f"{where}: a message has no role (keys: {', '.join(map(str, m))}); use role/content or ShareGPT from/value"
+        )
     if content is None and not m.get("tool_calls"):
         raise DataError(f"{where}: a {role!r} message has no content; fill it (an empty string is allowed)")
     out["content"] = content
     role = ROLE_NAMES.get(role, role)
     if role in ("tool_call", "function_call"):
-        raise DataError(f"{where}: role {role!r} (ms-swift's tool-call message) is not supported in a prompt; "
-                        "put the call in an assistant message's tool_calls")
+        raise DataError(
+            f"{where}: role {role!r} (ms-swift's tool-call message) is not supported in a prompt; "
+            "put the call in an assistant message's tool_calls"
+        )
     if role not in ROLES:
-        raise DataError(f"{where}: unknown role {role!r}; use one of {', '.join(ROLES)} (or ms-swift's aliases "
-                        f"{', '.join(ROLE_NAMES)})")
+        raise DataError(
+            f"{where}: unknown role {role!r}; use one of {', '.join(ROLES)} (or ms-swift's aliases "
+            f"{', '.join(ROLE_NAMES)})"
+        )
     out["role"] = role
     return out
 
@@ -107,8 +119,10 @@ def _query(row: dict, lay: Layout, where: str) -> list[dict]:
     if value is None or value == "":
         raise DataError(f"{where} has an empty prompt; fill its {lay.query!r} column")
     if not isinstance(value, str):
-        raise DataError(f"{where}: column {lay.query!r} must be a string or a list of messages, got "
-                        f"{type(value).__name__}; accepted prompt columns: {ACCEPTED}")
+        raise DataError(
+            f"{where}: column {lay.query!r} must be a string or a list of messages, got "
+            f"{type(value).__name__}; accepted prompt columns: {ACCEPTED}"
+        )
     return [{"role": "user", "content": value}]
 
 
@@ -133,8 +147,9 @@ def _row_messages(row: dict, lay: Layout, system: str | None, where: str) -> tup
     return messages, reply
 
 
-def normalize_rows(ds: Dataset, system: str | None, *, source: str = "dataset", num_proc: int = 1,
-                   load_from_cache_file: bool = False) -> Dataset:
+def normalize_rows(
+    ds: Dataset, system: str | None, *, source: str = "dataset", num_proc: int = 1, load_from_cache_file: bool = False
+) -> Dataset:
     """Give every row a ``messages`` prompt; fill ``solution`` from the reference; add the system prompt.
 
     - the prompt comes from the first column of ``grpokit.data.columns``' lists that the dataset has: messages
@@ -165,9 +180,14 @@ def normalize_rows(ds: Dataset, system: str | None, *, source: str = "dataset", 
             out["solution"] = given if given is not None else reply
         return out
 
-    ds = ds.map(convert, with_indices=True, remove_columns=lay.consumed, desc=f"normalising {source}",
-                num_proc=num_proc if num_proc > 1 and len(ds) > 1 else None,
-                load_from_cache_file=load_from_cache_file)
+    ds = ds.map(
+        convert,
+        with_indices=True,
+        remove_columns=lay.consumed,
+        desc=f"normalising {source}",
+        num_proc=num_proc if num_proc > 1 and len(ds) > 1 else None,
+        load_from_cache_file=load_from_cache_file,
+    )
     if not has_solution and all(value is None for value in ds["solution"]):
         ds = ds.remove_columns("solution")  # no answer and no reference reply anywhere: add no empty column
     return ds

@@ -82,8 +82,12 @@ class InferEngine(ABC):
             import torch
 
             # torch's intra-op thread count is per thread: carry over the caller's (e.g. --threads in a benchmark)
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"grpokit-{self.engine_type}-infer",
-                                              initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+            self._worker = ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"grpokit-{self.engine_type}-infer",
+                initializer=torch.set_num_threads,
+                initargs=(torch.get_num_threads(),),
+            )
         return self._worker
 
     def sync_weights(self, model) -> None:

@@ -89,8 +89,14 @@ class ChunkedHead:
     """Swaps the model's output head for one call; see the module docstring. Build it only where
     ``plain_reason(model)`` is None."""
 
-    def __init__(self, model: nn.Module, temperature: float, chunk_size: int, compute_entropy: bool,
-                 support: SamplerSupport | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        temperature: float,
+        chunk_size: int,
+        compute_entropy: bool,
+        support: SamplerSupport | None = None,
+    ) -> None:
         inner = inner_model(model)
         self.head, self.model_name = inner.get_output_embeddings(), type(inner).__name__
         self.temperature, self.chunk_size, self.compute_entropy = temperature, chunk_size, compute_entropy
@@ -106,8 +112,10 @@ class ChunkedHead:
         if not lora:
             return base.weight, base.bias, None
         dtype = base.weight.dtype  # the low-rank term joins the base matmul in the base weight's dtype
-        us = [(lora_a(dropout(hidden.to(lora_a.weight.dtype))) * scaling).to(dtype)  # [..., r] each
-              for lora_a, _, dropout, scaling in lora]
+        us = [
+            (lora_a(dropout(hidden.to(lora_a.weight.dtype))) * scaling).to(dtype)  # [..., r] each
+            for lora_a, _, dropout, scaling in lora
+        ]
         bs = [lora_b.weight.to(dtype) for _, lora_b, _, _ in lora]  # [V, r] each
         if len(lora) == 1:
             return base.weight, base.bias, (us[0], bs[0])
@@ -122,11 +130,22 @@ class ChunkedHead:
         def forward(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             hidden = hidden[rows] if rows is not None else hidden
             if hidden.shape[:-1] != targets.shape:
-                raise RuntimeError(f"chunked logps: the output head got hidden states {tuple(hidden.shape)} for "
-                                   f"targets {tuple(targets.shape)}; run with --logps_chunk_size 0")
+                raise RuntimeError(
+                    f"chunked logps: the output head got hidden states {tuple(hidden.shape)} for "
+                    f"targets {tuple(targets.shape)}; run with --logps_chunk_size 0"
+                )
             weight, bias, low_rank = self._parts(hidden)
-            logps, ent = chunked_lm_head_logps(hidden, weight, bias, targets, self.temperature, self.chunk_size,
-                                               self.compute_entropy, low_rank, self.support)
+            logps, ent = chunked_lm_head_logps(
+                hidden,
+                weight,
+                bias,
+                targets,
+                self.temperature,
+                self.chunk_size,
+                self.compute_entropy,
+                low_rank,
+                self.support,
+            )
             out = torch.stack([logps, ent], dim=-1) if ent is not None else logps.unsqueeze(-1)
             produced.append(out)
             return out
@@ -134,8 +153,10 @@ class ChunkedHead:
         def take(out) -> torch.Tensor:
             got = out.logits
             if not produced or got.shape != produced[-1].shape or got.data_ptr() != produced[-1].data_ptr():
-                raise RuntimeError(f"chunked logps: {self.model_name} changes what its "
-                                   "output head returns (soft-capping or scaling?); run with --logps_chunk_size 0")
+                raise RuntimeError(
+                    f"chunked logps: {self.model_name} changes what its "
+                    "output head returns (soft-capping or scaling?); run with --logps_chunk_size 0"
+                )
             return got
 
         self.head.forward = forward

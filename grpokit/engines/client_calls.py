@@ -13,8 +13,10 @@ def check_partial_rollouts(infos: list[dict]) -> None:
     """--partial_rollouts needs servers whose engine pauses and continues generation on a weight update."""
     engines = sorted({str(i.get("engine_type", "?")) for i in infos if not i.get("partial_rollouts")})
     if engines:
-        raise ConfigError(f"--partial_rollouts true: not implemented for the rollout server's {', '.join(engines)} "
-                          "engine yet (the transformers engine pauses and continues); use --partial_rollouts false")
+        raise ConfigError(
+            f"--partial_rollouts true: not implemented for the rollout server's {', '.join(engines)} "
+            "engine yet (the transformers engine pauses and continues); use --partial_rollouts false"
+        )
 
 
 def split_requests(requests: Sequence[RolloutInferRequest], n_servers: int) -> list[list[int]]:
@@ -36,10 +38,12 @@ def split_by_size(sizes: Sequence[int], max_count: int, max_bytes: int) -> list[
     used = 0
     for i, size in enumerate(sizes):
         if size > max_bytes:
-            raise ServerError(f"one rollout request is {size / 1024 / 1024:.1f} MB as JSON, more than the rollout "
-                              f"server's body limit ({max_bytes / 1024 / 1024:.1f} MB after the call's envelope); "
-                              "shorten the prompt or the row's columns (--vllm_server_pass_dataset false keeps "
-                              "them on the trainer), or start the server with a larger --max_body_mb")
+            raise ServerError(
+                f"one rollout request is {size / 1024 / 1024:.1f} MB as JSON, more than the rollout "
+                f"server's body limit ({max_bytes / 1024 / 1024:.1f} MB after the call's envelope); "
+                "shorten the prompt or the row's columns (--vllm_server_pass_dataset false keeps "
+                "them on the trainer), or start the server with a larger --max_body_mb"
+            )
         if not parts or len(parts[-1]) >= max_count or used + size > max_bytes:
             parts.append([])
             used = 0
@@ -48,8 +52,9 @@ def split_by_size(sizes: Sequence[int], max_count: int, max_bytes: int) -> list[
     return parts
 
 
-def output_positions(requests: Sequence[RolloutInferRequest], idx: list[int],
-                     outputs: list[RolloutOutput]) -> list[int]:
+def output_positions(
+    requests: Sequence[RolloutInferRequest], idx: list[int], outputs: list[RolloutOutput]
+) -> list[int]:
     """The request position of each output. Outputs come in request order (one or more per request)."""
     pos, j = [], 0
     for o in outputs:

@@ -48,8 +48,9 @@ def request_to_wire(request: RolloutInferRequest) -> dict:
     if not images:
         return request.model_dump(mode="json")
     data = {k: v for k, v in request.data_dict.items() if k not in IMAGE_COLUMNS}
-    wire = request.model_copy(update={"data_dict": data, "images": [*request.images,
-                                                                    *(image_to_wire(i) for i in images)]})
+    wire = request.model_copy(
+        update={"data_dict": data, "images": [*request.images, *(image_to_wire(i) for i in images)]}
+    )
     return wire.model_dump(mode="json")
 
 

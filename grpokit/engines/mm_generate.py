@@ -16,8 +16,9 @@ from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoic
 from grpokit.template.processor import MMRow, collate_mm
 
 
-def infer_mm(model, template, requests: list[RolloutInferRequest], config: RequestConfig,
-             max_batch_size: int, structured=None) -> list[ChatCompletionResponse]:
+def infer_mm(
+    model, template, requests: list[RolloutInferRequest], config: RequestConfig, max_batch_size: int, structured=None
+) -> list[ChatCompletionResponse]:
     """One response with ``config.n`` choices per request, the images taken from ``data_dict["images"]``.
     ``structured(config, prompt_width)``: the engine's structured-output logits processors, or None."""
     prompts = [template.encode_request(r) for r in requests]  # a later turn's prompt: the trajectory's own ids
@@ -26,10 +27,10 @@ def infer_mm(model, template, requests: list[RolloutInferRequest], config: Reque
     if config.seed is not None:
         torch.manual_seed(config.seed)
     for start in range(0, len(flat), max_batch_size):
-        choices.extend(_generate(model, template, flat[start:start + max_batch_size], config, structured))
+        choices.extend(_generate(model, template, flat[start : start + max_batch_size], config, structured))
     out = []
     for i, (ids, _) in enumerate(prompts):
-        group = choices[i * config.n:(i + 1) * config.n]
+        group = choices[i * config.n : (i + 1) * config.n]
         for k, c in enumerate(group):
             c.index = k
         out.append(ChatCompletionResponse(choices=group, prompt_token_ids=ids))
@@ -50,9 +51,17 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
     if "pixel_values" in mm:
         mm["pixel_values"] = mm["pixel_values"].to(next(model.parameters()).dtype)
     greedy = config.temperature == 0
-    kwargs = dict(max_new_tokens=config.max_tokens, do_sample=not greedy, pad_token_id=pad, eos_token_id=eos,
-                  use_cache=True, return_dict_in_generate=True, output_scores=config.logprobs,
-                  repetition_penalty=config.repetition_penalty, suppress_tokens=template.blocked_token_ids or None)
+    kwargs = dict(
+        max_new_tokens=config.max_tokens,
+        do_sample=not greedy,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_scores=config.logprobs,
+        repetition_penalty=config.repetition_penalty,
+        suppress_tokens=template.blocked_token_ids or None,
+    )
     if greedy:
         kwargs.update(temperature=None, top_p=None, top_k=None)
     else:
@@ -82,8 +91,11 @@ def _generate(model, template, prompts: list[tuple[list[int], MMRow]], config: R
         logprobs = None
         if lps is not None:
             logprobs = {"content": [{"token_id": t, "logprob": v} for t, v in zip(ids, lps[r])]}
-        choices.append(ChatCompletionResponseChoice(message={"role": "assistant", "content": text},
-                                                    finish_reason=finish, token_ids=ids, logprobs=logprobs))
+        choices.append(
+            ChatCompletionResponseChoice(
+                message={"role": "assistant", "content": text}, finish_reason=finish, token_ids=ids, logprobs=logprobs
+            )
+        )
     return choices
 
 

@@ -44,8 +44,16 @@ def shared_prompts(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.
     return _first_occurrence(inverse, len(uniq)), inverse
 
 
-def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      logits_to_keep: int, share_prompts: bool = True, head=None, **model_kwargs) -> torch.Tensor:
+def completion_logits(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_to_keep: int,
+    share_prompts: bool = True,
+    head=None,
+    **model_kwargs,
+) -> torch.Tensor:
     """Logits [B, C, V] at the positions that predict the last C = ``logits_to_keep`` tokens; with ``head`` (a
     ``ChunkedHead``), its per-token results [B, C, k] for those tokens instead, computed in the head's place."""
     c = logits_to_keep
@@ -53,27 +61,46 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     # model derives positions itself (vision-language models), which a prompt-only forward would get wrong
     if plan is None:
         with swapped_head(head, next_tokens(input_ids, c + 1)) as take:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        logits_to_keep=c + 1, use_cache=False, **model_kwargs)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=c + 1,
+                use_cache=False,
+                **model_kwargs,
+            )
         return take(out)[:, :-1, :]
     first, inverse = plan
     cache_kw = cache_kwarg(model)
     p = input_ids.shape[1] - c
-    with swapped_head(head, input_ids[:, p:p + 1], rows=inverse) as take:  # per row: its prompt's last position
-        head_out = model(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p],
-                         position_ids=position_ids[first, :p], use_cache=True, logits_to_keep=1, **model_kwargs)
+    with swapped_head(head, input_ids[:, p : p + 1], rows=inverse) as take:  # per row: its prompt's last position
+        head_out = model(
+            input_ids=input_ids[first, :p],
+            attention_mask=attention_mask[first, :p],
+            position_ids=position_ids[first, :p],
+            use_cache=True,
+            logits_to_keep=1,
+            **model_kwargs,
+        )
     first_logits = take(head_out) if head is not None else head_out.logits[inverse]
     cache = _output_cache(head_out)
     cache.batch_select_indices(inverse)  # every row gets its prompt's keys/values (differentiable indexing)
     with swapped_head(head, next_tokens(input_ids, c)) as take:
-        tail = model(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=position_ids[:, p:],
-                     use_cache=True, logits_to_keep=c, **{cache_kw: cache}, **model_kwargs)
+        tail = model(
+            input_ids=input_ids[:, p:],
+            attention_mask=attention_mask,
+            position_ids=position_ids[:, p:],
+            use_cache=True,
+            logits_to_keep=c,
+            **{cache_kw: cache},
+            **model_kwargs,
+        )
     return torch.cat([first_logits, take(tail)[:, :-1, :]], dim=1)
 
 
 def next_tokens(input_ids: torch.Tensor, n: int) -> torch.Tensor:
     """[B, n]: the token each of the last ``n`` positions predicts (0 after the last token, a result dropped)."""
-    return torch.nn.functional.pad(input_ids[:, input_ids.shape[1] - n + 1:], (0, 1))
+    return torch.nn.functional.pad(input_ids[:, input_ids.shape[1] - n + 1 :], (0, 1))
 
 
 @contextmanager
@@ -94,8 +121,13 @@ def prefill_shared_prompts(model, input_ids: torch.Tensor, attention_mask: torch
         return None
     first, inverse = plan
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1],
-                position_ids=position_ids[first, :-1], use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids[first, :-1],
+        attention_mask=attention_mask[first, :-1],
+        position_ids=position_ids[first, :-1],
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache = _output_cache(out)
     cache.batch_select_indices(inverse)
     return cache

@@ -27,9 +27,11 @@ def check_finite_logits(row_values: torch.Tensor, step: int | None = None) -> No
         row = int(bad.nonzero()[0, 0])
         value = float(row_values[row])
         at = "" if step is None else f"at generated token {step} "
-        raise RolloutError(f"sampling: the model's logits are not finite ({'nan' if math.isnan(value) else value}) "
-                           f"{at}of batch row {row}; the weights have diverged (see the loss and grad_norm of the "
-                           "last steps): lower --learning_rate or keep --max_grad_norm on")
+        raise RolloutError(
+            f"sampling: the model's logits are not finite ({'nan' if math.isnan(value) else value}) "
+            f"{at}of batch row {row}; the weights have diverged (see the loss and grad_norm of the "
+            "last steps): lower --learning_rate or keep --max_grad_norm on"
+        )
 
 
 class FiniteLogitsCheck(LogitsProcessor):
@@ -39,8 +41,9 @@ class FiniteLogitsCheck(LogitsProcessor):
         self.prompt_width = prompt_width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        check_finite_logits(scores.amax(-1).float().clamp(min=torch.finfo(torch.float32).min),
-                            input_ids.shape[1] - self.prompt_width)
+        check_finite_logits(
+            scores.amax(-1).float().clamp(min=torch.finfo(torch.float32).min), input_ids.shape[1] - self.prompt_width
+        )
         return scores
 
 
@@ -57,8 +60,15 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
-def sampling_processors(*, greedy: bool, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-                        extra: LogitsProcessorList | None = None) -> LogitsProcessorList:
+def sampling_processors(
+    *,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float,
+    extra: LogitsProcessorList | None = None,
+) -> LogitsProcessorList:
     """The processors HF ``generate`` builds for these settings, in its order: repetition penalty, the caller's
     own processors (``extra``), then for sampling temperature, top-k and top-p."""
     procs = LogitsProcessorList()

@@ -40,8 +40,12 @@ class SyncReport:
 def check_body(buckets: list[WeightBucket], sums: list[list[float]]) -> dict:
     """The /check_weights/ body for a sync of ``buckets`` whose tensors' sums are ``sums`` (bucket order)."""
     rows = iter(sums)
-    body = CheckWeightsBody(buckets=[[TensorSums(name=m.name, dtype=m.dtype, sums=finite_or_none(next(rows)))
-                                      for m in b.tensors] for b in buckets])
+    body = CheckWeightsBody(
+        buckets=[
+            [TensorSums(name=m.name, dtype=m.dtype, sums=finite_or_none(next(rows))) for m in b.tensors]
+            for b in buckets
+        ]
+    )
     return body.model_dump()
 
 
@@ -54,8 +58,10 @@ def check_servers(post, labels: list[str], body: dict, versions: dict[int, Any])
         problems = list(answer.get("problems") or [])
         if problems:
             more = int(answer.get("count", len(problems))) - 1
-            raise WeightSyncError(f"weight sync check: server {label} does not hold the weights just sent: "
-                                  f"{str(problems[0])[:400]}" + (f" (and {more} more)" if more > 0 else ""))
+            raise WeightSyncError(
+                f"weight sync check: server {label} does not hold the weights just sent: "
+                f"{str(problems[0])[:400]}" + (f" (and {more} more)" if more > 0 else "")
+            )
         report.checked += int(answer.get("checked", 0))
         report.unreadable += int(answer.get("unreadable", 0))
     report.seconds = time.perf_counter() - t0
@@ -80,23 +86,23 @@ class StreamTap:
             yield name, t
 
     def sent(self) -> list[tuple[None, str, torch.dtype, list[float | None]]]:
-        return [(None, n, self.dtype, finite_or_none(s)) for n, s in zip(self.names, self._sums.values(),
-                                                                         strict=True)]
+        return [(None, n, self.dtype, finite_or_none(s)) for n, s in zip(self.names, self._sums.values(), strict=True)]
 
 
-def check_stream(tap: StreamTap, consumed: list[str], held: dict[str, tuple[list[float], str] | None],
-                 where: str) -> SyncReport:
+def check_stream(
+    tap: StreamTap, consumed: list[str], held: dict[str, tuple[list[float], str] | None], where: str
+) -> SyncReport:
     """The colocate comparison: every tensor streamed reached the loader and reads back with its sums."""
     t0 = time.perf_counter()
     dropped = [n for n in tap.names if n not in set(consumed)]
     if dropped:
         more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
-        raise WeightSyncError(f"weight sync check: {dropped[0]}{more} never reached {where}'s weight loader "
-                              "(dropped on the way)")
+        raise WeightSyncError(
+            f"weight sync check: {dropped[0]}{more} never reached {where}'s weight loader (dropped on the way)"
+        )
     as_dtypes = {n: None if v is None else (v[0], parse_dtype(v[1])) for n, v in held.items()}
     problems, checked, unreadable = compare_sums(tap.sent(), as_dtypes)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise WeightSyncError(f"weight sync check: {where} does not hold the weights just synced: {problems[0]}"
-                              f"{more}")
+        raise WeightSyncError(f"weight sync check: {where} does not hold the weights just synced: {problems[0]}{more}")
     return SyncReport(checked, unreadable, time.perf_counter() - t0)

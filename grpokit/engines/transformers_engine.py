@@ -26,8 +26,15 @@ STOP_CACHE_SIZE = 32  # stop-string criteria kept (each one scanned the vocabula
 class TransformersEngine(InferEngine):
     engine_type = "transformers"
 
-    def __init__(self, model, template: ChatTemplate, max_batch_size: int = 256, *, fast_decode: bool = True,
-                 infer_on_loop_thread: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        template: ChatTemplate,
+        max_batch_size: int = 256,
+        *,
+        fast_decode: bool = True,
+        infer_on_loop_thread: bool = False,
+    ) -> None:
         super().__init__(infer_on_loop_thread)
         self.model = model
         self.template = template
@@ -36,8 +43,7 @@ class TransformersEngine(InferEngine):
         self.share_prompts: bool | None = None  # on HF generate: prefill each distinct prompt once; None: when the
         # model is big enough for it to pay off (engines/prefix.py). The fast loop always shares.
         # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
-        self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id,
-                                                          template.pad_token_id)
+        self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id, template.pad_token_id)
         self.fast_decode = fast_decode  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
         self._fallback_reasons: set[str] = set()
         self._stop_criteria: OrderedDict[tuple[str, ...], object] = OrderedDict()
@@ -51,8 +57,9 @@ class TransformersEngine(InferEngine):
             return []
         if getattr(self.template, "multimodal", False):  # a vision-language model: HF generate with the images
             with _no_gradient_checkpointing(self.model), _lora_merged(self.model):
-                return infer_mm(self.model, self.template, requests, config, self.max_batch_size,
-                                self.logits_processor_factory)
+                return infer_mm(
+                    self.model, self.template, requests, config, self.max_batch_size, self.logits_processor_factory
+                )
         prompts = self._encode(requests, config.max_tokens)
         flat = [p for p in prompts for _ in range(config.n)]
         events = self.cancel_events(requests)
@@ -62,7 +69,7 @@ class TransformersEngine(InferEngine):
             choices.extend(self._generate(flat[stop], config, None if flat_events is None else flat_events[stop]))
         out = []
         for i, p in enumerate(prompts):
-            group = choices[i * config.n:(i + 1) * config.n]
+            group = choices[i * config.n : (i + 1) * config.n]
             for k, c in enumerate(group):
                 c.index = k
             out.append(ChatCompletionResponse(choices=group, prompt_token_ids=p))
@@ -102,8 +109,9 @@ class TransformersEngine(InferEngine):
         try:
             prompts = self.template.encode_requests(requests)  # a later turn: the trajectory's own ids (pin_ids)
         except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception: a bad conversation
-            raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
-                              f"{str(e)[:200]}") from e
+            raise ConfigError(
+                f"the chat template cannot render these messages: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
         if self.max_model_len is not None:
             for i, p in enumerate(prompts):
                 if len(p) + max_tokens > self.max_model_len:
@@ -119,12 +127,14 @@ class TransformersEngine(InferEngine):
         for i, r in enumerate(requests):
             chars = sum(len(m["content"]) for m in r.messages if isinstance(m.get("content"), str))
             if chars > budget:
-                raise ConfigError(context_message(i, f"at least {-(-chars // self._max_token_chars)}", max_tokens,
-                                                  self.max_model_len))
+                raise ConfigError(
+                    context_message(i, f"at least {-(-chars // self._max_token_chars)}", max_tokens, self.max_model_len)
+                )
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], config: RequestConfig,
-                  events: list | None = None) -> list[ChatCompletionResponseChoice]:
+    def _generate(
+        self, prompts: list[list[int]], config: RequestConfig, events: list | None = None
+    ) -> list[ChatCompletionResponseChoice]:
         if events is not None and all(e is not None and e.is_set() for e in events):
             return [self._choice([], "stop", "", None, config) for _ in prompts]  # every caller is gone
         model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)
@@ -142,20 +152,35 @@ class TransformersEngine(InferEngine):
         ids, att = input_ids.to(device), attention.to(device)
         fast = self._fast_decoder(model)  # reads LoRA updates itself: no merge, and no dropout, so the model's
         if fast is not None:  # train/eval mode and gradient checkpointing do not matter here
-            procs = sampling_processors(greedy=greedy, temperature=config.temperature, top_k=config.top_k,
-                                        top_p=config.top_p, repetition_penalty=config.repetition_penalty,
-                                        extra=structured)
-            new, logprobs = fast.generate(ids, att, config.max_tokens, eos_token_id=self.template.eos_token_id,
-                                          pad_token_id=pad, greedy=greedy, processors=procs, stopping=stopping,
-                                          want_logprobs=config.logprobs)
+            procs = sampling_processors(
+                greedy=greedy,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
+                repetition_penalty=config.repetition_penalty,
+                extra=structured,
+            )
+            new, logprobs = fast.generate(
+                ids,
+                att,
+                config.max_tokens,
+                eos_token_id=self.template.eos_token_id,
+                pad_token_id=pad,
+                greedy=greedy,
+                processors=procs,
+                stopping=stopping,
+                want_logprobs=config.logprobs,
+            )
         else:
             with _no_gradient_checkpointing(model), _lora_merged(model):
                 new, logprobs = self._hf_generate(model, ids, att, config, greedy, structured, stopping)
         rows = [self._trim(row) for row in new.tolist()]
         texts = self.tokenizer.batch_decode([ids for ids, _ in rows], skip_special_tokens=True)
         lps = [None] * len(rows) if logprobs is None else logprobs.float().cpu().tolist()
-        return [self._choice(ids, finish, text, lp, config)
-                for (ids, finish), text, lp in zip(rows, texts, lps, strict=True)]
+        return [
+            self._choice(ids, finish, text, lp, config)
+            for (ids, finish), text, lp in zip(rows, texts, lps, strict=True)
+        ]
 
     def _hf_generate(self, model, ids, att, config: RequestConfig, greedy: bool, structured, stopping):
         """HF ``generate``: (new tokens [B, T], log-probabilities of them under the processed logits or None)."""
@@ -239,16 +264,19 @@ class TransformersEngine(InferEngine):
         lps = None
         if lp is not None:
             lps = {"content": [{"token_id": t, "logprob": v} for t, v in zip(ids, lp)]}
-        return ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason=finish,
-                                            token_ids=ids, logprobs=lps)
+        return ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": text}, finish_reason=finish, token_ids=ids, logprobs=lps
+        )
 
 
 def context_message(index: int, prompt_tokens, max_tokens: int, max_model_len: int) -> str:
     """The 400 answer for a request that does not fit in the context (vLLM's wording, both numbers named)."""
     total = f" = {prompt_tokens + max_tokens}" if isinstance(prompt_tokens, int) else ""
-    return (f"request {index}: this model's maximum context length is {max_model_len} tokens, but the request "
-            f"needs {prompt_tokens} prompt tokens + max_tokens {max_tokens}{total}; shorten the prompt or lower "
-            "max_tokens")
+    return (
+        f"request {index}: this model's maximum context length is {max_model_len} tokens, but the request "
+        f"needs {prompt_tokens} prompt tokens + max_tokens {max_tokens}{total}; shorten the prompt or lower "
+        "max_tokens"
+    )
 
 
 class _Cancelled(StoppingCriteria):

@@ -63,11 +63,11 @@ def _read_back(name: str, params: dict, packed: dict, numel: dict) -> torch.Tens
             if member not in parts:
                 continue
             at = parts.index(member)
-            fused_name = ".".join(parts[:at] + [fused] + parts[at + 1:])
+            fused_name = ".".join(parts[:at] + [fused] + parts[at + 1 :])
             p = params.get(fused_name)
-            siblings = [".".join(parts[:at] + [m] + parts[at + 1:]) for m in members]
+            siblings = [".".join(parts[:at] + [m] + parts[at + 1 :]) for m in members]
             if p is None or any(s not in numel for s in siblings) or p.numel() != sum(numel[s] for s in siblings):
                 return None
             start = sum(numel[s] for s in siblings[:k])
-            return p.detach().reshape(-1)[start:start + numel[name]]
+            return p.detach().reshape(-1)[start : start + numel[name]]
     return None

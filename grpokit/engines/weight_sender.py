@@ -77,8 +77,9 @@ class _Background:
 class WeightSender:
     """Pushes a model's weights to one or several rollout servers (trainer = rank 0, server i = rank i + 1)."""
 
-    def __init__(self, endpoints: list[tuple[str, int]], post: PostFn, bucket_mb: int, timeout_s: float,
-                 interrupt: bool = False) -> None:
+    def __init__(
+        self, endpoints: list[tuple[str, int]], post: PostFn, bucket_mb: int, timeout_s: float, interrupt: bool = False
+    ) -> None:
         if bucket_mb < 1:
             raise ServerError(f"--weight_sync_bucket_mb {bucket_mb}: must be at least 1")
         self.endpoints = endpoints
@@ -94,9 +95,14 @@ class WeightSender:
         """Send every weight of ``model`` (LoRA merged) to every server; returns the number of tensors sent."""
         return sum(len(b.tensors) for b in self.sync_summed(model, wire_dtype, backend)[0])
 
-    def sync_summed(self, model, wire_dtype: torch.dtype | None = None, backend: str = "gloo",
-                    sums: SumsOf | None = None,
-                    version: int | None = None) -> tuple[list[WeightBucket], dict[int, Any]]:
+    def sync_summed(
+        self,
+        model,
+        wire_dtype: torch.dtype | None = None,
+        backend: str = "gloo",
+        sums: SumsOf | None = None,
+        version: int | None = None,
+    ) -> tuple[list[WeightBucket], dict[int, Any]]:
         """``sync``, returning the buckets sent and each server's answer; with ``sums``, every tensor's checksums
         are taken over the bytes as packed for the broadcast (on the bucket's device), in bucket order;
         ``version``: the trainer's weight version, which the servers tag their samples with."""
@@ -104,8 +110,11 @@ class WeightSender:
         buckets = plan_buckets(specs, self.bucket_bytes)
         check = UpdateWeightsBody(buckets=buckets, dry_run=True).model_dump()
         groups = self._each_server("/update_weights/", lambda i: check, "checking the weight names")
-        if self.comm is None or self.comm.backend != backend or any(g.get("group") != self.group
-                                                                      for g in groups.values()):
+        if (
+            self.comm is None
+            or self.comm.backend != backend
+            or any(g.get("group") != self.group for g in groups.values())
+        ):
             self._open(backend)
         try:
             return buckets, self._send(model, buckets, sums, version)
@@ -143,19 +152,40 @@ class WeightSender:
         world = 1 + len(self.endpoints)
         group = uuid.uuid4().hex
         try:
-            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=self.timeout_s))
+            store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout_s)
+            )
         except Exception as e:  # noqa: BLE001
-            raise ServerError(f"weight sync: cannot open a TCPStore on {host} (set GRPOKIT_WEIGHT_SYNC_HOST to an "
-                              f"address of this machine that the servers reach): {e}") from e
+            raise ServerError(
+                f"weight sync: cannot open a TCPStore on {host} (set GRPOKIT_WEIGHT_SYNC_HOST to an "
+                f"address of this machine that the servers reach): {e}"
+            ) from e
         port = store.port
         calls = _Background()
-        calls.start("trainer", lambda: Communicator.create(
-            store_host=host, store_port=port, rank=0, world_size=world, backend=backend, group=group,
-            timeout_s=self.timeout_s, local_host=host, store=store))
+        calls.start(
+            "trainer",
+            lambda: Communicator.create(
+                store_host=host,
+                store_port=port,
+                rank=0,
+                world_size=world,
+                backend=backend,
+                group=group,
+                timeout_s=self.timeout_s,
+                local_host=host,
+                store=store,
+            ),
+        )
         for i in range(len(self.endpoints)):
-            body = InitCommunicatorBody(host=host, port=port, rank=i + 1, world_size=world, backend=backend,
-                                        group=group, timeout_s=min(self.timeout_s, MAX_SYNC_TIMEOUT_S)).model_dump()
+            body = InitCommunicatorBody(
+                host=host,
+                port=port,
+                rank=i + 1,
+                world_size=world,
+                backend=backend,
+                group=group,
+                timeout_s=min(self.timeout_s, MAX_SYNC_TIMEOUT_S),
+            ).model_dump()
             calls.start(i, lambda i=i, body=body: self.post(i, "/init_communicator/", body, self.timeout_s + 5))
         results = calls.wait(self.timeout_s + 10, f"the rendezvous at {host}:{port}")
         self.comm, self.group = results["trainer"], group
@@ -172,12 +202,14 @@ class WeightSender:
         weights = iter_sync_weights(model)
         try:
             for bucket in buckets:
-                view_B = buf_B[:bucket.nbytes]
+                view_B = buf_B[: bucket.nbytes]
                 for meta in bucket.tensors:
                     name, tensor = next(weights)
                     if name != meta.name:
-                        raise ServerError(f"weight sync: the model's parameters changed during the sync "
-                                          f"({name!r} where {meta.name!r} was planned)")
+                        raise ServerError(
+                            f"weight sync: the model's parameters changed during the sync "
+                            f"({name!r} where {meta.name!r} was planned)"
+                        )
                     pack(view_B, meta, tensor)
                     if sums is not None:
                         sums.add(unpack(view_B, meta))  # what goes on the wire, read back from the buffer

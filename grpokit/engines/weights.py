@@ -30,7 +30,7 @@ def plain_name(name: str) -> str | None:
     if "lora_" in name or ".original_module." in name:
         return None
     if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
+        name = name[len(_PEFT_PREFIX) :]
     name = name.replace(".base_layer.", ".")
     return _MODULES_TO_SAVE.sub(".", name)
 

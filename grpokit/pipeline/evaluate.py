@@ -22,22 +22,37 @@ def _settings(args) -> EvalSettings:
     if k is not None and k < 1:
         raise ConfigError(f"--num_generations_eval {k}: must be at least 1 (samples per prompt), e.g. 4")
     if k and args.temperature == 0:
-        raise ConfigError(f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
-                          "pass); give --temperature 1.0 (or the training run's)")
+        raise ConfigError(
+            f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
+            "pass); give --temperature 1.0 (or the training run's)"
+        )
     if args.batch_size < 1:
         raise ConfigError(f"--batch_size {args.batch_size}: must be at least 1 (prompts per engine call), e.g. 64")
     if not math.isfinite(args.eval_pass_threshold):
         raise ConfigError(f"--eval_pass_threshold {args.eval_pass_threshold}: must be a finite reward value, e.g. 1.0")
     try:  # the engine's own bounds on each sampling setting, said as one line naming the option
-        RequestConfig(n=k or 1, max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      top_k=args.top_k, seed=args.seed)
+        RequestConfig(
+            n=k or 1,
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
     except ValidationError as exc:
         err = exc.errors()[0]
         name = {"max_tokens": "max_new_tokens", "n": "num_generations_eval"}.get(str(err["loc"][0]), err["loc"][0])
         raise ConfigError(f"--{name} {err.get('input')!r}: {err['msg']} (see --help)") from exc
-    return EvalSettings(max_tokens=args.max_new_tokens, batch_size=args.batch_size, num_generations=k,
-                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        pass_threshold=args.eval_pass_threshold, seed=args.seed)
+    return EvalSettings(
+        max_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        num_generations=k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        pass_threshold=args.eval_pass_threshold,
+        seed=args.seed,
+    )
 
 
 def _figure(metrics: dict, key: str) -> str:
@@ -52,8 +67,10 @@ def table_lines(metrics: dict, reward_names: list[str], k: int) -> list[str]:
     """One line per reward: greedy, mean@K and each pass@k with its interval."""
     keys = ["greedy", f"mean@{k}", *(f"pass@{j}" for j in ks_up_to(k))]
     width = max(len(n) for n in reward_names)
-    return [f"  {name:<{width}}  " + "  ".join(f"{key} {_figure(metrics, f'{name}/{key}')}" for key in keys)
-            for name in reward_names]
+    return [
+        f"  {name:<{width}}  " + "  ".join(f"{key} {_figure(metrics, f'{name}/{key}')}" for key in keys)
+        for name in reward_names
+    ]
 
 
 def score_and_report(engine, template, rows: list[dict], runner, args, model: str) -> EvalResult:
@@ -62,16 +79,30 @@ def score_and_report(engine, template, rows: list[dict], runner, args, model: st
     names = list(args.reward_funcs)
     if settings.num_generations:
         result = evaluate_policy(engine, template, rows, runner, names, settings)
-        print(f"{model} on {args.dataset} ({len(rows)} prompts; greedy, and {settings.num_generations} samples per "
-              f"prompt at temperature {settings.temperature:g}; a sample passes at reward >= "
-              f"{settings.pass_threshold:g}; [95% interval over prompts]):", flush=True)
+        print(
+            f"{model} on {args.dataset} ({len(rows)} prompts; greedy, and {settings.num_generations} samples per "
+            f"prompt at temperature {settings.temperature:g}; a sample passes at reward >= "
+            f"{settings.pass_threshold:g}; [95% interval over prompts]):",
+            flush=True,
+        )
         print("\n".join(table_lines(result.metrics, names, settings.num_generations)), flush=True)
     else:
-        result = evaluate_rows(engine, template, rows, runner, names, args.max_new_tokens,
-                               temperature=args.temperature, batch_size=args.batch_size)
+        result = evaluate_rows(
+            engine,
+            template,
+            rows,
+            runner,
+            names,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            batch_size=args.batch_size,
+        )
         scores = ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items())
-        print(f"{model} on {args.dataset} ({len(rows)} prompts, {'greedy' if args.temperature == 0 else 'sampled'}): "
-              f"{scores}", flush=True)
+        print(
+            f"{model} on {args.dataset} ({len(rows)} prompts, {'greedy' if args.temperature == 0 else 'sampled'}): "
+            f"{scores}",
+            flush=True,
+        )
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:

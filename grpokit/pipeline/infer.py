@@ -32,8 +32,9 @@ def run_infer(args) -> EvalResult:
     rows = [ds[i] for i in range(len(ds))][: args.limit or None]
     funcs = build_reward_funcs(args.reward_funcs, {"max_completion_length": args.max_new_tokens}, tokenizer)
     runner = RewardRunner(funcs, args.reward_funcs)
-    engine = TransformersEngine(model, template, fast_decode=args.fast_decode == "true",
-                                infer_on_loop_thread=True)  # this job owns its rollout loop, as the trainer does
+    engine = TransformersEngine(
+        model, template, fast_decode=args.fast_decode == "true", infer_on_loop_thread=True
+    )  # this job owns its rollout loop, as the trainer does
     try:  # the scores, the table and the output file: pipeline/evaluate.py
         return score_and_report(engine, template, rows, runner, args, path)
     finally:

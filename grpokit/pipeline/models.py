@@ -31,17 +31,23 @@ def check_model_source(path: str, option: str = "--model") -> None:
     if Path(path).expanduser().is_dir():
         return
     if Path(path).expanduser().exists():
-        raise ConfigError(f"{option} {path}: is a file, not a model folder (config.json, weights and tokenizer "
-                          "files in one folder)")
+        raise ConfigError(
+            f"{option} {path}: is a file, not a model folder (config.json, weights and tokenizer files in one folder)"
+        )
     if _HUB_ID.fullmatch(path) and not path.startswith((".", "/", "~")):
         import os
 
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         reason = "offline mode is on (HF_HUB_OFFLINE)" if offline else hub_unreachable_reason()
-        hint = (f"the hub cannot be reached ({reason})" if reason else
-                f"download it first: huggingface-cli download {path} --local-dir models/{path.rsplit('/', 1)[-1]}")
-        raise ConfigError(f"{option} {path}: no such local folder; grpokit loads local Hugging Face folders, and "
-                          f"{hint}; then pass the folder")
+        hint = (
+            f"the hub cannot be reached ({reason})"
+            if reason
+            else f"download it first: huggingface-cli download {path} --local-dir models/{path.rsplit('/', 1)[-1]}"
+        )
+        raise ConfigError(
+            f"{option} {path}: no such local folder; grpokit loads local Hugging Face folders, and "
+            f"{hint}; then pass the folder"
+        )
     raise ConfigError(f"{option} {path}: no such folder")
 
 
@@ -51,9 +57,11 @@ def check_tokenizer_covers(model, tokenizer, path: str) -> None:
     text_tok = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
     rows = model.get_input_embeddings().num_embeddings
     if len(text_tok) > rows:
-        raise ConfigError(f"--model {path}: the tokenizer has {len(text_tok)} tokens but the model's embedding only "
-                          f"{rows} rows, so ids from {rows} up have no embedding; use the tokenizer that came with "
-                          "this model")
+        raise ConfigError(
+            f"--model {path}: the tokenizer has {len(text_tok)} tokens but the model's embedding only "
+            f"{rows} rows, so ids from {rows} up have no embedding; use the tokenizer that came with "
+            "this model"
+        )
 
 
 def context_length(model) -> int | None:
@@ -76,18 +84,25 @@ def bound_prompt_length(model, data, max_completion_length: int, path: str, log=
     if ctx is None:
         return data.max_length
     if max_completion_length >= ctx:
-        raise ConfigError(f"--max_completion_length {max_completion_length}: the model {path} has a context of {ctx} "
-                          "tokens (max_position_embeddings), which must hold the prompt too; lower it below "
-                          f"{ctx}")
+        raise ConfigError(
+            f"--max_completion_length {max_completion_length}: the model {path} has a context of {ctx} "
+            "tokens (max_position_embeddings), which must hold the prompt too; lower it below "
+            f"{ctx}"
+        )
     room = ctx - max_completion_length
     if data.max_length is not None and data.max_length > room:
-        raise ConfigError(f"--max_length {data.max_length} + --max_completion_length {max_completion_length} = "
-                          f"{data.max_length + max_completion_length} tokens, past the model's context of {ctx} "
-                          f"(max_position_embeddings of {path}); lower --max_length to at most {room}")
+        raise ConfigError(
+            f"--max_length {data.max_length} + --max_completion_length {max_completion_length} = "
+            f"{data.max_length + max_completion_length} tokens, past the model's context of {ctx} "
+            f"(max_position_embeddings of {path}); lower --max_length to at most {room}"
+        )
     if data.max_length is not None:
         return data.max_length
-    log(f"prompts are bounded to {room} tokens (the model's context {ctx} minus --max_completion_length "
-        f"{max_completion_length}); set --max_length to choose, --truncation_strategy for how", flush=True)
+    log(
+        f"prompts are bounded to {room} tokens (the model's context {ctx} minus --max_completion_length "
+        f"{max_completion_length}); set --max_length to choose, --truncation_strategy for how",
+        flush=True,
+    )
     return room
 
 
@@ -118,8 +133,9 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
     lora = margs.tuner_type == "lora"
     vlm = is_vlm_folder(path)
     load = load_vlm if vlm else load_causal_lm
-    model = load(path, torch_dtype(margs.torch_dtype, for_training_weights=not lora), margs.trust_remote_code,
-                 margs.attn_impl)
+    model = load(
+        path, torch_dtype(margs.torch_dtype, for_training_weights=not lora), margs.trust_remote_code, margs.attn_impl
+    )
     check_tokenizer_covers(model, tokenizer, path)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -138,8 +154,12 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
         freeze_parameters(model, margs)
     ref = None
     if beta != 0 and not lora:
-        ref = load(margs.ref_model or path, torch_dtype(margs.torch_dtype, for_training_weights=False),
-                   margs.trust_remote_code, margs.attn_impl)
+        ref = load(
+            margs.ref_model or path,
+            torch_dtype(margs.torch_dtype, for_training_weights=False),
+            margs.trust_remote_code,
+            margs.attn_impl,
+        )
         ref.requires_grad_(False).eval()
     return model, tokenizer, ref
 
@@ -158,9 +178,15 @@ def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None
         target, option = targets[0], f"--target_modules {targets[0]}"
     else:
         target, option = targets, f"--target_modules {' '.join(targets)}"
-    config = LoraConfig(r=margs.lora_rank, lora_alpha=margs.lora_alpha, lora_dropout=margs.lora_dropout,
-                        target_modules=target, use_rslora=margs.use_rslora, use_dora=margs.use_dora,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=margs.lora_rank,
+        lora_alpha=margs.lora_alpha,
+        lora_dropout=margs.lora_dropout,
+        target_modules=target,
+        use_rslora=margs.use_rslora,
+        use_dora=margs.use_dora,
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
@@ -180,8 +206,9 @@ def freeze_parameters(model, margs: ModelArguments) -> None:
                 break
             p.requires_grad_(False)
     for option, prefixes, regex, trainable in (
-            ("freeze_parameters", margs.freeze_parameters, margs.freeze_parameters_regex, False),
-            ("trainable_parameters", margs.trainable_parameters, margs.trainable_parameters_regex, True)):
+        ("freeze_parameters", margs.freeze_parameters, margs.freeze_parameters_regex, False),
+        ("trainable_parameters", margs.trainable_parameters, margs.trainable_parameters_regex, True),
+    ):
         for prefix in prefixes:
             _set_trainable([p for n, p in named if n.startswith(prefix)], trainable, f"--{option} {prefix}")
         if regex is not None:
@@ -191,8 +218,10 @@ def freeze_parameters(model, margs: ModelArguments) -> None:
 
 def _set_trainable(params: list, trainable: bool, option: str) -> None:
     if not params:
-        raise ConfigError(f"{option}: no parameter of the model has such a name; parameter names look like "
-                          "model.layers.0.mlp.up_proj.weight")
+        raise ConfigError(
+            f"{option}: no parameter of the model has such a name; parameter names look like "
+            "model.layers.0.mlp.up_proj.weight"
+        )
     for p in params:
         p.requires_grad_(trainable)
 

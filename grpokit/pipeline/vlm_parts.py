@@ -43,11 +43,16 @@ def vlm_targets(model, margs: ModelArguments) -> list[str]:
     """LoRA's all-linear on a VLM: every linear layer of the parts that train (the language model, plus the
     vision tower or aligner when unfrozen), never the output head."""
     frozen = _frozen(margs)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-             and vlm_part(n) not in frozen and not n.endswith("lm_head")]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and vlm_part(n) not in frozen and not n.endswith("lm_head")
+    ]
     if not names:
-        raise ConfigError("--target_modules all-linear: this vision-language model has no linear layer outside "
-                          "its frozen parts; unfreeze with --freeze_vit false / --freeze_aligner false")
+        raise ConfigError(
+            "--target_modules all-linear: this vision-language model has no linear layer outside "
+            "its frozen parts; unfreeze with --freeze_vit false / --freeze_aligner false"
+        )
     return names
 
 
@@ -59,8 +64,9 @@ def load_vlm(path: str, dtype, trust_remote_code: bool = False, attn_impl: str |
         raise ConfigError(f"model {path}: no such folder (grpokit loads local Hugging Face folders)")
     kwargs = {"attn_implementation": attn_implementation(attn_impl)} if attn_impl else {}
     try:
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                           **kwargs)
+        return AutoModelForImageTextToText.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs
+        )
     except (OSError, ValueError, ImportError) as e:
         what = f"with --attn_impl {attn_impl}" if attn_impl else "cannot load as a vision-language model"
         raise ConfigError(f"model {path}: {what} ({str(e).splitlines()[0]})") from e
@@ -74,8 +80,10 @@ def check_model_takes_images(dataset, tokenizer_or_processor, model_path: str | 
     if "images" not in dataset.column_names or not any(dataset["images"]):
         return
     if not hasattr(tokenizer_or_processor, "image_processor"):
-        raise ConfigError(f"--model {model_path}: a text-only model was given a dataset with images; use a "
-                          "vision-language model (a folder with a processor_config.json or preprocessor_config.json)")
+        raise ConfigError(
+            f"--model {model_path}: a text-only model was given a dataset with images; use a "
+            "vision-language model (a folder with a processor_config.json or preprocessor_config.json)"
+        )
     server = rollout is not None and rollout.vllm_mode == "server"
     if rollout is not None and rollout.use_vllm and not server and model_path is not None:
         check_image_family(model_path)

@@ -41,8 +41,9 @@ def load_plugins(paths: list[str]) -> list[str]:
             spec.loader.exec_module(module)
         except Exception as e:  # noqa: BLE001 - any import-time failure is the plugin's
             sys.modules.pop(name, None)
-            raise PluginError(f"--external_plugins {raw}: import failed{_plugin_line(e, path)}: "
-                              f"{type(e).__name__}: {_first_line(e)}") from e
+            raise PluginError(
+                f"--external_plugins {raw}: import failed{_plugin_line(e, path)}: {type(e).__name__}: {_first_line(e)}"
+            ) from e
         _LOADED[name] = path
         names.append(name)
     return names
@@ -76,8 +77,9 @@ def _check_name_free(name: str, path: Path, raw: str) -> None:
         logger.warning("plugin module %r from %s replaces the one loaded from %s", name, path, origin)
         return
     where = origin or "a built-in module"
-    raise PluginError(f"--external_plugins {raw}: a module named {name!r} is already imported from {where}; "
-                      "rename the plugin file")
+    raise PluginError(
+        f"--external_plugins {raw}: a module named {name!r} is already imported from {where}; rename the plugin file"
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -130,9 +130,16 @@ class _NoArray:
 MODULES = {
     "math": _MATH,
     "collections": {"Counter": collections.Counter},
-    "numpy": {"allclose": _allclose, "isclose": lambda a, b, rtol=1e-5, atol=1e-8: _allclose(a, b, rtol, atol),
-              "ndarray": _NoArray, "float64": _NoArray, "float32": _NoArray, "inf": math.inf, "nan": math.nan,
-              "pi": math.pi},  # fmt: skip
+    "numpy": {
+        "allclose": _allclose,
+        "isclose": lambda a, b, rtol=1e-5, atol=1e-8: _allclose(a, b, rtol, atol),
+        "ndarray": _NoArray,
+        "float64": _NoArray,
+        "float32": _NoArray,
+        "inf": math.inf,
+        "nan": math.nan,
+        "pi": math.pi,
+    },  # fmt: skip
     "typing": {},
 }
 
@@ -300,4 +307,3 @@ class Budget:
             raise _Fail("too many operations")
         if self.ops % 512 == 0 and time.monotonic() > self.deadline:
             raise _Fail("out of time")
-

@@ -299,8 +299,9 @@ class Expressions:
     def iterate(self, value: Any) -> Any:
         if isinstance(value, Remote):
             value = self.query(f"list({value.src})", [])
-        if isinstance(value, (Module, Approx)) or not isinstance(value, _PLAIN + (range, map, filter, zip,
-                                                                                   enumerate, reversed)):
+        if isinstance(value, (Module, Approx)) or not isinstance(
+            value, _PLAIN + (range, map, filter, zip, enumerate, reversed)
+        ):
             raise _Fail("iteration over a non-plain value")
         for item in value:
             self.budget.tick()
@@ -373,12 +374,12 @@ def bind_args(a: ast.arguments, args: list, kwargs: dict, local: dict, ex: Expre
     for name, value in zip(params, args):
         local[name] = value
     if a.vararg is not None:
-        local[a.vararg.arg] = tuple(args[len(params):])
+        local[a.vararg.arg] = tuple(args[len(params) :])
     for k, v in kwargs.items():
         if k not in params and k not in [p.arg for p in a.kwonlyargs]:
             raise _Fail(f"unexpected argument {k[:40]}")
         local[k] = v
-    for name, d in zip(params[len(params) - len(defaults):], defaults):
+    for name, d in zip(params[len(params) - len(defaults) :], defaults):
         local.setdefault(name, d)
     for p, d in zip(a.kwonlyargs, a.kw_defaults):
         if p.arg not in local and d is not None:

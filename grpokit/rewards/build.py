@@ -66,8 +66,10 @@ def _import_trl_reward(name: str, module_name: str, attr: str) -> Any:
     func = getattr(module, attr, None)
     if func is None or inspect.isclass(func) or not callable(func):
         found = "a class" if inspect.isclass(func) else "nothing" if func is None else type(func).__name__
-        raise ConfigError(f"--reward_funcs {name}: {module_name}.{attr} is {found}; an import path must name a "
-                          "reward function (register classes in orms from an --external_plugins file)")
+        raise ConfigError(
+            f"--reward_funcs {name}: {module_name}.{attr} is {found}; an import path must name a "
+            "reward function (register classes in orms from an --external_plugins file)"
+        )
     return func if is_marked(func) else trl_convention(func)
 
 

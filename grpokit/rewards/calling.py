@@ -125,17 +125,23 @@ def check_signature(func: Any, name: str) -> Convention:
         return "swift"
     conv = convention(func)
     if not params:
-        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} takes no arguments; a reward takes the "
-                          "completions (ms-swift: f(completions, **kwargs)) or keywords (TRL: f(prompts, "
-                          "completions, **kwargs))")
+        raise ConfigError(
+            f"--reward_funcs {name}: {_describe(func)} takes no arguments; a reward takes the "
+            "completions (ms-swift: f(completions, **kwargs)) or keywords (TRL: f(prompts, "
+            "completions, **kwargs))"
+        )
     pos_only = [p.name for p in params if p.kind == p.POSITIONAL_ONLY]
     if conv == "trl" and pos_only:
-        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} is called with keywords (TRL convention), but "
-                          f"{', '.join(pos_only)} is positional-only; drop the '/' from its signature")
+        raise ConfigError(
+            f"--reward_funcs {name}: {_describe(func)} is called with keywords (TRL convention), but "
+            f"{', '.join(pos_only)} is positional-only; drop the '/' from its signature"
+        )
     if conv == "swift" and len(pos_only) > 1:
-        raise ConfigError(f"--reward_funcs {name}: {_describe(func)} has positional-only parameters "
-                          f"{', '.join(pos_only[1:])} after the completions; only the completions are passed "
-                          "positionally, make the others keyword parameters")
+        raise ConfigError(
+            f"--reward_funcs {name}: {_describe(func)} has positional-only parameters "
+            f"{', '.join(pos_only[1:])} after the completions; only the completions are passed "
+            "positionally, make the others keyword parameters"
+        )
     return conv
 
 
@@ -156,8 +162,10 @@ def trl_kwargs(completions: list[str], kwargs: dict[str, Any], conversational: b
     prompts, conversations = kwargs.get("prompts"), kwargs.get("messages")
     if prompts is not None:
         out["prompts"] = [p if conv else _last_user_text(p) for p, conv in zip(prompts, formats, strict=True)]
-    out["completions"] = [_completion_messages(i, text, prompts, conversations) if conv else text
-                          for i, (text, conv) in enumerate(zip(completions, formats, strict=True))]
+    out["completions"] = [
+        _completion_messages(i, text, prompts, conversations) if conv else text
+        for i, (text, conv) in enumerate(zip(completions, formats, strict=True))
+    ]
     return out
 
 
@@ -170,7 +178,7 @@ def _completion_messages(i: int, text: str, prompts: list | None, conversations:
     prompt = prompts[i] if prompts is not None else None
     full = conversations[i] if conversations is not None else None
     if prompt is not None and full is not None and len(full) > len(prompt):
-        return [dict(m) for m in full[len(prompt):]]
+        return [dict(m) for m in full[len(prompt) :]]
     return [{"role": "assistant", "content": text}]
 
 
@@ -196,16 +204,19 @@ class RewardLog:
             values = list(values) if isinstance(values, (list, tuple)) else values
             if not isinstance(values, list) or len(values) != self.n:
                 got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
-                raise RewardError(f"reward {reward!r}: log_extra({column!r}, values) needs one value per completion "
-                                  f"({self.n}), got {got}")
+                raise RewardError(
+                    f"reward {reward!r}: log_extra({column!r}, values) needs one value per completion "
+                    f"({self.n}), got {got}"
+                )
             self.extra[column] = values
 
         def log_metric(name: str, value: float) -> None:
             if not isinstance(name, str) or not name:
                 raise RewardError(f"reward {reward!r}: log_metric name must be a non-empty string, got {name!r}")
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise RewardError(f"reward {reward!r}: log_metric({name!r}, value) needs a finite number, got "
-                                  f"{value!r}")
+                raise RewardError(
+                    f"reward {reward!r}: log_metric({name!r}, value) needs a finite number, got {value!r}"
+                )
             self.metrics.setdefault(name, []).append(float(value))
 
         return {"log_extra": log_extra, "log_metric": log_metric}

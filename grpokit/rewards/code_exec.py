@@ -118,8 +118,10 @@ class CodeExecReward(ORM):
         except isolation.IsolationUnavailable as exc:
             raise ConfigError(str(exc)) from None
         if self.runtime.mode == "none":
-            logger.warning("code_exec: --code_exec_isolation none: untrusted code runs WITHOUT isolation (no "
-                           "namespaces, no seccomp); it can read and write what this user can and reach the network")
+            logger.warning(
+                "code_exec: --code_exec_isolation none: untrusted code runs WITHOUT isolation (no "
+                "namespaces, no seccomp); it can read and write what this user can and reach the network"
+            )
         self.sandbox = isolation.describe(self.runtime)  # which protections are active (for logs)
         self.limits = SandboxLimits(timeout_s=float(code_exec_timeout), memory_mb=int(code_exec_memory_mb))
         self.workers = workers
@@ -166,8 +168,9 @@ class CodeExecReward(ORM):
         try:
             return self._score(completion, cases)
         except Exception as exc:  # noqa: BLE001
-            logger.warning("code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__,
-                           log_safe(exc))
+            logger.warning(
+                "code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__, log_safe(exc)
+            )
             return 0.0, Counter(error=1)
 
     def __call__(self, completions: list[str], test_cases: list[Any], **kwargs: Any) -> list[float | None]:

@@ -57,8 +57,14 @@ class _Outcome:
         return self.value
 
 
-def watch(is_done: Callable[[], bool], running: Callable[[], list[str]], started: float, heartbeat_s: float,
-          deadline: float | None = None, wait: Callable[[float], Any] | None = None) -> None:
+def watch(
+    is_done: Callable[[], bool],
+    running: Callable[[], list[str]],
+    started: float,
+    heartbeat_s: float,
+    deadline: float | None = None,
+    wait: Callable[[float], Any] | None = None,
+) -> None:
     """Block until ``is_done()``, logging a heartbeat for each name of ``running()`` every ``heartbeat_s``;
     DeadlinePassed past ``deadline``. ``wait(seconds)`` blocks up to that long (a future's result, an event's
     wait); a future's own exception ends the watch (the caller reads it)."""

@@ -135,7 +135,7 @@ class Interpreter(Expressions):
                 self.exec_block([stmt], self.globals)
             except Exception:  # noqa: BLE001 - anything that goes wrong evaluating a test fails it, never the run
                 if not holds:
-                    rest = [s for s in body[i + 1:] if not isinstance(s, ast.FunctionDef)]
+                    rest = [s for s in body[i + 1 :] if not isinstance(s, ast.FunctionDef)]
                     self.checks += [False] * max(1, _static_checks(rest) + sum(map(self._calls_checks, rest)))
                     return
                 self.checks.append(False)

@@ -161,9 +161,11 @@ def drop_to(rt: Runtime, uid: int | None) -> tuple[list[str], dict]:
 def hint_for(error: str) -> str:
     """What to do about a bubblewrap error line (empty when there is nothing specific to say)."""
     if "namespace" in error or "Operation not permitted" in error or "Permission denied" in error:
-        return (" (bubblewrap needs unprivileged user namespaces: `sysctl -w kernel.unprivileged_userns_clone=1` "
-                "and user.max_user_namespaces > 0; on Ubuntu 24.04+ also kernel.apparmor_restrict_unprivileged_"
-                "userns=0; in a container, a seccomp profile that allows unshare)")
+        return (
+            " (bubblewrap needs unprivileged user namespaces: `sysctl -w kernel.unprivileged_userns_clone=1` "
+            "and user.max_user_namespaces > 0; on Ubuntu 24.04+ also kernel.apparmor_restrict_unprivileged_"
+            "userns=0; in a container, a seccomp profile that allows unshare)"
+        )
     return ""
 
 

@@ -50,5 +50,6 @@ class MultiModalAccuracyORM(ORM):
     """math-verify first, then the ``<answer>`` string (ms-swift's ``external_r1v_acc``)."""
 
     def __call__(self, completions: list[str], solution: list[Any], **kwargs: Any) -> list[float | None]:
-        return [None if sol is None else r1v_accuracy(c, str(sol))
-                for c, sol in zip(completions, solution, strict=True)]
+        return [
+            None if sol is None else r1v_accuracy(c, str(sol)) for c, sol in zip(completions, solution, strict=True)
+        ]

@@ -32,8 +32,9 @@ def _answer(completion: str) -> str:
 class ReasoningGymScore(ORM):
     """The task's scorer on each completion's answer."""
 
-    def __call__(self, completions: list[str], reasoning_gym_entry: list[str | None],
-                 **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list[str], reasoning_gym_entry: list[str | None], **kwargs: Any
+    ) -> list[float | None]:
         scores: list[float | None] = []
         failed = 0
         for completion, ref_text in zip(completions, reasoning_gym_entry, strict=True):
@@ -44,18 +45,23 @@ class ReasoningGymScore(ORM):
             ds = task_dataset(ref["task"], ref["config"], option=f"--reward_funcs reasoning_gym ({ENTRY_COLUMN})")
             entry = ds[ref["index"]]
             if ref["answer"] is not None and str(entry["answer"]) != ref["answer"]:
-                raise RewardError(f"--reward_funcs reasoning_gym: entry {ref['index']} of {ref['task']} "
-                                  f"regenerates with answer {str(entry['answer'])[:40]!r}, not the row's "
-                                  f"{ref['answer'][:40]!r}; the data was built by another reasoning-gym version: "
-                                  "rebuild it with this one")
+                raise RewardError(
+                    f"--reward_funcs reasoning_gym: entry {ref['index']} of {ref['task']} "
+                    f"regenerates with answer {str(entry['answer'])[:40]!r}, not the row's "
+                    f"{ref['answer'][:40]!r}; the data was built by another reasoning-gym version: "
+                    "rebuild it with this one"
+                )
             try:
                 scores.append(float(ds.score_answer(answer=_answer(completion), entry=entry)))
             except Exception:  # noqa: BLE001 - the task's scorer on the model's text: any failure is no pass
                 scores.append(0.0)
                 failed += 1
         if failed:
-            logger.warning("reasoning_gym: the task's scorer raised on %d of %d completions; they score 0.0", failed,
-                           len(completions))
+            logger.warning(
+                "reasoning_gym: the task's scorer raised on %d of %d completions; they score 0.0",
+                failed,
+                len(completions),
+            )
         return scores
 
 

@@ -122,9 +122,7 @@ def parse_judge_score(reply: str) -> float | None:
 
 def render_conversation(messages: list[dict[str, Any]]) -> str:
     """``Role: content`` lines, one per non-empty message."""
-    return "\n".join(
-        f"{str(m.get('role', '')).capitalize()}: {m['content']}" for m in messages if m.get("content")
-    )
+    return "\n".join(f"{str(m.get('role', '')).capitalize()}: {m['content']}" for m in messages if m.get("content"))
 
 
 class GenRMPlugin:
@@ -199,8 +197,12 @@ class GenRMPlugin:
             if not parsed:
                 missing += 1
                 if missing == 1:
-                    logger.warning("genrm: no score in the judge's reply for sample %d (…%r); scored 0. The judge "
-                                   "must end with <score>x</score> or 'Score: a/b'", i, (replies or [""])[0][-80:])
+                    logger.warning(
+                        "genrm: no score in the judge's reply for sample %d (…%r); scored 0. The judge "
+                        "must end with <score>x</score> or 'Score: a/b'",
+                        i,
+                        (replies or [""])[0][-80:],
+                    )
                 scores.append(0.0)
                 continue
             scores.append(sum(parsed) / len(parsed))
@@ -245,8 +247,7 @@ class RewardModelReward(ORM):
         return [None if s is None else float(s) for s in out]
 
 
-def load_reward_model(path: str, torch_dtype: Any = None, device: Any = None,
-                      causal: bool = False) -> tuple[Any, Any]:
+def load_reward_model(path: str, torch_dtype: Any = None, device: Any = None, causal: bool = False) -> tuple[Any, Any]:
     """Load a frozen reward model and its tokenizer from a local directory or hub id: a sequence classifier, or
     with ``causal`` a causal LM (for plugins that generate, like ms-swift's generative judges)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -282,8 +283,12 @@ def _is_classifier(path: str) -> bool:
     from transformers import AutoConfig
 
     try:
-        archs = AutoConfig.from_pretrained(str(Path(path).expanduser()) if Path(path).expanduser().exists()
-                                           else path).architectures or []
+        archs = (
+            AutoConfig.from_pretrained(
+                str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+            ).architectures
+            or []
+        )
     except OSError:
         return True  # load_reward_model reports the missing model
     return any(a.endswith("ForSequenceClassification") for a in archs)
@@ -300,8 +305,10 @@ def make_rm_plugin(plugin_cls: Any, path: str, torch_dtype: Any = None, device: 
     except (ConfigError, RewardError):
         raise
     except Exception as exc:
-        raise ConfigError(f"--reward_model_plugin {getattr(plugin_cls, '__name__', plugin_cls)}: could not be "
-                          f"built: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"--reward_model_plugin {getattr(plugin_cls, '__name__', plugin_cls)}: could not be "
+            f"built: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def build_reward_model_reward(

@@ -62,8 +62,9 @@ def _preview(text: Any) -> str:
 class RewardRunner:
     """Calls reward functions on a batch and returns scores as a float32 tensor [N, F] (NaN = not scored)."""
 
-    def __init__(self, funcs: list[Any], names: list[str], timeout: float | None = None,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(
+        self, funcs: list[Any], names: list[str], timeout: float | None = None, heartbeat_s: float = HEARTBEAT_S
+    ) -> None:
         if len(funcs) != len(names):
             raise ConfigError(f"RewardRunner: {len(funcs)} reward functions but {len(names)} names")
         self.funcs = list(funcs)
@@ -85,10 +86,11 @@ class RewardRunner:
         for flag, value, allow_none in (("--reward_timeout", timeout, True), ("heartbeat_s", heartbeat_s, False)):
             if value is None and allow_none:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ConfigError(f"{flag} {value!r}: must be a positive number of seconds"
-                                  + (" (or unset for no limit)" if allow_none else ""))
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"{flag} {value!r}: must be a positive number of seconds"
+                    + (" (or unset for no limit)" if allow_none else "")
+                )
         self.timeout = None if timeout is None else float(timeout)
         self.heartbeat_s = self._heartbeat.every = float(heartbeat_s)
 
@@ -157,8 +159,9 @@ class RewardRunner:
         """Call function i in its convention: completions positionally (ms-swift), or all by keyword (TRL)."""
         kwargs = {**kwargs, **log.hooks(self.names[i])}
         if self._trl[i]:
-            return self.funcs[i](**self._kwargs_for(i, trl_kwargs(completions, kwargs,
-                                                                  is_conversational(self.funcs[i]))))
+            return self.funcs[i](
+                **self._kwargs_for(i, trl_kwargs(completions, kwargs, is_conversational(self.funcs[i])))
+            )
         return self.funcs[i](completions, **self._kwargs_for(i, swift_kwargs(kwargs)))
 
     def _ensure_loop(self) -> LoopThread:
@@ -204,8 +207,9 @@ class RewardRunner:
                 raise self._timeout_error(i) from None
         return self._await(i, out) if inspect.isawaitable(out) else out
 
-    def _start_async(self, idx: list[int], completions: list[str], kwargs: dict[str, Any],
-                     log: RewardLog) -> tuple[Future, dict[int, bool]]:
+    def _start_async(
+        self, idx: list[int], completions: list[str], kwargs: dict[str, Any], log: RewardLog
+    ) -> tuple[Future, dict[int, bool]]:
         timeout, done = self.timeout, {i: False for i in idx}
 
         async def call(i: int) -> Any:
@@ -232,8 +236,14 @@ class RewardRunner:
         future, done = pending
         deadline = None if self.timeout is None else started + self.timeout + _BLOCKED_GRACE_S
         try:
-            watch(future.done, lambda: [self.names[i] for i, d in done.items() if not d], started, self.heartbeat_s,
-                  deadline, future.result)
+            watch(
+                future.done,
+                lambda: [self.names[i] for i, d in done.items() if not d],
+                started,
+                self.heartbeat_s,
+                deadline,
+                future.result,
+            )
         except DeadlinePassed:
             future.cancel()
             self._abandon_loop()
@@ -247,8 +257,10 @@ class RewardRunner:
 
     def _timeout_error(self, i: int, blocking: bool = False) -> RewardError:
         why = " (it blocks the event loop: an async reward must await, not sleep or compute)" if blocking else ""
-        return RewardError(f"reward {self.names[i]!r} timed out after {self.timeout:g} s (--reward_timeout "
-                           f"{self.timeout:g}){why}; make it faster or raise --reward_timeout")
+        return RewardError(
+            f"reward {self.names[i]!r} timed out after {self.timeout:g} s (--reward_timeout "
+            f"{self.timeout:g}){why}; make it faster or raise --reward_timeout"
+        )
 
     def _call_one(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> Any:
         if self._is_async[i]:

@@ -244,12 +244,16 @@ def ready(isolation_mode: str = "bwrap") -> isolation.Runtime:
     if why is not None and rt.mode == "bwrap" and rt.as_root:
         fallback = dataclasses.replace(rt, privileged=True)
         if _trial(fallback) is None:
-            logger.info("code sandbox: no user namespaces for unprivileged uids (%s); bubblewrap runs as root and "
-                        "each program drops to its slot uid", why)
+            logger.info(
+                "code sandbox: no user namespaces for unprivileged uids (%s); bubblewrap runs as root and "
+                "each program drops to its slot uid",
+                why,
+            )
             return fallback
     if why is not None:
-        raise isolation.IsolationUnavailable(f"code_exec: the {isolation_mode} sandbox does not start on this host: "
-                                             f"{why}{isolation.hint_for(why)}")
+        raise isolation.IsolationUnavailable(
+            f"code_exec: the {isolation_mode} sandbox does not start on this host: {why}{isolation.hint_for(why)}"
+        )
     return rt
 
 

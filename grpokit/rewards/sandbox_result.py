@@ -91,6 +91,9 @@ def classify(rc, stdout_b, stderr_b, notes: list[dict], timed_out: bool, too_muc
     if rc == HARNESS_FAILED:
         fatal = [n["fatal"] for n in notes if "fatal" in n]
         if fatal:  # the program may write this too: escaped and cut, it is only a hint
-            logger.warning("code sandbox: exit %d; the harness reports it could not lock the process down: %s",
-                           rc, log_safe(fatal[0]))
+            logger.warning(
+                "code sandbox: exit %d; the harness reports it could not lock the process down: %s",
+                rc,
+                log_safe(fatal[0]),
+            )
     return res

@@ -26,8 +26,7 @@ def token_lengths(
     if response_token_ids is not None:
         if len(response_token_ids) != len(completions):
             raise ValueError(
-                f"{reward}: response_token_ids has {len(response_token_ids)} entries "
-                f"for {len(completions)} completions"
+                f"{reward}: response_token_ids has {len(response_token_ids)} entries for {len(completions)} completions"
             )
         return [
             sum(len(seg) for seg in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids or [])
@@ -158,9 +157,7 @@ class SoftOverlong(ORM):
         if soft_cache_length is None:
             raise ConfigError("--reward_funcs soft_overlong: needs --soft_cache_length, e.g. a quarter of the maximum")
         if not 0 < int(soft_cache_length) < int(max_len):
-            raise ConfigError(
-                f"--soft_cache_length {soft_cache_length}: must be > 0 and < --soft_max_length {max_len}"
-            )
+            raise ConfigError(f"--soft_cache_length {soft_cache_length}: must be > 0 and < --soft_max_length {max_len}")
         self.tokenizer = tokenizer
         self.max_len = int(max_len)
         self.cache_len = int(soft_cache_length)

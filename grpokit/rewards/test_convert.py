@@ -215,8 +215,9 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
     bound = [n for names, _ in loops for n in names]
     if sorted(params) != sorted(bound):
         raise Unconvertible(f"{f.name}: arguments {params} that are pytest fixtures are not graded ({_where(f)})")
-    call: ast.stmt = ast.Expr(ast.Call(ast.Name(f.name, ast.Load()), [],
-                                       [ast.keyword(p, ast.Name(f"p_{p}", ast.Load())) for p in params]))
+    call: ast.stmt = ast.Expr(
+        ast.Call(ast.Name(f.name, ast.Load()), [], [ast.keyword(p, ast.Name(f"p_{p}", ast.Load())) for p in params])
+    )
     for names, values in reversed(loops):
         target = ast.Name(f"p_{names[0]}", ast.Store()) if len(names) == 1 else \
             ast.Tuple([ast.Name(f"p_{n}", ast.Store()) for n in names], ast.Store())  # fmt: skip
@@ -230,13 +231,17 @@ def _check_import(node: ast.Import | ast.ImportFrom) -> None:
     if isinstance(node, ast.Import):
         for a in node.names:
             if a.name not in GRADER_MODULES and a.name not in PROGRAM_MODULES:
-                raise Unconvertible(f"import of {a.name!r}: the grader evaluates tests itself and knows only {known}"
-                                    f" (and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})")
+                raise Unconvertible(
+                    f"import of {a.name!r}: the grader evaluates tests itself and knows only {known}"
+                    f" (and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})"
+                )
         return
     mod = node.module or ""
     if node.level or (mod not in GRADER_MODULES and mod not in PROGRAM_MODULES):
-        raise Unconvertible(f"import from {mod or '.'!r}: the grader evaluates tests itself and knows only {known} "
-                            f"(and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})")
+        raise Unconvertible(
+            f"import from {mod or '.'!r}: the grader evaluates tests itself and knows only {known} "
+            f"(and the program as {'/'.join(sorted(PROGRAM_MODULES))}) ({_where(node)})"
+        )
     allowed = MODULES.get(mod, _PYTEST_NAMES if mod == "pytest" else None)
     if mod == "typing" or allowed is None:  # typing: annotations only; the program's module: any of its names
         return
@@ -276,8 +281,9 @@ def _validate(tree: ast.Module) -> None:
             raise Unconvertible(f"the attribute .{node.attr[:40]} is not graded ({_where(node)})")
         if isinstance(node, ast.FunctionDef) and node.decorator_list:
             raise Unconvertible(f"{node.name}: decorators are not graded ({_where(node)})")
-        if isinstance(node, ast.With) and any(i.optional_vars is not None and not isinstance(i.optional_vars, ast.Name)
-                                              for i in node.items):
+        if isinstance(node, ast.With) and any(
+            i.optional_vars is not None and not isinstance(i.optional_vars, ast.Name) for i in node.items
+        ):
             raise Unconvertible(f"a with-target that is not a name ({_where(node)})")
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in UNSAFE_BUILTINS and \
@@ -320,15 +326,18 @@ def convert(source: str) -> ast.Module:
     for stmt in body:
         if isinstance(stmt, ast.ClassDef):
             if not _is_test_class(stmt):
-                raise Unconvertible(f"class {stmt.name}: only unittest.TestCase / pytest Test* classes are graded "
-                                    f"({_where(stmt)})")
+                raise Unconvertible(
+                    f"class {stmt.name}: only unittest.TestCase / pytest Test* classes are graded ({_where(stmt)})"
+                )
             tail += _convert_class(stmt)
         elif isinstance(stmt, ast.FunctionDef) and stmt.name.startswith("test") and stmt.name not in called:
             if stmt.decorator_list:
                 tail += _parametrize(stmt)
             elif stmt.args.args:
-                raise Unconvertible(f"{stmt.name}: pytest fixtures ({', '.join(a.arg for a in stmt.args.args)}) "
-                                    f"are not graded ({_where(stmt)})")
+                raise Unconvertible(
+                    f"{stmt.name}: pytest fixtures ({', '.join(a.arg for a in stmt.args.args)}) "
+                    f"are not graded ({_where(stmt)})"
+                )
             else:
                 tail.append(ast.Expr(ast.Call(ast.Name(stmt.name, ast.Load()), [], [])))
             out.append(stmt)

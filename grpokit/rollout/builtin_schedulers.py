@@ -48,8 +48,10 @@ def is_correct(completion: str, solution: Any) -> bool:
 
 def _solution(scheduler: MultiTurnScheduler, request: RolloutInferRequest) -> Any:
     if request.data_dict.get("solution") is None:
-        raise DataError(f"{type(scheduler).__name__} checks answers against a 'solution' column; request "
-                        f"{request.request_id} has columns {sorted(request.data_dict)}")
+        raise DataError(
+            f"{type(scheduler).__name__} checks answers against a 'solution' column; request "
+            f"{request.request_id} has columns {sorted(request.data_dict)}"
+        )
     return request.data_dict["solution"]
 
 
@@ -66,16 +68,18 @@ class MathTipsScheduler(MultiTurnScheduler):
     tips_prompt = "\nWait, that answer does not look right. Let me check each step again.\n"
     max_tips = 1
 
-    def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-                       current_turn: int) -> bool:
+    def check_finished(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> bool:
         if current_turn > self.max_tips:
             return True
         if is_correct(_last_assistant_text(infer_request), _solution(self, infer_request)):
             return True
         return super().check_finished(infer_request, response_choice, current_turn)
 
-    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-             current_turn: int) -> dict:
+    def step(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> dict:
         text = response_choice.message.get("content") or ""
         cuts = [i for i in (text.find("<answer>"), text.find("</think>")) if i >= 0]
         keep = cut_token_prefix(self.tokenizer, response_choice.token_ids, text, min(cuts, default=len(text)))
@@ -97,6 +101,7 @@ class MathTipsScheduler(MultiTurnScheduler):
 
 def cut_token_prefix(tokenizer, token_ids: list[int], text: str, cut: int) -> int:
     """Largest k such that ``token_ids[:k]`` decodes to a prefix of ``text[:cut]`` (no trailing special token)."""
+
     def decoded(k: int) -> str:
         return tokenizer.decode(token_ids[:k], skip_special_tokens=True)
 
@@ -129,14 +134,16 @@ class ThinkingTipsScheduler(MultiTurnScheduler):
 
     tips_prompt = "Your answer is not correct. Check your reasoning carefully and answer again."
 
-    def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-                       current_turn: int) -> bool:
+    def check_finished(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> bool:
         if is_correct(_last_assistant_text(infer_request), _solution(self, infer_request)):
             return True
         return super().check_finished(infer_request, response_choice, current_turn)
 
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> list[RolloutOutput]:
+    async def run(
+        self, infer_request: RolloutInferRequest, request_config: RequestConfig, **kwargs
+    ) -> list[RolloutOutput]:
         await self.on_trajectory_start([infer_request])
         prompt = copy.deepcopy(infer_request.messages)
         history: list[dict] = []  # think-stripped replies and tips after the prompt
@@ -159,8 +166,9 @@ class ThinkingTipsScheduler(MultiTurnScheduler):
                 turn_result = await self.on_turn_end(request, choice, turn) or {}
                 done = turn_result.get("done")
                 stop = self.check_finished(request, choice, turn) if done is None else bool(done)
-                rounds.append((request.messages, [list(s) for s in hist_ids], response,
-                               turn_result.get("rollout_infos") or {}))
+                rounds.append(
+                    (request.messages, [list(s) for s in hist_ids], response, turn_result.get("rollout_infos") or {})
+                )
                 if stop:
                     break
                 reply = strip_think(text)
@@ -170,22 +178,38 @@ class ThinkingTipsScheduler(MultiTurnScheduler):
             await self.on_trajectory_end(request)
         return [self._round_output(k + 1, len(rounds), *r) for k, r in enumerate(rounds)]
 
-    def _round_output(self, turn: int, num_rounds: int, messages: list[dict], hist_ids: list[list[int]],
-                      response, infos: dict) -> RolloutOutput:
+    def _round_output(
+        self, turn: int, num_rounds: int, messages: list[dict], hist_ids: list[list[int]], response, infos: dict
+    ) -> RolloutOutput:
         choice = response.choices[0]
         trains = self.loss_scale != "last_round" or turn == num_rounds
         traj = Trajectory(infos=dict(infos))
         for ids in hist_ids:
             traj.add_turn(ids, [0] * len(ids), [], continuation=False)
-        traj.add_turn(choice.token_ids, [int(trains)] * len(choice.token_ids),
-                      choice_logprobs(choice) if trains else [], continuation=False)
+        traj.add_turn(
+            choice.token_ids,
+            [int(trains)] * len(choice.token_ids),
+            choice_logprobs(choice) if trains else [],
+            continuation=False,
+        )
         logprobs, dropped = traj.checked_logprobs()
-        info = {**traj.infos, "num_turns": turn, "round": turn, "num_rounds": num_rounds,
-                "is_last_round": turn == num_rounds}
+        info = {
+            **traj.infos,
+            "num_turns": turn,
+            "round": turn,
+            "num_rounds": num_rounds,
+            "is_last_round": turn == num_rounds,
+        }
         if dropped:
             info["logprobs_dropped"] = 1
-        return RolloutOutput(response=response, messages=messages, response_token_ids=traj.token_ids,
-                             response_loss_mask=traj.loss_mask, rollout_infos=info, rollout_logprobs=logprobs)
+        return RolloutOutput(
+            response=response,
+            messages=messages,
+            response_token_ids=traj.token_ids,
+            response_loss_mask=traj.loss_mask,
+            rollout_infos=info,
+            rollout_logprobs=logprobs,
+        )
 
     def _history_length(self, prompt: list[dict], history: list[dict], hist_ids: list[list[int]]) -> int:
         """Completion tokens before this round's reply: history replies plus the template text around them."""
@@ -217,8 +241,12 @@ class _Episode:
     start_images: list = field(default_factory=list)  # after a reset with images: the row's, then reset's
 
     def infos(self, turn: int) -> dict[str, Any]:
-        infos = {"env": self.name, "total_reward": float(sum(self.step_rewards)),
-                 "step_rewards": list(self.step_rewards), "reset_info": self.reset_info}
+        infos = {
+            "env": self.name,
+            "total_reward": float(sum(self.step_rewards)),
+            "step_rewards": list(self.step_rewards),
+            "reset_info": self.reset_info,
+        }
         if turn == 1 and self.start_images:  # the loop's record of every image from the first step() on
             infos["images"] = list(self.start_images)
         return infos
@@ -244,8 +272,10 @@ class GYMScheduler(MultiTurnScheduler):
             raise DataError(f"request {request.request_id}: env_config must be a dict, got {type(env_config).__name__}")
         name = env_config.get("name") or self.gym_env
         if not name:
-            raise ConfigError("gym_scheduler: the row has no env_config.name and --gym_env is not set; name an "
-                              f"environment (registered: {', '.join(sorted(envs)) or '(none)'})")
+            raise ConfigError(
+                "gym_scheduler: the row has no env_config.name and --gym_env is not set; name an "
+                f"environment (registered: {', '.join(sorted(envs)) or '(none)'})"
+            )
         return name, envs.get_or_raise(name)(env_config)
 
     async def on_trajectory_start(self, requests: list[RolloutInferRequest]) -> None:
@@ -259,8 +289,9 @@ class GYMScheduler(MultiTurnScheduler):
                 check_takes_images(self.chat_template(), "reset", images)
             except Exception as e:
                 await self._close(_Episode(env, name), req.request_id)
-                raise RolloutError(f"request {req.request_id}: env {name!r} reset failed: "
-                                   f"{type(e).__name__}: {e}") from e
+                raise RolloutError(
+                    f"request {req.request_id}: env {name!r} reset failed: {type(e).__name__}: {e}"
+                ) from e
             req.messages[:] = start_messages(req.messages, observation, system)
             episode = _Episode(env, name, dict(info or {}))
             if images:  # after the row's; a new dict: the group's requests share the row's data_dict
@@ -268,8 +299,9 @@ class GYMScheduler(MultiTurnScheduler):
                 req.data_dict = {**req.data_dict, "images": list(episode.start_images)}
             self._episodes[req.request_id] = episode
 
-    async def on_turn_end(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-                          current_turn: int) -> dict:
+    async def on_turn_end(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> dict:
         ep = self._episodes[infer_request.request_id]
         try:
             observation, reward, done, info = await _maybe_await(ep.env.step(copy.deepcopy(infer_request.messages)))
@@ -277,8 +309,14 @@ class GYMScheduler(MultiTurnScheduler):
             if info is not None and not isinstance(info, dict):
                 raise TypeError(f"step's info must be a dict, got {type(info).__name__}")
         except Exception as e:  # a broken env ends this trajectory only; training goes on
-            logger.error("request %s: env %r failed in step at turn %d: %s: %s", infer_request.request_id, ep.name,
-                         current_turn, type(e).__name__, e)
+            logger.error(
+                "request %s: env %r failed in step at turn %d: %s: %s",
+                infer_request.request_id,
+                ep.name,
+                current_turn,
+                type(e).__name__,
+                e,
+            )
             error = f"{type(e).__name__}: {e}"
             return {"done": True, "rollout_infos": {**ep.infos(current_turn), "env_error": error}}
         ep.step_rewards.append(reward)
@@ -286,8 +324,9 @@ class GYMScheduler(MultiTurnScheduler):
         ep.images = (info or {}).get("images") or []  # checked by the loop with step()'s return
         return {"done": bool(done), "rollout_infos": ep.infos(current_turn)}
 
-    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-             current_turn: int) -> dict:
+    def step(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> dict:
         ep = self._episodes[infer_request.request_id]
         infer_request.messages.append({"role": "user", "content": ep.observation})
         return {"infer_request": infer_request, "images": ep.images}
@@ -305,8 +344,6 @@ class GYMScheduler(MultiTurnScheduler):
             logger.warning("request %s: env %r close failed: %s: %s", request_id, ep.name, type(e).__name__, e)
 
 
-
-
 # -- tool_call_scheduler ---------------------------------------------------------------------------------------
 @multi_turns.register("tool_call_scheduler")
 class ToolCallScheduler(MultiTurnScheduler):
@@ -316,19 +353,24 @@ class ToolCallScheduler(MultiTurnScheduler):
     stop_words = ("Observation:",)
     observation_role = "user"
 
-    def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-                       current_turn: int) -> bool:
+    def check_finished(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> bool:
         if parse_action(response_choice.message.get("content") or "") is None:
             return True
         return super().check_finished(infer_request, response_choice, current_turn)
 
-    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-             current_turn: int) -> dict:
+    def step(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> dict:
         text = response_choice.message.get("content") or ""
         name, tool_input = parse_action(text)
         result = run_tool(name, tool_input)
         content = result if text.rstrip().endswith("Observation:") else f"Observation: {result}"
         infer_request.messages.append({"role": self.observation_role, "content": content})
-        errors = sum(1 for m in infer_request.messages if m["role"] == self.observation_role
-                     and m["content"].removeprefix("Observation: ").startswith("error:"))
+        errors = sum(
+            1
+            for m in infer_request.messages
+            if m["role"] == self.observation_role and m["content"].removeprefix("Observation: ").startswith("error:")
+        )
         return {"infer_request": infer_request, "rollout_infos": {"tool_calls": current_turn, "tool_errors": errors}}

@@ -52,8 +52,9 @@ def reset_values(ret: Any, name: str) -> tuple[str, dict[str, Any], str]:
     and system message default to empty). ValueError naming the env for anything else."""
     if not isinstance(ret, (tuple, list)) or len(ret) not in (2, 3):
         got = f"{len(ret)} values" if isinstance(ret, (tuple, list)) else type(ret).__name__
-        raise ValueError(f"env {name!r}: reset must return (observation, info, system_message) or "
-                         f"(observation, info), got {got}")
+        raise ValueError(
+            f"env {name!r}: reset must return (observation, info, system_message) or (observation, info), got {got}"
+        )
     observation, info, system = (*ret, "") if len(ret) == 2 else ret
     if observation is not None and not isinstance(observation, str):
         raise ValueError(f"env {name!r}: reset's observation must be a string, got {type(observation).__name__}")
@@ -71,8 +72,7 @@ def reset_images(info: dict[str, Any], observation: str, name: str) -> list:
     if images is None:
         return []
     if not isinstance(images, (list, tuple)):
-        raise ValueError(f"env {name!r}: reset's info['images'] must be a list of images, got "
-                         f"{type(images).__name__}")
+        raise ValueError(f"env {name!r}: reset's info['images'] must be a list of images, got {type(images).__name__}")
     for k, image in enumerate(images):
         try:
             check_image_ref(image, f"env {name!r}: reset's image {k}")
@@ -80,9 +80,11 @@ def reset_images(info: dict[str, Any], observation: str, name: str) -> list:
             raise ValueError(str(e)) from None
     slots = observation.count(IMAGE_PLACEHOLDER)
     if images and slots != len(images):
-        raise ValueError(f"env {name!r}: reset returned {len(images)} image(s) but its observation holds {slots} "
-                         f"{IMAGE_PLACEHOLDER} placeholder(s); put one {IMAGE_PLACEHOLDER} per image in the "
-                         "observation")
+        raise ValueError(
+            f"env {name!r}: reset returned {len(images)} image(s) but its observation holds {slots} "
+            f"{IMAGE_PLACEHOLDER} placeholder(s); put one {IMAGE_PLACEHOLDER} per image in the "
+            "observation"
+        )
     return list(images)
 
 
@@ -110,8 +112,10 @@ class GuessNumberEnv(Env):
         super().__init__(env_config)
         secret = self.env_config.get("secret")
         if isinstance(secret, bool) or not isinstance(secret, int):
-            raise ConfigError(f"guess_number env: env_config needs an integer 'secret', got {secret!r} "
-                              "(e.g. {\"name\": \"guess_number\", \"secret\": 7})")
+            raise ConfigError(
+                f"guess_number env: env_config needs an integer 'secret', got {secret!r} "
+                '(e.g. {"name": "guess_number", "secret": 7})'
+            )
         self.secret = secret
         self.low = int(self.env_config.get("low", GUESS_LOW))
         self.high = int(self.env_config.get("high", GUESS_HIGH))
@@ -121,8 +125,13 @@ class GuessNumberEnv(Env):
         """The instructions, unless the row's prompt already holds a user message (an empty observation keeps
         it); no system message of its own."""
         has_user = any(m["role"] == "user" for m in config.messages)
-        text = "" if has_user else (f"I am thinking of a number between {self.low} and {self.high}. "
-                                    "Guess it; reply with just the number.")
+        text = (
+            ""
+            if has_user
+            else (
+                f"I am thinking of a number between {self.low} and {self.high}. Guess it; reply with just the number."
+            )
+        )
         return text, {"low": self.low, "high": self.high}, ""
 
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:

@@ -22,11 +22,15 @@ from grpokit.protocol import RolloutInferRequest
 from grpokit.rewards.math_rewards import answer_matches
 from grpokit.rollout.env import Env, envs
 
-MATH_SYSTEM = ("You are solving a math problem for the user. Reason about it first, inside <think> and </think>, "
-               "then give only the final result inside <answer> and </answer>, like this: "
-               "<think> your reasoning </think><answer> the result </answer>")
-MATH_RETRY = ("That answer is wrong. Go through your solution again step by step, find the mistake, and give the "
-              "corrected result inside <answer> and </answer>.")
+MATH_SYSTEM = (
+    "You are solving a math problem for the user. Reason about it first, inside <think> and </think>, "
+    "then give only the final result inside <answer> and </answer>, like this: "
+    "<think> your reasoning </think><answer> the result </answer>"
+)
+MATH_RETRY = (
+    "That answer is wrong. Go through your solution again step by step, find the mistake, and give the "
+    "corrected result inside <answer> and </answer>."
+)
 
 
 class MathEnv(Env):
@@ -44,16 +48,19 @@ class MathEnv(Env):
         the row needs a ``solution`` (pass the columns to the server: --vllm_server_pass_dataset true)."""
         data = config.data_dict
         if data.get("solution") in (None, ""):
-            raise DataError(f"math_env: request {config.request_id} has no 'solution' column (columns: "
-                            f"{sorted(data) or 'none'}); give rows a solution, and in server mode pass them with "
-                            "--vllm_server_pass_dataset true")
+            raise DataError(
+                f"math_env: request {config.request_id} has no 'solution' column (columns: "
+                f"{sorted(data) or 'none'}); give rows a solution, and in server mode pass them with "
+                "--vllm_server_pass_dataset true"
+            )
         self.solution = str(data["solution"])
         problem = data.get("problem")
         if problem in (None, ""):
             problem = next((m.get("content") or "" for m in reversed(config.messages) if m["role"] == "user"), "")
         if not isinstance(problem, str) or not problem:
-            raise DataError(f"math_env: request {config.request_id} has no problem text: give a 'problem' column or "
-                            "a user message")
+            raise DataError(
+                f"math_env: request {config.request_id} has no problem text: give a 'problem' column or a user message"
+            )
         return problem, {}, self.system_prompt
 
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:

@@ -44,9 +44,17 @@ class EvalSettings:
         """A training run's settings: its sampling options, ``--num_generations_eval``, ``--eval_pass_threshold``
         and ``--per_device_eval_batch_size`` (``cfg`` a ``TrainConfig``, read by attribute)."""
         r, t = cfg.rollout, cfg.training
-        return cls(max_tokens=r.max_completion_length, batch_size=t.per_device_eval_batch_size,
-                   num_generations=t.num_generations_eval, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   repetition_penalty=r.repetition_penalty, pass_threshold=t.eval_pass_threshold, seed=t.seed)
+        return cls(
+            max_tokens=r.max_completion_length,
+            batch_size=t.per_device_eval_batch_size,
+            num_generations=t.num_generations_eval,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            repetition_penalty=r.repetition_penalty,
+            pass_threshold=t.eval_pass_threshold,
+            seed=t.seed,
+        )
 
 
 def _complete(engine, template, rows: list[dict], config: RequestConfig, batch_size: int) -> tuple[list, list]:
@@ -54,9 +62,14 @@ def _complete(engine, template, rows: list[dict], config: RequestConfig, batch_s
     completions: list[str] = []
     finish: list[str] = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        reqs = [RolloutInferRequest(messages=template.with_system(r["messages"]),  # the row's columns (its images)
-                                    data_dict={k: v for k, v in r.items() if k != "messages"}) for r in chunk]
+        chunk = rows[start : start + batch_size]
+        reqs = [
+            RolloutInferRequest(
+                messages=template.with_system(r["messages"]),  # the row's columns (its images)
+                data_dict={k: v for k, v in r.items() if k != "messages"},
+            )
+            for r in chunk
+        ]
         call = config if config.seed is None else config.model_copy(update={"seed": config.seed + start})
         for resp in engine.infer(reqs, call):
             completions.extend(c.message["content"] for c in resp.choices)
@@ -64,28 +77,49 @@ def _complete(engine, template, rows: list[dict], config: RequestConfig, batch_s
     return completions, finish
 
 
-def _score(rows: list[dict], completions: list[str], finish: list[str], reward_runner,
-           trainer_state: dict | None) -> torch.Tensor:
+def _score(
+    rows: list[dict], completions: list[str], finish: list[str], reward_runner, trainer_state: dict | None
+) -> torch.Tensor:
     """[len(completions), F] scores; ``rows`` is one row per completion."""
     columns = {k for r in rows for k in r if k != "messages"}
     kwargs = {c: [r.get(c) for r in rows] for c in columns}
-    kwargs.update(messages=[[*r["messages"], {"role": "assistant", "content": c}] for r, c in zip(rows, completions)],
-                  finish_reason=finish, is_truncated=[f == "length" for f in finish],
-                  trainer_state=trainer_state or {"global_step": 0, "max_steps": 0},
-                  rollout_infos=[{}] * len(rows), num_turns=[1] * len(rows))
+    kwargs.update(
+        messages=[[*r["messages"], {"role": "assistant", "content": c}] for r, c in zip(rows, completions)],
+        finish_reason=finish,
+        is_truncated=[f == "length" for f in finish],
+        trainer_state=trainer_state or {"global_step": 0, "max_steps": 0},
+        rollout_infos=[{}] * len(rows),
+        num_turns=[1] * len(rows),
+    )
     return reward_runner.compute(completions, kwargs) if reward_runner else torch.zeros(len(rows), 0)
 
 
-def _out_rows(rows: list[dict], completions: list[str], scores: torch.Tensor, reward_names: list[str],
-              n: int | None = None) -> list[dict]:
+def _out_rows(
+    rows: list[dict], completions: list[str], scores: torch.Tensor, reward_names: list[str], n: int | None = None
+) -> list[dict]:
     extra = (lambda i: {}) if n is None else (lambda i: {"sample": i % n})
-    return [{"prompt": r["messages"][-1]["content"], "completion": c, **extra(i),
-             **{name: (None if s != s else float(s)) for name, s in zip(reward_names, scores[i].tolist())}}
-            for i, (r, c) in enumerate(zip(rows, completions))]
+    return [
+        {
+            "prompt": r["messages"][-1]["content"],
+            "completion": c,
+            **extra(i),
+            **{name: (None if s != s else float(s)) for name, s in zip(reward_names, scores[i].tolist())},
+        }
+        for i, (r, c) in enumerate(zip(rows, completions))
+    ]
 
 
-def evaluate_rows(engine, template, rows: list[dict], reward_runner, reward_names: list[str], max_tokens: int,
-                  temperature: float = 0.0, batch_size: int = 64, trainer_state: dict | None = None) -> EvalResult:
+def evaluate_rows(
+    engine,
+    template,
+    rows: list[dict],
+    reward_runner,
+    reward_names: list[str],
+    max_tokens: int,
+    temperature: float = 0.0,
+    batch_size: int = 64,
+    trainer_state: dict | None = None,
+) -> EvalResult:
     """Greedy (or sampled) completions for ``rows`` scored by the reward functions; mean score per function.
     ``trainer_state`` is what rewards read as ``trainer_state.global_step`` (the trainer's step; 0 outside one)."""
     config = RequestConfig(n=1, max_tokens=max_tokens, temperature=temperature)
@@ -104,19 +138,40 @@ def _fork_rng():
     return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
 
 
-def evaluate_policy(engine, template, rows: list[dict], reward_runner, reward_names: list[str],
-                    settings: EvalSettings, trainer_state: dict | None = None) -> EvalResult:
+def evaluate_policy(
+    engine,
+    template,
+    rows: list[dict],
+    reward_runner,
+    reward_names: list[str],
+    settings: EvalSettings,
+    trainer_state: dict | None = None,
+) -> EvalResult:
     """The greedy pass (``<reward>/greedy``), then with ``settings.num_generations`` K the sampled one:
     ``<reward>/pass@k``, ``<reward>/mean@K`` and their intervals, per reward function."""
-    greedy = evaluate_rows(engine, template, rows, reward_runner, reward_names, settings.max_tokens,
-                           batch_size=settings.batch_size, trainer_state=trainer_state)
+    greedy = evaluate_rows(
+        engine,
+        template,
+        rows,
+        reward_runner,
+        reward_names,
+        settings.max_tokens,
+        batch_size=settings.batch_size,
+        trainer_state=trainer_state,
+    )
     metrics = {f"{name}/greedy": value for name, value in greedy.metrics.items()}
     k = settings.num_generations
     if not k:
         return EvalResult(metrics, greedy.rows)
-    config = RequestConfig(n=k, max_tokens=settings.max_tokens, temperature=settings.temperature,
-                           top_p=settings.top_p, top_k=settings.top_k,
-                           repetition_penalty=settings.repetition_penalty, seed=settings.seed)
+    config = RequestConfig(
+        n=k,
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        repetition_penalty=settings.repetition_penalty,
+        seed=settings.seed,
+    )
     with _fork_rng():
         completions, finish = _complete(engine, template, rows, config, settings.batch_size)
     repeated = [r for r in rows for _ in range(k)]

@@ -40,8 +40,10 @@ def import_object(path: str, what: str) -> Any:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ConfigError(f"{what} {path!r}: give module:Name (e.g. my_envs:EchoEnvironment); the module is "
-                          "imported as usual (--external_plugins puts a plugin file's folder on sys.path)")
+        raise ConfigError(
+            f"{what} {path!r}: give module:Name (e.g. my_envs:EchoEnvironment); the module is "
+            "imported as usual (--external_plugins puts a plugin file's folder on sys.path)"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -98,8 +100,11 @@ class OpenEnvEpisode(Env):
     async def step(self, action: list[dict[str, Any]]) -> tuple[str, float, bool, dict[str, Any]]:
         text = next((m.get("content") or "" for m in reversed(action) if m["role"] == "assistant"), "")
         parsed = self.scheduler.parse_action(text)
-        act = parsed if isinstance(parsed, self.action_cls) else self.action_cls(**self.scheduler.action_fields(
-            parsed, self.action_cls))
+        act = (
+            parsed
+            if isinstance(parsed, self.action_cls)
+            else self.action_cls(**self.scheduler.action_fields(parsed, self.action_cls))
+        )
         step = getattr(self.env, "step_async", None) or self.env.step
         obs = await _maybe_await(step(act))
         reward = getattr(obs, "reward", None)
@@ -141,9 +146,11 @@ class OpenEnvScheduler(GYMScheduler):
             return parsed
         name = text_field(action_cls)
         if name is None:
-            raise DataError(f"OpenEnvScheduler: {action_cls.__name__} has no single text field the reply could "
-                            f"fill (fields: {', '.join(action_cls.model_fields)}); the model must reply with a JSON "
-                            "object of its fields, or override parse_action")
+            raise DataError(
+                f"OpenEnvScheduler: {action_cls.__name__} has no single text field the reply could "
+                f"fill (fields: {', '.join(action_cls.model_fields)}); the model must reply with a JSON "
+                "object of its fields, or override parse_action"
+            )
         return {name: parsed}
 
     def format_observation(self, observation: Any) -> str:
@@ -155,22 +162,28 @@ class OpenEnvScheduler(GYMScheduler):
         if not isinstance(env_config, dict):
             raise DataError(f"request {request.request_id}: env_config must be a dict, got {type(env_config).__name__}")
         if env_config.get("base_url") and not env_config.get("env"):
-            raise ConfigError(f"OpenEnvScheduler: env_config.base_url {env_config['base_url']!r} names an OpenEnv "
-                              "server; grpokit runs the environment in process: give env_config.env "
-                              "'module:Class' (or --openenv_env module:Class) instead")
+            raise ConfigError(
+                f"OpenEnvScheduler: env_config.base_url {env_config['base_url']!r} names an OpenEnv "
+                "server; grpokit runs the environment in process: give env_config.env "
+                "'module:Class' (or --openenv_env module:Class) instead"
+            )
         path = env_config.get("env") or self.openenv_env
         if not path:
-            raise ConfigError("OpenEnvScheduler: the row has no env_config.env and --openenv_env is not set; name "
-                              "the environment as module:Class")
+            raise ConfigError(
+                "OpenEnvScheduler: the row has no env_config.env and --openenv_env is not set; name "
+                "the environment as module:Class"
+            )
         factory = import_object(path, "--openenv_env" if path == self.openenv_env else "env_config.env")
         kwargs = _dict_of(env_config, "kwargs", request)
         env = factory(**kwargs)
         act_path = env_config.get("action")
         act_cls = import_object(act_path, "env_config.action") if act_path else action_class(type(env))
         if act_cls is None:
-            raise ConfigError(f"OpenEnvScheduler: cannot tell the Action type of {type(env).__name__} (it does not "
-                              "subclass Environment[Action, Observation, State]); name it in env_config.action as "
-                              "module:Class")
+            raise ConfigError(
+                f"OpenEnvScheduler: cannot tell the Action type of {type(env).__name__} (it does not "
+                "subclass Environment[Action, Observation, State]); name it in env_config.action as "
+                "module:Class"
+            )
         return type(env).__name__, OpenEnvEpisode(env, act_cls, self, _dict_of(env_config, "reset_kwargs", request))
 
 

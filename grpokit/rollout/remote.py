@@ -38,8 +38,15 @@ class RemoteScheduler(RolloutScheduler):
     them must be the ids the trainer's processor gives (``check_prompt_ids``), since the trainer trains on those.
     """
 
-    def __init__(self, client: RolloutClient, pass_dataset: bool = True, use_gym_env: bool | None = None,
-                 loss_scale: str = "default", template=None, **kwargs) -> None:
+    def __init__(
+        self,
+        client: RolloutClient,
+        pass_dataset: bool = True,
+        use_gym_env: bool | None = None,
+        loss_scale: str = "default",
+        template=None,
+        **kwargs,
+    ) -> None:
         super().__init__(infer_engine=client, **kwargs)
         self.pass_dataset = pass_dataset
         self.use_gym_env = use_gym_env
@@ -53,15 +60,22 @@ class RemoteScheduler(RolloutScheduler):
         check_server_rollout(rollout_args, info)
         pass_dataset = bool(rollout_args.vllm_server_pass_dataset or rollout_args.multi_turn_scheduler)
         if info.get("enable_multi_turn") and not pass_dataset:
-            logger.warning("the rollout server runs %s; the rows' columns are not sent to it (ms-swift's default): "
-                           "add --vllm_server_pass_dataset true if its scheduler or environment reads them",
-                           info.get("multi_turn_scheduler"))
+            logger.warning(
+                "the rollout server runs %s; the rows' columns are not sent to it (ms-swift's default): "
+                "add --vllm_server_pass_dataset true if its scheduler or environment reads them",
+                info.get("multi_turn_scheduler"),
+            )
         if info.get("enable_multi_turn") and template is not None:  # the trainer renders the text between turns
             audit = audit_prefix(template)
             if audit.preserving is False:  # the server samples later turns from the trajectory's ids (pin_ids)
                 logger.warning("%s", audit.line(True))
-        return cls(client, pass_dataset=pass_dataset, use_gym_env=rollout_args.use_gym_env,
-                   loss_scale=rollout_args.loss_scale, template=template)
+        return cls(
+            client,
+            pass_dataset=pass_dataset,
+            use_gym_env=rollout_args.use_gym_env,
+            loss_scale=rollout_args.loss_scale,
+            template=template,
+        )
 
     @property
     def multi_turn(self) -> bool:  # the server's scheduler plays the turns: the trainer audits them (rollout/tito.py)
@@ -79,23 +93,32 @@ class RemoteScheduler(RolloutScheduler):
         itself, as ms-swift's requests carry images apart from the dataset's columns)."""
         if self.pass_dataset:
             return list(requests)
-        return [r.model_copy(update={"data_dict": {k: v for k, v in r.data_dict.items() if k in MEDIA_KEYS}})
-                if r.data_dict else r for r in requests]
+        return [
+            r.model_copy(update={"data_dict": {k: v for k, v in r.data_dict.items() if k in MEDIA_KEYS}})
+            if r.data_dict
+            else r
+            for r in requests
+        ]
 
     def _trained(self, requests: Sequence[RolloutInferRequest], outputs: list[RolloutOutput]) -> list[RolloutOutput]:
         if getattr(self.template, "multimodal", False):
             check_prompt_ids(self.template, requests, outputs)
         return [last_round_only(o) for o in outputs] if self.loss_scale == "last_round" else outputs
 
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> list[RolloutOutput]:
-        return self._trained([infer_request], await self.infer_engine.infer_trajectories_async(
-            self._wire([infer_request]), request_config))
+    async def run(
+        self, infer_request: RolloutInferRequest, request_config: RequestConfig, **kwargs
+    ) -> list[RolloutOutput]:
+        return self._trained(
+            [infer_request],
+            await self.infer_engine.infer_trajectories_async(self._wire([infer_request]), request_config),
+        )
 
-    async def async_infer(self, requests: Sequence[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
-        return self._trained(requests, await self.infer_engine.infer_trajectories_async(self._wire(requests),
-                                                                                        request_config))
+    async def async_infer(
+        self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig
+    ) -> list[RolloutOutput]:
+        return self._trained(
+            requests, await self.infer_engine.infer_trajectories_async(self._wire(requests), request_config)
+        )
 
 
 def check_prompt_ids(template, requests: Sequence[RolloutInferRequest], outputs: list[RolloutOutput]) -> None:
@@ -110,9 +133,11 @@ def check_prompt_ids(template, requests: Sequence[RolloutInferRequest], outputs:
         want, _ = template.encode_mm(o.prompt_messages or r.messages, row_images(r.data_dict))
         if list(got) != want:
             at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            raise RolloutError(f"request {o.request_id}: the rollout server's prompt ids differ from this trainer's "
-                               f"processor's ({len(got)} vs {len(want)} ids, first difference at position {at}); "
-                               "serve the trainer's model folder (same processor and chat template)")
+            raise RolloutError(
+                f"request {o.request_id}: the rollout server's prompt ids differ from this trainer's "
+                f"processor's ({len(got)} vs {len(want)} ids, first difference at position {at}); "
+                "serve the trainer's model folder (same processor and chat template)"
+            )
 
 
 def last_round_only(output: RolloutOutput) -> RolloutOutput:
@@ -144,26 +169,39 @@ def check_server_rollout(r, info: dict) -> None:
     if r.multi_turn_scheduler and not info.get("enable_multi_turn"):
         return  # a single-turn server: the trainer plays the turns with its own scheduler (trainer_plays_turns)
     if r.multi_turn_scheduler and r.multi_turn_scheduler != info.get("multi_turn_scheduler"):
-        raise ConfigError(f"--multi_turn_scheduler {r.multi_turn_scheduler}: {where} runs "
-                          f"{info.get('multi_turn_scheduler')}; {start} --multi_turn_scheduler "
-                          f"{r.multi_turn_scheduler} (or a single-turn server, and the trainer plays the turns), "
-                          "or drop the option here")
-    wanted = [("max_turns", r.max_turns, r.max_turns is not None),
-              ("gym_env", r.gym_env, r.gym_env is not None),
-              ("completion_length_limit_scope", r.completion_length_limit_scope,
-               r.completion_length_limit_scope != "per_round")]
+        raise ConfigError(
+            f"--multi_turn_scheduler {r.multi_turn_scheduler}: {where} runs "
+            f"{info.get('multi_turn_scheduler')}; {start} --multi_turn_scheduler "
+            f"{r.multi_turn_scheduler} (or a single-turn server, and the trainer plays the turns), "
+            "or drop the option here"
+        )
+    wanted = [
+        ("max_turns", r.max_turns, r.max_turns is not None),
+        ("gym_env", r.gym_env, r.gym_env is not None),
+        (
+            "completion_length_limit_scope",
+            r.completion_length_limit_scope,
+            r.completion_length_limit_scope != "per_round",
+        ),
+    ]
     for name, value, asked in wanted:
         if not asked:
             continue
         if not info.get("enable_multi_turn"):
-            raise ConfigError(f"--{name} {value}: {where} runs single-turn rollouts; {start} "
-                              f"--multi_turn_scheduler NAME --{name} {value}, or drop the option here")
+            raise ConfigError(
+                f"--{name} {value}: {where} runs single-turn rollouts; {start} "
+                f"--multi_turn_scheduler NAME --{name} {value}, or drop the option here"
+            )
         if info.get(name) != value:
-            raise ConfigError(f"--{name} {value}: {where} runs {info.get('multi_turn_scheduler')} with --{name} "
-                              f"{info.get(name)}; {start} --{name} {value}, or give the trainer the server's value")
+            raise ConfigError(
+                f"--{name} {value}: {where} runs {info.get('multi_turn_scheduler')} with --{name} "
+                f"{info.get(name)}; {start} --{name} {value}, or give the trainer the server's value"
+            )
     if r.use_gym_env and not info.get("enable_multi_turn"):
-        raise ConfigError(f"--use_gym_env true: {where} runs single-turn rollouts, which give no environment "
-                          f"reward; {start} --multi_turn_scheduler NAME (e.g. gym_scheduler)")
+        raise ConfigError(
+            f"--use_gym_env true: {where} runs single-turn rollouts, which give no environment "
+            f"reward; {start} --multi_turn_scheduler NAME (e.g. gym_scheduler)"
+        )
 
 
 def check_server_template(enable_thinking: bool | None, info: dict) -> None:
@@ -176,9 +214,15 @@ def check_server_template(enable_thinking: bool | None, info: dict) -> None:
         return
     flag = "true" if served else "false"
     if enable_thinking is None:
-        raise ConfigError(f"the rollout server ({info.get('model', '?')}) renders prompts with --enable_thinking "
-                          f"{flag}, and this trainer, which re-encodes them to train, with the chat template's "
-                          f"default; give the trainer --enable_thinking {flag} too (ms-swift's scripts put it on "
-                          "both commands)")
-    logger.warning("--enable_thinking %s: the rollout server's %s is overridden for this trainer's prompts (the "
-                   "trainer's value travels with each prompt)", str(enable_thinking).lower(), flag)
+        raise ConfigError(
+            f"the rollout server ({info.get('model', '?')}) renders prompts with --enable_thinking "
+            f"{flag}, and this trainer, which re-encodes them to train, with the chat template's "
+            f"default; give the trainer --enable_thinking {flag} too (ms-swift's scripts put it on "
+            "both commands)"
+        )
+    logger.warning(
+        "--enable_thinking %s: the rollout server's %s is overridden for this trainer's prompts (the "
+        "trainer's value travels with each prompt)",
+        str(enable_thinking).lower(),
+        flag,
+    )

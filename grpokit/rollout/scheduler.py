@@ -25,8 +25,9 @@ class RolloutScheduler:
 
     uses_env_reward = False  # True: rollout_infos['total_reward'] becomes the extra reward column 'gym_reward'
 
-    def __init__(self, infer_engine=None, max_turns: int | None = None, uses_env_reward: bool | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self, infer_engine=None, max_turns: int | None = None, uses_env_reward: bool | None = None, **kwargs
+    ) -> None:
         """``uses_env_reward``: --use_gym_env, an explicit choice over the class's default (None: the class's)."""
         self.infer_engine = infer_engine
         self.max_turns = max_turns
@@ -45,8 +46,9 @@ class RolloutScheduler:
         """Hook after each assistant turn: may return {'done': bool, 'rollout_infos': dict}."""
         return {}
 
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> RolloutOutput | list[RolloutOutput]:
+    async def run(
+        self, infer_request: RolloutInferRequest, request_config: RequestConfig, **kwargs
+    ) -> RolloutOutput | list[RolloutOutput]:
         name = type(self).__name__
         take_entry_images(infer_request, name)
         known = row_images(infer_request.data_dict)
@@ -60,8 +62,9 @@ class RolloutScheduler:
             infos["images"] = row_images(infer_request.data_dict)
         return _single_turn_output(infer_request, response, infos)
 
-    async def async_infer(self, requests: Sequence[RolloutInferRequest],
-                          request_config: RequestConfig) -> list[RolloutOutput]:
+    async def async_infer(
+        self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig
+    ) -> list[RolloutOutput]:
         """Run every request's trajectory concurrently; flatten outputs, tagged with request/prompt ids."""
         if request_config.n != 1:
             raise ValueError("schedulers sample one trajectory per request; repeat the request instead of n > 1")
@@ -73,8 +76,9 @@ class RolloutScheduler:
         return _tag(result if isinstance(result, list) else [result], request)
 
 
-def _single_turn_output(request: RolloutInferRequest, response: ChatCompletionResponse,
-                        rollout_infos: dict) -> RolloutOutput:
+def _single_turn_output(
+    request: RolloutInferRequest, response: ChatCompletionResponse, rollout_infos: dict
+) -> RolloutOutput:
     choice = response.choices[0]
     lps = choice_logprobs(choice)
     return RolloutOutput(
@@ -96,7 +100,8 @@ def _tag(outputs: list[RolloutOutput], request: RolloutInferRequest) -> list[Rol
     return outputs
 
 
-def run_trajectories(scheduler: RolloutScheduler, requests: Sequence[RolloutInferRequest],
-                     config: RequestConfig) -> list[RolloutOutput]:
+def run_trajectories(
+    scheduler: RolloutScheduler, requests: Sequence[RolloutInferRequest], config: RequestConfig
+) -> list[RolloutOutput]:
     """Synchronous entry for the trainer (colocate mode), through ``grpokit.aio.run_sync``."""
     return run_sync(scheduler.async_infer(requests, config))

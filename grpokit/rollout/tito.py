@@ -109,8 +109,10 @@ def trajectory_violation(full: np.ndarray, prompt_len: int, trained: np.ndarray,
             prefix.update(np.asarray(full[hashed:p], dtype="<i8").tobytes())
             hashed = p
         if p < prev or prefix.copy().hexdigest() != prompt_digest:
-            return (f"turn {t} was sampled from {p} prompt ids that are not the ids trained before it (a "
-                    "re-rendered conversation, or another template or options on the sampling side)")
+            return (
+                f"turn {t} was sampled from {p} prompt ids that are not the ids trained before it (a "
+                "re-rendered conversation, or another template or options on the sampling side)"
+            )
         end = p + k
         if end <= n and digest(full[p:end]) != kept_digest:
             return f"turn {t}: the {k} ids it sampled are not the ids trained after its prompt"
@@ -118,14 +120,15 @@ def trajectory_violation(full: np.ndarray, prompt_len: int, trained: np.ndarray,
         prev = end
     if end < n:
         return f"{n - end} ids follow the last turn's sampled ones"
-    stray = np.nonzero(trained & ~allowed[prompt_len:prompt_len + len(trained)])[0]
+    stray = np.nonzero(trained & ~allowed[prompt_len : prompt_len + len(trained)])[0]
     if len(stray):
         return f"completion token {int(stray[0])} is trained (mask 1) but was not sampled"
     return None
 
 
-def tito_metrics(batch, outputs: Sequence, total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-                 ) -> dict[str, float]:
+def tito_metrics(
+    batch, outputs: Sequence, total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> dict[str, float]:
     """``multi_turn/tito_violations`` and ``multi_turn/tito_unchecked`` of a window: ``batch`` its encoded rows
     (``input_ids``, ``attention_mask``, ``completion_mask``, in ``outputs`` order), ``total`` sums a [2] count over
     processes. Warns with the first violation's reason."""
@@ -142,14 +145,13 @@ def tito_metrics(batch, outputs: Sequence, total: Callable[[torch.Tensor], torch
                 counts[1] += 1
                 continue
             p, c = int(att[i, :p_width].sum()), int(att[i, p_width:].sum())
-            why = trajectory_violation(ids[i, p_width - p:p_width + c], p, mask[i, :c], record)
+            why = trajectory_violation(ids[i, p_width - p : p_width + c], p, mask[i, :c], record)
             if why is not None:
                 counts[0] += 1
                 first = first or f"request {o.request_id}: {why}"
     else:  # a _prepare_batch_inputs override changed the rows: nothing to line them up with
         counts[1] += len(outputs)
     if first is not None:
-        logger.warning("multi-turn: %d trajectory(ies) train on other ids than were sampled; %s", int(counts[0]),
-                       first)
+        logger.warning("multi-turn: %d trajectory(ies) train on other ids than were sampled; %s", int(counts[0]), first)
     violations, unchecked = total(counts).tolist()
     return {"multi_turn/tito_violations": violations, "multi_turn/tito_unchecked": unchecked}

@@ -50,7 +50,7 @@ def _power(base: int | float, exp: int | float) -> int | float:
     if isinstance(base, int) and isinstance(exp, int) and exp > 0:
         if max(base.bit_length(), 1) * exp > MAX_INT_BITS * 2:  # refuse before computing a huge power
             raise ToolError("result too large")
-    return base ** exp
+    return base**exp
 
 
 def _eval(node: ast.AST) -> int | float:

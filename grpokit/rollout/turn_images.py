@@ -35,8 +35,9 @@ def same_image(a: Any, b: Any) -> bool:
 
 def _decoded(images: list, first: int, where: str) -> list:
     try:
-        return [decode_image_ref(image, f"{where}: infer_request.images[{first + k}]")
-                for k, image in enumerate(images)]
+        return [
+            decode_image_ref(image, f"{where}: infer_request.images[{first + k}]") for k, image in enumerate(images)
+        ]
     except DataError as e:
         raise RolloutError(str(e)) from None
 
@@ -49,8 +50,10 @@ def take_entry_images(request: RolloutInferRequest, where: str) -> None:
         return
     given, row = list(request.images), row_images(request.data_dict)
     if row and (len(row) != len(given) or not all(map(same_image, row, given))):
-        raise RolloutError(f"{where}: request {request.request_id} has {len(given)} image(s) in infer_request.images "
-                           f"and {len(row)} other(s) in data_dict['images']; give a request's images in one of them")
+        raise RolloutError(
+            f"{where}: request {request.request_id} has {len(given)} image(s) in infer_request.images "
+            f"and {len(row)} other(s) in data_dict['images']; give a request's images in one of them"
+        )
     request.data_dict = {**request.data_dict, "images": row or _decoded(given, 0, where)}
     request.images = []
 
@@ -63,9 +66,11 @@ def take_appended(request: RolloutInferRequest, known: list, where: str) -> list
     if not got:
         return []
     if len(got) < len(known) or not all(map(same_image, got, known)):
-        raise RolloutError(f"{where}: infer_request.images no longer starts with the trajectory's {len(known)} "
-                           "image(s); earlier turns were sampled with them, so only append new images to it")
-    return _decoded(got[len(known):], len(known), where)
+        raise RolloutError(
+            f"{where}: infer_request.images no longer starts with the trajectory's {len(known)} "
+            "image(s); earlier turns were sampled with them, so only append new images to it"
+        )
+    return _decoded(got[len(known) :], len(known), where)
 
 
 def take_start_images(request: RolloutInferRequest, known: list, where: str) -> bool:
@@ -78,27 +83,36 @@ def take_start_images(request: RolloutInferRequest, known: list, where: str) -> 
         images = row_images(request.data_dict) + added
         slots = count_placeholders(request.messages)
         if slots > len(images):
-            raise RolloutError(f"{where}: the prompt holds {slots} {IMAGE_PLACEHOLDER} placeholder(s) but "
-                               f"{len(images)} image(s); put one {IMAGE_PLACEHOLDER} per image it appended to "
-                               "infer_request.images")
+            raise RolloutError(
+                f"{where}: the prompt holds {slots} {IMAGE_PLACEHOLDER} placeholder(s) but "
+                f"{len(images)} image(s); put one {IMAGE_PLACEHOLDER} per image it appended to "
+                "infer_request.images"
+            )
         request.data_dict = {**request.data_dict, "images": images}
-    return bool(added) or not (len(known) == len(row_images(request.data_dict))
-                               and all(map(same_image, known, row_images(request.data_dict))))
+    return bool(added) or not (
+        len(known) == len(row_images(request.data_dict)) and all(map(same_image, known, row_images(request.data_dict)))
+    )
 
 
 def warn_unheld(request: RolloutInferRequest, known: list, where: str) -> None:
     """The trajectory ended after a hook appended images that no message will hold: say so, never drop silently."""
     added = take_appended(request, known, where)
     if added:
-        logger.warning("%s: %d image(s) appended to infer_request.images after the last turn are not part of the "
-                       "trajectory (no message holds them)", where, len(added))
+        logger.warning(
+            "%s: %d image(s) appended to infer_request.images after the last turn are not part of the "
+            "trajectory (no message holds them)",
+            where,
+            len(added),
+        )
 
 
 def check_takes_images(template, where: str, images: list) -> None:
     """RolloutError when an observation brings images but the model (its template) is text-only."""
     if images and not getattr(template, "multimodal", False):
-        raise RolloutError(f"{where} returned {len(images)} image(s) but the model is text-only; use a "
-                           "vision-language model (a model folder with a processor) for image observations")
+        raise RolloutError(
+            f"{where} returned {len(images)} image(s) but the model is text-only; use a "
+            "vision-language model (a model folder with a processor) for image observations"
+        )
 
 
 class TrajectoryImages:
@@ -124,16 +138,20 @@ class TrajectoryImages:
             return None
         if msgs[-1]["role"] == "assistant":  # the next turn continues the assistant message
             if result.images:
-                raise RolloutError(f"{where} returned images but appended no message to hold them; add a message "
-                                   f"with one {IMAGE_PLACEHOLDER} per image")
+                raise RolloutError(
+                    f"{where} returned images but appended no message to hold them; add a message "
+                    f"with one {IMAGE_PLACEHOLDER} per image"
+                )
             return [], MMRow()
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        slots = count_placeholders(msgs[last + 1:])
+        slots = count_placeholders(msgs[last + 1 :])
         if slots != len(result.images):
-            raise RolloutError(f"{where}: the new message(s) hold {slots} {IMAGE_PLACEHOLDER} placeholder(s) but "
-                               f"{len(result.images)} image(s) came with them; give one image per placeholder "
-                               "('images' in step()'s dict, appended to infer_request.images, or info['images'] "
-                               "of an env's step)")
+            raise RolloutError(
+                f"{where}: the new message(s) hold {slots} {IMAGE_PLACEHOLDER} placeholder(s) but "
+                f"{len(result.images)} image(s) came with them; give one image per placeholder "
+                "('images' in step()'s dict, appended to infer_request.images, or info['images'] "
+                "of an env's step)"
+            )
         return self.template.encode_between_mm(msgs, last, len(msgs), seg, result.images)
 
     def commit(self, result: StepResult, gap: tuple[list[int], MMRow] | None, infos: dict) -> None:

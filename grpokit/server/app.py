@@ -44,17 +44,28 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     """The ASGI application serving ``state``: error net → OpenAI error shape (/v1) → API-key/body-size guard →
     FastAPI app."""
     # redirect_slashes off: Starlette's redirect of /infer to /infer/ builds its Location from the Host header
-    app = FastAPI(title="grpokit rollout server", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="grpokit rollout server",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        redirect_slashes=False,
+    )
     app.state.server = state
     install_error_handlers(app)
     _add_infer_routes(app, state)
     _add_weight_routes(app, state)
     if not state.multimodal:  # the OpenAI-compatible endpoint serves text (docs/agents.md)
         name = state.options.served_model_name or os.path.basename(os.path.normpath(state.options.model))
-        add_openai_routes(app, ChatService(state.engine, name,
-                                           context=getattr(state.engine, "max_model_len", None),
-                                           max_n=state.options.max_batch_requests))
+        add_openai_routes(
+            app,
+            ChatService(
+                state.engine,
+                name,
+                context=getattr(state.engine, "max_model_len", None),
+                max_n=state.options.max_batch_requests,
+            ),
+        )
     _add_check_route(app, state)
     return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
@@ -73,9 +84,15 @@ def guard_policy(state: ServerState) -> GuardPolicy:
         path_items["/check_weights/"] = 16 * n + 16  # a tensor's sums: its list, dict, keys and values, 12 items
         hints["/check_weights/"] = f"the served model has {n} tensors, so its checksums hold fewer items"
     longest = max(4 << 20, -(-int(o.max_image_mb * 2**20) * 4 // 3) + 1024)  # a base64 image at --max_image_mb
-    return GuardPolicy(api_key=o.api_key, max_body_bytes=o.max_body_bytes,
-                       hosts=HostPolicy.for_bind(o.host, o.allowed_hosts), max_json_items=o.max_json_items,
-                       max_json_string=longest, path_items=path_items, item_hints=hints)
+    return GuardPolicy(
+        api_key=o.api_key,
+        max_body_bytes=o.max_body_bytes,
+        hosts=HostPolicy.for_bind(o.host, o.allowed_hosts),
+        max_json_items=o.max_json_items,
+        max_json_string=longest,
+        path_items=path_items,
+        item_hints=hints,
+    )
 
 
 def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
@@ -94,9 +111,12 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
         n = len(body.requests)
         check_infer_body(body, opts.max_batch_requests)
         if state.inflight + n > opts.max_inflight_requests:
-            raise HTTPException(429, f"server busy: {state.inflight} requests in flight, {n} more would exceed "
-                                     f"--max_inflight_requests {opts.max_inflight_requests}; retry later",
-                                headers={"Retry-After": "1"})
+            raise HTTPException(
+                429,
+                f"server busy: {state.inflight} requests in flight, {n} more would exceed "
+                f"--max_inflight_requests {opts.max_inflight_requests}; retry later",
+                headers={"Retry-After": "1"},
+            )
         if n == 0:
             return JSONResponse([])
         _refuse_images_of_text_model(state, body)
@@ -111,8 +131,9 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
         finally:
             state.inflight -= n
         if outputs is None:
-            return JSONResponse(error_body("the client disconnected; its requests were cancelled"),
-                                status_code=CLIENT_GONE)
+            return JSONResponse(
+                error_body("the client disconnected; its requests were cancelled"), status_code=CLIENT_GONE
+            )
         return JSONResponse([output_to_wire(o) for o in outputs])
 
 
@@ -124,11 +145,17 @@ def _refuse_images_of_text_model(state: ServerState, body: InferBody) -> None:
     if i is None:
         return
     if state.options.engine == "vllm" and is_vlm_folder(state.options.model):
-        raise HTTPException(400, f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
-                                 f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
-                                 "transformers")
-    raise HTTPException(400, f"requests[{i}].images: this server serves a text-only model "
-                             f"({state.options.model}); serve a vision-language model for image requests")
+        raise HTTPException(
+            400,
+            f"requests[{i}].images: the vLLM engine takes images of Idefics3 models only "
+            f"(docs/vllm.md), not of {state.options.model}; serve it with --engine "
+            "transformers",
+        )
+    raise HTTPException(
+        400,
+        f"requests[{i}].images: this server serves a text-only model "
+        f"({state.options.model}); serve a vision-language model for image requests",
+    )
 
 
 async def _take_images(state: ServerState, body: InferBody) -> None:
@@ -144,13 +171,17 @@ def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
     call's config and in each request's own."""
     n = len(body.requests)
     if n > max_batch_requests:
-        raise HTTPException(413, f"{n} requests in one call exceed --max_batch_requests {max_batch_requests}; "
-                                 "split the batch")
+        raise HTTPException(
+            413, f"{n} requests in one call exceed --max_batch_requests {max_batch_requests}; split the batch"
+        )
     call_extra = 0
     for i, r in enumerate(body.requests):
         if r.request_config is not None and r.request_config.n != 1:
-            raise HTTPException(400, f"requests[{i}].request_config.n {r.request_config.n}: the server samples one "
-                                     "trajectory per request (n = 1); repeat the request instead")
+            raise HTTPException(
+                400,
+                f"requests[{i}].request_config.n {r.request_config.n}: the server samples one "
+                "trajectory per request (n = 1); repeat the request instead",
+            )
         for k, m in enumerate(r.messages):
             extra = [key for key in m if key not in ("role", "content")]
             if not extra:
@@ -158,14 +189,20 @@ def check_infer_body(body: InferBody, max_batch_requests: int) -> None:
             chars = bounded_chars([m[key] for key in extra], MAX_MESSAGE_EXTRA_CHARS)
             call_extra += chars
             if chars > MAX_MESSAGE_EXTRA_CHARS:
-                raise HTTPException(413, f"requests[{i}].messages[{k}]: its fields beside role and content "
-                                         f"({', '.join(map(str, extra))[:80]}) hold more than "
-                                         f"{MAX_MESSAGE_EXTRA_CHARS} characters; the server echoes messages back, "
-                                         "so send less")
+                raise HTTPException(
+                    413,
+                    f"requests[{i}].messages[{k}]: its fields beside role and content "
+                    f"({', '.join(map(str, extra))[:80]}) hold more than "
+                    f"{MAX_MESSAGE_EXTRA_CHARS} characters; the server echoes messages back, "
+                    "so send less",
+                )
             if call_extra > MAX_CALL_EXTRA_CHARS:
-                raise HTTPException(413, f"requests[{i}].messages[{k}]: the call's message fields beside role and "
-                                         f"content hold more than {MAX_CALL_EXTRA_CHARS} characters (each is echoed "
-                                         "back); send fewer per call")
+                raise HTTPException(
+                    413,
+                    f"requests[{i}].messages[{k}]: the call's message fields beside role and "
+                    f"content hold more than {MAX_CALL_EXTRA_CHARS} characters (each is echoed "
+                    "back); send fewer per call",
+                )
 
 
 def bounded_chars(value, limit: int) -> int:
@@ -229,8 +266,9 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     async def init_communicator(body: InitCommunicatorBody) -> dict:
         device = getattr(state.engine, "device", None)
         if body.backend == "nccl" and (device is None or device.type != "cuda"):
-            raise HTTPException(422, "backend nccl needs the served model on a GPU; this server runs on "
-                                     f"{device}; use backend gloo")
+            raise HTTPException(
+                422, f"backend nccl needs the served model on a GPU; this server runs on {device}; use backend gloo"
+            )
         try:
             await asyncio.to_thread(state.receiver.open, body, device)
         except RendezvousBusy as e:
@@ -244,8 +282,9 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         metas = [m for b in body.buckets for m in b.tensors]
         count = getattr(state.engine, "tensor_count", None)
         if callable(count) and len(metas) > count():
-            raise HTTPException(422, f"cannot load the weights: {len(metas)} tensors announced, the served model has "
-                                     f"{count()}")
+            raise HTTPException(
+                422, f"cannot load the weights: {len(metas)} tensors announced, the served model has {count()}"
+            )
         problems = check_bucket_sizes(body, int(opts.max_weight_bucket_mb * 1024 * 1024))
         problems += state.engine.check_weights(metas)
         if problems:
@@ -259,8 +298,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         try:
             loaded = await asyncio.to_thread(_receive, state, body)
         except GrpokitError as e:  # the trainer's end of the group failed or went away
-            raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") \
-                from e
+            raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") from e
         state.weight_version += 1
         return {"ok": True, "loaded": loaded, "weight_version": state.weight_version}
 
@@ -304,12 +342,22 @@ def _add_check_route(app: FastAPI, state: ServerState) -> None:
         if callable(count) and n > count():
             raise HTTPException(422, f"cannot check the weights: {n} tensors listed, the served model has {count()}")
         if not hasattr(state.engine, "weight_sums"):
-            raise HTTPException(501, f"the {state.options.engine} engine cannot read its weights back; run the "
-                                     "trainer with --check_weight_sync false")
+            raise HTTPException(
+                501,
+                f"the {state.options.engine} engine cannot read its weights back; run the "
+                "trainer with --check_weight_sync false",
+            )
         if body.weight_version is not None and body.weight_version != state.weight_version:
-            return {"ok": False, "count": 1, "checked": 0, "unreadable": 0,
-                    "problems": [f"another sync (weight version {state.weight_version}) replaced version "
-                                 f"{body.weight_version} before the check; is a second trainer syncing?"]}
+            return {
+                "ok": False,
+                "count": 1,
+                "checked": 0,
+                "unreadable": 0,
+                "problems": [
+                    f"another sync (weight version {state.weight_version}) replaced version "
+                    f"{body.weight_version} before the check; is a second trainer syncing?"
+                ],
+            }
 
         def check() -> dict:
             with state.engine.lock:  # no sync loads while the weights are read back

@@ -63,8 +63,15 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
     """``TransformersEngine`` on a model of its own. ``lock`` keeps sampling and weight loading apart, so that no
     ``generate`` call ever sees half-updated weights."""
 
-    def __init__(self, model, template, max_batch_size: int = 256, max_model_len: int | None = None,
-                 max_prefill_mb: float = 128.0, fast_decode: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        template,
+        max_batch_size: int = 256,
+        max_model_len: int | None = None,
+        max_prefill_mb: float = 128.0,
+        fast_decode: bool = True,
+    ) -> None:
         super().__init__(model, template, max_batch_size=max_batch_size, fast_decode=fast_decode)
         self.max_prefill_bytes = int(max_prefill_mb * 1024 * 1024)
         self._init_cancel()
@@ -111,8 +118,9 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             except DataError:  # more image placeholders than images: answered 400 as it is
                 raise
             except Exception as e:  # noqa: BLE001 - a conversation the template or processor cannot encode
-                raise ConfigError(f"request {i}: the processor cannot encode this prompt: {type(e).__name__}: "
-                                  f"{str(e)[:200]}") from e
+                raise ConfigError(
+                    f"request {i}: the processor cannot encode this prompt: {type(e).__name__}: {str(e)[:200]}"
+                ) from e
             if len(ids) + max_tokens > self.max_model_len:
                 raise ConfigError(context_message(i, len(ids), max_tokens, self.max_model_len))
 
@@ -189,8 +197,10 @@ def model_context(model, limit: int | None) -> int:
     if positions is None and hasattr(model.config, "get_text_config"):  # a vision-language model's language model
         positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and positions is not None and limit > positions:
-        raise ConfigError(f"--vllm_max_model_len {limit}: the model has {positions} positions "
-                          "(max_position_embeddings); use at most that")
+        raise ConfigError(
+            f"--vllm_max_model_len {limit}: the model has {positions} positions "
+            "(max_position_embeddings); use at most that"
+        )
     if limit is None and positions is None:
         raise ConfigError("the model's config has no max_position_embeddings: give --vllm_max_model_len N")
     return limit if limit is not None else positions

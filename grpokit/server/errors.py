@@ -50,30 +50,36 @@ def validation_message(errors: list[dict]) -> str:
 
 
 def _jsonable_errors(errors) -> list[dict]:
-    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in errors[:20]]
+    return [
+        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+        for e in errors[:20]
+    ]
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
-        return JSONResponse(status_code=422, content=error_body(validation_message(errors),
-                                                                detail=_jsonable_errors(errors)))
+        return JSONResponse(
+            status_code=422, content=error_body(validation_message(errors), detail=_jsonable_errors(errors))
+        )
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's HTTPException, the router's 404/405, body parsing
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail)
         if exc.status_code == 404 and _route_with_slash(app, request.url.path):  # no redirect: it would be built
             message += f": the endpoint is {request.url.path[:64]}/ (with the slash)"  # from the Host header
-        return JSONResponse(status_code=exc.status_code, content=error_body(message),
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            status_code=exc.status_code, content=error_body(message), headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(status_code=500, content=error_body(f"internal error ({type(exc).__name__}); the "
-                                                                "server's log has the details"))
+        return JSONResponse(
+            status_code=500,
+            content=error_body(f"internal error ({type(exc).__name__}); the server's log has the details"),
+        )
 
 
 def _route_with_slash(app: FastAPI, path: str) -> bool:
@@ -103,12 +109,17 @@ class ErrorMiddleware:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:  # noqa: BLE001 - the last net: answer, log, keep serving
             if started:  # Starlette's error handler already answered (and re-raised for the server's log)
-                logger.debug("%s %s: error after the answer started", scope.get("method"), scope.get("path"),
-                             exc_info=exc)
+                logger.debug(
+                    "%s %s: error after the answer started", scope.get("method"), scope.get("path"), exc_info=exc
+                )
                 return
             logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=exc)
             body = json.dumps(error_body(f"internal error: {type(exc).__name__}")).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": body})

@@ -27,9 +27,17 @@ SCAN_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are measured in a threa
 
 async def _send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"error": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -97,18 +105,35 @@ class GuardMiddleware:
         hosts = self.policy.hosts
         if not hosts.allows_host(headers.get(b"host")):
             shown = headers.get(b"host", b"(none)")[:64].decode("latin-1")
-            return (MISDIRECTED, (f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
-                                  "connect by one of those, or start grpokit rollout with --allowed_hosts NAME"),
-                    [CLOSE])
+            return (
+                MISDIRECTED,
+                (
+                    f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
+                    "connect by one of those, or start grpokit rollout with --allowed_hosts NAME"
+                ),
+                [CLOSE],
+            )
         origin = headers.get(b"origin")
         if origin is not None and not hosts.allows_origin(origin):
-            return (MISDIRECTED, (f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server "
-                                  "takes no requests from web pages of other sites"), [CLOSE])
+            return (
+                MISDIRECTED,
+                (
+                    f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server "
+                    "takes no requests from web pages of other sites"
+                ),
+                [CLOSE],
+            )
         if b"transfer-encoding" in headers and b"content-length" in headers:
             return 400, "ambiguous framing: both Content-Length and Transfer-Encoding are sent; send one", [CLOSE]
         if self.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):
-            return (401, ("missing or wrong API key: send the header 'Authorization: Bearer KEY' (the key given to "
-                          "grpokit rollout --api_key or GRPOKIT_API_KEY)"), [(b"www-authenticate", b"Bearer"), CLOSE])
+            return (
+                401,
+                (
+                    "missing or wrong API key: send the header 'Authorization: Bearer KEY' (the key given to "
+                    "grpokit rollout --api_key or GRPOKIT_API_KEY)"
+                ),
+                [(b"www-authenticate", b"Bearer"), CLOSE],
+            )
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit() or len(declared) > 18:
@@ -117,8 +142,14 @@ class GuardMiddleware:
                 return 413, self._too_big_message(int(declared)), [CLOSE]
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope.get("method") == "POST" and ctype and not (ctype == b"application/json" or ctype.endswith(b"+json")):
-            return (415, (f"Content-Type {ctype.decode(errors='replace')[:64]!r}: send JSON with "
-                          "'Content-Type: application/json'"), [CLOSE])
+            return (
+                415,
+                (
+                    f"Content-Type {ctype.decode(errors='replace')[:64]!r}: send JSON with "
+                    "'Content-Type: application/json'"
+                ),
+                [CLOSE],
+            )
         return None
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
@@ -142,22 +173,35 @@ class GuardMiddleware:
         path = scope.get("path", "")
         budget = self.policy.path_items.get(path, self.policy.max_json_items)
         longest = self.policy.max_json_string
-        measured = (await asyncio.to_thread(json_size, body, budget, longest) if len(body) > SCAN_OFF_LOOP_BYTES
-                    else json_size(body, budget, longest))
+        measured = (
+            await asyncio.to_thread(json_size, body, budget, longest)
+            if len(body) > SCAN_OFF_LOOP_BYTES
+            else json_size(body, budget, longest)
+        )
         if measured.depth > MAX_BODY_DEPTH:
-            await _send_error(send, 400, f"refused before parsing the body: JSON nested more than {MAX_BODY_DEPTH} "
-                                         "levels deep")
+            await _send_error(
+                send, 400, f"refused before parsing the body: JSON nested more than {MAX_BODY_DEPTH} levels deep"
+            )
             return None
         if measured.items > budget:
-            hint = self.policy.item_hints.get(path, "split the batch into smaller calls, or raise grpokit rollout "
-                                                    "--max_json_items")
-            await _send_error(send, 413, f"the body holds more than {budget} JSON items (array elements and object "
-                                         f"members), the limit of {path}; {hint}")
+            hint = self.policy.item_hints.get(
+                path, "split the batch into smaller calls, or raise grpokit rollout --max_json_items"
+            )
+            await _send_error(
+                send,
+                413,
+                f"the body holds more than {budget} JSON items (array elements and object "
+                f"members), the limit of {path}; {hint}",
+            )
             return None
         if measured.longest > longest:
-            await _send_error(send, 413, f"the body holds a JSON string of more than {longest} characters, longer "
-                                         "than any prompt or base64 image this server takes; send less (images: "
-                                         "at most grpokit rollout --max_image_mb each)")
+            await _send_error(
+                send,
+                413,
+                f"the body holds a JSON string of more than {longest} characters, longer "
+                "than any prompt or base64 image this server takes; send less (images: "
+                "at most grpokit rollout --max_image_mb each)",
+            )
             return None
         return body
 
@@ -168,5 +212,7 @@ class GuardMiddleware:
     def _too_big_message(self, size: int, at_least: bool = False) -> str:
         limit_mb = self.policy.max_body_bytes / 1024 / 1024
         more = "more than " if at_least else ""
-        return (f"request body of {more}{size} bytes exceeds the server's limit of {limit_mb:g} MB; send smaller "
-                "batches or raise grpokit rollout --max_body_mb")
+        return (
+            f"request body of {more}{size} bytes exceeds the server's limit of {limit_mb:g} MB; send smaller "
+            "batches or raise grpokit rollout --max_body_mb"
+        )

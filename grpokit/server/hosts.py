@@ -33,7 +33,7 @@ def host_name(header: str) -> str | None:
     value = header.strip().lower()
     if value.startswith("["):  # [v6] or [v6]:port
         end = value.find("]")
-        if end < 0 or (value[end + 1:] and not (value[end + 1] == ":" and value[end + 2:].isdigit())):
+        if end < 0 or (value[end + 1 :] and not (value[end + 1] == ":" and value[end + 2 :].isdigit())):
             return None
         name = value[1:end]
         return name if _ip(name) is not None else None

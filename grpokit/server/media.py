@@ -60,11 +60,17 @@ def take_images(requests: list[RolloutInferRequest], limits: ImageLimits) -> Non
         where = f"requests[{i}]"
         hidden = [k for k in IMAGE_COLUMNS if r.data_dict.get(k)]
         if hidden:
-            raise ImageRefused(422, f"{where}.data_dict.{hidden[0]}: send a request's images in its 'images' field "
-                                    "(base64, or paths under the server's --media_root), not in data_dict")
+            raise ImageRefused(
+                422,
+                f"{where}.data_dict.{hidden[0]}: send a request's images in its 'images' field "
+                "(base64, or paths under the server's --media_root), not in data_dict",
+            )
         if len(r.images) > limits.max_images_per_request:
-            raise ImageRefused(413, f"{where}.images: {len(r.images)} images exceed the server's "
-                                    f"--max_images_per_request {limits.max_images_per_request}")
+            raise ImageRefused(
+                413,
+                f"{where}.images: {len(r.images)} images exceed the server's "
+                f"--max_images_per_request {limits.max_images_per_request}",
+            )
         for k, ref in enumerate(r.images):
             key = hashlib.sha1(ref.encode()).hexdigest()
             if key in opened:
@@ -72,15 +78,21 @@ def take_images(requests: list[RolloutInferRequest], limits: ImageLimits) -> Non
             data = image_bytes(ref, limits, f"{where}.images[{k}]")
             total += len(data)
             if total > limits.max_call_image_bytes:
-                raise ImageRefused(413, f"{where}.images[{k}]: the call's images exceed the server's "
-                                        f"--max_images_mb {limits.max_call_image_bytes / 2**20:g}; send fewer "
-                                        "images per call")
+                raise ImageRefused(
+                    413,
+                    f"{where}.images[{k}]: the call's images exceed the server's "
+                    f"--max_images_mb {limits.max_call_image_bytes / 2**20:g}; send fewer "
+                    "images per call",
+                )
             opened[key] = image = open_header(data, limits, f"{where}.images[{k}]")
             pixels += image.size[0] * image.size[1]
             if pixels > limits.max_call_pixels:
-                raise ImageRefused(413, f"{where}.images[{k}]: the call's images hold more than "
-                                        f"{limits.max_call_pixels} pixels, the server's --max_images_pixels; send "
-                                        "fewer or smaller images per call")
+                raise ImageRefused(
+                    413,
+                    f"{where}.images[{k}]: the call's images hold more than "
+                    f"{limits.max_call_pixels} pixels, the server's --max_images_pixels; send "
+                    "fewer or smaller images per call",
+                )
     decoded: dict[str, object] = {}
     for i, r in enumerate(requests):
         if not r.images:
@@ -99,10 +111,13 @@ def image_bytes(ref: str, limits: ImageLimits, where: str) -> bytes:
     """The encoded image a wire string names: base64 data (a data URI or raw) or a file under a media root."""
     match = DATA_URI.match(ref)
     if match:
-        return _b64(ref[match.end():], limits, where)
+        return _b64(ref[match.end() :], limits, where)
     if _URL.match(ref):
-        raise ImageRefused(400, f"{where}: image URL {ref[:80]!r} is refused (the rollout server fetches nothing, "
-                                "and may have no network); send the image as base64")
+        raise ImageRefused(
+            400,
+            f"{where}: image URL {ref[:80]!r} is refused (the rollout server fetches nothing, "
+            "and may have no network); send the image as base64",
+        )
     if "." in ref:  # base64's alphabet has no '.': a path (with a file extension)
         return _read_under_root(ref, limits, where)
     return _b64(ref, limits, where)
@@ -114,25 +129,36 @@ def _b64(text: str, limits: ImageLimits, where: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise ImageRefused(400, f"{where}: not valid base64 ({e}); send a data URI 'data:image/png;base64,...', "
-                                "raw base64, or a path with a file extension under the server's --media_root") \
-            from None
+        raise ImageRefused(
+            400,
+            f"{where}: not valid base64 ({e}); send a data URI 'data:image/png;base64,...', "
+            "raw base64, or a path with a file extension under the server's --media_root",
+        ) from None
 
 
 def _too_big(where: str, size: int, limits: ImageLimits) -> ImageRefused:
-    return ImageRefused(413, f"{where}: image of {size} bytes exceeds the server's --max_image_mb "
-                             f"{limits.max_image_bytes / 2**20:g}; send smaller images")
+    return ImageRefused(
+        413,
+        f"{where}: image of {size} bytes exceeds the server's --max_image_mb "
+        f"{limits.max_image_bytes / 2**20:g}; send smaller images",
+    )
 
 
 def _read_under_root(ref: str, limits: ImageLimits, where: str) -> bytes:
     """A file under a media root. Every path that is not a regular file under one (missing, outside, a directory,
     unreadable) gets the same 403, so that answers tell nothing about files elsewhere."""
     if not limits.media_roots:
-        raise ImageRefused(403, f"{where}: image path {ref[:120]!r} refused: this server reads no files (start it "
-                                "with --media_root DIR to serve images from DIR, or send the image as base64)")
+        raise ImageRefused(
+            403,
+            f"{where}: image path {ref[:120]!r} refused: this server reads no files (start it "
+            "with --media_root DIR to serve images from DIR, or send the image as base64)",
+        )
     if any(ord(c) < 32 for c in ref) or len(ref) > 4096:
-        raise ImageRefused(400, f"{where}: image path has a control character (NUL, newline, ...) or more than "
-                                "4096 characters; fix the path")
+        raise ImageRefused(
+            400,
+            f"{where}: image path has a control character (NUL, newline, ...) or more than "
+            "4096 characters; fix the path",
+        )
     shown = ", ".join(map(str, limits.media_roots))
     path = Path(ref)
     candidates = [path] if path.is_absolute() else [root / path for root in limits.media_roots]
@@ -150,8 +176,11 @@ def _read_under_root(ref: str, limits: ImageLimits, where: str) -> bytes:
             raise
         except (OSError, RuntimeError, ValueError):  # missing, a loop of links, unreadable
             continue
-    raise ImageRefused(403, f"{where}: image path {ref[:120]!r} is not a readable file under the server's "
-                            f"--media_root ({shown}); put the file there or send it as base64")
+    raise ImageRefused(
+        403,
+        f"{where}: image path {ref[:120]!r} is not a readable file under the server's "
+        f"--media_root ({shown}); put the file there or send it as base64",
+    )
 
 
 def open_header(data: bytes, limits: ImageLimits, where: str):
@@ -167,11 +196,15 @@ def open_header(data: bytes, limits: ImageLimits, where: str):
         pixels = re.search(r"\((\d+) pixels\)", str(e))
         raise _bomb(where, pixels.group(1) + " pixels" if pixels else "too many pixels", limits) from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types for data that is not an image
-        raise ImageRefused(400, f"{where}: not an image PIL can open ({type(e).__name__}); send PNG, JPEG or "
-                                "another of the server's formats") from None
+        raise ImageRefused(
+            400,
+            f"{where}: not an image PIL can open ({type(e).__name__}); send PNG, JPEG or "
+            "another of the server's formats",
+        ) from None
     if image.format not in limits.formats:
-        raise ImageRefused(415, f"{where}: image format {image.format} is not accepted; send one of "
-                                f"{', '.join(limits.formats)}")
+        raise ImageRefused(
+            415, f"{where}: image format {image.format} is not accepted; send one of {', '.join(limits.formats)}"
+        )
     width, height = image.size
     if width * height > limits.max_image_pixels:
         raise _bomb(where, f"{width}x{height} = {width * height} pixels", limits)
@@ -183,8 +216,11 @@ def decode(image, where: str):
     try:
         return image.convert("RGB")
     except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
-        raise ImageRefused(400, f"{where}: the {image.format} image cannot be decoded ({type(e).__name__}: "
-                                f"{str(e)[:80]}); send a complete image") from None
+        raise ImageRefused(
+            400,
+            f"{where}: the {image.format} image cannot be decoded ({type(e).__name__}: "
+            f"{str(e)[:80]}); send a complete image",
+        ) from None
 
 
 def open_image(data: bytes, limits: ImageLimits, where: str):
@@ -193,8 +229,11 @@ def open_image(data: bytes, limits: ImageLimits, where: str):
 
 
 def _bomb(where: str, shown: str, limits: ImageLimits) -> ImageRefused:
-    return ImageRefused(413, f"{where}: image of {shown} exceeds the server's --max_image_pixels "
-                             f"{limits.max_image_pixels}; send a smaller image")
+    return ImageRefused(
+        413,
+        f"{where}: image of {shown} exceeds the server's --max_image_pixels "
+        f"{limits.max_image_pixels}; send a smaller image",
+    )
 
 
 def output_to_wire(output: RolloutOutput) -> dict:
@@ -202,6 +241,7 @@ def output_to_wire(output: RolloutOutput) -> dict:
     URIs, as ms-swift answers them."""
     images = output.rollout_infos.get("images")
     if images:
-        output = output.model_copy(update={"rollout_infos": {**output.rollout_infos,
-                                                             "images": [image_to_wire(i) for i in images]}})
+        output = output.model_copy(
+            update={"rollout_infos": {**output.rollout_infos, "images": [image_to_wire(i) for i in images]}}
+        )
     return output.model_dump(mode="json")

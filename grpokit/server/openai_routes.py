@@ -50,12 +50,16 @@ def add_episode_routes(app: FastAPI, service: ChatService, recorder: EpisodeReco
     def episode_of(episode_id: str, request: Request) -> Episode:
         episode = recorder.get(episode_id)
         if episode is None:
-            raise HTTPException(404, f"no open episode {episode_id[:40]!r}: episodes are reached only while their "
-                                     "agent runs")
+            raise HTTPException(
+                404, f"no open episode {episode_id[:40]!r}: episodes are reached only while their agent runs"
+            )
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), episode.key.encode()):
-            raise HTTPException(401, "missing or wrong episode key: use the client the agent was given (its api_key "
-                                     "is the episode's key)", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401,
+                "missing or wrong episode key: use the client the agent was given (its api_key is the episode's key)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return episode
 
     @app.get("/episodes/{episode_id}/v1/models")
@@ -78,9 +82,15 @@ async def _served(service: ChatService, body: ChatBody, episode: Episode | None)
 
 
 OPENAI_PATHS = ("/v1/", "/episodes/")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               410: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    410: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def openai_error(body: bytes, status: int) -> bytes:
@@ -129,8 +139,9 @@ class OpenAIErrors:
 
 def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddleware:
     """The ASGI application of the episode routes: error net → OpenAI error shape → body-size guard → FastAPI."""
-    app = FastAPI(title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False
+    )
     install_error_handlers(app)
     add_episode_routes(app, service, recorder)
     policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it

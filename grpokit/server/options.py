@@ -96,14 +96,18 @@ class ServerOptions:
         if self.max_body_mb <= 0:
             raise ConfigError(f"--max_body_mb {self.max_body_mb}: must be positive")
         if self.max_turns is not None and not self.multi_turn_scheduler:
-            raise ConfigError(f"--max_turns {self.max_turns} needs --multi_turn_scheduler NAME (a single-turn server "
-                              "always stops after one turn)")
+            raise ConfigError(
+                f"--max_turns {self.max_turns} needs --multi_turn_scheduler NAME (a single-turn server "
+                "always stops after one turn)"
+            )
         if self.gym_env and not self.multi_turn_scheduler:
             raise ConfigError(f"--gym_env {self.gym_env} needs --multi_turn_scheduler gym_scheduler")
         for flag in ("completion_length_limit_scope", "loss_scale", "use_gym_env"):
             if getattr(self, flag) is not None and not self.multi_turn_scheduler:
-                raise ConfigError(f"--{flag} {getattr(self, flag)} needs --multi_turn_scheduler NAME (it shapes "
-                                  "multi-turn trajectories)")
+                raise ConfigError(
+                    f"--{flag} {getattr(self, flag)} needs --multi_turn_scheduler NAME (it shapes "
+                    "multi-turn trajectories)"
+                )
 
     def _check_limits(self) -> None:
         if self.max_prefill_mb <= 0:
@@ -122,72 +126,103 @@ class ServerOptions:
         if self.max_json_items < 1:
             raise ConfigError(f"--max_json_items {self.max_json_items}: must be at least 1")
         if self.max_connections < 0:
-            raise ConfigError(f"--max_connections {self.max_connections}: must be 0 (as many as the file-descriptor "
-                              "limit allows) or more")
+            raise ConfigError(
+                f"--max_connections {self.max_connections}: must be 0 (as many as the file-descriptor "
+                "limit allows) or more"
+            )
         HostPolicy.for_bind(self.host, self.allowed_hosts)  # ConfigError naming a malformed --allowed_hosts value
 
     def transport_limits(self, max_connections: int) -> TransportLimits:
         """The transport's deadlines, with ``max_connections`` already fitted to the fd limit."""
-        return TransportLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
-                               body_idle_s=self.body_idle_s, keep_alive_s=self.keep_alive_s,
-                               max_connections=max_connections)
+        return TransportLimits(
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            body_idle_s=self.body_idle_s,
+            keep_alive_s=self.keep_alive_s,
+            max_connections=max_connections,
+        )
 
     def _check_image_options(self) -> None:
-        for flag in ("max_images_per_request", "max_image_mb", "max_images_mb", "max_image_pixels",
-                     "max_images_pixels"):
+        for flag in (
+            "max_images_per_request",
+            "max_image_mb",
+            "max_images_mb",
+            "max_image_pixels",
+            "max_images_pixels",
+        ):
             if getattr(self, flag) <= 0:
                 raise ConfigError(f"--{flag} {getattr(self, flag)}: must be positive")
         self.image_formats = [f.upper() for f in self.image_formats]
         unknown = [f for f in self.image_formats if f not in KNOWN_FORMATS]
         if unknown or not self.image_formats:
-            raise ConfigError(f"--image_formats {' '.join(self.image_formats)}: give one or more of "
-                              f"{' '.join(KNOWN_FORMATS)}")
+            raise ConfigError(
+                f"--image_formats {' '.join(self.image_formats)}: give one or more of {' '.join(KNOWN_FORMATS)}"
+            )
         for root in self.media_root:
             if not Path(root).is_dir():
-                raise ConfigError(f"--media_root {root}: no such directory; give a directory whose images requests "
-                                  "may name by path")
+                raise ConfigError(
+                    f"--media_root {root}: no such directory; give a directory whose images requests may name by path"
+                )
 
     def image_limits(self) -> ImageLimits:
         """The bounds on request images (paths resolved now, so a symlink swapped later cannot widen them)."""
         mb = 1024 * 1024
-        return ImageLimits(max_images_per_request=self.max_images_per_request,
-                           max_image_bytes=int(self.max_image_mb * mb),
-                           max_call_image_bytes=int(self.max_images_mb * mb),
-                           max_image_pixels=self.max_image_pixels, max_call_pixels=self.max_images_pixels,
-                           formats=tuple(self.image_formats),
-                           media_roots=tuple(Path(r).resolve() for r in self.media_root))
+        return ImageLimits(
+            max_images_per_request=self.max_images_per_request,
+            max_image_bytes=int(self.max_image_mb * mb),
+            max_call_image_bytes=int(self.max_images_mb * mb),
+            max_image_pixels=self.max_image_pixels,
+            max_call_pixels=self.max_images_pixels,
+            formats=tuple(self.image_formats),
+            media_roots=tuple(Path(r).resolve() for r in self.media_root),
+        )
 
     def _check_vllm_options(self) -> None:
         """Every vLLM option is honoured or refused, never ignored."""
         later = "is not implemented yet in grpokit rollout"
-        one_each = ("start one grpokit rollout per device and give the trainer all of them (--vllm_server_host/"
-                    "--vllm_server_port); it splits each batch across the servers")
+        one_each = (
+            "start one grpokit rollout per device and give the trainer all of them (--vllm_server_host/"
+            "--vllm_server_port); it splits each batch across the servers"
+        )
         if self.vllm_tensor_parallel_size != 1:
-            raise ConfigError(f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size}: tensor parallelism "
-                              f"{later} (vLLM runs in the server's process on one device); use 1")
+            raise ConfigError(
+                f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size}: tensor parallelism "
+                f"{later} (vLLM runs in the server's process on one device); use 1"
+            )
         if self.vllm_data_parallel_size != 1:
-            raise ConfigError(f"--vllm_data_parallel_size {self.vllm_data_parallel_size}: data parallelism inside "
-                              f"one server {later}; {one_each}")
+            raise ConfigError(
+                f"--vllm_data_parallel_size {self.vllm_data_parallel_size}: data parallelism inside "
+                f"one server {later}; {one_each}"
+            )
         if self.vllm_enable_lora:
-            raise ConfigError(f"--vllm_enable_lora true: sending LoRA adapters instead of merged weights {later}; "
-                              "the trainer sends merged full weights after each step (docs/server_mode.md)")
+            raise ConfigError(
+                f"--vllm_enable_lora true: sending LoRA adapters instead of merged weights {later}; "
+                "the trainer sends merged full weights after each step (docs/server_mode.md)"
+            )
         if self.vllm_use_async_engine:  # swift rollout needs it for multi-turn; here trajectories always overlap
-            logger.warning("--vllm_use_async_engine true: no effect in grpokit rollout; its trajectories always run "
-                           "concurrently, each turn batched with the others' (what vLLM's async engine gives swift "
-                           "rollout)")
+            logger.warning(
+                "--vllm_use_async_engine true: no effect in grpokit rollout; its trajectories always run "
+                "concurrently, each turn batched with the others' (what vLLM's async engine gives swift "
+                "rollout)"
+            )
         if self.vllm_gpu_memory_utilization is not None and not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError(f"--vllm_gpu_memory_utilization {self.vllm_gpu_memory_utilization}: must be in (0, 1]")
         if self.engine == "vllm" and self.max_prefill_mb != 128.0:
-            raise ConfigError(f"--max_prefill_mb {self.max_prefill_mb} applies to --engine transformers only (vLLM "
-                              "schedules its own prefill)")
+            raise ConfigError(
+                f"--max_prefill_mb {self.max_prefill_mb} applies to --engine transformers only (vLLM "
+                "schedules its own prefill)"
+            )
         if self.engine != "vllm":
-            used = [flag for flag, on in (("--vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization
-                                           is not None),
-                                          ("--vllm_enable_prefix_caching false", not self.vllm_enable_prefix_caching))
-                    if on]
+            used = [
+                flag
+                for flag, on in (
+                    ("--vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization is not None),
+                    ("--vllm_enable_prefix_caching false", not self.vllm_enable_prefix_caching),
+                )
+                if on
+            ]
             if used:
-                raise ConfigError(f"{used[0]} applies to --engine vllm only; this server uses --engine "
-                                  f"{self.engine}")
+                raise ConfigError(f"{used[0]} applies to --engine vllm only; this server uses --engine {self.engine}")
 
     def vllm_settings(self) -> dict:
         """``VllmSettings`` fields set by the options (others keep the engine's defaults)."""

@@ -76,8 +76,11 @@ class PartialRollouts:
             version = self.policy_version
             done = len(choices[paused[0]].token_ids)  # rows paused together have the same count of new tokens
             rest = config.model_copy(update={"max_tokens": config.max_tokens - done})
-            more = super()._generate([prompts[i] + choices[i].token_ids for i in paused], rest,
-                                     None if events is None else [events[i] for i in paused])
+            more = super()._generate(
+                [prompts[i] + choices[i].token_ids for i in paused],
+                rest,
+                None if events is None else [events[i] for i in paused],
+            )
             self.partial_resumes += len(paused)
             for i, m in zip(paused, more, strict=True):
                 choices[i] = self._joined(choices[i], m, version, config)
@@ -99,8 +102,9 @@ class PartialRollouts:
         finally:
             self.lock.acquire()
 
-    def _joined(self, first: ChatCompletionResponseChoice, more: ChatCompletionResponseChoice, version,
-                config: RequestConfig) -> ChatCompletionResponseChoice:
+    def _joined(
+        self, first: ChatCompletionResponseChoice, more: ChatCompletionResponseChoice, version, config: RequestConfig
+    ) -> ChatCompletionResponseChoice:
         ids = first.token_ids + more.token_ids
         lps = None
         if first.logprobs is not None and more.logprobs is not None:

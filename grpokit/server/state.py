@@ -70,9 +70,16 @@ class ServerState:
         return info
 
 
-def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max_batch_size: int = 256,
-                        fast_decode: bool = True, max_model_len: int | None = None, vllm: dict | None = None,
-                        max_prefill_mb: float = 128.0):
+def build_served_engine(
+    engine: str,
+    model_path: str,
+    torch_dtype_name: str,
+    max_batch_size: int = 256,
+    fast_decode: bool = True,
+    max_model_len: int | None = None,
+    vllm: dict | None = None,
+    max_prefill_mb: float = 128.0,
+):
     """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
     transformers only; ``vllm``: further ``VllmSettings`` fields)."""
     if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
@@ -89,8 +96,14 @@ def build_served_engine(engine: str, model_path: str, torch_dtype_name: str, max
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     # a vision-language model: its processor is the template, loaded as the trainer loads it (same prompt ids)
     template = make_template(load_processor(model_path, tokenizer)) if vlm else ChatTemplate(tokenizer)
-    return ServedTransformersEngine(model, template, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                                    max_prefill_mb=max_prefill_mb, fast_decode=fast_decode)
+    return ServedTransformersEngine(
+        model,
+        template,
+        max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
+        max_prefill_mb=max_prefill_mb,
+        fast_decode=fast_decode,
+    )
 
 
 def load_served_vlm(model_path: str, dtype):
@@ -101,31 +114,45 @@ def load_served_vlm(model_path: str, dtype):
     try:
         return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
     except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"--model {model_path}: cannot load as a vision-language model "
-                          f"({str(e).splitlines()[0]})") from e
+        raise ConfigError(
+            f"--model {model_path}: cannot load as a vision-language model ({str(e).splitlines()[0]})"
+        ) from e
 
 
 def build_scheduler(options: ServerOptions, engine):
     """The server's scheduler: ``RolloutScheduler`` (single turn) or the named multi-turn one."""
     if not options.multi_turn_scheduler:
         return RolloutScheduler(engine)
-    extra = {k: getattr(options, k) for k in ("completion_length_limit_scope", "loss_scale")
-             if getattr(options, k) is not None}
-    args = RolloutArguments(multi_turn_scheduler=options.multi_turn_scheduler, max_turns=options.max_turns,
-                            gym_env=options.gym_env, **extra)
+    extra = {
+        k: getattr(options, k)
+        for k in ("completion_length_limit_scope", "loss_scale")
+        if getattr(options, k) is not None
+    }
+    args = RolloutArguments(
+        multi_turn_scheduler=options.multi_turn_scheduler, max_turns=options.max_turns, gym_env=options.gym_env, **extra
+    )
     # use_gym_env: explicit, as in swift rollout: total_reward is (not) the reward
-    return build_multi_turn(args, engine.tokenizer, infer_engine=engine, template=engine.template,
-                            uses_env_reward=options.use_gym_env)
+    return build_multi_turn(
+        args, engine.tokenizer, infer_engine=engine, template=engine.template, uses_env_reward=options.use_gym_env
+    )
 
 
 def build_state(options: ServerOptions) -> ServerState:
     """Plugins first (they may register schedulers and environments), then the engine and the scheduler."""
     if not Path(options.model).is_dir():
-        raise ConfigError(f"--model {options.model}: no such folder (grpokit rollout serves a local Hugging Face "
-                          "model folder)")
+        raise ConfigError(
+            f"--model {options.model}: no such folder (grpokit rollout serves a local Hugging Face model folder)"
+        )
     load_plugins(options.external_plugins)
-    engine = build_served_engine(options.engine, options.model, options.torch_dtype, options.max_batch_size,
-                                 options.fast_decode, options.vllm_max_model_len, options.vllm_settings(),
-                                 options.max_prefill_mb)
+    engine = build_served_engine(
+        options.engine,
+        options.model,
+        options.torch_dtype,
+        options.max_batch_size,
+        options.fast_decode,
+        options.vllm_max_model_len,
+        options.vllm_settings(),
+        options.max_prefill_mb,
+    )
     engine.template.chat_template_kwargs.update(options.chat_template_kwargs())  # --enable_thinking
     return ServerState(options, engine, build_scheduler(options, engine))

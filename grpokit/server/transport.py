@@ -58,19 +58,28 @@ def connection_cap(requested: int) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     fit = (soft if soft != resource.RLIM_INFINITY else 1 << 20) - open_fds() - 2 * BACKLOG - FD_RESERVE
     if fit < 16:
-        raise ConfigError(f"the file-descriptor limit ({soft}) leaves room for {max(fit, 0)} connections; raise it "
-                          f"(ulimit -n {soft + 1024}) before starting grpokit rollout")
+        raise ConfigError(
+            f"the file-descriptor limit ({soft}) leaves room for {max(fit, 0)} connections; raise it "
+            f"(ulimit -n {soft + 1024}) before starting grpokit rollout"
+        )
     if requested > fit:
-        logger.warning("--max_connections %d: only %d fit below the file-descriptor limit %d; serving at most %d",
-                       requested, fit, soft, fit)
+        logger.warning(
+            "--max_connections %d: only %d fit below the file-descriptor limit %d; serving at most %d",
+            requested,
+            fit,
+            soft,
+            fit,
+        )
     return min(requested, fit) if requested > 0 else fit
 
 
 def raw_error(status: int, reason: str, message: str) -> bytes:
     """A complete JSON error answer that closes the connection, written without h11 (whatever state it is in)."""
     body = json.dumps({"error": message}).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode() + body
 
 
 class Throttle:
@@ -146,8 +155,10 @@ class GuardedH11Protocol(H11Protocol):
             if left > 0:
                 self._timer = self.loop.call_later(left, self._on_deadline)
                 return
-            self._expire(f"the request body did not arrive within the server's deadline (all of it within "
-                         f"{self.limits.body_timeout_s:g}s, no pause over {self.limits.body_idle_s:g}s)")
+            self._expire(
+                f"the request body did not arrive within the server's deadline (all of it within "
+                f"{self.limits.body_timeout_s:g}s, no pause over {self.limits.body_idle_s:g}s)"
+            )
         elif self._phase in ("new", "headers"):
             self._expire(f"the request line and headers did not arrive within {self.limits.header_timeout_s:g}s")
 
@@ -179,14 +190,24 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.limits.max_connections:
             victim = self._victim()
             if victim is None:
-                self.transport.write(raw_error(503, "Service Unavailable", f"the server holds its limit of "
-                                               f"{self.limits.max_connections} connections, each with a request in "
-                                               "work; retry later"))
+                self.transport.write(
+                    raw_error(
+                        503,
+                        "Service Unavailable",
+                        f"the server holds its limit of "
+                        f"{self.limits.max_connections} connections, each with a request in "
+                        "work; retry later",
+                    )
+                )
                 self._enter("closed", None)
                 self.transport.close()
                 return
-            victim._expire(None if victim._phase == "idle" else "closed to make room for a new connection (the "
-                           "server's connection limit is reached and this request was the slowest to arrive)")
+            victim._expire(
+                None
+                if victim._phase == "idle"
+                else "closed to make room for a new connection (the "
+                "server's connection limit is reached and this request was the slowest to arrive)"
+            )
 
     def _victim(self) -> GuardedH11Protocol | None:
         best, best_key = None, None
@@ -251,8 +272,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (bad request line or headers, headers over 16 KiB): JSON 400, closed."""
-        self.transport.write(raw_error(400, "Bad Request", "malformed HTTP request (request line or headers); "
-                                                           "send HTTP/1.1 with headers under 16 KiB"))
+        self.transport.write(
+            raw_error(
+                400,
+                "Bad Request",
+                "malformed HTTP request (request line or headers); send HTTP/1.1 with headers under 16 KiB",
+            )
+        )
         self._enter("closed", None)
         self.transport.close()
 
@@ -288,8 +314,16 @@ class GuardedServer(uvicorn.Server):
 def server_config(app, host: str, port: int, limits: TransportLimits, **kwargs) -> uvicorn.Config:
     """uvicorn's config for ``app`` with the guarded protocol (``kwargs``: further uvicorn options)."""
     _quiet_uvicorn_logs()
-    return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits), backlog=BACKLOG,
-                          timeout_keep_alive=max(1, round(limits.keep_alive_s)), ws="none", **kwargs)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_class(limits),
+        backlog=BACKLOG,
+        timeout_keep_alive=max(1, round(limits.keep_alive_s)),
+        ws="none",
+        **kwargs,
+    )
 
 
 def _quiet_uvicorn_logs() -> None:
@@ -301,6 +335,5 @@ def _quiet_uvicorn_logs() -> None:
 
 def serve(app, host: str, port: int, limits: TransportLimits) -> None:
     """Serve ``app`` until interrupted."""
-    config = server_config(app, host, port, limits, log_level="warning", access_log=False,
-                           timeout_graceful_shutdown=5)
+    config = server_config(app, host, port, limits, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     GuardedServer(config).run()

@@ -20,8 +20,9 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
         self.max_model_len = self._context_length()
 
     @classmethod
-    def build(cls, model_path: str, dtype: str, max_num_seqs: int, max_model_len: int | None,
-              extra: dict) -> ServedVllmEngine:
+    def build(
+        cls, model_path: str, dtype: str, max_num_seqs: int, max_model_len: int | None, extra: dict
+    ) -> ServedVllmEngine:
         settings = VllmSettings(dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **extra)
         return cls(model_path, settings)
 
@@ -43,8 +44,9 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
         except DataError:  # more image placeholders than images: answered 400 as it is
             raise
         except Exception as e:  # noqa: BLE001 - a conversation the template cannot render
-            raise ConfigError(f"the chat template cannot render these messages: {type(e).__name__}: "
-                              f"{str(e)[:200]}") from e
+            raise ConfigError(
+                f"the chat template cannot render these messages: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
         for i, p in enumerate(prompts):
             if len(p) + config.max_tokens > self.max_model_len:
                 raise ConfigError(context_message(i, len(p), config.max_tokens, self.max_model_len))
@@ -55,8 +57,9 @@ class ServedVllmEngine(CancellableRequests, VllmEngine):
         finally:
             self._forget(requests)
         answers = dict(zip(live, out, strict=True))
-        gone = ChatCompletionResponseChoice(message={"role": "assistant", "content": ""}, finish_reason="stop",
-                                            token_ids=[])
+        gone = ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": ""}, finish_reason="stop", token_ids=[]
+        )
         return [answers.get(i) or ChatCompletionResponse(choices=[gone]) for i in range(len(requests))]
 
     def tensor_count(self) -> int:

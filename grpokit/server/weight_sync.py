@@ -34,7 +34,7 @@ def _proc_hex(ip: str) -> str | None:
         raw = ipaddress.ip_address(ip).packed
     except ValueError:
         return None
-    return "".join(raw[i:i + 4][::-1].hex().upper() for i in range(0, len(raw), 4))
+    return "".join(raw[i : i + 4][::-1].hex().upper() for i in range(0, len(raw), 4))
 
 
 def shutdown_connections_to(host: str, port: int) -> int:
@@ -103,9 +103,15 @@ class _Attempt:
             if body.backend == "nccl" and device.type == "cuda":
                 torch.cuda.set_device(device)
             self.comm = Communicator.create(
-                store_host=body.host, store_port=body.port, rank=body.rank, world_size=body.world_size,
-                backend=body.backend, group=body.group, timeout_s=timeout_s,
-                local_host=local_address_towards(body.host, body.port))
+                store_host=body.host,
+                store_port=body.port,
+                rank=body.rank,
+                world_size=body.world_size,
+                backend=body.backend,
+                group=body.group,
+                timeout_s=timeout_s,
+                local_host=local_address_towards(body.host, body.port),
+            )
         except BaseException as e:  # noqa: BLE001 - handed to the waiting request
             self.error = e
         with self._receiver._lock:
@@ -129,7 +135,8 @@ class _Attempt:
         receiver = self._receiver
         with receiver._lock:  # never cut the group in use, nor a newer rendezvous with the same store
             in_use = (receiver.comm is not None and receiver.comm.where == self.where) or any(
-                a.where == self.where and not a.abandoned for a in receiver._pending)
+                a.where == self.where and not a.abandoned for a in receiver._pending
+            )
         if not in_use:
             shutdown_connections_to(self.host, self.port)
         if tries > 1:
@@ -177,7 +184,7 @@ class WeightReceiver:
         timeout_s = self.timeout_for(body)
         with self._lock:
             waiting = sorted((a for a in self._pending if not a.abandoned), key=lambda a: a.started)
-            stale = waiting[:max(0, len(waiting) - self.MAX_PENDING + 1)]
+            stale = waiting[: max(0, len(waiting) - self.MAX_PENDING + 1)]
             for given_up in stale:
                 given_up.superseded = given_up.abandoned = True
                 given_up.wake.set()
@@ -185,8 +192,10 @@ class WeightReceiver:
             given_up.reap()  # at its deadline
         with self._lock:
             if len(self._pending) >= self.MAX_STUCK:
-                raise RendezvousBusy(f"weight sync: {len(self._pending)} earlier rendezvous have not returned (their "
-                                     "store never answered); retry in a few seconds")
+                raise RendezvousBusy(
+                    f"weight sync: {len(self._pending)} earlier rendezvous have not returned (their "
+                    "store never answered); retry in a few seconds"
+                )
             attempt = _Attempt(self, body, device, timeout_s)
             self._pending.add(attempt)
         attempt.wake.wait(timeout_s + self.GRACE_S)
@@ -200,21 +209,32 @@ class WeightReceiver:
         if not finished:
             attempt.reap()  # now that its deadline has passed, or later for a superseded one
             if attempt.superseded:
-                raise ServerError(f"weight sync: the rendezvous with {body.host}:{body.port} was given up for a "
-                                  "newer POST /init_communicator/")
-            raise ServerError(f"weight sync: rendezvous with the store at {body.host}:{body.port} did not finish "
-                              f"within {timeout_s:g}s as rank {body.rank}; the store does not answer (check the "
-                              "trainer's address and its firewall)")
+                raise ServerError(
+                    f"weight sync: the rendezvous with {body.host}:{body.port} was given up for a "
+                    "newer POST /init_communicator/"
+                )
+            raise ServerError(
+                f"weight sync: rendezvous with the store at {body.host}:{body.port} did not finish "
+                f"within {timeout_s:g}s as rank {body.rank}; the store does not answer (check the "
+                "trainer's address and its firewall)"
+            )
         if attempt.error is not None:
             if isinstance(attempt.error, ServerError):
                 raise attempt.error
-            raise ServerError(f"weight sync: rendezvous with {body.host}:{body.port} failed: "
-                              f"{first_line(attempt.error)}") from attempt.error
+            raise ServerError(
+                f"weight sync: rendezvous with {body.host}:{body.port} failed: {first_line(attempt.error)}"
+            ) from attempt.error
         with self._lock:
             old, self.comm, self.group = self.comm, attempt.comm, body.group
             self._retire_locked(old)
-        logger.info("weight sync: joined the trainer's %s group at %s:%d as rank %d/%d",
-                    body.backend, body.host, body.port, body.rank, body.world_size)
+        logger.info(
+            "weight sync: joined the trainer's %s group at %s:%d as rank %d/%d",
+            body.backend,
+            body.host,
+            body.port,
+            body.rank,
+            body.world_size,
+        )
 
     def receive(self, body: UpdateWeightsBody, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
         """Receive every bucket of ``body`` and ``load`` its tensors; returns the number of tensors loaded.
@@ -253,7 +273,7 @@ class WeightReceiver:
         buf_B = torch.empty(size, dtype=torch.uint8, device=comm.device)
         loaded = 0
         for bucket in body.buckets:
-            view_B = buf_B[:bucket.nbytes]
+            view_B = buf_B[: bucket.nbytes]
             comm.broadcast(view_B)
             load([(m.name, unpack(view_B, m)) for m in bucket.tensors])
             loaded += len(bucket.tensors)
@@ -281,5 +301,10 @@ def check_held(body: CheckWeightsBody, weight_sums: Callable[[list[str]], dict],
     sent = [(b, m.name, parse_dtype(m.dtype), m.sums) for b, bucket in enumerate(body.buckets) for m in bucket]
     held = weight_sums([name for _, name, _, _ in sent])
     problems, checked, unreadable = compare_sums(sent, held, len(body.buckets))
-    return {"ok": not problems, "problems": problems[:max_problems], "count": len(problems), "checked": checked,
-            "unreadable": unreadable}
+    return {
+        "ok": not problems,
+        "problems": problems[:max_problems],
+        "count": len(problems),
+        "checked": checked,
+        "unreadable": unreadable,
+    }

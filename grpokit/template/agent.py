@@ -33,14 +33,17 @@ def parse_tools(value: Any, where: str) -> list[dict]:
     else:  # a list read by Arrow: every row's objects got the keys of all rows, as null; take those off again
         value = _without_nulls(value)
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise DataError(f"{where}: column 'tools' must be a list of function schemas (objects), got "
-                        f"{type(value).__name__}")
+        raise DataError(
+            f"{where}: column 'tools' must be a list of function schemas (objects), got {type(value).__name__}"
+        )
     for tool in value:
         function = tool.get("function", tool)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise DataError(f"{where}: a tool has no name (keys: {', '.join(map(str, tool))}); use "
-                            '{"name": ..., "description": ..., "parameters": {...}} or OpenAI\'s '
-                            '{"type": "function", "function": {...}}')
+            raise DataError(
+                f"{where}: a tool has no name (keys: {', '.join(map(str, tool))}); use "
+                '{"name": ..., "description": ..., "parameters": {...}} or OpenAI\'s '
+                '{"type": "function", "function": {...}}'
+            )
     return value
 
 
@@ -60,11 +63,13 @@ def _wrapped(tool: dict) -> dict:
 def _hermes(tools: list[dict], system: str | None) -> str:
     lines = "\n".join(json.dumps(_wrapped(t), ensure_ascii=False) for t in tools)
     head = f"{system}\n\n" if system else ""
-    return (f"{head}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
-            "<args-json-object>}\n</tool_call>")
+    return (
+        f"{head}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n"
+        "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
 
 
 def _react_tools(tools: list[dict]) -> list[tuple[str, str, str]]:
@@ -73,25 +78,35 @@ def _react_tools(tools: list[dict]) -> list[tuple[str, str, str]]:
     for tool in tools:
         f = tool.get("function", tool)
         params = f.get("parameters") or {}
-        out.append((f["name"], f.get("description", ""),
-                    params if isinstance(params, str) else json.dumps(params, ensure_ascii=False)))
+        out.append(
+            (
+                f["name"],
+                f.get("description", ""),
+                params if isinstance(params, str) else json.dumps(params, ensure_ascii=False),
+            )
+        )
     return out
 
 
 def _react_en(tools: list[dict], system: str | None) -> str:
     listed = _react_tools(tools)
     names = [name for name, _, _ in listed]
-    described = [f"{name}: Call this tool to interact with the {name} API. What is the {name} API useful for? "
-                 f"{desc} Parameters: {params} Format the arguments as a JSON object." for name, desc, params in listed]
-    return ("Answer the following questions as best you can. You have access to the following tools:\n\n"
-            + "\n\n".join(described)
-            + "\n\nUse the following format:\n\nQuestion: the input question you must answer\n"
-            "Thought: you should always think about what to do\n"
-            f"Action: the action to take, should be one of [{','.join(names)}]\n"
-            "Action Input: the input to the action\nObservation: the result of the action\n"
-            "... (this Thought/Action/Action Input/Observation can be repeated zero or more times)\n"
-            "Thought: I now know the final answer\nFinal Answer: the final answer to the original input question"
-            "\n\nBegin!\n")
+    described = [
+        f"{name}: Call this tool to interact with the {name} API. What is the {name} API useful for? "
+        f"{desc} Parameters: {params} Format the arguments as a JSON object."
+        for name, desc, params in listed
+    ]
+    return (
+        "Answer the following questions as best you can. You have access to the following tools:\n\n"
+        + "\n\n".join(described)
+        + "\n\nUse the following format:\n\nQuestion: the input question you must answer\n"
+        "Thought: you should always think about what to do\n"
+        f"Action: the action to take, should be one of [{','.join(names)}]\n"
+        "Action Input: the input to the action\nObservation: the result of the action\n"
+        "... (this Thought/Action/Action Input/Observation can be repeated zero or more times)\n"
+        "Thought: I now know the final answer\nFinal Answer: the final answer to the original input question"
+        "\n\nBegin!\n"
+    )
 
 
 def _react_grpo(tools: list[dict], system: str | None) -> str:
@@ -101,27 +116,34 @@ def _react_grpo(tools: list[dict], system: str | None) -> str:
     system message."""
     listed = _react_tools(tools)
     names = [name for name, _, _ in listed]
-    return ("Answer the user's question; call a tool when it helps. Each reply starts with your reasoning between "
-            "<think> and </think>, then either a tool call or the answer.\n\nTools:\n\n"
-            + "\n\n".join(f"{name}: {desc} Parameters: {params}" for name, desc, params in listed)
-            + "\n\nReply layout:\n\n<think>what to do next</think>\n"
-            f"Action: one name from [{','.join(names)}]\n"
-            "Action Input: the arguments, as a JSON object\n"
-            "Observation: the tool's result (written by the caller, not by you)\n"
-            "... (think, Action, Action Input and Observation may repeat)\n"
-            "Final Answer: your answer to the question\n\nBegin!\n")
+    return (
+        "Answer the user's question; call a tool when it helps. Each reply starts with your reasoning between "
+        "<think> and </think>, then either a tool call or the answer.\n\nTools:\n\n"
+        + "\n\n".join(f"{name}: {desc} Parameters: {params}" for name, desc, params in listed)
+        + "\n\nReply layout:\n\n<think>what to do next</think>\n"
+        f"Action: one name from [{','.join(names)}]\n"
+        "Action Input: the arguments, as a JSON object\n"
+        "Observation: the tool's result (written by the caller, not by you)\n"
+        "... (think, Action, Action Input and Observation may repeat)\n"
+        "Final Answer: your answer to the question\n\nBegin!\n"
+    )
 
 
 # name → (tools, system or None) → the new system message text
 AGENT_TEMPLATES: dict[str, Callable[[list[dict], str | None], str]] = {
-    "hermes": _hermes, "react_en": _react_en, "react_grpo": _react_grpo}
+    "hermes": _hermes,
+    "react_en": _react_en,
+    "react_grpo": _react_grpo,
+}
 
 
 def check_agent_template(name: str | None) -> None:
     if name is not None and name not in AGENT_TEMPLATES:
-        raise ConfigError(f"--agent_template {name}: not implemented in grpokit; use hermes, react_en or "
-                          "react_grpo, or leave it unset to render tools with the model's own chat template (its "
-                          "tools= argument)")
+        raise ConfigError(
+            f"--agent_template {name}: not implemented in grpokit; use hermes, react_en or "
+            "react_grpo, or leave it unset to render tools with the model's own chat template (its "
+            "tools= argument)"
+        )
 
 
 def add_tools(messages: list[dict], tools: list[dict], agent_template: str | None) -> list[dict]:

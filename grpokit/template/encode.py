@@ -44,8 +44,15 @@ class ChatTemplate:
     leave the ids alone here.
     """
 
-    def __init__(self, tokenizer, system: str | None = None, *, chat_template_kwargs: dict | None = None,
-                 max_length: int | None = None, truncation_strategy: str = "left") -> None:
+    def __init__(
+        self,
+        tokenizer,
+        system: str | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        max_length: int | None = None,
+        truncation_strategy: str = "left",
+    ) -> None:
         self.tokenizer = tokenizer
         self.system = system
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -58,8 +65,10 @@ class ChatTemplate:
         # trajectory's own ids (prompt, turns as trained, template text between), never from a re-render
         self._pinned_ids: dict[str, tuple[tuple | str, list[int]]] = {}
         if getattr(tokenizer, "chat_template", None) is None:
-            raise RolloutError("the tokenizer has no chat_template; use an instruct/chat model or set "
-                               "tokenizer.chat_template in the model folder")
+            raise RolloutError(
+                "the tokenizer has no chat_template; use an instruct/chat model or set "
+                "tokenizer.chat_template in the model folder"
+            )
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -129,7 +138,7 @@ class ChatTemplate:
         if self.max_length is None or len(ids) <= self.max_length:
             return ids
         if self.truncation_strategy == "left":
-            return ids[-self.max_length:]
+            return ids[-self.max_length :]
         if self.truncation_strategy == "right":
             return ids[: self.max_length]
         return ids
@@ -166,9 +175,11 @@ class ChatTemplate:
         if n == 1 and not idx:  # single turn: the scheduler may not have appended the reply
             return [len(full)]
         if len(idx) != n:
-            raise RolloutError(f"request {rid}: {n} response_token_ids segment(s) but {len(idx)} assistant "
-                               "message(s) after the prompt; a scheduler must return one segment per assistant "
-                               "message (extend the last segment when it continues a message)")
+            raise RolloutError(
+                f"request {rid}: {n} response_token_ids segment(s) but {len(idx)} assistant "
+                "message(s) after the prompt; a scheduler must return one segment per assistant "
+                "message (extend the last segment when it continues a message)"
+            )
         return idx
 
     def encode_between(self, full: list[dict], i: int, j: int, seg: list[int]) -> list[int]:
@@ -184,26 +195,27 @@ class ChatTemplate:
         after = self.render_prompt(msgs[: j + off])
         head = before + content
         if after.startswith(head):
-            text = after[len(head):]
+            text = after[len(head) :]
         else:  # the template rewrites earlier turns (drops their <think> blocks): the text after message i's
             text = self._text_after(msgs[: j + off], i + off)  # content is still the template's own
         if seg and seg[-1] == self.eos_token_id:  # the model already produced the end-of-turn token
             eos_text = self.tokenizer.decode([self.eos_token_id])
             if text.startswith(eos_text):
-                text = text[len(eos_text):]
+                text = text[len(eos_text) :]
         return text
-
 
     def _text_after(self, msgs: list[dict], i: int) -> str:
         """What the template renders after message ``i``'s content up to the end of ``msgs``'s prompt, found
         with that content replaced by a marker the template has no reason to rewrite (no <think> block)."""
-        marked = [*msgs[:i], {**msgs[i], "content": _MARKER}, *msgs[i + 1:]]
+        marked = [*msgs[:i], {**msgs[i], "content": _MARKER}, *msgs[i + 1 :]]
         rendered = self.render_prompt(marked)
         if rendered.count(_MARKER) != 1:
-            raise RolloutError("the chat template does not render an earlier assistant message's text (it rewrites "
-                               "or drops it); multi-turn token alignment needs a template that renders every "
-                               "message's content, earlier <think> blocks aside")
-        return rendered[rendered.index(_MARKER) + len(_MARKER):]
+            raise RolloutError(
+                "the chat template does not render an earlier assistant message's text (it rewrites "
+                "or drops it); multi-turn token alignment needs a template that renders every "
+                "message's content, earlier <think> blocks aside"
+            )
+        return rendered[rendered.index(_MARKER) + len(_MARKER) :]
 
 
 _MARKER = "\u2063grpokit-earlier-turn\u2063"  # invisible separators: no text of a real conversation has it
@@ -225,8 +237,10 @@ def segment_masks(output: RolloutOutput) -> tuple[list[list[int]], list[list[flo
     segments = output.response_token_ids
     masks = output.response_loss_mask or [[1] * len(s) for s in segments]
     if len(masks) != len(segments) or any(len(a) != len(b) for a, b in zip(segments, masks)):
-        raise RolloutError(f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
-                           f"differ from response_token_ids lengths {[len(s) for s in segments]}")
+        raise RolloutError(
+            f"request {output.request_id}: response_loss_mask lengths {[len(m) for m in masks]} "
+            f"differ from response_token_ids lengths {[len(s) for s in segments]}"
+        )
     return masks, output.rollout_logprobs if _logprobs_consistent(output, masks) else None
 
 

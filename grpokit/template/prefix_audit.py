@@ -36,16 +36,22 @@ class PrefixAudit:
         turn itself); ``pinned``: the engine samples a later turn from the trajectory's own ids (it renders with
         this template), else it renders each turn."""
         if pinned:
-            does = ("grpokit trains each multi-turn trajectory on the ids sampled and samples every later turn from "
-                    "the trajectory's own ids, never from a re-render of its messages")
+            does = (
+                "grpokit trains each multi-turn trajectory on the ids sampled and samples every later turn from "
+                "the trajectory's own ids, never from a re-render of its messages"
+            )
         else:
-            does = ("this engine renders each turn's prompt itself (a single-turn rollout server), so later turns are "
-                    "sampled from a re-render; multi_turn/tito_violations counts the trajectories that then train on "
-                    "other ids (run the scheduler on the server: grpokit rollout --multi_turn_scheduler NAME)")
+            does = (
+                "this engine renders each turn's prompt itself (a single-turn rollout server), so later turns are "
+                "sampled from a re-render; multi_turn/tito_violations counts the trajectories that then train on "
+                "other ids (run the scheduler on the server: grpokit rollout --multi_turn_scheduler NAME)"
+            )
         if self.preserving:
             return f"the chat template is prefix-preserving, but {does}; a reply's text may re-tokenize to other ids"
-        return (f"the chat template is not prefix-preserving: rendering a longer conversation changes the tokens of "
-                f"an earlier turn (token {self.at} of {self.short_len} differs; {self.detail}); {does}")
+        return (
+            f"the chat template is not prefix-preserving: rendering a longer conversation changes the tokens of "
+            f"an earlier turn (token {self.at} of {self.short_len} differs; {self.detail}); {does}"
+        )
 
 
 def audit_prefix(template) -> PrefixAudit:
@@ -58,9 +64,12 @@ def audit_prefix(template) -> PrefixAudit:
     except Exception as e:  # noqa: BLE001 - jinja2 errors and a template's raise_exception: nothing to audit
         return PrefixAudit(None, detail=f"{type(e).__name__}: {str(e)[:200]}")
     short, long = template.tokenize(short_text), template.tokenize(long_text)
-    if long[:len(short)] == short:
+    if long[: len(short)] == short:
         return PrefixAudit(True, short_len=len(short))
     at = next((k for k, (a, b) in enumerate(zip(short, long)) if a != b), min(len(short), len(long)))
-    detail = ("e.g. it drops earlier <think> blocks" if not long_text.startswith(short_text) else
-              "the text is kept, but the reply's last token merges with the text after it")
+    detail = (
+        "e.g. it drops earlier <think> blocks"
+        if not long_text.startswith(short_text)
+        else "the text is kept, but the reply's last token merges with the text after it"
+    )
     return PrefixAudit(False, at=at, short_len=len(short), detail=detail)

@@ -36,10 +36,11 @@ def parse_json_object(value: str | dict | None, option: str) -> dict:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--{option} {value!r}: not valid JSON ({exc.msg}); pass an object, e.g. "
-                          f"'{{\"enable_thinking\": false}}'") from None
+        raise ConfigError(
+            f"--{option} {value!r}: not valid JSON ({exc.msg}); pass an object, e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
     if not isinstance(parsed, dict):
-        raise ConfigError(f"--{option} {value!r}: must be a JSON object {{\"name\": value, ...}}")
+        raise ConfigError(f'--{option} {value!r}: must be a JSON object {{"name": value, ...}}')
     return parsed
 
 
@@ -62,17 +63,21 @@ class PromptOptions:
         check_agent_template(data.agent_template)
         strategy = data.truncation_strategy or default_truncation(rollout)
         if strategy == "split":
-            raise ConfigError("--truncation_strategy split: ms-swift allows it for pre-training only; for GRPO use "
-                              "left, right, delete or raise")
+            raise ConfigError(
+                "--truncation_strategy split: ms-swift allows it for pre-training only; for GRPO use "
+                "left, right, delete or raise"
+            )
         if strategy not in TRUNCATION_STRATEGIES:
-            raise ConfigError(f"--truncation_strategy {strategy}: unknown; use one of "
-                              f"{', '.join(TRUNCATION_STRATEGIES)}")
+            raise ConfigError(
+                f"--truncation_strategy {strategy}: unknown; use one of {', '.join(TRUNCATION_STRATEGIES)}"
+            )
         if data.max_length is not None and data.max_length < 1:
             raise ConfigError(f"--max_length {data.max_length}: must be a positive token count, or unset for no limit")
         if data.dataset_num_proc < 1:
             raise ConfigError(f"--dataset_num_proc {data.dataset_num_proc}: must be ≥ 1")
-        return cls(data.agent_template, kwargs, data.max_length, strategy, data.dataset_num_proc,
-                   data.load_from_cache_file)
+        return cls(
+            data.agent_template, kwargs, data.max_length, strategy, data.dataset_num_proc, data.load_from_cache_file
+        )
 
     @property
     def truncates_ids(self) -> bool:
@@ -82,10 +87,20 @@ class PromptOptions:
     def template(self, tokenizer, system: str | None = None) -> ChatTemplate:
         """The chat template with these options; for a multimodal model's processor, the processor template."""
         if hasattr(tokenizer, "image_processor"):  # template/processor.py
-            return ProcessorTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
-                                     max_length=self.max_length, truncation_strategy=self.truncation_strategy)
-        return ChatTemplate(tokenizer, system, chat_template_kwargs=self.chat_template_kwargs,
-                            max_length=self.max_length, truncation_strategy=self.truncation_strategy)
+            return ProcessorTemplate(
+                tokenizer,
+                system,
+                chat_template_kwargs=self.chat_template_kwargs,
+                max_length=self.max_length,
+                truncation_strategy=self.truncation_strategy,
+            )
+        return ChatTemplate(
+            tokenizer,
+            system,
+            chat_template_kwargs=self.chat_template_kwargs,
+            max_length=self.max_length,
+            truncation_strategy=self.truncation_strategy,
+        )
 
 
 def default_truncation(rollout) -> str:
@@ -118,9 +133,13 @@ def _carry(ds: Dataset, opts: PromptOptions, source: str) -> Dataset:
         kwargs = _row_kwargs(row["chat_template_kwargs"] if has_kwargs else None, opts.chat_template_kwargs, where)
         return {"messages": attach(messages, kwargs=kwargs)}
 
-    return ds.map(convert, with_indices=True, desc=f"tools and template options into the prompts of {source}",
-                  num_proc=opts.num_proc if opts.num_proc > 1 else None,
-                  load_from_cache_file=opts.load_from_cache_file)
+    return ds.map(
+        convert,
+        with_indices=True,
+        desc=f"tools and template options into the prompts of {source}",
+        num_proc=opts.num_proc if opts.num_proc > 1 else None,
+        load_from_cache_file=opts.load_from_cache_file,
+    )
 
 
 def _prompt_lengths(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> list[int]:
@@ -130,7 +149,7 @@ def _prompt_lengths(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
     if not (getattr(template, "multimodal", False) and "images" in ds.column_names):
         lengths: list[int] = []
         for start in range(0, len(messages), 256):  # one tokenizer call per chunk
-            lengths += template.prompt_lengths(messages[start:start + 256])
+            lengths += template.prompt_lengths(messages[start : start + 256])
         return lengths
     lengths = []
     for i, (msgs, images) in enumerate(zip(messages, ds["images"], strict=True)):
@@ -140,9 +159,11 @@ def _prompt_lengths(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
         ids, _ = template.expand(msgs, images)
         lengths.append(len(ids))
         if template.cut_crosses_images(ids):
-            raise DataError(f"{source}: row {i} has a {len(ids)}-token prompt (images expanded), over --max_length "
-                            f"{opts.max_length}, and a --truncation_strategy {opts.truncation_strategy} cut would pass "
-                            "through its image tokens; use --truncation_strategy delete, or raise --max_length")
+            raise DataError(
+                f"{source}: row {i} has a {len(ids)}-token prompt (images expanded), over --max_length "
+                f"{opts.max_length}, and a --truncation_strategy {opts.truncation_strategy} cut would pass "
+                "through its image tokens; use --truncation_strategy delete, or raise --max_length"
+            )
     return lengths
 
 
@@ -154,34 +175,59 @@ def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, 
         return ds
     if opts.truncation_strategy == "raise":
         i = over[0]
-        raise DataError(f"{source}: row {i} has a {lengths[i]}-token prompt, over --max_length {limit} "
-                        f"({len(over)} of {len(ds)} rows are); raise --max_length, or use --truncation_strategy "
-                        "delete / left / right")
+        raise DataError(
+            f"{source}: row {i} has a {lengths[i]}-token prompt, over --max_length {limit} "
+            f"({len(over)} of {len(ds)} rows are); raise --max_length, or use --truncation_strategy "
+            "delete / left / right"
+        )
     if opts.truncation_strategy == "delete":
         if len(over) == len(ds):
-            raise DataError(f"{source}: every prompt is longer than --max_length {limit} (the shortest has "
-                            f"{min(lengths)} tokens); raise --max_length")
-        logger.warning("%s: dropped %d of %d rows whose prompt is longer than --max_length %d tokens "
-                       "(--truncation_strategy delete)", source, len(over), len(ds), limit)
+            raise DataError(
+                f"{source}: every prompt is longer than --max_length {limit} (the shortest has "
+                f"{min(lengths)} tokens); raise --max_length"
+            )
+        logger.warning(
+            "%s: dropped %d of %d rows whose prompt is longer than --max_length %d tokens "
+            "(--truncation_strategy delete)",
+            source,
+            len(over),
+            len(ds),
+            limit,
+        )
         keep = set(over)
         return ds.select([i for i in range(len(ds)) if i not in keep])
-    logger.warning("%s: %d of %d prompts are longer than --max_length %d tokens and will be cut on the %s "
-                   "(--truncation_strategy %s)", source, len(over), len(ds), limit, opts.truncation_strategy,
-                   opts.truncation_strategy)
+    logger.warning(
+        "%s: %d of %d prompts are longer than --max_length %d tokens and will be cut on the %s "
+        "(--truncation_strategy %s)",
+        source,
+        len(over),
+        len(ds),
+        limit,
+        opts.truncation_strategy,
+        opts.truncation_strategy,
+    )
     return ds
 
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "grpokit_probe_tool", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "grpokit_probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 def _check_renders_tools(template: ChatTemplate, source: str) -> None:
     """The chat template must show the tools it is given; many (plain ChatML, Llama 2, …) drop them silently."""
     probe = attach([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
     if "grpokit_probe_tool" not in template.render_prompt(probe):
-        raise DataError(f"{source} has a 'tools' column, but the model's chat template does not render tools (its "
-                        "tools= argument); pass --agent_template hermes, react_en or react_grpo to write them into the "
-                        "system message, or drop the column")
+        raise DataError(
+            f"{source} has a 'tools' column, but the model's chat template does not render tools (its "
+            "tools= argument); pass --agent_template hermes, react_en or react_grpo to write them into the "
+            "system message, or drop the column"
+        )
 
 
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
@@ -189,8 +235,12 @@ def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
     ``--max_length``; ``template`` renders the prompts as the engine will."""
     if opts.chat_template_kwargs or {"tools", "chat_template_kwargs"} & set(ds.column_names):
         ds = _carry(ds, opts, source)
-    if opts.agent_template is None and template is not None and "tools" in ds.column_names and any(
-            t not in (None, "", []) for t in ds["tools"]):
+    if (
+        opts.agent_template is None
+        and template is not None
+        and "tools" in ds.column_names
+        and any(t not in (None, "", []) for t in ds["tools"])
+    ):
         _check_renders_tools(template, source)
     if opts.max_length is not None:
         ds = _apply_max_length(ds, template, opts, source)
@@ -205,9 +255,15 @@ def check_data_options(data, rollout) -> PromptOptions:
     server, multi_turn = rollout.vllm_mode == "server", bool(rollout.multi_turn_scheduler)
     where = "in server mode (the rollout server renders the prompts)" if server else "with multi-turn rollouts"
     if opts.truncates_ids and (server or multi_turn):
-        raise ConfigError(f"--max_length {opts.max_length} --truncation_strategy {opts.truncation_strategy} is not "
-                          f"implemented {where}; use --truncation_strategy delete (drop longer prompts) or raise")
+        raise ConfigError(
+            f"--max_length {opts.max_length} --truncation_strategy {opts.truncation_strategy} is not "
+            f"implemented {where}; use --truncation_strategy delete (drop longer prompts) or raise"
+        )
     if opts.max_length is not None and data.truncation_strategy is None and (server or multi_turn):
-        logger.warning("--max_length %d: prompts longer than it are dropped (--truncation_strategy delete) %s, "
-                       "where ms-swift's default left cannot cut them the same everywhere", opts.max_length, where)
+        logger.warning(
+            "--max_length %d: prompts longer than it are dropped (--truncation_strategy delete) %s, "
+            "where ms-swift's default left cannot cut them the same everywhere",
+            opts.max_length,
+            where,
+        )
     return opts

@@ -80,13 +80,17 @@ class RolloutBatch:
             return getattr(self, name)
         if key in self.extra:
             return self.extra[key]
-        raise KeyError(f"{key!r}: the batch has the seed's keys {', '.join(SEED_KEYS)} and the extra keys "
-                       f"{', '.join(self.extra) or '(none)'}; add one with batch[{key!r}] = tensor")
+        raise KeyError(
+            f"{key!r}: the batch has the seed's keys {', '.join(SEED_KEYS)} and the extra keys "
+            f"{', '.join(self.extra) or '(none)'}; add one with batch[{key!r}] = tensor"
+        )
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "logits_to_keep":
-            raise KeyError("batch['logits_to_keep'] is the completion width (completion_mask.shape[1]); change it "
-                           "by cutting completion_mask and the [N, C] logps, not by assignment")
+            raise KeyError(
+                "batch['logits_to_keep'] is the completion width (completion_mask.shape[1]); change it "
+                "by cutting completion_mask and the [N, C] logps, not by assignment"
+            )
         name = SEED_KEYS.get(key)
         if name is not None:
             setattr(self, name, value)
@@ -119,12 +123,20 @@ class RolloutBatch:
             out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
         out["step_metrics"] = {}
         n = len(self)
-        out["extra"] = {k: (v[idx] if isinstance(v, torch.Tensor) or (isinstance(v, list) and isinstance(idx, slice)
-                                                                      and len(v) == n) else v)
-                        for k, v in self.extra.items()}
+        out["extra"] = {
+            k: (
+                v[idx]
+                if isinstance(v, torch.Tensor) or (isinstance(v, list) and isinstance(idx, slice) and len(v) == n)
+                else v
+            )
+            for k, v in self.extra.items()
+        }
         if self.mm_inputs is not None:  # whole rows: a row's images never part from its image tokens
-            rows = range(len(self))[idx] if isinstance(idx, slice) else (
-                idx.nonzero().flatten() if idx.dtype == torch.bool else idx).tolist()
+            rows = (
+                range(len(self))[idx]
+                if isinstance(idx, slice)
+                else (idx.nonzero().flatten() if idx.dtype == torch.bool else idx).tolist()
+            )
             out["mm_inputs"] = [self.mm_inputs[i] for i in rows]
         return RolloutBatch(**out)
 
@@ -145,15 +157,21 @@ class RolloutBatch:
         """The mini-batches of a window put back together in order (their rows, and every key one of them has),
         checked: ``hook`` names the override that returned them, ``rows`` is how many the window has."""
         if not isinstance(parts, list) or not parts or not all(isinstance(p, RolloutBatch) for p in parts):
-            raise PluginError(f"{hook} returned {type(parts).__name__}; return the list of mini-batches that "
-                              "super() returned (each may have keys added)")
+            raise PluginError(
+                f"{hook} returned {type(parts).__name__}; return the list of mini-batches that "
+                "super() returned (each may have keys added)"
+            )
         if sum(len(p) for p in parts) != rows:
-            raise PluginError(f"{hook} returned mini-batches of {sum(len(p) for p in parts)} rows in all; the window "
-                              f"has {rows} (add keys to the mini-batches, keep their rows)")
+            raise PluginError(
+                f"{hook} returned mini-batches of {sum(len(p) for p in parts)} rows in all; the window "
+                f"has {rows} (add keys to the mini-batches, keep their rows)"
+            )
         widths = {(p.input_ids.shape[1], p.logits_to_keep) for p in parts}
         if len(widths) > 1:
-            raise PluginError(f"{hook} returned mini-batches of different widths {sorted(widths)}; keep the "
-                              "window's padding (the loop trims each micro-batch itself)")
+            raise PluginError(
+                f"{hook} returned mini-batches of different widths {sorted(widths)}; keep the "
+                "window's padding (the loop trims each micro-batch itself)"
+            )
         keys = [set(p.extra) for p in parts]
         if any(k != keys[0] for k in keys):
             raise PluginError(f"{hook}: every mini-batch needs the same added keys, got {[sorted(k) for k in keys]}")
@@ -177,8 +195,13 @@ class RolloutBatch:
         used_c = self.attention_mask[:, p:].any(0).nonzero()
         keep_c = max(1, int(used_c[-1]) + 1 if len(used_c) else 1)
         cols = slice(first, p + keep_c)
-        out = replace(self, input_ids=self.input_ids[:, cols], attention_mask=self.attention_mask[:, cols],
-                      position_ids=self.position_ids[:, cols], completion_mask=self.completion_mask[:, :keep_c])
+        out = replace(
+            self,
+            input_ids=self.input_ids[:, cols],
+            attention_mask=self.attention_mask[:, cols],
+            position_ids=self.position_ids[:, cols],
+            completion_mask=self.completion_mask[:, :keep_c],
+        )
         for name in ("old_logps", "ref_logps", "rollout_logps"):
             v = getattr(out, name)
             if v is not None:
@@ -188,8 +211,11 @@ class RolloutBatch:
     def to(self, device) -> RolloutBatch:
         """The batch with its tensors on ``device``, the extra ones too (the step's metrics dict is shared: what
         the loss reports on the moved batch reaches the loop)."""
-        moved: dict[str, Any] = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved: dict[str, Any] = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         moved["extra"] = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.extra.items()}
         out = replace(self, **moved)
         out.step_metrics = self.step_metrics
@@ -202,29 +228,41 @@ def _cat(values: list, key: str, hook: str) -> Any:
         return torch.cat(values)
     if all(isinstance(v, list) for v in values):
         return [x for v in values for x in v]
-    raise PluginError(f"{hook}: key {key!r} must be a tensor or a list with one entry per row in each mini-batch, "
-                      f"got {', '.join(type(v).__name__ for v in values)}")
+    raise PluginError(
+        f"{hook}: key {key!r} must be a tensor or a list with one entry per row in each mini-batch, "
+        f"got {', '.join(type(v).__name__ for v in values)}"
+    )
 
 
 # ms-swift's mini-batch dict keys → RolloutBatch fields (logits_to_keep is the completion width, read-only)
 SEED_KEYS: dict[str, str] = {
-    "input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
-    "completion_mask": "completion_mask", "logits_to_keep": "logits_to_keep", "advantages": "advantages",
-    "old_per_token_logps": "old_logps", "ref_per_token_logps": "ref_logps",
-    "rollout_per_token_logps": "rollout_logps", "truncated_mask": "truncated", "num_items_in_batch": "num_items",
+    "input_ids": "input_ids",
+    "attention_mask": "attention_mask",
+    "position_ids": "position_ids",
+    "completion_mask": "completion_mask",
+    "logits_to_keep": "logits_to_keep",
+    "advantages": "advantages",
+    "old_per_token_logps": "old_logps",
+    "ref_per_token_logps": "ref_logps",
+    "rollout_per_token_logps": "rollout_logps",
+    "truncated_mask": "truncated",
+    "num_items_in_batch": "num_items",
 }
 
 
-def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
-            max_completion_length: int | None = None) -> RolloutBatch:
+def collate(
+    samples: list[EncodedSample], pad_id: int, truncated: list[bool], max_completion_length: int | None = None
+) -> RolloutBatch:
     """Pad prompts on the left and completions on the right; positions count real tokens only."""
     if max_completion_length is not None:
         for s in samples:  # a multi-turn trajectory may exceed the total budget: cut it (the tail trains nothing)
             if len(s.completion_ids) > max_completion_length:
                 if s.extra.get("images_end", 0) > max_completion_length:
-                    raise RolloutError(f"a trajectory of {len(s.completion_ids)} completion tokens has observation "
-                                       f"image tokens beyond --max_completion_length {max_completion_length}; "
-                                       "raise it, or end trajectories before their observations outgrow it")
+                    raise RolloutError(
+                        f"a trajectory of {len(s.completion_ids)} completion tokens has observation "
+                        f"image tokens beyond --max_completion_length {max_completion_length}; "
+                        "raise it, or end trajectories before their observations outgrow it"
+                    )
                 s.completion_ids = s.completion_ids[:max_completion_length]
                 s.completion_mask = s.completion_mask[:max_completion_length]
                 if s.rollout_logprobs is not None:
@@ -243,13 +281,21 @@ def collate(samples: list[EncodedSample], pad_id: int, truncated: list[bool],
         att += [0] * left + [1] * (p + c) + [0] * right
         cmask += s.completion_mask + [0] * right
         if have_lps:
-            lps += (s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c) \
-                + [float("nan")] * right
+            lps += (s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * c) + [
+                float("nan")
+            ] * right
     n, width = len(samples), p_len + c_len
     input_ids = torch.tensor(ids, dtype=torch.long).view(n, width)
     attention = torch.tensor(att, dtype=torch.long).view(n, width)
     rollout = torch.tensor(lps, dtype=torch.float32).view(n, c_len) if have_lps else None
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     mm = [s.extra.get("mm", MMRow()) for s in samples] if any("mm" in s.extra for s in samples) else None
-    return RolloutBatch(input_ids, attention, position_ids, torch.tensor(cmask, dtype=torch.float32).view(n, c_len),
-                        torch.tensor(truncated, dtype=torch.bool), rollout_logps=rollout, mm_inputs=mm)
+    return RolloutBatch(
+        input_ids,
+        attention,
+        position_ids,
+        torch.tensor(cmask, dtype=torch.float32).view(n, c_len),
+        torch.tensor(truncated, dtype=torch.bool),
+        rollout_logps=rollout,
+        mm_inputs=mm,
+    )

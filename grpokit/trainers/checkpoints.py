@@ -89,8 +89,11 @@ def read_state(ckpt: Path) -> dict:
         state = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); the save that wrote it did not finish") from e
-    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int) \
-            or not isinstance(state.get("prompts_consumed"), int):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("global_step"), int)
+        or not isinstance(state.get("prompts_consumed"), int)
+    ):
         raise ConfigError(f"{path} lacks global_step/prompts_consumed: not a grpokit trainer state")
     return state
 
@@ -116,9 +119,11 @@ def check_window_processes(state: dict, num_processes: int, ckpt: Path) -> None:
     """A checkpoint taken inside a window holds one window file per process: it resumes with as many."""
     saved_by = state.get("window_processes")
     if saved_by is not None and saved_by != num_processes:
-        raise ConfigError(f"--resume_from_checkpoint {ckpt}: taken inside a rollout window by {saved_by} "
-                          f"process(es), each holding its share of the window, and resumed with {num_processes}; "
-                          f"resume it with {saved_by}, or from a checkpoint at a window boundary")
+        raise ConfigError(
+            f"--resume_from_checkpoint {ckpt}: taken inside a rollout window by {saved_by} "
+            f"process(es), each holding its share of the window, and resumed with {num_processes}; "
+            f"resume it with {saved_by}, or from a checkpoint at a window boundary"
+        )
 
 
 def latest_checkpoint(output_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -145,8 +150,10 @@ def resolve_resume(output_dir: Path, resume: str | None) -> tuple[Path | None, l
     try:
         check_checkpoint(ckpt)
     except ConfigError as e:
-        raise ConfigError(f"--resume_from_checkpoint {resume}: {str(e).removeprefix(f'{ckpt}: ')}; pass a complete "
-                          "checkpoint-N folder or 'latest'") from None
+        raise ConfigError(
+            f"--resume_from_checkpoint {resume}: {str(e).removeprefix(f'{ckpt}: ')}; pass a complete "
+            "checkpoint-N folder or 'latest'"
+        ) from None
     return ckpt, []
 
 
@@ -167,16 +174,22 @@ def set_aside(ckpt: Path, why: str) -> Path:
 
 def set_aside_dirs(output_dir: Path) -> list[Path]:
     """The folders ``set_aside`` renamed (``checkpoint-N.abandoned``, ``.unusable``, with their ``-k`` copies)."""
-    return [p for p in Path(output_dir).glob("checkpoint-*.*")
-            if p.is_dir() and p.name.split(".", 1)[1].split("-")[0] in SET_ASIDE]
+    return [
+        p
+        for p in Path(output_dir).glob("checkpoint-*.*")
+        if p.is_dir() and p.name.split(".", 1)[1].split("-")[0] in SET_ASIDE
+    ]
 
 
 def set_aside_newer(output_dir: Path, step: int) -> list[Path]:
     """A resume from an older checkpoint abandons the newer ones: renamed aside, kept for the user to look at."""
     moved = [set_aside(c, ABANDONED) for c in checkpoint_dirs(output_dir) if checkpoint_step(c) > step]
     if moved:
-        logger.warning("resuming at step %d: moved the newer checkpoints aside (%s); `latest` will not pick them",
-                       step, ", ".join(p.name for p in moved))
+        logger.warning(
+            "resuming at step %d: moved the newer checkpoints aside (%s); `latest` will not pick them",
+            step,
+            ", ".join(p.name for p in moved),
+        )
     return moved
 
 
@@ -233,8 +246,12 @@ def load_error(ckpt: Path, exc: BaseException) -> ConfigError:
     bad = unreadable_part(ckpt)
     if bad is not None:
         path, why = bad
-        return ConfigError(f"--resume_from_checkpoint {ckpt}: {path} is unreadable ({why}); resume from an "
-                           "earlier checkpoint, or start afresh with --overwrite_output_dir true")
+        return ConfigError(
+            f"--resume_from_checkpoint {ckpt}: {path} is unreadable ({why}); resume from an "
+            "earlier checkpoint, or start afresh with --overwrite_output_dir true"
+        )
     cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-    return ConfigError(f"--resume_from_checkpoint {ckpt}: loading it failed ({type(exc).__name__}: {cause}); resume "
-                       "from an earlier checkpoint, or start afresh with --overwrite_output_dir true")
+    return ConfigError(
+        f"--resume_from_checkpoint {ckpt}: loading it failed ({type(exc).__name__}: {cause}); resume "
+        "from an earlier checkpoint, or start afresh with --overwrite_output_dir true"
+    )

@@ -37,11 +37,17 @@ def load_chord_sft_dataset(cfg: TrainConfig, tokenizer, template: ChatTemplate |
     reference reply). DataError naming the spec, the row and its columns where a row has no reply. ``template``:
     the run's (the one ``ChordSFT`` encodes with, from the trainer); None: made from the options."""
     if hasattr(tokenizer, "image_processor"):
-        raise ConfigError(f"{OPTION} with a vision-language model is not implemented (the SFT rows would need the "
-                          "processor's image inputs); train CHORD on a text model, or drop --chord_sft_dataset")
+        raise ConfigError(
+            f"{OPTION} with a vision-language model is not implemented (the SFT rows would need the "
+            "processor's image inputs); train CHORD on a text model, or drop --chord_sft_dataset"
+        )
     d = cfg.data
-    options = RowOptions(system=resolve_system(d.system), columns=parse_columns(d.columns),
-                         num_proc=d.dataset_num_proc, load_from_cache_file=d.load_from_cache_file)
+    options = RowOptions(
+        system=resolve_system(d.system),
+        columns=parse_columns(d.columns),
+        num_proc=d.dataset_num_proc,
+        load_from_cache_file=d.load_from_cache_file,
+    )
     parts = []
     for spec in cfg.algorithm.chord_sft_dataset:
         ds = load_rows([spec], options, seed=cfg.training.seed, option=OPTION)
@@ -56,8 +62,10 @@ def _check_replies(ds: Dataset, source: str) -> None:
     replies = ds["solution"] if "solution" in ds.column_names else [None] * len(ds)
     for i, reply in enumerate(replies):
         if not isinstance(reply, str) or not reply.strip():
-            raise DataError(f"{source}: row {i} has no reference reply to train on (columns after reading: "
-                            f"{columns}; got {reply!r}); give each row {REPLY_SOURCES}")
+            raise DataError(
+                f"{source}: row {i} has no reference reply to train on (columns after reading: "
+                f"{columns}; got {reply!r}); give each row {REPLY_SOURCES}"
+            )
     image_columns = [c for c in ("images", "image") if c in ds.column_names]
     if image_columns and any(row_images(row) for row in ds.select_columns(image_columns)):
         raise DataError(f"{source}: rows with images are not implemented for CHORD's SFT term; use text rows")
@@ -66,17 +74,28 @@ def _check_replies(ds: Dataset, source: str) -> None:
 class ChordSFT:
     """The SFT rows and the mixing of their loss into the GRPO loss; one per trainer."""
 
-    def __init__(self, dataset: Dataset, template: ChatTemplate, cfg: TrainConfig, *, num_processes: int = 1,
-                 process_index: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        template: ChatTemplate,
+        cfg: TrainConfig,
+        *,
+        num_processes: int = 1,
+        process_index: int = 0,
+    ) -> None:
         a = cfg.algorithm
         self.template = template
         self.phi = a.chord_enable_phi_function
-        self.schedule = (a.chord_mu_warmup_steps or 0, a.chord_mu_decay_steps or 0, a.chord_mu_peak,
-                         a.chord_mu_valley)
+        self.schedule = (a.chord_mu_warmup_steps or 0, a.chord_mu_decay_steps or 0, a.chord_mu_peak, a.chord_mu_valley)
         batch = a.chord_sft_per_device_train_batch_size
-        self.stream = PromptStream(dataset, batch * num_processes, seed=cfg.training.seed,
-                                   shuffle=cfg.data.dataset_shuffle, num_processes=num_processes,
-                                   process_index=process_index)
+        self.stream = PromptStream(
+            dataset,
+            batch * num_processes,
+            seed=cfg.training.seed,
+            shuffle=cfg.data.dataset_shuffle,
+            num_processes=num_processes,
+            process_index=process_index,
+        )
 
     @property
     def position(self) -> int:
@@ -99,8 +118,9 @@ class ChordSFT:
             samples.append(EncodedSample(self.template.encode_prompt(row["messages"]), reply, [1] * len(reply)))
         return collate(samples, self.template.pad_token_id, [False] * len(samples))
 
-    def mix(self, grpo_loss: torch.Tensor, step: int,
-            logps_of: Callable[[RolloutBatch], torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    def mix(
+        self, grpo_loss: torch.Tensor, step: int, logps_of: Callable[[RolloutBatch], torch.Tensor]
+    ) -> tuple[torch.Tensor, dict]:
         """``(1 - mu) * grpo_loss + mu * sft_loss`` at optimizer step ``step``; ``logps_of(batch)`` gives the
         reply tokens' [B, C] logps under the training model. mu = 0 skips the SFT forward (no rows drawn)."""
         mu = self.mu(step)
@@ -112,8 +132,9 @@ class ChordSFT:
         return chord_mix(grpo_loss, sft, mu), {"chord/mu": mu, "chord/sft_loss": sft.detach()}
 
 
-def sft_logps(model, batch: RolloutBatch, *, device, model_kwargs: Callable[[RolloutBatch], dict], chunk_size,
-              padding_free: bool) -> torch.Tensor:
+def sft_logps(
+    model, batch: RolloutBatch, *, device, model_kwargs: Callable[[RolloutBatch], dict], chunk_size, padding_free: bool
+) -> torch.Tensor:
     """The expert reply tokens' [B, C] logps under ``model``, from plain logits (temperature 1, as an SFT loss takes
     them); ``model_kwargs``: the trainer's ``_prepare_model_inputs``."""
     batch = batch.to(device)

@@ -36,18 +36,32 @@ class TokenForward:
     micro_batch_size: int
 
 
-def completion_log_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput],
-                        rewards_per_func: torch.Tensor, batch: RolloutBatch, rewards: torch.Tensor,
-                        reward_names: list[str], step: int, *, limits: CompletionLimits, forward: TokenForward,
-                        tokenizer, images: bool) -> list[dict]:
+def completion_log_rows(
+    requests: list[RolloutInferRequest],
+    outputs: list[RolloutOutput],
+    rewards_per_func: torch.Tensor,
+    batch: RolloutBatch,
+    rewards: torch.Tensor,
+    reward_names: list[str],
+    step: int,
+    *,
+    limits: CompletionLimits,
+    forward: TokenForward,
+    tokenizer,
+    images: bool,
+) -> list[dict]:
     """This process's rows of one step: ``batch`` holds the encoded rows (advantages set), ``rewards`` [N] the
     weighted sums of these rows."""
     rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, reward_names, step)
     by_id = {r.request_id: r for r in requests}
     for i, (row, o) in enumerate(zip(rows, outputs, strict=True)):
         finish = o.response.choices[0].finish_reason if o.response.choices else None
-        row.update(group=o.prompt_id, reward=float(rewards[i]), truncated=finish == "length",
-                   weight_version=o.oldest_weight_version())
+        row.update(
+            group=o.prompt_id,
+            reward=float(rewards[i]),
+            truncated=finish == "length",
+            weight_version=o.oldest_weight_version(),
+        )
     n = min(len(rows), limits.max_rows)
     if n and limits.max_tokens:
         logps, entropies = _token_values(batch.select(slice(0, n)), forward)
@@ -66,7 +80,7 @@ def completion_log_rows(requests: list[RolloutInferRequest], outputs: list[Rollo
         for row, o in zip(rows[:n], outputs[:n], strict=True):
             found = o.rollout_infos.get("images") or row_images(by_id[o.request_id].data_dict)
             if found:
-                row["thumbnails"] = [thumbnail(img, limits.thumbnail_px) for img in found[:limits.max_images]]
+                row["thumbnails"] = [thumbnail(img, limits.thumbnail_px) for img in found[: limits.max_images]]
     return rows
 
 
@@ -81,11 +95,11 @@ def _token_values(batch: RolloutBatch, forward: TokenForward) -> tuple[torch.Ten
         chunk = batch.select(slice(start, start + b)).trim().to(acc.device)
         with acc.autocast():
             lp, ent = forward.logps(forward.model, chunk, compute_entropy=True)
-        logps[start:start + b, : lp.shape[1]] = lp.float().cpu()
+        logps[start : start + b, : lp.shape[1]] = lp.float().cpu()
         if ent is None:
             entropies = None
         elif entropies is not None:
-            entropies[start:start + b, : ent.shape[1]] = ent.float().cpu()
+            entropies[start : start + b, : ent.shape[1]] = ent.float().cpu()
     return logps, entropies
 
 
@@ -98,9 +112,9 @@ def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     while i < len(ids):
         if "\ufffd" in pieces[i]:
             for j in range(i + 1, min(i + 4, len(ids))):
-                joined = tokenizer.decode(ids[i:j + 1])
+                joined = tokenizer.decode(ids[i : j + 1])
                 if "\ufffd" not in joined:
-                    pieces[i:j + 1] = [joined] + [""] * (j - i)
+                    pieces[i : j + 1] = [joined] + [""] * (j - i)
                     i = j
                     break
         i += 1

@@ -22,8 +22,10 @@ from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
 from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 
 logger = logging.getLogger(__name__)
-_SHARDED_HINT = ("use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
-                 "rollouts on a `grpokit rollout` server (--vllm_mode server, see docs/distributed.md)")
+_SHARDED_HINT = (
+    "use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
+    "rollouts on a `grpokit rollout` server (--vllm_mode server, see docs/distributed.md)"
+)
 
 
 def deepspeed_stage(spec: str) -> int:
@@ -38,8 +40,10 @@ def accelerate_plugins(args) -> dict:
     if args.deepspeed:
         deepspeed_stage(args.deepspeed)  # a bad spec is reported before the missing package
         if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
-                              "(pip install 'grpokit[deepspeed]'), or drop --deepspeed to train with plain DDP")
+            raise ConfigError(
+                f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
+                "(pip install 'grpokit[deepspeed]'), or drop --deepspeed to train with plain DDP"
+            )
     # --deepspeed (every stage): trainers/zero.py drives DeepSpeed itself; --fsdp: sharding.py shards the model;
     # accelerate runs plain (multi-)process in both cases, the same on CPU and GPU
     return {}
@@ -56,8 +60,7 @@ def has_accelerator() -> bool:
         return torch.accelerator.is_available()
     mps = getattr(torch.backends, "mps", None)
     xpu = getattr(torch, "xpu", None)
-    return (torch.cuda.is_available() or bool(xpu and xpu.is_available())
-            or bool(mps and mps.is_available()))
+    return torch.cuda.is_available() or bool(xpu and xpu.is_available()) or bool(mps and mps.is_available())
 
 
 def use_cpu(args) -> bool:
@@ -67,8 +70,7 @@ def use_cpu(args) -> bool:
     if args.use_cpu or world_size() == 1 or has_accelerator():
         return args.use_cpu
     if int(os.environ.get("RANK", "0")) == 0:
-        logger.info("%d processes and no GPU: training on CPU in one gloo group, as with --use_cpu true",
-                    world_size())
+        logger.info("%d processes and no GPU: training on CPU in one gloo group, as with --use_cpu true", world_size())
     return True
 
 
@@ -81,17 +83,23 @@ def check_backend(accelerator, args) -> None:
     kind = accelerator.distributed_type
     where = f"{accelerator.num_processes} process(es) on {accelerator.device.type}"
     if world_size() > 1 and accelerator.num_processes == 1:
-        raise ConfigError(f"the launcher started {world_size()} processes (WORLD_SIZE) but accelerate "
-                          f"joined them in no group ({kind.value}, {where}): each would train a copy of its own; "
-                          "add --use_cpu true to train them together on CPU (gloo), or launch one process")
+        raise ConfigError(
+            f"the launcher started {world_size()} processes (WORLD_SIZE) but accelerate "
+            f"joined them in no group ({kind.value}, {where}): each would train a copy of its own; "
+            "add --use_cpu true to train them together on CPU (gloo), or launch one process"
+        )
     if args.fsdp and kind == DistributedType.FSDP:
-        raise ConfigError("--fsdp and an accelerate config that turns on FSDP: grpokit shards the model itself "
-                          "with --fsdp; drop FSDP from the accelerate config")
+        raise ConfigError(
+            "--fsdp and an accelerate config that turns on FSDP: grpokit shards the model itself "
+            "with --fsdp; drop FSDP from the accelerate config"
+        )
     if kind == DistributedType.DEEPSPEED:
         flag = f"--deepspeed {args.deepspeed} and an" if args.deepspeed else "An"
-        raise ConfigError(f"{flag} accelerate config that turns on DeepSpeed: grpokit drives DeepSpeed itself; "
-                          "pass --deepspeed zero0-zero3_offload (or a JSON file) and drop DeepSpeed from the "
-                          "accelerate config")
+        raise ConfigError(
+            f"{flag} accelerate config that turns on DeepSpeed: grpokit drives DeepSpeed itself; "
+            "pass --deepspeed zero0-zero3_offload (or a JSON file) and drop DeepSpeed from the "
+            "accelerate config"
+        )
 
 
 def is_fsdp2(model) -> bool:
@@ -114,11 +122,15 @@ def check_engine(accelerator, engine) -> None:
     (with --fsdp it samples from a whole copy, sharding.GatheredWeightsEngine)."""
     model = getattr(engine, "model", None)
     if model is not None and is_fsdp2(model):
-        raise ConfigError("the in-process transformers engine was given the FSDP-sharded policy; let the trainer "
-                          "build its engine (it samples from a whole copy) or use --vllm_mode server")
+        raise ConfigError(
+            "the in-process transformers engine was given the FSDP-sharded policy; let the trainer "
+            "build its engine (it samples from a whole copy) or use --vllm_mode server"
+        )
     if shards_parameters(accelerator) and getattr(engine, "engine_type", "") == "transformers":
-        raise ConfigError(f"{accelerator.distributed_type.value} shards the parameters, but the in-process "
-                          f"transformers engine generates with the live (sharded) weights; {_SHARDED_HINT}")
+        raise ConfigError(
+            f"{accelerator.distributed_type.value} shards the parameters, but the in-process "
+            f"transformers engine generates with the live (sharded) weights; {_SHARDED_HINT}"
+        )
 
 
 def full_state_dict(accelerator, model) -> dict | None:
@@ -151,8 +163,12 @@ def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, flo
         return metrics
     per_rank: list[dict[str, Any]] = gather_objects(accelerator, [metrics])
     keys = list(dict.fromkeys(k for m in per_rank for k in m))
-    return {k: max(m[k] for m in per_rank if k in m) if k in MAX_METRICS
-            else sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m) for k in keys}
+    return {
+        k: max(m[k] for m in per_rank if k in m)
+        if k in MAX_METRICS
+        else sum(m[k] for m in per_rank if k in m) / sum(1 for m in per_rank if k in m)
+        for k in keys
+    }
 
 
 def scalar(x) -> float:
@@ -230,8 +246,10 @@ def exit_if_groups_linger(code: int) -> None:
     threads = c10d_threads()
     if threads == [] or (threads is None and "torch.distributed" not in sys.modules):
         return
-    logger.debug("process-group threads outlived their group (%s): leaving without finalizing the interpreter",
-                 ", ".join(threads or ["not listed"]))
+    logger.debug(
+        "process-group threads outlived their group (%s): leaving without finalizing the interpreter",
+        ", ".join(threads or ["not listed"]),
+    )
     import atexit
     import threading
 

@@ -27,19 +27,24 @@ class TrainerFactory:
             return path
         module, _, attr = path.rpartition(".")
         if not module or not attr:
-            raise ConfigError(f"TRAINER_MAPPING[{name!r}] = {path!r}: give an importable 'module.Class' path, "
-                              "e.g. 'my_plugin.MyTrainer' for a class in my_plugin.py")
+            raise ConfigError(
+                f"TRAINER_MAPPING[{name!r}] = {path!r}: give an importable 'module.Class' path, "
+                "e.g. 'my_plugin.MyTrainer' for a class in my_plugin.py"
+            )
         try:
             found = getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as e:
-            raise ConfigError(f"TRAINER_MAPPING[{name!r}] = {path!r} cannot be imported: {e} (load the file that "
-                              "defines it with --external_plugins)") from e
+            raise ConfigError(
+                f"TRAINER_MAPPING[{name!r}] = {path!r} cannot be imported: {e} (load the file that "
+                "defines it with --external_plugins)"
+            ) from e
         except AttributeError as e:
             raise ConfigError(f"TRAINER_MAPPING[{name!r}] = {path!r} cannot be imported: {e}") from e
         except Exception as e:  # noqa: BLE001 - the module itself failed while importing
             first = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-            raise ConfigError(f"TRAINER_MAPPING[{name!r}] = {path!r}: importing {module} failed: "
-                              f"{type(e).__name__}: {first}") from e
+            raise ConfigError(
+                f"TRAINER_MAPPING[{name!r}] = {path!r}: importing {module} failed: {type(e).__name__}: {first}"
+            ) from e
         if not isinstance(found, type):
             raise ConfigError(f"TRAINER_MAPPING[{name!r}] = {path!r} is a {type(found).__name__}, not a class")
         return found

@@ -31,8 +31,11 @@ def model_kwargs(inputs: RolloutBatch, pixel_dtype: torch.dtype) -> dict:
     """``input_ids``, ``attention_mask``, ``position_ids``; a vision-language batch adds its rows' processor
     tensors (template/processor.py) and leaves positions to the model (Qwen-VL's are 3-D)."""
     if inputs.mm_inputs is None:
-        return {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
-                "position_ids": inputs.position_ids}
+        return {
+            "input_ids": inputs.input_ids,
+            "attention_mask": inputs.attention_mask,
+            "position_ids": inputs.position_ids,
+        }
     c = inputs.logits_to_keep
     mm = collate_mm(inputs.mm_inputs, inputs.input_ids.shape[1] - c, c)
     mm = {k: v.to(inputs.input_ids.device) for k, v in mm.items()}

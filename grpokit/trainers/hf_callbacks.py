@@ -29,16 +29,25 @@ def is_hf_callback(obj: Any) -> bool:
 def hf_args(flat_options: dict, *, process_index: int, world_size: int, is_main: bool) -> SimpleNamespace:
     """TrainingArguments-like ``args``: every grpokit option by its name (grpokit's names are HF's and ms-swift's
     where they share an option), plus the process facts HF's properties give."""
-    return SimpleNamespace(**flat_options, process_index=process_index, local_process_index=process_index,
-                           world_size=world_size, should_log=is_main, should_save=is_main,
-                           local_rank=process_index if world_size > 1 else -1)
+    return SimpleNamespace(
+        **flat_options,
+        process_index=process_index,
+        local_process_index=process_index,
+        world_size=world_size,
+        should_log=is_main,
+        should_save=is_main,
+        local_rank=process_index if world_size > 1 else -1,
+    )
 
 
 def build(cls: type, args: SimpleNamespace, trainer) -> Any:
     """An HF callback class built as ms-swift builds its callbacks, ``cls(args, trainer)``, where its constructor
     takes them; else ``cls()`` (a plain transformers callback)."""
-    params = [p for p in inspect.signature(cls.__init__).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    params = [
+        p
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][1:]
     required = [p for p in params if p.default is inspect.Parameter.empty]
     if len(params) >= 2:
         return cls(args, trainer)
@@ -50,15 +59,22 @@ def build(cls: type, args: SimpleNamespace, trainer) -> Any:
 class HFCallbackDriver:
     """The HF callbacks of a run, their shared ``state`` and ``control``."""
 
-    def __init__(self, callbacks: list, args: SimpleNamespace, *, max_steps: int, train_batch_size: int,
-                 is_main: bool) -> None:
+    def __init__(
+        self, callbacks: list, args: SimpleNamespace, *, max_steps: int, train_batch_size: int, is_main: bool
+    ) -> None:
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.args = callbacks, args
-        self.state = TrainerState(max_steps=max_steps, logging_steps=args.logging_steps,
-                                  eval_steps=args.eval_steps or 500, save_steps=args.save_steps,
-                                  train_batch_size=train_batch_size, num_train_epochs=args.num_train_epochs,
-                                  is_local_process_zero=is_main, is_world_process_zero=is_main)
+        self.state = TrainerState(
+            max_steps=max_steps,
+            logging_steps=args.logging_steps,
+            eval_steps=args.eval_steps or 500,
+            save_steps=args.save_steps,
+            train_batch_size=train_batch_size,
+            num_train_epochs=args.num_train_epochs,
+            is_local_process_zero=is_main,
+            is_world_process_zero=is_main,
+        )
         self.control = TrainerControl()
 
     def event(self, name: str, loop_state, **kwargs) -> None:
@@ -85,8 +101,12 @@ class RunCallbacks:
         is_main = accelerator.is_main_process
 
         def make_args():
-            return hf_args(cfg.flat(), process_index=accelerator.process_index,
-                           world_size=accelerator.num_processes, is_main=is_main)
+            return hf_args(
+                cfg.flat(),
+                process_index=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                is_main=is_main,
+            )
 
         self.own, hf = [], []
         args = None
@@ -99,9 +119,17 @@ class RunCallbacks:
             else:
                 self.own.append(cb() if isinstance(cb, type) else cb)
         self.all = self.own + hf
-        self.hf = None if not hf else HFCallbackDriver(
-            hf, args or make_args(), max_steps=trainer.state.max_steps,
-            train_batch_size=cfg.training.per_device_train_batch_size, is_main=is_main)
+        self.hf = (
+            None
+            if not hf
+            else HFCallbackDriver(
+                hf,
+                args or make_args(),
+                max_steps=trainer.state.max_steps,
+                train_batch_size=cfg.training.per_device_train_batch_size,
+                is_main=is_main,
+            )
+        )
 
     @property
     def control(self):
@@ -124,8 +152,15 @@ class RunCallbacks:
 
     def hf_event(self, event: str, trainer, **kwargs) -> None:
         if self.hf is not None:
-            self.hf.event(event, trainer.state, model=trainer.model, processing_class=trainer.tokenizer,
-                          optimizer=trainer.optimizer, lr_scheduler=trainer.lr_scheduler, **kwargs)
+            self.hf.event(
+                event,
+                trainer.state,
+                model=trainer.model,
+                processing_class=trainer.tokenizer,
+                optimizer=trainer.optimizer,
+                lr_scheduler=trainer.lr_scheduler,
+                **kwargs,
+            )
 
     def new_step(self) -> None:
         if self.hf is not None:

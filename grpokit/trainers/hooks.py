@@ -18,11 +18,11 @@ logger = logging.getLogger(__name__)
 # hook, registry or option that does their job
 UNCALLED: dict[str, str] = {
     "_get_logps_via_local_forward": "_get_per_token_logps_and_entropies(model, inputs, compute_entropy) (the one "
-                                    "entry for old, ref and current logps)",
+    "entry for old, ref and current logps)",
     "_get_per_token_logps": "_get_per_token_logps_and_entropies(model, inputs, compute_entropy)",
     "_get_last_hidden_state": "_get_per_token_logps_and_entropies (forward with output_hidden_states there)",
     "_generate_and_score_completions": "_prepare_inputs(prompts, rollout=None) (or _generate_completions, "
-                                       "_score_completions, _compute_advantages, _prepare_batch_inputs)",
+    "_score_completions, _compute_advantages, _prepare_batch_inputs)",
     "_generate": "_generate_completions(requests)",
     "_generate_single_turn": "_generate_completions(requests)",
     "_fast_infer": "_generate_completions(requests)",
@@ -64,8 +64,10 @@ def check_subclass(cls: type, base: type) -> None:
             break
         for name in klass.__dict__:
             if name in UNCALLED:
-                raise ConfigError(f"{klass.__module__}.{klass.__qualname__} defines {name}(), which grpokit never "
-                                  f"calls (an ms-swift/TRL method); move it to {UNCALLED[name]}")
+                raise ConfigError(
+                    f"{klass.__module__}.{klass.__qualname__} defines {name}(), which grpokit never "
+                    f"calls (an ms-swift/TRL method); move it to {UNCALLED[name]}"
+                )
 
 
 def positional_count(method) -> int:
@@ -79,8 +81,11 @@ def positional_count(method) -> int:
 def loss_convention(method) -> str:
     """``"batch"`` for ``_compute_loss_and_metrics(model, inputs)`` (the seed's), ``"swift46"`` for ms-swift 4.6's
     ``(model, model_inputs, grpo_batch)``: told apart by the override's parameters."""
-    params = [p for p in inspect.signature(method).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p
+        for p in inspect.signature(method).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if len(params) >= 3 and params[2].default is inspect.Parameter.empty:
         return "swift46"
     return "batch"
@@ -94,18 +99,22 @@ def warn_sharded_grad_edit(cls: type, base: type, args) -> None:
     stage = deepspeed_stage(args.deepspeed) if args.deepspeed else None
     if args.fsdp or (stage is not None and stage >= 2):
         how = "--fsdp" if args.fsdp else f"--deepspeed {args.deepspeed} (ZeRO-{stage})"
-        logger.warning("%s overrides training_step: under %s p.grad is not the full gradient (sharded, or None under "
-                       "DeepSpeed), so a gradient edit there does not see it; edit gradients in the loss (detach "
-                       "algebra, a tensor hook, an autograd.Function) or in an optimizer from optimizers_map",
-                       cls.__qualname__, how)
+        logger.warning(
+            "%s overrides training_step: under %s p.grad is not the full gradient (sharded, or None under "
+            "DeepSpeed), so a gradient edit there does not see it; edit gradients in the loss (detach "
+            "algebra, a tensor hook, an autograd.Function) or in an optimizer from optimizers_map",
+            cls.__qualname__,
+            how,
+        )
 
 
 def call_loss(method, convention: str, model, inputs):
     """``_compute_loss_and_metrics`` in the convention its override uses (loss_convention), its result checked."""
     out = method(model, inputs, inputs) if convention == "swift46" else method(model, inputs)
     if not (isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "backward")):
-        raise PluginError(f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, metrics "
-                          "dict)")
+        raise PluginError(
+            f"_compute_loss_and_metrics returned {type(out).__name__}; return (loss tensor, metrics dict)"
+        )
     return out[0], dict(out[1] or {})
 
 
@@ -115,17 +124,25 @@ def loss_batch(inputs, grpo_batch):
     if grpo_batch is None:
         return inputs
     if not isinstance(grpo_batch, RolloutBatch) or not isinstance(inputs, RolloutBatch):
-        raise PluginError("_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch objects it "
-                          "was called with (change the forward's inputs in _prepare_model_inputs)")
+        raise PluginError(
+            "_compute_loss_and_metrics(model, model_inputs, grpo_batch): pass on the batch objects it "
+            "was called with (change the forward's inputs in _prepare_model_inputs)"
+        )
     return grpo_batch
 
 
 def window_hooks(trainer, base: type):
     """A WindowProducer's callables: the trainer's bound methods for the hooks its class overrides (so they apply),
     None for the rest (the producer then runs its own defaults, without a detour through the trainer)."""
+
     def mine(name: str):
         return getattr(trainer, name) if overrides(type(trainer), base, name) else None
 
-    return WindowHooks(logps=trainer._get_per_token_logps_and_entropies, progress=trainer._progress,
-                       generate=mine("_generate_completions"), score=mine("_score_completions"),
-                       prepare_batches=mine("_prepare_batch_inputs"), advantages=mine("_compute_advantages"))
+    return WindowHooks(
+        logps=trainer._get_per_token_logps_and_entropies,
+        progress=trainer._progress,
+        generate=mine("_generate_completions"),
+        score=mine("_score_completions"),
+        prepare_batches=mine("_prepare_batch_inputs"),
+        advantages=mine("_compute_advantages"),
+    )

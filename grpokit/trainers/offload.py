@@ -25,9 +25,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 # engines whose generation does not use an in-process copy of the weights that offloading makes room for
-_NO_EFFECT = {"transformers": "the in-process transformers engine samples with the training model itself (or, "
-                              "sharded, with a gathered copy of its weights on the training device)",
-              "server": "server mode generates on the rollout server, in another process"}
+_NO_EFFECT = {
+    "transformers": "the in-process transformers engine samples with the training model itself (or, "
+    "sharded, with a gathered copy of its weights on the training device)",
+    "server": "server mode generates on the rollout server, in another process",
+}
 
 
 class Offloader:
@@ -35,8 +37,15 @@ class Offloader:
     (``offload_optimizer``) to ``offload_device`` inside ``offloaded()`` and back to where each came from on
     exit. ``moves`` counts tensors moved (both ways), for logs and tests."""
 
-    def __init__(self, models: list, optimizer, *, offload_model: bool, offload_optimizer: bool,
-                 offload_device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        models: list,
+        optimizer,
+        *,
+        offload_model: bool,
+        offload_optimizer: bool,
+        offload_device: str | torch.device = "cpu",
+    ) -> None:
         self.models = [m for m in models if m is not None] if offload_model else []
         self.optimizer = optimizer if offload_optimizer else None
         self.offload_device = torch.device(offload_device)
@@ -80,12 +89,14 @@ class Offloader:
 def _set_data(t: torch.Tensor):
     def setter(value: torch.Tensor) -> None:
         t.data = value  # the Parameter object stays: optimizer, hooks and tied weights still point at it
+
     return setter
 
 
 def _set_item(state: dict, key):
     def setter(value: torch.Tensor) -> None:
         state[key] = value
+
     return setter
 
 
@@ -94,8 +105,9 @@ def _free_cache() -> None:
         torch.cuda.empty_cache()  # hand the freed blocks back, so the engine can use them
 
 
-def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.device,
-                   main_process: bool = True) -> Offloader | None:
+def make_offloader(
+    rollout_args, engine, models: list, optimizer, device: torch.device, main_process: bool = True
+) -> Offloader | None:
     """The Offloader for this run, or None when neither option is on or (one warning line, from the main process)
     they have no effect."""
     on = [f"--{n}" for n in ("offload_model", "offload_optimizer") if getattr(rollout_args, n)]
@@ -107,11 +119,11 @@ def make_offloader(rollout_args, engine, models: list, optimizer, device: torch.
         why = "training runs on the CPU, so the weights and optimizer state are in CPU memory already"
     if why is not None:
         if main_process:
-            logger.warning("%s %s no effect here: %s", " and ".join(on), "has" if len(on) == 1 else "have",
-                           why)
+            logger.warning("%s %s no effect here: %s", " and ".join(on), "has" if len(on) == 1 else "have", why)
         return None
-    return Offloader(models, optimizer, offload_model=rollout_args.offload_model,
-                     offload_optimizer=rollout_args.offload_optimizer)
+    return Offloader(
+        models, optimizer, offload_model=rollout_args.offload_model, offload_optimizer=rollout_args.offload_optimizer
+    )
 
 
 def offload_context(offloader: Offloader | None):

@@ -26,8 +26,12 @@ def build_adamw(params, args):
     import torch
 
     params = list(params)
-    kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                  eps=args.adam_epsilon)
+    kwargs = dict(
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except RuntimeError as e:  # a parameter on a device or of a dtype without the fused kernel
@@ -69,19 +73,24 @@ def build_optimizer(entry, params, args, trainer, max_steps: int):
         return _builder(entry, params, args, max_steps)
     name = f"{entry.__module__}.{entry.__qualname__}"
     if "create_optimizer_and_scheduler" in vars(entry):
-        raise PluginError(f"{name} overrides create_optimizer_and_scheduler, which grpokit does not call; override "
-                          "create_optimizer() and create_scheduler(num_training_steps, optimizer) instead")
+        raise PluginError(
+            f"{name} overrides create_optimizer_and_scheduler, which grpokit does not call; override "
+            "create_optimizer() and create_scheduler(num_training_steps, optimizer) instead"
+        )
     if trainer is None:
         raise ConfigError(f"--optimizer {name}: an OptimizerCallback needs the trainer; build it through GRPOTrainer")
     callback = entry(args, trainer)
     optimizer = callback.create_optimizer()
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise PluginError(f"{name}.create_optimizer() returned {type(optimizer).__name__}; return a "
-                          "torch.optim.Optimizer")
+        raise PluginError(
+            f"{name}.create_optimizer() returned {type(optimizer).__name__}; return a torch.optim.Optimizer"
+        )
     scheduler = callback.create_scheduler(max_steps, optimizer)
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        raise PluginError(f"{name}.create_scheduler() returned {type(scheduler).__name__}; return a "
-                          "torch.optim.lr_scheduler.LRScheduler (or leave the default)")
+        raise PluginError(
+            f"{name}.create_scheduler() returned {type(scheduler).__name__}; return a "
+            "torch.optim.lr_scheduler.LRScheduler (or leave the default)"
+        )
     return optimizer, scheduler
 
 
@@ -96,8 +105,13 @@ def lr_schedule(t, optimizer, max_steps: int):
 
     extra = json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     try:
-        return get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=num_warmup_steps(t, max_steps),
-                             num_training_steps=max_steps, scheduler_specific_kwargs=extra)
+        return get_scheduler(
+            t.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=num_warmup_steps(t, max_steps),
+            num_training_steps=max_steps,
+            scheduler_specific_kwargs=extra,
+        )
     except (ValueError, TypeError) as e:
         option = f"--lr_scheduler_type {t.lr_scheduler_type}"
         if extra:
@@ -110,5 +124,3 @@ def num_warmup_steps(t, max_steps: int) -> int:
     if t.warmup_steps >= 1:
         return int(t.warmup_steps)
     return math.ceil((t.warmup_steps or t.warmup_ratio) * max_steps)
-
-

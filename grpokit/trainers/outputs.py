@@ -130,8 +130,10 @@ class JsonlLog:
             row = _parse_row(line)
             if row is None:
                 if i < len(lines) - 1:
-                    raise ConfigError(f"{self.path}: line {i + 1} is not a JSON object (the file was edited or "
-                                      "damaged); repair or delete that line, then resume")
+                    raise ConfigError(
+                        f"{self.path}: line {i + 1} is not a JSON object (the file was edited or "
+                        "damaged); repair or delete that line, then resume"
+                    )
                 torn += 1
                 continue
             if row.get("step", 0) <= step:
@@ -212,8 +214,14 @@ class PlainProgress:
     (``--disable_tqdm true``): one plain line per report, for the first step, the last step, and the first step
     after each ``interval_s`` seconds without a line. Same calls as the tqdm bar the loop uses."""
 
-    def __init__(self, total: int, initial: int = 0, interval_s: float = 30.0, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        interval_s: float = 30.0,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total, self.n, self._start_n = total, initial, initial
         self.interval_s = interval_s
         self.leave = True  # the loop sets False on an error: no closing line then
@@ -239,8 +247,11 @@ class PlainProgress:
 
     def _write(self, now: float) -> None:
         self._last_line, self._reported = now, self.n
-        print(progress_line(self.n, self.total, self.n - self._start_n, now - self._start, self._postfix),
-              file=self._stream, flush=True)
+        print(
+            progress_line(self.n, self.total, self.n - self._start_n, now - self._start, self._postfix),
+            file=self._stream,
+            flush=True,
+        )
 
 
 def progress_line(step: int, total: int, done: int, elapsed: float, postfix: dict[str, str]) -> str:

@@ -50,8 +50,9 @@ class Packed:
     cols: torch.Tensor  # [K] its completion column
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-              logits_to_keep: int) -> Packed:
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int
+) -> Packed:
     """The padded rows [B, P+C] (prompts left-padded, completions right-padded) as one packed row."""
     real = attention_mask.bool()
     packed_index = real.flatten().cumsum(0).view_as(real) - 1  # [B, P+C] position of each real token
@@ -60,35 +61,48 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_id
     before = p + cols - 1  # the position predicting completion token (row, col)
     if not ((before >= 0) & real[rows, before.clamp(min=0)]).all():
         raise ValueError("padding_free: a completion token has no prompt token before it; every row needs a prompt")
-    return Packed(input_ids[real].unsqueeze(0), position_ids[real].unsqueeze(0), packed_index[rows, before],
-                  rows, cols)
+    return Packed(input_ids[real].unsqueeze(0), position_ids[real].unsqueeze(0), packed_index[rows, before], rows, cols)
 
 
 def check_packing(model, model_inputs: dict) -> None:
     """Refuse --padding_free where packed rows would attend to each other or extra inputs cannot be packed."""
     extra = sorted(set(model_inputs) - {"input_ids", "attention_mask", "position_ids"})
     if extra:
-        raise ValueError(f"--padding_free true packs input_ids, attention_mask and position_ids only; the model "
-                         f"inputs also have {extra}: use --padding_free false")
+        raise ValueError(
+            f"--padding_free true packs input_ids, attention_mask and position_ids only; the model "
+            f"inputs also have {extra}: use --padding_free false"
+        )
     inner = inner_model(model)
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     impl = getattr(base.config, "_attn_implementation", None)
     if impl not in PACKING_ATTENTION:
-        raise ValueError(f"--padding_free true: attention implementation {impl!r} does not separate packed rows; "
-                         f"load the model with one of {', '.join(PACKING_ATTENTION)}, or use --padding_free false")
+        raise ValueError(
+            f"--padding_free true: attention implementation {impl!r} does not separate packed rows; "
+            f"load the model with one of {', '.join(PACKING_ATTENTION)}, or use --padding_free false"
+        )
     if not impl.startswith("flash") and impl not in _logged:
         _logged.add(impl)
-        log.warning("--padding_free true with %s attention: correct, but the packed row's attention spans every "
-                    "token of the micro-batch (cost ~ T²); flash attention computes each row alone", impl)
+        log.warning(
+            "--padding_free true with %s attention: correct, but the packed row's attention spans every "
+            "token of the micro-batch (cost ~ T²); flash attention computes each row alone",
+            impl,
+        )
     modeling = sys.modules.get(type(base).__module__)
     if not any(hasattr(modeling, name) for name in _MASK_BUILDERS) and not impl.startswith("flash"):
-        raise ValueError(f"--padding_free true: {type(base).__name__} builds its own attention mask, which would "
-                         "let packed rows attend to each other; use --padding_free false")
+        raise ValueError(
+            f"--padding_free true: {type(base).__name__} builds its own attention mask, which would "
+            "let packed rows attend to each other; use --padding_free false"
+        )
 
 
-def completion_logps(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions,
-                     compute_entropy: bool = False, support: SamplerSupport | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def completion_logps(
+    model,
+    model_inputs: dict,
+    logits_to_keep: int,
+    opts: ForwardOptions,
+    compute_entropy: bool = False,
+    support: SamplerSupport | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, C] logps of the last C = ``logits_to_keep`` tokens (float32), and their entropies when asked; with
     ``support``, over the sampler's kept set (algorithms/kept_set.py)."""
     head = None
@@ -101,28 +115,42 @@ def completion_logps(model, model_inputs: dict, logits_to_keep: int, opts: Forwa
             log.info("logps take the plain path (full logits) for this model: %s", reason)
     ids = model_inputs["input_ids"]
     if not opts.padding_free:
-        out = completion_logits(model, logits_to_keep=logits_to_keep, share_prompts=opts.share_prompts, head=head,
-                                **model_inputs)
+        out = completion_logits(
+            model, logits_to_keep=logits_to_keep, share_prompts=opts.share_prompts, head=head, **model_inputs
+        )
         return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy, support)
     check_packing(model, model_inputs)
     packed = pack_rows(ids, model_inputs["attention_mask"], model_inputs["position_ids"], logits_to_keep)
     targets = packed.input_ids[:, packed.keep + 1]  # [1, K]
     with swapped_head(head, targets) as take:
-        out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                    logits_to_keep=packed.keep, use_cache=False)
+        out = model(
+            input_ids=packed.input_ids,
+            attention_mask=None,
+            position_ids=packed.position_ids,
+            logits_to_keep=packed.keep,
+            use_cache=False,
+        )
     logps_k, ent_k = _split(take(out), targets, head, opts.temperature, compute_entropy, support)
-    return _unpack(logps_k[0], packed, ids.shape[0], logits_to_keep), \
-        (_unpack(ent_k[0], packed, ids.shape[0], logits_to_keep) if ent_k is not None else None)
+    return _unpack(logps_k[0], packed, ids.shape[0], logits_to_keep), (
+        _unpack(ent_k[0], packed, ids.shape[0], logits_to_keep) if ent_k is not None else None
+    )
 
 
-def _split(out: torch.Tensor, targets: torch.Tensor, head, temperature: float, compute_entropy: bool,
-           support: SamplerSupport | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _split(
+    out: torch.Tensor,
+    targets: torch.Tensor,
+    head,
+    temperature: float,
+    compute_entropy: bool,
+    support: SamplerSupport | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logps, entropies) from the chunked head's [.., n, k] results or from plain logits [.., n, V]."""
     if head is not None:
         return out[..., 0], (out[..., 1] if compute_entropy else None)
     logits = out.to(torch.float64 if out.dtype == torch.float64 else torch.float32) / temperature
-    logps = selective_log_softmax(logits, targets) if support is None else kept_set_log_softmax(logits, targets,
-                                                                                                support)
+    logps = (
+        selective_log_softmax(logits, targets) if support is None else kept_set_log_softmax(logits, targets, support)
+    )
     if not compute_entropy:
         return logps, None
     with torch.no_grad():

@@ -28,8 +28,14 @@ def needs_entropy(a: AlgorithmArguments) -> bool:
     return a.top_entropy_quantile < 1.0 or a.log_entropy
 
 
-def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: RolloutBatch, a: AlgorithmArguments,
-                loss_cfg: LossConfig, accelerator) -> tuple[torch.Tensor, dict]:
+def policy_loss(
+    logps: torch.Tensor,
+    entropies: torch.Tensor | None,
+    inputs: RolloutBatch,
+    a: AlgorithmArguments,
+    loss_cfg: LossConfig,
+    accelerator,
+) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of one micro-batch: ``logps`` [B, C] carry the gradient, ``entropies`` [B, C] or None;
     ``inputs`` on the training device (advantages, old/ref/rollout logps, masks, the loss denominator)."""
     mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as window_num_items counts
@@ -44,25 +50,35 @@ def policy_loss(logps: torch.Tensor, entropies: torch.Tensor | None, inputs: Rol
             ent_mask = entropy_mask(entropies, mask, thr)
     old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
     if inputs.rollout_logps is not None:
-        metrics.update(mismatch_metrics(_trainer_side(old, logps, inputs), inputs.rollout_logps,
-                                        inputs.completion_mask))
+        metrics.update(
+            mismatch_metrics(_trainer_side(old, logps, inputs), inputs.rollout_logps, inputs.completion_mask)
+        )
     seq_mask = None
     if a.off_policy_sequence_mask_delta is not None:  # behaviour policy: the engine's logprobs, else the old logps
-        seq_mask, seq_metrics = off_policy_sequence_mask(logps, old, inputs.advantages, mask,
-                                                         a.off_policy_sequence_mask_delta, inputs.rollout_logps)
+        seq_mask, seq_metrics = off_policy_sequence_mask(
+            logps, old, inputs.advantages, mask, a.off_policy_sequence_mask_delta, inputs.rollout_logps
+        )
         metrics.update(seq_metrics)
     is_weights = None
     if a.rollout_importance_sampling_mode and inputs.rollout_logps is not None:
         rollout = behaviour_logps(old, inputs.rollout_logps)  # a token the engine did not sample: the old logp
-        is_out = rollout_importance_weights(old, rollout, mask, a.rollout_importance_sampling_mode,
-                                            a.rollout_importance_sampling_threshold)
+        is_out = rollout_importance_weights(
+            old, rollout, mask, a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold
+        )
         is_weights = is_out.weights
         metrics.update(is_out.metrics)
     out = compute_policy_loss(
-        LossInputs(logps=logps, old_logps=old, advantages=inputs.advantages, mask=mask,
-                   ref_logps=inputs.ref_logps if loss_cfg.beta != 0 else None,
-                   rollout_is_weights=is_weights, num_items=inputs.num_items, entropy_mask=ent_mask,
-                   sequence_mask=seq_mask),
+        LossInputs(
+            logps=logps,
+            old_logps=old,
+            advantages=inputs.advantages,
+            mask=mask,
+            ref_logps=inputs.ref_logps if loss_cfg.beta != 0 else None,
+            rollout_is_weights=is_weights,
+            num_items=inputs.num_items,
+            entropy_mask=ent_mask,
+            sequence_mask=seq_mask,
+        ),
         loss_cfg,
     )
     metrics.update(out.metrics)

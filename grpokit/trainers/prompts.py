@@ -22,14 +22,31 @@ class PromptStream:
     @classmethod
     def for_run(cls, dataset, prompts_per_window: int, args, shuffle: bool, accelerator) -> PromptStream:
         """The stream of a training run: seeded by --seed, read by --dataloader_* workers, one block per process."""
-        return cls(dataset, prompts_per_window, seed=args.seed, shuffle=shuffle,
-                   num_processes=accelerator.num_processes, process_index=accelerator.process_index,
-                   num_workers=args.dataloader_num_workers or 0, prefetch_factor=args.dataloader_prefetch_factor,
-                   multiprocessing_context=args.dataloader_multiprocessing_context)
+        return cls(
+            dataset,
+            prompts_per_window,
+            seed=args.seed,
+            shuffle=shuffle,
+            num_processes=accelerator.num_processes,
+            process_index=accelerator.process_index,
+            num_workers=args.dataloader_num_workers or 0,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+        )
 
-    def __init__(self, dataset, prompts_per_window: int, *, seed: int, shuffle: bool, num_processes: int = 1,
-                 process_index: int = 0, num_workers: int = 0, prefetch_factor: int | None = None,
-                 multiprocessing_context: str | None = None) -> None:
+    def __init__(
+        self,
+        dataset,
+        prompts_per_window: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        num_processes: int = 1,
+        process_index: int = 0,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: str | None = None,
+    ) -> None:
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -95,9 +112,15 @@ class PromptStream:
         loader and its workers live for the whole run; a jump of ``position`` (a resume) restarts the index
         stream from there."""
         if self._loader is None:
-            self._loader = DataLoader(_RowReader(self.dataset), batch_sampler=_Windows(self), collate_fn=_as_is,
-                                      num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                      multiprocessing_context=self.multiprocessing_context, persistent_workers=True)
+            self._loader = DataLoader(
+                _RowReader(self.dataset),
+                batch_sampler=_Windows(self),
+                collate_fn=_as_is,
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                multiprocessing_context=self.multiprocessing_context,
+                persistent_workers=True,
+            )
         if self._ahead is None or self._ahead[0] != self.position:
             self._loader.batch_sampler.start = self.position
             self._ahead = (self.position, iter(self._loader))

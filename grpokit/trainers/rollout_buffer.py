@@ -93,11 +93,16 @@ class RolloutBuffer:
         ages = [step - (item.version if v is None else v) for v in oldest]
         partial = sum(len({v for seg in o.weight_versions for v in seg}) > 1 for o in item.rollout.outputs)
         counts["dropped"] += dropped
-        metrics = {"async/staleness": max(ages), "async/staleness_max": max(ages),
-                   "async/staleness_mean": sum(ages) / len(ages), "async/buffer_fill": float(fill),
-                   "async/partial_trajectories": float(partial), "async/wait_s": wait,
-                   "async/time_saved_s": max(0.0, item.rollout.timing["rollout"] - wait),
-                   **{f"async/{k}": v for k, v in counts.items()}}
+        metrics = {
+            "async/staleness": max(ages),
+            "async/staleness_max": max(ages),
+            "async/staleness_mean": sum(ages) / len(ages),
+            "async/buffer_fill": float(fill),
+            "async/partial_trajectories": float(partial),
+            "async/wait_s": wait,
+            "async/time_saved_s": max(0.0, item.rollout.timing["rollout"] - wait),
+            **{f"async/{k}": v for k, v in counts.items()},
+        }
         return item.prompts, item.rollout, metrics
 
     def pending(self) -> list[int]:

@@ -15,26 +15,61 @@ from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
 from grpokit.trainers.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
 
-HARMLESS = frozenset({
-    # where and how outputs are written
-    "output_dir", "overwrite_output_dir", "resume_from_checkpoint", "logging_steps", "logging_first_step",
-    "save_steps", "save_strategy", "save_total_limit", "save_final_model", "plots", "report_to", "disable_tqdm",
-    "log_completions", "log_completions_max_tokens", "log_completions_max_rows", "write_report",
-    # evaluation (it reads the validation rows, trains on nothing)
-    "eval_steps", "eval_strategy", "eval_on_start", "per_device_eval_batch_size", "val_dataset",
-    # how the rows are read, not which
-    "dataloader_num_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
-    "dataset_num_proc", "load_from_cache_file",
-    # where the rollout server is and how long to wait for it
-    "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_server_api_key",
-    # memory and speed settings with the same arithmetic
-    "offload_model", "offload_optimizer", "weight_sync_bucket_mb", "code_exec_workers", "sleep_level",
-    "vllm_gpu_memory_utilization", "vllm_max_num_seqs", "vllm_enable_prefix_caching", "vllm_enforce_eager",
-    # plugin files may move; callbacks watch the run
-    "external_plugins", "callbacks",
-    # a longer or shorter run: the learning-rate schedule is recomputed for the new length (said in the warning)
-    "max_steps", "num_train_epochs",
-})
+HARMLESS = frozenset(
+    {
+        # where and how outputs are written
+        "output_dir",
+        "overwrite_output_dir",
+        "resume_from_checkpoint",
+        "logging_steps",
+        "logging_first_step",
+        "save_steps",
+        "save_strategy",
+        "save_total_limit",
+        "save_final_model",
+        "plots",
+        "report_to",
+        "disable_tqdm",
+        "log_completions",
+        "log_completions_max_tokens",
+        "log_completions_max_rows",
+        "write_report",
+        # evaluation (it reads the validation rows, trains on nothing)
+        "eval_steps",
+        "eval_strategy",
+        "eval_on_start",
+        "per_device_eval_batch_size",
+        "val_dataset",
+        # how the rows are read, not which
+        "dataloader_num_workers",
+        "dataloader_prefetch_factor",
+        "dataloader_multiprocessing_context",
+        "dataset_num_proc",
+        "load_from_cache_file",
+        # where the rollout server is and how long to wait for it
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_base_url",
+        "vllm_server_timeout",
+        "vllm_server_api_key",
+        # memory and speed settings with the same arithmetic
+        "offload_model",
+        "offload_optimizer",
+        "weight_sync_bucket_mb",
+        "code_exec_workers",
+        "sleep_level",
+        "vllm_gpu_memory_utilization",
+        "vllm_max_num_seqs",
+        "vllm_enable_prefix_caching",
+        "vllm_enforce_eager",
+        # plugin files may move; callbacks watch the run
+        "external_plugins",
+        "callbacks",
+        # a longer or shorter run: the learning-rate schedule is recomputed for the new length (said in the warning)
+        "max_steps",
+        "num_train_epochs",
+    }
+)
 
 
 def read_args(path: Path) -> dict | None:
@@ -71,9 +106,11 @@ def check_resume_args(old: dict | None, new: dict, ckpt: Path) -> list[str]:
     changes = changed_options(old, normalised(new))
     refused = [f"--{k} {_show(a)} → {_show(b)}" for k, a, b in changes if k not in HARMLESS]
     if refused:
-        raise ConfigError(f"--resume_from_checkpoint {ckpt}: these options differ from the checkpoint's run and "
-                          f"would train something else: {', '.join(refused)}; resume with the checkpoint's values "
-                          "(its args.json), or start a new run in another --output_dir")
+        raise ConfigError(
+            f"--resume_from_checkpoint {ckpt}: these options differ from the checkpoint's run and "
+            f"would train something else: {', '.join(refused)}; resume with the checkpoint's values "
+            "(its args.json), or start a new run in another --output_dir"
+        )
     return [f"--{k} {_show(a)} → {_show(b)}" for k, a, b in changes if k != "resume_from_checkpoint"]
 
 

@@ -28,7 +28,7 @@ LOW_SPACE_BYTES = 1 << 20  # below this much free space a failed write is taken 
 
 _ADVICE = {
     errno.ENOSPC: "free space on that disk or choose another --output_dir, then resume with "
-                  "--resume_from_checkpoint latest",
+    "--resume_from_checkpoint latest",
     errno.EDQUOT: "raise the quota or free space, or choose another --output_dir",
     errno.EROFS: "the file system is read-only: choose a writable --output_dir",
     errno.EACCES: "fix the folder's permissions or choose another --output_dir",
@@ -136,8 +136,7 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
     out = Path(output_dir)
     with output_errors(out, "creating"):
         if out.exists() and not out.is_dir():
-            raise OutputDirError(f"--output_dir {out}: is a file, not a folder; "
-                                 + _ADVICE[errno.ENOTDIR])
+            raise OutputDirError(f"--output_dir {out}: is a file, not a folder; " + _ADVICE[errno.ENOTDIR])
         out.mkdir(parents=True, exist_ok=True)
     probe = out / f"{PROBE_FILE}-{os.getpid()}"
     with output_errors(probe, "writing a probe file"):
@@ -161,8 +160,12 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": round(time.time()),
-              "start": _start_ticks(os.getpid())}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": round(time.time()),
+            "start": _start_ticks(os.getpid()),
+        }
         for _ in range(3):  # a stale lock removed under us by another taker: try again
             with output_errors(self.path, "creating the lock file"):
                 try:
@@ -172,8 +175,11 @@ class RunLock:
                     if owner is not None and _alive(owner):
                         raise OutputDirError(_in_use_line(self.path.parent, owner)) from None
                     if owner is not None:
-                        logger.warning("--output_dir %s: taking over the lock of pid %s, which is gone",
-                                       self.path.parent, owner.get("pid"))
+                        logger.warning(
+                            "--output_dir %s: taking over the lock of pid %s, which is gone",
+                            self.path.parent,
+                            owner.get("pid"),
+                        )
                     with contextlib.suppress(FileNotFoundError):
                         self.path.unlink()
                     continue
@@ -181,8 +187,10 @@ class RunLock:
                     json.dump(me, f)
             self.held = True
             return
-        raise OutputDirError(f"--output_dir {self.path.parent}: could not take {self.path} (another run keeps "
-                             "taking it); stop the other run or choose another --output_dir")
+        raise OutputDirError(
+            f"--output_dir {self.path.parent}: could not take {self.path} (another run keeps "
+            "taking it); stop the other run or choose another --output_dir"
+        )
 
     def _owner(self) -> dict | None:
         """The lock's owner, or None when the file is unreadable or torn (a lock whose writer died at once)."""
@@ -241,5 +249,7 @@ def _start_ticks(pid: int) -> int | None:
 def _in_use_line(output_dir: Path, owner: dict) -> str:
     host = owner.get("host")
     where = "" if host == socket.gethostname() else f" on host {host}"
-    return (f"--output_dir {output_dir} is in use by pid {owner['pid']}{where}: wait for that run to end, stop it, "
-            f"or choose another --output_dir (if it is gone, delete {output_dir / LOCK_FILE})")
+    return (
+        f"--output_dir {output_dir} is in use by pid {owner['pid']}{where}: wait for that run to end, stop it, "
+        f"or choose another --output_dir (if it is gone, delete {output_dir / LOCK_FILE})"
+    )

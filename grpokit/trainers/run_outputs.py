@@ -75,17 +75,26 @@ class RunOutputs:
             self._completions.write(row)
 
     def progress(self, total: int, initial: int):
-        return progress_bar(main=self.accelerator.is_main_process, disable_tqdm=self.args.disable_tqdm,
-                            total=total, initial=initial)
+        return progress_bar(
+            main=self.accelerator.is_main_process, disable_tqdm=self.args.disable_tqdm, total=total, initial=initial
+        )
 
     def close(self) -> None:
         self._log.close()
         self._completions.close()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
-    def save_checkpoint(self, model, *, step: int, prompts_consumed: int, max_steps: int,
-                        extra: dict | None = None, window: WindowProgress | None = None,
-                        step_metrics: dict | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        model,
+        *,
+        step: int,
+        prompts_consumed: int,
+        max_steps: int,
+        extra: dict | None = None,
+        window: WindowProgress | None = None,
+        step_metrics: dict | None = None,
+    ) -> Path:
         """accelerate's state (optimizer, schedule, RNGs), the model as ``save_pretrained`` writes it, the
         tokenizer, args.json, the rest of an unfinished ``window`` (each process its share, with the
         ``step_metrics`` not logged yet) and the loop's position (with ``extra`` positions, e.g. CHORD's SFT
@@ -111,8 +120,13 @@ class RunOutputs:
                     (tmp / ARGS_FILE).write_text(self._args_text)
                 acc.wait_for_everyone()  # every process's files are in before the state file seals them
                 if main:
-                    loop = {"global_step": step, "prompts_consumed": prompts_consumed, "max_steps": max_steps,
-                            "python_random": repr(random.getstate()[1][:3]), **(extra or {})}
+                    loop = {
+                        "global_step": step,
+                        "prompts_consumed": prompts_consumed,
+                        "max_steps": max_steps,
+                        "python_random": repr(random.getstate()[1][:3]),
+                        **(extra or {}),
+                    }
                     if window is not None and window.unfinished:  # one window file per process
                         loop["window_processes"] = acc.num_processes
                     finish_checkpoint(tmp, ckpt, loop)
@@ -154,8 +168,9 @@ class RunOutputs:
             logger.warning(skipped_line(skipped))
         if ckpt is None:
             if self.args.resume_from_checkpoint == "latest":
-                logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting fresh",
-                               self.output_dir)
+                logger.warning(
+                    "--resume_from_checkpoint latest: no usable checkpoint in %s; starting fresh", self.output_dir
+                )
                 if main:  # set aside, not deleted: this run's rotation and a later `latest` never pick them
                     for bad, _ in skipped:
                         set_aside(bad, UNUSABLE)
@@ -164,11 +179,16 @@ class RunOutputs:
             return None
         loop = check_checkpoint(ckpt)
         check_window_processes(loop, acc.num_processes, ckpt)
-        changes = check_resume_args(read_args(ckpt / ARGS_FILE) or read_args(self.output_dir / ARGS_FILE),
-                                    self._flat, ckpt)
+        changes = check_resume_args(
+            read_args(ckpt / ARGS_FILE) or read_args(self.output_dir / ARGS_FILE), self._flat, ckpt
+        )
         if changes and main:
-            logger.warning("--resume_from_checkpoint %s: options changed that do not change what trains: %s; "
-                           "args.json records the new values", ckpt, ", ".join(changes))
+            logger.warning(
+                "--resume_from_checkpoint %s: options changed that do not change what trains: %s; "
+                "args.json records the new values",
+                ckpt,
+                ", ".join(changes),
+            )
         try:
             acc.load_state(str(ckpt / "state"))
         except GrpokitError:

@@ -39,8 +39,10 @@ def decoder_layer_names(model) -> set[str]:
     names = set(getattr(_hf_model(model), "_no_split_modules", None) or [])
     found = {type(m).__name__ for m in model.modules()} & names
     if not found:
-        raise ConfigError(f"--fsdp: {type(_hf_model(model)).__name__} names no decoder layer class "
-                          "(_no_split_modules) to shard; drop --fsdp (plain DDP) for this model")
+        raise ConfigError(
+            f"--fsdp: {type(_hf_model(model)).__name__} names no decoder layer class "
+            "(_no_split_modules) to shard; drop --fsdp (plain DDP) for this model"
+        )
     return found
 
 
@@ -86,8 +88,10 @@ class GatheredWeightsEngine(TransformersEngine):
             if not param.requires_grad:  # frozen weights (a LoRA base) never change: the copy has them
                 continue
             if name not in own:
-                raise RuntimeError(f"the generation copy has no parameter {name!r}: the sharded model's names "
-                                   "changed after the copy was taken")
+                raise RuntimeError(
+                    f"the generation copy has no parameter {name!r}: the sharded model's names "
+                    "changed after the copy was taken"
+                )
             with whole_weight(param) as whole:  # FSDP2 shards or ZeRO-3 partitions, gathered
                 own[name].copy_(whole)
 
@@ -108,8 +112,10 @@ def checkpoint_hooks(accelerator, model, optimizer) -> None:
     def load(_models, input_dir: str) -> None:
         path = os.path.join(input_dir, SHARDED_STATE_DIR)
         if not os.path.isdir(path):
-            raise ConfigError(f"--resume_from_checkpoint: {input_dir} holds no FSDP shards ({SHARDED_STATE_DIR}); "
-                              "it was saved without --fsdp: resume it without --fsdp")
+            raise ConfigError(
+                f"--resume_from_checkpoint: {input_dir} holds no FSDP shards ({SHARDED_STATE_DIR}); "
+                "it was saved without --fsdp: resume it without --fsdp"
+            )
         loaded = state()
         dcp.load(loaded, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])

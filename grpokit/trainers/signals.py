@@ -43,8 +43,11 @@ def stop_outside_the_loop() -> Iterator[None]:
         if _stopping.is_set():  # the loop saved and is on its way out; a repeated SIGTERM must not cut that short
             return
         _stopping.set()
-        raise RunStopped("SIGTERM: stopped outside the training loop; nothing was saved since the last checkpoint "
-                         "(continue from it with --resume_from_checkpoint latest)", EXIT_CODES[signal.SIGTERM])
+        raise RunStopped(
+            "SIGTERM: stopped outside the training loop; nothing was saved since the last checkpoint "
+            "(continue from it with --resume_from_checkpoint latest)",
+            EXIT_CODES[signal.SIGTERM],
+        )
 
     _stopping.clear()
     previous = signal.signal(signal.SIGTERM, handle)
@@ -81,8 +84,11 @@ class StopRequest:
             name = signal.Signals(signum).name
             again = "; press Ctrl-C again to stop at once without saving" if signum == signal.SIGINT else ""
             if os.environ.get("RANK", "0") == "0":  # every process of a launch gets it; one says so
-                print(f"grpokit: {name}: finishing the current optimizer step, then saving a checkpoint{again}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"grpokit: {name}: finishing the current optimizer step, then saving a checkpoint{again}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def agreed(self, accelerator) -> int | None:
         """The signal any process received (a collective with several processes: all of them stop together)."""
@@ -95,5 +101,8 @@ class StopRequest:
 
     def stopped(self, signum: int, step: int, ckpt) -> RunStopped:
         name = signal.Signals(signum).name
-        return RunStopped(f"{name}: stopped after step {step}; checkpoint saved in {ckpt}; continue with the same "
-                          "command and --resume_from_checkpoint latest", EXIT_CODES.get(signum, 128 + signum))
+        return RunStopped(
+            f"{name}: stopped after step {step}; checkpoint saved in {ckpt}; continue with the same "
+            "command and --resume_from_checkpoint latest",
+            EXIT_CODES.get(signum, 128 + signum),
+        )

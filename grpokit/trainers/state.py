@@ -24,8 +24,12 @@ class StepValues:
     def log_row(self, step: int, step_metrics: dict, learning_rate: float) -> dict:
         """Optimizer step ``step``'s logging.jsonl row: the window's metrics, the micro-steps' (``step_metrics``,
         averaged over processes), the timings and the learning rate; floats to 6 significant digits."""
-        logs = {**self.window_metrics, **step_metrics, **{f"timing/{k}": round(v, 4) for k, v in self.timing.items()},
-                "learning_rate": learning_rate}
+        logs = {
+            **self.window_metrics,
+            **step_metrics,
+            **{f"timing/{k}": round(v, 4) for k, v in self.timing.items()},
+            "learning_rate": learning_rate,
+        }
         return {"step": step, **{k: round_significant(v) if isinstance(v, float) else v for k, v in logs.items()}}
 
 

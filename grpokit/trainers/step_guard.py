@@ -52,15 +52,24 @@ class StepGuard:
 
     def __init__(self, max_in_a_row: int, option: str = "--max_nonfinite_steps") -> None:
         if isinstance(max_in_a_row, bool) or not isinstance(max_in_a_row, int) or max_in_a_row < 1:
-            raise ConfigError(f"{option} {max_in_a_row!r}: must be a whole number ≥ 1 (the non-finite steps in a "
-                              "row after which the run stops)")
+            raise ConfigError(
+                f"{option} {max_in_a_row!r}: must be a whole number ≥ 1 (the non-finite steps in a "
+                "row after which the run stops)"
+            )
         self.max_in_a_row = max_in_a_row
         self.option = option
         self.in_a_row = 0
         self.skipped = 0  # over the whole run
 
-    def check(self, loss: Any, grad_norm: Any = None, *, step: int | None = None,
-              reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, params=None) -> bool:
+    def check(
+        self,
+        loss: Any,
+        grad_norm: Any = None,
+        *,
+        step: int | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        params=None,
+    ) -> bool:
         """True: take the optimizer step. False: skip it (a warning line; the caller zeroes the gradients).
         ``grad_norm`` None with ``params`` given: the gradients themselves are checked (clipping off).
         NonFiniteStepsError after ``max_in_a_row`` skips in a row. ``step``: the 1-based step, for the messages."""
@@ -75,17 +84,28 @@ class StepGuard:
             return True
         self.in_a_row += 1
         self.skipped += 1
-        what = " and ".join(w for w, bad in (("loss", bad_loss), ("grad norm", bad_norm)) if bad) or \
-            "loss or grad norm on another process"
+        what = (
+            " and ".join(w for w, bad in (("loss", bad_loss), ("grad norm", bad_norm)) if bad)
+            or "loss or grad norm on another process"
+        )
         at = f"step {step}: " if step is not None else ""
         if self.in_a_row >= self.max_in_a_row:
             raise NonFiniteStepsError(
                 f"{at}non-finite {what} in {self.in_a_row} optimizer steps in a row ({self.option} "
                 f"{self.max_in_a_row}); training diverged: lower --learning_rate, keep --max_grad_norm on, or check "
-                "the rewards and the data")
-        logger.warning("%snon-finite %s (loss %s, grad norm %s); optimizer step skipped, weights unchanged (%d in "
-                       "a row stop the run, %s %d)", at, what, _show(loss), _show(grad_norm), self.max_in_a_row,
-                       self.option, self.max_in_a_row)
+                "the rewards and the data"
+            )
+        logger.warning(
+            "%snon-finite %s (loss %s, grad norm %s); optimizer step skipped, weights unchanged (%d in "
+            "a row stop the run, %s %d)",
+            at,
+            what,
+            _show(loss),
+            _show(grad_norm),
+            self.max_in_a_row,
+            self.option,
+            self.max_in_a_row,
+        )
         return False
 
     def allow_step(self, accelerator, loss: Any, grad_norm: Any, *, step: int, params) -> bool:
@@ -94,13 +114,18 @@ class StepGuard:
         design) and under DeepSpeed (its engine steps on every micro-step and keeps its own overflow check)."""
         from accelerate.utils import DistributedType
 
-        if not accelerator.sync_gradients or accelerator.scaler is not None \
-                or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if (
+            not accelerator.sync_gradients
+            or accelerator.scaler is not None
+            or accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
             return True
         reduce = None
         if accelerator.num_processes > 1:
+
             def reduce(flag: torch.Tensor) -> torch.Tensor:
                 return accelerator.reduce(flag.to(accelerator.device), "sum")
+
         return self.check(loss, grad_norm, step=step, reduce=reduce, params=params)
 
     def state_dict(self) -> dict[str, int]:

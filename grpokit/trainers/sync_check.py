@@ -44,8 +44,11 @@ def sync(engine, policy, rollout_args, step: int, template=None) -> None:
         engine.sync_weights(policy)
         return
     if overrides_sync(engine):  # a plugin's own sync_weights runs as it is: the checked path would bypass it
-        logger.warning("weight sync check skipped: %s.sync_weights is overridden, and the check works on the "
-                       "engine's own sync only", type(engine).__name__)
+        logger.warning(
+            "weight sync check skipped: %s.sync_weights is overridden, and the check works on the "
+            "engine's own sync only",
+            type(engine).__name__,
+        )
         engine.sync_weights(policy)
         return
     try:
@@ -56,10 +59,21 @@ def sync(engine, policy, rollout_args, step: int, template=None) -> None:
         probe = None if skip else run_probe(engine, policy)
     except WeightSyncError as e:
         raise WeightSyncError(f"{e} [sync after step {step}; --check_weight_sync false turns the check off]") from e
-    said = f"probe skipped: {skip}" if skip else "probe: no tokens" if probe is None else \
-        f"probe max |Δ logp| {probe[0]:.2g} ≤ {probe[1]:g}"
-    logger.info("weight sync check after step %d passed: %d tensors match, %d not readable back, %s (%.3fs)",
-                step, report.checked, report.unreadable, said, report.seconds + time.perf_counter() - t0)
+    said = (
+        f"probe skipped: {skip}"
+        if skip
+        else "probe: no tokens"
+        if probe is None
+        else f"probe max |Δ logp| {probe[0]:.2g} ≤ {probe[1]:g}"
+    )
+    logger.info(
+        "weight sync check after step %d passed: %d tensors match, %d not readable back, %s (%.3fs)",
+        step,
+        report.checked,
+        report.unreadable,
+        said,
+        report.seconds + time.perf_counter() - t0,
+    )
 
 
 def overrides_sync(engine) -> bool:
@@ -76,8 +90,11 @@ def run_probe(engine, policy) -> tuple[float, float] | None:
     request = RolloutInferRequest(messages=[{"role": "user", "content": PROBE_PROMPT}])
     response = engine.infer([request], RequestConfig(max_tokens=PROBE_TOKENS, temperature=0, logprobs=True))[0]
     choice = response.choices[0]
-    prompt, ids, engine_lps = list(response.prompt_token_ids or []), list(choice.token_ids or []), \
-        choice_logprobs(choice)
+    prompt, ids, engine_lps = (
+        list(response.prompt_token_ids or []),
+        list(choice.token_ids or []),
+        choice_logprobs(choice),
+    )
     if not prompt or not ids or len(engine_lps) != len(ids):
         return None
     trainer_lps = trainer_logprobs(policy, prompt, ids)
@@ -85,10 +102,12 @@ def run_probe(engine, policy) -> tuple[float, float] | None:
     worst = int(gaps.argmax())
     tolerance = PROBE_TOLERANCE[least_precise(_engine_dtype(engine), next(policy.parameters()).dtype)]
     if float(gaps[worst]) > tolerance:
-        raise WeightSyncError(f"weight sync check: the engine's logprob of probe token {worst} (id {ids[worst]}) is "
-                              f"{engine_lps[worst]:.4f}, the trainer's {float(trainer_lps[worst]):.4f}: |Δ| "
-                              f"{float(gaps[worst]):.3g} > {tolerance:g}; the engine computes with other weights "
-                              "than the trainer's although their checksums match")
+        raise WeightSyncError(
+            f"weight sync check: the engine's logprob of probe token {worst} (id {ids[worst]}) is "
+            f"{engine_lps[worst]:.4f}, the trainer's {float(trainer_lps[worst]):.4f}: |Δ| "
+            f"{float(gaps[worst]):.3g} > {tolerance:g}; the engine computes with other weights "
+            "than the trainer's although their checksums match"
+        )
     return float(gaps.max()), tolerance
 
 
@@ -113,10 +132,10 @@ def trainer_logprobs(policy, prompt: list[int], ids: list[int]) -> torch.Tensor:
     policy.eval()
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            logits = policy(input_ids=full, use_cache=False).logits[:, len(prompt) - 1:-1].double()
+            logits = policy(input_ids=full, use_cache=False).logits[:, len(prompt) - 1 : -1].double()
     finally:
         policy.train(was_training)
-    return selective_log_softmax(logits, full[:, len(prompt):])[0].cpu()
+    return selective_log_softmax(logits, full[:, len(prompt) :])[0].cpu()
 
 
 def least_precise(*dtypes: torch.dtype | None) -> torch.dtype:

@@ -52,9 +52,17 @@ class TrainingParts:
     process_group: ProcessGroupLease = field(default_factory=ProcessGroupLease)  # formed for this run, if one was
 
 
-def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan,
-                   num_prompts: int, engine_given: bool = False, owner=None,
-                   template: ChatTemplate | None = None) -> TrainingParts:
+def setup_training(
+    model,
+    ref_model,
+    tokenizer,
+    cfg: TrainConfig,
+    plan: BatchPlan,
+    num_prompts: int,
+    engine_given: bool = False,
+    owner=None,
+    template: ChatTemplate | None = None,
+) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
     (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
@@ -69,18 +77,32 @@ def setup_training(model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPla
     accelerator = _accelerator(cfg, model, plan)
     lease = ensure_process_group(accelerator.device) if (t.fsdp or t.deepspeed) else ProcessGroupLease()
     with released_on_error(lease):
-        return _prepared(accelerator, model, ref_model, tokenizer, cfg, plan, num_prompts, engine_given, owner,
-                         template, lease)
+        return _prepared(
+            accelerator, model, ref_model, tokenizer, cfg, plan, num_prompts, engine_given, owner, template, lease
+        )
 
 
-def _prepared(accelerator, model, ref_model, tokenizer, cfg: TrainConfig, plan: BatchPlan, num_prompts: int,
-              engine_given: bool, owner, template: ChatTemplate | None,
-              lease: ProcessGroupLease) -> TrainingParts:
+def _prepared(
+    accelerator,
+    model,
+    ref_model,
+    tokenizer,
+    cfg: TrainConfig,
+    plan: BatchPlan,
+    num_prompts: int,
+    engine_given: bool,
+    owner,
+    template: ChatTemplate | None,
+    lease: ProcessGroupLease,
+) -> TrainingParts:
     t = cfg.training
     max_steps = total_steps(t, plan, num_prompts)
     zero3 = bool(t.deepspeed) and deepspeed_stage(t.deepspeed) == 3
-    ds_config = (deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes)
-                 if t.deepspeed else None)
+    ds_config = (
+        deepspeed_config(t, model.config.get_text_config().hidden_size, accelerator.num_processes)
+        if t.deepspeed
+        else None
+    )
     whole = generation_copy(model) if (t.fsdp or zero3) and not engine_given else None  # for the in-process engine
     if t.fsdp:  # driven here, not by accelerate (which runs FSDP only on GPUs): one code path for CPU and GPU
         model = shard_model(model, accelerator.device)
@@ -98,8 +120,19 @@ def _prepared(accelerator, model, ref_model, tokenizer, cfg: TrainConfig, plan: 
     # DeepSpeed clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     template = template or PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer)
-    return TrainingParts(accelerator, prepared, accelerator.unwrap_model(prepared), optimizer, scheduler, ref,
-                         trainable, max_steps, template, whole, lease)
+    return TrainingParts(
+        accelerator,
+        prepared,
+        accelerator.unwrap_model(prepared),
+        optimizer,
+        scheduler,
+        ref,
+        trainable,
+        max_steps,
+        template,
+        whole,
+        lease,
+    )
 
 
 def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
@@ -112,11 +145,16 @@ def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
     wants_bf16 = resolve_dtype_name(cfg.model.torch_dtype) == "bfloat16"
     mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
     accelerator = Accelerator(
-        gradient_accumulation_steps=t.gradient_accumulation_steps, cpu=use_cpu(t), mixed_precision=mixed,
-        log_with=report or None, project_dir=t.output_dir, **accelerate_plugins(t),
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        cpu=use_cpu(t),
+        mixed_precision=mixed,
+        log_with=report or None,
+        project_dir=t.output_dir,
+        **accelerate_plugins(t),
         # the loop steps the scheduler once per optimizer step; accelerate would otherwise step it once per
         # process (it assumes a DataLoader sharded over processes), decaying N× too fast under N processes
-        step_scheduler_with_optimizer=False)
+        step_scheduler_with_optimizer=False,
+    )
     check_backend(accelerator, t)
     # the run's one seeding (the pipeline makes the weights under a seed of their own: pipeline.models.seeded_weights)
     set_seed(t.seed, device_specific=True)  # seed + rank: ranks sample different completions
@@ -124,7 +162,8 @@ def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
         raise ConfigError(
             f"{plan.prompts_per_rollout} prompts per rollout cannot be split over "
             f"{accelerator.num_processes} processes with whole groups; make generation_batch_size / "
-            f"num_generations a multiple of {accelerator.num_processes}")
+            f"num_generations a multiple of {accelerator.num_processes}"
+        )
     return accelerator
 
 
@@ -192,8 +231,10 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
         # grpokit's engines gather ZeRO-3 partitions in their weight sync (engines/weights.py); another one would
         # be handed empty partitions
-        raise ConfigError(f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
-                          "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode")
+        raise ConfigError(
+            f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
+            "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode"
+        )
     engine = engine or TransformersEngine(policy, template, **own)  # loop thread: our own loop (engines/base.py)
     check_engine(accelerator, engine)
     if scheduler is None:
@@ -201,13 +242,17 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     elif not isinstance(scheduler, RolloutScheduler) and callable(scheduler):
         scheduler = scheduler(engine)
     if getattr(scheduler, "infer_engine", None) is None:
-        raise ConfigError(f"the scheduler {type(scheduler).__name__} has no engine: build it with "
-                          "infer_engine=ENGINE, or pass a callable engine -> scheduler that the trainer calls with "
-                          "the engine it builds")
+        raise ConfigError(
+            f"the scheduler {type(scheduler).__name__} has no engine: build it with "
+            "infer_engine=ENGINE, or pass a callable engine -> scheduler that the trainer calls with "
+            "the engine it builds"
+        )
     if cfg.rollout.async_generate and engine.engine_type == "transformers":
-        raise ConfigError("--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
-                          "server, or --use_vllm true): the in-process transformers engine samples from the "
-                          "live training weights, which change while the next window would be generating")
+        raise ConfigError(
+            "--async_generate true needs an engine with its own copy of the weights (--vllm_mode "
+            "server, or --use_vllm true): the in-process transformers engine samples from the "
+            "live training weights, which change while the next window would be generating"
+        )
     return engine, scheduler
 
 
@@ -223,8 +268,9 @@ def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None
     if len(w) == len(names) - 1 and uses_env_reward:
         w.append(1.0)
     if len(w) != len(names):
-        raise ConfigError(f"{len(w)} reward weight(s) for {len(names)} reward(s) "
-                          f"({', '.join(names)}); give one weight each")
+        raise ConfigError(
+            f"{len(w)} reward weight(s) for {len(names)} reward(s) ({', '.join(names)}); give one weight each"
+        )
     if not names:
         raise ConfigError("no reward: pass --reward_funcs NAME (e.g. accuracy) or --reward_model PATH")
     runner = RewardRunner(funcs, names[: len(funcs)], timeout=timeout) if funcs else None

@@ -59,10 +59,21 @@ def sample_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput
     for o in outputs:
         req = by_id[o.request_id]
         finish = o.response.choices[0].finish_reason if o.response.choices else None
-        rows.append({**req.data_dict, "messages": o.messages, "prompt_id": o.prompt_id, "request_id": o.request_id,
-                     "response_token_ids": o.response_token_ids, "response_loss_mask": o.response_loss_mask,
-                     "rollout_infos": o.rollout_infos, "finish_reason": finish, "is_truncated": finish == "length",
-                     "_request": req, "_output": o})
+        rows.append(
+            {
+                **req.data_dict,
+                "messages": o.messages,
+                "prompt_id": o.prompt_id,
+                "request_id": o.request_id,
+                "response_token_ids": o.response_token_ids,
+                "response_loss_mask": o.response_loss_mask,
+                "rollout_infos": o.rollout_infos,
+                "finish_reason": finish,
+                "is_truncated": finish == "length",
+                "_request": req,
+                "_output": o,
+            }
+        )
     return rows
 
 
@@ -74,9 +85,16 @@ def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
     return dict(zip(("advantages/mean", "advantages/std", "advantages/min", "advantages/max"), values, strict=True))
 
 
-def window_num_items(completion_mask: torch.Tensor, truncated: torch.Tensor, *, loss_type: str,
-                     overlong_filter: bool, steps_per_generation: int, gradient_accumulation_steps: int,
-                     accelerator) -> list[float] | None:
+def window_num_items(
+    completion_mask: torch.Tensor,
+    truncated: torch.Tensor,
+    *,
+    loss_type: str,
+    overlong_filter: bool,
+    steps_per_generation: int,
+    gradient_accumulation_steps: int,
+    accelerator,
+) -> list[float] | None:
     """dapo/cispo/vespo divide by the global count of trained tokens (the loss mask, after --overlong_filter)
     in each optimizer step; see step_token_counts and num_items_per_micro_batch. None for the other losses."""
     if not uses_global_token_count(loss_type):
@@ -88,34 +106,55 @@ def window_num_items(completion_mask: torch.Tensor, truncated: torch.Tensor, *, 
     return num_items_per_micro_batch(per_step, gas, accelerator.num_processes)
 
 
-def window_metrics(rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor,
-                   advantage_metrics: dict[str, float]) -> dict[str, float]:
+def window_metrics(
+    rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, advantage_metrics: dict[str, float]
+) -> dict[str, float]:
     """Reward and completion-length statistics over the global window ([N_global] each), then the advantage
     estimator's metrics (its reward mean is logged per function, as rewards/<name>/mean)."""
-    names = ("reward", "reward_std", "completions/mean_length", "completions/max_length",
-             "completions/min_length", "completions/clipped_ratio")
+    names = (
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "completions/max_length",
+        "completions/min_length",
+        "completions/clipped_ratio",
+    )
     lengths = lengths.float()
-    values = torch.stack([rewards.mean(), rewards.std() if len(rewards) > 1 else rewards.new_zeros(()),
-                          lengths.mean(), lengths.max(), lengths.min(),
-                          truncated.float().mean()]).tolist()  # one conversion for all of them
+    values = torch.stack(
+        [
+            rewards.mean(),
+            rewards.std() if len(rewards) > 1 else rewards.new_zeros(()),
+            lengths.mean(),
+            lengths.max(),
+            lengths.min(),
+            truncated.float().mean(),
+        ]
+    ).tolist()  # one conversion for all of them
     m: dict[str, float] = dict(zip(names, values, strict=True))
     m.update({k: v for k, v in advantage_metrics.items() if k != "reward/mean"})
     return m
 
 
-def completion_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput],
-                    rewards_per_func: torch.Tensor, advantages: torch.Tensor, reward_names: list[str],
-                    step: int) -> list[dict]:
+def completion_rows(
+    requests: list[RolloutInferRequest],
+    outputs: list[RolloutOutput],
+    rewards_per_func: torch.Tensor,
+    advantages: torch.Tensor,
+    reward_names: list[str],
+    step: int,
+) -> list[dict]:
     """completions.jsonl rows: prompt, completion, advantage, each reward; the whole conversation when the
     trajectory has more than one turn."""
     by_id = {r.request_id: r for r in requests}
     rows = []
     for i, o in enumerate(outputs):
-        row = {"step": step,
-               "prompt": by_id[o.request_id].messages[-1]["content"],
-               "completion": o.messages[-1]["content"] if o.messages else "",
-               "advantage": float(advantages[i]),
-               **{n: _num(rewards_per_func[i, j]) for j, n in enumerate(reward_names)}}
+        row = {
+            "step": step,
+            "prompt": by_id[o.request_id].messages[-1]["content"],
+            "completion": o.messages[-1]["content"] if o.messages else "",
+            "advantage": float(advantages[i]),
+            **{n: _num(rewards_per_func[i, j]) for j, n in enumerate(reward_names)},
+        }
         if len(o.messages) > len(by_id[o.request_id].messages) + 1:
             row["messages"] = o.messages
         rows.append(row)

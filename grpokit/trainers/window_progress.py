@@ -55,9 +55,16 @@ class WindowProgress:
         """This process's share of an unfinished window (nothing when the window ended at this step)."""
         if not self.unfinished:
             return
-        torch.save({"done": self.done, "num_iterations": self.num_iterations, "metrics": self.metrics,
-                    "step_metrics": step_metrics, "micro_batches": [_batch_dict(b) for b in self.micro_batches]},
-                   folder / WINDOW_FILE.format(rank=rank))
+        torch.save(
+            {
+                "done": self.done,
+                "num_iterations": self.num_iterations,
+                "metrics": self.metrics,
+                "step_metrics": step_metrics,
+                "micro_batches": [_batch_dict(b) for b in self.micro_batches],
+            },
+            folder / WINDOW_FILE.format(rank=rank),
+        )
 
     @classmethod
     def load(cls, folder: str | Path, rank: int, step_metrics: MetricsAccumulator) -> WindowProgress | None:
@@ -71,14 +78,19 @@ class WindowProgress:
             batches = [_batch(b) for b in saved["micro_batches"]]
             done, iterations = int(saved["done"]), int(saved["num_iterations"])
         except Exception as e:  # the unpickler and the constructor raise their own types
-            raise ConfigError(f"--resume_from_checkpoint: {path} is unreadable "
-                              f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); resume from an "
-                              "earlier checkpoint") from e
+            raise ConfigError(
+                f"--resume_from_checkpoint: {path} is unreadable "
+                f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); resume from an "
+                "earlier checkpoint"
+            ) from e
         if not batches or not 0 < done < len(batches) * iterations:
-            raise ConfigError(f"--resume_from_checkpoint: {path} holds no unfinished window (done {done} of "
-                              f"{len(batches) * iterations}); resume from an earlier checkpoint")
+            raise ConfigError(
+                f"--resume_from_checkpoint: {path} holds no unfinished window (done {done} of "
+                f"{len(batches) * iterations}); resume from an earlier checkpoint"
+            )
         step_metrics.load_state(dict(saved["step_metrics"]))
         return cls(batches, iterations, dict(saved["metrics"]), done)
+
 
 def _batch_dict(batch: RolloutBatch) -> dict:
     """A micro-batch as plain values (tensors, numbers, lists, dicts): loadable with ``weights_only=True``."""

@@ -32,17 +32,30 @@ import torch
 from grpokit.engines.weights import whole_weight
 from grpokit.errors import ConfigError
 
-_ZERO3 = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "sub_group_size": 1e9,
-          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True}
-_OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "offload_param": {"device": "cpu", "pin_memory": True}}
+_ZERO3 = {
+    "stage": 3,
+    "overlap_comm": False,
+    "contiguous_gradients": True,
+    "sub_group_size": 1e9,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+_OFFLOAD = {
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu", "pin_memory": True},
+}
 # ms-swift's preset names
 PRESETS: dict[str, dict] = {
-    "zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2": {"stage": 2},
+    "zero0": {"stage": 0},
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
     "zero2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-    "zero3": _ZERO3, "zero3_offload": {**_ZERO3, **_OFFLOAD},
+    "zero3": _ZERO3,
+    "zero3_offload": {**_ZERO3, **_OFFLOAD},
 }
 DEEPSPEED_STATE_DIR = "deepspeed"  # inside a checkpoint's accelerate state folder
 
@@ -78,24 +91,36 @@ def deepspeed_config(args, hidden_size: int, world: int) -> dict:
     stage_of(ds, spec)
     for section in ("optimizer", "scheduler"):
         if section in ds:
-            raise ConfigError(f"--deepspeed {spec}: drop the \"{section}\" section; grpokit builds the optimizer and "
-                              "schedule from --optimizer/--learning_rate/--lr_scheduler_type")
+            raise ConfigError(
+                f'--deepspeed {spec}: drop the "{section}" section; grpokit builds the optimizer and '
+                "schedule from --optimizer/--learning_rate/--lr_scheduler_type"
+            )
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    want = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
-            "train_batch_size": micro * accumulation * world,
-            "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0}
+    want = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world,
+        "gradient_clipping": args.max_grad_norm if args.max_grad_norm > 0 else 0.0,
+    }
     for key, value in want.items():
         if ds.get(key, "auto") not in ("auto", value):
-            raise ConfigError(f"--deepspeed {spec}: {key} {ds[key]} in the file differs from the training options "
-                              f"({value}); set it to \"auto\" in the file")
+            raise ConfigError(
+                f"--deepspeed {spec}: {key} {ds[key]} in the file differs from the training options "
+                f'({value}); set it to "auto" in the file'
+            )
         ds[key] = value
     if ds.get("managed_gradient_accumulation") is False:
-        raise ConfigError(f"--deepspeed {spec}: managed_gradient_accumulation false is not supported (grpokit "
-                          "steps the engine on every micro-step); drop it from the file")
+        raise ConfigError(
+            f"--deepspeed {spec}: managed_gradient_accumulation false is not supported (grpokit "
+            "steps the engine on every micro-step); drop it from the file"
+        )
     zero = ds.setdefault("zero_optimization", {})
-    auto = {"reduce_bucket_size": hidden_size * hidden_size, "allgather_bucket_size": hidden_size * hidden_size,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size}
+    auto = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "allgather_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
     for key, value in auto.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -105,7 +130,7 @@ def deepspeed_config(args, hidden_size: int, world: int) -> dict:
     ds["zero_force_ds_cpu_optimizer"] = False  # the same with optimizer offload
     left = [k for k, v in _flat(ds) if v == "auto"]
     if left:
-        raise ConfigError(f"--deepspeed {spec}: grpokit cannot fill \"auto\" for {', '.join(left)}; give values")
+        raise ConfigError(f'--deepspeed {spec}: grpokit cannot fill "auto" for {", ".join(left)}; give values')
     return ds
 
 
@@ -118,16 +143,20 @@ def _check_precision(ds: dict, spec: str) -> None:
             continue
         value = ds[section]
         if not isinstance(value, dict):
-            raise ConfigError(f"--deepspeed {spec}: the \"{section}\" section must be a JSON object such as "
-                              '{"enabled": "auto"}, got ' + json.dumps(value))
+            raise ConfigError(
+                f'--deepspeed {spec}: the "{section}" section must be a JSON object such as '
+                '{"enabled": "auto"}, got ' + json.dumps(value)
+            )
         enabled = value.get("enabled", False)  # DeepSpeed's default
         if enabled == "auto":
             value["enabled"] = False
         elif enabled is not False:
             dtype = "float16" if section == "fp16" else "bfloat16"
-            raise ConfigError(f"--deepspeed {spec}: {section}.enabled {json.dumps(enabled)} would make DeepSpeed train "
-                              f"{dtype} weights, which computes other numbers than DDP and --fsdp (float32 weights, "
-                              f"{dtype} autocast); set it to \"auto\" or false and pass --torch_dtype {dtype}")
+            raise ConfigError(
+                f"--deepspeed {spec}: {section}.enabled {json.dumps(enabled)} would make DeepSpeed train "
+                f"{dtype} weights, which computes other numbers than DDP and --fsdp (float32 weights, "
+                f'{dtype} autocast); set it to "auto" or false and pass --torch_dtype {dtype}'
+            )
 
 
 def _flat(d: dict, prefix: str = ""):
@@ -313,8 +342,10 @@ def checkpoint_hooks(accelerator, engine) -> None:
     def load(_models, input_dir: str) -> None:
         path = os.path.join(input_dir, DEEPSPEED_STATE_DIR)
         if not os.path.isdir(path):
-            raise ConfigError(f"--resume_from_checkpoint: {input_dir} holds no DeepSpeed state "
-                              f"({DEEPSPEED_STATE_DIR}); it was saved without --deepspeed: resume it the same way")
+            raise ConfigError(
+                f"--resume_from_checkpoint: {input_dir} holds no DeepSpeed state "
+                f"({DEEPSPEED_STATE_DIR}); it was saved without --deepspeed: resume it the same way"
+            )
         engine.load_checkpoint(path, tag="state", load_optimizer_states=True, load_lr_scheduler_states=False)
 
     accelerator.register_save_state_pre_hook(save)

@@ -68,8 +68,10 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
         raise ConfigError(f"grpokit view: {output_dir} is not a folder; give a run's --output_dir")
     logs = read_rows(output_dir / "logging.jsonl")
     if not logs and not (output_dir / "completions.jsonl").exists() and not (output_dir / "args.json").exists():
-        raise ConfigError(f"grpokit view: {output_dir} has no logging.jsonl, completions.jsonl or args.json; give "
-                          "the --output_dir of a grpokit run")
+        raise ConfigError(
+            f"grpokit view: {output_dir} has no logging.jsonl, completions.jsonl or args.json; give "
+            "the --output_dir of a grpokit run"
+        )
     stamp = version(output_dir)
     by_step: dict[int, list[dict]] = {}
     for row in read_rows(output_dir / "completions.jsonl"):
@@ -81,37 +83,48 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
         args = json.loads((output_dir / "args.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         args = {}
-    return _finite({
-        "run": str(output_dir.resolve()), "version": stamp, "logs": logs,
-        "args": args if isinstance(args, dict) else {},
-        "completions": {str(s): by_step[s] for s in kept},
-        "completion_steps": {"logged": len(by_step), "shown": len(kept), "limit": max_completion_steps}})
+    return _finite(
+        {
+            "run": str(output_dir.resolve()),
+            "version": stamp,
+            "logs": logs,
+            "args": args if isinstance(args, dict) else {},
+            "completions": {str(s): by_step[s] for s in kept},
+            "completion_steps": {"logged": len(by_step), "shown": len(kept), "limit": max_completion_steps},
+        }
+    )
 
 
 def render_html(data: dict, *, live: bool = False) -> str:
     """The self-contained page: the data as an inline JSON script, then uPlot and the viewer's script and styles.
     ``live``: the page polls ``version`` and ``data.json`` next to it (``grpokit view --serve``)."""
-    static = {name: (resources.files("grpokit.viewer") / "static" / name).read_text(encoding="utf-8")
-              for name in STATIC}
+    static = {
+        name: (resources.files("grpokit.viewer") / "static" / name).read_text(encoding="utf-8") for name in STATIC
+    }
     # "<" written as \u003c: no text in the data can close the script element ("</script>") or open a comment
     payload = json.dumps(data, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
     title = _escape(Path(data.get("run", "run")).name)
-    return "\n".join([
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>grpokit · {title}</title>",
-        f"<style>{static['uPlot.min.css']}</style>",
-        f"<style>{static['app.css']}</style>",
-        "</head>",
-        f'<body data-live="{1 if live else 0}">',
-        f'<script type="application/json" id="grpokit-data">{payload}</script>',
-        f"<script>{_script(static['uPlot.iife.min.js'])}</script>",
-        f"<script>{_script(static['app.js'])}</script>",
-        "</body></html>", ""])
+    return "\n".join(
+        [
+            "<!doctype html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>grpokit · {title}</title>",
+            f"<style>{static['uPlot.min.css']}</style>",
+            f"<style>{static['app.css']}</style>",
+            "</head>",
+            f'<body data-live="{1 if live else 0}">',
+            f'<script type="application/json" id="grpokit-data">{payload}</script>',
+            f"<script>{_script(static['uPlot.iife.min.js'])}</script>",
+            f"<script>{_script(static['app.js'])}</script>",
+            "</body></html>",
+            "",
+        ]
+    )
 
 
-def write_report(output_dir: Path, output: Path | None = None,
-                 max_completion_steps: int = MAX_COMPLETION_STEPS) -> Path:
+def write_report(
+    output_dir: Path, output: Path | None = None, max_completion_steps: int = MAX_COMPLETION_STEPS
+) -> Path:
     """Write the page for the run in ``output_dir`` (to ``output``, default output_dir/report.html) atomically
     and return its path."""
     output_dir = Path(output_dir)

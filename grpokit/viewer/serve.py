@@ -70,15 +70,19 @@ def make_server(output_dir: Path, port: int, max_completion_steps: int = MAX_COM
     try:
         return ThreadingHTTPServer((HOST, port), Handler)
     except OSError as e:
-        raise ConfigError(f"grpokit view --serve: cannot listen on {HOST}:{port}: {e.strerror or e}; choose "
-                          "another --port (0 picks a free one)") from e
+        raise ConfigError(
+            f"grpokit view --serve: cannot listen on {HOST}:{port}: {e.strerror or e}; choose "
+            "another --port (0 picks a free one)"
+        ) from e
 
 
 def serve(output_dir: Path, port: int, max_completion_steps: int = MAX_COMPLETION_STEPS) -> None:
     """Serve until interrupted; prints the address first."""
     server = make_server(output_dir, port, max_completion_steps)
-    print(f"grpokit view: serving {Path(output_dir)} live at http://{HOST}:{server.server_address[1]}/ "
-          "(Ctrl-C stops)", flush=True)
+    print(
+        f"grpokit view: serving {Path(output_dir)} live at http://{HOST}:{server.server_address[1]}/ (Ctrl-C stops)",
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

@@ -21,8 +21,18 @@ MAX_SYNC_TIMEOUT_S = 3600.0  # the largest timeout_s a body may ask for (the ser
 MAX_WORLD_SIZE = 1024
 HOST_PATTERN = r"^[A-Za-z0-9._:\-]{1,253}$"  # a DNS name, IPv4 or IPv6 literal: no NUL, space, slash or brackets
 GROUP_PATTERN = r"^[A-Za-z0-9._\-]{1,128}$"
-WIRE_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-               "int8": 1, "uint8": 1, "bool": 1}  # dtype name on the wire → bytes per element
+WIRE_DTYPES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}  # dtype name on the wire → bytes per element
 MAX_TENSOR_BYTES = 1 << 40  # no single tensor or bucket above 1 TiB, whatever the model (tighter checks follow)
 MAX_TENSORS = 1 << 20
 MAX_DIMS = 8
@@ -39,8 +49,12 @@ class InitCommunicatorBody(BaseModel):
     world_size: int = Field(ge=2, le=MAX_WORLD_SIZE, description="1 trainer + the number of servers")
     backend: Literal["gloo", "nccl"] = "gloo"
     group: str = Field(pattern=GROUP_PATTERN, description="key prefix in the store (one per session)")
-    timeout_s: float = Field(120.0, ge=0.1, le=MAX_SYNC_TIMEOUT_S,
-                             description="rendezvous and per-broadcast timeout (capped by --max_sync_timeout_s)")
+    timeout_s: float = Field(
+        120.0,
+        ge=0.1,
+        le=MAX_SYNC_TIMEOUT_S,
+        description="rendezvous and per-broadcast timeout (capped by --max_sync_timeout_s)",
+    )
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> InitCommunicatorBody:
@@ -72,8 +86,9 @@ class TensorMeta(BaseModel):
         size = WIRE_DTYPES[self.dtype]
         expected = math.prod(self.shape) * size
         if expected != self.nbytes:
-            raise ValueError(f"{self.name}: shape {self.shape} of {self.dtype} is {expected} bytes, not nbytes "
-                             f"{self.nbytes}")
+            raise ValueError(
+                f"{self.name}: shape {self.shape} of {self.dtype} is {expected} bytes, not nbytes {self.nbytes}"
+            )
         if self.offset % size:
             raise ValueError(f"{self.name}: offset {self.offset} is not a multiple of {size} ({self.dtype})")
         return self
@@ -104,10 +119,18 @@ class UpdateWeightsBody(BaseModel):
 
     buckets: list[WeightBucket] = Field(max_length=MAX_TENSORS)
     dry_run: bool = Field(False, description="only check names, shapes and dtypes against the served model")
-    version: int | None = Field(None, ge=0, le=2**62, description="the trainer's weight version (its optimizer "
-                                "step): the server tags what it samples from these weights with it")
-    interrupt: bool = Field(False, description="partial rollouts: generation running now pauses at its next token "
-                                               "and continues on the new weights")
+    version: int | None = Field(
+        None,
+        ge=0,
+        le=2**62,
+        description="the trainer's weight version (its optimizer "
+        "step): the server tags what it samples from these weights with it",
+    )
+    interrupt: bool = Field(
+        False,
+        description="partial rollouts: generation running now pauses at its next token "
+        "and continues on the new weights",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> UpdateWeightsBody:
@@ -124,9 +147,12 @@ def check_bucket_sizes(body: UpdateWeightsBody, max_bucket_bytes: int) -> list[s
     """Buckets above the cap. A bucket holding one tensor may be larger (the sender's rule: a tensor larger than
     the bucket size travels alone); its size is then bounded by the served parameter's shape, checked apart."""
     mb = max_bucket_bytes / 1024 / 1024
-    return [f"bucket {i} of {b.nbytes} bytes with {len(b.tensors)} tensors exceeds --max_weight_bucket_mb {mb:g}; "
-            "lower the trainer's --weight_sync_bucket_mb or raise the server's limit"
-            for i, b in enumerate(body.buckets) if len(b.tensors) > 1 and b.nbytes > max_bucket_bytes]
+    return [
+        f"bucket {i} of {b.nbytes} bytes with {len(b.tensors)} tensors exceeds --max_weight_bucket_mb {mb:g}; "
+        "lower the trainer's --weight_sync_bucket_mb or raise the server's limit"
+        for i, b in enumerate(body.buckets)
+        if len(b.tensors) > 1 and b.nbytes > max_bucket_bytes
+    ]
 
 
 class TensorSums(BaseModel):
@@ -136,8 +162,9 @@ class TensorSums(BaseModel):
 
     name: str = Field(min_length=1, max_length=1024)
     dtype: Literal[tuple(WIRE_DTYPES)] = Field(description="the wire dtype the sums were taken in")
-    sums: list[float | None] = Field(min_length=3, max_length=3,
-                                     description="Σx, Σ|x|, Σw·x in float64; null where not finite")
+    sums: list[float | None] = Field(
+        min_length=3, max_length=3, description="Σx, Σ|x|, Σw·x in float64; null where not finite"
+    )
 
 
 class CheckWeightsBody(BaseModel):
@@ -147,8 +174,11 @@ class CheckWeightsBody(BaseModel):
     model_config = _STRICT
 
     buckets: list[list[TensorSums]] = Field(max_length=MAX_TENSORS)
-    weight_version: int | None = Field(None, ge=0, description="the version the update answered: another sync "
-                                                                "since then is reported instead of a mismatch")
+    weight_version: int | None = Field(
+        None,
+        ge=0,
+        description="the version the update answered: another sync since then is reported instead of a mismatch",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> CheckWeightsBody:

@@ -39,7 +39,7 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
     ramp = _ramp(PERIOD, flat.device)
     out = torch.zeros(3, dtype=torch.float64, device=flat.device)
     for start in range(0, flat.numel(), CHUNK):
-        c = flat[start:start + CHUNK]
+        c = flat[start : start + CHUNK]
         whole = c.numel() // PERIOD * PERIOD
         rest = c[whole:].to(torch.float64)
         if whole:
@@ -49,7 +49,7 @@ def tensor_sums(t: torch.Tensor) -> torch.Tensor:
             out[2] += columns.dot(ramp) / PERIOD
         out[0] += rest.sum()
         out[1] += rest.abs().sum()
-        out[2] += rest.dot(ramp[:rest.numel()]) / PERIOD
+        out[2] += rest.dot(ramp[: rest.numel()]) / PERIOD
     out[2] += out[0]
     return out
 
@@ -111,14 +111,18 @@ def _fmt(x: float | None) -> str:
 
 def _worst(expected: Sequence[float | None], held: Sequence[float]) -> int:
     """The sum that differs most (a non-finite held sum first)."""
-    gaps = [-1.0 if e is None else math.inf if not math.isfinite(h) else abs(e - h)
-            for e, h in zip(expected, held, strict=True)]
+    gaps = [
+        -1.0 if e is None else math.inf if not math.isfinite(h) else abs(e - h)
+        for e, h in zip(expected, held, strict=True)
+    ]
     return max(range(len(gaps)), key=gaps.__getitem__)
 
 
-def compare_sums(sent: Sequence[tuple[int | None, str, torch.dtype, Sequence[float | None]]],
-                 held: dict[str, tuple[Sequence[float], torch.dtype] | None],
-                 n_buckets: int = 0) -> tuple[list[str], int, int]:
+def compare_sums(
+    sent: Sequence[tuple[int | None, str, torch.dtype, Sequence[float | None]]],
+    held: dict[str, tuple[Sequence[float], torch.dtype] | None],
+    n_buckets: int = 0,
+) -> tuple[list[str], int, int]:
     """The receiver's sums against the sender's: (one problem per bucket that differs, tensors compared,
     tensors the receiver cannot read back). ``sent`` rows are (bucket index or None, name, wire dtype, sums);
     ``held`` maps a name to the receiver's (sums, dtype it holds the tensor in), None where it cannot read the

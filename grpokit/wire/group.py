@@ -30,8 +30,19 @@ class Communicator:
         self.backend, self.device, self.where = backend, device, where
 
     @classmethod
-    def create(cls, *, store_host: str, store_port: int, rank: int, world_size: int, backend: str, group: str,
-               timeout_s: float, local_host: str, store=None) -> Communicator:
+    def create(
+        cls,
+        *,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        group: str,
+        timeout_s: float,
+        local_host: str,
+        store=None,
+    ) -> Communicator:
         """Rendezvous through the TCPStore at ``store_host:store_port``; raises ServerError naming it on failure.
 
         ``store`` is the already-listening master store on rank 0; other ranks connect to it.
@@ -42,8 +53,7 @@ class Communicator:
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if store is None:
-                store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout,
-                                      wait_for_workers=False)
+                store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False)
             prefixed = dist.PrefixStore(f"grpokit-weight-sync/{group}", store)
             if backend == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -57,8 +67,10 @@ class Communicator:
                 opts._timeout = timeout
                 pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
         except Exception as e:  # noqa: BLE001 - c10d raises several types; all mean the rendezvous failed
-            raise ServerError(f"weight sync: rendezvous of {world_size} ranks ({backend}) through the store at "
-                              f"{where} failed after {timeout_s:g}s as rank {rank}: {first_line(e)}") from e
+            raise ServerError(
+                f"weight sync: rendezvous of {world_size} ranks ({backend}) through the store at "
+                f"{where} failed after {timeout_s:g}s as rank {rank}: {first_line(e)}"
+            ) from e
         return cls(store, pg, rank, world_size, backend, device, where)
 
     def broadcast(self, buf_B: torch.Tensor) -> None:
@@ -70,8 +82,9 @@ class Communicator:
         try:
             self.pg.broadcast([buf_B], opts).wait()
         except Exception as e:  # noqa: BLE001
-            raise ServerError(f"weight sync: broadcast of {buf_B.numel()} bytes in the group at {self.where} "
-                              f"failed: {first_line(e)}") from e
+            raise ServerError(
+                f"weight sync: broadcast of {buf_B.numel()} bytes in the group at {self.where} failed: {first_line(e)}"
+            ) from e
 
     def close(self) -> None:
         for name in ("shutdown", "abort"):

@@ -54,10 +54,10 @@ def plan_buckets(specs: Iterable[tuple[str, Sequence[int], torch.dtype]], bucket
 def pack(buf_B: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor) -> None:
     """Write ``tensor`` (cast to the wire dtype) into the uint8 bucket ``buf_B`` at ``meta.offset``."""
     wire = tensor.to(device=buf_B.device, dtype=parse_dtype(meta.dtype)).contiguous().reshape(-1)
-    buf_B[meta.offset:meta.offset + meta.nbytes].copy_(wire.view(torch.uint8))
+    buf_B[meta.offset : meta.offset + meta.nbytes].copy_(wire.view(torch.uint8))
 
 
 def unpack(buf_B: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     """A view of one tensor inside the uint8 bucket ``buf_B`` (no copy)."""
-    raw = buf_B[meta.offset:meta.offset + meta.nbytes]
+    raw = buf_B[meta.offset : meta.offset + meta.nbytes]
     return raw.view(parse_dtype(meta.dtype)).view(meta.shape)

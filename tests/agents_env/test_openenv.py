@@ -58,12 +58,41 @@ def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    cfg = parse_train_args([
-        "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out), "--max_steps", "2",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "12",
-        "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32", "--seed", "0",
-        "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--log_completions", "true",
-        *extra])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "12",
+            "--learning_rate",
+            "1e-3",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--log_completions",
+            "true",
+            *extra,
+        ]
+    )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, [r for r in logs if "loss" in r], out
@@ -74,13 +103,30 @@ def test_an_openenv_environment_trains_in_process(tiny_model_dir, tmp_path):
     plugin = tmp_path / "openenv_plugin.py"
     plugin.write_text(PLUGIN)
     rows = [{"messages": [{"role": "user", "content": "Play"}]} for _ in range(2)]
-    rows.append({"messages": [{"role": "user", "content": "Play"}],  # a row's env_config names class and kwargs
-                 "env_config": {"env": "openenv_plugin:LengthEnv", "kwargs": {"goal": "Write a long line."}}})
+    rows.append(
+        {
+            "messages": [{"role": "user", "content": "Play"}],  # a row's env_config names class and kwargs
+            "env_config": {"env": "openenv_plugin:LengthEnv", "kwargs": {"goal": "Write a long line."}},
+        }
+    )
     rows.append(rows[-1])
-    trainer, logs, out = _train(tiny_model_dir, tmp_path, rows,
-                                ["--multi_turn_scheduler", "OpenEnvScheduler", "--openenv_env",
-                                 "openenv_plugin:LengthEnv", "--max_turns", "3", "--reward_funcs", "format",
-                                 "--external_plugins", str(plugin)])
+    trainer, logs, out = _train(
+        tiny_model_dir,
+        tmp_path,
+        rows,
+        [
+            "--multi_turn_scheduler",
+            "OpenEnvScheduler",
+            "--openenv_env",
+            "openenv_plugin:LengthEnv",
+            "--max_turns",
+            "3",
+            "--reward_funcs",
+            "format",
+            "--external_plugins",
+            str(plugin),
+        ],
+    )
     assert trainer.state.global_step == 2 and len(logs) == 2
     assert trainer.reward_names == ["format", "gym_reward"]
     for row in logs:

@@ -132,18 +132,18 @@ FLAKY = PLUGIN + textwrap.dedent('''
 
     __all__ = ["SumTaskset", "Flaky"]
 ''')
-SINGLE = PLUGIN + textwrap.dedent('''
+SINGLE = PLUGIN + textwrap.dedent("""
     def load_environment():
         return _env("vf_single", "vf_single")
 
     __all__ = ["SumTaskset", "OneCall"]
-''')
-TOOLS = PLUGIN + textwrap.dedent('''
+""")
+TOOLS = PLUGIN + textwrap.dedent("""
     def load_environment():
         return _env("vf_tools", "vf_tools")
 
     __all__ = ["TurnsTaskset", "CalculatorLoop"]
-''')
+""")
 
 
 def _train(model_dir: Path, tmp_path: Path, plugin: Path, spec: str):
@@ -151,12 +151,44 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path, spec: str):
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "out"
-    cfg = parse_train_args([
-        "--model", str(model_dir), "--output_dir", str(out), "--max_steps", "2", "--verifiers_env", spec,
-        "--external_plugins", str(plugin), "--reward_funcs", "format",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-        "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32", "--seed", "0",
-        "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--log_completions", "true"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(model_dir),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--verifiers_env",
+            spec,
+            "--external_plugins",
+            str(plugin),
+            "--reward_funcs",
+            "format",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--learning_rate",
+            "1e-3",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--log_completions",
+            "true",
+        ]
+    )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     completions = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -181,8 +213,10 @@ def test_a_single_turn_verifiers_env_trains_with_its_rubric(tiny_model_dir, tmp_
     trainer, logs, completions, out = _train(tiny_model_dir, tmp_path, plugin, "vf_single:load_environment")
     _check_rubric_logged(trainer, logs, completions, {"correct": 1.0, "length": 0.5})
     tasks = [json.loads(line) for line in (out / "verifiers_tasks.jsonl").read_text().splitlines()]
-    assert tasks == [{"messages": [{"role": "user", "content": "What is 2 + 3?"}], "verifiers_task": 0},
-                     {"messages": [{"role": "user", "content": "What is 4 + 1?"}], "verifiers_task": 1}]
+    assert tasks == [
+        {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "verifiers_task": 0},
+        {"messages": [{"role": "user", "content": "What is 4 + 1?"}], "verifiers_task": 1},
+    ]
     assert {c["prompt"] for c in completions} == {"What is 2 + 3?", "What is 4 + 1?"}
 
 

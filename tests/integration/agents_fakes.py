@@ -27,11 +27,17 @@ class EchoEngine(InferEngine):
                 self.cancelled += r.data_dict[CANCEL].wait(60)  # as the engine's per-token check of the event
             text = self.script or f"ack {r.messages[-1]['content']}"[:200]
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            ids = ids[-config.max_tokens:]
-            choices = [ChatCompletionResponseChoice(index=k, message={"role": "assistant", "content": text},
-                                                    finish_reason="stop", token_ids=ids,
-                                                    logprobs={"content": [{"token_id": t, "logprob": -0.5}
-                                                                          for t in ids]}) for k in range(config.n)]
+            ids = ids[-config.max_tokens :]
+            choices = [
+                ChatCompletionResponseChoice(
+                    index=k,
+                    message={"role": "assistant", "content": text},
+                    finish_reason="stop",
+                    token_ids=ids,
+                    logprobs={"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
+                )
+                for k in range(config.n)
+            ]
             prompt = r.data_dict.get(PROMPT_IDS) or self.template.encode_prompt(r.messages)
             out.append(ChatCompletionResponse(choices=choices, prompt_token_ids=prompt))
         return out

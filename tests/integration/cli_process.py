@@ -23,7 +23,7 @@ import tempfile
 import textwrap
 import threading
 
-ZYGOTE = textwrap.dedent('''
+ZYGOTE = textwrap.dedent("""
     import json, os, runpy, sys, threading
     import grpokit.cli.main
     grpokit.cli.main._quiet_third_party()  # what `grpokit train|infer` sets before the libraries are imported
@@ -59,14 +59,19 @@ ZYGOTE = textwrap.dedent('''
     sys.argv = ["grpokit", *job["args"]]
     del job, reply, line
     runpy.run_module("grpokit", run_name="__main__", alter_sys=True)
-''')
+""")
 
 
 class _Zygote:
     def __init__(self) -> None:
         read, write = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(write)], stdin=subprocess.PIPE,
-                                     pass_fds=(write,), text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, str(write)],
+            stdin=subprocess.PIPE,
+            pass_fds=(write,),
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         os.close(write)
         self.replies = os.fdopen(read, "r")
         self.lock = threading.Lock()
@@ -76,8 +81,9 @@ class _Zygote:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             for path in (out, err):
                 open(path, "w").close()
-            self.proc.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd, "stdout": out, "stderr": err})
-                                  + "\n")
+            self.proc.stdin.write(
+                json.dumps({"args": args, "env": env, "cwd": cwd, "stdout": out, "stderr": err}) + "\n"
+            )
             self.proc.stdin.flush()
             first = json.loads(self.replies.readline())
             if "pid" not in first:
@@ -115,8 +121,9 @@ def _timed_out(timer: threading.Timer) -> bool:
 _zygote: _Zygote | None = None
 
 
-def run_grpokit(args: list[str], *, env: dict | None = None, cwd: str | None = None,
-                timeout: float = 240) -> subprocess.CompletedProcess:
+def run_grpokit(
+    args: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, "-m", "grpokit", *args], capture_output=True, text=True, timeout=...)``,
     from the zygote."""
     global _zygote
@@ -125,6 +132,7 @@ def run_grpokit(args: list[str], *, env: dict | None = None, cwd: str | None = N
         atexit.register(_zygote.close)
     done = _zygote.run(list(args), dict(os.environ if env is None else env), cwd or os.getcwd(), timeout)
     if done is None:
-        return subprocess.run([sys.executable, "-m", "grpokit", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=cwd)
+        return subprocess.run(
+            [sys.executable, "-m", "grpokit", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+        )
     return done

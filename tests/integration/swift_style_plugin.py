@@ -96,8 +96,10 @@ class ToolCallFormat(ORM):
     """1.0 for a well-formed tool call (or a plain <answer> when the reference is not a tool call), else 0.0."""
 
     def __call__(self, completions, solution, **kwargs) -> List[float]:
-        return [float(_tool_call(text) is not None if _tool_call(ref) else bool(_ANSWER.search(text)))
-                for text, ref in zip(completions, solution)]
+        return [
+            float(_tool_call(text) is not None if _tool_call(ref) else bool(_ANSWER.search(text)))
+            for text, ref in zip(completions, solution)
+        ]
 
 
 class ToolCallLength(ORM):
@@ -160,12 +162,19 @@ class YesNoJudge:
     @staticmethod
     def _question(messages: Messages, reference) -> Messages:
         problem, reply = messages[0]["content"], messages[-1]["content"]
-        return [{"role": "user", "content": f"Problem: {problem}\nReference answer: {reference}\nReply: {reply}\n"
-                                            "Does the reply reach the reference answer? Say [[YES]] or [[NO]]."}]
+        return [
+            {
+                "role": "user",
+                "content": f"Problem: {problem}\nReference answer: {reference}\nReply: {reply}\n"
+                "Does the reply reach the reference answer? Say [[YES]] or [[NO]].",
+            }
+        ]
 
     def __call__(self, inputs, **kwargs) -> List[float]:
-        requests = [{"messages": self._question(row["messages"], (row.get("reward_model") or {}).get("ground_truth"))}
-                    for row in inputs]
+        requests = [
+            {"messages": self._question(row["messages"], (row.get("reward_model") or {}).get("ground_truth"))}
+            for row in inputs
+        ]
         responses: List[ChatCompletionResponse] = self.engine.infer(requests, self.request_config, use_tqdm=False)
         verdicts = [r.choices[0].message.content or "" for r in responses]
         logger.debug("judge verdicts: %s", verdicts)
@@ -212,9 +221,12 @@ class CalculatorInReply(MultiTurnScheduler):
         infer_request.messages[-1]["content"] += result
         inserted = self.tokenizer.encode(result, add_special_tokens=False)
         token_ids = list(response_choice.token_ids) + inserted
-        return {"infer_request": infer_request, "response_token_ids": token_ids,
-                "response_loss_mask": [1] * len(response_choice.token_ids) + [0] * len(inserted),
-                "rollout_infos": {"tool_results": result, "num_turns": current_turn}}
+        return {
+            "infer_request": infer_request,
+            "response_token_ids": token_ids,
+            "response_loss_mask": [1] * len(response_choice.token_ids) + [0] * len(inserted),
+            "rollout_infos": {"tool_results": result, "num_turns": current_turn},
+        }
 
 
 multi_turns["calculator_in_reply"] = CalculatorInReply

@@ -19,9 +19,14 @@ from grpokit.server.openai_routes import LocalEndpoint
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
-CALC = {"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
-                                         "parameters": {"type": "object", "properties": {
-                                             "expression": {"type": "string"}}, "required": ["expression"]}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "evaluate arithmetic",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 class _Served:
@@ -34,8 +39,7 @@ class _Served:
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True)
         self.thread.start()
         while not self.server.started:
             threading.Event().wait(0.01)
@@ -50,8 +54,13 @@ def rollout_v1(tiny_model_dir):
     from grpokit.server.app import create_app
     from grpokit.server.state import ServerOptions, build_state
 
-    options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", api_key=KEY, vllm_max_model_len=256,
-                            served_model_name="tiny-policy")
+    options = ServerOptions(
+        model=str(tiny_model_dir),
+        torch_dtype="float32",
+        api_key=KEY,
+        vllm_max_model_len=256,
+        served_model_name="tiny-policy",
+    )
     served = _Served(create_app(build_state(options)))
     yield openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0)
     served.close()
@@ -59,8 +68,14 @@ def rollout_v1(tiny_model_dir):
 
 def test_chat_completions_with_n_and_logprobs(rollout_v1):
     assert [m.id for m in rollout_v1.models.list().data] == ["tiny-policy"]
-    r = rollout_v1.chat.completions.create(model="anything", messages=[{"role": "user", "content": "What is 2+3?"}],
-                                           n=3, max_tokens=6, logprobs=True, seed=1)
+    r = rollout_v1.chat.completions.create(
+        model="anything",
+        messages=[{"role": "user", "content": "What is 2+3?"}],
+        n=3,
+        max_tokens=6,
+        logprobs=True,
+        seed=1,
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     for c in r.choices:
         ids = c.model_extra["token_ids"]  # grpokit's extra field: the sampled ids
@@ -72,25 +87,39 @@ def test_chat_completions_with_n_and_logprobs(rollout_v1):
 
 
 def test_chat_completions_with_tools_and_a_tool_result(rollout_v1):
-    messages = [{"role": "user", "content": "What is 2+3?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "calculator",
-                                                                  "arguments": '{"expression": "2+3"}'}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    messages = [
+        {"role": "user", "content": "What is 2+3?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
     r = rollout_v1.chat.completions.create(model="m", messages=messages, tools=[CALC], max_tokens=4)
     assert len(r.choices) == 1 and r.choices[0].logprobs is None  # logprobs only when asked
 
 
-@pytest.mark.parametrize(("kwargs", "error", "words"), [
-    ({"stream": True}, "BadRequestError", "stream true"),
-    ({"n": 0}, "UnprocessableEntityError", "n: Input should be greater than or equal to 1"),
-    ({"extra_body": {"frobnicate": 1}}, "UnprocessableEntityError", "frobnicate"),
-    ({"top_logprobs": 2, "logprobs": True}, "BadRequestError", "top_logprobs 2"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"stream": True}, "BadRequestError", "stream true"),
+        ({"n": 0}, "UnprocessableEntityError", "n: Input should be greater than or equal to 1"),
+        ({"extra_body": {"frobnicate": 1}}, "UnprocessableEntityError", "frobnicate"),
+        ({"top_logprobs": 2, "logprobs": True}, "BadRequestError", "top_logprobs 2"),
+    ],
+)
 def test_bad_bodies_are_the_servers_4xx(rollout_v1, kwargs, error, words):
     with pytest.raises(getattr(openai, error)) as e:
-        rollout_v1.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                           **kwargs)
+        rollout_v1.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2, **kwargs
+        )
     assert words in e.value.message and e.value.body["code"] == str(e.value.status_code)  # OpenAI's error shape
 
 
@@ -110,8 +139,12 @@ def template(tiny_model_dir):
 
 
 def _requests(n: int, groups: int = 1) -> list[RolloutInferRequest]:
-    return [RolloutInferRequest(messages=[{"role": "user", "content": f"task {i}"}], data_dict={"k": i},
-                                prompt_id=str(i % groups)) for i in range(n)]
+    return [
+        RolloutInferRequest(
+            messages=[{"role": "user", "content": f"task {i}"}], data_dict={"k": i}, prompt_id=str(i % groups)
+        )
+        for i in range(n)
+    ]
 
 
 def _scheduler(engine, agent, **kw) -> AgentScheduler:
@@ -156,8 +189,12 @@ def test_64_concurrent_episodes_keep_their_own_calls(template):
     finally:
         scheduler.close()
     assert engine.calls == 64 * 3 and len(outputs) == 64  # every call landed, each episode one trajectory
-    assert scheduler.rollout_metrics() == {"agent/episodes": 64, "agent/failures": 0, "agent/timeouts": 0,
-                                   "agent/calls_mean": 3.0}
+    assert scheduler.rollout_metrics() == {
+        "agent/episodes": 64,
+        "agent/failures": 0,
+        "agent/timeouts": 0,
+        "agent/calls_mean": 3.0,
+    }
     for i, o in enumerate(outputs):
         assert o.rollout_infos["total_reward"] == float(i) and o.prompt_id == str(i % 8)
         replies = [m["content"] for m in o.messages if m["role"] == "assistant"]

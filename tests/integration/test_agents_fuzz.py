@@ -35,17 +35,20 @@ def session(tiny_model_dir):
     from grpokit.template.encode import ChatTemplate
 
     recorder = EpisodeRecorder()
-    service = ChatService(EchoEngine(ChatTemplate(load_tokenizer(tiny_model_dir))), "policy",
-                          RequestConfig(max_tokens=16))
+    service = ChatService(
+        EchoEngine(ChatTemplate(load_tokenizer(tiny_model_dir))), "policy", RequestConfig(max_tokens=16)
+    )
     episode = recorder.open({"messages": [{"role": "user", "content": "hi"}]})
-    with TestClient(episode_app(service, recorder), raise_server_exceptions=False,
-                    base_url="http://127.0.0.1") as client:
+    with TestClient(
+        episode_app(service, recorder), raise_server_exceptions=False, base_url="http://127.0.0.1"
+    ) as client:
         yield client, episode
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 def test_episode_routes_answer_below_500_in_openais_error_shape(case, session):
     client, episode = session
     if case.path_parameters is not None:
@@ -58,6 +61,9 @@ def test_episode_routes_answer_below_500_in_openais_error_shape(case, session):
     if response.status_code >= 400:
         error = response.json()["error"]
         assert isinstance(error, dict) and isinstance(error["message"], str) and error["message"]
-    ok = client.post(f"/episodes/{episode.id}/v1/chat/completions", headers={"Authorization": f"Bearer {episode.key}"},
-                     json={"model": "m", "messages": [{"role": "user", "content": "still there?"}]})
+    ok = client.post(
+        f"/episodes/{episode.id}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {episode.key}"},
+        json={"model": "m", "messages": [{"role": "user", "content": "still there?"}]},
+    )
     assert ok.status_code == 200, ok.text[:300]

@@ -106,19 +106,57 @@ def _train(model_dir: Path, tmp_path: Path, plugin: str, agent: str, steps: int)
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} * {b}?"}], "expression": f"{a} * {b}",
-             "extra_calls": (a + b) % 3} for a, b in ((2, 3), (4, 5), (6, 7), (8, 9))]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": f"What is {a} * {b}?"}],
+            "expression": f"{a} * {b}",
+            "extra_calls": (a + b) % 3,
+        }
+        for a, b in ((2, 3), (4, 5), (6, 7), (8, 9))
+    ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / f"{agent}_plugin.py"
     path.write_text(plugin)
     out = tmp_path / "out"
-    cfg = parse_train_args([
-        "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out), "--max_steps", str(steps),
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-        "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32", "--seed", "0",
-        "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false",
-        "--agent", agent, "--external_plugins", str(path), "--agent_timeout", "120"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(steps),
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--learning_rate",
+            "1e-3",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--agent",
+            agent,
+            "--external_plugins",
+            str(path),
+            "--agent_timeout",
+            "120",
+        ]
+    )
     trainer = run_train(cfg)
     trainer.scheduler.close()
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
@@ -129,7 +167,7 @@ def _grpo_advantages(rewards: list[float]) -> list[float]:
     # groups of 2 (num_generations): A = (r − mean) / (Bessel std + 1e-4); std of (a, b) = |a − b| / √2
     out = []
     for a, b in zip(rewards[::2], rewards[1::2], strict=True):
-        m, s = (a + b) / 2, abs(a - b) / 2 ** 0.5
+        m, s = (a + b) / 2, abs(a - b) / 2**0.5
         out += [(a - m) / (s + 1e-4), (b - m) / (s + 1e-4)]
     return out
 
@@ -150,13 +188,13 @@ def test_an_openai_agent_trains_on_the_ids_the_endpoint_sampled(tiny_model_dir, 
             for (p, c), nxt in zip(calls, [*calls[1:], None]):
                 trained += [0] * (len(p) - len(prompt) - len(trained)) + [1] * len(c)
                 if nxt is not None:
-                    assert nxt[0][:len(p) + len(c)] == p + c  # each call extends the last: no re-tokenising
+                    assert nxt[0][: len(p) + len(c)] == p + c  # each call extends the last: no re-tokenising
             n = len(full) - len(prompt)
-            assert batch.input_ids[i, width - len(prompt):width].tolist() == prompt
-            assert batch.input_ids[i, width:width + n].tolist() == full[len(prompt):]
+            assert batch.input_ids[i, width - len(prompt) : width].tolist() == prompt
+            assert batch.input_ids[i, width : width + n].tolist() == full[len(prompt) :]
             assert batch.completion_mask[i, :n].tolist() == [float(t) for t in trained]
             assert batch.completion_mask[i, n:].sum() == 0
-            masked = [t for t, m in zip(full[len(prompt):], trained) if not m]
+            masked = [t for t, m in zip(full[len(prompt) :], trained) if not m]
             assert tok.decode(masked).count("RESULT") == len(calls) - 1  # tool results are never trained
             rewards.append(plugin.REWARDS[o.rollout_infos["episode_id"]])
         assert window.rewards_per_func[:, 0].tolist() == pytest.approx(rewards)

@@ -69,11 +69,41 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-            "--external_plugins", str(plugin), "--reward_funcs", "short_is_good", "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--max_completion_length", "8",
-            "--max_steps", "2", "--learning_rate", "1e-3", "--torch_dtype", "float32", "--disable_tqdm", "true",
-            "--plots", "false", "--save_final_model", "false", "--seed", "1", *extra]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "short_is_good",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--steps_per_generation",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--seed",
+        "1",
+        *extra,
+    ]
     trainer = run_train(parse_train_args(args))
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, rows
@@ -92,9 +122,18 @@ def micro_steps(monkeypatch) -> list[dict]:
         loss, metrics = compute(self, model, inputs)
         with torch.no_grad():
             logps, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
-        steps.append({"loss": float(loss.detach()), "metrics": {k: float(v) for k, v in metrics.items()},
-                      "logps": logps.float().cpu(), "old": inputs.old_logps, "ref": inputs.ref_logps,
-                      "adv": inputs.advantages, "mask": inputs.completion_mask, "rollout": inputs.rollout_logps})
+        steps.append(
+            {
+                "loss": float(loss.detach()),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+                "logps": logps.float().cpu(),
+                "old": inputs.old_logps,
+                "ref": inputs.ref_logps,
+                "adv": inputs.advantages,
+                "mask": inputs.completion_mask,
+                "rollout": inputs.rollout_logps,
+            }
+        )
         return loss, metrics
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss_and_metrics", recording)
@@ -102,15 +141,20 @@ def micro_steps(monkeypatch) -> list[dict]:
 
 
 @pytest.mark.parametrize("loss_type, level", WIRING)
-def test_loss_types_train_on_the_trainers_tensors(tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps,
-                                                  loss_type, level):
+def test_loss_types_train_on_the_trainers_tensors(
+    tiny_model_dir, math_jsonl, tmp_path, plugin, micro_steps, loss_type, level
+):
     """Per micro-step, the trainer's loss and metrics equal the variant's formula on the same tensors, its clip
     metrics (and only those) are logged, the ratio acts once the policy moved, and the policy moved."""
     # steps_per_generation 2 > gradient_accumulation_steps 1: the second micro-step is off-policy, the ratio acts.
     # The stop string ends completions at different lengths, which the normalisers weigh differently.
-    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
-                           ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04",
-                            "--stop_words", "e"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "run",
+        plugin,
+        ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04", "--stop_words", "e"],
+    )
     cfg = trainer.loss_cfg
     assert (cfg.loss_type, cfg.importance_sampling_level, cfg.beta) == (loss_type, level, 0.04)
     assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
@@ -136,16 +180,35 @@ def test_loss_types_train_on_the_trainers_tensors(tiny_model_dir, math_jsonl, tm
     assert all(not policy[n].detach().equal(ref[n]) for n in ref if n.endswith("q_proj.weight"))  # it trained
 
 
-@pytest.mark.parametrize("reward, draws, rounds, without_signal, trained_draw", [
-    ("signal_from_second_draw", 2, 1, 0.0, 2),  # window 1 has no signal; the first resampling round replaces it
-    ("no_signal", 3, 2, 2.0, 1),  # max_resample_times rounds, none with a signal: the window's own groups train
-])
-def test_dynamic_sampling_resamples_groups_without_signal(tiny_model_dir, math_jsonl, tmp_path, plugin, reward,
-                                                          draws, rounds, without_signal, trained_draw):
+@pytest.mark.parametrize(
+    "reward, draws, rounds, without_signal, trained_draw",
+    [
+        ("signal_from_second_draw", 2, 1, 0.0, 2),  # window 1 has no signal; the first resampling round replaces it
+        ("no_signal", 3, 2, 2.0, 1),  # max_resample_times rounds, none with a signal: the window's own groups train
+    ],
+)
+def test_dynamic_sampling_resamples_groups_without_signal(
+    tiny_model_dir, math_jsonl, tmp_path, plugin, reward, draws, rounds, without_signal, trained_draw
+):
     out = tmp_path / "dyn"
-    trainer, rows = _train(tiny_model_dir, math_jsonl, out, plugin,
-                           ["--reward_funcs", reward, "--dynamic_sample", "true", "--max_resample_times", "2",
-                            "--beta", "0", "--log_completions", "true"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        out,
+        plugin,
+        [
+            "--reward_funcs",
+            reward,
+            "--dynamic_sample",
+            "true",
+            "--max_resample_times",
+            "2",
+            "--beta",
+            "0",
+            "--log_completions",
+            "true",
+        ],
+    )
     assert trainer.reward_runner.funcs[0].draws == draws  # one window, then a rollout per resampling round
     assert trainer.state.prompts_consumed == 2 * draws  # each round drew the next window's 2 prompts
     assert [r["step"] for r in rows] == [1, 2]
@@ -174,13 +237,25 @@ def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_p
     def record_window(self, prompts, rollout=None):
         window = prepare(self, prompts, rollout)
         batch, raw = window.batch, window.rewards_per_func
-        windows.append({"old": batch.old_logps, "ref": batch.ref_logps, "mask": batch.completion_mask,
-                        "raw": raw.clone(), "penalty": raw.sum(1) - window.rewards})  # one process: all rows
+        windows.append(
+            {
+                "old": batch.old_logps,
+                "ref": batch.ref_logps,
+                "mask": batch.completion_mask,
+                "raw": raw.clone(),
+                "penalty": raw.sum(1) - window.rewards,
+            }
+        )  # one process: all rows
         return window
 
     monkeypatch.setattr(GRPOTrainer, "_prepare_inputs", record_window)
-    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "klr", plugin,
-                           ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "klr",
+        plugin,
+        ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"],
+    )
     assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1
     assert trainer.ref_model is not None  # kept for the penalty
     assert [r["step"] for r in rows] == [1, 2] and len(windows) == 2
@@ -197,10 +272,28 @@ def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_p
 
 
 def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path, plugin):
-    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "mu", plugin,
-                           ["--num_iterations", "2", "--beta", "0.04", "--sync_ref_model", "true",
-                            "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5", "--epsilon", "0.1",
-                            "--max_steps", "4"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "mu",
+        plugin,
+        [
+            "--num_iterations",
+            "2",
+            "--beta",
+            "0.04",
+            "--sync_ref_model",
+            "true",
+            "--ref_model_sync_steps",
+            "1",
+            "--ref_model_mixup_alpha",
+            "0.5",
+            "--epsilon",
+            "0.1",
+            "--max_steps",
+            "4",
+        ],
+    )
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # with μ = 2 the policy moves inside a window; a large lr pushes some ratios out of the clip range
     assert any(r["clip_ratio/region_mean"] > 0 or r["is_ratio/mean"] != 1.0 for r in rows)
@@ -210,13 +303,16 @@ def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path
     assert not policy[name].detach().equal(ref[name])  # EMA moved the ref towards, not onto, the policy
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--scale_rewards", "gdpo", "--kl_in_reward", "true"], "gdpo"),
-    (["--epsilon", "-0.1"], "--epsilon"),
-    (["--top_entropy_quantile", "1.5"], "top_entropy_quantile"),
-    (["--loss_type", "vespo", "--rollout_importance_sampling_mode", "sequence_mask"], "vespo"),
-    (["--loss_type", "vespo", "--vespo_lambda_pos", "0"], "--vespo_lambda_pos"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--scale_rewards", "gdpo", "--kl_in_reward", "true"], "gdpo"),
+        (["--epsilon", "-0.1"], "--epsilon"),
+        (["--top_entropy_quantile", "1.5"], "top_entropy_quantile"),
+        (["--loss_type", "vespo", "--rollout_importance_sampling_mode", "sequence_mask"], "vespo"),
+        (["--loss_type", "vespo", "--vespo_lambda_pos", "0"], "--vespo_lambda_pos"),
+    ],
+)
 def test_invalid_combinations_fail_at_start(tiny_model_dir, math_jsonl, extra, needle):
     from grpokit.config.parse import parse_train_args
     from grpokit.errors import ConfigError
@@ -238,6 +334,7 @@ def test_fast_decode_flag_chooses_the_sampler(tiny_model_dir, math_jsonl, tmp_pa
         def wrapped(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(FastDecoder, "generate", counting("fast", fast_generate))
@@ -255,9 +352,24 @@ def test_off_policy_sequence_mask_in_the_trainer(tiny_model_dir, math_jsonl, tmp
     μ = 2 the second pass over the window sees the policy moved by the first: its negative completions got less
     likely, past δ."""
     delta = 1e-3
-    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
-                           ["--off_policy_sequence_mask_delta", str(delta), "--beta", "0", "--stop_words", "e",
-                            "--steps_per_generation", "1", "--num_iterations", "2"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "run",
+        plugin,
+        [
+            "--off_policy_sequence_mask_delta",
+            str(delta),
+            "--beta",
+            "0",
+            "--stop_words",
+            "e",
+            "--steps_per_generation",
+            "1",
+            "--num_iterations",
+            "2",
+        ],
+    )
     assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
     for row, step in zip(rows, micro_steps, strict=True):
         assert "mismatch/max_abs" in row and step["rollout"] is not None
@@ -278,8 +390,13 @@ def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, 
     """--loss_type real: per micro-step (one group of 4: per_device_train_batch_size = num_generations), the
     trainer's loss is REAL's classification loss on the mean log-ratios (τ = 0.5) plus β·KL as a token mean; only
     is_ratio/mean and kl are logged; rewards are unscaled; the policy moved."""
-    trainer, rows = _train(tiny_model_dir, math_jsonl, tmp_path / "run", plugin,
-                           ["--loss_type", "real", "--beta", "0.04", "--stop_words", "e"])
+    trainer, rows = _train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "run",
+        plugin,
+        ["--loss_type", "real", "--beta", "0.04", "--stop_words", "e"],
+    )
     assert (trainer.loss_cfg.num_generations, trainer.loss_cfg.real_tau) == (4, 0.5)
     assert trainer.cfg.algorithm.scale_rewards == "none"
     assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
@@ -289,8 +406,11 @@ def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, 
         lp, old, ref = (torch.where(keep, step[k], 0.0) for k in ("logps", "old", "ref"))
         s = ((lp - old) * mask).sum(1) / mask.sum(1).clamp(min=1) / 0.5  # logits s_k / τ
         pos = step["adv"] > 0
-        real = (torch.log1p(torch.exp(s[~pos]).sum()) + torch.log1p(torch.exp(-s[pos]).sum())
-                if pos.any() and (~pos).any() else torch.tensor(0.0))
+        real = (
+            torch.log1p(torch.exp(s[~pos]).sum()) + torch.log1p(torch.exp(-s[pos]).sum())
+            if pos.any() and (~pos).any()
+            else torch.tensor(0.0)
+        )
         kl = torch.exp(ref - lp) - (ref - lp) - 1
         loss = real + 0.04 * (kl * mask).sum() / mask.sum()
         assert step["loss"] == pytest.approx(float(loss), rel=1e-4, abs=1e-6)

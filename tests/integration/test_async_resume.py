@@ -125,11 +125,20 @@ PLUGIN = textwrap.dedent('''
 PROMPTS, PER_STEP, GENERATIONS = 24, 2, 4
 STEPS = PROMPTS // PER_STEP
 # (RESUME_KILL, what the note must say): one launch each, in order; the last one finishes the epoch
-SYNC_POINTS = [("reward:3", "on MainThread"), ("mid_step:5", "inside step 5"), ("saving:6", "saving checkpoint-6"),
-               ("saved:8", "after checkpoint-8 was sealed"), ("step_end:9", "after step 9")]
+SYNC_POINTS = [
+    ("reward:3", "on MainThread"),
+    ("mid_step:5", "inside step 5"),
+    ("saving:6", "saving checkpoint-6"),
+    ("saved:8", "after checkpoint-8 was sealed"),
+    ("step_end:9", "after step 9"),
+]
 ASYNC_POINTS = [("reward:3", "on grpokit-rollout"), ("full:4", "windows ready")] + SYNC_POINTS[1:]
-MODES = {"sync": (0, SYNC_POINTS, []), "k1": (1, ASYNC_POINTS, []), "k2": (2, ASYNC_POINTS, []),
-         "k2_partial": (2, ASYNC_POINTS, ["--partial_rollouts", "true", "--max_completion_length", "96"])}
+MODES = {
+    "sync": (0, SYNC_POINTS, []),
+    "k1": (1, ASYNC_POINTS, []),
+    "k2": (2, ASYNC_POINTS, []),
+    "k2_partial": (2, ASYNC_POINTS, ["--partial_rollouts", "true", "--max_completion_length", "96"]),
+}
 TIMES: dict[str, list[float]] = {}
 
 
@@ -144,30 +153,89 @@ def setup(tiny_model_dir, tmp_path_factory):
     t0 = time.perf_counter()
     with rollout_server(tiny_model_dir, root, "--torch_dtype", "float32") as server:
         TIMES["server start"] = [time.perf_counter() - t0]
-        yield SimpleNamespace(root=root, model=tiny_model_dir, data=data, plugin=plugin, port=server.port,
-                              queries=[r["query"] for r in rows])
-    print("\ntest_async_resume timings (s): " + "; ".join(
-        f"{name}: {sum(t):.1f} ({' '.join(f'{x:.1f}' for x in t)})" for name, t in TIMES.items()))
+        yield SimpleNamespace(
+            root=root,
+            model=tiny_model_dir,
+            data=data,
+            plugin=plugin,
+            port=server.port,
+            queries=[r["query"] for r in rows],
+        )
+    print(
+        "\ntest_async_resume timings (s): "
+        + "; ".join(f"{name}: {sum(t):.1f} ({' '.join(f'{x:.1f}' for x in t)})" for name, t in TIMES.items())
+    )
 
 
 def _args(s: SimpleNamespace, out: Path, k: int, extra: list[str]) -> list[str]:
-    return ["train", "--model", str(s.model), "--dataset", str(s.data), "--output_dir", str(out),
-            "--external_plugins", str(s.plugin), "--reward_funcs", "resume_even_length",
-            "--callbacks", "resume_kill", "resume_kill_mid_step",
-            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(s.port),
-            "--vllm_server_timeout", "60", "--max_staleness", str(k),
-            "--num_generations", str(GENERATIONS), "--per_device_train_batch_size", str(PER_STEP * GENERATIONS),
-            "--num_train_epochs", "1", "--max_completion_length", "8", "--learning_rate", "1e-3",
-            "--torch_dtype", "float32", "--seed", "5", "--save_steps", "2", "--log_completions", "true",
-            "--logging_steps", "1", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false",
-            "--resume_from_checkpoint", "latest", *extra]
+    return [
+        "train",
+        "--model",
+        str(s.model),
+        "--dataset",
+        str(s.data),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(s.plugin),
+        "--reward_funcs",
+        "resume_even_length",
+        "--callbacks",
+        "resume_kill",
+        "resume_kill_mid_step",
+        "--vllm_mode",
+        "server",
+        "--vllm_server_host",
+        "127.0.0.1",
+        "--vllm_server_port",
+        str(s.port),
+        "--vllm_server_timeout",
+        "60",
+        "--max_staleness",
+        str(k),
+        "--num_generations",
+        str(GENERATIONS),
+        "--per_device_train_batch_size",
+        str(PER_STEP * GENERATIONS),
+        "--num_train_epochs",
+        "1",
+        "--max_completion_length",
+        "8",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--seed",
+        "5",
+        "--save_steps",
+        "2",
+        "--log_completions",
+        "true",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--resume_from_checkpoint",
+        "latest",
+        *extra,
+    ]
 
 
 def _launch(s, out: Path, k: int, kill: str, mode: str, extra: list[str]):
     note = out.parent / f"{out.name}-note"
     note.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RESUME_KILL": kill, "RESUME_NOTE": str(note)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RESUME_KILL": kill,
+        "RESUME_NOTE": str(note),
+    }
     t0 = time.perf_counter()
     res = run_grpokit(_args(s, out, k, extra), env=env, timeout=180)  # a forked process (cli_process.py)
     TIMES.setdefault(mode, []).append(time.perf_counter() - t0)
@@ -203,8 +271,10 @@ def test_killed_at_every_point_trains_each_prompt_once(setup, mode):
         steps_of[r["group"]].append(r["step"])
         prompts_of[r["prompt"]].append(r["step"])
     expected = {str(p) for p in range(PROMPTS)}  # the epoch's stream positions
-    assert set(steps_of) == expected, f"missing {sorted(expected - set(steps_of), key=int)}, " \
-                                      f"not of the epoch {sorted(set(steps_of) - expected, key=int)}"
+    assert set(steps_of) == expected, (
+        f"missing {sorted(expected - set(steps_of), key=int)}, "
+        f"not of the epoch {sorted(set(steps_of) - expected, key=int)}"
+    )
     for table in (steps_of, prompts_of):  # each position, and each dataset prompt, trained in one step, whole
         twice = {key: steps for key, steps in table.items() if len(steps) != GENERATIONS or len(set(steps)) != 1}
         assert not twice, twice

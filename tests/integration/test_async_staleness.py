@@ -33,13 +33,52 @@ def tiny(tiny_model_dir):
 
 
 def _train(tiny, out, *extra: str, port: int | None = None):
-    server = [] if port is None else ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
-                                      "--vllm_server_port", str(port), "--vllm_server_timeout", "60"]
-    cfg = parse_train_args([
-        "--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "async_test_even_length", *server,
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--output_dir", str(out), "--save_final_model", "false", "--save_steps", "100", "--torch_dtype", "float32",
-        "--seed", "3", "--log_completions", "true", "--plots", "false", *extra])
+    server = (
+        []
+        if port is None
+        else [
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(port),
+            "--vllm_server_timeout",
+            "60",
+        ]
+    )
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "async_test_even_length",
+            *server,
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--save_steps",
+            "100",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "3",
+            "--log_completions",
+            "true",
+            "--plots",
+            "false",
+            *extra,
+        ]
+    )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -51,7 +90,8 @@ def test_max_staleness_0_is_the_synchronous_run(tiny, tmp_path):
     (In process: a rollout server batches concurrent requests as they arrive, so its samples are not repeatable.)"""
     (t_sync, logs_sync, rows_sync), (t_k0, logs_k0, rows_k0) = (
         _train(tiny, tmp_path / name, "--max_steps", "3", *extra)
-        for name, extra in (("sync", ()), ("k0", ("--async_generate", "true", "--max_staleness", "0"))))
+        for name, extra in (("sync", ()), ("k0", ("--async_generate", "true", "--max_staleness", "0")))
+    )
     assert not any(k.startswith("async/") for k in logs_k0[0])
     assert [r["completion"] for r in rows_k0] == [r["completion"] for r in rows_sync]
     assert [(r["loss"], r["reward"]) for r in logs_k0] == [(r["loss"], r["reward"]) for r in logs_sync]
@@ -63,8 +103,17 @@ def test_max_staleness_0_is_the_synchronous_run(tiny, tmp_path):
 @pytest.mark.parametrize("policy, k", [("wait", 2), ("drop", 1)])
 def test_no_trained_row_is_older_than_the_bound(tiny, tmp_path, policy, k):
     with rollout_server(tiny, tmp_path, *FLOAT32) as server:
-        trainer, logs, rows = _train(tiny, tmp_path / policy, "--max_steps", "6", "--max_staleness", str(k),
-                                     "--staleness_policy", policy, port=server.port)
+        trainer, logs, rows = _train(
+            tiny,
+            tmp_path / policy,
+            "--max_steps",
+            "6",
+            "--max_staleness",
+            str(k),
+            "--staleness_policy",
+            policy,
+            port=server.port,
+        )
     assert [r["step"] for r in logs] == list(range(1, 7))
     ages = [r["step"] - 1 - r["weight_version"] for r in rows]  # the step that trains it, less its weights' step
     assert len(rows) == 6 * 8 and min(ages) >= 0 and max(ages) <= k, ages

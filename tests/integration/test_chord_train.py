@@ -14,9 +14,16 @@ from grpokit.algorithms import chord_mu
 pytestmark = pytest.mark.slow
 
 # ms-swift's SFT layout: messages ending in the expert's assistant reply
-EXPERT = [{"messages": [{"role": "user", "content": f"What is {a} times {b}?"},
-                        {"role": "assistant", "content": f"{a} times {b} is {a * b}."}]}
-          for a in range(2, 6) for b in range(2, 4)]
+EXPERT = [
+    {
+        "messages": [
+            {"role": "user", "content": f"What is {a} times {b}?"},
+            {"role": "assistant", "content": f"{a} times {b} is {a * b}."},
+        ]
+    }
+    for a in range(2, 6)
+    for b in range(2, 4)
+]
 PLUGIN = textwrap.dedent("""
     from grpokit.rewards import ORM, orms
 
@@ -34,12 +41,45 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
 
     plugin = sft.parent / "chord_plugin.py"
     plugin.write_text(PLUGIN)
-    args = ["--external_plugins", str(plugin), "--reward_funcs", "chord_short_is_good",
-            "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-            "--num_generations", "4", "--per_device_train_batch_size", "4", "--steps_per_generation", "2",
-            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--torch_dtype",
-            "float32", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--seed", "1",
-            "--chord_sft_dataset", str(sft), "--chord_sft_per_device_train_batch_size", "2", *extra]
+    args = [
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "chord_short_is_good",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--output_dir",
+        str(out),
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--steps_per_generation",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--seed",
+        "1",
+        "--chord_sft_dataset",
+        str(sft),
+        "--chord_sft_per_device_train_batch_size",
+        "2",
+        *extra,
+    ]
     trainer = run_train(parse_train_args(args))
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, [r for r in rows if "loss" in r]
@@ -71,7 +111,9 @@ def mixes(monkeypatch) -> list[dict]:
                 model = self._test_policy
                 logits = model(input_ids=ids.to(model.device), attention_mask=att.to(model.device)).logits.float()
                 c = batch.logits_to_keep
-                lp = torch.log_softmax(logits[:, -c - 1:-1], -1).gather(-1, ids[:, -c:, None].to(model.device))[..., 0]
+                lp = torch.log_softmax(logits[:, -c - 1 : -1], -1).gather(-1, ids[:, -c:, None].to(model.device))[
+                    ..., 0
+                ]
                 m = batch.completion_mask.to(lp.device)
                 seen["sft_ref"] = float(-(lp * m).sum() / m.sum())
             return logps_of(batch)
@@ -97,12 +139,17 @@ def _bind_policy(monkeypatch):
 
 
 @pytest.mark.parametrize("forward", [[], ["--padding_free", "true"]], ids=["padded", "padding_free"])
-def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tiny_model_dir, math_jsonl, sft,
-                                                                                tmp_path, mixes, monkeypatch, forward,
-                                                                                capsys):
+def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(
+    tiny_model_dir, math_jsonl, sft, tmp_path, mixes, monkeypatch, forward, capsys
+):
     _bind_policy(monkeypatch)
-    trainer, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out",
-                             ["--chord_mu_peak", "0.3", "--chord_mu_valley", "0.3", *forward])  # a constant mu
+    trainer, logged = _train(
+        tiny_model_dir,
+        math_jsonl,
+        sft,
+        tmp_path / "out",
+        ["--chord_mu_peak", "0.3", "--chord_mu_valley", "0.3", *forward],
+    )  # a constant mu
     assert [r["step"] for r in logged] == [1, 2]
     assert [c["step"] for c in mixes] == [0, 1]  # one micro-step per optimizer step, one SFT batch each
     assert all(c["grpo"] != 0 for c in mixes)  # a reward with signal: both terms count
@@ -116,7 +163,7 @@ def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tin
         assert len(batch) == 2
         for row in range(2):  # the completion is an expert reply + end of sequence, all of it trained
             keep = batch.completion_mask[row].bool()
-            ids = batch.input_ids[row, -batch.logits_to_keep:][keep].tolist()
+            ids = batch.input_ids[row, -batch.logits_to_keep :][keep].tolist()
             assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) in replies
     drawn = [tok.decode(c["batch"].input_ids[0]) for c in mixes]
     assert len(set(drawn)) > 1  # the rows move on from micro-step to micro-step
@@ -126,12 +173,26 @@ def test_chord_loss_is_grpo_plus_mu_times_the_sft_loss_of_the_expert_replies(tin
     assert progress and f"| mu 0.300 | sft_loss {logged[1]['chord/sft_loss']:.4f}" in progress[0]
 
 
-def test_mu_schedule_phi_and_resume_continue_the_sft_rows(tiny_model_dir, math_jsonl, sft, tmp_path, mixes,
-                                                          monkeypatch):
+def test_mu_schedule_phi_and_resume_continue_the_sft_rows(
+    tiny_model_dir, math_jsonl, sft, tmp_path, mixes, monkeypatch
+):
     _bind_policy(monkeypatch)
-    schedule = ["--chord_mu_warmup_steps", "1", "--chord_mu_decay_steps", "2", "--chord_mu_peak", "0.8",
-                "--chord_mu_valley", "0.2", "--chord_enable_phi_function", "true", "--max_steps", "3",
-                "--save_steps", "2"]
+    schedule = [
+        "--chord_mu_warmup_steps",
+        "1",
+        "--chord_mu_decay_steps",
+        "2",
+        "--chord_mu_peak",
+        "0.8",
+        "--chord_mu_valley",
+        "0.2",
+        "--chord_enable_phi_function",
+        "true",
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "2",
+    ]
     _, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out", schedule)
     # one micro-step per optimizer step; step 0: warm-up 0/1 → mu 0 (no SFT rows drawn); step 1: peak 0.8;
     # step 2: 0.2 + 0.6 * (1 + cos(pi/2)) / 2 = 0.5
@@ -143,8 +204,13 @@ def test_mu_schedule_phi_and_resume_continue_the_sft_rows(tiny_model_dir, math_j
     state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["chord_sft_consumed"] == 2  # step 1: 2 rows; step 0 drew none (mu = 0)
     mixes.clear()
-    _, resumed = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out",
-                        schedule + ["--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-2")])
+    _, resumed = _train(
+        tiny_model_dir,
+        math_jsonl,
+        sft,
+        tmp_path / "out",
+        schedule + ["--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-2")],
+    )
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert resumed[2]["chord/mu"] == pytest.approx(0.5)
     again = [c for c in mixes if c["step"] == 2]
@@ -175,17 +241,54 @@ def test_under_ddp_each_process_trains_on_its_own_sft_rows(tiny_model_dir, math_
     plugin = tmp_path / "chord_dump_plugin.py"
     plugin.write_text(DUMP_PLUGIN)
     out, dump = tmp_path / "out", tmp_path / "dump"
-    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-            "--external_plugins", str(plugin), "--reward_funcs", "chord_short_is_good", "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "2",
-            "--torch_dtype", "float32", "--use_cpu", "true", "--disable_tqdm", "true", "--plots", "false",
-            "--save_final_model", "false", "--dataset_shuffle", "false", "--chord_sft_dataset", str(sft),
-            "--chord_sft_per_device_train_batch_size", "1", "--chord_mu_peak", "0.5", "--chord_mu_valley", "0.5"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "chord_short_is_good",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--torch_dtype",
+        "float32",
+        "--use_cpu",
+        "true",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--dataset_shuffle",
+        "false",
+        "--chord_sft_dataset",
+        str(sft),
+        "--chord_sft_per_device_train_batch_size",
+        "1",
+        "--chord_mu_peak",
+        "0.5",
+        "--chord_mu_valley",
+        "0.5",
+    ]
     _torchrun(args, dump)
-    ranks = [[json.loads(line)["rows"] for line in (dump / f"chord_rank{r}.jsonl").read_text().splitlines()]
-             for r in range(2)]
+    ranks = [
+        [json.loads(line)["rows"] for line in (dump / f"chord_rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
     # 2 micro-steps; SFT row order without shuffling: rank 0 takes rows 0, 2, rank 1 rows 1, 3
     assert ranks == [[[0], [2]], [[1], [3]]]
     logged = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert [r["step"] for r in logged] == [1, 2] and all(r["chord/mu"] == 0.5 and r["chord/sft_loss"] > 0
-                                                         for r in logged)
+    assert [r["step"] for r in logged] == [1, 2] and all(
+        r["chord/mu"] == 0.5 and r["chord/sft_loss"] > 0 for r in logged
+    )

@@ -27,7 +27,7 @@ RUNS = 6  # launches of the script: with a plain exit, P(no launch aborts) is ab
 
 # each rank: collectives on tensors that Python owns and drops at once (the worker thread may release them last),
 # then the end a `grpokit train` process takes, with the group still formed
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import atexit
     import os
     import sys
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent('''
     assert c10d_threads(), "the gloo threads should still run here"
     exit_if_groups_linger(int(sys.argv[2]))
     raise SystemExit("exit_if_groups_linger returned although backend threads were alive")
-''')
+""")
 
 
 def _one_cpu() -> list[str]:
@@ -66,8 +66,23 @@ def test_exit_with_lingering_backend_threads_is_clean(tmp_path):
     for i in range(RUNS + 1):
         code = 0 if i < RUNS else 3  # the last launch: the status given is the status the processes end with
         marker = tmp_path / f"run{i}"
-        cmd = [*_one_cpu(), sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(marker), str(code)]
+        cmd = [
+            *_one_cpu(),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--nnodes",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            str(script),
+            str(marker),
+            str(code),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
         assert "terminate called" not in proc.stderr, f"launch {i}: {proc.stderr[-3000:]}"
         if code == 0:
@@ -80,7 +95,7 @@ def test_exit_with_lingering_backend_threads_is_clean(tmp_path):
 
 def test_no_backend_threads_means_a_normal_exit(tmp_path):
     """Without a process group the function returns, and the interpreter exits as usual (its finalization runs)."""
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         import torch.distributed  # loaded, but no group formed
         from grpokit.trainers.distributed import c10d_threads, exit_if_groups_linger
 
@@ -92,7 +107,7 @@ def test_no_backend_threads_means_a_normal_exit(tmp_path):
         assert c10d_threads() == [], c10d_threads()
         exit_if_groups_linger(5)
         print("returned", flush=True)
-    ''')
+    """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["returned", "finalized"]

@@ -9,8 +9,11 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"name": "get_weather", "description": "Weather of a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 
 
 def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, monkeypatch):
@@ -18,8 +21,11 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
     from grpokit.pipeline.train import run_train
     from grpokit.template.encode import ChatTemplate
 
-    rows = [{"Q": f"What is {a} + {b}? " + "Please think. " * (a * 3), "answer": str(a + b),
-             "tools": json.dumps([WEATHER])} for a in range(1, 5) for b in range(1, 3)]
+    rows = [
+        {"Q": f"What is {a} + {b}? " + "Please think. " * (a * 3), "answer": str(a + b), "tools": json.dumps([WEATHER])}
+        for a in range(1, 5)
+        for b in range(1, 3)
+    ]
     data = tmp_path / "swift.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "system.txt").write_text("You are a calculator.")
@@ -32,13 +38,44 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         return sample
 
     monkeypatch.setattr(ChatTemplate, "encode_output", spy)
-    args = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
-            "--columns", '{"q": "question"}', "--system", str(tmp_path / "system.txt"),
-            "--agent_template", "hermes", "--max_length", "48", "--truncation_strategy", "left",
-            "--dataset_num_proc", "1", "--load_from_cache_file", "false",
-            "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
-            "--max_steps", "2", "--torch_dtype", "float32", "--disable_tqdm", "true", "--plots", "false",
-            "--save_final_model", "false"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--columns",
+        '{"q": "question"}',
+        "--system",
+        str(tmp_path / "system.txt"),
+        "--agent_template",
+        "hermes",
+        "--max_length",
+        "48",
+        "--truncation_strategy",
+        "left",
+        "--dataset_num_proc",
+        "1",
+        "--load_from_cache_file",
+        "false",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "4",
+        "--max_steps",
+        "2",
+        "--torch_dtype",
+        "float32",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+    ]
     trainer = run_train(parse_train_args(args))
     assert trainer.state.global_step == 2 and seen
     for messages, n_prompt in seen:

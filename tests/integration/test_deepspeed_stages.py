@@ -22,9 +22,13 @@ import pytest
 from test_distributed import PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _one_process, _params, make_setup
 from test_sharded_fsdp import ENGINE_CHECK, STEPS, _check_same, _run
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')",
+    ),
+]
 KL = ("--beta", "0.04")
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -39,11 +43,13 @@ def _solo(setup, name: str, batch: int, *extra: str) -> Path:
     run = setup.root / name
     (run / "dump").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    env.update(OMP_NUM_THREADS="1", GRPOKIT_TEST_DUMP=str(run / "dump"), HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS="1", GRPOKIT_TEST_DUMP=str(run / "dump"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+    )
     args = _args(setup.model, setup.data, run / "out", setup.plugin, batch, *STEPS, *KL, *extra)
-    proc = subprocess.run([sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True, timeout=300, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run
 
@@ -97,8 +103,9 @@ def test_zero3_with_gradient_accumulation_matches_plain(setup):
     """DeepSpeed counts the micro-steps (its gradient_accumulation_steps) and steps at the boundary only."""
     accumulate = ("--gradient_accumulation_steps", "2")
     plain = setup.root / "plain_ga"
-    _one_process(_args(setup.model, setup.data, plain / "out", setup.plugin, B, *STEPS, *KL, *accumulate),
-                 plain / "dump")
+    _one_process(
+        _args(setup.model, setup.data, plain / "out", setup.plugin, B, *STEPS, *KL, *accumulate), plain / "dump"
+    )
     _check_one_process(plain, _solo(setup, "zero3_ga", B, *accumulate, "--deepspeed", "zero3"), micro_steps=6)
 
 
@@ -106,8 +113,15 @@ def test_zero2_resumes_in_one_process(setup, zero2):
     resumed = setup.root / "zero2_resumed"
     shutil.copytree(zero2 / "out", resumed / "out")
     shutil.rmtree(resumed / "out" / "checkpoint-3")
-    run = _solo(setup, "zero2_resumed", B * 2, "--deepspeed", "zero2", "--resume_from_checkpoint",
-                str(resumed / "out" / "checkpoint-2"))
+    run = _solo(
+        setup,
+        "zero2_resumed",
+        B * 2,
+        "--deepspeed",
+        "zero2",
+        "--resume_from_checkpoint",
+        str(resumed / "out" / "checkpoint-2"),
+    )
     windows = [x for x in _dumps(run / "dump", 1)[0] if x["kind"] == "window"]
     assert [w["step"] for w in windows] == [2]  # only the third step ran
     assert _max_diff(_params(run / "dump"), _params(zero2 / "dump")) < 1e-6  # weights and AdamW moments came back
@@ -142,11 +156,25 @@ def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
             owner, attr = (grpo_trainer.GRPOTrainer, "_train_on_window") if "." in where else (grpo_trainer, where)
             patch.setattr(owner, attr, broken)
             with pytest.raises(ConfigError, match="broken"):
-                _one_process(_args(setup.model, setup.data, setup.root / name, setup.plugin, B, "--max_steps", "1",
-                                   "--deepspeed", "zero3"), setup.root / f"{name}_dump")
+                _one_process(
+                    _args(
+                        setup.model,
+                        setup.data,
+                        setup.root / name,
+                        setup.plugin,
+                        B,
+                        "--max_steps",
+                        "1",
+                        "--deepspeed",
+                        "zero3",
+                    ),
+                    setup.root / f"{name}_dump",
+                )
         assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == [], where
     out = setup.root / "twice2"
-    _one_process(_args(setup.model, setup.data, out, setup.plugin, B, "--max_steps", "1", "--deepspeed", "zero2"),
-                 setup.root / "twice2_dump")
+    _one_process(
+        _args(setup.model, setup.data, out, setup.plugin, B, "--max_steps", "1", "--deepspeed", "zero2"),
+        setup.root / "twice2_dump",
+    )
     assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == []
     assert _log_rows(out)[0]["grad_norm"] > 0

@@ -125,10 +125,28 @@ def _free_port() -> int:
 def _torchrun(args: list[str], dump: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     """`grpokit train` under torchrun: 2 gloo processes on 127.0.0.1."""
     dump.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOKIT_TEST_DUMP": str(dump), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "grpokit"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GRPOKIT_TEST_DUMP": str(dump),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "grpokit",
+    ]
     proc = subprocess.run([*launcher, "train", *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     # every 2-process run of the suite (DDP, FSDP2, ZeRO) also checks the clean exit of test_clean_exit.py: no
@@ -162,11 +180,41 @@ def _one_process(args: list[str], dump: Path) -> None:
 
 
 def _args(model: Path, data: Path, out: Path, plugin: Path, batch: int, *extra: str) -> list[str]:
-    return ["--model", str(model), "--dataset", str(data), "--output_dir", str(out), "--external_plugins",
-            str(plugin), "--reward_funcs", "token_reward", "--num_generations", "4",
-            "--per_device_train_batch_size", str(batch), "--max_completion_length", "16", "--torch_dtype",
-            "float32", "--use_cpu", "true", "--logging_steps", "1", "--seed", "0", "--disable_tqdm", "true",
-            "--dataset_shuffle", "false", "--plots", "false", "--save_final_model", "false", *extra]
+    return [
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "token_reward",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        str(batch),
+        "--max_completion_length",
+        "16",
+        "--torch_dtype",
+        "float32",
+        "--use_cpu",
+        "true",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "true",
+        "--dataset_shuffle",
+        "false",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        *extra,
+    ]
 
 
 def _dumps(dump: Path, nproc: int) -> list[list[dict]]:
@@ -213,8 +261,7 @@ def setup(tmp_path_factory) -> SimpleNamespace:
 
 # grpo with KL (beta 0.04, a reference model) and 2 iterations per rollout: step 1 is on-policy, step 2 reuses
 # the window off-policy (ratio ≠ 1, clipping possible), so both halves of the loss are exercised.
-GRPO = ("--max_steps", "4", "--num_iterations", "2", "--beta", "0.04", "--learning_rate", "3e-3",
-        "--save_steps", "2")
+GRPO = ("--max_steps", "4", "--num_iterations", "2", "--beta", "0.04", "--learning_rate", "3e-3", "--save_steps", "2")
 
 
 @pytest.fixture(scope="module")
@@ -243,18 +290,22 @@ def test_two_processes_match_one_process(setup, grpo_runs):
 
     # the loss: DDP averages the ranks' gradients, so the 1-process loss is the mean of the ranks' losses
     loss1 = [x["loss"] for x in one if x["kind"] == "micro"]
-    loss2 = [(x["loss"] + y["loss"]) / 2 for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (r0, r1)),
-                                                          strict=True)]
+    loss2 = [
+        (x["loss"] + y["loss"]) / 2
+        for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (r0, r1)), strict=True)
+    ]
     assert len(loss1) == len(loss2) == 4
     assert all(_close(a, b) for a, b in zip(loss1, loss2)), (loss1, loss2)
     assert abs(loss1[1]) > 1e-3  # the off-policy step has a non-trivial loss
     # logging.jsonl (written by rank 0) reports the loss averaged over the ranks
-    logged1, logged2 = ([r["loss"] for r in _log_rows(run / "out") if "loss" in r] for run in (grpo_runs.one,
-                                                                                            grpo_runs.two))
+    logged1, logged2 = (
+        [r["loss"] for r in _log_rows(run / "out") if "loss" in r] for run in (grpo_runs.one, grpo_runs.two)
+    )
     assert logged2 == pytest.approx(logged1, rel=1e-4, abs=2e-6)  # logs are rounded to 6 decimals
     # one scheduler step per optimizer step, whatever the number of processes (lr 3e-3 decays linearly to 0)
-    lr1, lr2 = ([r["learning_rate"] for r in _log_rows(run / "out") if "loss" in r] for run in (grpo_runs.one,
-                                                                                            grpo_runs.two))
+    lr1, lr2 = (
+        [r["learning_rate"] for r in _log_rows(run / "out") if "loss" in r] for run in (grpo_runs.one, grpo_runs.two)
+    )
     assert lr1 == lr2 == pytest.approx([2.25e-3, 1.5e-3, 7.5e-4, 0.0])
 
     p1, p2 = _params(grpo_runs.one / "dump"), _params(grpo_runs.two / "dump")
@@ -271,8 +322,10 @@ def test_two_process_checkpoint_resumes_in_two_processes(setup, grpo_runs):
     ckpt = resumed / "out" / "checkpoint-2"
     assert (ckpt / "state" / "random_states_1.pkl").is_file()  # every rank saved its RNG state
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 2
-    proc = _torchrun(_args(setup.model, setup.data, resumed / "out", setup.plugin, B, *GRPO,
-                           "--resume_from_checkpoint", str(ckpt)), resumed / "dump")
+    proc = _torchrun(
+        _args(setup.model, setup.data, resumed / "out", setup.plugin, B, *GRPO, "--resume_from_checkpoint", str(ckpt)),
+        resumed / "dump",
+    )
     assert proc.stdout.count("done: 4 optimizer steps") == 1  # the summary is printed by rank 0 only
     steps = [r["step"] for r in _log_rows(resumed / "out") if "loss" in r]
     assert steps == [1, 2, 3, 4]  # steps 3-4 were truncated and rewritten once each: no gap, no duplicate
@@ -285,8 +338,24 @@ def test_two_process_checkpoint_resumes_in_two_processes(setup, grpo_runs):
 @pytest.mark.slow
 def test_dapo_normalises_by_the_global_token_count(setup):
     """DAPO as a whole: token-level loss over the global token count, and dynamic sampling over the global batch."""
-    dapo = ("--loss_type", "dapo", "--dynamic_sample", "true", "--max_resample_times", "1", "--max_steps", "2",
-            "--beta", "0", "--optimizer", "sgd", "--learning_rate", "0.5", "--save_steps", "100")
+    dapo = (
+        "--loss_type",
+        "dapo",
+        "--dynamic_sample",
+        "true",
+        "--max_resample_times",
+        "1",
+        "--max_steps",
+        "2",
+        "--beta",
+        "0",
+        "--optimizer",
+        "sgd",
+        "--learning_rate",
+        "0.5",
+        "--save_steps",
+        "100",
+    )
     one, two = setup.root / "dapo1", setup.root / "dapo2"
     _one_process(_args(setup.model, setup.data, one / "out", setup.plugin, 2 * B, *dapo), one / "dump")
     _torchrun(_args(setup.model, setup.data, two / "out", setup.plugin, B, *dapo), two / "dump")
@@ -294,8 +363,9 @@ def test_dapo_normalises_by_the_global_token_count(setup):
     # groups in the same order (1 process: prompts 1-4, then 8, 9, 11, 12)
     rounds = [[r["dynamic_sampling/rounds"] for r in _log_rows(run / "out")] for run in (one, two)]
     assert rounds == [[1, 1], [1, 1]]
-    (w1,), (w0, w2) = (([x for x in r if x["kind"] == "window"] for r in _dumps(run / "dump", k))
-                       for run, k in ((one, 1), (two, 2)))
+    (w1,), (w0, w2) = (
+        ([x for x in r if x["kind"] == "window"] for r in _dumps(run / "dump", k)) for run, k in ((one, 1), (two, 2))
+    )
     for a, x, y in zip(w1, w0, w2, strict=True):
         assert x["rewards"] == pytest.approx(a["rewards"], rel=1e-6) and 0.5 not in a["rewards"]
         assert x["advantages"] + y["advantages"] == pytest.approx(a["advantages"], rel=1e-5, abs=1e-7)
@@ -322,8 +392,9 @@ def test_dapo_normalises_by_the_global_token_count(setup):
 # the mapping of --deepspeed / --fsdp onto accelerate (no launch)
 # ----------------------------------------------------------------------------------------------------------
 def _targs(**kw) -> SimpleNamespace:
-    base = dict(deepspeed=None, fsdp=False, gradient_accumulation_steps=2, max_grad_norm=1.0,
-                per_device_train_batch_size=4)
+    base = dict(
+        deepspeed=None, fsdp=False, gradient_accumulation_steps=2, max_grad_norm=1.0, per_device_train_batch_size=4
+    )
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -62,17 +62,44 @@ def visible_lines(stderr: str) -> list[str]:
     return [s for s in (line.rsplit("\r", 1)[-1].strip() for line in stderr.split("\n")) if s]
 
 
-def train(model: Path, out: Path, extra: list[str], *, prefix: list[str] | None = None,
-          timeout: float = 300) -> subprocess.CompletedProcess:
-    args = ["--model", str(model), "--dataset", "builtin:countdown#8", "--output_dir", str(out),
-            "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "4",
-            "--max_steps", "1", "--beta", "0", "--torch_dtype", "float32", "--save_final_model", "false",
-            "--plots", "false", *extra]
+def train(
+    model: Path, out: Path, extra: list[str], *, prefix: list[str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    args = [
+        "--model",
+        str(model),
+        "--dataset",
+        "builtin:countdown#8",
+        "--output_dir",
+        str(out),
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--max_steps",
+        "1",
+        "--beta",
+        "0",
+        "--torch_dtype",
+        "float32",
+        "--save_final_model",
+        "false",
+        "--plots",
+        "false",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not prefix:  # a process forked from the test process's zygote (cli_process.py): no interpreter start-up
         return run_grpokit(["train", *args], env=env, timeout=timeout)
-    return subprocess.run([*prefix, sys.executable, "-m", "grpokit", "train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "grpokit", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def assert_one_error_line(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -99,15 +126,30 @@ def plugin(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("reward", ["hangs", "hangs_async"])
 def test_a_hanging_reward_is_cut_off_by_reward_timeout(reward, tiny_model_dir, plugin, tmp_path):
     t0 = time.monotonic()
-    res = train(tiny_model_dir, tmp_path / "out", ["--external_plugins", str(plugin), "--reward_funcs", reward,
-                                                   "--reward_timeout", "2"])
+    res = train(
+        tiny_model_dir,
+        tmp_path / "out",
+        ["--external_plugins", str(plugin), "--reward_funcs", reward, "--reward_timeout", "2"],
+    )
     assert_one_error_line(res, f"reward {reward!r} timed out after 2 s (--reward_timeout 2)")
     assert time.monotonic() - t0 < 200  # the reward would hang for an hour
 
 
 def test_sys_exit_in_a_reward_is_a_reward_error_not_a_clean_exit(tiny_model_dir, plugin, tmp_path):
-    res = train(tiny_model_dir, tmp_path / "out", ["--external_plugins", str(plugin), "--reward_funcs", "exits",
-                                                   "--max_steps", "2", "--save_final_model", "true"])
+    res = train(
+        tiny_model_dir,
+        tmp_path / "out",
+        [
+            "--external_plugins",
+            str(plugin),
+            "--reward_funcs",
+            "exits",
+            "--max_steps",
+            "2",
+            "--save_final_model",
+            "true",
+        ],
+    )
     assert_one_error_line(res, "reward 'exits' raised SystemExit: exit status 0; a reward must return scores")
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
@@ -119,8 +161,20 @@ def test_a_score_beyond_float32_is_refused(tiny_model_dir, plugin, tmp_path):
 
 # --- NaN --------------------------------------------------------------------------------------------------------------
 
-DIVERGE = ["--reward_funcs", "spread", "--num_generations", "4", "--per_device_train_batch_size", "4",
-           "--max_completion_length", "8", "--learning_rate", "1e10", "--max_steps", "6"]
+DIVERGE = [
+    "--reward_funcs",
+    "spread",
+    "--num_generations",
+    "4",
+    "--per_device_train_batch_size",
+    "4",
+    "--max_completion_length",
+    "8",
+    "--learning_rate",
+    "1e10",
+    "--max_steps",
+    "6",
+]
 
 
 def steps_logged(out: Path) -> list[dict]:
@@ -128,10 +182,12 @@ def steps_logged(out: Path) -> list[dict]:
 
 
 def test_a_diverged_run_skips_nonfinite_steps_then_stops_with_one_line(tiny_model_dir, plugin, tmp_path):
-    res = train(tiny_model_dir, tmp_path / "out", ["--external_plugins", str(plugin), *DIVERGE,
-                                                   "--max_nonfinite_steps", "2"])
-    err = assert_one_error_line(res, "non-finite", "in 2 optimizer steps in a row (--max_nonfinite_steps 2)",
-                                "lower --learning_rate")
+    res = train(
+        tiny_model_dir, tmp_path / "out", ["--external_plugins", str(plugin), *DIVERGE, "--max_nonfinite_steps", "2"]
+    )
+    err = assert_one_error_line(
+        res, "non-finite", "in 2 optimizer steps in a row (--max_nonfinite_steps 2)", "lower --learning_rate"
+    )
     skipped = [line for line in visible_lines(res.stderr) if "optimizer step skipped, weights unchanged" in line]
     assert len(skipped) == 1, res.stderr[-3000:]  # the first of the two; the second is the error
     assert "IndexError" not in res.stderr and err
@@ -151,16 +207,31 @@ def test_a_run_with_nonfinite_steps_trains_on_when_the_limit_allows(tiny_model_d
 # --- data -------------------------------------------------------------------------------------------------------------
 
 DATA = {
-    "malformed jsonl line": ("d.jsonl", (json.dumps(GOOD_ROW) + "\n" + '{"query": "x", "solution": 2\n').encode(),
-                             ["line 2 (row 1) column 29 is not valid JSON (Expecting ',' delimiter"]),
-    "duplicate json keys": ("d.jsonl", (json.dumps(GOOD_ROW) + '\n{"query": "a", "query": "b", "solution": "1"}\n')
-                            .encode(), ["line 2 (row 1) has a duplicate key 'query'"]),
-    "non-utf-8 bytes": ("d.jsonl", json.dumps(GOOD_ROW).encode() + b'\n{"query": "caf\xe9", "solution": "1"}\n',
-                        ["line 2 is not UTF-8"]),
-    "unknown role": ("d.jsonl", json.dumps({"messages": [{"role": "usr", "content": "1 + 1?"}], "solution": "2"})
-                     .encode() + b"\n", ["row 0: column 'messages': unknown role 'usr'"]),
-    "duplicate csv header": ("d.csv", b"query,solution,solution\n1 + 1?,2,3\n",
-                             ["the header (line 1) names column 'solution' twice"]),
+    "malformed jsonl line": (
+        "d.jsonl",
+        (json.dumps(GOOD_ROW) + "\n" + '{"query": "x", "solution": 2\n').encode(),
+        ["line 2 (row 1) column 29 is not valid JSON (Expecting ',' delimiter"],
+    ),
+    "duplicate json keys": (
+        "d.jsonl",
+        (json.dumps(GOOD_ROW) + '\n{"query": "a", "query": "b", "solution": "1"}\n').encode(),
+        ["line 2 (row 1) has a duplicate key 'query'"],
+    ),
+    "non-utf-8 bytes": (
+        "d.jsonl",
+        json.dumps(GOOD_ROW).encode() + b'\n{"query": "caf\xe9", "solution": "1"}\n',
+        ["line 2 is not UTF-8"],
+    ),
+    "unknown role": (
+        "d.jsonl",
+        json.dumps({"messages": [{"role": "usr", "content": "1 + 1?"}], "solution": "2"}).encode() + b"\n",
+        ["row 0: column 'messages': unknown role 'usr'"],
+    ),
+    "duplicate csv header": (
+        "d.csv",
+        b"query,solution,solution\n1 + 1?,2,3\n",
+        ["the header (line 1) names column 'solution' twice"],
+    ),
 }
 
 
@@ -169,8 +240,9 @@ def test_bad_data_is_one_line_naming_the_row(case, tiny_model_dir, tmp_path):
     name, content, needles = DATA[case]
     path = tmp_path / name
     path.write_bytes(content)
-    assert_one_error_line(train(tiny_model_dir, tmp_path / "out", ["--dataset", str(path)]),
-                          f"--dataset {str(path)!r}: ", *needles)
+    assert_one_error_line(
+        train(tiny_model_dir, tmp_path / "out", ["--dataset", str(path)]), f"--dataset {str(path)!r}: ", *needles
+    )
 
 
 def test_a_10_mb_row_under_a_6_gib_address_space_ends_with_one_line(tiny_model_dir, tmp_path):
@@ -189,8 +261,7 @@ def test_a_prompt_past_the_context_is_cut_with_a_count(tiny_model_dir, tmp_path)
     path.write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps({"query": "word " * 3000, "solution": "1"}) + "\n")
     res = train(tiny_model_dir, tmp_path / "out", ["--dataset", str(path)])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "prompts are bounded to 1020 tokens (the model's context 1024 minus --max_completion_length 4)" \
-        in res.stdout
+    assert "prompts are bounded to 1020 tokens (the model's context 1024 minus --max_completion_length 4)" in res.stdout
     assert "1 of 2 prompts are longer than --max_length 1020 tokens and will be cut on the left" in res.stderr
 
 
@@ -216,11 +287,14 @@ def broken_copy(src: Path, tmp_path: Path, how: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("how, needle", [
-    ("no tokenizer", "the folder has no tokenizer (none of tokenizer.json, "),
-    ("truncated weights", "cannot load model.safetensors (truncated or not a safetensors file) (SafetensorError: "),
-    ("bad config", ": cannot load config.json ("),
-])
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("no tokenizer", "the folder has no tokenizer (none of tokenizer.json, "),
+        ("truncated weights", "cannot load model.safetensors (truncated or not a safetensors file) (SafetensorError: "),
+        ("bad config", ": cannot load config.json ("),
+    ],
+)
 def test_a_broken_model_folder_is_one_line_naming_the_file(how, needle, tiny_model_dir, tmp_path):
     folder = broken_copy(tiny_model_dir, tmp_path, how)
     assert_one_error_line(train(folder, tmp_path / "out", []), str(folder), needle)

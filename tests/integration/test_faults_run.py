@@ -86,17 +86,51 @@ def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(s.model), "--dataset", str(s.data), "--output_dir", str(out), "--external_plugins",
-            str(s.plugin), "--reward_funcs", "len_reward", "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--max_completion_length", "8",
-            "--max_steps", "6", "--learning_rate", "1e-2", "--torch_dtype", "float32", "--logging_steps", "1",
-            "--seed", "7", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false",
-            "--save_steps", "100", "--log_completions", "true", *extra]
+    return [
+        "--model",
+        str(s.model),
+        "--dataset",
+        str(s.data),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(s.plugin),
+        "--reward_funcs",
+        "len_reward",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--steps_per_generation",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "6",
+        "--learning_rate",
+        "1e-2",
+        "--torch_dtype",
+        "float32",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "7",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--save_steps",
+        "100",
+        "--log_completions",
+        "true",
+        *extra,
+    ]
 
 
 def _env(**extra: str) -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            **extra}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
 def _cli(args: list[str], timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
@@ -104,8 +138,14 @@ def _cli(args: list[str], timeout: int = 300, **env: str) -> subprocess.Complete
 
 
 def _start(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(**env), start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(**env),
+        start_new_session=True,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -210,28 +250,49 @@ def test_sigterm_to_two_processes_saves_one_step_and_resumes_exactly(setup):
     """torchrun with 2 processes, SIGTERM to the whole group while rank 0 waits after step 3 (inside a window):
     the ranks agree, both save their share of the window into checkpoint-3, the resumed 2-process run equals
     an uninterrupted 2-process run."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                "grpokit", "train"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "grpokit",
+        "train",
+    ]
     two = ("--per_device_train_batch_size", "2")
     ref = setup.root / "two_reference"
-    res = subprocess.run([*launcher, *_args(setup, ref, *two)], capture_output=True, text=True, check=False,
-                         timeout=300, env=_env())
+    res = subprocess.run(
+        [*launcher, *_args(setup, ref, *two)], capture_output=True, text=True, check=False, timeout=300, env=_env()
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = setup.root / "two_sigterm"
     args = _args(setup, out, *two, "--callbacks", "park")
-    proc = subprocess.Popen([*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(FAULTS_PARK_STEP="3"), start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(FAULTS_PARK_STEP="3"),
+        start_new_session=True,
+    )
     _wait_for(out / "parked0", proc)
     os.killpg(proc.pid, signal.SIGTERM)
     (out / "go").touch()
     _, err = _finish(proc, timeout=200)
     stopped = [line for line in err.splitlines() if line.startswith("grpokit: stopped:")]
     assert len(stopped) == 1 and "after step 3" in stopped[0], err[-3000:]  # said once, by rank 0
-    assert {p.name for p in (out / "checkpoint-3").glob("window_rank*.pt")} == {"window_rank0.pt",
-                                                                              "window_rank1.pt"}
+    assert {p.name for p in (out / "checkpoint-3").glob("window_rank*.pt")} == {"window_rank0.pt", "window_rank1.pt"}
     (out / "go").unlink()
-    res = subprocess.run([*launcher, *args, "--resume_from_checkpoint", "latest"], capture_output=True, text=True,
-                         check=False, timeout=300, env=_env())
+    res = subprocess.run(
+        [*launcher, *args, "--resume_from_checkpoint", "latest"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env=_env(),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert _log(out) == _log(ref) and [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
 
@@ -313,15 +374,39 @@ def test_corrupt_optimizer_file_is_one_line_naming_it(setup, reference):
 def test_resume_with_other_options_is_refused_or_warned(setup, reference):
     out = _copy_reference(reference, setup, "changed")
     before = (out / "args.json").read_text()
-    res = _cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", "latest", "--seed", "8",
-                     "--num_generations", "2"))
+    res = _cli(
+        _args(
+            setup,
+            out,
+            "--save_steps",
+            "3",
+            "--resume_from_checkpoint",
+            "latest",
+            "--seed",
+            "8",
+            "--num_generations",
+            "2",
+        )
+    )
     assert res.returncode == 2
     line = _one_error_line(res.stderr, "--seed 7 → 8", "--num_generations 4 → 2")
     assert "--save_steps" not in line
     assert (out / "args.json").read_text() == before  # not overwritten
     assert _log(out) == reference.log  # nothing trained, nothing truncated
-    res = _ok(_cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-3"),
-                         "--logging_steps", "2")))
+    res = _ok(
+        _cli(
+            _args(
+                setup,
+                out,
+                "--save_steps",
+                "3",
+                "--resume_from_checkpoint",
+                str(out / "checkpoint-3"),
+                "--logging_steps",
+                "2",
+            )
+        )
+    )
     warned = [line for line in res.stderr.splitlines() if "--logging_steps 1 → 2" in line]
     assert len(warned) == 1, res.stderr
     assert json.loads((out / "args.json").read_text())["logging_steps"] == 2  # recorded, and said
@@ -335,8 +420,9 @@ def tmpfs(setup, request):
     """A small tmpfs mounted for the test (root only); the test is skipped, with the reason shown, elsewhere."""
     mnt = setup.root / f"tmpfs_{request.node.name}"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         pytest.skip(f"a real full disk needs a tmpfs mount, refused here: {proc.stderr.strip()[:200]}")
     yield mnt
@@ -391,8 +477,22 @@ def test_a_second_run_on_a_folder_in_use_is_refused(setup):
 
 def test_save_total_limit_minus_one_keeps_everything(setup):
     out = setup.root / "keep_all"
-    _ok(_cli(_args(setup, out, "--save_steps", "2", "--save_total_limit", "-1", "--save_final_model", "true",
-                   "--learning_rate", "3e-7")))
+    _ok(
+        _cli(
+            _args(
+                setup,
+                out,
+                "--save_steps",
+                "2",
+                "--save_total_limit",
+                "-1",
+                "--save_final_model",
+                "true",
+                "--learning_rate",
+                "3e-7",
+            )
+        )
+    )
     assert _ckpts(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert (out / "final_model" / "model.safetensors").is_file()
     # 6 significant digits, not 6 decimals (which logged 0.0): the linear schedule: 3e-7 × (6 - step) / 6

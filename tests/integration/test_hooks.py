@@ -67,18 +67,55 @@ def test_every_documented_hook_takes_effect(tiny_model_dir, math_jsonl, tmp_path
     try:
         # one window of 8 completions (2 prompts × 4), trained as 2 micro-batches of 4, one optimizer step each:
         # the policy drifts inside the window, so old logps are computed in 2 chunks of 4 before training
-        trainer = run_train(parse_train_args([
-            "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-            "--reward_funcs", "accuracy", "--num_generations", "4", "--per_device_train_batch_size", "4",
-            "--steps_per_generation", "2", "--max_steps", "2", "--max_completion_length", "8", "--beta", "0",
-            "--torch_dtype", "float32", "--logging_steps", "1", "--save_steps", "100", "--seed", "0",
-            "--disable_tqdm", "true"]))
+        trainer = run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(tiny_model_dir),
+                    "--dataset",
+                    str(math_jsonl),
+                    "--output_dir",
+                    str(out),
+                    "--reward_funcs",
+                    "accuracy",
+                    "--num_generations",
+                    "4",
+                    "--per_device_train_batch_size",
+                    "4",
+                    "--steps_per_generation",
+                    "2",
+                    "--max_steps",
+                    "2",
+                    "--max_completion_length",
+                    "8",
+                    "--beta",
+                    "0",
+                    "--torch_dtype",
+                    "float32",
+                    "--logging_steps",
+                    "1",
+                    "--save_steps",
+                    "100",
+                    "--seed",
+                    "0",
+                    "--disable_tqdm",
+                    "true",
+                ]
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
     assert trainer.state.global_step == 2
-    assert calls == {"prepare_inputs": 1, "generate": 1, "score": 1, "training_step": 2, "loss": 2,
-                     "logps": 4, "model_inputs": 4}  # logps: 2 old-logps chunks, then one per loss
+    assert calls == {
+        "prepare_inputs": 1,
+        "generate": 1,
+        "score": 1,
+        "training_step": 2,
+        "loss": 2,
+        "logps": 4,
+        "model_inputs": 4,
+    }  # logps: 2 old-logps chunks, then one per loss
     assert seen["requests"] == 8
     assert seen["entropy_flags"][:2] == [False, False]  # old logps ask for no entropies
     assert seen["micro_row_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # extra rows travel with their micro-batch

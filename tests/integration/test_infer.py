@@ -57,9 +57,25 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
     plugin = tmp_path / "scoring.py"
     plugin.write_text(SCORING_PLUGIN)
     out = tmp_path / "scores.jsonl"
-    res = _infer("--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--limit", "6",
-                 "--max_new_tokens", "6", "--output", str(out), "--torch_dtype", "float32",
-                 "--external_plugins", str(plugin), "--reward_funcs", "solution_value", "completion_chars")
+    res = _infer(
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--limit",
+        "6",
+        "--max_new_tokens",
+        "6",
+        "--output",
+        str(out),
+        "--torch_dtype",
+        "float32",
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "solution_value",
+        "completion_chars",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     summary, *rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == 6
@@ -69,10 +85,15 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
         assert row["solution_value"] == solution_of[row["prompt"]]
         assert row["completion_chars"] == len(row["completion"])
     means = {name: sum(r[name] for r in rows) / len(rows) for name in ("solution_value", "completion_chars")}
-    assert summary == {"model": str(tiny_model_dir), "dataset": str(math_jsonl),
-                       **{k: pytest.approx(v, rel=1e-6) for k, v in means.items()}}
-    assert (f"(6 prompts, greedy): solution_value {means['solution_value']:.3f}, "
-            f"completion_chars {means['completion_chars']:.3f}") in res.stdout
+    assert summary == {
+        "model": str(tiny_model_dir),
+        "dataset": str(math_jsonl),
+        **{k: pytest.approx(v, rel=1e-6) for k, v in means.items()},
+    }
+    assert (
+        f"(6 prompts, greedy): solution_value {means['solution_value']:.3f}, "
+        f"completion_chars {means['completion_chars']:.3f}"
+    ) in res.stdout
 
 
 def _direct_greedy(model_dir, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -84,13 +105,19 @@ def _direct_greedy(model_dir, prompts: list[str], max_new_tokens: int) -> list[s
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     texts = []
     for prompt in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
-            new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+            new = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )[0, ids.shape[1] :].tolist()
         if tok.eos_token_id in new:
             new = new[: new.index(tok.eos_token_id) + 1]
         texts.append(tok.decode(new, skip_special_tokens=True))
@@ -98,13 +125,26 @@ def _direct_greedy(model_dir, prompts: list[str], max_new_tokens: int) -> list[s
 
 
 @pytest.mark.parametrize("fast", ["true", "false"])
-def test_infer_greedy_completions_equal_hf_generate_on_each_prompt_alone(varied_model_dir, math_jsonl, tmp_path,
-                                                                          fast):
+def test_infer_greedy_completions_equal_hf_generate_on_each_prompt_alone(varied_model_dir, math_jsonl, tmp_path, fast):
     """`grpokit infer` (batched, left-padded, with grpokit's decode loop or HF generate) writes, for each prompt,
     the text HF generate gives for that prompt alone with the same greedy settings."""
     out = tmp_path / "completions.jsonl"
-    res = _infer("--model", str(varied_model_dir), "--dataset", str(math_jsonl), "--limit", "4",
-                 "--max_new_tokens", "8", "--output", str(out), "--fast_decode", fast, "--torch_dtype", "float32")
+    res = _infer(
+        "--model",
+        str(varied_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--limit",
+        "4",
+        "--max_new_tokens",
+        "8",
+        "--output",
+        str(out),
+        "--fast_decode",
+        fast,
+        "--torch_dtype",
+        "float32",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()][1:]
     assert len(rows) == 4
@@ -118,13 +158,36 @@ def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path)
     from grpokit.pipeline.train import run_train
 
     run = tmp_path / "lora"
-    run_train(parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--tuner_type",
-                                "lora", "--num_generations", "2", "--per_device_train_batch_size", "4",
-                                "--max_completion_length", "4", "--max_steps", "1", "--output_dir", str(run),
-                                "--beta", "0", "--disable_tqdm", "true"]))
+    run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(math_jsonl),
+                "--tuner_type",
+                "lora",
+                "--num_generations",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--max_completion_length",
+                "4",
+                "--max_steps",
+                "1",
+                "--output_dir",
+                str(run),
+                "--beta",
+                "0",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+    )
     assert (run / "final_model" / "adapter_config.json").is_file()
-    res = _infer("--model", str(run / "final_model"), "--dataset", str(math_jsonl), "--limit", "2",
-                 "--max_new_tokens", "4")
+    res = _infer(
+        "--model", str(run / "final_model"), "--dataset", str(math_jsonl), "--limit", "2", "--max_new_tokens", "4"
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "2 prompts" in res.stdout
 

@@ -37,8 +37,7 @@ def _image_dataset(tmp_path, rows: int = 6):
             Image.new("RGB", (12 + 4 * k, 16), COLOURS[colour]).save(path)
             paths.append(str(path))
         text = "<image>" * len(paths) + "What colour is this image?"
-        lines.append({"messages": [{"role": "user", "content": text}], "images": paths,
-                      "solution": names[i % 3]})
+        lines.append({"messages": [{"role": "user", "content": text}], "images": paths, "solution": names[i % 3]})
     path = tmp_path / "colours.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     return path
@@ -52,13 +51,47 @@ def _train(model_dir, data, out, trainer_cls, extra=()):
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
     try:
-        return run_train(parse_train_args([
-            "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--reward_funcs", "external_r1v_acc", "--num_generations", "2", "--per_device_train_batch_size", "6",
-            "--generation_batch_size", "6", "--max_steps", "1", "--max_completion_length", "6", "--beta", "0",
-            "--torch_dtype", "float32", "--save_steps", "100", "--seed", "0", "--disable_tqdm", "true",
-            "--rollout_importance_sampling_mode", "token_truncate", "--loss_type", "grpo", "--dataset_shuffle",
-            "false", *extra]))
+        return run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(model_dir),
+                    "--dataset",
+                    str(data),
+                    "--output_dir",
+                    str(out),
+                    "--reward_funcs",
+                    "external_r1v_acc",
+                    "--num_generations",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "6",
+                    "--generation_batch_size",
+                    "6",
+                    "--max_steps",
+                    "1",
+                    "--max_completion_length",
+                    "6",
+                    "--beta",
+                    "0",
+                    "--torch_dtype",
+                    "float32",
+                    "--save_steps",
+                    "100",
+                    "--seed",
+                    "0",
+                    "--disable_tqdm",
+                    "true",
+                    "--rollout_importance_sampling_mode",
+                    "token_truncate",
+                    "--loss_type",
+                    "grpo",
+                    "--dataset_shuffle",
+                    "false",
+                    *extra,
+                ]
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
@@ -107,8 +140,9 @@ def _next_token_logps(model_dir) -> torch.Tensor:
     assert prompts[0][0] == prompts[1][0]  # same ids: only the pixels differ
     ids = torch.tensor([p[0] for p in prompts])
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                    **collate_mm([p[1] for p in prompts], ids.shape[1]))
+        out = model(
+            input_ids=ids, attention_mask=torch.ones_like(ids), **collate_mm([p[1] for p in prompts], ids.shape[1])
+        )
     return torch.log_softmax(out.logits[:, -1].float(), -1)
 
 
@@ -139,12 +173,17 @@ def _changed(before: dict, model) -> dict[str, bool]:
     return moved
 
 
-@pytest.mark.parametrize("extra, moves", [
-    ((), {"llm": True, "vit": False, "aligner": False}),
-    (("--freeze_vit", "false"), {"llm": True, "vit": True, "aligner": False}),
-    (("--freeze_aligner", "false", "--tuner_type", "lora", "--lora_dropout", "0"),
-     {"llm": True, "vit": False, "aligner": True}),
-])
+@pytest.mark.parametrize(
+    "extra, moves",
+    [
+        ((), {"llm": True, "vit": False, "aligner": False}),
+        (("--freeze_vit", "false"), {"llm": True, "vit": True, "aligner": False}),
+        (
+            ("--freeze_aligner", "false", "--tuner_type", "lora", "--lora_dropout", "0"),
+            {"llm": True, "vit": False, "aligner": True},
+        ),
+    ],
+)
 def test_freeze_flags_choose_the_parts_that_train(extra, moves, vlm_dirs, tmp_path):
     """Full fine-tuning (or LoRA, merged for the check) trains the language model; the vision tower and the
     aligner only when unfrozen."""
@@ -163,8 +202,13 @@ def test_freeze_flags_choose_the_parts_that_train(extra, moves, vlm_dirs, tmp_pa
 
     orms["test_alternating"] = lambda completions, **kw: [float(i % 2) for i in range(len(completions))]
     try:  # 0 and 1 in every group of 2: every row has an advantage, so every trainable part gets a gradient
-        trainer = _train(vlm_dirs["qwen2_vl"], _image_dataset(tmp_path), tmp_path / "out", Snapshot,
-                         ("--learning_rate", "1e-2", "--reward_funcs", "test_alternating", *extra))
+        trainer = _train(
+            vlm_dirs["qwen2_vl"],
+            _image_dataset(tmp_path),
+            tmp_path / "out",
+            Snapshot,
+            ("--learning_rate", "1e-2", "--reward_funcs", "test_alternating", *extra),
+        )
     finally:
         del orms["test_alternating"]
     model = trainer.policy
@@ -196,20 +240,34 @@ def test_trl_rows_train_and_rewards_get_the_images(vlm_dirs, tmp_path):
         return [1.0] * len(completions)
 
     orms["test_sees_images"] = sees_images
-    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
-             "image": Image.new("RGB", (16, 16), c), "solution": name} for name, c in COLOURS.items()]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+            "image": Image.new("RGB", (16, 16), c),
+            "solution": name,
+        }
+        for name, c in COLOURS.items()
+    ]
     rows.append({**rows[0], "image": Image.new("RGB", (16, 16), (1, 2, 3))})
     data = tmp_path / "trl"
     Dataset.from_list(rows * 2).save_to_disk(str(data))
     try:
-        _train(vlm_dirs["idefics3"], data, tmp_path / "out", GRPOTrainer,
-               ("--reward_funcs", "test_sees_images", "--rollout_importance_sampling_mode", "token_mask"))
+        _train(
+            vlm_dirs["idefics3"],
+            data,
+            tmp_path / "out",
+            GRPOTrainer,
+            ("--reward_funcs", "test_sees_images", "--rollout_importance_sampling_mode", "token_mask"),
+        )
     finally:
         del orms["test_sees_images"]
     assert len(got) == 6  # 3 prompts × 2 generations, one image list each
     assert all(len(imgs) == 1 for imgs in got)
-    colours = {load(imgs[0]).getpixel((0, 0)) for imgs in got for load in [__import__(
-        "grpokit.data.images", fromlist=["load_image"]).load_image]}
+    colours = {
+        load(imgs[0]).getpixel((0, 0))
+        for imgs in got
+        for load in [__import__("grpokit.data.images", fromlist=["load_image"]).load_image]
+    }
     assert colours <= {*COLOURS.values(), (1, 2, 3)} and len(colours) >= 2
 
 
@@ -220,6 +278,18 @@ def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_pa
 
     data = _image_dataset(tmp_path, rows=3)
     with pytest.raises(ConfigError, match="a text-only model was given a dataset with images") as e:
-        run_train(parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir",
-                                    str(tmp_path / "o"), "--max_steps", "1"]))
+        run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(tiny_model_dir),
+                    "--dataset",
+                    str(data),
+                    "--output_dir",
+                    str(tmp_path / "o"),
+                    "--max_steps",
+                    "1",
+                ]
+            )
+        )
     assert "\n" not in str(e.value)  # the CLI prints a ConfigError as this one line

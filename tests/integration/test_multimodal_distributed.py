@@ -32,8 +32,18 @@ def test_two_processes_match_one_process_with_images(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plugin = tmp_path / "dist_plugin.py"
     plugin.write_text(PLUGIN)
-    steps = ("--max_steps", "2", "--num_iterations", "2", "--beta", "0.04", "--learning_rate", "3e-3",
-             "--save_steps", "2")
+    steps = (
+        "--max_steps",
+        "2",
+        "--num_iterations",
+        "2",
+        "--beta",
+        "0.04",
+        "--learning_rate",
+        "3e-3",
+        "--save_steps",
+        "2",
+    )
     one, two = tmp_path / "one", tmp_path / "two"
     _one_process(_args(model, data, one / "out", plugin, 2 * B, *steps), one / "dump")
     _torchrun(_args(model, data, two / "out", plugin, B, *steps), two / "dump", timeout=420)
@@ -43,8 +53,10 @@ def test_two_processes_match_one_process_with_images(tmp_path):
     assert w0[0]["advantages"] + w1[0]["advantages"] == pytest.approx(win1[0]["advantages"], rel=1e-5, abs=1e-7)
     assert any(abs(x) > 0.1 for x in win1[0]["advantages"])  # the rewards vary: the test has a signal
     loss1 = [x["loss"] for x in d1 if x["kind"] == "micro"]
-    loss2 = [(x["loss"] + y["loss"]) / 2 for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (r0, r1)),
-                                                          strict=True)]
+    loss2 = [
+        (x["loss"] + y["loss"]) / 2
+        for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (r0, r1)), strict=True)
+    ]
     assert len(loss1) == len(loss2) == 2
     assert all(_close(a, b, rel=1e-4, abs_=1e-6) for a, b in zip(loss1, loss2)), (loss1, loss2)
     p1, p2 = _params(one / "dump"), _params(two / "dump")

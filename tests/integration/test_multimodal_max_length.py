@@ -41,9 +41,10 @@ def _template(model_dir, max_length=None, strategy="left"):
 def _rows(image_last: bool = False) -> list[dict]:
     """A long system prompt and one image: at the start of the user message, or (image_last) at its end."""
     user = "What colour is this image?<image>" if image_last else "<image>What colour is this image?"
-    return [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-             "images": [_square()]},
-            {"messages": [{"role": "user", "content": "Say red."}], "images": []}]
+    return [
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}], "images": [_square()]},
+        {"messages": [{"role": "user", "content": "Say red."}], "images": []},
+    ]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -62,8 +63,10 @@ def test_left_and_right_cut_text_only_and_keep_every_image_token(family, vlm_dir
         torch.testing.assert_close(got_row.tensors["pixel_values"], row_full.tensors["pixel_values"])
         for key in ("mm_token_type_ids", "token_type_ids"):  # per-token tensors cut with the ids
             if key in row_full.tensors:
-                assert got_row.tensors[key].shape[-1] == limit and got_row.tensors[key].sum() == \
-                    row_full.tensors[key].sum()
+                assert (
+                    got_row.tensors[key].shape[-1] == limit
+                    and got_row.tensors[key].sum() == row_full.tensors[key].sum()
+                )
         with pytest.raises(Exception) as e:  # one token more: the cut would reach the image
             _template(vlm_dirs[family], limit - 1, strategy).encode_mm(row["messages"], row["images"])
         assert "would be cut through its image tokens; use --truncation_strategy delete" in str(e.value)
@@ -84,8 +87,12 @@ def test_delete_raise_and_a_cut_through_an_image_count_image_tokens_and_name_the
     ds = Dataset.from_list([{"messages": r["messages"], "images": [_png()] if r["images"] else []} for r in rows])
 
     def prepare(limit: int, strategy: str):
-        return prepare_prompts(ds, _template(vlm_dirs[family], limit, strategy),
-                               PromptOptions(max_length=limit, truncation_strategy=strategy), "--dataset d")
+        return prepare_prompts(
+            ds,
+            _template(vlm_dirs[family], limit, strategy),
+            PromptOptions(max_length=limit, truncation_strategy=strategy),
+            "--dataset d",
+        )
 
     limit = len(ids) - 1  # the rendered text alone would fit; with its image tokens the row does not
     kept = prepare(limit, "delete")
@@ -93,11 +100,15 @@ def test_delete_raise_and_a_cut_through_an_image_count_image_tokens_and_name_the
     assert len(prepare(limit, "left")) == 2 and len(prepare(limit, "right")) == 2  # 1 token off either end: fine
     _, end = full.image_spans(ids)[0]
     for strategy, limit, message in (
-            ("raise", len(ids) - 1, f"--dataset d: row 0 has a {len(ids)}-token prompt, over --max_length "
-                                    f"{len(ids) - 1}"),
-            ("right", end - 1, f"--dataset d: row 0 has a {len(ids)}-token prompt (images expanded), over "
-                               f"--max_length {end - 1}, and a --truncation_strategy right cut would pass through "
-                               "its image tokens; use --truncation_strategy delete")):
+        ("raise", len(ids) - 1, f"--dataset d: row 0 has a {len(ids)}-token prompt, over --max_length {len(ids) - 1}"),
+        (
+            "right",
+            end - 1,
+            f"--dataset d: row 0 has a {len(ids)}-token prompt (images expanded), over "
+            f"--max_length {end - 1}, and a --truncation_strategy right cut would pass through "
+            "its image tokens; use --truncation_strategy delete",
+        ),
+    ):
         with pytest.raises(DataError) as e:
             prepare(limit, strategy)
         assert message in str(e.value) and "\n" not in str(e.value)
@@ -130,9 +141,22 @@ def test_a_left_cut_prompt_trains_and_its_logps_equal_the_engine(vlm_dirs, tmp_p
         _square(colour).save(tmp_path / f"{i}.png")
         paths.append(str(tmp_path / f"{i}.png"))
     data = tmp_path / "rows.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [{"role": "system", "content": SYSTEM},
-                                                       {"role": "user", "content": "<image>What colour?"}],
-                                          "images": [p], "solution": "red"}) for p in paths) + "\n")
+    data.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "<image>What colour?"},
+                    ],
+                    "images": [p],
+                    "solution": "red",
+                }
+            )
+            for p in paths
+        )
+        + "\n"
+    )
     full = _template(vlm_dirs["qwen2_vl"])
     row = json.loads(data.read_text().splitlines()[0])
     ids, _ = full.encode_mm(row["messages"], row["images"])
@@ -140,13 +164,46 @@ def test_a_left_cut_prompt_trains_and_its_logps_equal_the_engine(vlm_dirs, tmp_p
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Recording
     try:
-        run_train(parse_train_args([
-            "--model", str(vlm_dirs["qwen2_vl"]), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
-            "--reward_funcs", "external_r1v_acc", "--num_generations", "2", "--per_device_train_batch_size", "6",
-            "--generation_batch_size", "6", "--max_steps", "1", "--max_completion_length", "4", "--beta", "0",
-            "--torch_dtype", "float32", "--save_steps", "100", "--seed", "0", "--disable_tqdm", "true",
-            "--rollout_importance_sampling_mode", "token_truncate", "--max_length", str(limit),
-            "--truncation_strategy", "left"]))
+        run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(vlm_dirs["qwen2_vl"]),
+                    "--dataset",
+                    str(data),
+                    "--output_dir",
+                    str(tmp_path / "out"),
+                    "--reward_funcs",
+                    "external_r1v_acc",
+                    "--num_generations",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "6",
+                    "--generation_batch_size",
+                    "6",
+                    "--max_steps",
+                    "1",
+                    "--max_completion_length",
+                    "4",
+                    "--beta",
+                    "0",
+                    "--torch_dtype",
+                    "float32",
+                    "--save_steps",
+                    "100",
+                    "--seed",
+                    "0",
+                    "--disable_tqdm",
+                    "true",
+                    "--rollout_importance_sampling_mode",
+                    "token_truncate",
+                    "--max_length",
+                    str(limit),
+                    "--truncation_strategy",
+                    "left",
+                ]
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
@@ -167,8 +224,9 @@ def test_vllm_gets_the_same_cut_before_it_expands_the_image(vlm_dirs):
     row = _rows()[0]
     ids, _ = _template(vlm_dirs["idefics3"]).encode_mm(row["messages"], row["images"])
     template = _template(vlm_dirs["idefics3"], len(ids) - 7, "left")
-    inputs, expected = vllm_inputs(template, [RolloutInferRequest(messages=row["messages"],
-                                                                  data_dict={"images": row["images"]})])
+    inputs, expected = vllm_inputs(
+        template, [RolloutInferRequest(messages=row["messages"], data_dict={"images": row["images"]})]
+    )
     assert expected[0] == ids[7:]
     slots = inputs[0]["prompt_token_ids"]
     text = template.tokenizer.decode(slots)

@@ -71,10 +71,13 @@ def _dataset(tmp_path, placeholders: int = 1, env: str = "test_colour_observatio
     for i in range(3):
         path = tmp_path / f"row{i}.png"
         _square(names[i]).save(path)
-        lines.append({"messages": [{"role": "user", "content": "<image>What colour is this image?"}],
-                      "images": [str(path)],
-                      "env_config": {"name": env, "colour": names[(i + 1) % 3],
-                                     "placeholders": placeholders}})
+        lines.append(
+            {
+                "messages": [{"role": "user", "content": "<image>What colour is this image?"}],
+                "images": [str(path)],
+                "env_config": {"name": env, "colour": names[(i + 1) % 3], "placeholders": placeholders},
+            }
+        )
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     return path
@@ -88,13 +91,49 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
     try:
-        return run_train(parse_train_args([
-            "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--multi_turn_scheduler", scheduler, "--max_turns", "2", "--num_generations", "2",
-            "--per_device_train_batch_size", "6", "--generation_batch_size", "6", "--max_steps", str(steps),
-            "--max_completion_length", "5", "--beta", "0", "--torch_dtype", "float32", "--save_steps", "100",
-            "--seed", "0", "--disable_tqdm", "true", "--rollout_importance_sampling_mode", "token_truncate",
-            "--loss_type", "grpo", "--learning_rate", "1e-3", *extra]))
+        return run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(model_dir),
+                    "--dataset",
+                    str(data),
+                    "--output_dir",
+                    str(out),
+                    "--multi_turn_scheduler",
+                    scheduler,
+                    "--max_turns",
+                    "2",
+                    "--num_generations",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "6",
+                    "--generation_batch_size",
+                    "6",
+                    "--max_steps",
+                    str(steps),
+                    "--max_completion_length",
+                    "5",
+                    "--beta",
+                    "0",
+                    "--torch_dtype",
+                    "float32",
+                    "--save_steps",
+                    "100",
+                    "--seed",
+                    "0",
+                    "--disable_tqdm",
+                    "true",
+                    "--rollout_importance_sampling_mode",
+                    "token_truncate",
+                    "--loss_type",
+                    "grpo",
+                    "--learning_rate",
+                    "1e-3",
+                    *extra,
+                ]
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)
@@ -173,8 +212,10 @@ def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(famil
     output = seen[-1][0][0]
     images = output.rollout_infos["images"]
     other = _square("blue" if images[1].getpixel((0, 0)) != COLOURS["blue"] else "green")
-    samples = [trainer.template.encode_output(output.prompt_messages, output, images=imgs)
-               for imgs in (images, [images[0], other])]
+    samples = [
+        trainer.template.encode_output(output.prompt_messages, output, images=imgs)
+        for imgs in (images, [images[0], other])
+    ]
     assert samples[0].prompt_ids == samples[1].prompt_ids and samples[0].completion_ids == samples[1].completion_ids
     pair = collate(samples, trainer.template.pad_token_id, [False, False])
     trainer.model.eval()
@@ -187,13 +228,17 @@ def test_image_observation_trains_and_logps_equal_the_engine_on_every_turn(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_images_from_reset_train_and_every_image_reaches_the_rewards(family, vlm_dirs, colour_env, rewarded,
-                                                                     tmp_path):
+def test_images_from_reset_train_and_every_image_reaches_the_rewards(family, vlm_dirs, colour_env, rewarded, tmp_path):
     """reset's observation (one image) replaces the prompt; the trajectory's images are the row's, reset's, then
     the step's, in the trainer's batch and in the rewards' ``images``; logps equal the engine's on both turns."""
     seen: list = []
-    _train(vlm_dirs[family], _dataset(tmp_path, env="test_reset_observation"), tmp_path / "out",
-           _recording(seen), extra=("--reward_funcs", "test_record_images"))
+    _train(
+        vlm_dirs[family],
+        _dataset(tmp_path, env="test_reset_observation"),
+        tmp_path / "out",
+        _recording(seen),
+        extra=("--reward_funcs", "test_record_images"),
+    )
     assert len(seen) == 2 and len(rewarded) == 2
     for (outputs, logps, batch), images in zip(seen, rewarded):
         for o, imgs in zip(outputs, images):
@@ -223,8 +268,7 @@ def _run(scheduler, row: dict):
     from grpokit.protocol import RequestConfig, RolloutInferRequest
     from grpokit.rollout.scheduler import run_trajectories
 
-    request = RolloutInferRequest(messages=row["messages"], data_dict={k: v for k, v in row.items()
-                                                                        if k != "messages"})
+    request = RolloutInferRequest(messages=row["messages"], data_dict={k: v for k, v in row.items() if k != "messages"})
     return run_trajectories(scheduler, [request], RequestConfig(max_tokens=3, temperature=1.0))
 
 
@@ -242,8 +286,10 @@ def test_a_text_only_model_given_an_image_observation_is_one_line(colour_env, tm
     from grpokit.errors import RolloutError
     from grpokit.testing import build_tiny_model
 
-    row = {"messages": [{"role": "user", "content": "Say something."}],
-           "env_config": {"name": "test_colour_observation", "colour": "red"}}
+    row = {
+        "messages": [{"role": "user", "content": "Say something."}],
+        "env_config": {"name": "test_colour_observation", "colour": "red"},
+    }
     with pytest.raises(RolloutError) as e:
         _run(_engine_and_scheduler(build_tiny_model(tmp_path / "text")), row)
     assert "returned 1 image(s) but the model is text-only; use a vision-language model" in str(e.value)
@@ -259,8 +305,11 @@ def test_a_reply_that_writes_the_placeholder_text_is_not_an_image_slot(vlm_dirs)
 
     _, processor, _ = load_policy(ModelArguments(model=str(vlm_dirs["qwen2_vl"]), torch_dtype="float32"), 0.0)
     template = ProcessorTemplate(processor)
-    full = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "a <image> b"},
-            {"role": "user", "content": "<image>And this one?"}]
+    full = [
+        {"role": "user", "content": "<image>What colour?"},
+        {"role": "assistant", "content": "a <image> b"},
+        {"role": "user", "content": "<image>And this one?"},
+    ]
     seg = template.tokenize("a <image> b")
     ids, row = template.encode_between_mm(full, 1, 3, seg, [_square("red")])
     pad = template.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -288,9 +337,10 @@ def test_bad_reset_images_and_missing_step_images_are_one_line(tmp_path):
             return "", 0.0, True, {}
 
     def reset(observation: str):
-        request = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}],
-                                      data_dict={"env_config": {"name": "test_reset_images",
-                                                                "observation": observation}})
+        request = RolloutInferRequest(
+            messages=[{"role": "user", "content": "hi"}],
+            data_dict={"env_config": {"name": "test_reset_images", "observation": observation}},
+        )
         with pytest.raises(RolloutError) as e:
             asyncio.run(GYMScheduler(max_turns=2).on_trajectory_start([request]))
         assert "\n" not in str(e.value)
@@ -299,17 +349,23 @@ def test_bad_reset_images_and_missing_step_images_are_one_line(tmp_path):
     envs["test_reset_images"] = ResetImages
     try:
         message, _ = reset("Look.")
-        assert ("env 'test_reset_images' reset failed: ValueError: env 'test_reset_images': reset returned 1 image(s) "
-                "but its observation holds 0 <image> placeholder(s); put one <image> per image") in message
+        assert (
+            "env 'test_reset_images' reset failed: ValueError: env 'test_reset_images': reset returned 1 image(s) "
+            "but its observation holds 0 <image> placeholder(s); put one <image> per image"
+        ) in message
         message, request = reset("<image>Look.")  # no engine, no processor: a text-only model
         assert "reset returned 1 image(s) but the model is text-only; use a vision-language model" in message
     finally:
         del envs["test_reset_images"]
-    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
-                                          token_ids=[1])
+    choice = ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": "x"}, finish_reason="stop", token_ids=[1]
+    )
     step = {"infer_request": request, "images": [str(tmp_path / "gone.png")]}
-    with pytest.raises(RolloutError, match=r"MultiTurnScheduler.step\(\) at turn 1: image 0: image file .*gone.png"
-                                           r"' does not exist"):
+    with pytest.raises(
+        RolloutError,
+        match=r"MultiTurnScheduler.step\(\) at turn 1: image 0: image file .*gone.png"
+        r"' does not exist",
+    ):
         MultiTurnScheduler(max_turns=2)._check_step(step, choice, 1)
 
 
@@ -341,8 +397,9 @@ def _append_image_scheduler(placeholder: str = "<image>"):
     return AppendImage
 
 
-def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reaches_the_rewards(vlm_dirs, rewarded,
-                                                                                         tmp_path):
+def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reaches_the_rewards(
+    vlm_dirs, rewarded, tmp_path
+):
     """In process, an image a scheduler appends to ``infer_request.images`` joins the trajectory: the trainer's batch
     holds both images, its logps equal the engine's on both turns, and rewards get the row's and the new image."""
     import io
@@ -354,8 +411,14 @@ def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reac
     seen: list = []
     multi_turns["test_append_image"] = _append_image_scheduler()
     try:
-        trainer = _train(vlm_dirs["qwen2_vl"], _dataset(tmp_path), tmp_path / "out", _recording(seen),
-                         extra=("--reward_funcs", "test_record_images"), scheduler="test_append_image")
+        trainer = _train(
+            vlm_dirs["qwen2_vl"],
+            _dataset(tmp_path),
+            tmp_path / "out",
+            _recording(seen),
+            extra=("--reward_funcs", "test_record_images"),
+            scheduler="test_append_image",
+        )
     finally:
         del multi_turns["test_append_image"]
     assert trainer.state.global_step == 2 and len(seen) == 2 and len(rewarded) == 2
@@ -364,8 +427,11 @@ def test_a_scheduler_appending_to_infer_request_images_trains_and_the_image_reac
             assert o.rollout_infos["num_turns"] == 2 and imgs == o.rollout_infos["images"]
             row_image, added = imgs
             assert isinstance(row_image, str) and row_image.endswith(".png")
-            colour = COLOURS[json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[int(row_image[-5])])
-                             ["env_config"]["colour"]]
+            colour = COLOURS[
+                json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[int(row_image[-5])])["env_config"][
+                    "colour"
+                ]
+            ]
             assert Image.open(io.BytesIO(added)).convert("RGB").getpixel((0, 0)) == colour  # decoded from base64
         assert [_image_count(r) for r in batch.mm_inputs] == [2] * 6
         _check_logps_equal_the_engine(batch, logps)
@@ -379,8 +445,9 @@ def test_an_image_appended_without_a_placeholder_is_one_line(vlm_dirs, tmp_path)
     row = json.loads(_dataset(tmp_path).read_text().splitlines()[0])
     with pytest.raises(RolloutError) as e:
         _run(scheduler, row)
-    assert ("AppendImage.step() at turn 1: the new message(s) hold 0 <image> placeholder(s) but 1 image(s) came "
-            "with them") in str(e.value)
+    assert (
+        "AppendImage.step() at turn 1: the new message(s) hold 0 <image> placeholder(s) but 1 image(s) came with them"
+    ) in str(e.value)
     assert "appended to infer_request.images" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -394,8 +461,7 @@ def test_infer_request_images_in_process_entry_and_edits(tmp_path):
     path = tmp_path / "red.png"
     _square("red").save(path)
     uri = _data_uri(_square("green"))
-    request = RolloutInferRequest(messages=[{"role": "user", "content": "<image><image>Two?"}],
-                                  images=[uri, str(path)])
+    request = RolloutInferRequest(messages=[{"role": "user", "content": "<image><image>Two?"}], images=[uri, str(path)])
     take_entry_images(request, "S")
     assert request.images == [] and request.data_dict["images"][1] == str(path)
     assert request.data_dict["images"][0].startswith(b"\x89PNG")
@@ -404,19 +470,23 @@ def test_infer_request_images_in_process_entry_and_edits(tmp_path):
     assert take_appended(request, known, "S.step() at turn 1")[0].startswith(b"\x89PNG")
     request.images = []  # a request built anew: nothing appended
     assert take_appended(request, known, "w") == []
-    for images, message in (([known[1]], "S.step() at turn 1: infer_request.images no longer starts with the "
-                                          "trajectory's 2 image(s)"),
-                            ([*known, "data:image/png;base64,@@"], "infer_request.images[2]: the data URI's base64 "
-                                                                   "is not valid"),
-                            ([*known, str(tmp_path / "gone.png")], "infer_request.images[2]: image file")):
+    for images, message in (
+        ([known[1]], "S.step() at turn 1: infer_request.images no longer starts with the trajectory's 2 image(s)"),
+        ([*known, "data:image/png;base64,@@"], "infer_request.images[2]: the data URI's base64 is not valid"),
+        ([*known, str(tmp_path / "gone.png")], "infer_request.images[2]: image file"),
+    ):
         request.images = images
         with pytest.raises(RolloutError) as e:
             take_appended(request, known, "S.step() at turn 1")
         assert message in str(e.value) and "\n" not in str(e.value)
-    both = RolloutInferRequest(messages=[{"role": "user", "content": "hi"}], images=[uri],
-                               data_dict={"images": [str(path)]})
-    with pytest.raises(RolloutError, match="1 image\\(s\\) in infer_request.images and 1 other\\(s\\) in "
-                                           "data_dict\\['images'\\]; give a request's images in one of them"):
+    both = RolloutInferRequest(
+        messages=[{"role": "user", "content": "hi"}], images=[uri], data_dict={"images": [str(path)]}
+    )
+    with pytest.raises(
+        RolloutError,
+        match="1 image\\(s\\) in infer_request.images and 1 other\\(s\\) in "
+        "data_dict\\['images'\\]; give a request's images in one of them",
+    ):
         take_entry_images(both, "S")
 
 

@@ -24,8 +24,8 @@ def _batch(vocab: int):
     ids, att = torch.zeros(6, p + c, dtype=torch.long), torch.zeros(6, p + c, dtype=torch.long)
     for row, n in enumerate((4, 2, 3, 4, 1, 3)):
         pr = prompts[row // 3]
-        ids[row, p - len(pr):p], att[row, p - len(pr):p + n] = pr, 1
-        ids[row, p:p + n] = torch.randint(3, vocab, (n,), generator=g)
+        ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
+        ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
     return {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(-1) - 1).clamp(min=0)}, c
 
 
@@ -49,8 +49,10 @@ def test_pack_rows_layout():
     assert torch.equal(packed.input_ids[0, packed.keep + 1], inputs["input_ids"][packed.rows, 5 + packed.cols])
 
 
-@pytest.mark.parametrize("attn,chunk_size,lora", [("sdpa", 0, False), ("sdpa", 1024, False), ("eager", 0, False),
-                                                  ("eager", 1024, False), ("sdpa", 1024, True)])
+@pytest.mark.parametrize(
+    "attn,chunk_size,lora",
+    [("sdpa", 0, False), ("sdpa", 1024, False), ("eager", 0, False), ("eager", 1024, False), ("sdpa", 1024, True)],
+)
 def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size, lora):
     model = _model(tiny_model_dir, attn)
     if lora:
@@ -62,8 +64,7 @@ def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size, lora):
     results = []
     for padding_free in (False, True):
         model.zero_grad()
-        opts = ForwardOptions(temperature=0.9, chunk_size=chunk_size, padding_free=padding_free,
-                              share_prompts=False)
+        opts = ForwardOptions(temperature=0.9, chunk_size=chunk_size, padding_free=padding_free, share_prompts=False)
         logps, ent = completion_logps(model, inputs, c, opts, compute_entropy=True)
         (logps * mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -123,11 +124,38 @@ def test_training_with_padding_free(tiny_model_dir, math_jsonl, tmp_path):
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
     try:
-        cfg = parse_train_args([
-            "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(tmp_path / "o"),
-            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
-            "--torch_dtype", "float32", "--max_steps", "2", "--beta", "0.1", "--padding_free", "true",
-            "--learning_rate", "1e-3", "--disable_tqdm", "true", "--save_steps", "100", "--plots", "false"])
+        cfg = parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(math_jsonl),
+                "--output_dir",
+                str(tmp_path / "o"),
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "12",
+                "--torch_dtype",
+                "float32",
+                "--max_steps",
+                "2",
+                "--beta",
+                "0.1",
+                "--padding_free",
+                "true",
+                "--learning_rate",
+                "1e-3",
+                "--disable_tqdm",
+                "true",
+                "--save_steps",
+                "100",
+                "--plots",
+                "false",
+            ]
+        )
         trainer = run_train(cfg)
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()

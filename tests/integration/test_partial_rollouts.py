@@ -40,7 +40,7 @@ def _inflight(url: str) -> int:
 def _logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -56,8 +56,11 @@ def test_an_interrupting_update_continues_rows_on_the_new_weights(tiny, server, 
         client.sync_weights(old)  # version 7: the weights as they are
         requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"count {i}"}]) for i in range(6)]
         got: list = []
-        worker = threading.Thread(target=lambda: got.extend(client.infer_trajectories(
-            requests, RequestConfig(max_tokens=600, temperature=1.0, logprobs=True))))
+        worker = threading.Thread(
+            target=lambda: got.extend(
+                client.infer_trajectories(requests, RequestConfig(max_tokens=600, temperature=1.0, logprobs=True))
+            )
+        )
         worker.start()
         deadline = time.monotonic() + 30
         while _inflight(server.url) == 0 and time.monotonic() < deadline:
@@ -92,17 +95,55 @@ def test_training_with_partial_rollouts_logs_mixed_trajectories(tiny, server, tm
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "partial"
-    cfg = parse_train_args([
-        "--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy", "--vllm_mode",
-        "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--num_generations",
-        "4", "--per_device_train_batch_size", "8", "--max_completion_length", "256", "--output_dir", str(out),
-        "--save_final_model", "false", "--save_steps", "100", "--torch_dtype", "float32", "--max_steps", "4",
-        "--max_staleness", "2", "--partial_rollouts", "true", "--log_completions", "true", "--plots", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server.port),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "256",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--save_steps",
+            "100",
+            "--torch_dtype",
+            "float32",
+            "--max_steps",
+            "4",
+            "--max_staleness",
+            "2",
+            "--partial_rollouts",
+            "true",
+            "--log_completions",
+            "true",
+            "--plots",
+            "false",
+        ]
+    )
     run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2, 3, 4]
     assert all("async/partial_trajectories" in r and r["async/staleness_max"] <= 2 for r in logs)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert all(r["step"] - 1 - r["weight_version"] <= 2 for r in rows)
-    print("partial trajectories per step:", [r["async/partial_trajectories"] for r in logs],
-          "staleness:", [r["async/staleness_max"] for r in logs])
+    print(
+        "partial trajectories per step:",
+        [r["async/partial_trajectories"] for r in logs],
+        "staleness:",
+        [r["async/staleness_max"] for r in logs],
+    )

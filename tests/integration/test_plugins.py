@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin" / "plugin.py"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
-REGISTRIES = (orms, prms, rm_plugins, multi_turns, envs, callbacks_map, optimizers_map,
-              TrainerFactory.TRAINER_MAPPING)
+REGISTRIES = (orms, prms, rm_plugins, multi_turns, envs, callbacks_map, optimizers_map, TrainerFactory.TRAINER_MAPPING)
 
 
 # A random tiny model never solves countdown: both example rewards are 0 everywhere, so every advantage would be
@@ -64,19 +63,62 @@ def test_example_plugin_trains_with_its_own_components(tiny_model_dir, tmp_path,
     out = tmp_path / "run"
     signal = tmp_path / "signal_plugin.py"
     signal.write_text(SIGNAL_PLUGIN)
-    cfg = parse_train_args([
-        "--model", str(tiny_model_dir), "--dataset", "builtin:countdown#16", "--output_dir", str(out),
-        "--external_plugins", str(EXAMPLE), str(signal),
-        "--reward_funcs", "countdown", "countdown_judge", "shorter_is_better",
-        "--reward_weights", "1.0", "0.2", "1.0",
-        "--multi_turn_scheduler", "countdown_retry", "--max_turns", "2",
-        "--optimizer", "lion", "--learning_rate", str(lr), "--lr_scheduler_type", "constant",
-        "--callbacks", "reward_summary",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
-        "--max_steps", "2", "--beta", "0", "--torch_dtype", "float32", "--seed", "0", "--log_completions", "true",
-        "--plots", "false", "--save_final_model", "false", "--disable_tqdm", "true"])
-    before = {n: p.detach().clone()
-              for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            "builtin:countdown#16",
+            "--output_dir",
+            str(out),
+            "--external_plugins",
+            str(EXAMPLE),
+            str(signal),
+            "--reward_funcs",
+            "countdown",
+            "countdown_judge",
+            "shorter_is_better",
+            "--reward_weights",
+            "1.0",
+            "0.2",
+            "1.0",
+            "--multi_turn_scheduler",
+            "countdown_retry",
+            "--max_turns",
+            "2",
+            "--optimizer",
+            "lion",
+            "--learning_rate",
+            str(lr),
+            "--lr_scheduler_type",
+            "constant",
+            "--callbacks",
+            "reward_summary",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "12",
+            "--max_steps",
+            "2",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--log_completions",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
+    before = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
     trainer = run_train(cfg)
 
     # the trainer subclass, through TRAINER_MAPPING['grpo'] = "plugin.CountdownTrainer"
@@ -129,11 +171,42 @@ def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_
     plugin = tmp_path / "my_algos.py"
     plugin.write_text(_docs_block("vanilla_pg") + "\n" + _docs_block("above_mean") + SIGNAL_PLUGIN)
     out = tmp_path / "run"
-    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-            "--external_plugins", str(plugin), "--loss_type", "vanilla_pg", "--advantage_estimator", "above_mean",
-            "--reward_funcs", "shorter_is_better", "--num_generations", "4", "--per_device_train_batch_size", "8",
-            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3", "--beta", "0",
-            "--torch_dtype", "float32", "--seed", "0", "--plots", "false", "--save_final_model", "false"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(plugin),
+        "--loss_type",
+        "vanilla_pg",
+        "--advantage_estimator",
+        "above_mean",
+        "--reward_funcs",
+        "shorter_is_better",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--beta",
+        "0",
+        "--torch_dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+    ]
     res = run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)  # cli_process.py
     assert res.returncode == 0, res.stderr[-3000:]
     saved = json.loads((out / "args.json").read_text())

@@ -18,7 +18,6 @@ from grpokit.rollout.multi_turn import multi_turns
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.fixture
 def swift_plugin_file(tmp_path):
     return swift_plugin(tmp_path / "swift_plugin_renamed.py")  # swift_style_plugin.py, imports renamed
@@ -28,8 +27,14 @@ def swift_plugin_file(tmp_path):
 NOT_INSTANTIABLE = {"custom_env": "CustomEnv(Env) defines neither reset nor step (abstract)"}
 # The plugin's reward functions, trained together in one run on rows that carry every column they read, with
 # external_r1v_acc (a built-in under ms-swift's name) beside them.
-PLUGIN_REWARDS = ["external_countdown", "external_code_format", "thinking_tips", "external_tooluse_format_reward",
-                  "external_tooluse_length_reward", "external_tooluse_correct_reward"]
+PLUGIN_REWARDS = [
+    "external_countdown",
+    "external_code_format",
+    "thinking_tips",
+    "external_tooluse_format_reward",
+    "external_tooluse_length_reward",
+    "external_tooluse_correct_reward",
+]
 SWIFT_REWARDS = [*PLUGIN_REWARDS, "external_r1v_acc"]
 
 TOOL_SOLUTION = '<tool_call>\n{"name": "calculator", "parameters": {"expression": "1+2"}}\n</tool_call>'
@@ -38,11 +43,23 @@ TOOL_SOLUTION = '<tool_call>\n{"name": "calculator", "parameters": {"expression"
 def _rows(n: int = 4) -> list[dict]:
     """Rows with the columns the plugin's rewards and its qwenlong judge read; no system message (the judge reads
     messages[0] as the problem)."""
-    return [{"messages": [{"role": "user", "content": f"<text>Doc {k}.</text> What is {k} + 2? Format your "
-                                                        "response as follows: <answer>N</answer>"}],
-             "target": k + 2, "nums": [k, 2], "solution": f"<answer>{k + 2}</answer>" if k % 2 else TOOL_SOLUTION,
-             "verification_info": {"language": "python", "test_cases": [{"input": "", "output": str(k + 2)}]},
-             "reward_model": {"ground_truth": str(k + 2)}} for k in range(n)]
+    return [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": f"<text>Doc {k}.</text> What is {k} + 2? Format your "
+                    "response as follows: <answer>N</answer>",
+                }
+            ],
+            "target": k + 2,
+            "nums": [k, 2],
+            "solution": f"<answer>{k + 2}</answer>" if k % 2 else TOOL_SOLUTION,
+            "verification_info": {"language": "python", "test_cases": [{"input": "", "output": str(k + 2)}]},
+            "reward_model": {"ground_truth": str(k + 2)},
+        }
+        for k in range(n)
+    ]
 
 
 def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict], extra: list[str]) -> Path:
@@ -52,13 +69,42 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    cfg = parse_train_args([
-        "--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-        *(["--external_plugins", str(plugin)] if plugin else []), "--max_steps", "2", "--num_generations", "2",
-        "--per_device_train_batch_size", "4",
-        "--max_completion_length", "12", "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32",
-        "--seed", "0", "--log_completions", "true", "--plots", "false", "--save_final_model", "false",
-        "--disable_tqdm", "true", *extra])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(out),
+            *(["--external_plugins", str(plugin)] if plugin else []),
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "12",
+            "--learning_rate",
+            "1e-3",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--seed",
+            "0",
+            "--log_completions",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--disable_tqdm",
+            "true",
+            *extra,
+        ]
+    )
     trainer = run_train(cfg)
     assert trainer.state.global_step == 2
     return out
@@ -93,9 +139,22 @@ def test_swift_plugin_reward_functions_train(swift_plugin_file, tiny_model_dir, 
 def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_dir, tiny_rm_dir, tmp_path):
     """my_rmplugin on a sequence classifier (template.encode + data_collator + to_device) and
     qwenlong, a judge on a causal LM (grpokit.swift's TransformersEngine, choice.message.content), in one run."""
-    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
-        "--reward_funcs", "external_countdown", "--reward_model", str(tiny_rm_dir), str(tiny_model_dir),
-        "--reward_model_plugin", "my_rmplugin", "qwenlong"])
+    out = _train(
+        tiny_model_dir,
+        tmp_path,
+        swift_plugin_file,
+        _rows(),
+        [
+            "--reward_funcs",
+            "external_countdown",
+            "--reward_model",
+            str(tiny_rm_dir),
+            str(tiny_model_dir),
+            "--reward_model_plugin",
+            "my_rmplugin",
+            "qwenlong",
+        ],
+    )
     logs = _logs(out)
     rm_seq, rm_causal = f"rm_{tiny_rm_dir.name}", f"rm_{tiny_model_dir.name}"
     for r in logs:
@@ -104,17 +163,24 @@ def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_d
 
 
 def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, tiny_model_dir, tmp_path):
-    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
-        "--reward_funcs", "external_countdown", "--multi_turn_scheduler", "calculator_in_reply", "--max_turns", "2"])
+    out = _train(
+        tiny_model_dir,
+        tmp_path,
+        swift_plugin_file,
+        _rows(),
+        ["--reward_funcs", "external_countdown", "--multi_turn_scheduler", "calculator_in_reply", "--max_turns", "2"],
+    )
     assert len(_logs(out)) == 2
     # its step() on grpokit's objects: choice.message.content, token_ids, self.tokenizer, messages[-1] edited
     from transformers import AutoTokenizer
 
-    sched = multi_turns["calculator_in_reply"](None, max_turns=2, tokenizer=AutoTokenizer.from_pretrained(
-        tiny_model_dir))
+    sched = multi_turns["calculator_in_reply"](
+        None, max_turns=2, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir)
+    )
     text = "Action: calculator\nAction Input: 2+3\n"
-    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason="stop",
-                                          token_ids=[5, 6])
+    choice = ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": text}, finish_reason="stop", token_ids=[5, 6]
+    )
     req = RolloutInferRequest(messages=[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": text}])
     assert sched.check_finished(req, choice, 1) is False
     result = sched.step(req, choice, 1)
@@ -125,10 +191,23 @@ def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, ti
 
 def test_trl_documentation_reward_functions_train(tiny_model_dir, tmp_path):
     """The TRL-convention examples on TRL's standard format (a prompt string column)."""
-    names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex3_reference", "trl_ex4_math",
-             "trl_ex4_coding", "trl_ex5_async", "trl_ex6_logging"]
-    rows = [{"prompt": f"What is {k} + 1? Put it in \\boxed{{}}.", "ground_truth": str(k + 1),
-             "task": "math" if k % 2 else "coding"} for k in range(4)]
+    names = [
+        "trl_ex1_token_length",
+        "trl_ex1_1_char_length",
+        "trl_ex3_reference",
+        "trl_ex4_math",
+        "trl_ex4_coding",
+        "trl_ex5_async",
+        "trl_ex6_logging",
+    ]
+    rows = [
+        {
+            "prompt": f"What is {k} + 1? Put it in \\boxed{{}}.",
+            "ground_truth": str(k + 1),
+            "task": "math" if k % 2 else "coding",
+        }
+        for k in range(4)
+    ]
     plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")
     out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
     logs = _logs(out)
@@ -152,8 +231,15 @@ def test_trl_conversational_example_reads_messages_from_a_conversational_dataset
     prompts and completions as message lists (Example 2: completion[0]["content"], which fails on a string),
     while an ms-swift-convention function (Example 1.1's signature is also ms-swift's) still counts characters."""
     names = ["trl_ex1_token_length", "trl_ex1_1_char_length", "trl_ex2_format", "trl_ex5_async"]
-    rows = [{"prompt": [{"role": "system", "content": "Think, then answer."},
-                        {"role": "user", "content": f"What is {k} + 1?"}]} for k in range(4)]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Think, then answer."},
+                {"role": "user", "content": f"What is {k} + 1?"},
+            ]
+        }
+        for k in range(4)
+    ]
     plugin = trl_reward_examples(tmp_path / "trl_reward_examples.py")
     out = _train(tiny_model_dir, tmp_path, plugin, rows, ["--reward_funcs", *names])
     for r in _logs(out):
@@ -196,11 +282,16 @@ def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_mod
     from grpokit.errors import ConfigError
 
     plugin = tmp_path / "bad_rewards.py"
-    plugin.write_text("from grpokit.rewards import orms\n\n"
-                      "def scores_nothing(prompts, /, completions):\n    return [0.0] * len(completions)\n\n"
-                      "orms['scores_nothing'] = scores_nothing\n")
-    with pytest.raises(ConfigError, match=r"--reward_funcs scores_nothing: scores_nothing is called with keywords "
-                                          r"\(TRL convention\), but prompts is positional-only"):
+    plugin.write_text(
+        "from grpokit.rewards import orms\n\n"
+        "def scores_nothing(prompts, /, completions):\n    return [0.0] * len(completions)\n\n"
+        "orms['scores_nothing'] = scores_nothing\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"--reward_funcs scores_nothing: scores_nothing is called with keywords "
+        r"\(TRL convention\), but prompts is positional-only",
+    ):
         _train(tiny_model_dir, tmp_path, plugin, _rows(), ["--reward_funcs", "scores_nothing"])
     assert not (tmp_path / "out" / "logging.jsonl").exists()  # no step ran
 
@@ -208,8 +299,13 @@ def test_a_reward_that_fits_no_convention_stops_the_run_before_training(tiny_mod
 def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(swift_plugin_file, tiny_model_dir, tmp_path):
     """The plugin's thinking_tips reads trajectory_inputs[request_id][-1] (the last round); with
     thinking_tips_scheduler every round is its own sample, and all rounds of a request get the same reward."""
-    out = _train(tiny_model_dir, tmp_path, swift_plugin_file, _rows(), [
-        "--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"])
+    out = _train(
+        tiny_model_dir,
+        tmp_path,
+        swift_plugin_file,
+        _rows(),
+        ["--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"],
+    )
     assert len(_logs(out)) == 2
     comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert comps and all(c["thinking_tips"] in (0.0, 1.0) for c in comps)

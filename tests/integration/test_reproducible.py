@@ -83,20 +83,54 @@ def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
     """3 steps of 1 prompt × 4 samples per process; a high learning rate so that every step moves the weights."""
-    return ["--model", str(s.model), "--dataset", str(s.data), "--output_dir", str(out), "--external_plugins",
-            str(s.plugin), "--reward_funcs", "len_reward", "--callbacks", "param_digest", "--num_generations",
-            "4", "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "3",
-            "--learning_rate", "1e-2", "--torch_dtype", "float32", "--logging_steps", "1", "--seed", "7",
-            "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--save_steps", "100",
-            *extra]
+    return [
+        "--model",
+        str(s.model),
+        "--dataset",
+        str(s.data),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(s.plugin),
+        "--reward_funcs",
+        "len_reward",
+        "--callbacks",
+        "param_digest",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "3",
+        "--learning_rate",
+        "1e-2",
+        "--torch_dtype",
+        "float32",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "7",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--save_steps",
+        "100",
+        *extra,
+    ]
 
 
 def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node 2 -m grpokit train ...`; --standalone lets torchrun pick a free port itself."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run([*launcher, "-m", "grpokit", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [*launcher, "-m", "grpokit", "train", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -190,8 +224,9 @@ def test_processes_left_out_of_a_group_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"started 2 processes .* add --use_cpu true"):
         check_backend(alone, args)
-    check_backend(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2,
-                                  device=torch.device("cpu")), args)
+    check_backend(
+        SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, device=torch.device("cpu")), args
+    )
 
 
 def test_cpu_is_chosen_for_a_launch_without_accelerators(monkeypatch):

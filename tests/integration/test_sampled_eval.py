@@ -31,17 +31,56 @@ def run(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sampled_eval")
     (tmp / "plugin.py").write_text(PLUGIN)
     data, val = tmp / "train.jsonl", tmp / "val.jsonl"
-    data.write_text("".join(json.dumps({"query": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
-                            for a in range(1, 5) for b in range(1, 5)))
-    val.write_text("".join(json.dumps({"query": f"What is {a} * 3?", "solution": str(3 * a)}) + "\n"
-                           for a in range(1, 6)))
+    data.write_text(
+        "".join(
+            json.dumps({"query": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
+            for a in range(1, 5)
+            for b in range(1, 5)
+        )
+    )
+    val.write_text(
+        "".join(json.dumps({"query": f"What is {a} * 3?", "solution": str(3 * a)}) + "\n" for a in range(1, 6))
+    )
     out = tmp / "run"
-    run_train(parse_train_args([
-        "--model", str(tiny_model_dir), "--dataset", str(data), "--val_dataset", str(val), "--output_dir", str(out),
-        "--external_plugins", str(tmp / "plugin.py"), "--reward_funcs", "even_length", "accuracy",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--learning_rate", "1e-3", "--torch_dtype", "float32", "--seed", "0", "--disable_tqdm", "true",
-        "--max_steps", "3", "--eval_steps", "3", "--num_generations_eval", "4"]))
+    run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(data),
+                "--val_dataset",
+                str(val),
+                "--output_dir",
+                str(out),
+                "--external_plugins",
+                str(tmp / "plugin.py"),
+                "--reward_funcs",
+                "even_length",
+                "accuracy",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "8",
+                "--learning_rate",
+                "1e-3",
+                "--torch_dtype",
+                "float32",
+                "--seed",
+                "0",
+                "--disable_tqdm",
+                "true",
+                "--max_steps",
+                "3",
+                "--eval_steps",
+                "3",
+                "--num_generations_eval",
+                "4",
+            ]
+        )
+    )
     return tmp, out
 
 
@@ -69,16 +108,34 @@ def test_grpokit_eval_prints_and_writes_the_table(run, capsys):
 
     tmp, out = run
     table = tmp / "eval.jsonl"
-    main(["eval", "--model", str(out / "final_model"), "--dataset", str(tmp / "val.jsonl"), "--external_plugins",
-          str(tmp / "plugin.py"), "--reward_funcs", "even_length", "--max_new_tokens", "8", "--torch_dtype",
-          "float32", "--output", str(table)])
+    main(
+        [
+            "eval",
+            "--model",
+            str(out / "final_model"),
+            "--dataset",
+            str(tmp / "val.jsonl"),
+            "--external_plugins",
+            str(tmp / "plugin.py"),
+            "--reward_funcs",
+            "even_length",
+            "--max_new_tokens",
+            "8",
+            "--torch_dtype",
+            "float32",
+            "--output",
+            str(table),
+        ]
+    )
     printed = capsys.readouterr().out
     summary, *rows = [json.loads(line) for line in table.read_text().splitlines()]
     assert summary["model"] == str(out / "final_model")
     assert len([r for r in rows if "sample" in r]) == 5 * 4 and len([r for r in rows if "sample" not in r]) == 5
     # the file's figures are the samples' own scores
-    passes = [[r["even_length"] for r in rows if r.get("sample") is not None and r["prompt"] == p]
-              for p in dict.fromkeys(r["prompt"] for r in rows)]
+    passes = [
+        [r["even_length"] for r in rows if r.get("sample") is not None and r["prompt"] == p]
+        for p in dict.fromkeys(r["prompt"] for r in rows)
+    ]
     assert summary["even_length/pass@1"] == pytest.approx(sum(sum(p) / 4 for p in passes) / len(passes))
     assert summary["even_length/pass@4"] == pytest.approx(sum(max(p) for p in passes) / len(passes))
     assert "4 samples per prompt at temperature 1" in printed
@@ -90,9 +147,21 @@ def test_infer_samples_only_when_asked_and_never_at_temperature_0(run, capsys):
     from grpokit.cli.main import main
 
     tmp, out = run
-    args = ["infer", "--model", str(out / "final_model"), "--dataset", str(tmp / "val.jsonl"), "--external_plugins",
-            str(tmp / "plugin.py"), "--reward_funcs", "even_length", "--max_new_tokens", "8", "--torch_dtype",
-            "float32"]
+    args = [
+        "infer",
+        "--model",
+        str(out / "final_model"),
+        "--dataset",
+        str(tmp / "val.jsonl"),
+        "--external_plugins",
+        str(tmp / "plugin.py"),
+        "--reward_funcs",
+        "even_length",
+        "--max_new_tokens",
+        "8",
+        "--torch_dtype",
+        "float32",
+    ]
     main([*args, "--num_generations_eval", "2", "--temperature", "1.0"])
     assert "pass@2 " in capsys.readouterr().out
     with pytest.raises(SystemExit):

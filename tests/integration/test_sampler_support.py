@@ -15,11 +15,39 @@ def _train(model_dir, data, out, extra):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    args = ["--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--reward_funcs", "format", "--num_generations", "4", "--per_device_train_batch_size", "4",
-            "--max_completion_length", "8", "--max_steps", "2", "--learning_rate", "1e-3",
-            "--torch_dtype", "float32", "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false",
-            "--seed", "1", "--rollout_importance_sampling_mode", "token_truncate", *extra]
+    args = [
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--reward_funcs",
+        "format",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--seed",
+        "1",
+        "--rollout_importance_sampling_mode",
+        "token_truncate",
+        *extra,
+    ]
     trainer = run_train(parse_train_args(args))
     return trainer, [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
 
@@ -64,14 +92,38 @@ def test_vision_language_logprobs_follow_the_same_rule(tmp_path):
     for i, colour in enumerate([(220, 20, 30), (20, 200, 40)]):
         path = tmp_path / f"img{i}.png"
         Image.new("RGB", (16, 16), colour).save(path)
-        rows.append({"messages": [{"role": "user", "content": "<image>What colour is this image?"}],
-                     "images": [str(path)], "solution": "red"})
+        rows.append(
+            {
+                "messages": [{"role": "user", "content": "<image>What colour is this image?"}],
+                "images": [str(path)],
+                "solution": "red",
+            }
+        )
     data = tmp_path / "colours.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    trainer, logged = _train(model_dir, data, tmp_path / "out",
-                             ["--top_p", "0.8", "--top_k", "20", "--temperature", "0.7", "--max_steps", "1",
-                              "--reward_funcs", "external_r1v_acc", "--num_generations", "2",
-                              "--per_device_train_batch_size", "4", "--max_completion_length", "6"])
+    trainer, logged = _train(
+        model_dir,
+        data,
+        tmp_path / "out",
+        [
+            "--top_p",
+            "0.8",
+            "--top_k",
+            "20",
+            "--temperature",
+            "0.7",
+            "--max_steps",
+            "1",
+            "--reward_funcs",
+            "external_r1v_acc",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "6",
+        ],
+    )
     support = trainer._producer.support
     assert support["top_k"] == 20 and support["top_p"] == 0.8 and support["blocked"]  # special tokens blocked
     row = logged[0]

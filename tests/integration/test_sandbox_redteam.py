@@ -155,8 +155,10 @@ def test_disk_use_is_bounded(outside):
 def test_statuses_say_what_happened(outside):
     lim = SandboxLimits(timeout_s=1, memory_mb=128)
     assert run_job("import os\nos.fork()", limits=lim).status == "error"  # the audit hook's PermissionError
-    assert run_job(render(CLASSES["2_audit_hook_off"]["ctypes_fork_syscall"], **outside.values()), limits=lim).status \
-        == "crash"  # killed by seccomp (SIGSYS): a signal, which the parent cannot tell from os._exit(159)
+    assert (
+        run_job(render(CLASSES["2_audit_hook_off"]["ctypes_fork_syscall"], **outside.values()), limits=lim).status
+        == "crash"
+    )  # killed by seccomp (SIGSYS): a signal, which the parent cannot tell from os._exit(159)
     assert run_job("while True:\n    pass", limits=lim).status == "timeout"
     assert run_job("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\nprint(1)", limits=lim).status == "ok"
     # (the program is pid 1 of its namespace: it cannot even kill itself)
@@ -202,8 +204,18 @@ def test_privileged_fallback_holds(outside):
     """Root running bubblewrap itself (no user namespace; the harness drops to the slot uid) holds as well."""
     rt = dataclasses.replace(isolation.resolve("bwrap"), privileged=True)
     program = grader.prepare(TESTS)
-    picked = [c for name in ("1_process_creation", "2_audit_hook_off", "3_writes_outside", "4_survivors",
-                             "5_unix_sockets_network", "7_spoofed_results") for _, c in _programs(name, outside)]
+    picked = [
+        c
+        for name in (
+            "1_process_creation",
+            "2_audit_hook_off",
+            "3_writes_outside",
+            "4_survivors",
+            "5_unix_sockets_network",
+            "7_spoofed_results",
+        )
+        for _, c in _programs(name, outside)
+    ]
 
     def score(code: str) -> int:
         deadline = time.monotonic() + 3

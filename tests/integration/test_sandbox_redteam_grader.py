@@ -188,8 +188,11 @@ def test_isolation_from_host_and_batch_mates(reward):
     os.chmod(planted, 0o644)
     try:
         out = {}
-        t = threading.Thread(target=lambda: out.update(flock=run_job(render(ISOLATION28["flock_host_file"]),
-                                                                     limits=SandboxLimits(timeout_s=TIMEOUT))))
+        t = threading.Thread(
+            target=lambda: out.update(
+                flock=run_job(render(ISOLATION28["flock_host_file"]), limits=SandboxLimits(timeout_s=TIMEOUT))
+            )
+        )
         t.start()
         time.sleep(0.8)  # the program holds its locks (if it got them) for 1.5 s
         with open(sys.executable, "rb") as fh:

@@ -20,7 +20,7 @@ HEADER = "import torch\nfrom swift.trainers import TrainerFactory\nfrom swift.rl
 REGISTER = "\nTrainerFactory.TRAINER_MAPPING['grpo'] = '{module}.MyGRPOTrainer'\n"
 
 # the seed's forward recipe, as written there (the hidden states are kept for the loss)
-FORWARD = '''
+FORWARD = """
 from trl.trainer.utils import selective_log_softmax
 
 class MyGRPOTrainer(GRPOTrainer):
@@ -34,10 +34,10 @@ class MyGRPOTrainer(GRPOTrainer):
         per_token_logps = selective_log_softmax(logits, completion_ids)
         self._my_hidden = outputs.hidden_states[-1]
         return per_token_logps, None
-'''
+"""
 
 # the seed's loss, from the mini-batch dict's keys (token-level PPO-clip, k3 KL, group normalisation)
-LOSS = '''
+LOSS = """
 class MyGRPOTrainer(GRPOTrainer):
     def _compute_loss_and_metrics(self, model, inputs):
         completion_mask = inputs['completion_mask']
@@ -61,15 +61,15 @@ class MyGRPOTrainer(GRPOTrainer):
             per_token_loss = per_token_loss + self.beta * per_token_kl
         loss = ((per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)).mean()
         return loss, {'my_loss': loss.detach()}
-'''
+"""
 
-ADVANTAGE = '''
+ADVANTAGE = """
 class MyGRPOTrainer(GRPOTrainer):
     def _compute_advantages(self, inputs, rewards_per_func, batch_encoded_inputs):
         return torch.ones(rewards_per_func.shape[0])
-'''
+"""
 
-GRAD_ZERO = '''
+GRAD_ZERO = """
 class MyGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -78,9 +78,9 @@ class MyGRPOTrainer(GRPOTrainer):
                 if p.grad is not None:
                     p.grad = torch.zeros_like(p.grad)
         return loss
-'''
+"""
 
-BATCH_KEY = '''
+BATCH_KEY = """
 class MyGRPOTrainer(GRPOTrainer):
     def _prepare_batch_inputs(self, inputs):
         batch_encoded_inputs = super()._prepare_batch_inputs(inputs)
@@ -92,9 +92,9 @@ class MyGRPOTrainer(GRPOTrainer):
         loss, metrics = super()._compute_loss_and_metrics(model, inputs)
         metrics['my_weight'] = inputs['my_weight'].mean()
         return loss * inputs['my_weight'].mean(), metrics
-'''
+"""
 
-OPTIMIZER = '''
+OPTIMIZER = """
 import torch
 from swift.optimizers import OptimizerCallback, optimizers_map
 
@@ -112,9 +112,9 @@ class MyOptimizerCallback(OptimizerCallback):
         return CountingSGD(params, lr=self.args.learning_rate)
 
 optimizers_map['counting_sgd'] = MyOptimizerCallback
-'''
+"""
 
-CALLBACK = '''
+CALLBACK = """
 from swift.callbacks import TrainerCallback, callbacks_map
 
 class StopAfterTwo(TrainerCallback):
@@ -129,19 +129,19 @@ class StopAfterTwo(TrainerCallback):
         StopAfterTwo.seen.append(("log", logs["step"], len(state.log_history)))
 
 callbacks_map['stop_after_two'] = StopAfterTwo
-'''
+"""
 
 # ms-swift 4.6's loss signature, adding a term on top of grpokit's loss
-LOSS_46 = '''
+LOSS_46 = """
 class MyGRPOTrainer(GRPOTrainer):
     def _compute_loss_and_metrics(self, model, model_inputs, grpo_batch):
         loss, metrics_data = super()._compute_loss_and_metrics(model, model_inputs, grpo_batch)
         metrics_data['mask_tokens'] = grpo_batch.completion_mask.sum()
         metrics_data['same_batch'] = float(model_inputs['input_ids'] is grpo_batch['input_ids'])
         return loss + 0.0 * grpo_batch.truncated_mask.float().sum(), metrics_data
-'''
+"""
 
-CONTROL = '''
+CONTROL = """
 from swift.callbacks import TrainerCallback, callbacks_map
 
 class AskAtStepTwo(TrainerCallback):
@@ -151,13 +151,13 @@ class AskAtStepTwo(TrainerCallback):
             control.should_save = True
 
 callbacks_map['ask_at_step_two'] = AskAtStepTwo
-'''
+"""
 
-UNCALLED = '''
+UNCALLED = """
 class MyGRPOTrainer(GRPOTrainer):
     def _get_logps_via_local_forward(self, model, inputs):
         raise AssertionError("never called")
-'''
+"""
 
 
 def port(text: str) -> str:
@@ -202,12 +202,46 @@ def train(tiny_model_dir, math_jsonl, out, plugin: str, *extra: str):
 
     signal = out.parent / "recipe_signal.py"
     signal.write_text(SIGNAL)
-    return run_train(parse_train_args([
-        "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-        "--external_plugins", plugin, str(signal), "--reward_funcs", "recipe_shorter", "--num_generations", "4",
-        "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--beta", "0",
-        "--torch_dtype", "float32", "--logging_steps", "1", "--seed", "0", "--disable_tqdm", "true",
-        "--plots", "false", "--save_final_model", "false", "--learning_rate", "1e-3", *extra]))
+    return run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(math_jsonl),
+                "--output_dir",
+                str(out),
+                "--external_plugins",
+                plugin,
+                str(signal),
+                "--reward_funcs",
+                "recipe_shorter",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "4",
+                "--max_completion_length",
+                "8",
+                "--beta",
+                "0",
+                "--torch_dtype",
+                "float32",
+                "--logging_steps",
+                "1",
+                "--seed",
+                "0",
+                "--disable_tqdm",
+                "true",
+                "--plots",
+                "false",
+                "--save_final_model",
+                "false",
+                "--learning_rate",
+                "1e-3",
+                *extra,
+            ]
+        )
+    )
 
 
 def log_rows(out) -> list[dict]:
@@ -219,8 +253,14 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_forward_override_gives_the_trained_logps(tiny_model_dir, math_jsonl, tmp_path, restore):
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_forward", FORWARD),
-                    "--max_steps", "2")
+    trainer = train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        write_plugin(tmp_path, "recipe_forward", FORWARD),
+        "--max_steps",
+        "2",
+    )
     assert type(trainer).__name__ == "MyGRPOTrainer" and trainer.state.global_step == 2
     hidden = trainer._my_hidden  # set by the override's forward, the one with gradients
     assert hidden.shape[0] == 4 and hidden.shape[-1] == trainer.policy.config.hidden_size
@@ -241,8 +281,14 @@ def test_loss_from_the_dict_keys_trains(tiny_model_dir, math_jsonl, tmp_path, re
 
 
 def test_advantage_override_of_ones_gives_loss_minus_one(tiny_model_dir, math_jsonl, tmp_path, restore):
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_adv", ADVANTAGE),
-                    "--max_steps", "2")
+    trainer = train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        write_plugin(tmp_path, "recipe_adv", ADVANTAGE),
+        "--max_steps",
+        "2",
+    )
     rows = log_rows(tmp_path / "out")
     assert trainer.state.global_step == 2
     for r in rows:  # on-policy: ratio 1, every advantage 1 → −1 per token, averaged per sequence
@@ -254,9 +300,20 @@ def test_training_step_zeroing_gradients_leaves_the_weights(tiny_model_dir, math
     from transformers import AutoModelForCausalLM
 
     before = weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_grad", GRAD_ZERO),
-                    "--max_steps", "2", "--gradient_accumulation_steps", "2", "--weight_decay", "0",
-                    "--max_grad_norm", "0")
+    trainer = train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        write_plugin(tmp_path, "recipe_grad", GRAD_ZERO),
+        "--max_steps",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--weight_decay",
+        "0",
+        "--max_grad_norm",
+        "0",
+    )
     assert trainer.state.global_step == 2
     after = weights(trainer.policy)
     assert max(float((after[n] - before[n]).abs().max()) for n in before) == 0.0
@@ -268,16 +325,38 @@ def test_training_step_without_the_edit_moves_the_weights(tiny_model_dir, math_j
 
     before = weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     plugin = write_plugin(tmp_path, "recipe_plain", ADVANTAGE)  # all-one advantages: a gradient every step
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "2",
-                    "--gradient_accumulation_steps", "2", "--weight_decay", "0", "--max_grad_norm", "0")
+    trainer = train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        plugin,
+        "--max_steps",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--weight_decay",
+        "0",
+        "--max_grad_norm",
+        "0",
+    )
     after = weights(trainer.policy)
     assert max(float((after[n] - before[n]).abs().max()) for n in before) > 0
 
 
 def test_optimizer_callback_takes_every_step(tiny_model_dir, math_jsonl, tmp_path, restore):
     plugin = write_plugin(tmp_path, "recipe_opt", OPTIMIZER, trainer=False)
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "3",
-                    "--optimizer", "counting_sgd", "--gradient_accumulation_steps", "2")
+    trainer = train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        plugin,
+        "--max_steps",
+        "3",
+        "--optimizer",
+        "counting_sgd",
+        "--gradient_accumulation_steps",
+        "2",
+    )
     counting = sys.modules["recipe_opt"].CountingSGD
     assert counting.steps == 3 and trainer.state.global_step == 3
     assert isinstance(trainer.optimizer.optimizer, counting)
@@ -286,8 +365,9 @@ def test_optimizer_callback_takes_every_step(tiny_model_dir, math_jsonl, tmp_pat
 
 def test_hf_callback_sees_each_step_and_stops_the_run(tiny_model_dir, math_jsonl, tmp_path, restore):
     plugin = write_plugin(tmp_path, "recipe_cb", CALLBACK, trainer=False)
-    trainer = train(tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "5",
-                    "--callbacks", "stop_after_two")
+    trainer = train(
+        tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "5", "--callbacks", "stop_after_two"
+    )
     seen = sys.modules["recipe_cb"].StopAfterTwo.seen
     assert seen == [(1, 5, 1e-3), ("log", 1, 1), (2, 5, 1e-3), ("log", 2, 2)]
     assert trainer.state.global_step == 2  # stopped by control.should_training_stop, not at max_steps
@@ -297,21 +377,49 @@ def test_hf_callback_sees_each_step_and_stops_the_run(tiny_model_dir, math_jsonl
 
 def test_hf_control_should_log_and_should_save_are_honoured(tiny_model_dir, math_jsonl, tmp_path, restore):
     plugin = write_plugin(tmp_path, "recipe_ctl", CONTROL, trainer=False)
-    train(tiny_model_dir, math_jsonl, tmp_path / "out", plugin, "--max_steps", "4", "--callbacks", "ask_at_step_two",
-          "--logging_steps", "100", "--logging_first_step", "false", "--save_steps", "100")
+    train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        plugin,
+        "--max_steps",
+        "4",
+        "--callbacks",
+        "ask_at_step_two",
+        "--logging_steps",
+        "100",
+        "--logging_first_step",
+        "false",
+        "--save_steps",
+        "100",
+    )
     assert [r["step"] for r in log_rows(tmp_path / "out")] == [2, 4]  # asked for at 2; 4 is the last step
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_prepare_batch_inputs_key_reaches_the_loss(tiny_model_dir, math_jsonl, tmp_path, restore):
-    train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_key", BATCH_KEY),
-          "--max_steps", "2", "--steps_per_generation", "2")
+    train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        write_plugin(tmp_path, "recipe_key", BATCH_KEY),
+        "--max_steps",
+        "2",
+        "--steps_per_generation",
+        "2",
+    )
     assert [r["my_weight"] for r in log_rows(tmp_path / "out")] == [0.5, 0.5]
 
 
 def test_ms_swift_46_loss_signature_is_called_its_way(tiny_model_dir, math_jsonl, tmp_path, restore):
-    train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_loss46", LOSS_46),
-          "--max_steps", "2")
+    train(
+        tiny_model_dir,
+        math_jsonl,
+        tmp_path / "out",
+        write_plugin(tmp_path, "recipe_loss46", LOSS_46),
+        "--max_steps",
+        "2",
+    )
     rows = log_rows(tmp_path / "out")
     assert all(r["mask_tokens"] > 0 and r["same_batch"] == 1.0 for r in rows)
 
@@ -320,8 +428,14 @@ def test_uncalled_ms_swift_method_is_refused_in_one_line(tiny_model_dir, math_js
     from grpokit.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        train(tiny_model_dir, math_jsonl, tmp_path / "out", write_plugin(tmp_path, "recipe_uncalled", UNCALLED),
-              "--max_steps", "1")
+        train(
+            tiny_model_dir,
+            math_jsonl,
+            tmp_path / "out",
+            write_plugin(tmp_path, "recipe_uncalled", UNCALLED),
+            "--max_steps",
+            "1",
+        )
     message = str(err.value)
     assert "\n" not in message and "_get_logps_via_local_forward" in message
     assert "_get_per_token_logps_and_entropies" in message
@@ -331,7 +445,8 @@ def test_trl_quickstart_trains_two_steps(tiny_model_dir, tmp_path):
     """TRL's quickstart with `from trl` renamed, the model folder and a datasets.Dataset local."""
     from datasets import Dataset
 
-    quickstart = port(textwrap.dedent('''
+    quickstart = port(
+        textwrap.dedent("""
         from trl import GRPOConfig, GRPOTrainer
 
         def reward_len(completions, **kwargs):
@@ -343,7 +458,8 @@ def test_trl_quickstart_trains_two_steps(tiny_model_dir, tmp_path):
                                        torch_dtype="float32", save_final_model=False, plots=False, disable_tqdm=True)
             trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
             return trainer.train()
-    '''))
+    """)
+    )
     scope: dict = {}
     exec(compile(quickstart, "quickstart.py", "exec"), scope)  # noqa: S102 - the test's own script
     dataset = Dataset.from_list([{"prompt": f"Summarise: item {i} is on sale."} for i in range(8)])
@@ -370,24 +486,61 @@ def test_recipes_under_zero3_in_two_processes(tiny_model_dir, math_jsonl, tmp_pa
     advantage 1 on-policy gives loss −1 through the seed's loss over the override's logps."""
     from test_distributed import _torchrun
 
-    body = (FORWARD.replace("class MyGRPOTrainer(GRPOTrainer):", "class Forward(GRPOTrainer):")
-            + LOSS.replace("class MyGRPOTrainer(GRPOTrainer):", "class Loss(Forward):")
-            + ADVANTAGE.replace("class MyGRPOTrainer(GRPOTrainer):", "class MyGRPOTrainer(Loss):")
-            + "\nimport os, json\n"
-            + "_orig = MyGRPOTrainer._compute_loss_and_metrics\n"
-            + "def _record(self, model, inputs):\n"
-            + "    loss, m = _orig(self, model, inputs)\n"
-            + "    m['hidden_rows'] = float(self._my_hidden.shape[0])\n"
-            + "    return loss, m\n"
-            + "MyGRPOTrainer._compute_loss_and_metrics = _record\n")
+    body = (
+        FORWARD.replace("class MyGRPOTrainer(GRPOTrainer):", "class Forward(GRPOTrainer):")
+        + LOSS.replace("class MyGRPOTrainer(GRPOTrainer):", "class Loss(Forward):")
+        + ADVANTAGE.replace("class MyGRPOTrainer(GRPOTrainer):", "class MyGRPOTrainer(Loss):")
+        + "\nimport os, json\n"
+        + "_orig = MyGRPOTrainer._compute_loss_and_metrics\n"
+        + "def _record(self, model, inputs):\n"
+        + "    loss, m = _orig(self, model, inputs)\n"
+        + "    m['hidden_rows'] = float(self._my_hidden.shape[0])\n"
+        + "    return loss, m\n"
+        + "MyGRPOTrainer._compute_loss_and_metrics = _record\n"
+    )
     plugin = write_plugin(tmp_path, "recipe_zero3", body)
     out = tmp_path / "zero3"
-    _torchrun(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out),
-               "--external_plugins", plugin, "--reward_funcs", "accuracy", "--num_generations", "4",
-               "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--beta", "0",
-               "--torch_dtype", "float32", "--use_cpu", "true", "--logging_steps", "1", "--seed", "0",
-               "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", "--max_steps", "2",
-               "--deepspeed", "zero3"], tmp_path / "dump")
+    _torchrun(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(math_jsonl),
+            "--output_dir",
+            str(out),
+            "--external_plugins",
+            plugin,
+            "--reward_funcs",
+            "accuracy",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--use_cpu",
+            "true",
+            "--logging_steps",
+            "1",
+            "--seed",
+            "0",
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+            "--max_steps",
+            "2",
+            "--deepspeed",
+            "zero3",
+        ],
+        tmp_path / "dump",
+    )
     rows = log_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

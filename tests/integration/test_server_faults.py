@@ -31,8 +31,15 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def guarded(tiny, tmp_path_factory):
     """API key from the environment, at most 8 requests per call, bodies up to 0.05 MB."""
-    with rollout_server(tiny, tmp_path_factory.mktemp("logs"), "--max_batch_requests", "8", "--max_body_mb", "0.05",
-                        env={"GRPOKIT_API_KEY": KEY}) as s:
+    with rollout_server(
+        tiny,
+        tmp_path_factory.mktemp("logs"),
+        "--max_batch_requests",
+        "8",
+        "--max_body_mb",
+        "0.05",
+        env={"GRPOKIT_API_KEY": KEY},
+    ) as s:
         yield s
 
 
@@ -43,12 +50,22 @@ def _msg(text: str) -> dict:
 JSON = {"Content-Type": "application/json", **AUTH}
 BAD = [
     ("bad JSON", {"content": b'{"requests": [{"messages": '}, JSON, 422, "not valid JSON"),
-    ("wrong type", {"json": {"requests": [_msg("x")], "request_config": {"temperature": "hot"}}}, AUTH, 422,
-     "request_config.temperature"),
+    (
+        "wrong type",
+        {"json": {"requests": [_msg("x")], "request_config": {"temperature": "hot"}}},
+        AUTH,
+        422,
+        "request_config.temperature",
+    ),
     ("unknown field", {"json": {"requests": [{**_msg("x"), "priority": 1}]}}, AUTH, 422, "requests.0.priority"),
     ("oversized body", {"json": {"requests": [_msg("z" * 60_000)]}}, AUTH, 413, "--max_body_mb"),
-    ("too many requests", {"json": {"requests": [_msg(str(i)) for i in range(9)]}}, AUTH, 413,
-     "--max_batch_requests 8"),
+    (
+        "too many requests",
+        {"json": {"requests": [_msg(str(i)) for i in range(9)]}},
+        AUTH,
+        413,
+        "--max_batch_requests 8",
+    ),
     ("missing key", {"json": {"requests": [_msg("x")]}}, {}, 401, "API key"),
     ("wrong key", {"json": {"requests": [_msg("x")]}}, {"Authorization": "Bearer nope"}, 401, "API key"),
 ]
@@ -60,8 +77,12 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(guarded, case, kwargs
     assert resp.status_code == status, resp.text
     assert words in resp.json()["error"]
     assert guarded.healthy(AUTH)
-    good = httpx.post(guarded.url + "/infer/", headers=AUTH, timeout=60,
-                      json={"requests": [_msg("ok")], "request_config": {"max_tokens": 2}})
+    good = httpx.post(
+        guarded.url + "/infer/",
+        headers=AUTH,
+        timeout=60,
+        json={"requests": [_msg("ok")], "request_config": {"max_tokens": 2}},
+    )
     assert good.status_code == 200 and len(good.json()) == 1
 
 
@@ -72,8 +93,9 @@ def test_client_with_the_key_works_and_without_it_is_told_why(guarded):
         assert len(outs) == 1
         # 20 requests > --max_batch_requests 8: the client splits them into calls the server accepts
         many = [RolloutInferRequest(**_msg(f"q{i}"), request_id=f"r{i}") for i in range(20)]
-        assert [o.request_id for o in client.infer_trajectories(many, RequestConfig(max_tokens=2))] == \
-            [f"r{i}" for i in range(20)]
+        assert [o.request_id for o in client.infer_trajectories(many, RequestConfig(max_tokens=2))] == [
+            f"r{i}" for i in range(20)
+        ]
     finally:
         client.close()
     with pytest.raises(ServerError, match=f"127.0.0.1:{guarded.port} rejected the API key"):
@@ -111,8 +133,9 @@ def test_server_killed_mid_use_raises_server_error_without_hanging(tiny, tmp_pat
         client = RolloutClient(base_urls=[server.url], timeout=CLIENT_TIMEOUT_S, backoff_s=0.2)
         model = torch.nn.Linear(2, 2)  # never reaches the server: the sync fails on the first call
         requests = [RolloutInferRequest(**_msg(f"long {i}")) for i in range(64)]
-        done, caught = _in_thread(lambda: client.infer_trajectories(
-            requests, RequestConfig(max_tokens=1000, temperature=1.0)))
+        done, caught = _in_thread(
+            lambda: client.infer_trajectories(requests, RequestConfig(max_tokens=1000, temperature=1.0))
+        )
         # kill only once the server is inside /infer/ with the whole batch (it answers while it generates)
         deadline = time.monotonic() + GUARD_S
         while _inflight(server) != len(requests):
@@ -141,8 +164,9 @@ def test_unreachable_at_start_names_host_and_port():
 
 def test_cli_refuses_to_expose_a_server_without_a_key(tiny):
     env_cmd = [sys.executable, "-m", "grpokit", "rollout", "--model", str(tiny), "--host", "0.0.0.0"]
-    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        env_cmd, capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--api_key" in lines[0] and "--insecure" in lines[0], proc.stderr

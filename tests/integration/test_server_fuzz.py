@@ -50,10 +50,17 @@ def server(tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weight_sync.Communicator, "create", staticmethod(_no_network))
         mp.setattr(weight_sync, "local_address_towards", lambda host, port: "127.0.0.1")
-        options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", max_batch_requests=4,
-                                max_body_mb=1, vllm_max_model_len=96, max_sync_timeout_s=2)
-        with TestClient(create_app(build_state(options)), raise_server_exceptions=False,
-                        base_url="http://127.0.0.1") as client:
+        options = ServerOptions(
+            model=str(tiny_model_dir),
+            torch_dtype="float32",
+            max_batch_requests=4,
+            max_body_mb=1,
+            vllm_max_model_len=96,
+            max_sync_timeout_s=2,
+        )
+        with TestClient(
+            create_app(build_state(options)), raise_server_exceptions=False, base_url="http://127.0.0.1"
+        ) as client:
             yield client
 
 
@@ -64,8 +71,9 @@ def _send(client: TestClient, case):
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 def test_every_endpoint_answers_below_500_with_json_errors(case, server):
     COUNTS[case.operation.label] += 1
     response = _send(server, case)
@@ -87,14 +95,34 @@ def _error_line(response, path: str) -> str:
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-    max_leaves=20)
-RAW_BODIES = st.one_of(st.binary(max_size=512), JSON_VALUES.map(lambda v: json.dumps(v).encode()),
-                       st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
-CONTENT_TYPES = st.sampled_from(["application/json", "application/json; charset=latin-1", "text/plain", "",
-                                 "application/problem+json", "multipart/form-data"])
-ROUTES = [("GET", "/health/"), ("GET", "/get_engine_type/"), ("POST", "/infer/"), ("POST", "/init_communicator/"),
-          ("POST", "/update_weights/"), ("POST", "/close_communicator/"), ("POST", "/reset_prefix_cache/"),
-          ("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+    max_leaves=20,
+)
+RAW_BODIES = st.one_of(
+    st.binary(max_size=512),
+    JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+    st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
+)
+CONTENT_TYPES = st.sampled_from(
+    [
+        "application/json",
+        "application/json; charset=latin-1",
+        "text/plain",
+        "",
+        "application/problem+json",
+        "multipart/form-data",
+    ]
+)
+ROUTES = [
+    ("GET", "/health/"),
+    ("GET", "/get_engine_type/"),
+    ("POST", "/infer/"),
+    ("POST", "/init_communicator/"),
+    ("POST", "/update_weights/"),
+    ("POST", "/close_communicator/"),
+    ("POST", "/reset_prefix_cache/"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/chat/completions"),
+]
 
 
 @pytest.mark.parametrize("method, path", ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])
@@ -103,8 +131,9 @@ def test_raw_bodies_of_any_bytes_and_type_get_json_answers(server, method, path)
     arbitrary bodies (bytes, JSON of any shape, text with lone surrogates) under assorted content types."""
 
     @given(body=RAW_BODIES, ctype=CONTENT_TYPES)
-    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     def check(body: bytes, ctype: str) -> None:
         COUNTS[f"raw {method} {path}"] += 1
         headers = {"Content-Type": ctype} if ctype else {}

@@ -50,8 +50,10 @@ def _png(colour=(200, 30, 40), size=(16, 16), fmt="PNG") -> bytes:
 def _prompts() -> list[RolloutInferRequest]:
     from grpokit.data.builtin import COLOURS_PROMPT
 
-    return [RolloutInferRequest(messages=[{"role": "user", "content": COLOURS_PROMPT}], data_dict={"images": [png]})
-            for png in (_png((200, 30, 40)), _png((20, 30, 220)))]
+    return [
+        RolloutInferRequest(messages=[{"role": "user", "content": COLOURS_PROMPT}], data_dict={"images": [png]})
+        for png in (_png((200, 30, 40)), _png((20, 30, 220)))
+    ]
 
 
 def _greedy(engine) -> tuple[list[list[int]], list[float]]:
@@ -74,8 +76,9 @@ def _local(model_dir):
 
 
 @pytest.mark.parametrize("tuner", ["full", "lora"])
-def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(tuner, vlm, server, tmp_path,
-                                                                               one_torch_thread):
+def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(
+    tuner, vlm, server, tmp_path, one_torch_thread
+):
     from grpokit.config.parse import parse_train_args
     from grpokit.engines.client import RolloutClient
     from grpokit.pipeline.train import run_train
@@ -83,15 +86,54 @@ def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(t
     before = httpx.get(server.url + "/get_engine_type/", timeout=10).json()
     assert before["multimodal"] is True
     out = tmp_path / "out"
-    lora = ["--tuner_type", "lora", "--lora_rank", "8", "--learning_rate", "5e-2"] if tuner == "lora" else \
-        ["--tuner_type", "full", "--learning_rate", "3e-2"]
-    trainer = run_train(parse_train_args([
-        "--model", str(vlm), "--dataset", "builtin:colours", "--reward_funcs", "external_r1v_acc",
-        "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port),
-        "--max_steps", "2", "--num_generations", "4", "--per_device_train_batch_size", "8",
-        "--max_completion_length", "4", "--torch_dtype", "float32", "--beta", "0", "--output_dir", str(out),
-        "--save_steps", "100", "--vllm_server_timeout", "120", "--disable_tqdm", "true", "--seed", "1",
-        "--structured_outputs_regex", "(red|green|blue)", *lora]))  # answers at chance: rewards differ
+    lora = (
+        ["--tuner_type", "lora", "--lora_rank", "8", "--learning_rate", "5e-2"]
+        if tuner == "lora"
+        else ["--tuner_type", "full", "--learning_rate", "3e-2"]
+    )
+    trainer = run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(vlm),
+                "--dataset",
+                "builtin:colours",
+                "--reward_funcs",
+                "external_r1v_acc",
+                "--vllm_mode",
+                "server",
+                "--vllm_server_host",
+                "127.0.0.1",
+                "--vllm_server_port",
+                str(server.port),
+                "--max_steps",
+                "2",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "4",
+                "--torch_dtype",
+                "float32",
+                "--beta",
+                "0",
+                "--output_dir",
+                str(out),
+                "--save_steps",
+                "100",
+                "--vllm_server_timeout",
+                "120",
+                "--disable_tqdm",
+                "true",
+                "--seed",
+                "1",
+                "--structured_outputs_regex",
+                "(red|green|blue)",
+                *lora,
+            ]
+        )
+    )  # answers at chance: rewards differ
     check = RolloutClient(base_urls=[server.url], timeout=120)
     try:
         assert check.engine_info(refresh=True)["weight_version"] >= before["weight_version"] + 2  # a sync per step
@@ -110,8 +152,12 @@ def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(t
 
 
 def _infer(client: httpx.Client, refs: list[str], **data) -> httpx.Response:
-    body = {"requests": [{"messages": [{"role": "user", "content": "<image>What colour?"}], "images": refs,
-                          "data_dict": data}], "request_config": {"max_tokens": 2, "temperature": 0}}
+    body = {
+        "requests": [
+            {"messages": [{"role": "user", "content": "<image>What colour?"}], "images": refs, "data_dict": data}
+        ],
+        "request_config": {"max_tokens": 2, "temperature": 0},
+    }
     return client.post("/infer/", json=body)
 
 
@@ -195,17 +241,58 @@ def test_an_image_observation_on_a_multi_turn_server_trains_on_the_servers_token
 
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Recording
-    turns = ("--external_plugins", str(plugin), "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "2",
-             "--gym_env", "server_colour_observation")
+    turns = (
+        "--external_plugins",
+        str(plugin),
+        "--multi_turn_scheduler",
+        "gym_scheduler",
+        "--max_turns",
+        "2",
+        "--gym_env",
+        "server_colour_observation",
+    )
     try:
         with rollout_server(vlm, tmp_path, *FLOAT32, *turns) as server:
-            run_train(parse_train_args([
-                "--model", str(vlm), "--dataset", "builtin:colours", "--vllm_mode", "server",
-                "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--max_steps", "1",
-                "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "4",
-                "--torch_dtype", "float32", "--beta", "0", "--output_dir", str(tmp_path / "out"),
-                "--save_steps", "100", "--save_final_model", "false", "--disable_tqdm", "true",
-                "--rollout_importance_sampling_mode", "token_truncate", "--vllm_server_timeout", "120"]))
+            run_train(
+                parse_train_args(
+                    [
+                        "--model",
+                        str(vlm),
+                        "--dataset",
+                        "builtin:colours",
+                        "--vllm_mode",
+                        "server",
+                        "--vllm_server_host",
+                        "127.0.0.1",
+                        "--vllm_server_port",
+                        str(server.port),
+                        "--max_steps",
+                        "1",
+                        "--num_generations",
+                        "2",
+                        "--per_device_train_batch_size",
+                        "4",
+                        "--max_completion_length",
+                        "4",
+                        "--torch_dtype",
+                        "float32",
+                        "--beta",
+                        "0",
+                        "--output_dir",
+                        str(tmp_path / "out"),
+                        "--save_steps",
+                        "100",
+                        "--save_final_model",
+                        "false",
+                        "--disable_tqdm",
+                        "true",
+                        "--rollout_importance_sampling_mode",
+                        "token_truncate",
+                        "--vllm_server_timeout",
+                        "120",
+                    ]
+                )
+            )
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
         TrainerFactory.TRAINER_MAPPING.update(saved)

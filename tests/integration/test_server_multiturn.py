@@ -54,8 +54,18 @@ def server(tmp_path_factory):
     tiny = build_tiny_model(root / "tiny", chat_template=THINK_DROPPING_TEMPLATE)
     plugin = root / "label_plugin.py"
     plugin.write_text(PLUGIN)
-    with rollout_server(tiny, root, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns",
-                        "--max_turns", "3", "--completion_length_limit_scope", "per_round") as s:
+    with rollout_server(
+        tiny,
+        root,
+        "--external_plugins",
+        str(plugin),
+        "--multi_turn_scheduler",
+        "label_turns",
+        "--max_turns",
+        "3",
+        "--completion_length_limit_scope",
+        "per_round",
+    ) as s:
         s.model = tiny
         yield s
 
@@ -66,9 +76,15 @@ def test_server_runs_the_multi_turn_scheduler_with_the_rows_data(server):
         info = client.engine_info()
         assert info["enable_multi_turn"] and info["multi_turn_scheduler"] == "label_turns"
         assert info["max_turns"] == 3 and info["completion_length_limit_scope"] == "per_round"
-        requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"question {i}"}],
-                                        data_dict={"label": f"L{i}"}, request_id=f"r{i}", prompt_id=f"p{i // 2}")
-                    for i in range(4)]
+        requests = [
+            RolloutInferRequest(
+                messages=[{"role": "user", "content": f"question {i}"}],
+                data_dict={"label": f"L{i}"},
+                request_id=f"r{i}",
+                prompt_id=f"p{i // 2}",
+            )
+            for i in range(4)
+        ]
         outs = run_trajectories(RemoteScheduler(client), requests, RequestConfig(max_tokens=3))
         assert [o.request_id for o in outs] == ["r0", "r1", "r2", "r3"]
         for i, o in enumerate(outs):
@@ -92,15 +108,46 @@ class _Recording(GRPOTrainer):
 
 
 def _train_args(server, tmp_path, *extra):
-    rows = [{"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}", "think": True}
-            for i in range(4)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}", "think": True} for i in range(4)
+    ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return ["--model", str(server.model), "--dataset", str(data), "--output_dir", str(tmp_path / "out"),
-            "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
-            "--max_completion_length", "4", "--beta", "0", "--reward_funcs", "format", "--vllm_mode", "server",
-            "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--vllm_server_timeout", "60",
-            "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false", *extra]
+    return [
+        "--model",
+        str(server.model),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "2",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "4",
+        "--beta",
+        "0",
+        "--reward_funcs",
+        "format",
+        "--vllm_mode",
+        "server",
+        "--vllm_server_host",
+        "127.0.0.1",
+        "--vllm_server_port",
+        str(server.port),
+        "--vllm_server_timeout",
+        "60",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        *extra,
+    ]
 
 
 def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path, caplog):
@@ -115,9 +162,22 @@ def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(serv
     saved, _Recording.outputs = TrainerFactory.TRAINER_MAPPING["grpo"], []
     TrainerFactory.TRAINER_MAPPING["grpo"] = _Recording
     try:
-        trainer = run_train(parse_train_args(_train_args(
-            server, tmp_path, "--multi_turn_scheduler", "label_turns", "--max_turns", "3", "--loss_scale",
-            "last_round", "--vllm_server_pass_dataset", "true")))
+        trainer = run_train(
+            parse_train_args(
+                _train_args(
+                    server,
+                    tmp_path,
+                    "--multi_turn_scheduler",
+                    "label_turns",
+                    "--max_turns",
+                    "3",
+                    "--loss_scale",
+                    "last_round",
+                    "--vllm_server_pass_dataset",
+                    "true",
+                )
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING["grpo"] = saved
     assert trainer.state.global_step == 2 and _Recording.outputs
@@ -133,10 +193,13 @@ def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(serv
     assert any("not prefix-preserving" in r.getMessage() for r in caplog.records)  # the trainer's own audit
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--max_turns", "2"], "--max_turns 2: the rollout server"),
-    (["--multi_turn_scheduler", "gym_scheduler"], "runs label_turns"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--max_turns", "2"], "--max_turns 2: the rollout server"),
+        (["--multi_turn_scheduler", "gym_scheduler"], "runs label_turns"),
+    ],
+)
 def test_trainer_options_the_server_does_not_use_stop_the_run(server, tmp_path, extra, needle):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
@@ -160,9 +223,20 @@ def test_trainer_plays_the_turns_against_a_single_turn_server(tmp_path_factory, 
     try:
         with rollout_server(tiny, root) as plain:
             plain.model = tiny
-            trainer = run_train(parse_train_args(_train_args(
-                plain, tmp_path, "--external_plugins", str(plugin), "--multi_turn_scheduler", "label_turns_trainer",
-                "--max_turns", "2")))
+            trainer = run_train(
+                parse_train_args(
+                    _train_args(
+                        plain,
+                        tmp_path,
+                        "--external_plugins",
+                        str(plugin),
+                        "--multi_turn_scheduler",
+                        "label_turns_trainer",
+                        "--max_turns",
+                        "2",
+                    )
+                )
+            )
             served = httpx.get(plain.url + "/get_engine_type/", timeout=10).json()
     finally:
         TrainerFactory.TRAINER_MAPPING["grpo"] = saved

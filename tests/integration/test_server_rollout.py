@@ -83,8 +83,10 @@ def test_lora_merged_sync_matches_the_merged_model(tiny, client, one_torch_threa
 
     base = load_causal_lm(str(tiny), torch.float32)
     original = {n: p.detach().clone() for n, p in base.named_parameters()}
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                            target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        base,
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+    )
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -109,12 +111,36 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path, one_tor
 
     # the trainer keeps --torch_dtype auto (bf16 autocast where the CPU has it): the weights it syncs are float32
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
-    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
-                            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
-                            str(server.port), "--max_steps", "3", "--num_generations", "4",
-                            "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-                            "--output_dir", str(tmp_path / "out"), "--save_final_model", "false",
-                            "--vllm_server_timeout", "60"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server.port),
+            "--max_steps",
+            "3",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--save_final_model",
+            "false",
+            "--vllm_server_timeout",
+            "60",
+        ]
+    )
     trainer = run_train(cfg)  # closes its client (and the server's sync group) at the end
     assert isinstance(trainer.engine, RolloutClient) and isinstance(trainer.scheduler, RemoteScheduler)
     check = RolloutClient(base_urls=[server.url], timeout=60)
@@ -133,12 +159,42 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "async"
-    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
-                            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
-                            str(server.port), "--max_steps", "4", "--num_generations", "4",
-                            "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-                            "--output_dir", str(out), "--save_final_model", "false", "--save_steps", "2",
-                            "--vllm_server_timeout", "60", "--async_generate", "true", "--log_completions", "true"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server.port),
+            "--max_steps",
+            "4",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--save_steps",
+            "2",
+            "--vllm_server_timeout",
+            "60",
+            "--async_generate",
+            "true",
+            "--log_completions",
+            "true",
+        ]
+    )
     trainer = run_train(cfg)
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -163,14 +219,33 @@ def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
     from grpokit.errors import ConfigError
 
     with pytest.raises(ConfigError, match="async_generate"):
-        parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--num_generations", "4",
-                          "--per_device_train_batch_size", "8", "--max_steps", "1", "--async_generate", "true",
-                          "--output_dir", str(tmp_path / "o")])
+        parse_train_args(
+            [
+                "--model",
+                str(tiny),
+                "--dataset",
+                "builtin:arithmetic",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_steps",
+                "1",
+                "--async_generate",
+                "true",
+                "--output_dir",
+                str(tmp_path / "o"),
+            ]
+        )
 
 
 def test_remote_scheduler_returns_trajectories_in_order(client):
-    requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"What is {i} + 1?"}],
-                                    request_id=f"r{i}", prompt_id=f"p{i // 2}") for i in range(6)]
+    requests = [
+        RolloutInferRequest(
+            messages=[{"role": "user", "content": f"What is {i} + 1?"}], request_id=f"r{i}", prompt_id=f"p{i // 2}"
+        )
+        for i in range(6)
+    ]
     outs = run_trajectories(RemoteScheduler(client), requests, RequestConfig(max_tokens=4, logprobs=True))
     assert [o.request_id for o in outs] == [f"r{i}" for i in range(6)]
     # one logprob per completion token; a completion may be empty (the random model samples the pad token
@@ -196,8 +271,12 @@ def test_two_servers_split_requests_and_both_get_the_weights(tiny, server, tmp_p
                 single = RolloutClient(base_urls=[url], timeout=30)
                 assert _greedy(single) == expected, url
                 single._http.close()
-            requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
-                                            prompt_id=f"p{i % 3}") for i in range(12)]
+            requests = [
+                RolloutInferRequest(
+                    messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}", prompt_id=f"p{i % 3}"
+                )
+                for i in range(12)
+            ]
             outs = both.infer_trajectories(requests, RequestConfig(max_tokens=3))
             assert [o.request_id for o in outs] == [f"r{i}" for i in range(12)]
             assert second.healthy() and both.engine_info(refresh=True)["num_servers"] == 2
@@ -213,8 +292,13 @@ def test_eight_concurrent_clients_fifty_requests_each(server):
         got = []
         try:
             for batch in range(5):  # 5 calls x 10 requests = 50
-                reqs = [RolloutInferRequest(messages=[{"role": "user", "content": f"client {c} item {batch}-{k}"}],
-                                            request_id=f"c{c}-{batch}-{k}") for k in range(10)]
+                reqs = [
+                    RolloutInferRequest(
+                        messages=[{"role": "user", "content": f"client {c} item {batch}-{k}"}],
+                        request_id=f"c{c}-{batch}-{k}",
+                    )
+                    for k in range(10)
+                ]
                 outs = client.infer_trajectories(reqs, config)
                 got.extend((r.request_id, o.request_id) for r, o in zip(reqs, outs, strict=True))
                 assert all(o.messages[0]["content"] == r.messages[0]["content"] for r, o in zip(reqs, outs))

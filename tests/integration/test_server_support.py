@@ -67,14 +67,30 @@ def rollout_server(model_dir: Path, log_dir: Path, *args: str, env: dict | None 
 
 
 @contextlib.contextmanager
-def limited_server(model_dir: Path, log_path: Path, *args: str, key: str, memory_gb: int = 4,
-                   nofile: int | None = None):
+def limited_server(
+    model_dir: Path, log_path: Path, *args: str, key: str, memory_gb: int = 4, nofile: int | None = None
+):
     """`grpokit rollout` (transformers, float32, API ``key``) under ``prlimit --as`` (and ``--nofile``): yields
     (process, url, port); killed on exit."""
     port = free_port()
     limits = [f"--as={memory_gb << 30}"] + ([f"--nofile={nofile}"] if nofile else [])
-    cmd = ["prlimit", *limits, sys.executable, "-m", "grpokit", "rollout", "--model", str(model_dir), "--port",
-           str(port), "--torch_dtype", "float32", "--engine", "transformers", *args]
+    cmd = [
+        "prlimit",
+        *limits,
+        sys.executable,
+        "-m",
+        "grpokit",
+        "rollout",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--torch_dtype",
+        "float32",
+        "--engine",
+        "transformers",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "GRPOKIT_API_KEY": key}
     with open(log_path, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)

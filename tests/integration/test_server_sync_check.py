@@ -34,22 +34,60 @@ def fault_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory, fault_file):
-    with rollout_server(tiny, tmp_path_factory.mktemp("logs"), "--torch_dtype", "float32", "--external_plugins",
-                        str(PLUGIN), env={"GRPOKIT_TEST_SYNC_FAULT_FILE": str(fault_file)}) as s:
+    with rollout_server(
+        tiny,
+        tmp_path_factory.mktemp("logs"),
+        "--torch_dtype",
+        "float32",
+        "--external_plugins",
+        str(PLUGIN),
+        env={"GRPOKIT_TEST_SYNC_FAULT_FILE": str(fault_file)},
+    ) as s:
         yield s
 
 
 def _train(tiny, server, out: Path, steps: int):
     from grpokit.pipeline.train import run_train
 
-    cfg = parse_train_args(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
-                            "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
-                            str(server.port), "--max_steps", str(steps), "--num_generations", "4",
-                            "--per_device_train_batch_size", "4", "--max_completion_length", "4",
-                            "--torch_dtype", "float32", "--learning_rate", "1e-4", "--output_dir", str(out),
-                            # every step moves the weights (AdamW's decay), even when all rewards are equal
-                            "--weight_decay", "0.1",
-                            "--save_final_model", "false", "--vllm_server_timeout", "60", "--report_to", "none"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server.port),
+            "--max_steps",
+            str(steps),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "4",
+            "--torch_dtype",
+            "float32",
+            "--learning_rate",
+            "1e-4",
+            "--output_dir",
+            str(out),
+            # every step moves the weights (AdamW's decay), even when all rewards are equal
+            "--weight_decay",
+            "0.1",
+            "--save_final_model",
+            "false",
+            "--vllm_server_timeout",
+            "60",
+            "--report_to",
+            "none",
+        ]
+    )
     return run_train(cfg)
 
 
@@ -75,8 +113,9 @@ def test_a_broken_bucket_stops_the_run_at_that_step_naming_it(tiny, server, faul
         _train(tiny, server, tmp_path / fault, steps=3)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"weight sync check: server 127.0.0.1:{server.port} does not hold the weights just "
-                              "sent: bucket 0 of 1: ")
+    assert message.startswith(
+        f"weight sync check: server 127.0.0.1:{server.port} does not hold the weights just sent: bucket 0 of 1: "
+    )
     assert "[sync after step 1; --check_weight_sync false turns the check off]" in message
     if fault == "corrupt":  # the bucket's first tensor, named with the sum that moved
         assert "model.embed_tokens.weight (" in message, message

@@ -19,8 +19,7 @@ from test_server_support import auth, fds_settle, health_s, limited_server, memo
 
 from grpokit.testing import build_tiny_model
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")]
 
 KEY = "transport-key"
 HEADER_S, BODY_S, BODY_IDLE_S = 2.0, 3.0, 1.5
@@ -31,8 +30,16 @@ NOFILE = 1024
 def server(tmp_path_factory):
     tiny = build_tiny_model(tmp_path_factory.mktemp("tiny"))
     log = tmp_path_factory.mktemp("logs") / "rollout.log"
-    args = ["--header_timeout_s", str(HEADER_S), "--body_timeout_s", str(BODY_S), "--body_idle_s", str(BODY_IDLE_S),
-            "--keep_alive_s", "2"]
+    args = [
+        "--header_timeout_s",
+        str(HEADER_S),
+        "--body_timeout_s",
+        str(BODY_S),
+        "--body_idle_s",
+        str(BODY_IDLE_S),
+        "--keep_alive_s",
+        "2",
+    ]
     with limited_server(tiny, log, *args, key=KEY, nofile=NOFILE) as (proc, url, port):
         with httpx.Client(base_url=url, headers=auth(KEY), timeout=60) as client:
             assert client.post("/infer/", json=_infer(8)).status_code == 200  # warm-up
@@ -45,8 +52,10 @@ def server(tmp_path_factory):
 
 
 def _infer(max_tokens: int = 4) -> dict:
-    return {"requests": [{"messages": [{"role": "user", "content": "hi"}]}],
-            "request_config": {"max_tokens": max_tokens}}
+    return {
+        "requests": [{"messages": [{"role": "user", "content": "hi"}]}],
+        "request_config": {"max_tokens": max_tokens},
+    }
 
 
 def _after_each(proc, url: str, idle: dict) -> None:
@@ -75,16 +84,22 @@ def _json_error(raw: bytes, status: int) -> str:
     return json.loads(body)["error"]
 
 
-POST = (b"POST /infer/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
-        b"\r\nContent-Type: application/json\r\n")
+POST = (
+    b"POST /infer/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+    + KEY.encode()
+    + b"\r\nContent-Type: application/json\r\n"
+)
 
 
 def test_stalled_clients_get_408_within_their_deadline(server):
     proc, url, port, idle, _ = server
-    stalls = {"silent": b"", "inside the request line": b"POST /inf",
-              "inside the headers": b"GET /health/ HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",
-              "inside a declared body": POST + b"Content-Length: 500\r\n\r\n{\"requests\": [",
-              "inside a chunked body": POST + b"Transfer-Encoding: chunked\r\n\r\n10\r\n{\"requests\": ["}
+    stalls = {
+        "silent": b"",
+        "inside the request line": b"POST /inf",
+        "inside the headers": b"GET /health/ HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",
+        "inside a declared body": POST + b'Content-Length: 500\r\n\r\n{"requests": [',
+        "inside a chunked body": POST + b'Transfer-Encoding: chunked\r\n\r\n10\r\n{"requests": [',
+    }
     socks = {}
     for name, data in stalls.items():
         for k in range(10):
@@ -214,8 +229,9 @@ def test_200_slow_clients_leave_the_trainer_at_its_usual_pace(server):
 def test_an_answer_the_client_never_reads_is_dropped_after_the_deadline(server):
     proc, url, port, idle, _ = server
     prompt = "the answer echoes this prompt " * 40  # ~1.2 KB echoed per request, plus its token ids
-    body = json.dumps({"requests": [{"messages": [{"role": "user", "content": prompt}]}] * 1500,
-                       "request_config": {"max_tokens": 1}}).encode()
+    body = json.dumps(
+        {"requests": [{"messages": [{"role": "user", "content": prompt}]}] * 1500, "request_config": {"max_tokens": 1}}
+    ).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills at once
     s.connect(("127.0.0.1", port))
@@ -232,8 +248,9 @@ def test_an_answer_the_client_never_reads_is_dropped_after_the_deadline(server):
         except (ConnectionResetError, TimeoutError):
             pass
         head, _, got = raw.partition(b"\r\n\r\n")
-        declared = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                            if line.lower().startswith(b"content-length")))
+        declared = int(
+            next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        )
         # cut short: not held for ever
         assert declared > 4 << 20 and len(got) < declared, (declared, len(got), got[:300])
     finally:
@@ -260,8 +277,10 @@ def test_foreign_host_origin_and_ambiguous_framing(server):
         assert client.post("/infer/", headers={"Origin": f"http://localhost:{port}"}, json=_infer()).status_code == 200
         moved = client.post("/infer", headers=rebind | {"Host": "127.0.0.1"}, json=_infer())
         assert moved.status_code == 404 and "location" not in moved.headers and "/infer/" in moved.json()["error"]
-    framing = (POST + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-               b"GET /health/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n")
+    framing = (
+        POST + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        b"GET /health/ HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    )
     raw = _raw(port, framing)
     assert "ambiguous framing" in _json_error(raw, 400)
     assert raw.count(b"HTTP/1.1 ") == 1 and not raw.endswith(b"<still open>")  # one answer, then closed

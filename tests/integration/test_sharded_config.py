@@ -37,18 +37,25 @@ def test_zero3_preset_gets_every_auto_filled_from_the_options():
 
 def test_zero3_json_file_autos_and_clashes(tmp_path):
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
-                               "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto"}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+                "bf16": {"enabled": "auto"},
+                "train_micro_batch_size_per_gpu": "auto",
+            }
+        )
+    )
     ds = deepspeed_config(_targs(deepspeed=str(cfg)), 32, 2)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 32 * 32 and ds["bf16"]["enabled"] is False
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 16}))
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu 16 in the file differs"):
         deepspeed_config(_targs(deepspeed=str(cfg)), 32, 2)
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}))
-    with pytest.raises(ConfigError, match="drop the \"optimizer\" section"):
+    with pytest.raises(ConfigError, match='drop the "optimizer" section'):
         deepspeed_config(_targs(deepspeed=str(cfg)), 32, 2)
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}))
-    with pytest.raises(ConfigError, match="cannot fill \"auto\" for zero_optimization.sub_group_size"):
+    with pytest.raises(ConfigError, match='cannot fill "auto" for zero_optimization.sub_group_size'):
         deepspeed_config(_targs(deepspeed=str(cfg)), 32, 2)
     cfg.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must hold a JSON object"):
@@ -77,9 +84,14 @@ def test_stage_0_to_2_configs(tmp_path):
     assert offload["offload_optimizer"]["device"] == "cpu" and "offload_param" not in offload
     assert deepspeed_config(_targs(deepspeed="zero0"), 64, 1)["zero_optimization"]["stage"] == 0
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": "auto",
-                                                     "allgather_bucket_size": "auto"},
-                               "gradient_accumulation_steps": "auto"}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 1, "reduce_bucket_size": "auto", "allgather_bucket_size": "auto"},
+                "gradient_accumulation_steps": "auto",
+            }
+        )
+    )
     ds = deepspeed_config(_targs(deepspeed=str(cfg), gradient_accumulation_steps=3), 16, 2)
     assert ds["gradient_accumulation_steps"] == 3 and ds["zero_optimization"]["allgather_bucket_size"] == 256
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 8}))

@@ -32,7 +32,7 @@ from test_distributed import (
 
 # a trainer that, before it saves the final model, dumps the engine's greedy tokens for one prompt and how far
 # the engine's whole copy is from the gathered policy (a collective: every rank runs it)
-ENGINE_CHECK = textwrap.dedent('''
+ENGINE_CHECK = textwrap.dedent("""
 
     class EngineCheck(DeterministicTrainer):
         def _finish(self):
@@ -49,12 +49,22 @@ ENGINE_CHECK = textwrap.dedent('''
 
 
     TrainerFactory.TRAINER_MAPPING["grpo"] = "dist_plugin.EngineCheck"
-''')
+""")
 
 # 3 optimizer steps, one rollout each; a checkpoint after step 2
 STEPS = ("--max_steps", "3", "--learning_rate", "3e-3", "--save_steps", "2")
-LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--target_modules", "all-linear",
-        "--lora_dropout", "0")  # dropout draws differ between process layouts
+LORA = (
+    "--tuner_type",
+    "lora",
+    "--lora_rank",
+    "4",
+    "--lora_alpha",
+    "8",
+    "--target_modules",
+    "all-linear",
+    "--lora_dropout",
+    "0",
+)  # dropout draws differ between process layouts
 
 
 @pytest.fixture(scope="session")
@@ -96,16 +106,21 @@ def _check_same(one: Path, two: Path) -> None:
         assert x["rewards"] == pytest.approx(w["rewards"], rel=1e-5)
         assert x["advantages"] + y["advantages"] == pytest.approx(w["advantages"], rel=1e-5, abs=1e-7)
     loss1 = [x["loss"] for x in r1 if x["kind"] == "micro"]
-    loss2 = [(x["loss"] + y["loss"]) / 2 for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (a, b)),
-                                                          strict=True)]
+    loss2 = [
+        (x["loss"] + y["loss"]) / 2
+        for x, y in zip(*([x for x in r if x["kind"] == "micro"] for r in (a, b)), strict=True)
+    ]
     assert len(loss1) == 3 and loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-7)
 
 
 @pytest.fixture(scope="module")
 def full_runs(setup) -> SimpleNamespace:
     kl = ("--beta", "0.04")
-    return SimpleNamespace(one=_run(setup, "full1", 1, *kl), ddp=_run(setup, "full_ddp", 2, *kl),
-                           fsdp=_run(setup, "full_fsdp", 2, *kl, "--fsdp", "true", "--save_final_model", "true"))
+    return SimpleNamespace(
+        one=_run(setup, "full1", 1, *kl),
+        ddp=_run(setup, "full_ddp", 2, *kl),
+        fsdp=_run(setup, "full_fsdp", 2, *kl, "--fsdp", "true", "--save_final_model", "true"),
+    )
 
 
 @pytest.mark.slow
@@ -137,10 +152,15 @@ def test_fsdp_engine_copy_final_model_and_shards(setup, full_runs):
 
     template = ChatTemplate(AutoTokenizer.from_pretrained(final))
     prompt = template.encode_prompts([[{"role": "user", "content": "What is 2 + 3?"}]])[0]
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                         eos_token_id=template.eos_token_id, pad_token_id=template.pad_token_id)
-    ids = out[0, len(prompt):].tolist()
-    assert engine[0][0]["greedy"] == engine[1][0]["greedy"] == ids[:len(engine[0][0]["greedy"])]
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=template.eos_token_id,
+        pad_token_id=template.pad_token_id,
+    )
+    ids = out[0, len(prompt) :].tolist()
+    assert engine[0][0]["greedy"] == engine[1][0]["greedy"] == ids[: len(engine[0][0]["greedy"])]
     shards = full_runs.fsdp / "out" / "checkpoint-2" / "state" / "fsdp_sharded"
     assert (shards / ".metadata").is_file() and len(list(shards.glob("*.distcp"))) == 2  # one file per rank
 
@@ -150,8 +170,23 @@ def test_fsdp_checkpoint_resumes_in_two_processes(setup, full_runs):
     resumed = setup.root / "full_fsdp_resumed"
     shutil.copytree(full_runs.fsdp / "out", resumed / "out")
     ckpt = resumed / "out" / "checkpoint-2"
-    _torchrun(_args(setup.model, setup.data, resumed / "out", setup.plugin, B, *STEPS, "--beta", "0.04",
-                    "--fsdp", "true", "--resume_from_checkpoint", str(ckpt)), resumed / "dump")
+    _torchrun(
+        _args(
+            setup.model,
+            setup.data,
+            resumed / "out",
+            setup.plugin,
+            B,
+            *STEPS,
+            "--beta",
+            "0.04",
+            "--fsdp",
+            "true",
+            "--resume_from_checkpoint",
+            str(ckpt),
+        ),
+        resumed / "dump",
+    )
     windows = [x for x in _dumps(resumed / "dump", 2)[0] if x["kind"] == "window"]
     assert [w["step"] for w in windows] == [2]  # only the last rollout ran again
     assert [r["step"] for r in _log_rows(resumed / "out") if "loss" in r] == [1, 2, 3]
@@ -188,13 +223,16 @@ def test_fsdp_dapo_with_gradient_accumulation_matches_one_process(setup):
     ranks' micro-batches group rows differently from one process but each step's gradient is the same."""
     extra = ("--loss_type", "dapo", "--gradient_accumulation_steps", "2", "--beta", "0")
     one, fsdp = _run(setup, "dapo1", 1, *extra), _run(setup, "dapo_fsdp", 2, *extra, "--fsdp", "true")
-    (m1,), (r0, r1) = (([x for x in r if x["kind"] == "micro"] for r in _dumps(run / "dump", k))
-                       for run, k in ((one, 1), (fsdp, 2)))
+    (m1,), (r0, r1) = (
+        ([x for x in r if x["kind"] == "micro"] for r in _dumps(run / "dump", k)) for run, k in ((one, 1), (fsdp, 2))
+    )
     assert len(m1) == len(r0) == len(r1) == 6  # 3 optimizer steps × 2 micro-steps
     for step in range(3):
-        a = sum(x["loss"] for x in m1[2 * step: 2 * step + 2])
-        b = sum((x["loss"] + y["loss"]) / 2 for x, y in zip(r0[2 * step: 2 * step + 2], r1[2 * step: 2 * step + 2],
-                                                             strict=True))
+        a = sum(x["loss"] for x in m1[2 * step : 2 * step + 2])
+        b = sum(
+            (x["loss"] + y["loss"]) / 2
+            for x, y in zip(r0[2 * step : 2 * step + 2], r1[2 * step : 2 * step + 2], strict=True)
+        )
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
     assert _max_diff(_params(one / "dump"), _params(fsdp / "dump")) < 1e-4
     assert _max_diff(_params(one / "dump"), setup.initial) > 1e-3  # and the weights moved far more than that

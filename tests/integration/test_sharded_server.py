@@ -56,26 +56,70 @@ def server(tiny, tmp_path_factory):
         yield s
 
 
-@pytest.mark.parametrize(("sharding", "tuner"), [(("--fsdp", "true"), "full"), (("--fsdp", "true"), "lora"),
-                                                  (("--deepspeed", "zero3"), "full"),
-                                                  (("--deepspeed", "zero3"), "lora")],
-                         ids=["fsdp-full", "fsdp-lora", "zero3-full", "zero3-lora"])
-def test_sharded_training_against_a_server_leaves_the_trained_weights_there(tiny, server, tmp_path,
-                                                                           one_torch_thread, sharding, tuner):
+@pytest.mark.parametrize(
+    ("sharding", "tuner"),
+    [
+        (("--fsdp", "true"), "full"),
+        (("--fsdp", "true"), "lora"),
+        (("--deepspeed", "zero3"), "full"),
+        (("--deepspeed", "zero3"), "lora"),
+    ],
+    ids=["fsdp-full", "fsdp-lora", "zero3-full", "zero3-lora"],
+)
+def test_sharded_training_against_a_server_leaves_the_trained_weights_there(
+    tiny, server, tmp_path, one_torch_thread, sharding, tuner
+):
     if sharding[0] == "--deepspeed" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
-    lora = ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate",
-            "1e-2"] if tuner == "lora" else ["--learning_rate", "1e-3"]
+    lora = (
+        ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate", "1e-2"]
+        if tuner == "lora"
+        else ["--learning_rate", "1e-3"]
+    )
     out, plugin = tmp_path / "out", tmp_path / "token_sum.py"
     plugin.write_text(REWARD_PLUGIN)
-    _torchrun(["--model", str(tiny), "--dataset", "builtin:arithmetic", "--reward_funcs", "token_sum",
-               "--external_plugins", str(plugin),
-               *sharding, "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
-               "--vllm_server_port", str(server.port), "--vllm_server_timeout", "60", "--max_steps", "3",
-               "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-               "--torch_dtype", "float32", "--output_dir", str(out), "--disable_tqdm", "true", "--plots", "false",
-               "--save_steps", "100", *lora], tmp_path / "dump")
+    _torchrun(
+        [
+            "--model",
+            str(tiny),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "token_sum",
+            "--external_plugins",
+            str(plugin),
+            *sharding,
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server.port),
+            "--vllm_server_timeout",
+            "60",
+            "--max_steps",
+            "3",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--torch_dtype",
+            "float32",
+            "--output_dir",
+            str(out),
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_steps",
+            "100",
+            *lora,
+        ],
+        tmp_path / "dump",
+    )
     check = RolloutClient(base_urls=[server.url], timeout=60)
     try:
         assert check.engine_info(refresh=True)["weight_version"] >= version + 3  # a push per optimizer step

@@ -15,7 +15,7 @@ import pytest
 from test_distributed import _free_port
 
 pytestmark = pytest.mark.slow
-SCRIPT = r'''
+SCRIPT = r"""
 import copy, json, os, sys
 import torch
 from peft import LoraConfig, get_peft_model
@@ -63,7 +63,7 @@ from grpokit.trainers.distributed import exit_if_groups_linger
 dist.barrier()
 dist.destroy_process_group()
 exit_if_groups_linger(0)  # a gloo group torch still holds would abort the exit (docs/distributed.md, "A clean exit")
-'''
+"""
 
 
 @pytest.mark.parametrize(("mode", "kind"), [("zero3", "lora"), ("fsdp", "lora"), ("zero3", "dora")])
@@ -74,11 +74,29 @@ def test_lora_merged_from_shards_equals_peft_merge(tmp_path, mode, kind):
     script = tmp_path / "check.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), mode, str(tmp_path), kind]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        mode,
+        str(tmp_path),
+        kind,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result == {"names_in_order": True, "keys_equal": True, "max_diff": 0.0, "again_diff": 0.0,
-                          "sharded": True}, (rank, result)
+        assert result == {
+            "names_in_order": True,
+            "keys_equal": True,
+            "max_diff": 0.0,
+            "again_diff": 0.0,
+            "sharded": True,
+        }, (rank, result)

@@ -13,9 +13,13 @@ import pytest
 from test_distributed import B, _args, _dumps, _log_rows, _max_diff, _params, _torchrun
 from test_sharded_fsdp import LORA, STEPS, _check_same, _run, sharded_setup  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                 reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="needs the deepspeed extra (pip install 'grpokit[deepspeed]')",
+    ),
+]
 ZERO3 = ("--deepspeed", "zero3")
 
 
@@ -28,8 +32,9 @@ def setup(sharded_setup) -> SimpleNamespace:  # noqa: F811 (the fixture imported
 @pytest.fixture(scope="module")
 def full_runs(setup) -> SimpleNamespace:
     kl = ("--beta", "0.04")
-    return SimpleNamespace(one=_run(setup, "full1", 1, *kl),
-                           zero3=_run(setup, "full_zero3", 2, *kl, *ZERO3, "--save_final_model", "true"))
+    return SimpleNamespace(
+        one=_run(setup, "full1", 1, *kl), zero3=_run(setup, "full_zero3", 2, *kl, *ZERO3, "--save_final_model", "true")
+    )
 
 
 def test_zero3_full_weights_with_kl_match_one_process(full_runs):
@@ -56,8 +61,22 @@ def test_zero3_final_model_and_resume(setup, full_runs):
     resumed = setup.root / "full_zero3_resumed"
     shutil.copytree(full_runs.zero3 / "out", resumed / "out")
     ckpt = resumed / "out" / "checkpoint-2"
-    _torchrun(_args(setup.model, setup.data, resumed / "out", setup.plugin, B, *STEPS, "--beta", "0.04", *ZERO3,
-                    "--resume_from_checkpoint", str(ckpt)), resumed / "dump")
+    _torchrun(
+        _args(
+            setup.model,
+            setup.data,
+            resumed / "out",
+            setup.plugin,
+            B,
+            *STEPS,
+            "--beta",
+            "0.04",
+            *ZERO3,
+            "--resume_from_checkpoint",
+            str(ckpt),
+        ),
+        resumed / "dump",
+    )
     windows = [x for x in _dumps(resumed / "dump", 2)[0] if x["kind"] == "window"]
     assert [w["step"] for w in windows] == [2]
     assert _max_diff(_params(resumed / "dump"), params) < 1e-6  # partitions and AdamW moments came back
@@ -96,8 +115,9 @@ def test_zero3_matches_ddp_in_bf16(setup):
     bf16 = ("--torch_dtype", "bfloat16", "--beta", "0.04", "--learning_rate", "1e-4")
     ddp, zero3 = _run(setup, "bf16_ddp", 2, *bf16), _run(setup, "bf16_zero3", 2, *bf16, *ZERO3)
     for rank_ddp, rank_zero3 in zip(_dumps(ddp / "dump", 2), _dumps(zero3 / "dump", 2), strict=True):
-        (micro_d, step_d), (micro_z, step_z) = ([[x for x in rows if x["kind"] == kind] for kind in ("micro", "step")]
-                                                for rows in (rank_ddp, rank_zero3))
+        (micro_d, step_d), (micro_z, step_z) = (
+            [[x for x in rows if x["kind"] == kind] for kind in ("micro", "step")] for rows in (rank_ddp, rank_zero3)
+        )
         assert len(micro_d) == len(micro_z) == len(step_d) == len(step_z) == 3
         kl_d, kl_z = [x["kl"] for x in micro_d], [x["kl"] for x in micro_z]
         assert kl_d[-1] > 1e-5 and kl_z == pytest.approx(kl_d, rel=1e-4, abs=1e-9)

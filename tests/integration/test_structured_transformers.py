@@ -18,9 +18,15 @@ from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
 ANSWER = r"<answer>[0-9]{1,3}</answer>"
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "value"],
-          "properties": {"name": {"type": "string", "maxLength": 8},
-                         "value": {"type": "integer", "minimum": 0, "maximum": 999}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "value"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "value": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+}
 
 
 def validates(text: str, schema: dict) -> bool:
@@ -48,8 +54,9 @@ def _texts(responses) -> list[str]:
 def test_every_completion_matches_the_regex(engine):
     free = _texts(engine.infer(_requests(4), RequestConfig(n=4, max_tokens=24, seed=0)))
     assert not any(re.fullmatch(ANSWER, t) for t in free)  # the random model does not do it by itself
-    out = engine.infer(_requests(4), RequestConfig(n=4, max_tokens=24, seed=0, logprobs=True,
-                                                   structured_outputs_regex=ANSWER))
+    out = engine.infer(
+        _requests(4), RequestConfig(n=4, max_tokens=24, seed=0, logprobs=True, structured_outputs_regex=ANSWER)
+    )
     texts = _texts(out)
     assert len(texts) == 16 and all(re.fullmatch(ANSWER, t) for t in texts), texts
     assert len(set(texts)) > 1  # still sampled, not forced to one string
@@ -61,8 +68,11 @@ def test_every_completion_matches_the_regex(engine):
 def test_every_completion_validates_against_the_schema(engine):
     free = _texts(engine.infer(_requests(2), RequestConfig(n=4, max_tokens=40, seed=1)))
     assert not any(validates(t, SCHEMA) for t in free)
-    texts = _texts(engine.infer(_requests(2), RequestConfig(n=4, max_tokens=40, seed=1,
-                                                            structured_outputs_json=json.dumps(SCHEMA))))
+    texts = _texts(
+        engine.infer(
+            _requests(2), RequestConfig(n=4, max_tokens=40, seed=1, structured_outputs_json=json.dumps(SCHEMA))
+        )
+    )
     assert len(texts) == 8 and all(validates(t, SCHEMA) for t in texts), texts
 
 
@@ -72,8 +82,10 @@ def test_a_per_request_constraint_applies_to_that_request_only(engine):
     async def both():
         plain, constrained = _requests(2)
         constrained.request_config = RequestConfig(max_tokens=24, structured_outputs_regex="(yes|no)")
-        return await asyncio.gather(engine.infer_async(plain, RequestConfig(max_tokens=8)),
-                                    engine.infer_async(constrained, RequestConfig(max_tokens=8)))
+        return await asyncio.gather(
+            engine.infer_async(plain, RequestConfig(max_tokens=8)),
+            engine.infer_async(constrained, RequestConfig(max_tokens=8)),
+        )
 
     plain, constrained = asyncio.run(both())
     assert constrained.choices[0].message["content"] in ("yes", "no")
@@ -95,8 +107,10 @@ def test_server_answers_400_for_an_invalid_regex_and_keeps_serving(tiny_model_di
     engine = build_served_engine("transformers", str(tiny_model_dir), "float32")
     state = ServerState(ServerOptions(model=str(tiny_model_dir)), engine, RolloutScheduler(engine))
     client = TestClient(create_app(state), base_url="http://127.0.0.1")  # a Host the server answers
-    body = {"requests": [{"messages": [{"role": "user", "content": "hi"}]}],
-            "request_config": {"max_tokens": 24, "structured_outputs_regex": "(a"}}
+    body = {
+        "requests": [{"messages": [{"role": "user", "content": "hi"}]}],
+        "request_config": {"max_tokens": 24, "structured_outputs_regex": "(a"},
+    }
     resp = client.post("/infer/", json=body)
     assert resp.status_code == 400 and "structured_outputs_regex" in resp.json()["error"]
     body["request_config"]["structured_outputs_regex"] = ANSWER
@@ -111,11 +125,36 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "out"
-    cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs",
-                            "accuracy", "--max_steps", "2", "--num_generations", "4",
-                            "--per_device_train_batch_size", "8", "--max_completion_length", "16",
-                            "--structured_outputs_regex", ANSWER, "--log_completions", "true", "--output_dir",
-                            str(out), "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "16",
+            "--structured_outputs_regex",
+            ANSWER,
+            "--log_completions",
+            "true",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--plots",
+            "false",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     run_train(cfg)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(re.fullmatch(ANSWER, r["completion"]) for r in rows)

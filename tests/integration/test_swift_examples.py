@@ -44,17 +44,38 @@ PLUGINS = {"plugin_gsm8k.sh": EXAMPLES / "plugin" / "gsm8k_plugin.py"}  # others
 HAS_VLLM = vllm_installed()  # not find_spec alone: under pytest tests/vllm is a namespace package named vllm
 
 # dataset rows in the columns of the hub datasets the scripts name
-NUMINA = [{"problem": f"What is {a} + {b}?", "solution": f"The answer is $\\boxed{{{a + b}}}$."}
-          for a in range(1, 5) for b in range(1, 5)]
-GSM8K = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-          "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(1, 5) for b in range(1, 5)]
+NUMINA = [
+    {"problem": f"What is {a} + {b}?", "solution": f"The answer is $\\boxed{{{a + b}}}$."}
+    for a in range(1, 5)
+    for b in range(1, 5)
+]
+GSM8K = [
+    {
+        "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+        "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+    }
+    for a in range(1, 5)
+    for b in range(1, 5)
+]
 # xlam-function-calling-60k's `grpo` subset, as ms-swift's preprocessor delivers it: the raw columns plus `solution`,
 # one of the answers written as the ReAct call the toolbench reward compares with
-XLAM = [{"query": f"What is the weather in city {i}?",
-         "tools": json.dumps([{"name": "get_weather", "description": "weather of a city",
-                               "parameters": {"city": {"type": "str", "description": "city name"}}}]),
-         "answers": json.dumps([{"name": "get_weather", "arguments": {"city": f"city {i}"}}]),
-         "solution": f'Action: get_weather\nAction Input: {{"city": "city {i}"}}'} for i in range(16)]
+XLAM = [
+    {
+        "query": f"What is the weather in city {i}?",
+        "tools": json.dumps(
+            [
+                {
+                    "name": "get_weather",
+                    "description": "weather of a city",
+                    "parameters": {"city": {"type": "str", "description": "city name"}},
+                }
+            ]
+        ),
+        "answers": json.dumps([{"name": "get_weather", "arguments": {"city": f"city {i}"}}]),
+        "solution": f'Action: get_weather\nAction Input: {{"city": "city {i}"}}',
+    }
+    for i in range(16)
+]
 DATASETS = {"plugin_gsm8k.sh": GSM8K, "external_agent.sh": XLAM}  # others: NUMINA
 # ports of vision-language scripts: a tiny Qwen2-VL, and rows in the columns of the image datasets they name
 VLM_PORTS = {"plugin_run_external_reward_func.sh"}
@@ -68,26 +89,59 @@ def clevr_rows(folder: Path) -> list[dict]:
     for k in range(16):
         path = folder / f"clevr_{k}.png"
         Image.new("RGB", (16, 16), ((60 * k) % 256, (90 * k) % 256, 128)).save(path)
-        rows.append({"problem": "How many objects are in the picture?", "images": [str(path)],
-                     "solution": f"<answer> {k % 5} </answer>"})
+        rows.append(
+            {
+                "problem": "How many objects are in the picture?",
+                "images": [str(path)],
+                "solution": f"<answer> {k % 5} </answer>",
+            }
+        )
     return rows
+
 
 # server options per port that needs one (the port's commented `swift rollout` command, ms-swift names); dropped
 # on CPU: --vllm_gpu_memory_utilization (GPU memory; the transformers engine refuses it), --vllm_tensor_parallel_size
 # and --data_parallel_size (several GPUs)
 PLAIN = ()
 SERVERS = {
-    "external_grpo_7b.sh": PLAIN, "external_grpo_32b_full.sh": PLAIN, "external_agent.sh": PLAIN,
+    "external_grpo_7b.sh": PLAIN,
+    "external_grpo_32b_full.sh": PLAIN,
+    "external_agent.sh": PLAIN,
     "internal_real.sh": PLAIN,
     "external_moe_full.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
     "external_moe_lora.sh": ("--vllm_max_model_len", "1024", "--vllm_enable_prefix_caching", "true"),
-    "external_vllm_gym.sh": ("--max_turns", "3", "--multi_turn_scheduler", "gym_scheduler", "--use_gym_env", "true",
-                             "--gym_env", "math_env"),
-    "external_vllm_multi_turn.sh": ("--vllm_use_async_engine", "true", "--multi_turn_scheduler",
-                                    "thinking_tips_scheduler", "--vllm_max_model_len", "1024", "--max_turns", "3"),
-    "plugin_run_external_scheduler.sh": ("--vllm_use_async_engine", "true", "--external_plugins", "{plugin}",
-                                         "--multi_turn_scheduler", "tool_call_scheduler",
-                                         "--vllm_max_model_len", "1024", "--max_turns", "5"),
+    "external_vllm_gym.sh": (
+        "--max_turns",
+        "3",
+        "--multi_turn_scheduler",
+        "gym_scheduler",
+        "--use_gym_env",
+        "true",
+        "--gym_env",
+        "math_env",
+    ),
+    "external_vllm_multi_turn.sh": (
+        "--vllm_use_async_engine",
+        "true",
+        "--multi_turn_scheduler",
+        "thinking_tips_scheduler",
+        "--vllm_max_model_len",
+        "1024",
+        "--max_turns",
+        "3",
+    ),
+    "plugin_run_external_scheduler.sh": (
+        "--vllm_use_async_engine",
+        "true",
+        "--external_plugins",
+        "{plugin}",
+        "--multi_turn_scheduler",
+        "tool_call_scheduler",
+        "--vllm_max_model_len",
+        "1024",
+        "--max_turns",
+        "5",
+    ),
 }
 
 # The ports trained end to end, chosen so that together they take the most paths the others only set up:
@@ -112,20 +166,31 @@ def _script(name: str, script: str | None = None) -> str:
 
 def _run_port(name: str, env: dict, cwd: Path, script: str | None = None) -> subprocess.CompletedProcess:
     """The port as the user runs it: bash, each ``grpokit train`` a ``python -m grpokit`` process."""
-    prelude = (f'grpokit() {{ if [ "$1" = rollout ]; then echo "(server started by the test)"; return 0; fi; '
-               f'"{sys.executable}" -m grpokit "$@"; }}\nset -e\n')
-    return subprocess.run(["bash", "-c", prelude + _script(name, script)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    prelude = (
+        f'grpokit() {{ if [ "$1" = rollout ]; then echo "(server started by the test)"; return 0; fi; '
+        f'"{sys.executable}" -m grpokit "$@"; }}\nset -e\n'
+    )
+    return subprocess.run(
+        ["bash", "-c", prelude + _script(name, script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def _train_argv(name: str, env: dict, cwd: Path, script: str | None = None) -> list[str]:
     """The options of the port's one ``grpokit train`` line, as bash expands them (quotes, variables, defaults)."""
     argv_file = cwd / "train_argv"
-    prelude = ('grpokit() { if [ "$1" = rollout ]; then return 0; fi; '
-               'if [ "$1" != train ] || [ -e "$ARGV_FILE" ]; then echo "not one grpokit train: $1" >&2; return 2; fi; '
-               'shift; printf "%s\\0" "$@" > "$ARGV_FILE"; }\nset -e\n')
-    run = subprocess.run(["bash", "-c", prelude + _script(name, script)], cwd=cwd,
-                         env={**env, "ARGV_FILE": str(argv_file)}, capture_output=True, text=True, timeout=60)
+    prelude = (
+        'grpokit() { if [ "$1" = rollout ]; then return 0; fi; '
+        'if [ "$1" != train ] || [ -e "$ARGV_FILE" ]; then echo "not one grpokit train: $1" >&2; return 2; fi; '
+        'shift; printf "%s\\0" "$@" > "$ARGV_FILE"; }\nset -e\n'
+    )
+    run = subprocess.run(
+        ["bash", "-c", prelude + _script(name, script)],
+        cwd=cwd,
+        env={**env, "ARGV_FILE": str(argv_file)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0 and argv_file.exists(), f"{name}: {run.stderr[-2000:]}"
     return argv_file.read_text().split("\0")[:-1]
 
@@ -152,8 +217,11 @@ def set_up_only(monkeypatch):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("swift_models")
-    return {"policy": build_tiny_model(root / "policy"), "rm": build_tiny_model(root / "rm", seq_cls=True),
-            "vlm": build_tiny_vlm(root / "vlm", "qwen2_vl")}
+    return {
+        "policy": build_tiny_model(root / "policy"),
+        "rm": build_tiny_model(root / "rm", seq_cls=True),
+        "vlm": build_tiny_vlm(root / "vlm", "qwen2_vl"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +230,7 @@ def servers(models, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("swift_servers")
     running: dict[tuple, object] = {}
     with contextlib.ExitStack() as stack:
+
         def get(options: tuple[str, ...]):
             if options not in running:
                 running[options] = stack.enter_context(rollout_server(models["policy"], log_dir, *options))
@@ -182,9 +251,19 @@ def _port_env(name, models, servers, cwd: Path, rows: list[dict], script: str | 
     else:
         plugin = cwd / "no_plugin_in_this_port"  # the port names no plugin
     model = models["vlm" if name in VLM_PORTS else "policy"]
-    env = {**os.environ, "MODEL": str(model), "DATASET": str(data), "PLUGIN": str(plugin),
-           "EXAMPLES": str(EXAMPLES), "JUDGE_MODEL": str(models["policy"]), "REWARD_MODEL": str(models["rm"]),
-           "HOST": "127.0.0.1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "MODEL": str(model),
+        "DATASET": str(data),
+        "PLUGIN": str(plugin),
+        "EXAMPLES": str(EXAMPLES),
+        "JUDGE_MODEL": str(models["policy"]),
+        "REWARD_MODEL": str(models["rm"]),
+        "HOST": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO),
+    }
     if name in SERVERS:
         options = tuple(o.replace("{plugin}", str(plugin)) for o in SERVERS[name])
         env["PORT"] = str(servers(options).port)
@@ -242,8 +321,11 @@ def test_a_server_port_with_more_server_mode_options_sets_up(models, servers, tm
     --vllm_server_pass_dataset), less the options for a hub dataset and several processes, on rows with a
     `messages` column."""
     dropped = ("--load_from_cache_file", "--dataloader_num_workers", "--dataset_num_proc", "--deepspeed")
-    script = "\n".join(line for line in (EXAMPLES / "external_grpo_7b.sh").read_text().splitlines()
-                       if not line.strip().startswith(dropped))
+    script = "\n".join(
+        line
+        for line in (EXAMPLES / "external_grpo_7b.sh").read_text().splitlines()
+        if not line.strip().startswith(dropped)
+    )
     script = script.replace("--beta 0.04 \\", "--beta 0.04 --loss_scale last_round --vllm_server_pass_dataset true \\")
     assert "--vllm_server_pass_dataset true" in script
     rows = [{**r, "messages": [{"role": "user", "content": r["problem"]}]} for r in NUMINA]

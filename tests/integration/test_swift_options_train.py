@@ -13,10 +13,32 @@ pytestmark = pytest.mark.slow
 
 
 def _args(model_dir: Path, data: Path, out: Path) -> list[str]:
-    return ["--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out), "--reward_funcs", "accuracy",
-            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-            "--learning_rate", "1e-3", "--torch_dtype", "float32", "--seed", "0", "--disable_tqdm", "true",
-            "--max_steps", "3"]
+    return [
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--reward_funcs",
+        "accuracy",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "8",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "true",
+        "--max_steps",
+        "3",
+    ]
 
 
 def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkeypatch, caplog):
@@ -38,16 +60,57 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     val.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1"}], "solution": "2"}) + "\n")
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING):
-        cfg = parse_train_args(_args(tiny_model_dir, math_jsonl, out) + [
-            "--logging_steps", "2", "--save_strategy", "no", "--save_steps", "1", "--warmup_steps", "2",
-            "--optim", "adamw_torch", "--adam_epsilon", "1e-6", "--lr_scheduler_type", "cosine",
-            "--lr_scheduler_kwargs", '{"num_cycles": 0.25}', "--attn_impl", "eager",
-            "--gradient_checkpointing", "true", "--gradient_checkpointing_kwargs", '{"use_reentrant": false}',
-            "--tuner_type", "lora", "--use_rslora", "true", "--target_regex", r".*\.(q_proj|v_proj)",
-            "--val_dataset", str(val), "--eval_strategy", "steps", "--eval_steps", "3",
-            "--per_device_eval_batch_size", "5", "--eval_on_start", "true",
-            "--max_new_tokens", "6", "--use_liger_kernel", "true", "--rlhf_type", "grpo",
-            "--dataloader_num_workers", "1"])
+        cfg = parse_train_args(
+            _args(tiny_model_dir, math_jsonl, out)
+            + [
+                "--logging_steps",
+                "2",
+                "--save_strategy",
+                "no",
+                "--save_steps",
+                "1",
+                "--warmup_steps",
+                "2",
+                "--optim",
+                "adamw_torch",
+                "--adam_epsilon",
+                "1e-6",
+                "--lr_scheduler_type",
+                "cosine",
+                "--lr_scheduler_kwargs",
+                '{"num_cycles": 0.25}',
+                "--attn_impl",
+                "eager",
+                "--gradient_checkpointing",
+                "true",
+                "--gradient_checkpointing_kwargs",
+                '{"use_reentrant": false}',
+                "--tuner_type",
+                "lora",
+                "--use_rslora",
+                "true",
+                "--target_regex",
+                r".*\.(q_proj|v_proj)",
+                "--val_dataset",
+                str(val),
+                "--eval_strategy",
+                "steps",
+                "--eval_steps",
+                "3",
+                "--per_device_eval_batch_size",
+                "5",
+                "--eval_on_start",
+                "true",
+                "--max_new_tokens",
+                "6",
+                "--use_liger_kernel",
+                "true",
+                "--rlhf_type",
+                "grpo",
+                "--dataloader_num_workers",
+                "1",
+            ]
+        )
     warned = [r.getMessage() for r in caplog.records if "no effect in grpokit" in r.getMessage()]
     assert warned == [warned[0]] and warned[0].startswith("--use_liger_kernel true: no effect in grpokit")
     assert cfg.rollout.max_completion_length == 6 and cfg.training.optimizer == "adamw"
@@ -66,7 +129,8 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     policy = trainer.policy
     assert policy.config._attn_implementation == "eager"
     assert policy.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == pytest.approx(
-        cfg.model.lora_alpha / cfg.model.lora_rank ** 0.5)  # rsLoRA: alpha / sqrt(r)
+        cfg.model.lora_alpha / cfg.model.lora_rank**0.5
+    )  # rsLoRA: alpha / sqrt(r)
     assert not hasattr(policy.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")  # outside target_regex
     assert trainer.optimizer.optimizer.defaults["eps"] == 1e-6
     assert policy.is_gradient_checkpointing
@@ -80,8 +144,9 @@ def test_prompt_rows_read_by_workers_equal_in_process_rows(tmp_path):
 
     rows = [{"messages": [{"role": "user", "content": str(i)}], "i": i} for i in range(7)]
     plain = PromptStream(rows, 3, seed=1, shuffle=True)
-    ahead = PromptStream(_PidRows(rows), 3, seed=1, shuffle=True, num_workers=2, prefetch_factor=1,
-                         multiprocessing_context="fork")
+    ahead = PromptStream(
+        _PidRows(rows), 3, seed=1, shuffle=True, num_workers=2, prefetch_factor=1, multiprocessing_context="fork"
+    )
     for _ in range(5):  # past two epochs of 7 rows
         a, b = plain.next(), ahead.next()
         assert [{k: v for k, v in r.items() if k != "pid"} for r in b] == a

@@ -71,12 +71,46 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     try:
-        trainer = run_train(parse_train_args([
-            "--model", str(dropping_model), "--dataset", str(data), "--output_dir", str(out), "--max_steps", "2",
-            "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-            "--multi_turn_scheduler", "think_then_observe", "--max_turns", "3", "--reward_funcs", "format",
-            "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32", "--seed", "0",
-            "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false"]))
+        trainer = run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(dropping_model),
+                    "--dataset",
+                    str(data),
+                    "--output_dir",
+                    str(out),
+                    "--max_steps",
+                    "2",
+                    "--num_generations",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "4",
+                    "--max_completion_length",
+                    "8",
+                    "--multi_turn_scheduler",
+                    "think_then_observe",
+                    "--max_turns",
+                    "3",
+                    "--reward_funcs",
+                    "format",
+                    "--learning_rate",
+                    "1e-3",
+                    "--beta",
+                    "0",
+                    "--torch_dtype",
+                    "float32",
+                    "--seed",
+                    "0",
+                    "--disable_tqdm",
+                    "true",
+                    "--plots",
+                    "false",
+                    "--save_final_model",
+                    "false",
+                ]
+            )
+        )
     finally:
         TrainerFactory.TRAINER_MAPPING["grpo"] = saved
     assert trainer.state.global_step == 2
@@ -94,12 +128,13 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
             assert o.rollout_infos["num_turns"] == 3 and len(o.rollout_infos[RECORD_KEY]) == 3
             assert o.messages[1]["content"].startswith(PREFILL)
             p = int(batch.attention_mask[i, :p_width].sum())
-            full = batch.input_ids[i, p_width - p:].tolist()
+            full = batch.input_ids[i, p_width - p :].tolist()
             # the sampled ids train as sampled, mask 1 on them
             first = o.response_token_ids[0]
-            assert full[p:p + len(first)] == first and batch.completion_mask[i, :len(first)].sum() == sum(
-                o.response_loss_mask[0])
+            assert full[p : p + len(first)] == first and batch.completion_mask[i, : len(first)].sum() == sum(
+                o.response_loss_mask[0]
+            )
             # turn 3 was sampled after turn 1's <think> block: a re-render of its messages has lost it
             turn3_prompt = o.rollout_infos[RECORD_KEY][2][0]
             assert template.encode_prompt(o.messages[:5]) != full[:turn3_prompt]
-            assert template.tokenize(PREFILL) == full[p - len(template.tokenize(PREFILL)):p]
+            assert template.tokenize(PREFILL) == full[p - len(template.tokenize(PREFILL)) : p]

@@ -43,11 +43,35 @@ PLUGIN = textwrap.dedent("""
 
 
 def _base_args(model_dir: Path, data: Path, out: Path, plugin: Path) -> list[str]:
-    return ["--model", str(model_dir), "--dataset", str(data), "--output_dir", str(out),
-            "--external_plugins", str(plugin), "--reward_funcs", "len_reward", "accuracy",
-            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
-            "--learning_rate", "1e-3", "--torch_dtype", "float32", "--logging_steps", "1", "--seed", "0",
-            "--disable_tqdm", "true"]
+    return [
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--external_plugins",
+        str(plugin),
+        "--reward_funcs",
+        "len_reward",
+        "accuracy",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "12",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--logging_steps",
+        "1",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "true",
+    ]
 
 
 @pytest.fixture
@@ -71,11 +95,25 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "run"
-    cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps", "3", "--save_steps", "2", "--save_total_limit", "1", "--log_completions", "true",
-        "--beta", "0.04"])
-    before = {n: p.detach().clone() for n, p in
-              __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
+    cfg = parse_train_args(
+        _base_args(tiny_model_dir, math_jsonl, out, plugin_file)
+        + [
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "2",
+            "--save_total_limit",
+            "1",
+            "--log_completions",
+            "true",
+            "--beta",
+            "0.04",
+        ]
+    )
+    before = {
+        n: p.detach().clone()
+        for n, p in __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()
+    }
     trainer = run_train(cfg)
     assert trainer.state.global_step == 3
     # every trainable parameter changed
@@ -87,10 +125,23 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
     assert args["num_generations"] == 4 and args["reward_funcs"] == ["len_reward", "accuracy"]
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("loss", "reward", "reward_std", "rewards/len_reward/mean", "rewards/accuracy/mean",
-                "frac_reward_zero_std", "kl", "clip_ratio/region_mean", "completions/mean_length",
-                "completions/max_length", "completions/clipped_ratio", "learning_rate", "timing/rollout",
-                "timing/reward", "timing/train"):
+    for key in (
+        "loss",
+        "reward",
+        "reward_std",
+        "rewards/len_reward/mean",
+        "rewards/accuracy/mean",
+        "frac_reward_zero_std",
+        "kl",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "learning_rate",
+        "timing/rollout",
+        "timing/reward",
+        "timing/train",
+    ):
         assert all(key in r for r in rows), key
     comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(comps) == 3 * 8  # one window per step, 8 completions each
@@ -108,10 +159,21 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
 def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
     out = tmp_path / "resume"
     args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps", "6", "--save_steps", "2", "--callbacks", "park_after_step_2"]
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "2",
+        "--callbacks",
+        "park_after_step_2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "train", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240  # a guard against a run that never gets there
         while not (out / "parked").exists():  # the run waits there, after step 2, until it is killed
@@ -133,8 +195,14 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
     assert state["global_step"] == 6
     # a fresh (not resumed) run into the same folder is refused before any model loads: rotation would delete
     # its checkpoints in favour of the earlier run's and 'latest' would resume the earlier run
-    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + ["--max_steps", "2", "--save_steps", "9",
-                                                                         "--save_total_limit", "1"]
+    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "9",
+        "--save_total_limit",
+        "1",
+    ]
     res = _cli(fresh)
     assert res.returncode != 0
     assert "checkpoints of an earlier run" in res.stderr and "--overwrite_output_dir true" in res.stderr
@@ -185,9 +253,21 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
     try:
-        cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, tmp_path / "w", plugin_file) + [
-            "--per_device_train_batch_size", "4", "--steps_per_generation", "4", "--max_steps", "8",
-            "--save_steps", "100", "--beta", "0"])
+        cfg = parse_train_args(
+            _base_args(tiny_model_dir, math_jsonl, tmp_path / "w", plugin_file)
+            + [
+                "--per_device_train_batch_size",
+                "4",
+                "--steps_per_generation",
+                "4",
+                "--max_steps",
+                "8",
+                "--save_steps",
+                "100",
+                "--beta",
+                "0",
+            ]
+        )
         run_train(cfg)
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
@@ -198,7 +278,7 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     # another window, whatever padding each micro-batch was trimmed to
     for w, window in enumerate(seen["windows"]):
         assert len(window) == 16
-        micro = seen["micro"][4 * w:4 * w + 4]
+        micro = seen["micro"][4 * w : 4 * w + 4]
         assert [len(m) for m in micro] == [4, 4, 4, 4]
         assert [row for m in micro for row in m] == window
     assert seen["windows"][0] != seen["windows"][1]  # the second window is a new rollout
@@ -230,8 +310,10 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
     saved = dict(TrainerFactory.TRAINER_MAPPING)
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
     try:
-        cfg = parse_train_args(_base_args(tiny_model_dir, math_jsonl, tmp_path / "lora", plugin_file) + [
-            "--tuner_type", "lora", "--lora_rank", "4", "--max_steps", "2", "--beta", "0.1", "--save_steps", "100"])
+        cfg = parse_train_args(
+            _base_args(tiny_model_dir, math_jsonl, tmp_path / "lora", plugin_file)
+            + ["--tuner_type", "lora", "--lora_rank", "4", "--max_steps", "2", "--beta", "0.1", "--save_steps", "100"]
+        )
         trainer = run_train(cfg)
     finally:
         TrainerFactory.TRAINER_MAPPING.clear()
@@ -245,16 +327,31 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
     assert torch.allclose(checks["ref_logps"][mask], checks["base_logps"][mask], atol=1e-5)
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--reward_funcs", "nope"], "registered:"),
-    (["--dataset", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
-    (["--num_generations", "3"], "num_generations"),
-    (["--model", "/no/such/model"], "/no/such/model"),
-    (["--no_such_flag", "1"], "--no_such_flag"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--reward_funcs", "nope"], "registered:"),
+        (["--dataset", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
+        (["--num_generations", "3"], "num_generations"),
+        (["--model", "/no/such/model"], "/no/such/model"),
+        (["--no_such_flag", "1"], "--no_such_flag"),
+    ],
+)
 def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, needle):
-    args = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(tmp_path / "bad"),
-            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_steps", "1"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(math_jsonl),
+        "--output_dir",
+        str(tmp_path / "bad"),
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_steps",
+        "1",
+    ]
     for flag, value in zip(extra[::2], extra[1::2]):
         if flag in args:
             args[args.index(flag) + 1] = value
@@ -270,7 +367,22 @@ def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, need
 def test_dataset_without_prompt_column(tiny_model_dir, tmp_path):
     data = tmp_path / "noprompt.jsonl"
     data.write_text(json.dumps({"text": "hi", "solution": "1"}) + "\n")
-    res = _cli(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
-                "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_steps", "1"], timeout=120)
+    res = _cli(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_steps",
+            "1",
+        ],
+        timeout=120,
+    )
     assert res.returncode != 0
     assert len(res.stderr.strip().splitlines()) == 1 and "messages" in res.stderr

@@ -45,8 +45,18 @@ def _chromium() -> str:
 def _browser(url: str, *extra: str) -> subprocess.CompletedProcess:
     # --no-sandbox: the tests run as root in CI containers, where Chromium's own sandbox cannot start; the page is
     # our own file. --virtual-time-budget lets the page's scripts (uPlot, the viewer) finish before the dump.
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--hide-scrollbars", "--virtual-time-budget=4000", "--window-size=1400,1600", *extra, url]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--virtual-time-budget=4000",
+        "--window-size=1400,1600",
+        *extra,
+        url,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
@@ -115,18 +125,59 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
     base = tmp_path_factory.mktemp("viewer")
     data = base / "math.jsonl"
-    data.write_text("".join(json.dumps({"query": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
-                            for a in range(1, 5) for b in range(1, 5)))
+    data.write_text(
+        "".join(
+            json.dumps({"query": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
+            for a in range(1, 5)
+            for b in range(1, 5)
+        )
+    )
     plugin = base / "viewer_plugin.py"
     plugin.write_text(PLUGIN)
     out = base / "run"
-    run_train(parse_train_args([
-        "--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(out),
-        "--external_plugins", str(plugin), "--reward_funcs", "len_reward", "accuracy", "--num_generations", "4",
-        "--per_device_train_batch_size", "8", "--max_completion_length", "12", "--learning_rate", "1e-3",
-        "--torch_dtype", "float32", "--logging_steps", "1", "--seed", "0", "--disable_tqdm", "true",
-        "--max_steps", "3", "--log_completions", "true", "--plots", "false", "--save_final_model", "false",
-        "--save_steps", "100"]))
+    run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(data),
+                "--output_dir",
+                str(out),
+                "--external_plugins",
+                str(plugin),
+                "--reward_funcs",
+                "len_reward",
+                "accuracy",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "12",
+                "--learning_rate",
+                "1e-3",
+                "--torch_dtype",
+                "float32",
+                "--logging_steps",
+                "1",
+                "--seed",
+                "0",
+                "--disable_tqdm",
+                "true",
+                "--max_steps",
+                "3",
+                "--log_completions",
+                "true",
+                "--plots",
+                "false",
+                "--save_final_model",
+                "false",
+                "--save_steps",
+                "100",
+            ]
+        )
+    )
     return out
 
 
@@ -221,24 +272,49 @@ def test_report_renders_the_run_in_chromium(run_dir, tmp_path):
 def test_multi_turn_and_vision_rows_show_masked_turns_and_thumbnails(tmp_path):
     """A row as a multi-turn vision run logs it: the tool turn and its tokens marked as masked, the thumbnail
     shown, and the other colourings available (the rendering, not the run, is what is checked here)."""
-    thumb = ("data:image/jpeg;base64,/9j/4AAQSkZJRgABAQEASABIAAD/2wBDAP//////////////////////////////////////////"
-             "////////////////////////////////////////////wgALCAABAAEBAREA/8QAFBABAAAAAAAAAAAAAAAAAAAAAP/aAAgBAQAB"
-             "PxA=")
-    msgs = [{"role": "user", "content": "<image>what is it?"}, {"role": "assistant", "content": "look"},
-            {"role": "tool", "content": "a cat"}, {"role": "assistant", "content": "cat"}]
-    row = {"step": 1, "prompt": "<image>what is it?", "completion": "cat", "advantage": 0.5, "acc": 1.0,
-           "group": "0", "reward": 1.0, "truncated": False, "messages": msgs, "thumbnails": [thumb],
-           "tokens": {"text": ["look", "a cat", "cat"], "logprob": [-0.5, -2.0, -0.1], "entropy": [1, 2, 0.5],
-                      "mask": [1, 0, 1], "cut": 0}}
+    thumb = (
+        "data:image/jpeg;base64,/9j/4AAQSkZJRgABAQEASABIAAD/2wBDAP//////////////////////////////////////////"
+        "////////////////////////////////////////////wgALCAABAAEBAREA/8QAFBABAAAAAAAAAAAAAAAAAAAAAP/aAAgBAQAB"
+        "PxA="
+    )
+    msgs = [
+        {"role": "user", "content": "<image>what is it?"},
+        {"role": "assistant", "content": "look"},
+        {"role": "tool", "content": "a cat"},
+        {"role": "assistant", "content": "cat"},
+    ]
+    row = {
+        "step": 1,
+        "prompt": "<image>what is it?",
+        "completion": "cat",
+        "advantage": 0.5,
+        "acc": 1.0,
+        "group": "0",
+        "reward": 1.0,
+        "truncated": False,
+        "messages": msgs,
+        "thumbnails": [thumb],
+        "tokens": {
+            "text": ["look", "a cat", "cat"],
+            "logprob": [-0.5, -2.0, -0.1],
+            "entropy": [1, 2, 0.5],
+            "mask": [1, 0, 1],
+            "cut": 0,
+        },
+    }
     (tmp_path / "completions.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "logging.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1, "rewards/acc/mean": 1.0}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "grpokit", "view", str(tmp_path)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "grpokit", "view", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     dom = _dom(Path(out.stdout.strip()).as_uri())
     turns = dom.find_all(by_class("turn"))
     assert [(t.attrs["data-role"], "masked" in t.classes()) for t in turns] == [
-        ("assistant", False), ("tool", True), ("assistant", False)]
+        ("assistant", False),
+        ("tool", True),
+        ("assistant", False),
+    ]
     assert "masked (not trained)" in turns[1].text()
     toks = dom.find_all(by_class("tok"))
     assert ["masked" in t.classes() for t in toks] == [False, True, False]
@@ -246,10 +322,18 @@ def test_multi_turn_and_vision_rows_show_masked_turns_and_thumbnails(tmp_path):
     assert img.attrs["src"] == thumb
     (colour,) = dom.find_all(lambda n: n.attrs.get("id") == "colour")
     assert [o.attrs["value"] for o in colour.find_all(lambda n: n.tag == "option")] == [
-        "logprob", "entropy", "advantage", "mask"]
+        "logprob",
+        "entropy",
+        "advantage",
+        "mask",
+    ]
     (filt,) = dom.find_all(lambda n: n.attrs.get("id") == "filter")
     assert {o.attrs["value"] for o in filt.find_all(lambda n: n.tag == "option")} == {
-        "all", "signal", "zero", "truncated"}
+        "all",
+        "signal",
+        "zero",
+        "truncated",
+    }
 
 
 def test_serve_serves_an_updated_page_while_the_run_writes(run_dir, tmp_path):
@@ -257,8 +341,12 @@ def test_serve_serves_an_updated_page_while_the_run_writes(run_dir, tmp_path):
     live.mkdir()
     for name in ("logging.jsonl", "completions.jsonl", "args.json"):
         shutil.copy(run_dir / name, live / name)
-    proc = subprocess.Popen([sys.executable, "-m", "grpokit", "view", str(live), "--serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "view", str(live), "--serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == str(live / "report.html")
         line = proc.stdout.readline()

@@ -128,8 +128,9 @@ def trl_reward_examples(dest: Path) -> Path:
     for module, code in TRL_EXAMPLES.items():
         parts.append(f"# --- {module} ---\n{code.strip()}\n")
         for func, name in TRL_NAMES[module].items():
-            parts.append(f"orms[{name!r}] = trl_convention({func})" if name in TRL_MARKED
-                         else f"orms[{name!r}] = {func}")
+            parts.append(
+                f"orms[{name!r}] = trl_convention({func})" if name in TRL_MARKED else f"orms[{name!r}] = {func}"
+            )
     dest.write_text("\n\n".join(parts) + "\n")
     return dest
 

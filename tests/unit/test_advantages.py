@@ -174,8 +174,10 @@ def test_default_scale_per_estimator():
     assert DEFAULT_SCALE == {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
     rpf, w, g = t([[1], [0], [0], [4]]), t([1.0]), ids([0, 0, 1, 1])
     for est, scale in DEFAULT_SCALE.items():
-        torch.testing.assert_close(compute_advantages(rpf, w, g, estimator=est).advantages,
-                                   compute_advantages(rpf, w, g, estimator=est, scale=scale).advantages)
+        torch.testing.assert_close(
+            compute_advantages(rpf, w, g, estimator=est).advantages,
+            compute_advantages(rpf, w, g, estimator=est, scale=scale).advantages,
+        )
 
 
 def test_validation_messages():
@@ -256,9 +258,11 @@ def loop_advantages(rpf, w, gids, estimator, scale, rids=None, penalty=None, eps
     return [adv[rep_of[i]] for i in range(n)]
 
 
-COMBOS = [(e, s) for e, s in itertools.product(["grpo", "rloo", "reinforce_plus_plus"],
-                                               ["group", "batch", "none", "gdpo"])
-          if s != "gdpo" or e == "grpo"]  # gdpo only with the grpo estimator
+COMBOS = [
+    (e, s)
+    for e, s in itertools.product(["grpo", "rloo", "reinforce_plus_plus"], ["group", "batch", "none", "gdpo"])
+    if s != "gdpo" or e == "grpo"
+]  # gdpo only with the grpo estimator
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -271,8 +275,13 @@ def test_vectorised_matches_loop(seed):
     gids = [gids[i] for i in order]
     n, f = len(gids), rng.randint(1, 3)
     levels = [0.0, 0.5, 1.0, 2.0]  # few levels so that equal-reward groups happen
-    rpf = [[NAN if rng.random() < 0.2 else rng.choice(levels) + (rng.random() if rng.random() < 0.3 else 0)
-            for _ in range(f)] for _ in range(n)]
+    rpf = [
+        [
+            NAN if rng.random() < 0.2 else rng.choice(levels) + (rng.random() if rng.random() < 0.3 else 0)
+            for _ in range(f)
+        ]
+        for _ in range(n)
+    ]
     w = [rng.uniform(0.2, 2.0) for _ in range(f)]
     use_rids = seed % 2 == 1
     rids = None
@@ -289,12 +298,19 @@ def test_vectorised_matches_loop(seed):
         if scale == "gdpo" and penalty is not None:
             continue
         expected = loop_advantages(rpf, w, gids, estimator, scale, rids, penalty)
-        out = compute_advantages(t(rpf), t(w), ids(gids), estimator=estimator, scale=scale,
-                                 request_ids=None if rids is None else ids(rids),
-                                 reward_penalty=None if penalty is None else t(penalty))
+        out = compute_advantages(
+            t(rpf),
+            t(w),
+            ids(gids),
+            estimator=estimator,
+            scale=scale,
+            request_ids=None if rids is None else ids(rids),
+            reward_penalty=None if penalty is None else t(penalty),
+        )
         assert torch.isfinite(out.advantages).all()
-        torch.testing.assert_close(out.advantages, t(expected), atol=1e-6, rtol=1e-6,
-                                   msg=f"{estimator}/{scale} seed {seed}")
+        torch.testing.assert_close(
+            out.advantages, t(expected), atol=1e-6, rtol=1e-6, msg=f"{estimator}/{scale} seed {seed}"
+        )
 
 
 @pytest.mark.parametrize("rids", [None, [0, 1, 2, 3, 3]])
@@ -302,8 +318,9 @@ def test_metrics_by_hand(rids):
     """One group, trajectory rewards 1, 0, 1, 0 (with rids, the last trajectory is two samples)."""
     n = 5 if rids else 4
     rewards = [[1.0], [0.0], [1.0], [0.0], [0.0]][:n]
-    out = compute_advantages(t(rewards), t([1.0]), ids([0] * n), request_ids=None if rids is None else ids(rids),
-                             reward_names=["acc"])
+    out = compute_advantages(
+        t(rewards), t([1.0]), ids([0] * n), request_ids=None if rids is None else ids(rids), reward_names=["acc"]
+    )
     std = math.sqrt(1 / 3)  # Bessel, over the four trajectories
     a = 0.5 / (std + EPS)
     close(out.advantages, [a, -a, a, -a, -a][:n])
@@ -323,15 +340,18 @@ def test_usual_layout_matches_loop(seed):
     rng = random.Random(seed)
     k, g, f = rng.randint(2, 6), rng.randint(1, 4), rng.randint(1, 2)
     gids = [10 + 3 * j for j in range(g) for _ in range(k)]
-    rpf = [[rng.choice([0.0, 0.5, 1.0]) + (rng.random() if rng.random() < 0.3 else 0) for _ in range(f)]
-           for _ in range(g * k)]
+    rpf = [
+        [rng.choice([0.0, 0.5, 1.0]) + (rng.random() if rng.random() < 0.3 else 0) for _ in range(f)]
+        for _ in range(g * k)
+    ]
     w = [rng.uniform(0.2, 2.0) for _ in range(f)]
     for estimator, scale in COMBOS:
         expected = loop_advantages(rpf, w, gids, estimator, scale, None, None)
         for rids in (None, ids(list(range(g * k)))):
             out = compute_advantages(t(rpf), t(w), ids(gids), estimator=estimator, scale=scale, request_ids=rids)
-            torch.testing.assert_close(out.advantages, t(expected), atol=1e-6, rtol=1e-6,
-                                       msg=f"{estimator}/{scale} seed {seed}")
+            torch.testing.assert_close(
+                out.advantages, t(expected), atol=1e-6, rtol=1e-6, msg=f"{estimator}/{scale} seed {seed}"
+            )
 
 
 def test_group_statistics_exact_for_equal_values_and_nan_aware():

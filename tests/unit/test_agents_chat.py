@@ -34,12 +34,20 @@ def test_a_tool_call_block_that_is_not_json_stays_text():
 
 
 def test_messages_take_the_templates_form():
-    body = ChatBody(model="m", tools=[{"type": "function", "function": {"name": "calc", "parameters": {}}}],
-                    messages=[{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
-                              {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
-                                  {"id": "c1", "type": "function",
-                                   "function": {"name": "calc", "arguments": '{"x": 1}'}}]},
-                              {"role": "tool", "tool_call_id": "c1", "content": "1"}])
+    body = ChatBody(
+        model="m",
+        tools=[{"type": "function", "function": {"name": "calc", "parameters": {}}}],
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        ],
+    )
     messages, tools, _ = detach(template_messages(body))
     assert tools == body.tools  # carried to the chat template's tools=
     assert messages[0] == {"role": "system", "content": "be brief"}
@@ -47,13 +55,16 @@ def test_messages_take_the_templates_form():
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
 
 
-@pytest.mark.parametrize(("kw", "status", "words"), [
-    ({"stream": True}, 400, "stream true"),
-    ({"top_logprobs": 3}, 400, "top_logprobs 3"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty 0.5"),
-    ({"store": True}, 400, "store true"),
-    ({"max_tokens": 4, "max_completion_tokens": 5}, 400, "differ"),
-])
+@pytest.mark.parametrize(
+    ("kw", "status", "words"),
+    [
+        ({"stream": True}, 400, "stream true"),
+        ({"top_logprobs": 3}, 400, "top_logprobs 3"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty 0.5"),
+        ({"store": True}, 400, "store true"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, 400, "differ"),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(kw, status, words):
     with pytest.raises(ChatError, match=words) as e:
         check_body(_body(**kw))
@@ -108,8 +119,14 @@ def template(tiny_model_dir):
 def _call(episode: Episode, template, messages, ids):
     prompt, parent, between = episode.plan(messages, template)
     text = template.tokenizer.decode(ids, skip_special_tokens=True)
-    episode.record(messages, prompt, [ChoiceRecord(ids, [-1.0] * len(ids), text, "stop",
-                                                   {"role": "assistant", "content": text})], 0, parent, between)
+    episode.record(
+        messages,
+        prompt,
+        [ChoiceRecord(ids, [-1.0] * len(ids), text, "stop", {"role": "assistant", "content": text})],
+        0,
+        parent,
+        between,
+    )
     return prompt, text
 
 
@@ -159,11 +176,14 @@ def test_the_docs_examples_compile():
         compile(block, f"docs/agents.md[python block {i}]", "exec")
 
 
-@pytest.mark.parametrize(("options", "words"), [
-    ({"multi_turn_scheduler": "tool_call_scheduler"}, "the agent drives the episode itself"),
-    ({"use_vllm": True}, "--use_vllm true is not implemented"),
-    ({"vllm_mode": "server", "vllm_server_host": "127.0.0.1"}, "--vllm_mode server is not implemented"),
-])
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"multi_turn_scheduler": "tool_call_scheduler"}, "the agent drives the episode itself"),
+        ({"use_vllm": True}, "--use_vllm true is not implemented"),
+        ({"vllm_mode": "server", "vllm_server_host": "127.0.0.1"}, "--vllm_mode server is not implemented"),
+    ],
+)
 def test_agent_refuses_the_options_it_cannot_go_with(options, words):
     from grpokit.agents.scheduler import check_agent_options
     from grpokit.config.args import RolloutArguments

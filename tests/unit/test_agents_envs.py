@@ -32,11 +32,14 @@ def test_a_rubric_column_reads_the_episode_scores_and_none_where_there_is_none()
     assert column.__name__ == "correct"
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"agent": "calc"}, "--agent calc"),
-    ({"multi_turn_scheduler": "gym_scheduler"}, "--multi_turn_scheduler gym_scheduler"),
-    ({"use_vllm": True}, "--use_vllm true is not implemented"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"agent": "calc"}, "--agent calc"),
+        ({"multi_turn_scheduler": "gym_scheduler"}, "--multi_turn_scheduler gym_scheduler"),
+        ({"use_vllm": True}, "--use_vllm true is not implemented"),
+    ],
+)
 def test_verifiers_env_refuses_what_plays_its_own_episodes(extra, match):
     check_verifiers_options(RolloutArguments())  # unset: nothing to check
     with pytest.raises(ConfigError, match=match):

@@ -196,10 +196,19 @@ def test_rollout_correction_metrics_as_ms_swift():
     m = {k.removeprefix("rollout_correction/"): v.item() for k, v in out.metrics.items()}
     assert all(k.startswith("rollout_correction/") for k in out.metrics)
     ppl = (1 / math.sqrt(1.5) + 1 / 1.5) / 2
-    expected = {"kl": -LN(2.25) / 3, "k3_kl": (2 - LN(2.25)) / 3, "training_log_ppl": -0.75 * LN(1.5),
-                "training_ppl": ppl, "rollout_ppl": 1.0, "rollout_log_ppl": 0.0,
-                "log_ppl_diff": -0.75 * LN(1.5), "log_ppl_abs_diff": 0.75 * LN(1.5), "ppl_ratio": ppl,
-                "chi2_token": 11.5 / 3 - 1, "chi2_seq": 0.875}
+    expected = {
+        "kl": -LN(2.25) / 3,
+        "k3_kl": (2 - LN(2.25)) / 3,
+        "training_log_ppl": -0.75 * LN(1.5),
+        "training_ppl": ppl,
+        "rollout_ppl": 1.0,
+        "rollout_log_ppl": 0.0,
+        "log_ppl_diff": -0.75 * LN(1.5),
+        "log_ppl_abs_diff": 0.75 * LN(1.5),
+        "ppl_ratio": ppl,
+        "chi2_token": 11.5 / 3 - 1,
+        "chi2_seq": 0.875,
+    }
     assert {k: m[k] for k in expected} == pytest.approx(expected, abs=1e-12)
     assert set(m) == {*expected, "is_weight_mean", "ess", "clipped_frac"}
 
@@ -236,8 +245,9 @@ def test_sequence_clipped_frac_counts_every_row(mode):
     # ms-swift's mean over the batch: 1 of 3 rows over C = 1.3
     old, rollout, mask = rollout_case()
     pad = t([[0.0, 0.0, 0.0]])
-    out = rollout_importance_weights(torch.cat([old, pad]), torch.cat([rollout, pad]), torch.cat([mask, pad]),
-                                     mode=mode, threshold=1.3)
+    out = rollout_importance_weights(
+        torch.cat([old, pad]), torch.cat([rollout, pad]), torch.cat([mask, pad]), mode=mode, threshold=1.3
+    )
     assert out.metrics["rollout_correction/clipped_frac"].item() == pytest.approx(1 / 3)
 
 

@@ -66,10 +66,16 @@ def test_a_sealed_checkpoint_lists_its_files_and_checks_them(tmp_path):
         ck.check_checkpoint(ckpt)
 
 
-@pytest.mark.parametrize("content, why", [
-    (None, "no trainer_state.json"), ("", "is empty"), ('{"global_step": 3, "pro', "not valid JSON"),
-    ('["x"]', "lacks global_step"), ('{"global_step": "3", "prompts_consumed": 1}', "lacks global_step"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (None, "no trainer_state.json"),
+        ("", "is empty"),
+        ('{"global_step": 3, "pro', "not valid JSON"),
+        ('["x"]', "lacks global_step"),
+        ('{"global_step": "3", "prompts_consumed": 1}', "lacks global_step"),
+    ],
+)
 def test_latest_skips_unusable_checkpoints_and_says_why(tmp_path, content, why):
     _checkpoint(tmp_path, 2)
     bad = _checkpoint(tmp_path, 4)
@@ -121,11 +127,13 @@ def test_newer_checkpoints_are_set_aside_not_deleted(tmp_path):
     assert ck.latest_checkpoint(tmp_path)[0] == tmp_path / "checkpoint-2"
     (tmp_path / "checkpoint-2.replaced").mkdir()  # not set aside: a save's own scratch name
     assert sorted(p.name for p in ck.set_aside_dirs(tmp_path)) == [
-        "checkpoint-4.abandoned", "checkpoint-6.abandoned", "checkpoint-6.abandoned-2"]
+        "checkpoint-4.abandoned",
+        "checkpoint-6.abandoned",
+        "checkpoint-6.abandoned-2",
+    ]
 
 
-@pytest.mark.parametrize("limit, kept", [(None, [2, 4, 6]), (-1, [2, 4, 6]), (0, [2, 4, 6]), (2, [4, 6]),
-                                         (1, [6])])
+@pytest.mark.parametrize("limit, kept", [(None, [2, 4, 6]), (-1, [2, 4, 6]), (0, [2, 4, 6]), (2, [4, 6]), (1, [6])])
 def test_rotation_keeps_all_for_none_zero_or_negative_and_never_the_new_one(tmp_path, limit, kept):
     for step in (2, 4, 6):
         _checkpoint(tmp_path, step)
@@ -150,11 +158,17 @@ def test_a_load_failure_names_the_unreadable_file(tmp_path):
 def _batch(rows: int, seed: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 50, (rows, 6), generator=g)
-    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
-                        position_ids=torch.arange(6).repeat(rows, 1),
-                        completion_mask=torch.ones(rows, 3), truncated=torch.zeros(rows, dtype=torch.bool),
-                        advantages=torch.randn(rows, generator=g), old_logps=torch.randn(rows, 3, generator=g),
-                        num_items=7.0, extra={"tag": torch.arange(rows)})
+    return RolloutBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(6).repeat(rows, 1),
+        completion_mask=torch.ones(rows, 3),
+        truncated=torch.zeros(rows, dtype=torch.bool),
+        advantages=torch.randn(rows, generator=g),
+        old_logps=torch.randn(rows, 3, generator=g),
+        num_items=7.0,
+        extra={"tag": torch.arange(rows)},
+    )
 
 
 def test_an_unfinished_window_is_saved_and_resumes_where_it_stopped(tmp_path):
@@ -191,8 +205,15 @@ def test_a_finished_window_saves_nothing_and_a_damaged_one_is_one_line(tmp_path)
 # the resume's arguments
 # ----------------------------------------------------------------------------------------------------------
 def test_resume_refuses_options_that_change_what_trains_and_lists_harmless_ones(tmp_path):
-    old = {"seed": 7, "num_generations": 4, "dataset": ["a.jsonl"], "logging_steps": 1, "save_steps": 3,
-           "only_old": 1, "resume_from_checkpoint": None}
+    old = {
+        "seed": 7,
+        "num_generations": 4,
+        "dataset": ["a.jsonl"],
+        "logging_steps": 1,
+        "save_steps": 3,
+        "only_old": 1,
+        "resume_from_checkpoint": None,
+    }
     same = dict(old, only_new=2, resume_from_checkpoint="latest")
     assert check_resume_args(old, same, tmp_path) == []  # options one side lacks are not compared
     harmless = dict(old, logging_steps=5, save_steps=10)
@@ -219,12 +240,15 @@ def test_output_dir_is_created_probed_and_blocked_paths_are_one_line(tmp_path):
         assert str(blocker) in str(err.value) and "folder" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("exc, needle", [
-    (OSError(errno.ENOSPC, "No space left on device", "/o/x"), "No space left on device [errno 28]; free space"),
-    (OSError(errno.EROFS, "Read-only file system"), "read-only: choose a writable --output_dir"),
-    (OSError(errno.EACCES, "Permission denied"), "fix the folder's permissions"),
-    (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"), "[errno 28]"),
-])
+@pytest.mark.parametrize(
+    "exc, needle",
+    [
+        (OSError(errno.ENOSPC, "No space left on device", "/o/x"), "No space left on device [errno 28]; free space"),
+        (OSError(errno.EROFS, "Read-only file system"), "read-only: choose a writable --output_dir"),
+        (OSError(errno.EACCES, "Permission denied"), "fix the folder's permissions"),
+        (RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"), "[errno 28]"),
+    ],
+)
 def test_os_errors_become_one_line_with_path_errno_and_advice(exc, needle):
     line = os_error_line(exc, "/o", "writing")
     assert line.startswith("--output_dir: writing /o") and needle in line and "\n" not in line
@@ -367,8 +391,9 @@ def test_torn_last_log_line_is_dropped_and_a_bad_middle_line_named(tmp_path):
         log.truncate_after(2)
 
 
-@pytest.mark.parametrize("value, want", [(3e-7, 3e-7), (0.123456789, 0.123457), (1234567.0, 1234570.0),
-                                         (-2.5e-12, -2.5e-12), (0.0, 0.0)])
+@pytest.mark.parametrize(
+    "value, want", [(3e-7, 3e-7), (0.123456789, 0.123457), (1234567.0, 1234570.0), (-2.5e-12, -2.5e-12), (0.0, 0.0)]
+)
 def test_logged_values_keep_six_significant_digits(value, want):
     assert round_significant(value) == want
 

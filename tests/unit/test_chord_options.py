@@ -9,8 +9,16 @@ import pytest
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError, DataError
 
-CHORD = ["--chord_sft_dataset", "expert.jsonl", "--chord_sft_per_device_train_batch_size", "1",
-         "--chord_mu_peak", "0.9", "--chord_mu_valley", "0.05"]
+CHORD = [
+    "--chord_sft_dataset",
+    "expert.jsonl",
+    "--chord_sft_per_device_train_batch_size",
+    "1",
+    "--chord_mu_peak",
+    "0.9",
+    "--chord_mu_valley",
+    "0.05",
+]
 
 
 def _args(*extra):
@@ -31,27 +39,35 @@ def test_complete_chord_options_parse_and_unset_steps_become_zero():
     assert (a.chord_mu_warmup_steps, a.chord_mu_decay_steps) == (0, 0)
 
 
-@pytest.mark.parametrize("missing", ["--chord_sft_per_device_train_batch_size", "--chord_mu_peak",
-                                     "--chord_mu_valley"])
+@pytest.mark.parametrize("missing", ["--chord_sft_per_device_train_batch_size", "--chord_mu_peak", "--chord_mu_valley"])
 def test_chord_needs_its_batch_size_peak_and_valley(missing):
     i = CHORD.index(missing)
-    msg = _error(*(CHORD[:i] + CHORD[i + 2:]))
+    msg = _error(*(CHORD[:i] + CHORD[i + 2 :]))
     assert msg.startswith("--chord_sft_dataset needs " + missing)
 
 
-@pytest.mark.parametrize("extra, start", [
-    (["--chord_mu_peak", "0.1", "--chord_mu_valley", "0.5"], "--chord_mu_peak 0.1 is below --chord_mu_valley 0.5"),
-    (["--chord_mu_peak", "1.5"], "--chord_mu_peak 1.5: "),
-    (["--chord_mu_warmup_steps", "-1"], "--chord_mu_warmup_steps -1: must be ≥ 0"),
-    (["--chord_mu_decay_steps", "-3"], "--chord_mu_decay_steps -3: must be ≥ 0"),
-    (["--chord_sft_per_device_train_batch_size", "0"], "--chord_sft_per_device_train_batch_size 0: must be ≥ 1"),
-])
+@pytest.mark.parametrize(
+    "extra, start",
+    [
+        (["--chord_mu_peak", "0.1", "--chord_mu_valley", "0.5"], "--chord_mu_peak 0.1 is below --chord_mu_valley 0.5"),
+        (["--chord_mu_peak", "1.5"], "--chord_mu_peak 1.5: "),
+        (["--chord_mu_warmup_steps", "-1"], "--chord_mu_warmup_steps -1: must be ≥ 0"),
+        (["--chord_mu_decay_steps", "-3"], "--chord_mu_decay_steps -3: must be ≥ 0"),
+        (["--chord_sft_per_device_train_batch_size", "0"], "--chord_sft_per_device_train_batch_size 0: must be ≥ 1"),
+    ],
+)
 def test_bad_schedule_values_name_the_option_and_value(extra, start):
     assert _error(*CHORD, *extra).startswith(start)
 
 
-@pytest.mark.parametrize("flag", [["--chord_mu_peak", "0.5"], ["--chord_enable_phi_function", "true"],
-                                  ["--chord_sft_per_device_train_batch_size", "2"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--chord_mu_peak", "0.5"],
+        ["--chord_enable_phi_function", "true"],
+        ["--chord_sft_per_device_train_batch_size", "2"],
+    ],
+)
 def test_a_chord_setting_without_the_sft_dataset_is_an_error(flag):
     msg = _error(*flag)
     assert msg.startswith(flag[0]) and "add --chord_sft_dataset" in msg
@@ -74,8 +90,14 @@ def tokenizer():
 
 
 def test_sft_rows_take_the_final_assistant_message_or_the_reply_column(tmp_path, tokenizer):
-    ds = _load(tmp_path, [{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"}]},
-                          {"messages": [{"role": "user", "content": "q2"}], "response": "r2"}], tokenizer)
+    ds = _load(
+        tmp_path,
+        [
+            {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"}]},
+            {"messages": [{"role": "user", "content": "q2"}], "response": "r2"},
+        ],
+        tokenizer,
+    )
     assert ds["solution"] == ["r1", "r2"]
     assert [m[-1]["content"] for m in ds["messages"]] == ["q1", "q2"]  # the reply is not in the prompt
     assert _load(tmp_path, [{"problem": "p", "solution": "s"}], tokenizer)["solution"] == ["s"]
@@ -83,8 +105,10 @@ def test_sft_rows_take_the_final_assistant_message_or_the_reply_column(tmp_path,
 
 
 def test_an_sft_row_without_a_reply_names_the_row_and_the_columns(tmp_path, tokenizer):
-    rows = [{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"}], "id": 0},
-            {"messages": [{"role": "user", "content": "q2"}], "id": 1}]
+    rows = [
+        {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"}], "id": 0},
+        {"messages": [{"role": "user", "content": "q2"}], "id": 1},
+    ]
     with pytest.raises(DataError) as e:
         _load(tmp_path, rows, tokenizer)
     msg = str(e.value)

@@ -76,15 +76,24 @@ def _model(tied: bool, lora: str | None = None, dropout: float = 0.0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    cfg = Qwen3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
     model = Qwen3ForCausalLM(cfg).to(torch.float64)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         targets = ["q_proj", "v_proj", "lm_head"] if lora == "head" else "all-linear"
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=dropout,
-                                                 init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(r=4, target_modules=targets, lora_dropout=dropout, init_lora_weights=False)
+        )
     model.train()
     return model
 
@@ -97,8 +106,8 @@ def _inputs(vocab: int = 97):
     ids, att = torch.zeros(6, p + c, dtype=torch.long), torch.zeros(6, p + c, dtype=torch.long)
     for row, n in enumerate((4, 2, 3, 4, 1, 3)):
         pr = prompts[row // 3]
-        ids[row, p - len(pr):p], att[row, p - len(pr):p + n] = pr, 1
-        ids[row, p:p + n] = torch.randint(3, vocab, (n,), generator=g)
+        ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
+        ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": ids, "attention_mask": att, "position_ids": pos}, c
 

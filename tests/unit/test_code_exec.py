@@ -155,9 +155,11 @@ def test_helpers_and_bad_input():
 def test_os_layers():
     layers = sandbox_layers()
     assert layers["isolation"] == "bwrap" and layers["seccomp"] and layers["network_namespace"]
-    res = run_python("import os\nprint(open('/proc/self/uid_map').read().split()[1])\n"
-                     "print(sorted([l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
-                     "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))")
+    res = run_python(
+        "import os\nprint(open('/proc/self/uid_map').read().split()[1])\n"
+        "print(sorted([l.split(':')[0].strip() for l in open('/proc/net/dev') if ':' in l]))\n"
+        "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))"
+    )
     assert res.status == "ok", res.stderr
     uid_line, interfaces, pids = res.stdout.splitlines()
     if os.geteuid() == 0:  # uid 0 of its own user namespace, without capabilities, is a slot uid of the host
@@ -208,8 +210,10 @@ def test_refuses_in_one_line_when_bwrap_cannot_build_the_sandbox(monkeypatch):
 
 def test_assert_grading_happens_in_the_parent(reward):
     tests = "expected = 8191\nassert f(13) == expected\nassert abs(g(1) - 0.25) < 1e-9\nassert h() == 3"
-    liar = ("import builtins\nclass Yes:\n    def __eq__(self, o): return True\n    def __lt__(self, o): return True\n"
-            "builtins.abs = lambda x: Yes()\ndef f(n): return Yes()\ndef g(n): return 7\ndef h(): return 3")
+    liar = (
+        "import builtins\nclass Yes:\n    def __eq__(self, o): return True\n    def __lt__(self, o): return True\n"
+        "builtins.abs = lambda x: Yes()\ndef f(n): return Yes()\ndef g(n): return 7\ndef h(): return 3"
+    )
     right = "def f(n): return 2 ** n - 1\ndef g(n): return 0.25\ndef h(): return 3"
     assert reward([fenced(liar), fenced(right)], test_cases=[tests, tests]) == pytest.approx([1 / 3, 1.0])
 

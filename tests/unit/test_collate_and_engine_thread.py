@@ -22,8 +22,7 @@ PAD = 0
 
 
 def test_collate_pads_prompts_left_completions_right_and_counts_positions():
-    samples = [EncodedSample([5, 6, 7], [8, 9], [1, 1]),
-               EncodedSample([5], [8, 9, 10], [1, 0, 1])]
+    samples = [EncodedSample([5, 6, 7], [8, 9], [1, 1]), EncodedSample([5], [8, 9, 10], [1, 0, 1])]
     b = collate(samples, PAD, truncated=[False, True])
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [0, 0, 5, 8, 9, 10]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
@@ -35,8 +34,10 @@ def test_collate_pads_prompts_left_completions_right_and_counts_positions():
 
 
 def test_collate_rollout_logprobs_are_nan_where_missing_and_cut_to_the_limit():
-    samples = [EncodedSample([5], [8, 9, 10], [1, 1, 1], rollout_logprobs=[-0.5, -1.0, -1.5]),
-               EncodedSample([5, 6], [8], [1])]  # this engine gave no logprobs
+    samples = [
+        EncodedSample([5], [8, 9, 10], [1, 1, 1], rollout_logprobs=[-0.5, -1.0, -1.5]),
+        EncodedSample([5, 6], [8], [1]),
+    ]  # this engine gave no logprobs
     b = collate(samples, PAD, truncated=[True, False], max_completion_length=2)
     assert b.input_ids.tolist() == [[0, 5, 8, 9], [5, 6, 8, 0]]
     lp = b.rollout_logps.tolist()
@@ -85,8 +86,9 @@ class WhereEngine(InferEngine):
 
     def infer(self, requests, config):
         self.seen.append((threading.current_thread(), torch.get_num_threads()))
-        choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
-                                              token_ids=[1])
+        choice = ChatCompletionResponseChoice(
+            message={"role": "assistant", "content": "x"}, finish_reason="stop", token_ids=[1]
+        )
         return [ChatCompletionResponse(choices=[choice], prompt_token_ids=[1]) for _ in requests]
 
 
@@ -137,8 +139,10 @@ def test_single_turn_batch_is_one_engine_call_with_tagged_trajectories():
                 resp.choices[0].message["content"] = f"answer {k}"
             return out
 
-    requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}",
-                                    prompt_id=str(i // 2)) for i in range(4)]
+    requests = [
+        RolloutInferRequest(messages=[{"role": "user", "content": f"q{i}"}], request_id=f"r{i}", prompt_id=str(i // 2))
+        for i in range(4)
+    ]
     engine = TokenEngine()
     engine.infer_on_loop_thread = True
     outs = run_trajectories(RolloutScheduler(engine), requests, RequestConfig(max_tokens=4))

@@ -26,8 +26,9 @@ def test_no_model_and_no_dataset_is_the_demo():
 
 def test_yaml_gives_defaults_and_flags_win(tmp_path):
     cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("dataset: [builtin:countdown]\nnum_generations: 4\nlearning_rate: 3.0e-6\n"
-                        "per_device_train_batch_size: 8\n")
+    cfg_file.write_text(
+        "dataset: [builtin:countdown]\nnum_generations: 4\nlearning_rate: 3.0e-6\nper_device_train_batch_size: 8\n"
+    )
     cfg = parse_train_args(["--config", str(cfg_file), "--num_generations", "2"])
     assert cfg.data.dataset == ["builtin:countdown"]
     assert cfg.rollout.num_generations == 2  # the flag
@@ -49,16 +50,30 @@ def test_unknown_flag_suggests_the_close_one():
 
 def test_indivisible_generation_batch_says_which_numbers_work():
     with pytest.raises(ConfigError) as e:
-        parse_train_args(["--dataset", "builtin:arithmetic", "--per_device_train_batch_size", "12",
-                          "--num_generations", "8"])
+        parse_train_args(
+            ["--dataset", "builtin:arithmetic", "--per_device_train_batch_size", "12", "--num_generations", "8"]
+        )
     msg = str(e.value)
     assert "generation batch 12" in msg and "num_generations 8" in msg and "8 or 16" in msg
 
 
 def test_batch_plan_counts():
-    cfg = parse_train_args(["--dataset", "builtin:arithmetic", "--per_device_train_batch_size", "4",
-                            "--num_generations", "4", "--gradient_accumulation_steps", "2",
-                            "--steps_per_generation", "4", "--num_iterations", "2"])
+    cfg = parse_train_args(
+        [
+            "--dataset",
+            "builtin:arithmetic",
+            "--per_device_train_batch_size",
+            "4",
+            "--num_generations",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+            "--steps_per_generation",
+            "4",
+            "--num_iterations",
+            "2",
+        ]
+    )
     plan = batch_plan(cfg, world=2)
     assert plan.generation_batch_size == 4 * 4 * 2
     assert plan.prompts_per_rollout == 8
@@ -69,28 +84,44 @@ def test_batch_plan_counts():
 
 def test_steps_per_generation_must_fill_whole_optimizer_steps():
     with pytest.raises(ConfigError, match="multiple of gradient_accumulation_steps 2"):
-        parse_train_args(["--dataset", "builtin:arithmetic", "--gradient_accumulation_steps", "2",
-                          "--steps_per_generation", "3", "--num_generations", "4", "--per_device_train_batch_size",
-                          "4"])
+        parse_train_args(
+            [
+                "--dataset",
+                "builtin:arithmetic",
+                "--gradient_accumulation_steps",
+                "2",
+                "--steps_per_generation",
+                "3",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "4",
+            ]
+        )
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--temperature", "0"], "--temperature 0"),
-    (["--num_generations", "1", "--per_device_train_batch_size", "4"], "--num_generations 1"),
-    (["--reward_weights", "1", "2"], "--reward_weights has 2"),
-    (["--gym_env", "guess_number"], "--multi_turn_scheduler"),
-    (["--vllm_mode", "server"], "--vllm_server_host"),
-    (["--resume_from_checkpoint", "/nope"], "/nope"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--temperature", "0"], "--temperature 0"),
+        (["--num_generations", "1", "--per_device_train_batch_size", "4"], "--num_generations 1"),
+        (["--reward_weights", "1", "2"], "--reward_weights has 2"),
+        (["--gym_env", "guess_number"], "--multi_turn_scheduler"),
+        (["--vllm_mode", "server"], "--vllm_server_host"),
+        (["--resume_from_checkpoint", "/nope"], "/nope"),
+    ],
+)
 def test_bad_values_are_named(flags, needle):
     with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
         parse_train_args(["--dataset", "builtin:arithmetic", *flags])
 
 
 def test_help_answers_before_torch_is_imported():
-    code = ("import sys; from grpokit.cli.main import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from grpokit.cli.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "False"
@@ -100,9 +131,11 @@ def test_help_answers_before_torch_is_imported():
 
 def _train_help(*extra: str) -> tuple[str, bool]:
     """`grpokit train [extra] --help` in a fresh interpreter: the text, and whether torch got imported."""
-    code = ("import sys; from grpokit.cli.main import main\n"
-            f"try:\n    main(['train', *{list(extra)!r}, '--help'])\nexcept SystemExit:\n    pass\n"
-            "print('torch imported:', 'torch' in sys.modules)")
+    code = (
+        "import sys; from grpokit.cli.main import main\n"
+        f"try:\n    main(['train', *{list(extra)!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch imported:', 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     text = " ".join(out.stdout.split())  # argparse wraps lines
     return text, "torch imported: True" in text
@@ -110,8 +143,16 @@ def _train_help(*extra: str) -> tuple[str, bool]:
 
 def test_train_help_lists_the_ms_swift_flags_and_builtin_names_without_torch():
     text, torch_imported = _train_help()
-    for flag in ("--num_generations", "--reward_funcs", "--multi_turn_scheduler", "--steps_per_generation",
-                 "--loss_type", "--vllm_mode", "--external_plugins", "--resume_from_checkpoint"):
+    for flag in (
+        "--num_generations",
+        "--reward_funcs",
+        "--multi_turn_scheduler",
+        "--steps_per_generation",
+        "--loss_type",
+        "--vllm_mode",
+        "--external_plugins",
+        "--resume_from_checkpoint",
+    ):
         assert flag in text, flag
     assert not torch_imported
     for option, names in BUILTIN_NAMES.items():
@@ -131,10 +172,14 @@ def test_builtin_names_for_help_are_what_grpokit_registers():
 
     for option, attrs in REGISTRIES.items():
         registries = [getattr(alg, attr) for attr in attrs]
-        own = {n for n in registered_names(option)
-               if all(getattr(r[n], "__module__", "").startswith("grpokit.") for r in registries)}
+        own = {
+            n
+            for n in registered_names(option)
+            if all(getattr(r[n], "__module__", "").startswith("grpokit.") for r in registries)
+        }
         assert own == set(BUILTIN_NAMES[option]), (
-            f"grpokit registers {sorted(own)} for --{option}: update BUILTIN_NAMES in grpokit/config/names.py")
+            f"grpokit registers {sorted(own)} for --{option}: update BUILTIN_NAMES in grpokit/config/names.py"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -186,8 +231,17 @@ def _set_up(argv: list[str]):
 def test_plugin_names_are_accepted_once_the_plugin_loads(algo_plugin):
     with pytest.raises(ConfigError, match=r"^--loss_type 'gk_pg': unknown loss type; registered: "):
         _set_up([*ARITH, "--loss_type", "gk_pg"])  # not registered before the plugin loads
-    cfg = _set_up([*ARITH, "--external_plugins", str(algo_plugin), "--loss_type", "gk_pg",
-                   "--advantage_estimator", "gk_above_mean"])
+    cfg = _set_up(
+        [
+            *ARITH,
+            "--external_plugins",
+            str(algo_plugin),
+            "--loss_type",
+            "gk_pg",
+            "--advantage_estimator",
+            "gk_above_mean",
+        ]
+    )
     assert (cfg.algorithm.loss_type, cfg.algorithm.advantage_estimator) == ("gk_pg", "gk_above_mean")
 
 
@@ -211,8 +265,9 @@ def test_loss_without_normaliser_names_the_missing_half(algo_plugin):
 def test_the_pipeline_imports_a_plugin_once_and_parsing_not_at_all(tmp_path):
     from grpokit.plugins.loader import load_plugins_once
 
-    (tmp_path / "gk_count_runs.py").write_text("import builtins\n"
-                                               "builtins.gk_runs = getattr(builtins, 'gk_runs', 0) + 1\n")
+    (tmp_path / "gk_count_runs.py").write_text(
+        "import builtins\nbuiltins.gk_runs = getattr(builtins, 'gk_runs', 0) + 1\n"
+    )
     import builtins
 
     try:
@@ -232,8 +287,9 @@ def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_pa
     assert earlier_run_checkpoints(tmp_path, overwrite=False) == []
     for n in (2, 4, 6, 8):
         (tmp_path / f"checkpoint-{n}").mkdir()
-    with pytest.raises(ConfigError,
-                       match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"):
+    with pytest.raises(
+        ConfigError, match=r"checkpoint-2, checkpoint-4, checkpoint-6, …\).*--overwrite_output_dir true"
+    ):
         earlier_run_checkpoints(tmp_path, overwrite=False)
     assert len(earlier_run_checkpoints(tmp_path, overwrite=True)) == 4
 
@@ -241,10 +297,13 @@ def test_fresh_run_refuses_an_output_dir_with_an_earlier_runs_checkpoints(tmp_pa
 # ------------------------------------------------------------------------------------------------------------
 # vLLM colocate: the memory default and the error that names our option (tests/vllm starts the real engine)
 # ------------------------------------------------------------------------------------------------------------
-GPU_STARTUP = ("Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory utilization "
-               "(0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
-GPU_KV = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
-          "engine.")
+GPU_STARTUP = (
+    "Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory utilization "
+    "(0.9, 71.2 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."
+)
+GPU_KV = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine."
+)
 
 
 def test_colocate_memory_default_leaves_room_for_training():
@@ -252,14 +311,23 @@ def test_colocate_memory_default_leaves_room_for_training():
     assert cfg.rollout.vllm_gpu_memory_utilization == 0.3  # TRL's default for vLLM next to training
 
 
-@pytest.mark.parametrize("device, text, needles", [
-    ("cuda", GPU_STARTUP, ["--vllm_gpu_memory_utilization 0.9: vLLM could not start with this memory fraction"
-                           " (Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory "
-                           "utilization (0.9, 71.2 GiB)); lower it (e.g. --vllm_gpu_memory_utilization 0.45) or "
-                           "free memory that other processes hold"]),
-    ("cuda", GPU_KV, ["(No available memory for the cache blocks); raise it, or lower --vllm_max_model_len"]),
-    ("cpu", GPU_KV, ["raise it, or lower --vllm_max_model_len; on a CPU", "VLLM_CPU_KVCACHE_SPACE=<GiB>"]),
-])
+@pytest.mark.parametrize(
+    "device, text, needles",
+    [
+        (
+            "cuda",
+            GPU_STARTUP,
+            [
+                "--vllm_gpu_memory_utilization 0.9: vLLM could not start with this memory fraction"
+                " (Free memory on device cuda:0 (20.1/79.1 GiB) on startup is less than desired GPU memory "
+                "utilization (0.9, 71.2 GiB)); lower it (e.g. --vllm_gpu_memory_utilization 0.45) or "
+                "free memory that other processes hold"
+            ],
+        ),
+        ("cuda", GPU_KV, ["(No available memory for the cache blocks); raise it, or lower --vllm_max_model_len"]),
+        ("cpu", GPU_KV, ["raise it, or lower --vllm_max_model_len; on a CPU", "VLLM_CPU_KVCACHE_SPACE=<GiB>"]),
+    ],
+)
 def test_vllm_memory_errors_name_our_option_value_and_fix(device, text, needles):
     import torch
 
@@ -284,33 +352,43 @@ def test_other_vllm_start_errors_name_the_model():
 
 
 @pytest.mark.parametrize("value, space, warned", [(0.5, "2", True), (0.3, "2", False), (0.5, "", False)])
-def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monkeypatch, caplog, value, space,
-                                                                          warned):
+def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monkeypatch, caplog, value, space, warned):
     import torch
 
     from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
-    settings = VllmSettings(gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization",
-                            memory_default=0.3)
+    settings = VllmSettings(
+        gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization", memory_default=0.3
+    )
     with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
         _warn_if_memory_ignored(settings, torch.device("cpu"))
-    expected = (f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
-                "sets vLLM's KV cache (GiB) instead")
+    expected = (
+        f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
+        "sets vLLM's KV cache (GiB) instead"
+    )
     assert (expected in caplog.messages) == warned
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--temperature", "200"], "--temperature 200"),  # above the bound every engine enforces on a request
-    (["--top_k", "-5"], "--top_k -5"),
-    (["--repetition_penalty", "0.001"], "--repetition_penalty 0.001"),
-    (["--max_completion_length", str(1 << 21)], f"--max_completion_length {1 << 21}"),
-    (["--async_generate", "true"], "--async_generate true needs an engine with its own copy"),
-    (["--use_vllm", "true", "--sleep_level", "1", "--async_generate", "true"], "the engine cannot sleep"),
-    (["--use_vllm", "true", "--sleep_level", "2", "--eval_steps", "5", "--split_dataset_ratio", "0.1"],
-     "--sleep_level 2 with --eval_steps 5"),
-    (["--use_vllm", "true", "--offload_model", "true", "--deepspeed", "zero3"], "drop it and use --deepspeed zero3_"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--temperature", "200"], "--temperature 200"),  # above the bound every engine enforces on a request
+        (["--top_k", "-5"], "--top_k -5"),
+        (["--repetition_penalty", "0.001"], "--repetition_penalty 0.001"),
+        (["--max_completion_length", str(1 << 21)], f"--max_completion_length {1 << 21}"),
+        (["--async_generate", "true"], "--async_generate true needs an engine with its own copy"),
+        (["--use_vllm", "true", "--sleep_level", "1", "--async_generate", "true"], "the engine cannot sleep"),
+        (
+            ["--use_vllm", "true", "--sleep_level", "2", "--eval_steps", "5", "--split_dataset_ratio", "0.1"],
+            "--sleep_level 2 with --eval_steps 5",
+        ),
+        (
+            ["--use_vllm", "true", "--offload_model", "true", "--deepspeed", "zero3"],
+            "drop it and use --deepspeed zero3_",
+        ),
+    ],
+)
 def test_sampling_and_engine_options_fail_before_any_model_loads(tiny_model_dir, math_jsonl, flags, needle):
     """Checks that once ran at the first rollout or after the model loaded now run in grpokit.config.validate."""
     with pytest.raises(ConfigError, match=re.escape(needle)):

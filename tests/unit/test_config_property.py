@@ -46,8 +46,12 @@ def _flag_words(name: str) -> st.SearchStrategy[list[str]]:
     if name not in FIELDS:  # ms-swift's names: any words, or a bare flag
         return st.lists(st.one_of(WORDS, st.sampled_from(["true", "false", "None", "0", "1"])), max_size=2)
     field, kind = FIELDS[name]
-    typed = {bool: st.sampled_from(["true", "false", "yes", "no", "1", "0"]), int: _int_text(),
-             float: _float_text(), str: WORDS}[kind.base]
+    typed = {
+        bool: st.sampled_from(["true", "false", "yes", "no", "1", "0"]),
+        int: _int_text(),
+        float: _float_text(),
+        str: WORDS,
+    }[kind.base]
     choices = kind.literal or field.metadata.get("choices")
     if choices:
         typed = st.one_of(st.sampled_from([str(c) for c in choices]), typed)
@@ -59,13 +63,18 @@ def _flag_words(name: str) -> st.SearchStrategy[list[str]]:
 
 def _yaml_value(name: str):
     """A YAML value for ``name``: of the field's type, of another type, a list where a scalar is due, or null."""
-    any_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
-                           st.floats(allow_nan=True, allow_infinity=True), WORDS)
+    any_scalar = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=True, allow_infinity=True), WORDS
+    )
     if name not in FIELDS:
         return st.one_of(any_scalar, st.lists(WORDS, max_size=2))
     field, kind = FIELDS[name]
-    typed = {bool: st.booleans(), int: st.integers(-(2**40), 2**40),
-             float: st.floats(allow_nan=True, allow_infinity=True), str: WORDS}[kind.base]
+    typed = {
+        bool: st.booleans(),
+        int: st.integers(-(2**40), 2**40),
+        float: st.floats(allow_nan=True, allow_infinity=True),
+        str: WORDS,
+    }[kind.base]
     choices = kind.literal or field.metadata.get("choices")
     if choices:
         typed = st.one_of(st.sampled_from(list(choices)), typed)
@@ -112,8 +121,12 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("property")
 
 
-@settings(max_examples=250, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_any_flag_values_pass_setup_or_stop_in_one_line(data, workdir):
     argv = ["--dataset", "builtin:arithmetic"]
@@ -130,8 +143,12 @@ def test_any_flag_values_pass_setup_or_stop_in_one_line(data, workdir):
     _judge(argv)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_any_yaml_values_pass_setup_or_stop_in_one_line(data, workdir):
     options = {"dataset": ["builtin:arithmetic"], "output_dir": str(workdir / "yaml-out")}

@@ -80,10 +80,12 @@ def test_builtin_spec_train_and_test():
 
 
 def test_system_prompt_added_only_where_missing():
-    ds = datasets.Dataset.from_list([
-        {"messages": USER_HI},
-        {"messages": [{"role": "system", "content": "own"}, *USER_HI]},
-    ])
+    ds = datasets.Dataset.from_list(
+        [
+            {"messages": USER_HI},
+            {"messages": [{"role": "system", "content": "own"}, *USER_HI]},
+        ]
+    )
     out = normalize_rows(ds, "Be brief.")
     assert out[0]["messages"] == [{"role": "system", "content": "Be brief."}, *USER_HI]
     assert out[1]["messages"][0] == {"role": "system", "content": "own"}
@@ -152,8 +154,9 @@ def test_empty_file(tmp_path, name, text):
 
 def test_empty_parquet(tmp_path):
     path = tmp_path / "e.parquet"
-    datasets.Dataset.from_dict({"query": []}, features=datasets.Features(query=datasets.Value("string"))) \
-        .to_parquet(str(path))
+    datasets.Dataset.from_dict({"query": []}, features=datasets.Features(query=datasets.Value("string"))).to_parquet(
+        str(path)
+    )
     with pytest.raises(DataError, match="has no rows"):
         load_dataset_spec(str(path))
 

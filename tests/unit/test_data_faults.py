@@ -30,32 +30,55 @@ def refused(path: Path, **opts) -> str:
 
 CASES = {
     "malformed jsonl line": (
-        "data.jsonl", (GOOD + '{"query": "2 + 2?", "solution": "4"\n').encode(),
-        ["line 2 (row 1) column 36 is not valid JSON (Expecting ',' delimiter"]),
+        "data.jsonl",
+        (GOOD + '{"query": "2 + 2?", "solution": "4"\n').encode(),
+        ["line 2 (row 1) column 36 is not valid JSON (Expecting ',' delimiter"],
+    ),
     "duplicate json keys": (
-        "data.jsonl", (GOOD + '{"query": "a", "query": "b", "solution": "4"}\n').encode(),
-        ["line 2 (row 1) has a duplicate key 'query'; give each column once"]),
+        "data.jsonl",
+        (GOOD + '{"query": "a", "query": "b", "solution": "4"}\n').encode(),
+        ["line 2 (row 1) has a duplicate key 'query'; give each column once"],
+    ),
     "a jsonl line that is not an object": (
-        "data.jsonl", (GOOD + '[1, 2]\n').encode(), ["line 2 (row 1) is a JSON list, not an object"]),
+        "data.jsonl",
+        (GOOD + "[1, 2]\n").encode(),
+        ["line 2 (row 1) is a JSON list, not an object"],
+    ),
     "non-utf-8 bytes in jsonl": (
-        "data.jsonl", (GOOD + GOOD + '{"query": "caf').encode() + b"\xe9" + b'", "solution": "1"}\n',
-        ["line 3 is not UTF-8 (byte 15 of the line: b'\\xe9\"", "re-encode the file as UTF-8"]),
+        "data.jsonl",
+        (GOOD + GOOD + '{"query": "caf').encode() + b"\xe9" + b'", "solution": "1"}\n',
+        ["line 3 is not UTF-8 (byte 15 of the line: b'\\xe9\"", "re-encode the file as UTF-8"],
+    ),
     "non-utf-8 bytes in csv": (
-        "data.csv", b"query,solution\n1 + 1?,2\ncaf\xe9,3\n", ["line 3 is not UTF-8 (byte 4 of the line"]),
+        "data.csv",
+        b"query,solution\n1 + 1?,2\ncaf\xe9,3\n",
+        ["line 3 is not UTF-8 (byte 4 of the line"],
+    ),
     "duplicate csv header": (
-        "data.csv", b"query,solution,query\n1 + 1?,2,x\n", ["the header (line 1) names column 'query' twice"]),
+        "data.csv",
+        b"query,solution,query\n1 + 1?,2,x\n",
+        ["the header (line 1) names column 'query' twice"],
+    ),
     "non-utf-8 bytes in a json document": (
-        "data.json", b'[{"query": "1 + 1?", "solution": "2"},\n {"query": "\xff", "solution": "3"}]\n',
-        ["line 2 is not UTF-8"]),
+        "data.json",
+        b'[{"query": "1 + 1?", "solution": "2"},\n {"query": "\xff", "solution": "3"}]\n',
+        ["line 2 is not UTF-8"],
+    ),
     "malformed json document": (
-        "data.json", b'[{"query": "1 + 1?", "solution": "2"},\n {"query": "x" "solution": "3"}]\n',
-        ["could not read the json file (line 2 column 16: Expecting ',' delimiter)"]),
+        "data.json",
+        b'[{"query": "1 + 1?", "solution": "2"},\n {"query": "x" "solution": "3"}]\n',
+        ["could not read the json file (line 2 column 16: Expecting ',' delimiter)"],
+    ),
     "unknown role": (
-        "data.jsonl", json.dumps({"messages": [{"role": "usr", "content": "hi"}], "solution": "1"}).encode() + b"\n",
-        ["row 0: column 'messages': unknown role 'usr'; use one of system, user, assistant, tool"]),
+        "data.jsonl",
+        json.dumps({"messages": [{"role": "usr", "content": "hi"}], "solution": "1"}).encode() + b"\n",
+        ["row 0: column 'messages': unknown role 'usr'; use one of system, user, assistant, tool"],
+    ),
     "a row longer than --max_row_bytes": (
-        "data.jsonl", (GOOD + json.dumps({"query": "x" * 5000, "solution": "1"}) + "\n").encode(),
-        ["line 2 is longer than --max_row_bytes 4096 (4096 bytes); shorten the row or raise --max_row_bytes"]),
+        "data.jsonl",
+        (GOOD + json.dumps({"query": "x" * 5000, "solution": "1"}) + "\n").encode(),
+        ["line 2 is longer than --max_row_bytes 4096 (4096 bytes); shorten the row or raise --max_row_bytes"],
+    ),
 }
 
 

@@ -49,21 +49,27 @@ def test_sharegpt_conversations_with_from_value_and_system_column():
 
 def test_sharegpt_pairs_and_messages_as_json_text():
     [row] = rows_of([{"conversation": [{"human": "hi", "assistant": "hello"}, {"human": "What is 2+2?"}]}])
-    assert row["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                               *USER_Q]
+    assert row["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, *USER_Q]
     [row] = rows_of([{"messages": json.dumps(USER_Q)}])
     assert row["messages"] == USER_Q
 
 
 def test_history_pairs_come_before_the_query_and_system_prompt_column():
     [row] = rows_of([{"query": "What is 2+2?", "history": [["hi", "hello"]], "system_prompt": "S"}])
-    assert row["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
-                               {"role": "assistant", "content": "hello"}, *USER_Q]
+    assert row["messages"] == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        *USER_Q,
+    ]
 
 
 def test_observation_role_becomes_tool_and_tool_call_role_is_refused():
-    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "call"},
-            {"role": "observation", "content": "42"}]
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "call"},
+        {"role": "observation", "content": "42"},
+    ]
     [row] = rows_of([{"messages": msgs}])
     assert row["messages"][-1] == {"role": "tool", "content": "42"}
     with pytest.raises(DataError, match="row 0.*'tool_call'.*not supported"):
@@ -134,8 +140,10 @@ def test_num_proc_gives_the_same_rows(tmp_path):
 
 def test_mixed_role_and_sharegpt_keys_in_one_file_and_missing_content(tmp_path):
     # Arrow gives every message all keys seen in the file (None where absent); each row must still read right
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]},
-                                              {"messages": [{"from": "human", "value": "b"}]}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"messages": [{"role": "user", "content": "a"}]}, {"messages": [{"from": "human", "value": "b"}]}],
+    )
     train, _ = load_train_val([path], [], system=None, seed=0)
     assert [m[0]["role"] for m in train["messages"]] == ["user", "user"]
     assert [m[0]["content"] for m in train["messages"]] == ["a", "b"]

@@ -21,8 +21,10 @@ def test_cache_dir_option_then_env_then_home(monkeypatch, tmp_path):
 
 def test_failed_download_is_one_line_error(monkeypatch, tmp_path):
     fake_python = tmp_path / "python"  # stands in for `python -m pip download`: fails like pip does offline
-    fake_python.write_text("#!/bin/sh\necho 'Looking in indexes: https://pypi.org/simple'\n"
-                           "echo 'ERROR: Could not find a version that satisfies the requirement'\nexit 1\n")
+    fake_python.write_text(
+        "#!/bin/sh\necho 'Looking in indexes: https://pypi.org/simple'\n"
+        "echo 'ERROR: Could not find a version that satisfies the requirement'\nexit 1\n"
+    )
     fake_python.chmod(0o755)
     monkeypatch.setattr(dm.sys, "executable", str(fake_python))
     with pytest.raises(GrpokitError) as err:

@@ -17,8 +17,10 @@ from grpokit.modeling import cpu_has_fast_bf16, resolve_dtype_name, torch_dtype
 
 # numerics: run again by .ci/run under the other dtype choice and one thread;
 # the --torch_dtype auto rule itself, under either forced choice
-pytestmark = [pytest.mark.numerics,
-              pytest.mark.skipif(torch.cuda.is_available(), reason="auto follows the GPU there, not the CPU")]
+pytestmark = [
+    pytest.mark.numerics,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="auto follows the GPU there, not the CPU"),
+]
 
 
 def test_the_variable_forces_either_choice(monkeypatch):
@@ -57,11 +59,36 @@ def test_one_training_step_with_auto_takes_the_chosen_path(tiny_model_dir, math_
 
     bf16 = resolve_dtype_name("auto") == "bfloat16"
     out = tmp_path / "out"
-    trainer = run_train(parse_train_args([
-        "--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--output_dir", str(out), "--max_steps", "1",
-        "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
-        "--beta", "0.04", "--torch_dtype", "auto", "--disable_tqdm", "true", "--plots", "false",
-        "--save_final_model", "false"]))
+    trainer = run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(math_jsonl),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "1",
+                "--num_generations",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+                "--max_completion_length",
+                "8",
+                "--beta",
+                "0.04",
+                "--torch_dtype",
+                "auto",
+                "--disable_tqdm",
+                "true",
+                "--plots",
+                "false",
+                "--save_final_model",
+                "false",
+            ]
+        )
+    )
     assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")
     assert next(trainer.policy.parameters()).dtype == torch.float32
     assert next(trainer.ref_model.parameters()).dtype == (torch.bfloat16 if bf16 else torch.float32)

@@ -45,8 +45,10 @@ def test_gym_scheduler_runs_math_env_until_the_answer_is_right():
     prompt = request("row prompt", problem="What is 2 + 3?", solution="5")
     out = run_one(GYMScheduler(engine, max_turns=5, tokenizer=tok, gym_env="math_env"), prompt)
     # the env's system message and problem replace the row's prompt (ms-swift's replacement)
-    assert prompt.messages == [{"role": "system", "content": MATH_SYSTEM},
-                               {"role": "user", "content": "What is 2 + 3?"}]
+    assert prompt.messages == [
+        {"role": "system", "content": MATH_SYSTEM},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
     assert out.rollout_infos["step_rewards"] == [0.0, 1.0] and out.rollout_infos["total_reward"] == 1.0
     assert [m["content"] for m in out.messages if m["role"] == "user"][1:] == [MATH_RETRY]
     p1, p2 = engine.produced

@@ -29,10 +29,13 @@ class ScriptedEngine:
         self.configs.append(config)
         if config.temperature > 0:
             torch.rand(3)
-        texts = [[r.data_dict["greedy"]] if config.temperature == 0 else r.data_dict["samples"][: config.n]
-                 for r in reqs]
-        return [SimpleNamespace(choices=[SimpleNamespace(message={"content": t}, finish_reason="stop") for t in ts])
-                for ts in texts]
+        texts = [
+            [r.data_dict["greedy"]] if config.temperature == 0 else r.data_dict["samples"][: config.n] for r in reqs
+        ]
+        return [
+            SimpleNamespace(choices=[SimpleNamespace(message={"content": t}, finish_reason="stop") for t in ts])
+            for ts in texts
+        ]
 
 
 def exact(completions, solution, **kwargs):
@@ -65,8 +68,7 @@ def test_greedy_alone_without_num_generations():
 
 
 def test_sampled_figures_from_the_samples_scores():
-    settings = EvalSettings(max_tokens=5, num_generations=4, temperature=0.7, top_p=0.9, top_k=5, seed=3,
-                            batch_size=2)
+    settings = EvalSettings(max_tokens=5, num_generations=4, temperature=0.7, top_p=0.9, top_k=5, seed=3, batch_size=2)
     before = torch.random.get_rng_state()
     engine, result = _run(settings)
     assert torch.equal(torch.random.get_rng_state(), before)  # the sampled pass drew on a forked generator
@@ -74,8 +76,10 @@ def test_sampled_figures_from_the_samples_scores():
     assert all(c.temperature == 0 and c.n == 1 for c in greedy)
     # four samples per prompt at the run's sampling settings, a seed per call (the seed plus the first prompt's
     # index, so that the calls do not repeat each other's noise)
-    assert [(c.n, c.temperature, c.top_p, c.top_k, c.seed) for c in sampled] == [(4, 0.7, 0.9, 5, 3),
-                                                                                  (4, 0.7, 0.9, 5, 5)]
+    assert [(c.n, c.temperature, c.top_p, c.top_k, c.seed) for c in sampled] == [
+        (4, 0.7, 0.9, 5, 3),
+        (4, 0.7, 0.9, 5, 5),
+    ]
     m = result.metrics
     assert m["exact/greedy"] == 0.5
     # exact: c = 0, 1, 2, 4 of 4 → pass@1 .4375, pass@2 (0 + .5 + 5/6 + 1)/4, pass@4 .75 (tests/unit/test_pass_at_k)
@@ -88,7 +92,12 @@ def test_sampled_figures_from_the_samples_scores():
     assert m["partial/pass@1"] == pytest.approx(0.4375)
     assert m["partial/mean@4"] == pytest.approx((0 + 1.5 / 4 + 0.5 + 1) / 4)
     assert len(result.sampled_rows) == 16 and result.sampled_rows[5] == {
-        "prompt": "b", "completion": "0", "sample": 1, "exact": 0.0, "partial": 0.0}
+        "prompt": "b",
+        "completion": "0",
+        "sample": 1,
+        "exact": 0.0,
+        "partial": 0.0,
+    }
 
 
 def test_threshold_option_counts_partial_scores_as_passes():
@@ -100,21 +109,54 @@ def test_threshold_option_counts_partial_scores_as_passes():
 def test_settings_for_a_run_come_from_its_options():
     from grpokit.config.parse import parse_train_args
 
-    cfg = parse_train_args(["--model", "m/m", "--dataset", "d.jsonl", "--val_dataset", "v.jsonl", "--eval_steps", "2",
-                            "--num_generations_eval", "4", "--temperature", "0.8", "--top_k", "7",
-                            "--eval_pass_threshold", "0.5", "--per_device_eval_batch_size", "3",
-                            "--max_completion_length", "9", "--seed", "5"])
-    assert EvalSettings.for_run(cfg) == EvalSettings(max_tokens=9, batch_size=3, num_generations=4, temperature=0.8,
-                                                     top_p=1.0, top_k=7, repetition_penalty=1.0, pass_threshold=0.5,
-                                                     seed=5)
+    cfg = parse_train_args(
+        [
+            "--model",
+            "m/m",
+            "--dataset",
+            "d.jsonl",
+            "--val_dataset",
+            "v.jsonl",
+            "--eval_steps",
+            "2",
+            "--num_generations_eval",
+            "4",
+            "--temperature",
+            "0.8",
+            "--top_k",
+            "7",
+            "--eval_pass_threshold",
+            "0.5",
+            "--per_device_eval_batch_size",
+            "3",
+            "--max_completion_length",
+            "9",
+            "--seed",
+            "5",
+        ]
+    )
+    assert EvalSettings.for_run(cfg) == EvalSettings(
+        max_tokens=9,
+        batch_size=3,
+        num_generations=4,
+        temperature=0.8,
+        top_p=1.0,
+        top_k=7,
+        repetition_penalty=1.0,
+        pass_threshold=0.5,
+        seed=5,
+    )
 
 
-@pytest.mark.parametrize(("extra", "said"), [
-    ([], "without validation data would never sample"),
-    (["--val_dataset", "v.jsonl", "--eval_strategy", "no"], "with --eval_strategy no would never sample"),
-    (["--val_dataset", "v.jsonl", "--save_strategy", "no"], "--save_strategy no (which --eval_strategy follows)"),
-    (["--val_dataset", "v.jsonl"], "without --eval_steps (or --eval_on_start true) would never sample"),
-])
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ([], "without validation data would never sample"),
+        (["--val_dataset", "v.jsonl", "--eval_strategy", "no"], "with --eval_strategy no would never sample"),
+        (["--val_dataset", "v.jsonl", "--save_strategy", "no"], "--save_strategy no (which --eval_strategy follows)"),
+        (["--val_dataset", "v.jsonl"], "without --eval_steps (or --eval_on_start true) would never sample"),
+    ],
+)
 def test_num_generations_eval_that_would_never_sample_is_refused(extra, said):
     from grpokit.config.parse import parse_train_args
     from grpokit.errors import ConfigError
@@ -123,19 +165,30 @@ def test_num_generations_eval_that_would_never_sample_is_refused(extra, said):
         parse_train_args(["--model", "m/m", "--dataset", "d.jsonl", "--num_generations_eval", "4", *extra])
 
 
-@pytest.mark.parametrize(("bad", "said"), [
-    ({"top_p": 0.0}, "--top_p 0.0: Input should be greater than 0"),
-    ({"num_generations_eval": 5000}, "--num_generations_eval 5000: Input should be less than or equal to 1024"),
-    ({"temperature": 0.0}, "--num_generations_eval 4 samples at --temperature, which is 0"),
-    ({"eval_pass_threshold": float("nan")}, "--eval_pass_threshold nan: must be a finite reward value"),
-    ({"batch_size": 0}, "--batch_size 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"top_p": 0.0}, "--top_p 0.0: Input should be greater than 0"),
+        ({"num_generations_eval": 5000}, "--num_generations_eval 5000: Input should be less than or equal to 1024"),
+        ({"temperature": 0.0}, "--num_generations_eval 4 samples at --temperature, which is 0"),
+        ({"eval_pass_threshold": float("nan")}, "--eval_pass_threshold nan: must be a finite reward value"),
+        ({"batch_size": 0}, "--batch_size 0: must be at least 1"),
+    ],
+)
 def test_eval_command_settings_are_checked_in_one_line(bad, said):
     from grpokit.errors import ConfigError
     from grpokit.pipeline.evaluate import _settings
 
-    args = {"num_generations_eval": 4, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "eval_pass_threshold": 1.0,
-            "max_new_tokens": 8, "batch_size": 4, "seed": 0}
+    args = {
+        "num_generations_eval": 4,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "eval_pass_threshold": 1.0,
+        "max_new_tokens": 8,
+        "batch_size": 4,
+        "seed": 0,
+    }
     with pytest.raises(ConfigError, match="^" + re.escape(said)) as err:
         _settings(SimpleNamespace(**{**args, **bad}))
     assert "\n" not in str(err.value)

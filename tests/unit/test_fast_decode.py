@@ -16,9 +16,19 @@ from grpokit.engines.sampling import inverse_cdf, sampling_processors
 # greedy tokens of the fast decoder equal HF generate's; the sum order follows the threads
 pytestmark = pytest.mark.numerics
 
-COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, pad_token_id=0,
-              eos_token_id=1, bos_token_id=None)
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+)
 
 
 def _model(arch: str, **overrides):
@@ -30,8 +40,12 @@ def _model(arch: str, **overrides):
     elif arch == "qwen2":  # q/k/v biases, untied head
         cfg = Qwen2Config(**COMMON, tie_word_embeddings=False)
     else:  # every bias, a scaled RoPE, multi-query attention
-        cfg = LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, attention_bias=True, mlp_bias=True,
-                          rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+        cfg = LlamaConfig(
+            **{**COMMON, "num_key_value_heads": 1},
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -50,8 +64,8 @@ def _prompts(shared: bool):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     att = torch.zeros_like(ids)
     for row, n in enumerate(lengths):  # left padding, as the engine pads
-        ids[row, width - n:] = distinct[n] if shared else torch.randint(2, 97, (n,), generator=g)
-        att[row, width - n:] = 1
+        ids[row, width - n :] = distinct[n] if shared else torch.randint(2, 97, (n,), generator=g)
+        att[row, width - n :] = 1
     return ids, att
 
 
@@ -59,8 +73,9 @@ def _lora(model, **extra):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                            init_lora_weights=False, **extra))
+    return get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, **extra)
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "qwen3+lora", "llama+lora"])
@@ -82,15 +97,17 @@ def _check_logprobs(model, shared: bool, device: str = "cpu") -> None:
     model = model.to(device)
     ids, att = (t.to(device) for t in _prompts(shared))
     torch.manual_seed(0)
-    new, lps = FastDecoder(model).generate(ids, att, 6, eos_token_id=-1, pad_token_id=0, greedy=False,
-                                           want_logprobs=True)
+    new, lps = FastDecoder(model).generate(
+        ids, att, 6, eos_token_id=-1, pad_token_id=0, greedy=False, want_logprobs=True
+    )
     assert new.shape == (7, 6)
     full = torch.cat([ids, new], 1)
     full_att = torch.cat([att, torch.ones_like(new)], 1)
     with torch.no_grad():
-        logits = model(input_ids=full, attention_mask=full_att,
-                       position_ids=(full_att.cumsum(-1) - 1).clamp(min=0)).logits
-    ref = logits[:, ids.shape[1] - 1:-1].log_softmax(-1).gather(-1, new[..., None])[..., 0]
+        logits = model(
+            input_ids=full, attention_mask=full_att, position_ids=(full_att.cumsum(-1) - 1).clamp(min=0)
+        ).logits
+    ref = logits[:, ids.shape[1] - 1 : -1].log_softmax(-1).gather(-1, new[..., None])[..., 0]
     torch.testing.assert_close(lps, ref, atol=2e-5, rtol=1e-5)
 
 
@@ -134,8 +151,7 @@ def test_sampling_matches_the_processed_distribution():
     ids, att = ids[:1].repeat(3000, 1), att[:1].repeat(3000, 1)
     procs = sampling_processors(greedy=False, temperature=0.7, top_k=6, top_p=0.9, repetition_penalty=1.0)
     torch.manual_seed(0)
-    new, _ = FastDecoder(model).generate(ids, att, 1, eos_token_id=-1, pad_token_id=0, greedy=False,
-                                         processors=procs)
+    new, _ = FastDecoder(model).generate(ids, att, 1, eos_token_id=-1, pad_token_id=0, greedy=False, processors=procs)
     with torch.no_grad():
         logits = model(input_ids=ids[:1], attention_mask=att[:1]).logits[:, -1].float()
     expected = procs(ids[:1], logits).softmax(-1)[0]
@@ -147,7 +163,7 @@ def test_sampling_matches_the_processed_distribution():
 
 def test_inverse_cdf_draws_only_tokens_with_probability():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(5, 1)
-    u = torch.tensor([[0.0], [0.4999], [0.5], [0.75], [1 - 2 ** -24]])
+    u = torch.tensor([[0.0], [0.4999], [0.5], [0.75], [1 - 2**-24]])
     assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]
 
 
@@ -166,7 +182,7 @@ def test_eos_and_stop_criteria_end_rows_as_generate_does():
             assert new[row, :end].tolist() == free[row, :end].tolist()
             assert (new[row, end:] == 0).all()
         else:
-            assert new[row].tolist() == free[row, :new.shape[1]].tolist()
+            assert new[row].tolist() == free[row, : new.shape[1]].tolist()
 
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -174,13 +190,15 @@ def test_eos_and_stop_criteria_end_rows_as_generate_does():
         def __call__(self, input_ids, scores):
             return torch.full((input_ids.shape[0],), input_ids.shape[1] - ids.shape[1] >= 3)
 
-    short, _ = fast.generate(ids, att, 5, eos_token_id=-1, pad_token_id=0, greedy=True,
-                           stopping=StoppingCriteriaList([StopAfterThree()]))
+    short, _ = fast.generate(
+        ids, att, 5, eos_token_id=-1, pad_token_id=0, greedy=True, stopping=StoppingCriteriaList([StopAfterThree()])
+    )
     assert short.tolist() == free[:, :3].tolist()  # every row stopped: no further forward
 
 
-@pytest.mark.parametrize("case", ["sliding_window", "generation_option", "dora", "architecture", "offloaded",
-                                  "two_devices"])
+@pytest.mark.parametrize(
+    "case", ["sliding_window", "generation_option", "dora", "architecture", "offloaded", "two_devices"]
+)
 def test_models_it_cannot_reproduce_are_refused(case):
     if case == "offloaded":  # accelerate's offloading leaves the weights on the meta device
         model = _model("qwen3").to("meta")
@@ -212,8 +230,15 @@ def test_models_it_cannot_reproduce_are_refused(case):
 
 def test_generation_config_spelling_out_defaults_is_accepted():
     model = _model("qwen3")
-    for key, value in {"min_length": 0, "num_beams": 1, "typical_p": 1.0, "no_repeat_ngram_size": 0,
-                       "remove_invalid_values": False, "bad_words_ids": [], "num_return_sequences": 1}.items():
+    for key, value in {
+        "min_length": 0,
+        "num_beams": 1,
+        "typical_p": 1.0,
+        "no_repeat_ngram_size": 0,
+        "remove_invalid_values": False,
+        "bad_words_ids": [],
+        "num_return_sequences": 1,
+    }.items():
         setattr(model.generation_config, key, value)
     FastDecoder(model)
 
@@ -244,8 +269,10 @@ def test_engine_greedy_outputs_equal_hf_generate(tiny_model_dir, lora):
     stop string, shared prompts, a merged LoRA adapter)."""
     from grpokit.protocol import RequestConfig, RolloutInferRequest
 
-    requests = [RolloutInferRequest(messages=[{"role": "user", "content": q}])
-                for q in ("What is 2 + 3?", "Name a colour.", "Count to five please")]
+    requests = [
+        RolloutInferRequest(messages=[{"role": "user", "content": q}])
+        for q in ("What is 2 + 3?", "Name a colour.", "Count to five please")
+    ]
     out = {}
     for fast in (True, False):
         engine = _engine(tiny_model_dir, lora, fast)
@@ -283,8 +310,9 @@ def test_engine_falls_back_to_hf_generate_and_says_why(tiny_model_dir, caplog):
     engine.model.generation_config.typical_p = 0.9
     with caplog.at_level(logging.INFO, logger="grpokit.engines.transformers_engine"):
         for _ in range(2):
-            resp = engine.infer([RolloutInferRequest(messages=[{"role": "user", "content": "hi"}])],
-                                RequestConfig(n=2, max_tokens=4))
+            resp = engine.infer(
+                [RolloutInferRequest(messages=[{"role": "user", "content": "hi"}])], RequestConfig(n=2, max_tokens=4)
+            )
     assert len(resp[0].choices) == 2
     notes = [r.message for r in caplog.records if "HF generate" in r.message]
     assert len(notes) == 1 and "typical_p" in notes[0]

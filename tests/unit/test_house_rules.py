@@ -28,8 +28,9 @@ def test_imports_point_down_the_layers():
     lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
     if not Path(lint).exists():
         pytest.fail("lint-imports is missing: pip install -e '.[dev]' installs import-linter")
-    proc = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
@@ -51,16 +52,21 @@ def test_function_level_grpokit_imports_say_why():
     for path in _modules():
         lines = path.read_text().splitlines()
         for fn, node in _lazy_imports(ast.parse("\n".join(lines))):
-            above = lines[fn.lineno - 1:node.lineno - 1]
+            above = lines[fn.lineno - 1 : node.lineno - 1]
             if not any(LAZY_REASON in line for line in above if line.strip().startswith("#")):
                 undocumented.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not undocumented, (f"grpokit imports inside functions without a comment saying why they are {LAZY_REASON} "
-                              f"(move them to the top, or explain: an optional or heavy package): {undocumented}")
+    assert not undocumented, (
+        f"grpokit imports inside functions without a comment saying why they are {LAZY_REASON} "
+        f"(move them to the top, or explain: an optional or heavy package): {undocumented}"
+    )
 
 
 def test_modules_stay_short():
-    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in _modules()
-            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    long = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in _modules()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
     assert not long, f"modules over {MAX_FILE_LINES} lines usually hold more than one job: {long}"
 
 
@@ -70,8 +76,10 @@ def test_functions_stay_short_unless_a_comment_says_why():
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = lines[node.lineno - 1:node.end_lineno]
+                body = lines[node.lineno - 1 : node.end_lineno]
                 if len(body) > MAX_FUNCTION_LINES and not any(LONG_REASON in line for line in body):
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(body)} lines)")
-    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines: split them, or say why in a comment containing "
-                      f"'{LONG_REASON}': {long}")
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines: split them, or say why in a comment containing "
+        f"'{LONG_REASON}': {long}"
+    )

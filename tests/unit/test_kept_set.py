@@ -91,8 +91,12 @@ def test_matches_hf_warpers_processed_logprobs():
     # what the transformers engine reports: log_softmax of the scores after HF's top-k, top-p and min-p warpers
     gen = torch.Generator().manual_seed(3)
     z = torch.randn(64, 500, generator=gen) * 3.0
-    for s in (SamplerSupport(top_k=20), SamplerSupport(top_p=0.8), SamplerSupport(top_k=50, top_p=0.9),
-              SamplerSupport(min_p=0.1)):
+    for s in (
+        SamplerSupport(top_k=20),
+        SamplerSupport(top_p=0.8),
+        SamplerSupport(top_k=50, top_p=0.9),
+        SamplerSupport(min_p=0.1),
+    ):
         scores = z.clone()
         if s.top_k > 0:
             scores = TopKLogitsWarper(s.top_k)(None, scores)
@@ -109,8 +113,9 @@ def test_no_truncation_is_the_full_log_softmax():
     assert not SamplerSupport().truncates and SamplerSupport(top_k=1).truncates
     z = torch.randn(5, 30, dtype=torch.float64)
     index = torch.arange(5)
-    torch.testing.assert_close(kept_set_logps(z, index, SamplerSupport()),
-                               z.log_softmax(-1).gather(-1, index[:, None])[:, 0])
+    torch.testing.assert_close(
+        kept_set_logps(z, index, SamplerSupport()), z.log_softmax(-1).gather(-1, index[:, None])[:, 0]
+    )
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplerSupport(top_p=1.5)
 
@@ -147,8 +152,9 @@ def test_chunked_head_matches_reference(entropy):
     weight = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 40, (3, 4), generator=gen)
     s = SamplerSupport(top_k=9, top_p=0.8)
-    got, ent = chunked_lm_head_logps(hidden, weight, None, targets, temperature=0.7, chunk_size=5,
-                                     compute_entropy=entropy, support=s)
+    got, ent = chunked_lm_head_logps(
+        hidden, weight, None, targets, temperature=0.7, chunk_size=5, compute_entropy=entropy, support=s
+    )
     h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     z = (h2 @ w2.t()) / 0.7
     want = kept_set_logps(z.view(-1, 40), targets.view(-1), s).view(3, 4)

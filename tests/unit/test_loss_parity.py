@@ -32,9 +32,15 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def grpokit_loss(d: dict, cfg: LossConfig, entropy: bool = False, num_items: float = 11.0):
     logps = d["logps"].clone().requires_grad_(True)
-    inp = LossInputs(logps=logps, old_logps=d["old"], advantages=d["adv"], mask=d["mask"],
-                     ref_logps=d["ref"] if cfg.beta else None, num_items=num_items,
-                     entropy_mask=d["ent"] if entropy else None)
+    inp = LossInputs(
+        logps=logps,
+        old_logps=d["old"],
+        advantages=d["adv"],
+        mask=d["mask"],
+        ref_logps=d["ref"] if cfg.beta else None,
+        num_items=num_items,
+        entropy_mask=d["ent"] if entropy else None,
+    )
     out = compute_policy_loss(inp, cfg)
     return out, torch.autograd.grad(out.loss, logps)[0]
 
@@ -75,8 +81,7 @@ def trl_ppo_clip(d, loss_type, beta, entropy, num_items=11.0, eps=0.2):
 @pytest.mark.parametrize("beta", [0.0, 0.3])
 def test_entropy_mask_masks_policy_term_not_kl(loss_type, beta):
     d = make_batch()
-    out, grad = grpokit_loss(d, LossConfig(loss_type=loss_type, beta=beta, max_completion_length=MAX_LEN),
-                             entropy=True)
+    out, grad = grpokit_loss(d, LossConfig(loss_type=loss_type, beta=beta, max_completion_length=MAX_LEN), entropy=True)
     want, want_grad = reference_grad(trl_ppo_clip, d, loss_type=loss_type, beta=beta, entropy=True)
     torch.testing.assert_close(out.loss, want, **TOL)
     torch.testing.assert_close(grad, want_grad, **TOL)
@@ -107,8 +112,9 @@ def trl_sapo(d, level, beta, entropy, tau_pos=1.0, tau_neg=1.05):
 @pytest.mark.parametrize("beta, entropy", [(0.0, False), (0.3, True)])
 def test_sapo_matches_trl_at_both_levels(level, beta, entropy):
     d = make_batch(1)
-    out, grad = grpokit_loss(d, LossConfig(loss_type="sapo", importance_sampling_level=level, beta=beta),
-                             entropy=entropy)
+    out, grad = grpokit_loss(
+        d, LossConfig(loss_type="sapo", importance_sampling_level=level, beta=beta), entropy=entropy
+    )
     want, want_grad = reference_grad(trl_sapo, d, level=level, beta=beta, entropy=entropy)
     torch.testing.assert_close(out.loss, want, **TOL)
     torch.testing.assert_close(grad, want_grad, **TOL)
@@ -173,10 +179,20 @@ def test_vespo_matches_trl_with_token_rollout_weights(k, lam):
     w = torch.clamp(torch.exp((torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 0.8), max=1.2)
     w[1, 2] = 0.0  # masked by token_mask
     logps = d["logps"].clone().requires_grad_(True)
-    cfg = LossConfig(loss_type="vespo", vespo_k_pos=k[0], vespo_k_neg=k[1], vespo_lambda_pos=lam[0],
-                     vespo_lambda_neg=lam[1])
-    out = compute_policy_loss(LossInputs(logps=logps, old_logps=d["old"], advantages=d["adv"], mask=d["mask"],
-                                         rollout_is_weights=w * d["mask"], num_items=11.0), cfg)
+    cfg = LossConfig(
+        loss_type="vespo", vespo_k_pos=k[0], vespo_k_neg=k[1], vespo_lambda_pos=lam[0], vespo_lambda_neg=lam[1]
+    )
+    out = compute_policy_loss(
+        LossInputs(
+            logps=logps,
+            old_logps=d["old"],
+            advantages=d["adv"],
+            mask=d["mask"],
+            rollout_is_weights=w * d["mask"],
+            num_items=11.0,
+        ),
+        cfg,
+    )
     grad = torch.autograd.grad(out.loss, logps)[0]
     trl_w = torch.where(d["mask"] > 0, w, 1.0)
     want, want_grad = reference_grad(trl_vespo, d, beta=0.0, entropy=False, is_ratio=trl_w, k=k, lam=lam)

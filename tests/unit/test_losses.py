@@ -61,12 +61,15 @@ def run(cfg, inp=None):
 PPO_TOKENS = [-1.2, -0.5, 0.8]
 
 
-@pytest.mark.parametrize("loss_type, expected", [
-    ("grpo", ((-1.2 - 0.5) / 2 + 0.8) / 2),  # per-sequence mean, then batch mean = -0.025
-    ("bnpo", sum(PPO_TOKENS) / 3),  # token mean over the micro-batch = -0.3
-    ("dr_grpo", sum(PPO_TOKENS) / (2 * 4)),  # sum / (B · max_completion_length=4) = -0.1125
-    ("dapo", sum(PPO_TOKENS) / 6),  # sum / num_items = -0.15
-])
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        ("grpo", ((-1.2 - 0.5) / 2 + 0.8) / 2),  # per-sequence mean, then batch mean = -0.025
+        ("bnpo", sum(PPO_TOKENS) / 3),  # token mean over the micro-batch = -0.3
+        ("dr_grpo", sum(PPO_TOKENS) / (2 * 4)),  # sum / (B · max_completion_length=4) = -0.1125
+        ("dapo", sum(PPO_TOKENS) / 6),  # sum / num_items = -0.15
+    ],
+)
 def test_ppo_clip_normalisers(loss_type, expected):
     out, _ = run(LossConfig(loss_type=loss_type, max_completion_length=4))
     assert out.loss.item() == pytest.approx(expected, abs=1e-12)
@@ -94,8 +97,11 @@ def test_clip_higher_asymmetric():
 
 def test_two_sided_delta():
     # one token, r = 3, A = -1, ε 0.2.  Without δ: -min(-3, -1.2) = 3.  δ = 1.5: -min(-1.5, -1.2) = 1.5
-    inp = lambda: LossInputs(logps=t([[LN(3.0)]]).requires_grad_(True), old_logps=t([[0.0]]),  # noqa: E731
-                             advantages=t([-1.0]), mask=t([[1.0]]))
+    def inp():
+        return LossInputs(
+            logps=t([[LN(3.0)]]).requires_grad_(True), old_logps=t([[0.0]]), advantages=t([-1.0]), mask=t([[1.0]])
+        )
+
     assert run(LossConfig(), inp())[0].loss.item() == pytest.approx(3.0)
     assert run(LossConfig(delta=1.5), inp())[0].loss.item() == pytest.approx(1.5)
 
@@ -164,14 +170,17 @@ def clip_batch():
     return LossInputs(logps=logps, old_logps=old, advantages=t([1.0, -1.0, 1.0, 1.0]), mask=mask, num_items=6.0)
 
 
-@pytest.mark.parametrize("level, low, high, ratio_mean", [
-    # one decision per sequence, over the 4 rows of the micro-batch (TRL: the empty row counts, ratio 1,
-    # unclipped): row 0 r_seq = 2 > 1.2 with A > 0 → high; row 1 r_seq = 0.5 < 0.8 with A < 0 → low
-    ("sequence", 1 / 4, 1 / 4, (2 + 0.5 + 1 + 1) / 4),
-    # sequence_token: the same r_seq on every token, counted per trained token (ms-swift): 6 tokens, 3 high, 1 low
-    ("sequence_token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
-    ("token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
-])
+@pytest.mark.parametrize(
+    "level, low, high, ratio_mean",
+    [
+        # one decision per sequence, over the 4 rows of the micro-batch (TRL: the empty row counts, ratio 1,
+        # unclipped): row 0 r_seq = 2 > 1.2 with A > 0 → high; row 1 r_seq = 0.5 < 0.8 with A < 0 → low
+        ("sequence", 1 / 4, 1 / 4, (2 + 0.5 + 1 + 1) / 4),
+        # sequence_token: the same r_seq on every token, counted per trained token (ms-swift): 6 tokens, 3 high, 1 low
+        ("sequence_token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+        ("token", 1 / 6, 3 / 6, (3 * 2 + 0.5 + 2 * 1) / 6),
+    ],
+)
 def test_clip_ratios_count_sequences_at_sequence_level(level, low, high, ratio_mean):
     out, _ = run(LossConfig(importance_sampling_level=level), clip_batch())
     assert out.metrics["clip_ratio/low_mean"].item() == pytest.approx(low)
@@ -182,8 +191,7 @@ def test_clip_ratios_count_sequences_at_sequence_level(level, low, high, ratio_m
 
 def test_cispo_clip_ratio_counts_sequences_at_sequence_level():
     # cap 1.5: only row 0 (r_seq = 2, A > 0) is capped → 1 of 4 sequences (per token it would be 3 of 6)
-    out, _ = run(LossConfig(loss_type="cispo", epsilon_high=1.5, importance_sampling_level="sequence"),
-                 clip_batch())
+    out, _ = run(LossConfig(loss_type="cispo", epsilon_high=1.5, importance_sampling_level="sequence"), clip_batch())
     assert out.metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 4)
 
 
@@ -197,8 +205,9 @@ def test_gspo_token_value_is_sequence_ratio_gradient_is_per_token():
         w = fn(logps - old, logps, mask)  # log importance weight
         # value: the sequence mean log ratio, (ln1.5 + ln0.5)/2, for every token
         torch.testing.assert_close(w.expand(1, 3)[0, :2], t([0.5 * LN(0.75)] * 2))
-        jac[level] = torch.stack([torch.autograd.grad(w.expand(1, 3)[0, i], logps, retain_graph=True)[0][0]
-                                  for i in range(2)])  # [2 tokens, 3 positions]
+        jac[level] = torch.stack(
+            [torch.autograd.grad(w.expand(1, 3)[0, i], logps, retain_graph=True)[0][0] for i in range(2)]
+        )  # [2 tokens, 3 positions]
     # GSPO: every token's weight depends on all tokens equally (1/len = 0.5)
     torch.testing.assert_close(jac["sequence"], t([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]))
     # GSPO-token: token t's weight depends on token t only (identity Jacobian)
@@ -216,8 +225,14 @@ def test_beta_kl_added_and_rollout_weights_scale_policy_term_only():
     # one token on-policy (policy term -A = -1), ref = logp − ln2 → kl 0.19315; β = 0.1; IS weight 2
     # loss = 2·(−1) + 0.1·0.19315
     logps = t([[LN(0.5)]]).requires_grad_(True)
-    inp = LossInputs(logps=logps, old_logps=logps.detach().clone(), advantages=t([1.0]), mask=t([[1.0]]),
-                     ref_logps=t([[LN(0.25)]]), rollout_is_weights=t([[2.0]]))
+    inp = LossInputs(
+        logps=logps,
+        old_logps=logps.detach().clone(),
+        advantages=t([1.0]),
+        mask=t([[1.0]]),
+        ref_logps=t([[LN(0.25)]]),
+        rollout_is_weights=t([[2.0]]),
+    )
     out, _ = run(LossConfig(beta=0.1), inp)
     kl = 0.5 + LN(2) - 1
     assert out.loss.item() == pytest.approx(-2 + 0.1 * kl)
@@ -237,18 +252,31 @@ def test_global_normaliser_needs_num_items(loss_type):
         compute_policy_loss(inp, LossConfig(loss_type=loss_type, epsilon_high=5.0))
 
 
-@pytest.mark.parametrize("loss_type, level", [
-    (lt, lv) for lt in sorted(POLICY_LOSSES) for lv in ("token", "sequence", "sequence_token")
-])
+@pytest.mark.parametrize(
+    "loss_type, level", [(lt, lv) for lt in sorted(POLICY_LOSSES) for lv in ("token", "sequence", "sequence_token")]
+)
 def test_fully_masked_row_no_nan(loss_type, level):
     # add a third row that is entirely padding (-inf log-probs): loss and gradient finite, its gradient 0
     base = batch()
     logps = torch.cat([base.logps.detach(), t([[NEG_INF] * 3])]).requires_grad_(True)
-    inp = LossInputs(logps=logps, old_logps=torch.cat([base.old_logps, t([[NEG_INF] * 3])]),
-                     advantages=t([1.0, -1.0, 1.0]), mask=torch.cat([base.mask, t([[0.0] * 3])]),
-                     ref_logps=torch.cat([base.old_logps, t([[NEG_INF] * 3])]), num_items=6.0)
-    out, grad = run(LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0
-                               if loss_type == "cispo" else 0.2, beta=0.04, num_generations=3), inp)  # real: 1 group
+    inp = LossInputs(
+        logps=logps,
+        old_logps=torch.cat([base.old_logps, t([[NEG_INF] * 3])]),
+        advantages=t([1.0, -1.0, 1.0]),
+        mask=torch.cat([base.mask, t([[0.0] * 3])]),
+        ref_logps=torch.cat([base.old_logps, t([[NEG_INF] * 3])]),
+        num_items=6.0,
+    )
+    out, grad = run(
+        LossConfig(
+            loss_type=loss_type,
+            importance_sampling_level=level,
+            epsilon_high=5.0 if loss_type == "cispo" else 0.2,
+            beta=0.04,
+            num_generations=3,
+        ),
+        inp,
+    )  # real: 1 group
     assert torch.equal(grad[2], torch.zeros(3, dtype=torch.float64))
     assert all(torch.isfinite(v) for v in out.metrics.values())
 
@@ -295,53 +323,78 @@ def test_entropy_mask_leaves_kl_term():
     assert grad[0, 1].item() == pytest.approx(0.1 * 0.5 / 4, abs=1e-12)
 
 
-@pytest.mark.parametrize("cfg, flag", [
-    (LossConfig(epsilon_low=-0.1), "--epsilon"),
-    (LossConfig(epsilon_high=-1.0), "--epsilon_high"),
-    (LossConfig(epsilon_low=float("nan")), "--epsilon"),
-    (LossConfig(beta=-0.01), "--beta"),
-    (LossConfig(loss_type="ppo"), "--loss_type 'ppo'"),
-    (LossConfig(importance_sampling_level="segment"), "--importance_sampling_level 'segment'"),
-    (LossConfig(tau_neg=0.0), "--tau_neg"),
-    (LossConfig(max_completion_length=0), "--max_completion_length"),
-    (LossConfig(loss_type="cispo", epsilon_high=5.0, delta=8.0), "--delta applies"),
-    (LossConfig(delta=1.1), "must exceed 1 \\+ epsilon_high"),
-    (LossConfig(loss_type="cispo"), "cispo reads --epsilon_high"),
-    (LossConfig(loss_type="vespo", delta=4.0), "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, "
-                                               "grpo, luspo\\)"),
-    (LossConfig(loss_type="vespo", vespo_k_pos=-1.0), "--vespo_k_pos -1.0"),
-    (LossConfig(loss_type="vespo", vespo_lambda_neg=0.0), "--vespo_lambda_neg 0.0"),
-    (LossConfig(loss_type="vespo", vespo_lambda_pos=float("nan")), "--vespo_lambda_pos nan"),
-    (LossConfig(loss_type="vespo", rollout_importance_sampling_mode="sequence_truncate"),
-     "--rollout_importance_sampling_mode sequence_truncate does not fit; use token_truncate or token_mask"),
-])
+@pytest.mark.parametrize(
+    "cfg, flag",
+    [
+        (LossConfig(epsilon_low=-0.1), "--epsilon"),
+        (LossConfig(epsilon_high=-1.0), "--epsilon_high"),
+        (LossConfig(epsilon_low=float("nan")), "--epsilon"),
+        (LossConfig(beta=-0.01), "--beta"),
+        (LossConfig(loss_type="ppo"), "--loss_type 'ppo'"),
+        (LossConfig(importance_sampling_level="segment"), "--importance_sampling_level 'segment'"),
+        (LossConfig(tau_neg=0.0), "--tau_neg"),
+        (LossConfig(max_completion_length=0), "--max_completion_length"),
+        (LossConfig(loss_type="cispo", epsilon_high=5.0, delta=8.0), "--delta applies"),
+        (LossConfig(delta=1.1), "must exceed 1 \\+ epsilon_high"),
+        (LossConfig(loss_type="cispo"), "cispo reads --epsilon_high"),
+        (
+            LossConfig(loss_type="vespo", delta=4.0),
+            "--delta applies to the PPO-clip loss types \\(bnpo, dapo, dr_grpo, grpo, luspo\\)",
+        ),
+        (LossConfig(loss_type="vespo", vespo_k_pos=-1.0), "--vespo_k_pos -1.0"),
+        (LossConfig(loss_type="vespo", vespo_lambda_neg=0.0), "--vespo_lambda_neg 0.0"),
+        (LossConfig(loss_type="vespo", vespo_lambda_pos=float("nan")), "--vespo_lambda_pos nan"),
+        (
+            LossConfig(loss_type="vespo", rollout_importance_sampling_mode="sequence_truncate"),
+            "--rollout_importance_sampling_mode sequence_truncate does not fit; use token_truncate or token_mask",
+        ),
+    ],
+)
 def test_validate_loss_config_rejects(cfg, flag):
     with pytest.raises(ConfigError, match=flag):
         validate_loss_config(cfg)
 
 
 def test_validate_loss_config_accepts_defaults_and_variants():
-    for cfg in (LossConfig(), LossConfig(loss_type="dapo", epsilon_high=0.28), LossConfig(delta=4.0),
-                LossConfig(loss_type="cispo", epsilon_high=5.0), LossConfig(loss_type="sapo"),
-                LossConfig(loss_type="sapo", importance_sampling_level="sequence"),  # as TRL, with a warning
-                LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
-                LossConfig(loss_type="luspo", importance_sampling_level="sequence", delta=1.5),
-                LossConfig(loss_type="vespo", rollout_importance_sampling_mode="token_mask")):
+    for cfg in (
+        LossConfig(),
+        LossConfig(loss_type="dapo", epsilon_high=0.28),
+        LossConfig(delta=4.0),
+        LossConfig(loss_type="cispo", epsilon_high=5.0),
+        LossConfig(loss_type="sapo"),
+        LossConfig(loss_type="sapo", importance_sampling_level="sequence"),  # as TRL, with a warning
+        LossConfig(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+        LossConfig(loss_type="luspo", importance_sampling_level="sequence", delta=1.5),
+        LossConfig(loss_type="vespo", rollout_importance_sampling_mode="token_mask"),
+    ):
         validate_loss_config(cfg)
 
 
-@pytest.mark.parametrize("loss_type, level, warns", [
-    ("luspo", "sequence", False), ("luspo", "token", True), ("luspo", "sequence_token", True),
-    ("vespo", "token", False), ("vespo", "sequence", True),
-    ("sapo", "token", False), ("sapo", "sequence", True),
-    ("grpo", "sequence", False), ("dapo", "sequence", True), ("bnpo", "sequence_token", True),
-    ("cispo", "sequence", True), ("dr_grpo", "token", False),
-])
+@pytest.mark.parametrize(
+    "loss_type, level, warns",
+    [
+        ("luspo", "sequence", False),
+        ("luspo", "token", True),
+        ("luspo", "sequence_token", True),
+        ("vespo", "token", False),
+        ("vespo", "sequence", True),
+        ("sapo", "token", False),
+        ("sapo", "sequence", True),
+        ("grpo", "sequence", False),
+        ("dapo", "sequence", True),
+        ("bnpo", "sequence_token", True),
+        ("cispo", "sequence", True),
+        ("dr_grpo", "token", False),
+    ],
+)
 def test_unusual_is_level_warns_not_refuses(caplog, loss_type, level, warns):
     # TRL logs a warning (it does not raise) when a loss runs at a level its paper does not use
     caplog.set_level(logging.WARNING, logger="grpokit.algorithms.losses")
-    validate_loss_config(LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0
-                                    if loss_type == "cispo" else 0.2))
+    validate_loss_config(
+        LossConfig(
+            loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo" else 0.2
+        )
+    )
     messages = [r.getMessage() for r in caplog.records]
     assert bool(messages) == warns
     if warns:

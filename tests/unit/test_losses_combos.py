@@ -14,12 +14,16 @@ import torch
 
 from grpokit.algorithms import LossInputs, compute_policy_loss
 
-COMBOS = [(loss, level) for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-          for level in ("token", "sequence", "sequence_token")] + [
-    ("sapo", "token"), ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")]
-CLIP_KEYS = {"cispo": {"cispo_clip_ratio"},  # only the upper cap clips (TRL's and ms-swift's name)
-             "sapo": set(),  # sapo gates softly and clips nothing
-             "vespo": {"vespo/phi_seq_mean"}}  # vespo weighs whole sequences instead of clipping
+COMBOS = [
+    (loss, level)
+    for loss in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+    for level in ("token", "sequence", "sequence_token")
+] + [("sapo", "token"), ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")]
+CLIP_KEYS = {
+    "cispo": {"cispo_clip_ratio"},  # only the upper cap clips (TRL's and ms-swift's name)
+    "sapo": set(),  # sapo gates softly and clips nothing
+    "vespo": {"vespo/phi_seq_mean"},
+}  # vespo weighs whole sequences instead of clipping
 PPO_CLIP_KEYS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
 MAX_COMPLETION_LENGTH = 8
 
@@ -74,8 +78,11 @@ def reference_loss(cfg, step: dict) -> tuple[float, dict[str, float]]:
         over the sequences (TRL's global_masked_mean); a per-token value ([B, T]) over the trained tokens."""
         return float(x.float().mean()) if x.shape[1] == 1 else mean(x)
 
-    return float(loss), {"is_ratio/mean": ratio_mean(r), "kl": mean(kl),
-                         **{k: ratio_mean(v) for k, v in logged.items()}}
+    return float(loss), {
+        "is_ratio/mean": ratio_mean(r),
+        "kl": mean(kl),
+        **{k: ratio_mean(v) for k, v in logged.items()},
+    }
 
 
 def micro_step(seed: int, off_policy: bool) -> dict:
@@ -91,17 +98,35 @@ def micro_step(seed: int, off_policy: bool) -> dict:
     ref = old + (torch.rand(8, 8, generator=g) - 0.5) * 0.4 if off_policy else old.clone()
     pad = mask == 0
     adv = torch.tensor([1.5, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 0.0])[torch.randperm(8, generator=g)]
-    return {"logps": logps.masked_fill(pad, float("-inf")), "old": old.masked_fill(pad, float("-inf")),
-            "ref": ref.masked_fill(pad, float("-inf")), "adv": adv, "mask": mask}
+    return {
+        "logps": logps.masked_fill(pad, float("-inf")),
+        "old": old.masked_fill(pad, float("-inf")),
+        "ref": ref.masked_fill(pad, float("-inf")),
+        "adv": adv,
+        "mask": mask,
+    }
 
 
 def loss_config_from_cli(tiny_model_dir, loss_type: str, level: str):
     from grpokit.config.parse import parse_train_args
     from grpokit.config.validate import loss_config
 
-    cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", "builtin:arithmetic", "--loss_type",
-                            loss_type, "--importance_sampling_level", level, "--beta", "0.04",
-                            "--max_completion_length", str(MAX_COMPLETION_LENGTH)])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            "builtin:arithmetic",
+            "--loss_type",
+            loss_type,
+            "--importance_sampling_level",
+            level,
+            "--beta",
+            "0.04",
+            "--max_completion_length",
+            str(MAX_COMPLETION_LENGTH),
+        ]
+    )
     return loss_config(cfg)
 
 
@@ -118,9 +143,17 @@ def test_every_loss_and_level_matches_its_formula(tiny_model_dir, loss_type, lev
     for seed in (0, 1):
         step = micro_step(seed, off_policy=True)
         logps = step["logps"].clone().requires_grad_(True)
-        out = compute_policy_loss(LossInputs(logps=logps, old_logps=step["old"], advantages=step["adv"],
-                                             mask=step["mask"], ref_logps=step["ref"],
-                                             num_items=float(step["mask"].sum())), cfg)
+        out = compute_policy_loss(
+            LossInputs(
+                logps=logps,
+                old_logps=step["old"],
+                advantages=step["adv"],
+                mask=step["mask"],
+                ref_logps=step["ref"],
+                num_items=float(step["mask"].sum()),
+            ),
+            cfg,
+        )
         loss, metrics = reference_loss(cfg, step)
         assert float(out.loss) == pytest.approx(loss, rel=1e-5, abs=1e-7)
         assert set(out.metrics) == set(metrics) == {"is_ratio/mean", "kl", *clip_keys}
@@ -133,8 +166,16 @@ def test_every_loss_and_level_matches_its_formula(tiny_model_dir, loss_type, lev
     if clip_keys == PPO_CLIP_KEYS:  # the synthetic ratios do leave the clip range, so clipping is exercised
         assert max(clipped) > 0
     on = micro_step(0, off_policy=False)
-    out = compute_policy_loss(LossInputs(logps=on["logps"], old_logps=on["old"], advantages=on["adv"],
-                                         mask=on["mask"], ref_logps=on["ref"], num_items=float(on["mask"].sum())),
-                              cfg)
+    out = compute_policy_loss(
+        LossInputs(
+            logps=on["logps"],
+            old_logps=on["old"],
+            advantages=on["adv"],
+            mask=on["mask"],
+            ref_logps=on["ref"],
+            num_items=float(on["mask"].sum()),
+        ),
+        cfg,
+    )
     assert float(out.metrics["is_ratio/mean"]) == pytest.approx(1.0, abs=1e-6)  # ratio 1 before any update
     assert float(out.metrics["kl"]) == pytest.approx(0.0, abs=1e-7)  # the policy is the reference

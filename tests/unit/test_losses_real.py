@@ -70,8 +70,13 @@ def test_scores_are_the_masked_mean_log_ratio():
 
 
 def batch(logps):
-    return LossInputs(logps=logps, old_logps=t([[LN(0.2), LN(0.4)], [LN(0.5), 0.0]]), advantages=t([1.0, -1.0]),
-                      mask=t([[1, 1], [1, 0]]), ref_logps=t([[LN(0.3), LN(0.2)], [LN(0.5), 0.0]]))
+    return LossInputs(
+        logps=logps,
+        old_logps=t([[LN(0.2), LN(0.4)], [LN(0.5), 0.0]]),
+        advantages=t([1.0, -1.0]),
+        mask=t([[1, 1], [1, 0]]),
+        ref_logps=t([[LN(0.3), LN(0.2)], [LN(0.5), 0.0]]),
+    )
 
 
 def test_compute_policy_loss_real_end_to_end_with_kl():
@@ -103,12 +108,15 @@ def test_loss_config_carries_tau_and_group_size():
     assert (lc.real_tau, lc.num_generations) == (0.25, 4)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--num_generations", "4", "--per_device_train_batch_size", "6"], "per_device_train_batch_size 6"),
-    (["--top_entropy_quantile", "0.5"], "--top_entropy_quantile 0.5"),
-    (["--real_tau", "0"], "--real_tau 0"),
-    (["--rollout_importance_sampling_mode", "token_truncate"], "--rollout_importance_sampling_mode"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--num_generations", "4", "--per_device_train_batch_size", "6"], "per_device_train_batch_size 6"),
+        (["--top_entropy_quantile", "0.5"], "--top_entropy_quantile 0.5"),
+        (["--real_tau", "0"], "--real_tau 0"),
+        (["--rollout_importance_sampling_mode", "token_truncate"], "--rollout_importance_sampling_mode"),
+    ],
+)
 def test_real_refuses_what_it_would_ignore(flags, needle):
     with pytest.raises(ConfigError, match=needle):
         _cfg("--num_generations", "2", "--per_device_train_batch_size", "4", *flags)

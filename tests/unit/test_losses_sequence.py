@@ -25,8 +25,12 @@ def run(cfg, inp):
 def gspo_batch():
     """Row 0: ratios [1.5, 0.5], A = +1; row 1: ratio [0.5] and padding, A = −1."""
     logps = t([[LN(0.3), LN(0.2)], [LN(0.25), 0.0]]).requires_grad_(True)
-    return LossInputs(logps=logps, old_logps=t([[LN(0.2), LN(0.4)], [LN(0.5), 0.0]]), advantages=t([1.0, -1.0]),
-                      mask=t([[1, 1], [1, 0]]))
+    return LossInputs(
+        logps=logps,
+        old_logps=t([[LN(0.2), LN(0.4)], [LN(0.5), 0.0]]),
+        advantages=t([1.0, -1.0]),
+        mask=t([[1, 1], [1, 0]]),
+    )
 
 
 def test_luspo_weights_each_sequence_loss_by_its_length():
@@ -68,9 +72,14 @@ def vespo_batch(rollout_is_weights=None):
     """Row 0: log-probs [ln.5, ln.25], old [ln.25, ln.25] → ratios [2, 1], W = 2, A = +1.
     Row 1: log-prob ln.5, old 0 → ratio 0.5, W = 0.5, A = −1; then padding (-inf, which must not leak)."""
     logps = t([[LN(0.5), LN(0.25)], [LN(0.5), float("-inf")]]).requires_grad_(True)
-    return LossInputs(logps=logps, old_logps=t([[LN(0.25), LN(0.25)], [0.0, float("-inf")]]),
-                      advantages=t([1.0, -1.0]), mask=t([[1, 1], [1, 0]]), num_items=3.0,
-                      rollout_is_weights=rollout_is_weights)
+    return LossInputs(
+        logps=logps,
+        old_logps=t([[LN(0.25), LN(0.25)], [0.0, float("-inf")]]),
+        advantages=t([1.0, -1.0]),
+        mask=t([[1, 1], [1, 0]]),
+        num_items=3.0,
+        rollout_is_weights=rollout_is_weights,
+    )
 
 
 # φ(W) = W^k·e^{λ(1−W)}: row 0 (A ≥ 0: k 2, λ 3) 2²·e^{−3} = 4e^{−3} = 0.199148; row 1 (A < 0: k 3, λ 2)
@@ -105,25 +114,37 @@ def test_vespo_folds_token_rollout_weights_into_w():
 
 def test_vespo_masked_rollout_token_silences_its_sequence():
     # token_mask dropped token (0,0): log 0 → floored at ln 1e-8, so W = 2·1e-8 and φ = (2e-8)²·e^{3(1−2e-8)}
-    phi = vespo_weights(PolicyTerms(ratio=t([[1.0]]), logps=t([[0.0, 0.0]]), log_ratio=t([[LN(2.0), 0.0]]),
-                                    adv=t([[1.0]]), mask=t([[1, 1]]), rollout_is_weights=t([[0.0, 1.0]])),
-                        LossConfig())
+    phi = vespo_weights(
+        PolicyTerms(
+            ratio=t([[1.0]]),
+            logps=t([[0.0, 0.0]]),
+            log_ratio=t([[LN(2.0), 0.0]]),
+            adv=t([[1.0]]),
+            mask=t([[1, 1]]),
+            rollout_is_weights=t([[0.0, 1.0]]),
+        ),
+        LossConfig(),
+    )
     assert phi.item() == pytest.approx(4e-16 * math.exp(3 * (1 - 2e-8)), rel=1e-9)
 
 
 @pytest.mark.parametrize("adv, k, lam", [(0.0, 2.0, 3.0), (-1e-9, 3.0, 2.0)])
 def test_vespo_zero_advantage_takes_the_positive_kernel(adv, k, lam):
     # W = 2: A = 0 counts as A ≥ 0 (k 2, λ 3) → 4e^{−3}; any A < 0 takes (k 3, λ 2) → 8e^{−2}
-    terms = PolicyTerms(ratio=t([[2.0]]), logps=t([[0.0]]), log_ratio=t([[LN(2.0)]]), adv=t([[adv]]),
-                        mask=t([[1.0]]))
+    terms = PolicyTerms(ratio=t([[2.0]]), logps=t([[0.0]]), log_ratio=t([[LN(2.0)]]), adv=t([[adv]]), mask=t([[1.0]]))
     assert vespo_weights(terms, LossConfig()).item() == pytest.approx(2**k * math.exp(-lam), rel=1e-12)
 
 
 def test_vespo_log_w_is_clamped_as_trl():
     # Σ log r = 30 → log W clamped to 20: φ = exp(λ + k·20 − λ·e^20) underflows to 0 (not NaN);
     # Σ log r = −30 → log W = ln 1e-8: φ = exp(3 + 2·ln1e-8 − 3e-8) = e³·1e-16
-    terms = PolicyTerms(ratio=t([[1.0], [1.0]]), logps=t([[0.0], [0.0]]), log_ratio=t([[30.0], [-30.0]]),
-                        adv=t([[1.0], [1.0]]), mask=t([[1.0], [1.0]]))
+    terms = PolicyTerms(
+        ratio=t([[1.0], [1.0]]),
+        logps=t([[0.0], [0.0]]),
+        log_ratio=t([[30.0], [-30.0]]),
+        adv=t([[1.0], [1.0]]),
+        mask=t([[1.0], [1.0]]),
+    )
     phi = vespo_weights(terms, LossConfig())
     assert phi[0].item() == 0.0
     assert phi[1].item() == pytest.approx(math.exp(3 - 3e-8) * 1e-16, rel=1e-9)

@@ -16,8 +16,13 @@ def _qwen_row(n_images: int, prompt_len: int) -> MMRow:
         return MMRow({"mm_token_type_ids": torch.zeros(1, prompt_len, dtype=torch.long)})
     grids = torch.tensor([[1, 2, 2 + k] for k in range(n_images)])
     rows = int(grids.prod(-1).sum())
-    return MMRow({"pixel_values": torch.arange(rows * 3, dtype=torch.float).view(rows, 3) + 100 * n_images,
-                  "image_grid_thw": grids, "mm_token_type_ids": torch.ones(1, prompt_len, dtype=torch.long)})
+    return MMRow(
+        {
+            "pixel_values": torch.arange(rows * 3, dtype=torch.float).view(rows, 3) + 100 * n_images,
+            "image_grid_thw": grids,
+            "mm_token_type_ids": torch.ones(1, prompt_len, dtype=torch.long),
+        }
+    )
 
 
 def test_qwen_rows_concatenate_patches_and_pad_token_types():
@@ -69,8 +74,9 @@ def test_join_rows_puts_a_later_turns_images_after_the_prompts_and_split_cuts_to
     row = join_rows(join_rows(prompt, 3, MMRow(), 2), 5, observation, 2)
     assert row.tensors["mm_token_type_ids"].tolist() == [[1, 1, 1, 0, 0, 1, 1]]
     assert row.tensors["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2]]
-    assert torch.equal(row.tensors["pixel_values"], torch.cat([prompt.tensors["pixel_values"],
-                                                               observation.tensors["pixel_values"]]))
+    assert torch.equal(
+        row.tensors["pixel_values"], torch.cat([prompt.tensors["pixel_values"], observation.tensors["pixel_values"]])
+    )
     cut = row.split(3)
     assert cut.tensors["mm_token_type_ids"].tolist() == [[1, 1, 1]]
     assert cut.completion["mm_token_type_ids"].tolist() == [[0, 0, 1, 1]]

@@ -22,8 +22,7 @@ def _png(tmp_path, name="a.png", colour=(255, 0, 0)):
 def test_every_image_form_opens_as_rgb(tmp_path):
     path = _png(tmp_path)
     raw = open(path, "rb").read()
-    for image in (path, raw, {"bytes": raw, "path": None}, {"bytes": None, "path": path},
-                  Image.new("L", (8, 8), 7)):
+    for image in (path, raw, {"bytes": raw, "path": None}, {"bytes": None, "path": path}, Image.new("L", (8, 8), 7)):
         out = load_image(image)
         assert out.mode == "RGB" and out.size == (8, 8)
 
@@ -31,8 +30,10 @@ def test_every_image_form_opens_as_rgb(tmp_path):
 def test_a_url_a_missing_file_and_a_bad_type_are_refused_in_one_line(tmp_path):
     for image, words in (("https://x.org/a.png", "URL .* is refused"), (str(tmp_path / "nope.png"), "does not exist")):
         with pytest.raises(DataError, match=words) as e:
-            check_images(Dataset.from_list([{"messages": [{"role": "user", "content": "<image>hi"}],
-                                             "images": [image]}]), "--dataset d")
+            check_images(
+                Dataset.from_list([{"messages": [{"role": "user", "content": "<image>hi"}], "images": [image]}]),
+                "--dataset d",
+            )
         assert "\n" not in str(e.value) and str(e.value).startswith("--dataset d: row 0: image 0:")
     with pytest.raises(DataError, match="must be a file path, bytes or a PIL image, got int"):
         load_image(3)
@@ -49,8 +50,12 @@ def test_more_placeholders_than_images_is_one_line(tmp_path):
 
 def test_ms_swift_placeholders_become_typed_parts_in_place():
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a<image>b<image>"}]
-    assert to_parts(msgs)[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"},
-                                            {"type": "text", "text": "b"}, {"type": "image"}]
+    assert to_parts(msgs)[1]["content"] == [
+        {"type": "text", "text": "a"},
+        {"type": "image"},
+        {"type": "text", "text": "b"},
+        {"type": "image"},
+    ]
     assert count_placeholders(msgs) == 2
 
 
@@ -63,8 +68,13 @@ def test_images_without_placeholders_go_first_in_the_first_user_message():
 def test_trl_rows_with_image_column_and_typed_parts_load(tmp_path):
     buf = io.BytesIO()
     Image.new("RGB", (8, 8), (0, 0, 255)).save(buf, format="PNG")
-    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
-             "image": Image.open(io.BytesIO(buf.getvalue())), "solution": "blue"}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+            "image": Image.open(io.BytesIO(buf.getvalue())),
+            "solution": "blue",
+        }
+    ]
     path = tmp_path / "trl"
     Dataset.from_list(rows).save_to_disk(str(path))
     train, _ = load_train_val([str(path)], [], system=None, seed=0)
@@ -79,8 +89,10 @@ def test_ms_swift_jsonl_with_a_missing_image_fails_at_load(tmp_path):
     import json
 
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>x"}],
-                                "images": [str(tmp_path / "gone.png")]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "<image>x"}], "images": [str(tmp_path / "gone.png")]})
+        + "\n"
+    )
     with pytest.raises(DataError, match="gone.png.*does not exist"):
         load_train_val([str(data)], [], system=None, seed=0)
 

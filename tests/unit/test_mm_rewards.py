@@ -15,19 +15,34 @@ from grpokit.rewards import orms
 
 def test_r1v_accuracy_math_first_then_the_answer_string():
     reward = orms["external_r1v_acc"]()
-    completions = ["<answer>1/2</answer>", "<answer>0.5</answer>", "<answer> red </answer>", "red", "blue",
-                   "<answer>3</answer>", "anything"]
+    completions = [
+        "<answer>1/2</answer>",
+        "<answer>0.5</answer>",
+        "<answer> red </answer>",
+        "red",
+        "blue",
+        "<answer>3</answer>",
+        "anything",
+    ]
     solutions = ["<answer>0.5</answer>", "$\\frac{1}{2}$", "<answer>red</answer>", "red", "red", "4", None]
     # 1/2 == 0.5 by math-verify (both ways); 'red' by string (tags stripped, then whitespace); None: not scored
     assert reward(completions, solution=solutions, images=[[]] * 7) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, None]
 
 
-@pytest.mark.parametrize("name, part", [
-    ("model.visual.blocks.0.attn.qkv", "vit"), ("model.visual.merger.mlp.0", "aligner"),
-    ("model.vision_model.encoder.layers.0.mlp.fc1", "vit"), ("model.connector.modality_projection.proj", "aligner"),
-    ("model.vision_tower.vision_model.embeddings", "vit"), ("model.multi_modal_projector.mm_soft_emb_norm", "aligner"),
-    ("model.language_model.layers.0.self_attn.q_proj", "llm"), ("model.text_model.layers.1.mlp.up_proj", "llm"),
-    ("lm_head", "llm")])
+@pytest.mark.parametrize(
+    "name, part",
+    [
+        ("model.visual.blocks.0.attn.qkv", "vit"),
+        ("model.visual.merger.mlp.0", "aligner"),
+        ("model.vision_model.encoder.layers.0.mlp.fc1", "vit"),
+        ("model.connector.modality_projection.proj", "aligner"),
+        ("model.vision_tower.vision_model.embeddings", "vit"),
+        ("model.multi_modal_projector.mm_soft_emb_norm", "aligner"),
+        ("model.language_model.layers.0.self_attn.q_proj", "llm"),
+        ("model.text_model.layers.1.mlp.up_proj", "llm"),
+        ("lm_head", "llm"),
+    ],
+)
 def test_vlm_part_names_of_qwen_idefics_and_gemma(name, part):
     assert vlm_part(name) == part
 
@@ -66,6 +81,8 @@ def test_vllm_colocate_takes_images_of_idefics3_only(tmp_path, model_type):
     with pytest.raises(ConfigError) as e:
         check_model_takes_images(ds, Processor(), str(tmp_path), colocate)
     message = str(e.value)
-    assert message.startswith("--use_vllm true: image rows through vLLM are supported for Idefics3 models only, and "
-                              f"--model {tmp_path} is {model_type} ("), message
+    assert message.startswith(
+        "--use_vllm true: image rows through vLLM are supported for Idefics3 models only, and "
+        f"--model {tmp_path} is {model_type} ("
+    ), message
     assert "torchvision" in message and "--use_vllm false" in message and "\n" not in message

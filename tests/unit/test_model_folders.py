@@ -42,8 +42,9 @@ def test_truncated_weights_name_the_file(tiny_model_dir, tmp_path):
         load_causal_lm(str(folder), torch.float32)
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith(f"model {folder}: cannot load model.safetensors (truncated or not a safetensors file) "
-                          "(SafetensorError: "), msg
+    assert msg.startswith(
+        f"model {folder}: cannot load model.safetensors (truncated or not a safetensors file) (SafetensorError: "
+    ), msg
 
 
 def test_bad_config_names_the_file(tiny_model_dir, tmp_path):
@@ -69,9 +70,11 @@ def test_a_hub_id_without_network_fails_at_once(monkeypatch):
     with pytest.raises(ConfigError) as err:
         load_policy(ModelArguments(model="Qwen/Qwen3-0.6B"), beta=0.0)
     assert time.monotonic() - t0 < 5
-    assert str(err.value) == ("--model Qwen/Qwen3-0.6B: no such local folder; grpokit loads local Hugging Face "
-                              "folders, and the hub cannot be reached (ConnectError for https://hf.co); then pass the "
-                              "folder")
+    assert str(err.value) == (
+        "--model Qwen/Qwen3-0.6B: no such local folder; grpokit loads local Hugging Face "
+        "folders, and the hub cannot be reached (ConnectError for https://hf.co); then pass the "
+        "folder"
+    )
     monkeypatch.setattr("grpokit.pipeline.models.hub_unreachable_reason", lambda: None)
     with pytest.raises(ConfigError, match="download it first: huggingface-cli download Qwen/Qwen3-0.6B"):
         check_model_source("Qwen/Qwen3-0.6B")
@@ -84,8 +87,11 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     check_tokenizer_covers(model, tokenizer, "m")  # its own tokenizer fits
     model.resize_token_embeddings(len(tokenizer) - 10)
-    with pytest.raises(ConfigError, match=rf"--model m: the tokenizer has {len(tokenizer)} tokens but the model's "
-                                          rf"embedding only {len(tokenizer) - 10} rows"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"--model m: the tokenizer has {len(tokenizer)} tokens but the model's "
+        rf"embedding only {len(tokenizer) - 10} rows",
+    ):
         check_tokenizer_covers(model, tokenizer, "m")
 
 
@@ -105,9 +111,12 @@ def test_prompt_and_completion_are_checked_against_the_context():
     assert bound_prompt_length(Ctx(1024), data, 256, "m", log=lambda *a, **k: lines.append(a[0])) == 768
     assert data.max_length is None and "prompts are bounded to 768 tokens" in lines[0]  # args.json keeps None
     assert bound_prompt_length(Ctx(1024), Data(500), 256, "m", log=print) == 500  # fits: kept
-    with pytest.raises(ConfigError, match=r"--max_length 900 \+ --max_completion_length 256 = 1156 tokens, past the "
-                                          r"model's context of 1024 .*at most 768"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--max_length 900 \+ --max_completion_length 256 = 1156 tokens, past the "
+        r"model's context of 1024 .*at most 768",
+    ):
         bound_prompt_length(Ctx(1024), Data(900), 256, "m")
     with pytest.raises(ConfigError, match=r"--max_completion_length 1024: the model m has a context of 1024"):
         bound_prompt_length(Ctx(1024), Data(), 1024, "m")
-    assert bound_prompt_length(Ctx(None), Data(), 10 ** 6, "m") is None  # no stated context: nothing to check
+    assert bound_prompt_length(Ctx(None), Data(), 10**6, "m") is None  # no stated context: nothing to check

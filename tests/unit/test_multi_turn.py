@@ -68,9 +68,18 @@ class ScriptedEngine(InferEngine):
                 lps = {"content": [{"token_id": t, "logprob": -(k + 1) / 100} for k, t in enumerate(ids)]}
             self.produced.append(ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            out.append(ChatCompletionResponse(choices=[ChatCompletionResponseChoice(
-                message={"role": "assistant", "content": text}, finish_reason=finish, token_ids=ids,
-                logprobs=lps)]))
+            out.append(
+                ChatCompletionResponse(
+                    choices=[
+                        ChatCompletionResponseChoice(
+                            message={"role": "assistant", "content": text},
+                            finish_reason=finish,
+                            token_ids=ids,
+                            logprobs=lps,
+                        )
+                    ]
+                )
+            )
         return out
 
 
@@ -172,20 +181,24 @@ def test_continuation_extends_the_segment_and_text_between_turns_is_masked():
     assert out.messages[1] == {"role": "assistant", "content": "First part and more"}
     assert engine.calls[1][0][-1] == {"role": "assistant", "content": "First part"}  # turn 2 continued it
     enc = encode(out, request().messages)
-    gap = tok("\n<|im_start|>user\nObservation: 42<|im_end|>\n<|im_start|>assistant\n",
-              add_special_tokens=False)["input_ids"]
+    gap = tok("\n<|im_start|>user\nObservation: 42<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+        "input_ids"
+    ]
     assert enc.completion_ids == p1 + p2 + gap + p3
     assert enc.completion_mask == [1] * len(p1 + p2) + [0] * len(gap) + [1] * len(p3)
 
 
 # -- step() validation ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ret, match", [
-    ({"response_token_ids": [1, 2]}, "without 'infer_request'"),
-    (None, "without 'infer_request'"),
-    ("REQ+ids", "without response_loss_mask"),
-    ("REQ+ids+short_mask", "response_loss_mask has 1 entries for 2"),
-    ("REQ+bad_mask", "only 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "ret, match",
+    [
+        ({"response_token_ids": [1, 2]}, "without 'infer_request'"),
+        (None, "without 'infer_request'"),
+        ("REQ+ids", "without response_loss_mask"),
+        ("REQ+ids+short_mask", "response_loss_mask has 1 entries for 2"),
+        ("REQ+bad_mask", "only 0 and 1"),
+    ],
+)
 def test_step_contract_errors_name_the_scheduler_and_turn(ret, match):
     class Broken(MultiTurnScheduler):
         def step(self, infer_request, response_choice, current_turn):
@@ -219,8 +232,12 @@ def test_logprobs_follow_the_trained_tokens_and_mismatch_is_dropped():
         def step(self, infer_request, response_choice, current_turn):
             ids = response_choice.token_ids[:2] + [5, 6, 7]
             lps = [-0.01, -0.02] + ([-9.0] if self.bad else [])
-            return {"infer_request": infer_request, "response_token_ids": ids,
-                    "response_loss_mask": [1, 1, 0, 0, 0], "rollout_logprobs": lps}
+            return {
+                "infer_request": infer_request,
+                "response_token_ids": ids,
+                "response_loss_mask": [1, 1, 0, 0, 0],
+                "rollout_logprobs": lps,
+            }
 
     tok = tiny_tokenizer()
     engine = ScriptedEngine(tok, lambda r: "abc")
@@ -240,23 +257,26 @@ def test_logprobs_follow_the_trained_tokens_and_mismatch_is_dropped():
 def test_loss_scale_last_round_trains_only_the_last_assistant_message():
     tok = tiny_tokenizer()
     engine = ScriptedEngine(tok, lambda r: "ok")
-    out = run_one(EchoScheduler(engine, max_turns=3, tokenizer=tok, loss_scale="last_round"), request(),
-                  logprobs=True)
+    out = run_one(EchoScheduler(engine, max_turns=3, tokenizer=tok, loss_scale="last_round"), request(), logprobs=True)
     assert out.response_loss_mask == [[0] * 3, [0] * 3, [1] * 3]
     assert out.rollout_logprobs == [[], [], [-0.01, -0.02, -0.03]]
 
 
 # -- completion_length_limit_scope ---------------------------------------------------------------------------------
 def _gap_len(tok, text: str) -> int:
-    return len(tok(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
-                   add_special_tokens=False)["input_ids"])
+    return len(
+        tok(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_total_scope_gives_each_turn_what_is_left():
     tok = tiny_tokenizer()
     engine = ScriptedEngine(tok, lambda r: "0123456789")  # 10 chars + eos = 11 tokens per turn
-    out = run_one(EchoScheduler(engine, max_turns=3, tokenizer=tok, completion_length_limit_scope="total"),
-                  request(), max_tokens=60)
+    out = run_one(
+        EchoScheduler(engine, max_turns=3, tokenizer=tok, completion_length_limit_scope="total"),
+        request(),
+        max_tokens=60,
+    )
     gap = _gap_len(tok, "more")
     # turn 1: 60; turn 2: 60 - 11 - gap; turn 3: 60 - 2 * (11 + gap)
     assert [c.max_tokens for _, c in engine.calls] == [60, 60 - 11 - gap, 60 - 2 * (11 + gap)]
@@ -268,8 +288,11 @@ def test_total_scope_stops_when_the_budget_is_spent():
     gap = _gap_len(tok, "more")
     engine = ScriptedEngine(tok, lambda r: "0123456789")
     budget = 11 + gap  # turn 1 plus the user message fill it exactly: no room for turn 2
-    out = run_one(EchoScheduler(engine, max_turns=3, tokenizer=tok, completion_length_limit_scope="total"),
-                  request(), max_tokens=budget)
+    out = run_one(
+        EchoScheduler(engine, max_turns=3, tokenizer=tok, completion_length_limit_scope="total"),
+        request(),
+        max_tokens=budget,
+    )
     assert len(engine.calls) == 1
     assert out.rollout_infos["stop_reason"] == "length_budget"
     assert out.response.choices[0].finish_reason == "length"  # the trajectory was cut, not finished
@@ -291,9 +314,14 @@ def test_custom_run_returning_several_outputs_is_used_by_run_trajectories():
             for _ in range(2):
                 resp = await self.infer_engine.infer_async(infer_request, request_config)
                 c = resp.choices[0]
-                outs.append(RolloutOutput(response=resp, messages=[*infer_request.messages, c.message],
-                                          response_token_ids=[c.token_ids], response_loss_mask=[[1] * len(
-                                              c.token_ids)]))
+                outs.append(
+                    RolloutOutput(
+                        response=resp,
+                        messages=[*infer_request.messages, c.message],
+                        response_token_ids=[c.token_ids],
+                        response_loss_mask=[[1] * len(c.token_ids)],
+                    )
+                )
             return outs
 
     tok = tiny_tokenizer()
@@ -318,8 +346,9 @@ def test_build_scheduler_looks_up_the_registry():
     from grpokit.config.args import RolloutArguments
 
     tok = tiny_tokenizer()
-    args = RolloutArguments(multi_turn_scheduler="tool_call_scheduler", max_turns=4,
-                            completion_length_limit_scope="total")
+    args = RolloutArguments(
+        multi_turn_scheduler="tool_call_scheduler", max_turns=4, completion_length_limit_scope="total"
+    )
     s = build_scheduler(args, tok)
     assert type(s) is multi_turns["tool_call_scheduler"]
     assert s.infer_engine is None and s.max_turns == 4 and s.tokenizer is tok

@@ -26,15 +26,18 @@ from grpokit.rollout.tools import ToolError, calculator, parse_action, run_tool
 def gap_ids(tok, role: str, text: str) -> list[int]:
     """Template text after an assistant message that ended with eos, up to the next assistant header."""
     return tok(f"\n<|im_start|>{role}\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
-        "input_ids"]
+        "input_ids"
+    ]
 
 
 # -- tool_call_scheduler -------------------------------------------------------------------------------------------
 def test_tool_results_are_masked_and_model_tokens_kept_exactly():
     tok = tiny_tokenizer()
-    script = {0: "Let me use the tool.\nAction: calculator\nAction Input: 3+4",
-              1: "Action: calculator\nAction Input: (3+4)*5",
-              2: "The answer is 35."}
+    script = {
+        0: "Let me use the tool.\nAction: calculator\nAction Input: 3+4",
+        1: "Action: calculator\nAction Input: (3+4)*5",
+        2: "The answer is 35.",
+    }
     engine = ScriptedEngine(tok, lambda r: script[n_assistant(r)])
     prompt = request("Compute (3+4)*5 with the calculator.")
     out = run_one(ToolCallScheduler(engine, max_turns=5, tokenizer=tok), prompt)
@@ -53,8 +56,11 @@ def test_tool_results_are_masked_and_model_tokens_kept_exactly():
 
 def test_tool_errors_become_observations():
     tok = tiny_tokenizer()
-    script = {0: "Action: search\nAction Input: cats", 1: "Action: calculator\nAction Input: __import__('os')",
-              2: "I give up."}
+    script = {
+        0: "Action: search\nAction Input: cats",
+        1: "Action: calculator\nAction Input: __import__('os')",
+        2: "I give up.",
+    }
     engine = ScriptedEngine(tok, lambda r: script[n_assistant(r)])
     out = run_one(ToolCallScheduler(engine, max_turns=5, tokenizer=tok), request())
     obs = [m["content"] for m in out.messages if m["role"] == "user"][1:]
@@ -63,20 +69,38 @@ def test_tool_errors_become_observations():
     assert out.rollout_infos["tool_errors"] == 2
 
 
-@pytest.mark.parametrize("expr, want", [
-    ("3+4", "7"), ("(3+4)*5", "35"), ("2**10", "1024"), ("7/2", "3.5"), ("-7 % 3", "2"), ("2^3", "8"),
-    ("1/3", "0.333333333333"), ("4/2", "2"),
-])
+@pytest.mark.parametrize(
+    "expr, want",
+    [
+        ("3+4", "7"),
+        ("(3+4)*5", "35"),
+        ("2**10", "1024"),
+        ("7/2", "3.5"),
+        ("-7 % 3", "2"),
+        ("2^3", "8"),
+        ("1/3", "0.333333333333"),
+        ("4/2", "2"),
+    ],
+)
 def test_calculator_values(expr, want):
     assert calculator(expr) == want
 
 
-@pytest.mark.parametrize("expr, why", [
-    ("9**9**9", "exponent 387420489 is larger than 1000"), ("1/0", "division by zero"),
-    ("__import__('os').system('true')", "unsupported expression element Call"), ("x + 1", "element Name"),
-    ("(-8)**0.5", "not a real number"), ("1e308*10", "not a finite number"), ("", "empty expression"),
-    ("(10**999)**999", "result too large"), ("True + 1", "element Constant"), ("1 +", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "expr, why",
+    [
+        ("9**9**9", "exponent 387420489 is larger than 1000"),
+        ("1/0", "division by zero"),
+        ("__import__('os').system('true')", "unsupported expression element Call"),
+        ("x + 1", "element Name"),
+        ("(-8)**0.5", "not a real number"),
+        ("1e308*10", "not a finite number"),
+        ("", "empty expression"),
+        ("(10**999)**999", "result too large"),
+        ("True + 1", "element Constant"),
+        ("1 +", "cannot parse"),
+    ],
+)
 def test_calculator_refuses(expr, why):
     with pytest.raises(ToolError, match=why.replace("(", r"\(").replace("*", r"\*")):
         calculator(expr)
@@ -108,8 +132,7 @@ def test_math_tip_cuts_before_the_answer_and_masks_the_tip():
     assert out.messages[-1]["content"] == "<think>2 plus 2 is 5" + sched.tips_prompt + second
     assert out.rollout_infos["num_turns"] == 2 and out.rollout_infos["tips_given"] == 1
     # logprobs: the kept 20 tokens of turn 1 (-0.01 .. -0.20), then all of turn 2
-    assert out.rollout_logprobs == [[-(k + 1) / 100 for k in range(kept)] +
-                                    [-(k + 1) / 100 for k in range(len(p2))]]
+    assert out.rollout_logprobs == [[-(k + 1) / 100 for k in range(kept)] + [-(k + 1) / 100 for k in range(len(p2))]]
     enc = encode(out, prompt.messages)
     assert enc.completion_ids == out.response_token_ids[0]
     assert enc.completion_mask == out.response_loss_mask[0]
@@ -145,8 +168,10 @@ def test_thinking_tips_one_output_per_round(loss_scale):
     p1, p2 = engine.produced
     assert len(outs) == 2 and [o.rollout_infos["round"] for o in outs] == [1, 2]
     # round 2 saw round 1's reply without its thinking, then the tip
-    assert engine.calls[1][0][1:] == [{"role": "assistant", "content": "<answer>5</answer>"},
-                                      {"role": "user", "content": sched.tips_prompt}]
+    assert engine.calls[1][0][1:] == [
+        {"role": "assistant", "content": "<answer>5</answer>"},
+        {"role": "user", "content": sched.tips_prompt},
+    ]
     hist = tok("<answer>5</answer>", add_special_tokens=False)["input_ids"]
     first_trains = int(loss_scale == "default")
     assert outs[0].response_token_ids == [p1] and outs[0].response_loss_mask == [[first_trains] * len(p1)]
@@ -155,8 +180,10 @@ def test_thinking_tips_one_output_per_round(loss_scale):
     assert outs[1].rollout_logprobs == [[], [-(k + 1) / 100 for k in range(len(p2))]]
     assert outs[0].rollout_logprobs == ([[-(k + 1) / 100 for k in range(len(p1))]] if first_trains else [])
     enc = encode(outs[1], prompt.messages)  # history reply (mask 0) + template gap (mask 0) + round 2 (mask 1)
-    gap = tok(f"<|im_end|>\n<|im_start|>user\n{sched.tips_prompt}<|im_end|>\n<|im_start|>assistant\n",
-              add_special_tokens=False)["input_ids"]
+    gap = tok(
+        f"<|im_end|>\n<|im_start|>user\n{sched.tips_prompt}<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
     assert enc.completion_ids == hist + gap + p2
     assert enc.completion_mask == [0] * (len(hist) + len(gap)) + [1] * len(p2)
 
@@ -214,8 +241,10 @@ def test_gym_env_error_ends_the_trajectory_and_training_continues(caplog):
     try:
         tok = tiny_tokenizer()
         engine = ScriptedEngine(tok, lambda r: "1")
-        reqs = [request("a", env_config={"name": "boom"}), request("b", env_config={"name": "guess_number",
-                                                                                     "secret": 1})]
+        reqs = [
+            request("a", env_config={"name": "boom"}),
+            request("b", env_config={"name": "guess_number", "secret": 1}),
+        ]
         with caplog.at_level(logging.ERROR):
             outs = run_trajectories(GYMScheduler(engine, max_turns=3, tokenizer=tok), reqs, RequestConfig())
         assert outs[0].rollout_infos["env_error"] == "ValueError: kaput"
@@ -252,7 +281,9 @@ def test_gym_reset_failure_is_a_rollout_error():
     try:
         tok = tiny_tokenizer()
         with pytest.raises(RolloutError, match="env 'bad_reset' reset failed: OSError: no server"):
-            run_one(GYMScheduler(ScriptedEngine(tok, lambda r: "1"), tokenizer=tok),
-                    request("x", env_config={"name": "bad_reset"}))
+            run_one(
+                GYMScheduler(ScriptedEngine(tok, lambda r: "1"), tokenizer=tok),
+                request("x", env_config={"name": "bad_reset"}),
+            )
     finally:
         del envs["bad_reset"]

@@ -61,8 +61,10 @@ def test_route2_critic_revise_side_call_is_not_trained(load_example):
     assert out.rollout_infos["critique"] == "Too short."
     assert out.response_token_ids == [answer, final]  # the critique's tokens are in no segment
     enc = encode(out, prompt.messages)
-    gap = tok("\n<|im_start|>user\nA reviewer says: Too short.\nGive your final answer.<|im_end|>\n"
-              "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    gap = tok(
+        "\n<|im_start|>user\nA reviewer says: Too short.\nGive your final answer.<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
     assert enc.completion_ids == answer + gap + final
     assert enc.completion_mask == [1] * len(answer) + [0] * len(gap) + [1] * len(final)
 

@@ -88,18 +88,31 @@ def test_an_empty_batch_and_a_negative_delta():
 
 def _loss_and_grad(b: dict, cfg: LossConfig, seq_mask=None, adv=None, ref=None):
     logps = b["logps"].clone().requires_grad_(True)
-    out = compute_policy_loss(LossInputs(logps=logps, old_logps=b["old"], advantages=b["adv"] if adv is None else adv,
-                                         mask=b["mask"], ref_logps=ref, num_items=10.0, sequence_mask=seq_mask), cfg)
+    out = compute_policy_loss(
+        LossInputs(
+            logps=logps,
+            old_logps=b["old"],
+            advantages=b["adv"] if adv is None else adv,
+            mask=b["mask"],
+            ref_logps=ref,
+            num_items=10.0,
+            sequence_mask=seq_mask,
+        ),
+        cfg,
+    )
     out.loss.backward()
     return out.loss, logps.grad
 
 
-@pytest.mark.parametrize("loss_type, level", [("grpo", "token"), ("bnpo", "token"), ("dapo", "token"),
-                                              ("cispo", "token"), ("grpo", "sequence")])
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [("grpo", "token"), ("bnpo", "token"), ("dapo", "token"), ("cispo", "token"), ("grpo", "sequence")],
+)
 def test_masked_rows_get_no_gradient_and_kept_rows_the_same(loss_type, level):
     b = batch()
-    cfg = LossConfig(loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo"
-                     else 0.2)
+    cfg = LossConfig(
+        loss_type=loss_type, importance_sampling_level=level, epsilon_high=5.0 if loss_type == "cispo" else 0.2
+    )
     seq_mask, _ = off_policy_sequence_mask(b["logps"], b["old"], b["adv"], b["mask"], DELTA, b["rollout"])
     loss, grad = _loss_and_grad(b, cfg, seq_mask)
     _, plain = _loss_and_grad(b, cfg)
@@ -125,9 +138,16 @@ def test_masked_rows_keep_their_kl_term():
 def _rollout_batch(b: dict, rollout=True) -> RolloutBatch:
     n, c = b["mask"].shape
     ids = torch.zeros(n, c + 1, dtype=torch.long)
-    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=ids,
-                        completion_mask=b["mask"], truncated=torch.zeros(n, dtype=torch.bool), advantages=b["adv"],
-                        old_logps=b["old"], rollout_logps=b["rollout"] if rollout else None)
+    return RolloutBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=ids,
+        completion_mask=b["mask"],
+        truncated=torch.zeros(n, dtype=torch.bool),
+        advantages=b["adv"],
+        old_logps=b["old"],
+        rollout_logps=b["rollout"] if rollout else None,
+    )
 
 
 def test_policy_loss_applies_the_mask_and_logs_it():
@@ -150,8 +170,9 @@ def test_policy_loss_without_the_option_is_unchanged(rollout):
     plain, plain_grad = _loss_and_grad(b, cfg)
     for delta in (None, 1e9):
         logps = b["logps"].clone().requires_grad_(True)
-        loss, metrics = policy_loss(logps, None, _rollout_batch(b, rollout),
-                                    AlgorithmArguments(off_policy_sequence_mask_delta=delta), cfg, None)
+        loss, metrics = policy_loss(
+            logps, None, _rollout_batch(b, rollout), AlgorithmArguments(off_policy_sequence_mask_delta=delta), cfg, None
+        )
         loss.backward()
         assert torch.equal(loss, plain) and torch.equal(logps.grad, plain_grad)
         assert any(k.startswith("off_policy_mask/") for k in metrics) is (delta is not None)
@@ -162,15 +183,22 @@ BASE = ["--model", "m/m", "--dataset", "d.jsonl"]
 
 def test_the_option_parses_and_refuses_a_negative_delta():
     assert parse_train_args(BASE).algorithm.off_policy_sequence_mask_delta is None
-    assert parse_train_args(BASE + ["--off_policy_sequence_mask_delta", "0.3"]).algorithm \
-        .off_policy_sequence_mask_delta == 0.3
+    assert (
+        parse_train_args(BASE + ["--off_policy_sequence_mask_delta", "0.3"]).algorithm.off_policy_sequence_mask_delta
+        == 0.3
+    )
     with pytest.raises(ConfigError) as e:
         parse_train_args(BASE + ["--off_policy_sequence_mask_delta", "-1"])
     assert str(e.value) == "--off_policy_sequence_mask_delta -1.0: must be ≥ 0 (unset: no mask)"
 
 
 def test_the_option_is_refused_with_the_real_loss():
-    with pytest.raises(ConfigError, match="--off_policy_sequence_mask_delta 0.1 masks sequences out of a per-token "
-                                          "policy term, which --loss_type real does not have"):
-        parse_train_args(BASE + ["--loss_type", "real", "--per_device_train_batch_size", "8",
-                                 "--off_policy_sequence_mask_delta", "0.1"])
+    with pytest.raises(
+        ConfigError,
+        match="--off_policy_sequence_mask_delta 0.1 masks sequences out of a per-token "
+        "policy term, which --loss_type real does not have",
+    ):
+        parse_train_args(
+            BASE
+            + ["--loss_type", "real", "--per_device_train_batch_size", "8", "--off_policy_sequence_mask_delta", "0.1"]
+        )

@@ -36,8 +36,9 @@ def _step(model, opt, x):
 
 
 def _tensors(model, opt):
-    return ([t for t in [*model.parameters(), *model.buffers()]]
-            + [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+    return [t for t in [*model.parameters(), *model.buffers()]] + [
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
 
 
 class FakeEngine:
@@ -50,9 +51,11 @@ class FakeEngine:
 
     def generate(self, before_ptrs):
         now = _tensors(self.model, self.opt)
-        self.seen = {"devices": {t.device.type for t in now},
-                     "shared": [t.data_ptr() in before_ptrs for t in now],
-                     "values": [t.detach().clone() for t in now]}
+        self.seen = {
+            "devices": {t.device.type for t in now},
+            "shared": [t.data_ptr() in before_ptrs for t in now],
+            "values": [t.detach().clone() for t in now],
+        }
 
 
 def test_weights_and_optimizer_state_are_away_during_generation_and_back_with_the_same_values():
@@ -124,11 +127,14 @@ def _fake_engine(kind):
     return type("E", (), {"engine_type": kind})()
 
 
-@pytest.mark.parametrize(("kind", "device", "why"), [
-    ("transformers", "cuda", "samples with the training model itself"),
-    ("server", "cuda", "rollout server"),
-    ("vllm", "cpu", "training runs on the CPU"),
-])
+@pytest.mark.parametrize(
+    ("kind", "device", "why"),
+    [
+        ("transformers", "cuda", "samples with the training model itself"),
+        ("server", "cuda", "rollout server"),
+        ("vllm", "cpu", "training runs on the CPU"),
+    ],
+)
 def test_no_effect_is_one_warning_line(kind, device, why, caplog):
     model, opt = _model_and_optimizer()
     args = RolloutArguments(offload_model=True, offload_optimizer=True)
@@ -141,15 +147,25 @@ def test_no_effect_is_one_warning_line(kind, device, why, caplog):
 def test_only_the_main_process_warns(caplog):
     model, opt = _model_and_optimizer()
     with caplog.at_level(logging.WARNING, logger="grpokit.trainers.offload"):
-        assert make_offloader(RolloutArguments(offload_model=True), _fake_engine("server"), [model], opt,
-                              torch.device("cuda"), main_process=False) is None
+        assert (
+            make_offloader(
+                RolloutArguments(offload_model=True),
+                _fake_engine("server"),
+                [model],
+                opt,
+                torch.device("cuda"),
+                main_process=False,
+            )
+            is None
+        )
     assert not caplog.records
 
 
 def test_vllm_on_an_accelerator_gets_an_offloader_and_off_means_none(caplog):
     model, opt = _model_and_optimizer()
-    on = make_offloader(RolloutArguments(offload_optimizer=True), _fake_engine("vllm"), [model], opt,
-                        torch.device("cuda"))
+    on = make_offloader(
+        RolloutArguments(offload_optimizer=True), _fake_engine("vllm"), [model], opt, torch.device("cuda")
+    )
     assert isinstance(on, Offloader) and on.models == [] and on.optimizer is opt
     assert make_offloader(RolloutArguments(), _fake_engine("vllm"), [model], opt, torch.device("cuda")) is None
     assert not caplog.records
@@ -167,6 +183,7 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
                 events.append("out")
                 yield
                 events.append("back")
+
             return ctx()
 
     class Hooks:
@@ -188,19 +205,35 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
     assert events == ["out", "generate", "back", "score"]
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--async_generate", "true"], "--offload_model true with --async_generate true"),
-    (["--deepspeed", "zero2"], "--offload_model true with --deepspeed and vLLM colocate is not implemented"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--async_generate", "true"], "--offload_model true with --async_generate true"),
+        (["--deepspeed", "zero2"], "--offload_model true with --deepspeed and vLLM colocate is not implemented"),
+    ],
+)
 def test_combinations_that_cannot_work_are_refused(tiny_model_dir, math_jsonl, flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), "--use_vllm", "true",
-                          "--offload_model", "true", *flags])
+        parse_train_args(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--dataset",
+                str(math_jsonl),
+                "--use_vllm",
+                "true",
+                "--offload_model",
+                "true",
+                *flags,
+            ]
+        )
 
 
 def test_both_names_parse_with_ms_swift_defaults(tiny_model_dir, math_jsonl):
     base = ["--model", str(tiny_model_dir), "--dataset", str(math_jsonl)]
     assert (parse_train_args(base).rollout.offload_model, parse_train_args(base).rollout.offload_optimizer) == (
-        False, False)
+        False,
+        False,
+    )
     cfg = parse_train_args([*base, "--offload_model", "true", "--offload_optimizer", "true"])
     assert (cfg.rollout.offload_model, cfg.rollout.offload_optimizer) == (True, True)

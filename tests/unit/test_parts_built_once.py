@@ -29,26 +29,41 @@ def _holds_part(node: ast.AST) -> bool:
 def _part_assignments(tree: ast.Module) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for target in targets:
             if isinstance(target, ast.Attribute) and _holds_part(target.value):
                 found.append((node.lineno, ast.unparse(target)))
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                and node.args and _holds_part(node.args[0])):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and node.args
+            and _holds_part(node.args[0])
+        ):
             found.append((node.lineno, ast.unparse(node)))
     return found
 
 
 def test_the_rule_finds_assignments_on_parts():
-    tree = ast.parse("engine.fast_decode = True\nself.engine.template = t\ntrainer.scheduler.x += 1\n"
-                     "setattr(served_engine, 'a', 1)\nself.engine = e\nlr_scheduler.last_epoch = 3\n")
+    tree = ast.parse(
+        "engine.fast_decode = True\nself.engine.template = t\ntrainer.scheduler.x += 1\n"
+        "setattr(served_engine, 'a', 1)\nself.engine = e\nlr_scheduler.last_epoch = 3\n"
+    )
     assert [line for line, _ in _part_assignments(tree)] == [1, 2, 3, 4]
 
 
 def test_no_attribute_is_set_on_an_engine_or_scheduler_after_it_is_built():
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text}" for path in sorted(PACKAGE.rglob("*.py"))
-             for line, text in _part_assignments(ast.parse(path.read_text()))]
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, text in _part_assignments(ast.parse(path.read_text()))
+    ]
     assert not found, "give the part a constructor argument instead:\n" + "\n".join(found)
 
 
@@ -111,22 +126,29 @@ def test_a_ported_plugin_replaces_a_builtin_name_by_item_assignment(tmp_path, ca
     from grpokit.rewards import orms
 
     plugin = tmp_path / "swift_style_replace.py"
-    plugin.write_text("from grpokit.swift.rewards import ORM, orms\n\n"
-                      "class StrictAccuracy(ORM):\n"
-                      "    def __call__(self, completions, **kwargs):\n"
-                      "        return [0.0 for _ in completions]\n\n"
-                      "orms['accuracy'] = StrictAccuracy\n")
+    plugin.write_text(
+        "from grpokit.swift.rewards import ORM, orms\n\n"
+        "class StrictAccuracy(ORM):\n"
+        "    def __call__(self, completions, **kwargs):\n"
+        "        return [0.0 for _ in completions]\n\n"
+        "orms['accuracy'] = StrictAccuracy\n"
+    )
     refusing = tmp_path / "register_replace.py"
-    refusing.write_text("from grpokit.rewards import orms\n\n@orms.register('accuracy')\n"
-                        "def accuracy(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    refusing.write_text(
+        "from grpokit.rewards import orms\n\n@orms.register('accuracy')\n"
+        "def accuracy(completions, **kwargs):\n    return [1.0 for _ in completions]\n"
+    )
     builtin = orms["accuracy"]
     try:
         with caplog.at_level(logging.WARNING, logger="grpokit.registry"):
             load_plugins([str(plugin)])
         assert orms["accuracy"].__name__ == "StrictAccuracy" and "registered again" in caplog.text
         orms["accuracy"] = builtin
-        with pytest.raises(PluginError, match=r"register_replace.py: import failed at line 3: .*'accuracy' is "
-                                              r"already registered.*override=True"):
+        with pytest.raises(
+            PluginError,
+            match=r"register_replace.py: import failed at line 3: .*'accuracy' is "
+            r"already registered.*override=True",
+        ):
             load_plugins([str(refusing)])
         assert orms["accuracy"] is builtin
     finally:
@@ -146,18 +168,58 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
             return self.state
 
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a} + 1?"}],
-                                        "solution": str(a + 1)}) + "\n" for a in range(4)))
+    data.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"{a} + 1?"}], "solution": str(a + 1)}) + "\n"
+            for a in range(4)
+        )
+    )
     expert = tmp_path / "expert.jsonl"
     expert.write_text(data.read_text())
-    cfg = parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir",
-                            str(tmp_path / "out"), "--max_steps", "1", "--num_generations", "2",
-                            "--per_device_train_batch_size", "2", "--max_completion_length", "8", "--beta", "0",
-                            "--torch_dtype", "float32", "--multi_turn_scheduler", "tool_call_scheduler",
-                            "--max_turns", "2", "--reward_funcs", "format", "--fast_decode", "false",
-                            "--chord_sft_dataset", str(expert), "--chord_sft_per_device_train_batch_size", "1",
-                            "--chord_mu_peak", "0.5", "--chord_mu_valley", "0.5",
-                            "--disable_tqdm", "true", "--plots", "false", "--save_final_model", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_completion_length",
+            "8",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--multi_turn_scheduler",
+            "tool_call_scheduler",
+            "--max_turns",
+            "2",
+            "--reward_funcs",
+            "format",
+            "--fast_decode",
+            "false",
+            "--chord_sft_dataset",
+            str(expert),
+            "--chord_sft_per_device_train_batch_size",
+            "1",
+            "--chord_mu_peak",
+            "0.5",
+            "--chord_mu_valley",
+            "0.5",
+            "--disable_tqdm",
+            "true",
+            "--plots",
+            "false",
+            "--save_final_model",
+            "false",
+        ]
+    )
     calls = {"template": 0, "plan": 0}
     made, plan = PromptOptions.template, pipeline.batch_plan
 
@@ -165,6 +227,7 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
         def wrapped(*args, **kwargs):
             calls[key] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(PromptOptions, "template", count("template", made))
@@ -203,13 +266,17 @@ def test_a_scheduler_is_built_with_its_engine_template_and_gym_choice(monkeypatc
     monkeypatch.setitem(multi_turns, "swift_style", SwiftStyle)
     monkeypatch.setitem(multi_turns, "drops", Drops)
     engine, template = _Engine(), object()
-    built = build_scheduler(RolloutArguments(multi_turn_scheduler="swift_style", use_gym_env=True), None,
-                            infer_engine=engine, template=template, uses_env_reward=True)
+    built = build_scheduler(
+        RolloutArguments(multi_turn_scheduler="swift_style", use_gym_env=True),
+        None,
+        infer_engine=engine,
+        template=template,
+        uses_env_reward=True,
+    )
     assert built.infer_engine is engine and built._template is template and built.uses_env_reward is True
     assert SwiftStyle.uses_env_reward is False  # the choice is the instance's, not the class's
     with pytest.raises(ConfigError, match=r"--use_gym_env true: the scheduler 'drops' \(Drops\) did not take it"):
-        build_scheduler(RolloutArguments(multi_turn_scheduler="drops"), None, infer_engine=engine,
-                        uses_env_reward=True)
+        build_scheduler(RolloutArguments(multi_turn_scheduler="drops"), None, infer_engine=engine, uses_env_reward=True)
     with pytest.raises(ConfigError, match="Drops dropped its infer_engine argument"):
         build_scheduler(RolloutArguments(multi_turn_scheduler="drops"), None, infer_engine=engine)
 
@@ -221,8 +288,9 @@ def test_the_trainer_refuses_a_scheduler_without_an_engine_and_builds_a_recipe_a
     from grpokit.rollout.scheduler import RolloutScheduler
     from grpokit.trainers.training_setup import setup_rollout
 
-    cfg = SimpleNamespace(rollout=SimpleNamespace(fast_decode=True, async_generate=False),
-                          training=SimpleNamespace(deepspeed=None))
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(fast_decode=True, async_generate=False), training=SimpleNamespace(deepspeed=None)
+    )
     accelerator = SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), state=None)
     engine = _Engine()
     engine.engine_type, engine.model = "test", None

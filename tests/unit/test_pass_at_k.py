@@ -12,16 +12,17 @@ from grpokit.algorithms.pass_at_k import Z_95, ks_up_to, mean_interval, pass_at_
 
 # (n, c, k) → 1 − C(n−c, k)/C(n, k), worked out by hand
 TABLE = [
-    (4, 0, 1, 0.0), (4, 0, 4, 0.0),
-    (4, 1, 1, 0.25),                 # one passing sample of four
-    (4, 1, 2, 0.5),                  # 1 − C(3,2)/C(4,2) = 1 − 3/6
-    (4, 1, 4, 1.0),                  # n − c = 3 < k = 4: every 4-subset holds the passing one
-    (4, 2, 2, 5 / 6),                # 1 − C(2,2)/C(4,2) = 1 − 1/6
-    (4, 3, 2, 1.0),                  # n − c = 1 < 2
+    (4, 0, 1, 0.0),
+    (4, 0, 4, 0.0),
+    (4, 1, 1, 0.25),  # one passing sample of four
+    (4, 1, 2, 0.5),  # 1 − C(3,2)/C(4,2) = 1 − 3/6
+    (4, 1, 4, 1.0),  # n − c = 3 < k = 4: every 4-subset holds the passing one
+    (4, 2, 2, 5 / 6),  # 1 − C(2,2)/C(4,2) = 1 − 1/6
+    (4, 3, 2, 1.0),  # n − c = 1 < 2
     (4, 4, 1, 1.0),
-    (5, 2, 3, 0.9),                  # 1 − C(3,3)/C(5,3) = 1 − 1/10
-    (10, 3, 2, 24 / 45),             # 1 − C(7,2)/C(10,2) = 1 − 21/45
-    (10, 1, 1, 0.1),                 # pass@1 is c/n
+    (5, 2, 3, 0.9),  # 1 − C(3,3)/C(5,3) = 1 − 1/10
+    (10, 3, 2, 24 / 45),  # 1 − C(7,2)/C(10,2) = 1 − 21/45
+    (10, 1, 1, 0.1),  # pass@1 is c/n
 ]
 
 
@@ -58,8 +59,9 @@ def test_dataset_figures_and_intervals_by_hand():
     # four prompts, K = 4, a 0/1 reward, c = 0, 1, 2, 4 passing
     scores = [[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 1], [1, 1, 1, 1]]
     m = sampled_metrics(scores, threshold=1.0)
-    assert set(m) == {f"{key}{end}" for key in ("pass@1", "pass@2", "pass@4", "mean@4")
-                      for end in ("", "_ci_low", "_ci_high")}
+    assert set(m) == {
+        f"{key}{end}" for key in ("pass@1", "pass@2", "pass@4", "mean@4") for end in ("", "_ci_low", "_ci_high")
+    }
     # pass@1 per prompt 0, .25, .5, 1 → mean .4375; deviations −.4375 −.1875 .0625 .5625, squares sum .546875,
     # s = sqrt(.546875 / 3) = .426956, s/√4 = .213478, × 1.96 = .418417 → [.019083, .855917]
     assert m["pass@1"] == pytest.approx(0.4375)

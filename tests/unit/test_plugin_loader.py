@@ -29,9 +29,22 @@ from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plugin" / "plugin.py"
-REGISTRIES = (orms, prms, rm_plugins, multi_turns, envs, callbacks_map, optimizers_map,
-              TrainerFactory.TRAINER_MAPPING, ADVANTAGE_ESTIMATORS, SCALE_MODES, POLICY_LOSSES, LOSS_NORMALIZERS,
-              IS_LEVELS, ROLLOUT_IS_MODES)
+REGISTRIES = (
+    orms,
+    prms,
+    rm_plugins,
+    multi_turns,
+    envs,
+    callbacks_map,
+    optimizers_map,
+    TrainerFactory.TRAINER_MAPPING,
+    ADVANTAGE_ESTIMATORS,
+    SCALE_MODES,
+    POLICY_LOSSES,
+    LOSS_NORMALIZERS,
+    IS_LEVELS,
+    ROLLOUT_IS_MODES,
+)
 
 
 @pytest.fixture
@@ -76,33 +89,47 @@ def test_helper_next_to_the_plugin_imports_as_a_sibling(isolated):
 
 
 def test_files_load_in_order_and_a_later_one_sees_earlier_registrations(isolated):
-    a = _write(isolated / "a", "gk_plugin_a.py", """
+    a = _write(
+        isolated / "a",
+        "gk_plugin_a.py",
+        """
         from grpokit.rewards import orms
         orms["gk_first"] = lambda completions, **kw: [1.0] * len(completions)
-    """)
-    b = _write(isolated / "b", "gk_plugin_b.py", """
+    """,
+    )
+    b = _write(
+        isolated / "b",
+        "gk_plugin_b.py",
+        """
         from grpokit.rewards import orms
         first = orms["gk_first"]          # KeyError if a.py had not run before
         orms["gk_doubled"] = lambda completions, **kw: [2 * s for s in first(completions)]
-    """)
+    """,
+    )
     assert load_plugins([str(a), str(b)]) == ["gk_plugin_a", "gk_plugin_b"]
     assert orms["gk_doubled"](["x", "y"]) == [2.0, 2.0]
 
 
 def test_registering_an_existing_name_warns_which_one_wins(isolated, caplog):
     builtin = orms["accuracy"]
-    path = _write(isolated / "p", "gk_override.py", """
+    path = _write(
+        isolated / "p",
+        "gk_override.py",
+        """
         from grpokit.rewards import ORM, orms
         class StrictAccuracy(ORM):
             def __call__(self, completions, solution, **kwargs):
                 return [float(c.strip() == s) for c, s in zip(completions, solution)]
         orms["accuracy"] = StrictAccuracy
-    """)
+    """,
+    )
     with caplog.at_level(logging.WARNING, logger="grpokit.registry"):
         load_plugins([str(path)])
     assert orms["accuracy"].__name__ == "StrictAccuracy"  # the plugin wins: it registered last
-    expected = (f"reward function 'accuracy' registered again: gk_override.StrictAccuracy replaces "
-                f"{builtin.__module__}.{builtin.__qualname__}")
+    expected = (
+        f"reward function 'accuracy' registered again: gk_override.StrictAccuracy replaces "
+        f"{builtin.__module__}.{builtin.__qualname__}"
+    )
     assert expected in caplog.messages
 
 
@@ -170,25 +197,34 @@ def test_a_plugin_of_the_same_name_from_another_folder_replaces_the_earlier_one(
 # TrainerFactory
 # ------------------------------------------------------------------------------------------------------------
 def test_trainer_mapping_string_path_resolves_to_the_plugin_class(isolated):
-    path = _write(isolated / "p", "gk_trainer_plugin.py", """
+    path = _write(
+        isolated / "p",
+        "gk_trainer_plugin.py",
+        """
         from grpokit.trainers.factory import TrainerFactory
         from grpokit.trainers.grpo_trainer import GRPOTrainer
         class MyTrainer(GRPOTrainer):
             pass
         TrainerFactory.TRAINER_MAPPING["grpo"] = "gk_trainer_plugin.MyTrainer"
-    """)
+    """,
+    )
     load_plugins([str(path)])
     assert TrainerFactory.get_trainer_cls("grpo") is sys.modules["gk_trainer_plugin"].MyTrainer
 
 
-@pytest.mark.parametrize("value, needle", [
-    ("MyTrainer", "give an importable 'module.Class' path"),
-    ("gk_not_loaded_plugin.MyTrainer", "No module named 'gk_not_loaded_plugin' (load the file that defines it "
-                                       "with --external_plugins)"),
-    ("grpokit.trainers.factory.NoSuchTrainer", "has no attribute 'NoSuchTrainer'"),
-    ("grpokit.errors.GrpokitError.__doc__", "cannot be imported"),
-    ("grpokit.registry.logger", "is a Logger, not a class"),
-])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ("MyTrainer", "give an importable 'module.Class' path"),
+        (
+            "gk_not_loaded_plugin.MyTrainer",
+            "No module named 'gk_not_loaded_plugin' (load the file that defines it with --external_plugins)",
+        ),
+        ("grpokit.trainers.factory.NoSuchTrainer", "has no attribute 'NoSuchTrainer'"),
+        ("grpokit.errors.GrpokitError.__doc__", "cannot be imported"),
+        ("grpokit.registry.logger", "is a Logger, not a class"),
+    ],
+)
 def test_bad_trainer_mapping_is_a_one_line_config_error(isolated, value, needle):
     TrainerFactory.TRAINER_MAPPING["grpo"] = value
     with pytest.raises(ConfigError) as info:
@@ -305,8 +341,11 @@ def test_retry_scheduler_feeds_back_the_verdict_until_right(example):
     assert out.response_loss_mask == [[1] * len(ids) for ids in out.response_token_ids]  # feedback is not here
 
     engine = ScriptedEngine(tok, lambda r: "no idea")
-    out = run_one(multi_turns["countdown_retry"](engine, max_turns=2, tokenizer=tok),
-                  request("Make 18.", nums=[4, 2, 3], target=18), max_tokens=64)
+    out = run_one(
+        multi_turns["countdown_retry"](engine, max_turns=2, tokenizer=tok),
+        request("Make 18.", nums=[4, 2, 3], target=18),
+        max_tokens=64,
+    )
     assert out.rollout_infos["num_turns"] == 2 and "there is no <answer>" in out.messages[2]["content"]
 
 
@@ -325,8 +364,9 @@ def test_countdown_env_rewards_the_right_equation(example):
     from grpokit.protocol import RolloutInferRequest
 
     env = envs["countdown"]({})
-    req = RolloutInferRequest(messages=[{"role": "user", "content": "Make 18."}],
-                              data_dict={"nums": [4, 2, 3], "target": 18})
+    req = RolloutInferRequest(
+        messages=[{"role": "user", "content": "Make 18."}], data_dict={"nums": [4, 2, 3], "target": 18}
+    )
     assert asyncio.run(env.reset(req)) == ("", {"nums": [4, 2, 3], "target": 18})
     obs, reward, done, _ = asyncio.run(env.step([{"role": "assistant", "content": "<answer>4 + 2 + 3</answer>"}]))
     assert (reward, done) == (0.0, False) and obs == "Not yet: 4 + 2 + 3 = 9, not 18. Try again."
@@ -345,9 +385,14 @@ def test_reward_summary_callback_writes_the_curve(example, tmp_path):
     cb.on_log(trainer, {"step": 2, "reward": 0.75, "rewards/countdown/mean": 0.75, "loss": 0.2})
     cb.on_train_end(trainer)
     summary = json.loads((tmp_path / "reward_summary.json").read_text())
-    assert summary == {"best_step": 2, "best_reward": 0.75,
-                       "curve": [{"step": 1, "reward": 0.25, "rewards/countdown/mean": 0.25},
-                                 {"step": 2, "reward": 0.75, "rewards/countdown/mean": 0.75}]}
+    assert summary == {
+        "best_step": 2,
+        "best_reward": 0.75,
+        "curve": [
+            {"step": 1, "reward": 0.25, "rewards/countdown/mean": 0.25},
+            {"step": 2, "reward": 0.75, "rewards/countdown/mean": 0.75},
+        ],
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -374,11 +419,20 @@ def test_docs_examples_compile_and_register(isolated):
             exec(code, {"__name__": f"docs_example_{i}"})
             ran += 1
     assert ran >= 10
-    for registry, name in [(orms, "brevity"), (orms, "mentions_target"), (orms, "http_judge"),
-                           (prms, "addition_steps"), (rm_plugins, "length_penalized"),
-                           (multi_turns, "ask_to_shorten"), (envs, "echo"), (optimizers_map, "sgd_nesterov"),
-                           (callbacks_map, "stop_at_reward"), (POLICY_LOSSES, "vanilla_pg"),
-                           (LOSS_NORMALIZERS, "vanilla_pg"), (ADVANTAGE_ESTIMATORS, "above_mean")]:
+    for registry, name in [
+        (orms, "brevity"),
+        (orms, "mentions_target"),
+        (orms, "http_judge"),
+        (prms, "addition_steps"),
+        (rm_plugins, "length_penalized"),
+        (multi_turns, "ask_to_shorten"),
+        (envs, "echo"),
+        (optimizers_map, "sgd_nesterov"),
+        (callbacks_map, "stop_at_reward"),
+        (POLICY_LOSSES, "vanilla_pg"),
+        (LOSS_NORMALIZERS, "vanilla_pg"),
+        (ADVANTAGE_ESTIMATORS, "above_mean"),
+    ]:
         assert name in registry, name
     assert TrainerFactory.TRAINER_MAPPING["grpo"].endswith(".MyTrainer")
     # two of them by hand: Brevity(max_words=50): 10 words → 1; 75 → 2 - 1.5 = 0.5; 120 → 0

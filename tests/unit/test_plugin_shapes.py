@@ -17,8 +17,9 @@ PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content"
 
 
 def choice(text: str = "4") -> ChatCompletionResponseChoice:
-    return ChatCompletionResponseChoice(message={"role": "assistant", "content": text}, finish_reason="stop",
-                                        token_ids=[1, 2])
+    return ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": text}, finish_reason="stop", token_ids=[1, 2]
+    )
 
 
 # -- choice.message ----------------------------------------------------------------------------------------------
@@ -70,7 +71,9 @@ def test_reset_takes_three_values_or_two():
 
 def test_env_messages_replace_the_prompt_as_in_ms_swift():
     assert start_messages(PROMPT, "new task", "You play.") == [
-        {"role": "system", "content": "You play."}, {"role": "user", "content": "new task"}]
+        {"role": "system", "content": "You play."},
+        {"role": "user", "content": "new task"},
+    ]
     assert start_messages(PROMPT, "new task", "") == [PROMPT[0], {"role": "user", "content": "new task"}]
     assert start_messages(PROMPT, "", "") == PROMPT  # nothing from the env: the row's prompt stays
 
@@ -93,8 +96,10 @@ def test_gym_scheduler_replaces_the_prompt_and_refuses_a_bad_reset():
     sched = GYMScheduler(None, max_turns=1)
     req = RolloutInferRequest(messages=list(PROMPT), data_dict={"env_config": {"name": "three"}})
     asyncio.run(sched.on_trajectory_start([req]))
-    assert req.messages == [{"role": "system", "content": "You are a player."},
-                            {"role": "user", "content": "Pick a number."}]
+    assert req.messages == [
+        {"role": "system", "content": "You are a player."},
+        {"role": "user", "content": "Pick a number."},
+    ]
     assert sched._episodes[req.request_id].reset_info == {"seed": 1}
     bad = RolloutInferRequest(messages=list(PROMPT), data_dict={"env_config": {"name": "bad_shape"}})
     with pytest.raises(RolloutError, match=r"env 'bad_shape' reset failed: ValueError: .*got str"):
@@ -153,8 +158,14 @@ def test_a_signature_that_fits_neither_is_refused_before_training():
 
 def _kwargs(n: int = 2) -> dict:
     full = [PROMPT + [{"role": "assistant", "content": str(k)}] for k in range(n)]
-    return {"messages": full, "prompts": [PROMPT] * n, "completion_ids": [[1] * (k + 1) for k in range(n)],
-            "task": ["math", "code"][:n], "solution": ["4", "4"][:n], "trainer_state": {"global_step": 0}}
+    return {
+        "messages": full,
+        "prompts": [PROMPT] * n,
+        "completion_ids": [[1] * (k + 1) for k in range(n)],
+        "task": ["math", "code"][:n],
+        "solution": ["4", "4"][:n],
+        "trainer_state": {"global_step": 0},
+    }
 
 
 def test_runner_calls_each_function_in_its_convention():
@@ -192,8 +203,11 @@ def test_log_hooks_check_what_they_get():
         log_metric("acc", float("nan"))
         return [0.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"reward 'short': log_extra\('col', values\) needs one value per "
-                                          r"completion \(2\), got 1 values"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'short': log_extra\('col', values\) needs one value per "
+        r"completion \(2\), got 1 values",
+    ):
         RewardRunner([short], ["short"]).compute(["a", "b"], {})
     with pytest.raises(RewardError, match=r"reward 'nan': log_metric\('acc', value\) needs a finite number"):
         RewardRunner([nan_metric], ["nan"]).compute(["a", "b"], {})

@@ -22,10 +22,10 @@ def _batch(vocab: int):
     att = torch.zeros(6, p + c, dtype=torch.long)
     for row in range(6):
         pr, co = prompts[row // 3], comps[row]
-        ids[row, p - len(pr):p] = pr
-        att[row, p - len(pr):p] = 1
-        ids[row, p:p + len(co)] = co
-        att[row, p:p + len(co)] = 1
+        ids[row, p - len(pr) : p] = pr
+        att[row, p - len(pr) : p] = 1
+        ids[row, p : p + len(co)] = co
+        att[row, p : p + len(co)] = 1
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     return ids, att, pos, c
 
@@ -46,7 +46,8 @@ def assert_equal_up_to_summation_order(got: torch.Tensor, want: torch.Tensor, na
     scale = want.abs().max().item()
     worst = (got - want).abs().max().item()
     assert worst <= SUMMATION_ORDER_RTOL * scale, (
-        f"{name}: max |difference| {worst:.3g} > {SUMMATION_ORDER_RTOL:g} × max |value| {scale:.3g}")
+        f"{name}: max |difference| {worst:.3g} > {SUMMATION_ORDER_RTOL:g} × max |value| {scale:.3g}"
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -96,8 +97,11 @@ def test_engine_greedy_output_is_the_same_with_shared_prefill(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine = TransformersEngine(model, ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_dir)))
     engine.share_prompts = True  # forced: a tiny model is below the size where "auto" shares
-    reqs = [RolloutInferRequest(messages=[{"role": "user", "content": text}])
-            for text in ("What is 1 + 2?", "Hi there, what is seven plus eight?") for _ in range(3)]
+    reqs = [
+        RolloutInferRequest(messages=[{"role": "user", "content": text}])
+        for text in ("What is 1 + 2?", "Hi there, what is seven plus eight?")
+        for _ in range(3)
+    ]
     cfg = RequestConfig(max_tokens=8, temperature=0.0, logprobs=True)
     shared = engine.infer(reqs, cfg)
     engine.share_prompts = False

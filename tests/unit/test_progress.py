@@ -37,8 +37,9 @@ def test_a_line_for_the_first_step_then_once_30_s_have_passed_then_the_last_step
     _, _, out = _run(total=10, seconds_per_step=7.0, steps=10)
     # lines at 7 s (step 1), at 42 s (step 6: the first step 30 s or more after 7 s) and at the last step
     assert _steps(out) == [1, 6, 10]
-    assert out.getvalue().splitlines()[1] == ("train: step 6/10 (60%) | reward 0.600 | loss 0.0100 | "
-                                              "42s elapsed, 7.00 s/step, ETA 28s")
+    assert out.getvalue().splitlines()[1] == (
+        "train: step 6/10 (60%) | reward 0.600 | loss 0.0100 | 42s elapsed, 7.00 s/step, ETA 28s"
+    )
 
 
 def test_steps_slower_than_the_interval_get_a_line_each():
@@ -65,21 +66,26 @@ def test_a_resumed_run_counts_its_rate_from_its_own_steps():
     _, _, out = _run(total=6, seconds_per_step=0.5, steps=2, initial=4)
     assert out.getvalue().splitlines() == [
         "train: step 5/6 (83%) | reward 0.500 | loss 0.0100 | 0s elapsed, 2.00 steps/s, ETA 0s",
-        "train: step 6/6 (100%) | reward 0.600 | loss 0.0100 | 1s elapsed, 2.00 steps/s, ETA 0s"]
+        "train: step 6/6 (100%) | reward 0.600 | loss 0.0100 | 1s elapsed, 2.00 steps/s, ETA 0s",
+    ]
 
 
 def test_long_runs_show_minutes_and_hours():
-    assert progress_line(10, 1000, 10, 3725.0, {}) == ("train: step 10/1000 (1%) | 1h02m05s elapsed, 372.50 s/step, "
-                                                       "ETA 102h26m15s")
+    assert progress_line(10, 1000, 10, 3725.0, {}) == (
+        "train: step 10/1000 (1%) | 1h02m05s elapsed, 372.50 s/step, ETA 102h26m15s"
+    )
 
 
-@pytest.mark.parametrize("main, tty, disable_tqdm, expected", [
-    (True, True, False, "bar"),
-    (True, False, False, "lines"),  # a file, a pipe, nohup
-    (True, True, True, "lines"),  # --disable_tqdm true: no bar, plain lines instead
-    (False, False, False, "nothing"),  # only the main process reports
-    (False, True, True, "nothing"),
-])
+@pytest.mark.parametrize(
+    "main, tty, disable_tqdm, expected",
+    [
+        (True, True, False, "bar"),
+        (True, False, False, "lines"),  # a file, a pipe, nohup
+        (True, True, True, "lines"),  # --disable_tqdm true: no bar, plain lines instead
+        (False, False, False, "nothing"),  # only the main process reports
+        (False, True, True, "nothing"),
+    ],
+)
 def test_progress_kind_by_terminal_flag_and_process(monkeypatch, main, tty, disable_tqdm, expected):
     from grpokit.trainers.outputs import progress_bar
 

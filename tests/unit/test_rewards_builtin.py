@@ -48,9 +48,19 @@ def test_accuracy_math_equivalence_and_text_solutions():
     assert acc(completions, solution=solutions) == [1.0, 1.0, 1.0, 0.0, 1.0]
 
 
-@pytest.mark.parametrize(("answer", "gold"), [("12", "12"), ("12", "13"), ("-3", "-3"), ("-3", "3"), ("007", "7"),
-                                            ("-0", "0"), ("123456789012345678901", "123456789012345678901"),
-                                            ("10", " 10 ")])
+@pytest.mark.parametrize(
+    ("answer", "gold"),
+    [
+        ("12", "12"),
+        ("12", "13"),
+        ("-3", "-3"),
+        ("-3", "3"),
+        ("007", "7"),
+        ("-0", "0"),
+        ("123456789012345678901", "123456789012345678901"),
+        ("10", " 10 "),
+    ],
+)
 def test_integer_shortcut_agrees_with_math_verify(answer, gold):
     from math_verify import parse, verify
 
@@ -59,8 +69,10 @@ def test_integer_shortcut_agrees_with_math_verify(answer, gold):
     assert _verified(answer, gold) == bool(verify(parse(gold), parse(answer)))
 
 
-@pytest.mark.parametrize("completion", ["so 2", "\\boxed{\\frac{4}{2}}", "<answer>2.0</answer>", "two", "",
-                                        "\\boxed{3}", "<answer>1,000</answer>"])
+@pytest.mark.parametrize(
+    "completion",
+    ["so 2", "\\boxed{\\frac{4}{2}}", "<answer>2.0</answer>", "two", "", "\\boxed{3}", "<answer>1,000</answer>"],
+)
 @pytest.mark.parametrize("gold", ["2", "1000", " 2 "])
 def test_integer_gold_verdict_agrees_with_math_verify(completion, gold):
     """An integer solution is not parsed by math-verify first (it is math for sure); the verdict is unchanged."""

@@ -334,19 +334,21 @@ def test_heartbeat_line_while_a_reward_is_slow(caplog, timeout):
         return [1.0] * len(completions)
 
     with caplog.at_level(logging.WARNING, logger="grpokit.rewards.runner"):
-        with RewardRunner([slow, Sleepy(0.7, 1.0)], ["slow", "slow_async"], timeout=timeout,
-                          heartbeat_s=0.1) as runner:
+        with RewardRunner([slow, Sleepy(0.7, 1.0)], ["slow", "slow_async"], timeout=timeout, heartbeat_s=0.1) as runner:
             assert runner.compute(["a"], {}).tolist() == [[1.0, 1.0]]
     beats = [r.getMessage() for r in caplog.records if "still running after" in r.getMessage()]
     assert any(m.startswith("reward 'slow' still running after") for m in beats), beats
     assert any(m.startswith("reward 'slow_async' still running after") for m in beats), beats
 
 
-@pytest.mark.parametrize("exc, needle", [
-    (SystemExit(0), "raised SystemExit: exit status 0; a reward must return scores, not end the process"),
-    (GeneratorExit(), "raised GeneratorExit"),
-    (asyncio.CancelledError(), "raised CancelledError"),
-])
+@pytest.mark.parametrize(
+    "exc, needle",
+    [
+        (SystemExit(0), "raised SystemExit: exit status 0; a reward must return scores, not end the process"),
+        (GeneratorExit(), "raised GeneratorExit"),
+        (asyncio.CancelledError(), "raised CancelledError"),
+    ],
+)
 @pytest.mark.parametrize("is_async", [False, True])
 def test_base_exceptions_from_a_reward_are_reward_errors(exc, needle, is_async):
     def sync_reward(completions, **kwargs):

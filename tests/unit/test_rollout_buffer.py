@@ -35,8 +35,15 @@ class FakeProducer:
         if self.fail_at is not None and self.calls >= self.fail_at:
             raise RuntimeError("the engine went away")
         time.sleep(self.delay_s)
-        outputs = [RolloutOutput(response=ChatCompletionResponse(choices=[]), messages=[],
-                                 weight_versions=[[version]], prompt_id=str(p["_prompt_index"])) for p in prompts]
+        outputs = [
+            RolloutOutput(
+                response=ChatCompletionResponse(choices=[]),
+                messages=[],
+                weight_versions=[[version]],
+                prompt_id=str(p["_prompt_index"]),
+            )
+            for p in prompts
+        ]
         return WindowRollout([], outputs, torch.zeros(len(outputs), 1), {"rollout": self.delay_s, "reward": 0.0})
 
 
@@ -101,8 +108,7 @@ def test_pending_windows_are_drawn_again_first_after_a_restore():
     buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
     try:
         trained, _ = _train(buffer, producer, 5, train_s=0.01)
-        loop = dict(zip(("prompts_consumed", "prompts_pending"), loop_position(buffer, producer.prompts),
-                        strict=True))
+        loop = dict(zip(("prompts_consumed", "prompts_pending"), loop_position(buffer, producer.prompts), strict=True))
     finally:
         buffer.drain()
     assert loop["prompts_pending"], "a fast producer has windows ahead"
@@ -113,7 +119,7 @@ def test_pending_windows_are_drawn_again_first_after_a_restore():
         after, _ = _train(again, resumed, 4, train_s=0.0)
     finally:
         again.drain()
-    assert after[:len(loop["prompts_pending"])] == loop["prompts_pending"]
+    assert after[: len(loop["prompts_pending"])] == loop["prompts_pending"]
     assert sorted(trained + after) == list(range(0, PER_WINDOW * 9, PER_WINDOW))  # exactly once, in all
 
 
@@ -190,11 +196,18 @@ def test_a_producer_error_reaches_the_loop_and_drain_returns():
 
 
 def test_the_bound_is_at_least_one_window():
-    plan = BatchPlan(world_size=1, num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                     steps_per_generation=2, num_iterations=1)
+    plan = BatchPlan(
+        world_size=1,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_iterations=1,
+    )
     r = type("R", (), {"max_staleness": 1, "staleness_policy": "drop"})()
-    with pytest.raises(ConfigError, match="--max_staleness 1: one window trains 2 optimizer steps.*use "
-                                          "--max_staleness 2 or more"):
+    with pytest.raises(
+        ConfigError, match="--max_staleness 1: one window trains 2 optimizer steps.*use --max_staleness 2 or more"
+    ):
         check_staleness(r, plan)
     r.max_staleness = 2
     check_staleness(r, plan)
@@ -207,19 +220,23 @@ def test_the_bound_is_at_least_one_window():
     check_staleness(r, plan)
 
 
-@pytest.mark.parametrize("server, async_, regex, error", [
-    (False, True, None, "implemented in server mode"),
-    (True, False, None, "add --max_staleness K"),
-    (True, True, "[0-9]+", "a grammar cannot resume"),
-    (True, True, None, None),
-])
+@pytest.mark.parametrize(
+    "server, async_, regex, error",
+    [
+        (False, True, None, "implemented in server mode"),
+        (True, False, None, "add --max_staleness K"),
+        (True, True, "[0-9]+", "a grammar cannot resume"),
+        (True, True, None, None),
+    ],
+)
 def test_partial_rollouts_need_a_server_rolling_out_ahead_without_a_grammar(server, async_, regex, error):
     from types import SimpleNamespace
 
     from grpokit.config.async_rules import check_partial_rollouts
 
-    r = SimpleNamespace(partial_rollouts=True, async_generate=async_, structured_outputs_regex=regex,
-                        structured_outputs_json=None)
+    r = SimpleNamespace(
+        partial_rollouts=True, async_generate=async_, structured_outputs_regex=regex, structured_outputs_json=None
+    )
     if error is None:
         check_partial_rollouts(r, server)
     else:

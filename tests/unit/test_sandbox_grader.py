@@ -58,14 +58,14 @@ class Yes:
 STYLES = {
     "top_level": "expected = 8191\nassert f(13) == expected\nassert f(5) == 31\nassert abs(f(1) - 1) < 1e-9",
     "check_candidate": "def check(candidate):\n    assert candidate(13) == 8191\n    assert candidate(5) == 31\n"
-                       "check(f)",
+    "check(f)",
     "zero_arg_test_called": "def test_x():\n    assert f(13) == 8191\n    assert f(5) == 31\ntest_x()",
     "pytest_uncalled_parametrize": "from solution import f\nimport pytest\ndef test_a():\n    assert f(13) == 8191\n"
-                                   "@pytest.mark.parametrize('n, e', [(2, 3), (5, 31)])\ndef test_b(n, e):\n"
-                                   "    assert f(n) == e\n",
+    "@pytest.mark.parametrize('n, e', [(2, 3), (5, 31)])\ndef test_b(n, e):\n"
+    "    assert f(n) == e\n",
     "while_loop": "i = 1\nwhile i < 6:\n    assert f(i) == 2 ** i - 1\n    i += 1",
     "main_guard": "if __name__ == '__main__':\n    for n in range(1, 5):\n        assert f(n) == 2 ** n - 1\n"
-                  "    print('ok')",
+    "    print('ok')",
     "evalplus_assertion": (
         "import numpy as np\ndef is_floats(x) -> bool:\n    if isinstance(x, float):\n        return True\n"
         "    if isinstance(x, (list, tuple)):\n        return all(isinstance(i, float) for i in x)\n"
@@ -75,14 +75,15 @@ STYLES = {
         "        assert np.allclose(out, exp, rtol=1e-07, atol=atol)\n    else:\n        assert exact_match\n"
         "inputs = [[1], [5], [13]]\nresults = [1, 31, 8191]\ndef check(candidate):\n"
         "    for i, (inp, exp) in enumerate(zip(inputs, results)):\n        assertion(candidate(*inp), exp, 0)\n"
-        "check(f)"),
+        "check(f)"
+    ),
     "unittest": "import unittest\nclass T(unittest.TestCase):\n    def setUp(self):\n        self.n = 13\n"
-                "    def test_a(self):\n        self.assertEqual(f(self.n), 8191)\n    def test_b(self):\n"
-                "        self.assertTrue(f(1) == 1)\n        self.assertAlmostEqual(f(2), 3.0)\n"
-                "if __name__ == '__main__':\n    unittest.main(exit=False)",
+    "    def test_a(self):\n        self.assertEqual(f(self.n), 8191)\n    def test_b(self):\n"
+    "        self.assertTrue(f(1) == 1)\n        self.assertAlmostEqual(f(2), 3.0)\n"
+    "if __name__ == '__main__':\n    unittest.main(exit=False)",
     "expected_side_helpers": "from math import factorial\ndef ref(n):\n    return 2 ** n - 1\n"
-                             "exp = list(map(lambda n: ref(n), [1, 5, 13]))\nassert [f(n) for n in [1, 5, 13]] == exp\n"
-                             "assert f(3) == int(f'{7}')\nassert f(10) == factorial(6) + 303",
+    "exp = list(map(lambda n: ref(n), [1, 5, 13]))\nassert [f(n) for n in [1, 5, 13]] == exp\n"
+    "assert f(3) == int(f'{7}')\nassert f(10) == factorial(6) + 303",
     "raises": "import pytest\nassert f(3) == 7\nwith pytest.raises(TypeError):\n    f('x')",
 }
 
@@ -99,8 +100,11 @@ def test_each_style_right_one_wrong_zero_liar_zero(style):
 
 def test_expected_values_never_reach_the_sandbox():
     sandbox = FakeSandbox({"f": right})
-    grade(prepare(STYLES["expected_side_helpers"] + "\nexpected = [8191, 31]\nassert [f(13), f(5)] == expected"),
-          sandbox, time.monotonic() + 30)
+    grade(
+        prepare(STYLES["expected_side_helpers"] + "\nexpected = [8191, 31]\nassert [f(13), f(5)] == expected"),
+        sandbox,
+        time.monotonic() + 30,
+    )
     sent = json.dumps(sandbox.sent)
     assert "8191" not in sent and "5040" not in sent and "ref" not in sent
     assert all(src.startswith("f(") for src, _ in sandbox.sent)
@@ -129,8 +133,10 @@ def test_refused_files_say_why_in_one_line():
 def test_set_up_failure_fails_what_follows():
     tests = "x = g()\nassert f(x) == 2\nassert f(1) == 2"
     assert score(tests, {"f": lambda x: 2, "g": lambda: 1 / 0}) == (0, 2)
-    assert score("def test_a():\n    assert f(1) == 2\n    x = 1 / f(0)\n    assert f(2) == 2\ntest_a()",
-                 {"f": lambda x: 2 if x else 0}) == (1, 2)  # the test function fails once where it stops
+    assert score(
+        "def test_a():\n    assert f(1) == 2\n    x = 1 / f(0)\n    assert f(2) == 2\ntest_a()",
+        {"f": lambda x: 2 if x else 0},
+    ) == (1, 2)  # the test function fails once where it stops
 
 
 def test_parent_side_work_is_bounded():
@@ -159,6 +165,7 @@ def test_log_safe_escapes_and_cuts():
 
 def test_test_values_never_travel_with_program_objects():
     """``zip(f(), expected)`` answered by the program could pair every expected value with itself."""
+
     class Gen:
         def __iter__(self):
             return iter([0, 0, 0])
@@ -199,11 +206,14 @@ def test_answers_that_would_take_the_trainer_quadratic_time_fail():
         return {"q": 1, "v": answers[src.split("(")[0][2:]]}
 
     start = time.monotonic()
-    for tests in ("assert len(f_set(1)) == 100000", "assert len(set(f_list(1))) == 100000",
-                  "assert len({x for x in f_list(1)}) == 100000"):
+    for tests in (
+        "assert len(f_set(1)) == 100000",
+        "assert len(set(f_list(1))) == 100000",
+        "assert len({x for x in f_list(1)}) == 100000",
+    ):
         g = grade(prepare(tests), call, time.monotonic() + 30)
         assert (g.passed, g.checks) == (0, 1), tests
-    big = 3 ** 400_000
+    big = 3**400_000
     assert score("assert f(1) % f(2) == 0", {"f": lambda n: big + n}) == (0, 1)  # quadratic long division
     assert time.monotonic() - start < 10
     assert score("assert len(f(1)) == 5000", {"f": lambda n: set(range(5000))}) == (1, 1)  # plain sets are fine

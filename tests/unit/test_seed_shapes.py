@@ -14,9 +14,14 @@ from grpokit.trainers.batch import SEED_KEYS, RolloutBatch
 
 def _batch(n: int = 4, p: int = 3, c: int = 2) -> RolloutBatch:
     att = torch.ones(n, p + c, dtype=torch.long)
-    return RolloutBatch(input_ids=torch.arange(n * (p + c)).view(n, p + c), attention_mask=att,
-                        position_ids=(att.cumsum(-1) - 1), completion_mask=torch.ones(n, c),
-                        truncated=torch.zeros(n, dtype=torch.bool), advantages=torch.arange(n).float())
+    return RolloutBatch(
+        input_ids=torch.arange(n * (p + c)).view(n, p + c),
+        attention_mask=att,
+        position_ids=(att.cumsum(-1) - 1),
+        completion_mask=torch.ones(n, c),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        advantages=torch.arange(n).float(),
+    )
 
 
 def test_the_batch_reads_and_writes_as_the_seeds_dict():
@@ -99,11 +104,9 @@ def test_loss_conventions_are_told_apart_by_the_signature():
         def swift46(self, model, model_inputs, grpo_batch):
             return torch.tensor(2.0, requires_grad=True), None
 
-        def step_old(self, model, inputs):
-            ...
+        def step_old(self, model, inputs): ...
 
-        def step_new(self, model, inputs, num_items_in_batch=None):
-            ...
+        def step_new(self, model, inputs, num_items_in_batch=None): ...
 
         def wrong(self, model, inputs):
             return 3.0
@@ -119,8 +122,17 @@ def test_loss_conventions_are_told_apart_by_the_signature():
 def test_optimizer_callback_shapes():
     from grpokit.trainers.optimizers import OptimizerCallback, build_optimizer, build_sgd
 
-    args = SimpleNamespace(learning_rate=0.1, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                           lr_scheduler_type="constant", lr_scheduler_kwargs=None, warmup_steps=0, warmup_ratio=0.0)
+    args = SimpleNamespace(
+        learning_rate=0.1,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        lr_scheduler_type="constant",
+        lr_scheduler_kwargs=None,
+        warmup_steps=0,
+        warmup_ratio=0.0,
+    )
     model = torch.nn.Linear(2, 2)
     trainer = SimpleNamespace(model=model)
     opt, sched = build_optimizer(OptimizerCallback, list(model.parameters()), args, trainer, 10)
@@ -136,8 +148,7 @@ def test_optimizer_callback_shapes():
         build_optimizer(NotAnOptimizer, [], args, trainer, 10)
 
     class Both(OptimizerCallback):
-        def create_optimizer_and_scheduler(self, num_training_steps):
-            ...
+        def create_optimizer_and_scheduler(self, num_training_steps): ...
 
     with pytest.raises(PluginError, match="create_optimizer_and_scheduler, which grpokit does not call"):
         build_optimizer(Both, [], args, trainer, 10)
@@ -163,8 +174,12 @@ def test_hf_callbacks_are_built_and_driven_hfs_way():
             seen.append(logs)
             return TrainerControl(should_training_stop=True)
 
-    args = hf_args({"learning_rate": 0.5, "logging_steps": 1, "eval_steps": None, "save_steps": 10,
-                    "num_train_epochs": 1.0}, process_index=0, world_size=1, is_main=True)
+    args = hf_args(
+        {"learning_rate": 0.5, "logging_steps": 1, "eval_steps": None, "save_steps": 10, "num_train_epochs": 1.0},
+        process_index=0,
+        world_size=1,
+        is_main=True,
+    )
     plain, swift = build(Plain, args, "T"), build(Swift, args, "T")
     assert is_hf_callback(Plain) and is_hf_callback(plain) and not is_hf_callback(object())
     assert swift.trainer == "T"
@@ -185,8 +200,10 @@ def test_open_env_scheduler_refuses_a_server_row_naming_the_in_process_fix():
     from grpokit.swift.rollout.multi_turn import OpenEnvScheduler
 
     assert multi_turns["OpenEnvScheduler"] is OpenEnvScheduler is multi_turns["openenv_scheduler"]
-    row = RolloutInferRequest(messages=[{"role": "user", "content": "Play"}],
-                              data_dict={"env_config": {"name": "openenv", "base_url": "http://127.0.0.1:8000"}})
+    row = RolloutInferRequest(
+        messages=[{"role": "user", "content": "Play"}],
+        data_dict={"env_config": {"name": "openenv", "base_url": "http://127.0.0.1:8000"}},
+    )
     with pytest.raises(ConfigError, match="in process: give env_config.env"):
         OpenEnvScheduler()._make_env(row)
     with pytest.raises(ConfigError, match="--openenv_env 'no_such_module:Env': cannot import"):

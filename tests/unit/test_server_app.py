@@ -29,9 +29,18 @@ class EchoEngine(InferEngine):
         self.resets = 0
 
     def infer(self, requests, config):
-        return [ChatCompletionResponse(choices=[ChatCompletionResponseChoice(
-            message={"role": "assistant", "content": r.messages[-1]["content"][::-1]}, finish_reason="stop",
-            token_ids=[1, 2, 3])]) for r in requests]
+        return [
+            ChatCompletionResponse(
+                choices=[
+                    ChatCompletionResponseChoice(
+                        message={"role": "assistant", "content": r.messages[-1]["content"][::-1]},
+                        finish_reason="stop",
+                        token_ids=[1, 2, 3],
+                    )
+                ]
+            )
+            for r in requests
+        ]
 
     def check_weights(self, metas):
         return [f"{m.name}: no such parameter in the served model" for m in metas if m.name != "w"]
@@ -64,8 +73,10 @@ def client() -> TestClient:
 
 
 def test_infer_returns_outputs_in_request_order(client):
-    body = {"requests": [_req("abc", request_id="r1"), _req("xyz", request_id="r2")],
-            "request_config": {"max_tokens": 3, "temperature": 0}}
+    body = {
+        "requests": [_req("abc", request_id="r1"), _req("xyz", request_id="r2")],
+        "request_config": {"max_tokens": 3, "temperature": 0},
+    }
     out = client.post("/infer/", json=body).json()
     assert [o["messages"][-1]["content"] for o in out] == ["cba", "zyx"]
     assert [o["request_id"] for o in out] == ["r1", "r2"]
@@ -78,30 +89,67 @@ def test_engine_type_reports_the_server_setup(client):
     assert info["communicator"] is False and info["max_batch_requests"] == 4
 
 
-@pytest.mark.parametrize("payload, status, words", [
-    (b'{"requests": [', 422, "not valid JSON"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"max_tokens": "many"}}',
-     422, "request_config.max_tokens"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "colour": "red"}]}', 422, "requests.0.colour"),
-    (b'{"requests": [], "extra": 1}', 422, "extra"),
-    (b'{"requests": [{"messages": []}]}', 422, "at least one message"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"n": 2}}', 400,
-     "repeat the request"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 3}}]}', 400,
-     "requests[0].request_config.n 3"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 20000}}]}', 422,
-     "less than or equal to 1024 (got 20000)"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"max_tokens": 1e15}}',
-     422, "request_config.max_tokens"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"temperature": 1e-300}}',
-     422, "must be 0 (greedy) or at least 0.01"),
-    (b'{"requests": [{"messages": [{"role": 7, "content": "x"}]}]}', 422, "role must be a string"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "\\ud800"}]}]}', 422, "lone UTF-16 surrogate"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
-     b'"request_config": {"structured_outputs_json": "/etc/passwd"}}', 422, "file paths are read only"),
-    (b'{"requests": [{"messages": [{"role": "user", "content": "x", "extra": ' + b"[" * 500 + b"]" * 500 + b'}]}]}',
-     422, "nested deeper than 32 levels"),
-])
+@pytest.mark.parametrize(
+    "payload, status, words",
+    [
+        (b'{"requests": [', 422, "not valid JSON"),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+            b'"request_config": {"max_tokens": "many"}}',
+            422,
+            "request_config.max_tokens",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "colour": "red"}]}',
+            422,
+            "requests.0.colour",
+        ),
+        (b'{"requests": [], "extra": 1}', 422, "extra"),
+        (b'{"requests": [{"messages": []}]}', 422, "at least one message"),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"n": 2}}',
+            400,
+            "repeat the request",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 3}}]}',
+            400,
+            "requests[0].request_config.n 3",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}], "request_config": {"n": 20000}}]}',
+            422,
+            "less than or equal to 1024 (got 20000)",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], "request_config": {"max_tokens": 1e15}}',
+            422,
+            "request_config.max_tokens",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+            b'"request_config": {"temperature": 1e-300}}',
+            422,
+            "must be 0 (greedy) or at least 0.01",
+        ),
+        (b'{"requests": [{"messages": [{"role": 7, "content": "x"}]}]}', 422, "role must be a string"),
+        (b'{"requests": [{"messages": [{"role": "user", "content": "\\ud800"}]}]}', 422, "lone UTF-16 surrogate"),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x"}]}], '
+            b'"request_config": {"structured_outputs_json": "/etc/passwd"}}',
+            422,
+            "file paths are read only",
+        ),
+        (
+            b'{"requests": [{"messages": [{"role": "user", "content": "x", "extra": '
+            + b"[" * 500
+            + b"]" * 500
+            + b"}]}]}",
+            422,
+            "nested deeper than 32 levels",
+        ),
+    ],
+)
 def test_bad_bodies_get_a_4xx_with_a_message_and_the_server_keeps_serving(client, payload, status, words):
     resp = client.post("/infer/", content=payload, headers={"Content-Type": "application/json"})
     assert resp.status_code == status
@@ -186,15 +234,18 @@ def _meta(name="w", **kw) -> dict:
     return {"name": name, "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, **kw}
 
 
-@pytest.mark.parametrize("buckets, words", [
-    ([{"nbytes": 8, "tensors": [_meta(nbytes=12)]}], "is 8 bytes, not nbytes 12"),
-    ([{"nbytes": 1 << 40, "tensors": [_meta()]}], "tensors end at byte 8"),
-    ([{"nbytes": 10, "tensors": [_meta(offset=2)]}], "not a multiple of 4"),
-    ([{"nbytes": 12, "tensors": [_meta(), _meta("v", offset=4)]}], "overlap"),
-    ([{"nbytes": 8, "tensors": [_meta()]}, {"nbytes": 8, "tensors": [_meta()]}], "w: sent twice"),
-    ([{"nbytes": 8, "tensors": [_meta(dtype="complex64")]}], "dtype"),
-    ([{"nbytes": 0, "tensors": []}], "at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "buckets, words",
+    [
+        ([{"nbytes": 8, "tensors": [_meta(nbytes=12)]}], "is 8 bytes, not nbytes 12"),
+        ([{"nbytes": 1 << 40, "tensors": [_meta()]}], "tensors end at byte 8"),
+        ([{"nbytes": 10, "tensors": [_meta(offset=2)]}], "not a multiple of 4"),
+        ([{"nbytes": 12, "tensors": [_meta(), _meta("v", offset=4)]}], "overlap"),
+        ([{"nbytes": 8, "tensors": [_meta()]}, {"nbytes": 8, "tensors": [_meta()]}], "w: sent twice"),
+        ([{"nbytes": 8, "tensors": [_meta(dtype="complex64")]}], "dtype"),
+        ([{"nbytes": 0, "tensors": []}], "at least 1 item"),
+    ],
+)
 def test_weight_metadata_is_checked_whole_before_any_broadcast(client, buckets, words):
     resp = client.post("/update_weights/", json={"buckets": buckets})
     assert resp.status_code == 422 and words in resp.json()["error"]
@@ -214,8 +265,9 @@ def test_a_batch_is_split_so_that_its_prefill_fits_the_budget():
 
     from grpokit.engines.transformers_engine import TransformersEngine
 
-    engine = SimpleNamespace(max_batch_size=4, max_prefill_bytes=None,
-                             model=SimpleNamespace(config=SimpleNamespace(num_attention_heads=1)))
+    engine = SimpleNamespace(
+        max_batch_size=4, max_prefill_bytes=None, model=SimpleNamespace(config=SimpleNamespace(num_attention_heads=1))
+    )
     flat = [[1] * 10] * 3 + [[2] * 10, [3] * 10, [4] * 20]
 
     def chunks() -> list[tuple[int, int]]:

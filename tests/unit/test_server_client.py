@@ -21,13 +21,13 @@ from grpokit.server.cli import options_from_argv
 
 
 def _req(prompt_id: str, request_id: str) -> RolloutInferRequest:
-    return RolloutInferRequest(messages=[{"role": "user", "content": "q"}], prompt_id=prompt_id,
-                               request_id=request_id)
+    return RolloutInferRequest(messages=[{"role": "user", "content": "q"}], prompt_id=prompt_id, request_id=request_id)
 
 
 def _out(request_id: str) -> RolloutOutput:
-    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": ""}, finish_reason="stop",
-                                          token_ids=[])
+    choice = ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": ""}, finish_reason="stop", token_ids=[]
+    )
     return RolloutOutput(response=ChatCompletionResponse(choices=[choice]), messages=[], request_id=request_id)
 
 
@@ -94,12 +94,15 @@ def _scripted(statuses: list[int]):
     return handler, calls
 
 
-@pytest.mark.parametrize("statuses, attempts, answered", [
-    ([503, 502], 3, True),  # transient twice, then the answer
-    ([429] * 5, 6, True),  # busy: retried past max_retries, until the deadline
-    ([503] * 4, 4, False),  # 1 + 3 retries, all unavailable: a ServerError naming the attempts
-    ([400], 1, False),  # a refusal is final
-])
+@pytest.mark.parametrize(
+    "statuses, attempts, answered",
+    [
+        ([503, 502], 3, True),  # transient twice, then the answer
+        ([429] * 5, 6, True),  # busy: retried past max_retries, until the deadline
+        ([503] * 4, 4, False),  # 1 + 3 retries, all unavailable: a ServerError naming the attempts
+        ([400], 1, False),  # a refusal is final
+    ],
+)
 def test_sync_and_async_requests_share_one_retry_policy(statuses, attempts, answered):
     import asyncio
 
@@ -109,6 +112,7 @@ def test_sync_and_async_requests_share_one_retry_policy(statuses, attempts, answ
     for use_async in (False, True):
         handler, calls = _scripted(statuses)
         if use_async:
+
             async def call():
                 async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
                     return await client._request_async(http, 0, "/x/", {})
@@ -137,23 +141,30 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
     assert options_from_argv(["--model", "m", "--host", "::1"]).host == "::1"
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "m", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
-    (["--model", "m", "--max_turns", "3"], "--max_turns 3 needs --multi_turn_scheduler"),
-    (["--model", "m", "--gym_env", "e"], "needs --multi_turn_scheduler gym_scheduler"),
-    (["--model", "m", "--port", "70000"], "--port 70000"),
-    (["--model", "m", "--max_batch_requests", "0"], "--max_batch_requests 0"),
-    (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
-    (["--model", "m", "--vllm_tensor_parallel_size", "2"], "tensor parallelism is not implemented yet"),
-    (["--model", "m", "--vllm_data_parallel_size", "2"],
-     "not implemented yet in grpokit rollout; start one grpokit rollout per device"),
-    (["--model", "m", "--vllm_enable_lora", "true"], "--vllm_enable_lora true: sending LoRA adapters"),
-    (["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
-     "applies to --engine vllm only"),
-    (["--model", "m", "--vllm_gpu_memory_utilization", "1.5"], "must be in (0, 1]"),
-    (["--model", "m", "--max_sync_timeout_s", "1e9"], "--max_sync_timeout_s"),
-    ([], "--model"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model", "m", "--engine", "sglang"], "--engine: invalid choice: 'sglang'"),
+        (["--model", "m", "--max_turns", "3"], "--max_turns 3 needs --multi_turn_scheduler"),
+        (["--model", "m", "--gym_env", "e"], "needs --multi_turn_scheduler gym_scheduler"),
+        (["--model", "m", "--port", "70000"], "--port 70000"),
+        (["--model", "m", "--max_batch_requests", "0"], "--max_batch_requests 0"),
+        (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--model", "m", "--vllm_tensor_parallel_size", "2"], "tensor parallelism is not implemented yet"),
+        (
+            ["--model", "m", "--vllm_data_parallel_size", "2"],
+            "not implemented yet in grpokit rollout; start one grpokit rollout per device",
+        ),
+        (["--model", "m", "--vllm_enable_lora", "true"], "--vllm_enable_lora true: sending LoRA adapters"),
+        (
+            ["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
+            "applies to --engine vllm only",
+        ),
+        (["--model", "m", "--vllm_gpu_memory_utilization", "1.5"], "must be in (0, 1]"),
+        (["--model", "m", "--max_sync_timeout_s", "1e9"], "--max_sync_timeout_s"),
+        ([], "--model"),
+    ],
+)
 def test_rollout_option_errors_are_one_line(argv, words, monkeypatch):
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
     with pytest.raises(ConfigError) as e:
@@ -163,10 +174,22 @@ def test_rollout_option_errors_are_one_line(argv, words, monkeypatch):
 
 def test_engine_defaults_to_vllm_when_installed_and_a_missing_vllm_is_one_line(monkeypatch):
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: True)
-    vllm = options_from_argv(["--model", "m", "--vllm_gpu_memory_utilization", "0.5", "--vllm_max_model_len", "512",
-                              "--vllm_enable_prefix_caching", "false"])
-    assert vllm.engine == "vllm" and vllm.vllm_settings() == {"gpu_memory_utilization": 0.5,
-                                                              "enable_prefix_caching": False}
+    vllm = options_from_argv(
+        [
+            "--model",
+            "m",
+            "--vllm_gpu_memory_utilization",
+            "0.5",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_enable_prefix_caching",
+            "false",
+        ]
+    )
+    assert vllm.engine == "vllm" and vllm.vllm_settings() == {
+        "gpu_memory_utilization": 0.5,
+        "enable_prefix_caching": False,
+    }
     assert vllm.vllm_max_model_len == 512
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)
     assert options_from_argv(["--model", "m"]).engine == "transformers"

@@ -69,8 +69,11 @@ class _Probe:
 def _raw_post(port: int, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -89,8 +92,14 @@ def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypa
             finished.set()
 
     monkeypatch.setattr(engine, "infer", infer)
-    sock = _raw_post(port, "/infer/", {"requests": [{"messages": [{"role": "user", "content": "count"}]}],
-                                       "request_config": {"max_tokens": 1000, "temperature": 1.0}})
+    sock = _raw_post(
+        port,
+        "/infer/",
+        {
+            "requests": [{"messages": [{"role": "user", "content": "count"}]}],
+            "request_config": {"max_tokens": 1000, "temperature": 1.0},
+        },
+    )
     assert probe.decoding.wait(30), "generation did not start"
     sock.close()  # the client goes away mid-generation
     assert finished.wait(1.0), "the engine was still generating 1 s after the client disconnected"
@@ -132,8 +141,14 @@ def test_rendezvous_with_a_silent_store_answers_within_its_capped_timeout(served
     state, url, _ = served
     answers: dict = {}
     with silent_store() as store_port:
-        body = {"host": "127.0.0.1", "port": store_port, "rank": 1, "world_size": 2, "group": "g1",
-                "timeout_s": 1000}  # the server caps it at --max_sync_timeout_s 1.5
+        body = {
+            "host": "127.0.0.1",
+            "port": store_port,
+            "rank": 1,
+            "world_size": 2,
+            "group": "g1",
+            "timeout_s": 1000,
+        }  # the server caps it at --max_sync_timeout_s 1.5
 
         def init() -> None:
             t0 = time.monotonic()

@@ -41,8 +41,11 @@ def test_a_row_failing_mid_generation_ends_only_its_request(state, monkeypatch):
     config = RequestConfig(max_tokens=6, temperature=1.0, seed=1, structured_outputs_regex="[a-z]{1,40}")
 
     async def both():
-        return await asyncio.gather(engine.infer_async(_request("one"), config),
-                                    engine.infer_async(_request("two"), config), return_exceptions=True)
+        return await asyncio.gather(
+            engine.infer_async(_request("one"), config),
+            engine.infer_async(_request("two"), config),
+            return_exceptions=True,
+        )
 
     ok, failed = asyncio.run(both())
     assert calls.get(1, 0) >= 3  # both rows were in one generate call
@@ -54,14 +57,17 @@ def test_a_row_failing_mid_generation_ends_only_its_request(state, monkeypatch):
 
 def test_a_pattern_past_the_grammar_limits_is_refused_before_sampling(state):
     client = TestClient(create_app(state), base_url="http://127.0.0.1")
-    body = {"requests": [{"messages": [{"role": "user", "content": "x"}]}],
-            "request_config": {"max_tokens": 4, "structured_outputs_regex": "((a{100}){100}){100}"}}
+    body = {
+        "requests": [{"messages": [{"role": "user", "content": "x"}]}],
+        "request_config": {"max_tokens": 4, "structured_outputs_regex": "((a{100}){100}){100}"},
+    }
     resp = client.post("/infer/", json=body)
     assert resp.status_code == 400, resp.text
     assert "((a{100}){100}){100}" in resp.json()["error"] and "cannot follow it" in resp.json()["error"]
     deep = '{"a": ' * 3000 + "1" + "}" * 3000
     resp = client.post("/infer/", json={**body, "request_config": {"max_tokens": 4, "structured_outputs_json": deep}})
     assert resp.status_code == 400 and "nests deeper than 32" in resp.json()["error"], resp.text
-    fine = client.post("/infer/", json={**body, "request_config": {"max_tokens": 4,
-                                                                   "structured_outputs_regex": "[0-9]{2}"}})
+    fine = client.post(
+        "/infer/", json={**body, "request_config": {"max_tokens": 4, "structured_outputs_regex": "[0-9]{2}"}}
+    )
     assert fine.status_code == 200, fine.text

@@ -27,8 +27,7 @@ def _reference(value, depth: int = 0) -> tuple[int, int, int]:
         parts, own = [_reference(v, depth + 1) for v in value], max(len(value), 1)
     else:
         return 0, depth, 0
-    return (own + sum(p[0] for p in parts), max([depth + 1] + [p[1] for p in parts]),
-            max([0] + [p[2] for p in parts]))
+    return (own + sum(p[0] for p in parts), max([depth + 1] + [p[1] for p in parts]), max([0] + [p[2] for p in parts]))
 
 
 def _random_json(rng: random.Random, depth: int = 0):
@@ -74,10 +73,24 @@ def test_bodies_that_parse_into_too_much_are_caught_before_parsing():
     assert measured.items == 1 and measured.depth == 1
 
 
-@pytest.mark.parametrize("header, allowed", [
-    ("127.0.0.1:8000", True), ("localhost", True), ("LOCALHOST.:80", True), ("[::1]:8000", True),
-    ("127.8.9.10", True), ("trainer-box", True), ("rebind.attacker.example:8000", False), ("10.0.0.5", False),
-    ("", False), ("a@b", False), ("x:y", False), ("[::1", False), ("::1", False)])
+@pytest.mark.parametrize(
+    "header, allowed",
+    [
+        ("127.0.0.1:8000", True),
+        ("localhost", True),
+        ("LOCALHOST.:80", True),
+        ("[::1]:8000", True),
+        ("127.8.9.10", True),
+        ("trainer-box", True),
+        ("rebind.attacker.example:8000", False),
+        ("10.0.0.5", False),
+        ("", False),
+        ("a@b", False),
+        ("x:y", False),
+        ("[::1", False),
+        ("::1", False),
+    ],
+)
 def test_host_policy_of_a_loopback_bind(header, allowed):
     policy = HostPolicy.for_bind("127.0.0.1", ["trainer-box"])
     assert policy.allows_host(header.encode()) is allowed
@@ -108,8 +121,12 @@ def _call(guard: GuardMiddleware, headers: dict[str, str], body: bytes = b"", pa
 
     guard.app = app
     headers = {"Content-Length": str(len(body)), **headers}
-    scope = {"type": "http", "method": "POST", "path": path,
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
     messages = [{"type": "http.request", "body": body, "more_body": False}]
     sent = []
 
@@ -125,8 +142,16 @@ def _call(guard: GuardMiddleware, headers: dict[str, str], body: bytes = b"", pa
 
 
 def test_the_guard_refuses_before_the_application_sees_anything():
-    guard = GuardMiddleware(None, GuardPolicy(api_key="k", max_body_bytes=1 << 20, max_json_items=100,
-                                              max_json_string=1000, path_items={"/update_weights/": 5}))
+    guard = GuardMiddleware(
+        None,
+        GuardPolicy(
+            api_key="k",
+            max_body_bytes=1 << 20,
+            max_json_items=100,
+            max_json_string=1000,
+            path_items={"/update_weights/": 5},
+        ),
+    )
     ok = {"Host": "127.0.0.1:8000", "Authorization": "Bearer k", "Content-Type": "application/json"}
     assert _call(guard, ok, b'{"a": 1}')[::3] == (200, True)
     status, answer, headers, ran = _call(guard, {**ok, "Host": "rebind.attacker.example"}, b"{}")

@@ -77,17 +77,20 @@ def test_hostile_images_get_one_line_4xx(tmp_path):
     # outside the root, a symlink out of it, climbing out, missing, a directory: one answer, so that it tells
     # nothing about files elsewhere (no existence oracle)
     (root / "dir.png").mkdir()
-    answers = {(e.status, str(e).replace(repr(ref), "REF"))
-               for ref in (str(outside), "link.png", "../outside.png", "missing.png", str(tmp_path / "missing.png"),
-                           "dir.png") for e in [_refused([ref], rooted)]}
+    answers = {
+        (e.status, str(e).replace(repr(ref), "REF"))
+        for ref in (str(outside), "link.png", "../outside.png", "missing.png", str(tmp_path / "missing.png"), "dir.png")
+        for e in [_refused([ref], rooted)]
+    }
     assert len(answers) == 1 and next(iter(answers))[0] == 403, answers
     assert "not a readable file under the server's --media_root" in next(iter(answers))[1]
     nul = _refused(["a\x00.png"], rooted)
     assert nul.status == 400 and "control character" in str(nul)
     assert _refused([uri] * 3, ImageLimits(max_images_per_request=2)).status == 413
     assert "--max_image_mb" in str(_refused([uri], ImageLimits(max_image_bytes=len(png) - 1)))
-    assert "--max_images_mb" in str(_refused([uri, image_to_wire(_png(colour=(1, 2, 3)))],
-                                             ImageLimits(max_call_image_bytes=len(png) + 10)))
+    assert "--max_images_mb" in str(
+        _refused([uri, image_to_wire(_png(colour=(1, 2, 3)))], ImageLimits(max_call_image_bytes=len(png) + 10))
+    )
     assert "--max_image_pixels" in str(_refused([uri], ImageLimits(max_image_pixels=47)))
     assert _refused([image_to_wire(_png(fmt="BMP"))], ImageLimits(formats=("PNG",))).status == 415
     noisy = io.BytesIO()
@@ -117,10 +120,14 @@ def test_a_trajectorys_images_go_back_as_base64_and_return_as_bytes():
     from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
 
     png = _png()
-    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
-                                          token_ids=[1])
-    out = RolloutOutput(response=ChatCompletionResponse(choices=[choice]), messages=MSG,
-                        rollout_infos={"images": [Image.open(io.BytesIO(png))]})
+    choice = ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": "x"}, finish_reason="stop", token_ids=[1]
+    )
+    out = RolloutOutput(
+        response=ChatCompletionResponse(choices=[choice]),
+        messages=MSG,
+        rollout_infos={"images": [Image.open(io.BytesIO(png))]},
+    )
     wire = output_to_wire(out)
     back = images_from_wire(wire["rollout_infos"]["images"], "r")
     assert load_image(back[0]).tobytes() == load_image(png).tobytes()
@@ -164,16 +171,24 @@ def test_the_trainer_stops_when_the_servers_prompt_ids_are_not_its_processors():
             return [1, 9, 9, 9, 2], None
 
     request = RolloutInferRequest(messages=MSG, data_dict={"images": [_png()]})
-    choice = ChatCompletionResponseChoice(message={"role": "assistant", "content": "x"}, finish_reason="stop",
-                                          token_ids=[5])
+    choice = ChatCompletionResponseChoice(
+        message={"role": "assistant", "content": "x"}, finish_reason="stop", token_ids=[5]
+    )
 
     def output(prompt_ids):
-        return RolloutOutput(response=ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids),
-                             messages=MSG, response_token_ids=[[5]], request_id=request.request_id)
+        return RolloutOutput(
+            response=ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids),
+            messages=MSG,
+            response_token_ids=[[5]],
+            request_id=request.request_id,
+        )
 
     check_prompt_ids(Template(), [request], [output([1, 9, 9, 9, 2])])
-    with pytest.raises(RolloutError, match=r"prompt ids differ from this trainer's processor's \(4 vs 5 ids, first "
-                                           r"difference at position 3\)") as e:
+    with pytest.raises(
+        RolloutError,
+        match=r"prompt ids differ from this trainer's processor's \(4 vs 5 ids, first "
+        r"difference at position 3\)",
+    ) as e:
         check_prompt_ids(Template(), [request], [output([1, 9, 9, 2])])
     assert "\n" not in str(e.value)
 

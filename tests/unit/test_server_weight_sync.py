@@ -18,8 +18,12 @@ def test_plan_buckets_aligns_and_splits():
     # a: 3 float32 = 12 B at 0; b: 5 bf16 = 10 B at align16(12) = 16 -> bucket 1 is 26 B (<= 40)
     # c: 4 float32 = 16 B would start at align16(26) = 32, end 48 > 40 -> bucket 2, offset 0
     # d: 20 float32 = 80 B > 40 on its own: bucket 3 (a tensor larger than the limit travels alone)
-    specs = [("a", (3,), torch.float32), ("b", (5,), torch.bfloat16), ("c", (2, 2), torch.float32),
-             ("d", (20,), torch.float32)]
+    specs = [
+        ("a", (3,), torch.float32),
+        ("b", (5,), torch.bfloat16),
+        ("c", (2, 2), torch.float32),
+        ("d", (20,), torch.float32),
+    ]
     buckets = plan_buckets(specs, bucket_bytes=40)
     assert [b.nbytes for b in buckets] == [26, 16, 80]
     assert [(m.name, m.offset, m.nbytes) for m in buckets[0].tensors] == [("a", 0, 12), ("b", 16, 10)]
@@ -27,8 +31,12 @@ def test_plan_buckets_aligns_and_splits():
 
 
 def test_pack_unpack_round_trip_mixed_dtypes():
-    tensors = {"w": torch.randn(3, 5), "h": torch.randn(7).to(torch.bfloat16), "s": torch.tensor(2.5),
-               "i": torch.arange(6, dtype=torch.int64).view(2, 3)}
+    tensors = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(7).to(torch.bfloat16),
+        "s": torch.tensor(2.5),
+        "i": torch.arange(6, dtype=torch.int64).view(2, 3),
+    }
     (bucket,) = plan_buckets([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], bucket_bytes=1 << 20)
     buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
     for meta in bucket.tensors:
@@ -46,8 +54,10 @@ def test_pack_casts_to_the_wire_dtype():
 
 
 def test_plain_name_strips_peft_wrappers():
-    assert plain_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
-        "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        plain_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert plain_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
     assert plain_name("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
     assert plain_name("base_model.model.lm_head.original_module.weight") is None
@@ -82,8 +92,9 @@ def _loopback_post(receivers: list[WeightReceiver], targets: list[nn.Module]):
 def test_sender_receiver_over_gloo_two_servers_several_buckets():
     source, targets = _tiny_net(0), [_tiny_net(1), _tiny_net(2)]
     receivers = [WeightReceiver(), WeightReceiver()]
-    sender = WeightSender([("127.0.0.1", 1), ("127.0.0.1", 2)], _loopback_post(receivers, targets),
-                          bucket_mb=1, timeout_s=20)
+    sender = WeightSender(
+        [("127.0.0.1", 1), ("127.0.0.1", 2)], _loopback_post(receivers, targets), bucket_mb=1, timeout_s=20
+    )
     sender.bucket_bytes = 64  # force several buckets: 4x8 float32 = 128 B alone, then the rest
     try:
         for round_ in range(2):
@@ -130,8 +141,16 @@ def test_failed_rendezvous_names_the_store_within_its_timeout():
         port = s.getsockname()[1]
     t0 = time.monotonic()
     with pytest.raises(ServerError, match=f"store at 127.0.0.1:{port} failed after 0.5s as rank 1"):
-        Communicator.create(store_host="127.0.0.1", store_port=port, rank=1, world_size=2, backend="gloo",
-                            group="g", timeout_s=0.5, local_host="127.0.0.1")
+        Communicator.create(
+            store_host="127.0.0.1",
+            store_port=port,
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            group="g",
+            timeout_s=0.5,
+            local_host="127.0.0.1",
+        )
     assert time.monotonic() - t0 < 10
 
 

@@ -26,8 +26,9 @@ def test_finite_steps_pass_and_reset_the_count(caplog):
     assert guard.in_a_row == 0 and guard.skipped == 2
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert lines[0].startswith("step 2: non-finite loss and grad norm (loss nan, grad norm nan); optimizer step "
-                               "skipped, weights unchanged"), lines[0]
+    assert lines[0].startswith(
+        "step 2: non-finite loss and grad norm (loss nan, grad norm nan); optimizer step skipped, weights unchanged"
+    ), lines[0]
     assert "step 3: non-finite grad norm (loss 0.1, grad norm inf)" in lines[1]
     assert "--max_nonfinite_steps 3" in lines[1]
 

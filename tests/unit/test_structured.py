@@ -63,10 +63,13 @@ def test_one_constraint_at_most():
     assert constraint_from_config(cfg) == Constraint("json", '{"type": "string"}')
 
 
-@pytest.mark.parametrize("regex, fragment", [
-    ("[0-9", "unclosed character class"),
-    (r"(a)\1", "backreferences are not supported"),
-])
+@pytest.mark.parametrize(
+    "regex, fragment",
+    [
+        ("[0-9", "unclosed character class"),
+        (r"(a)\1", "backreferences are not supported"),
+    ],
+)
 def test_invalid_regex_is_a_config_error_naming_the_option(regex, fragment):
     with pytest.raises(ConfigError, match=r"structured_outputs_regex .*" + fragment):
         check_structured_options(regex, None)

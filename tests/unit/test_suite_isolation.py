@@ -12,7 +12,7 @@ from pathlib import Path
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
-TESTS = textwrap.dedent('''
+TESTS = textwrap.dedent("""
     import logging
     import os
     import random
@@ -67,13 +67,18 @@ TESTS = textwrap.dedent('''
         from grpokit.config.parse import parse_train_args
 
         assert parse_train_args([]).training.output_dir == "output/demo"  # no earlier run's checkpoint here
-''')
+""")
 
 
 def test_a_test_finds_no_trace_of_the_test_before_it(tmp_path):
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "test_pair.py").write_text(TESTS)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "test_pair.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "test_pair.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "2 passed" in proc.stdout

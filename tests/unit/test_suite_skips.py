@@ -16,7 +16,7 @@ import pytest
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
-TESTS = textwrap.dedent('''
+TESTS = textwrap.dedent("""
     import pytest
 
 
@@ -40,7 +40,7 @@ TESTS = textwrap.dedent('''
     @pytest.mark.xfail(reason="an expected failure is not a skip", strict=True)
     def test_expected_to_fail():
         assert False
-''')
+""")
 
 
 def _session(tmp_path: Path, reason: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -49,9 +49,14 @@ def _session(tmp_path: Path, reason: str, *args: str, env: dict | None = None) -
     # the installed plugins are not loaded (schemathesis, hypothesis, anyio, ... cost seconds of start-up per
     # session and per xdist worker); the probe needs none but xdist, which `-n` loads by name
     plugins = ["-p", "xdist.plugin"] if "-n" in args else []
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins,
-                           *args, "test_probe.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, *args, "test_probe.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **(env or {})},
+    )
 
 
 def test_an_unexpected_skip_fails_the_run_and_names_the_test(tmp_path):
@@ -79,8 +84,9 @@ def test_the_variable_keeps_unexpected_skips_from_failing_the_run(monkeypatch, a
     session = SimpleNamespace(config=config, exitstatus=pytest.ExitCode.OK)
     monkeypatch.setattr(hooks, "_CONFIG", [config])
     for reason in ("needs a CUDA device", "bubblewrap is not installed"):
-        hooks.pytest_runtest_logreport(SimpleNamespace(skipped=True, nodeid=f"t.py::{reason[:5]}",
-                                                       longrepr=("t.py", 1, f"Skipped: {reason}")))
+        hooks.pytest_runtest_logreport(
+            SimpleNamespace(skipped=True, nodeid=f"t.py::{reason[:5]}", longrepr=("t.py", 1, f"Skipped: {reason}"))
+        )
     assert hooks._unexpected_skips(config) == [("t.py::bubbl", "bubblewrap is not installed")]
     if allow is None:
         monkeypatch.delenv("GRPOKIT_TEST_ALLOW_SKIPS", raising=False)

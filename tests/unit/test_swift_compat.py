@@ -68,12 +68,15 @@ def test_swift_shaped_plugin_gets_rows_with_columns_and_may_return_a_tensor(tiny
                 return self.model(**batch).logits[:, 0]
 
     reward = RewardModelReward(SwiftStyle(model, RMTemplate(tokenizer)), "rm")
-    scores = RewardRunner([reward], ["rm"]).compute(["12", "13"], {
-        "messages": [PROMPT, PROMPT], "solution": ["12", "12"], "trainer_state": {"global_step": 4}})
+    scores = RewardRunner([reward], ["rm"]).compute(
+        ["12", "13"], {"messages": [PROMPT, PROMPT], "solution": ["12", "12"], "trainer_state": {"global_step": 4}}
+    )
     assert all(math.isfinite(s) for s in scores[:, 0].tolist())
     rows = seen["rows"]
-    assert [r["messages"][-1] for r in rows] == [{"role": "assistant", "content": "12"},
-                                                 {"role": "assistant", "content": "13"}]
+    assert [r["messages"][-1] for r in rows] == [
+        {"role": "assistant", "content": "12"},
+        {"role": "assistant", "content": "13"},
+    ]
     assert [r["solution"] for r in rows] == ["12", "12"]
     assert seen["kwargs"]["trainer_state"].global_step == 4
     # the same scores from grpokit's DefaultRMPlugin, which follows the same contract
@@ -118,8 +121,9 @@ def test_swift_transformers_engine_takes_dict_requests(tmp_path):
     path = build_tiny_model(tmp_path / "m")
     model = AutoModelForCausalLM.from_pretrained(path)
     engine = TransformersEngine(model, template=RMTemplate(AutoTokenizer.from_pretrained(path)), max_batch_size=0)
-    out = engine.infer([{"messages": PROMPT, "solution": "12"}], RequestConfig(max_tokens=3, temperature=0),
-                       use_tqdm=False)
+    out = engine.infer(
+        [{"messages": PROMPT, "solution": "12"}], RequestConfig(max_tokens=3, temperature=0), use_tqdm=False
+    )
     assert len(out) == 1 and isinstance(out[0].choices[0].message.content, str)
     assert as_request({"messages": PROMPT, "x": 1}).data_dict == {"x": 1}
     with pytest.raises(ValueError, match="a dict with 'messages'"):

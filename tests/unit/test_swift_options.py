@@ -19,6 +19,7 @@ from grpokit.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 TSV = ROOT / "tests" / "data" / "ms-swift-options.tsv"
 
+
 def _generator():
     spec = importlib.util.spec_from_file_location("gen_porting_options", ROOT / "scripts" / "gen_porting_options.py")
     module = importlib.util.module_from_spec(spec)
@@ -73,9 +74,16 @@ def _groups(cfg):
     return [cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.reward, cfg.training]
 
 
-@pytest.mark.parametrize("flag", [["--use_liger_kernel", "true"], ["--swanlab_project", "p"],
-                                  ["--vllm_enable_lora"], ["--lora_ga_iters", "3"],
-                                  ["--ddp_backend", "gloo"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--use_liger_kernel", "true"],
+        ["--swanlab_project", "p"],
+        ["--vllm_enable_lora"],
+        ["--lora_ga_iters", "3"],
+        ["--ddp_backend", "gloo"],
+    ],
+)
 def test_a_warned_option_prints_one_line_and_changes_nothing(flag, caplog):
     plain = parse_train_args(BASE)
     with caplog.at_level(logging.WARNING):
@@ -93,10 +101,20 @@ def test_warned_option_on_another_rank_is_silent(caplog, monkeypatch):
     assert not [r for r in caplog.records if "no effect" in r.getMessage()]
 
 
-@pytest.mark.parametrize("flag", [["--packing", "true"], ["--rlhf_type", "dpo"], ["--use_galore"],
-                                  ["--sequence_parallel_size", "2"], ["--advantage_reweight", "x"],
-                                  ["--sdar_loss_coef", "0.1"],
-                                  ["--min_p", "0.1"], ["--num_beams", "4"], ["--save_only_model", "true"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--packing", "true"],
+        ["--rlhf_type", "dpo"],
+        ["--use_galore"],
+        ["--sequence_parallel_size", "2"],
+        ["--advantage_reweight", "x"],
+        ["--sdar_loss_coef", "0.1"],
+        ["--min_p", "0.1"],
+        ["--num_beams", "4"],
+        ["--save_only_model", "true"],
+    ],
+)
 def test_a_refused_option_stops_with_its_name_and_reason(flag):
     with pytest.raises(ConfigError) as e:
         parse_train_args(BASE + flag)
@@ -104,8 +122,16 @@ def test_a_refused_option_stops_with_its_name_and_reason(flag):
     assert msg.startswith(f"{flag[0]} ") and REFUSED[flag[0][2:]].reason in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("flag", [["--packing", "false"], ["--rlhf_type", "grpo"], ["--num_beams", "1"],
-                                  ["--freeze_parameters_ratio", "0"], ["--tuner_backend", "peft"]])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--packing", "false"],
+        ["--rlhf_type", "grpo"],
+        ["--num_beams", "1"],
+        ["--freeze_parameters_ratio", "0"],
+        ["--tuner_backend", "peft"],
+    ],
+)
 def test_a_refused_option_at_grpokits_behaviour_is_accepted_silently(flag, caplog):
     with caplog.at_level(logging.WARNING):
         cfg = parse_train_args(BASE + flag)
@@ -127,42 +153,64 @@ def test_unknown_names_stay_errors():
         parse_train_args(BASE + ["--no_such_swift_option", "1"])
 
 
-@pytest.mark.parametrize("value,accepted,same", [
-    ([], "False", False), ([], "True", True), (["false"], "False", True), (["0.0"], "0", True),
-    ([], "list", True), (["a"], "list", False), (["None"], "None", True), (None, "None", True),
-    (["'std'"], "'std'", True), (["steps"], "steps", True), (["1", "2"], "1", False), (False, "False", True)])
+@pytest.mark.parametrize(
+    "value,accepted,same",
+    [
+        ([], "False", False),
+        ([], "True", True),
+        (["false"], "False", True),
+        (["0.0"], "0", True),
+        ([], "list", True),
+        (["a"], "list", False),
+        (["None"], "None", True),
+        (None, "None", True),
+        (["'std'"], "'std'", True),
+        (["steps"], "steps", True),
+        (["1", "2"], "1", False),
+        (False, "False", True),
+    ],
+)
 def test_swift_value_matches(value, accepted, same):
     assert swift_value_matches(value, accepted) is same
 
 
 def test_ms_swift_spellings_of_grpokit_options():
-    cfg = parse_train_args(BASE + ["--max_new_tokens", "77", "--optim", "adamw_torch_fused", "--eval_strategy", "no",
-                                   "--eval_steps", "5"])
+    cfg = parse_train_args(
+        BASE + ["--max_new_tokens", "77", "--optim", "adamw_torch_fused", "--eval_strategy", "no", "--eval_steps", "5"]
+    )
     assert cfg.rollout.max_completion_length == 77 and cfg.training.optimizer == "adamw"
     assert cfg.training.eval_steps is None  # eval_strategy no: never evaluate
     cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_steps", "5"])
     assert cfg.training.eval_steps is None  # unset eval_strategy follows save_strategy
-    cfg = parse_train_args(BASE + ["--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "5",
-                                   "--split_dataset_ratio", "0.1"])
+    cfg = parse_train_args(
+        BASE
+        + ["--save_strategy", "no", "--eval_strategy", "steps", "--eval_steps", "5", "--split_dataset_ratio", "0.1"]
+    )
     assert cfg.training.eval_steps == 5
 
 
-@pytest.mark.parametrize("flag,match", [
-    (["--optim", "adafactor"], "--optim adafactor: not implemented in grpokit"),
-    (["--attn_impl", "flash_attn", "--use_cpu", "true"], "--attn_impl flash_attn: flash attention needs a CUDA GPU"),
-    (["--attn_impl", "fast"], "--attn_impl fast: unknown"),
-    (["--lr_scheduler_kwargs", "{num_cycles: 1}"], "--lr_scheduler_kwargs .*not valid JSON"),
-    (["--gradient_checkpointing_kwargs", "[1]"], "--gradient_checkpointing_kwargs .*expected a JSON object"),
-    (["--dataloader_prefetch_factor", "4"], "--dataloader_prefetch_factor 4: acts only with"),
-    (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0: must be ≥ 1"),
-    (["--save_strategy", "epoch"], "save_strategy"),
-    (["--dataloader_multiprocessing_context", "fork"], "acts only with --dataloader_num_workers > 0"),
-    (["--dataloader_num_workers", "1", "--dataloader_multiprocessing_context", "threads"], "not a start method"),
-    (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be ≥ 1"),
-    (["--tuner_type", "lora", "--freeze_parameters", "x"], "--freeze_parameters acts with --tuner_type full"),
-    (["--freeze_parameters_ratio", "1.5"], "must be in \\[0, 1\\]"),
-    (["--freeze_parameters_regex", "("], "not a valid regex"),
-])
+@pytest.mark.parametrize(
+    "flag,match",
+    [
+        (["--optim", "adafactor"], "--optim adafactor: not implemented in grpokit"),
+        (
+            ["--attn_impl", "flash_attn", "--use_cpu", "true"],
+            "--attn_impl flash_attn: flash attention needs a CUDA GPU",
+        ),
+        (["--attn_impl", "fast"], "--attn_impl fast: unknown"),
+        (["--lr_scheduler_kwargs", "{num_cycles: 1}"], "--lr_scheduler_kwargs .*not valid JSON"),
+        (["--gradient_checkpointing_kwargs", "[1]"], "--gradient_checkpointing_kwargs .*expected a JSON object"),
+        (["--dataloader_prefetch_factor", "4"], "--dataloader_prefetch_factor 4: acts only with"),
+        (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0: must be ≥ 1"),
+        (["--save_strategy", "epoch"], "save_strategy"),
+        (["--dataloader_multiprocessing_context", "fork"], "acts only with --dataloader_num_workers > 0"),
+        (["--dataloader_num_workers", "1", "--dataloader_multiprocessing_context", "threads"], "not a start method"),
+        (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be ≥ 1"),
+        (["--tuner_type", "lora", "--freeze_parameters", "x"], "--freeze_parameters acts with --tuner_type full"),
+        (["--freeze_parameters_ratio", "1.5"], "must be in \\[0, 1\\]"),
+        (["--freeze_parameters_regex", "("], "not a valid regex"),
+    ],
+)
 def test_bad_values_of_implemented_options(flag, match):
     with pytest.raises(ConfigError, match=match):
         parse_train_args(BASE + flag)
@@ -173,7 +221,8 @@ def test_gradient_checkpointing_kwargs_without_checkpointing_warns(caplog):
         parse_train_args(BASE + ["--gradient_checkpointing_kwargs", '{"use_reentrant": true}'])
     assert [r.getMessage() for r in caplog.records] == [
         "--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's default is "
-        "true, grpokit's false)"]
+        "true, grpokit's false)"
+    ]
 
 
 def test_attn_impl_maps_to_transformers_names():
@@ -217,14 +266,17 @@ def _trainable(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("flags,trainable", [
-    (["--freeze_parameters_ratio", "0.5"], ["head.weight"]),  # 40 × 0.5 = 20: embed (10) and layer (10)
-    (["--freeze_parameters_ratio", "0.4"], ["layer.weight", "head.weight"]),  # 16: only embed fits
-    (["--freeze_parameters", "embed", "head"], ["layer.weight"]),
-    (["--freeze_parameters_regex", "^(embed|layer)"], ["head.weight"]),
-    (["--freeze_parameters_ratio", "1", "--trainable_parameters", "layer"], ["layer.weight"]),
-    (["--freeze_parameters_ratio", "1", "--trainable_parameters_regex", "^he"], ["head.weight"]),
-])
+@pytest.mark.parametrize(
+    "flags,trainable",
+    [
+        (["--freeze_parameters_ratio", "0.5"], ["head.weight"]),  # 40 × 0.5 = 20: embed (10) and layer (10)
+        (["--freeze_parameters_ratio", "0.4"], ["layer.weight", "head.weight"]),  # 16: only embed fits
+        (["--freeze_parameters", "embed", "head"], ["layer.weight"]),
+        (["--freeze_parameters_regex", "^(embed|layer)"], ["head.weight"]),
+        (["--freeze_parameters_ratio", "1", "--trainable_parameters", "layer"], ["layer.weight"]),
+        (["--freeze_parameters_ratio", "1", "--trainable_parameters_regex", "^he"], ["head.weight"]),
+    ],
+)
 def test_freezing_parameters_as_ms_swift_does(flags, trainable):
     from grpokit.pipeline.models import freeze_parameters
 
@@ -233,10 +285,13 @@ def test_freezing_parameters_as_ms_swift_does(flags, trainable):
     assert _trainable(model) == trainable
 
 
-@pytest.mark.parametrize("flags,match", [
-    (["--freeze_parameters", "model.nope"], "--freeze_parameters model.nope: no parameter of the model"),
-    (["--trainable_parameters_regex", "zzz"], "--trainable_parameters_regex zzz: no parameter"),
-])
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--freeze_parameters", "model.nope"], "--freeze_parameters model.nope: no parameter of the model"),
+        (["--trainable_parameters_regex", "zzz"], "--trainable_parameters_regex zzz: no parameter"),
+    ],
+)
 def test_freezing_a_name_the_model_lacks_is_an_error(flags, match):
     from grpokit.pipeline.models import freeze_parameters
 
@@ -266,18 +321,31 @@ def test_porting_worked_example_parses(tmp_path):
     assert cfg.training.per_device_eval_batch_size == 4 and cfg.training.dataloader_num_workers == 4
 
 
-@pytest.mark.parametrize("flags,warmup", [
-    ([], 0), (["--warmup_ratio", "0.1"], 10), (["--warmup_steps", "7"], 7), (["--warmup_steps", "0.25"], 25),
-    (["--warmup_steps", "3", "--warmup_ratio", "0.5"], 3)])
+@pytest.mark.parametrize(
+    "flags,warmup",
+    [
+        ([], 0),
+        (["--warmup_ratio", "0.1"], 10),
+        (["--warmup_steps", "7"], 7),
+        (["--warmup_steps", "0.25"], 25),
+        (["--warmup_steps", "3", "--warmup_ratio", "0.5"], 3),
+    ],
+)
 def test_warmup_steps_as_transformers_5_reads_them(flags, warmup):
     from grpokit.trainers.training_setup import num_warmup_steps
 
     assert num_warmup_steps(parse_train_args(BASE + flags).training, max_steps=100) == warmup
 
 
-@pytest.mark.parametrize("flags,kl_in_reward", [
-    ([], False), (["--advantage_estimator", "rloo"], True), (["--advantage_estimator", "reinforce_plus_plus"], True),
-    (["--advantage_estimator", "rloo", "--kl_in_reward", "false"], False),
-    (["--kl_in_reward", "true"], True)])
+@pytest.mark.parametrize(
+    "flags,kl_in_reward",
+    [
+        ([], False),
+        (["--advantage_estimator", "rloo"], True),
+        (["--advantage_estimator", "reinforce_plus_plus"], True),
+        (["--advantage_estimator", "rloo", "--kl_in_reward", "false"], False),
+        (["--kl_in_reward", "true"], True),
+    ],
+)
 def test_kl_in_reward_unset_follows_the_estimator_as_in_ms_swift(flags, kl_in_reward):
     assert parse_train_args(BASE + flags).algorithm.kl_in_reward is kl_in_reward

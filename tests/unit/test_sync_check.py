@@ -64,10 +64,16 @@ def test_tolerance_follows_the_dtype_the_receiver_holds():
 
 def test_compare_names_the_bucket_the_tensor_and_a_whole_bucket_that_was_not_loaded():
     a, b, c = torch.ones(3), torch.arange(4.0), torch.full((2,), 5.0)
-    sent = [(0, "a", torch.float32, tensor_sums(a).tolist()), (1, "b", torch.float32, tensor_sums(b).tolist()),
-            (1, "c", torch.float32, tensor_sums(c).tolist())]
-    held = {"a": (tensor_sums(a).tolist(), torch.float32), "b": (tensor_sums(b + 1).tolist(), torch.float32),
-            "c": (tensor_sums(c).tolist(), torch.float32)}
+    sent = [
+        (0, "a", torch.float32, tensor_sums(a).tolist()),
+        (1, "b", torch.float32, tensor_sums(b).tolist()),
+        (1, "c", torch.float32, tensor_sums(c).tolist()),
+    ]
+    held = {
+        "a": (tensor_sums(a).tolist(), torch.float32),
+        "b": (tensor_sums(b + 1).tolist(), torch.float32),
+        "c": (tensor_sums(c).tolist(), torch.float32),
+    }
     problems, checked, unreadable = compare_sums(sent, held, 2)
     assert (checked, unreadable) == (3, 0)
     # the sum that moved most is named: Σw·b = 1(1 + 1/1021) + 2(1 + 2/1021) + 3(1 + 3/1021) = 6 + 14/1021,
@@ -91,11 +97,13 @@ def test_non_finite_sums_travel_as_null_and_are_not_compared():
 def test_check_body_is_bounded_and_strict():
     ok = {"name": "w", "dtype": "float32", "sums": [1.0, 2.0, 3.0]}
     CheckWeightsBody(buckets=[[ok]])
-    for bad in ({"buckets": [[ok, ok]]},  # a name twice
-                {"buckets": [[{**ok, "sums": [1.0, 2.0]}]]},  # not three sums
-                {"buckets": [[{**ok, "dtype": "complex64"}]]},
-                {"buckets": [[ok]], "extra": 1},
-                {"buckets": [[ok]], "weight_version": -1}):
+    for bad in (
+        {"buckets": [[ok, ok]]},  # a name twice
+        {"buckets": [[{**ok, "sums": [1.0, 2.0]}]]},  # not three sums
+        {"buckets": [[{**ok, "dtype": "complex64"}]]},
+        {"buckets": [[ok]], "extra": 1},
+        {"buckets": [[ok]], "weight_version": -1},
+    ):
         with pytest.raises(ValidationError):
             CheckWeightsBody(**bad)
 
@@ -148,11 +156,13 @@ def test_stream_tap_and_the_colocate_comparison():
 
 def test_fused_parameters_are_read_back_by_slices():
     q, k, v = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2)
-    params = {"l.qkv_proj.weight": torch.cat([q, k, v]), "l.norm.weight": torch.ones(2),
-              "l.o_proj.weight": torch.empty(0)}  # a repacked (emptied) weight cannot be read back
+    params = {
+        "l.qkv_proj.weight": torch.cat([q, k, v]),
+        "l.norm.weight": torch.ones(2),
+        "l.o_proj.weight": torch.empty(0),
+    }  # a repacked (emptied) weight cannot be read back
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    numel = {"l.q_proj.weight": 8, "l.k_proj.weight": 4, "l.v_proj.weight": 4, "l.norm.weight": 2,
-             "l.o_proj.weight": 4}
+    numel = {"l.q_proj.weight": 8, "l.k_proj.weight": 4, "l.v_proj.weight": 4, "l.norm.weight": 2, "l.o_proj.weight": 4}
     assert torch.equal(_read_back("l.k_proj.weight", params, packed, numel), k.reshape(-1))
     assert torch.equal(_read_back("l.v_proj.weight", params, packed, numel), v.reshape(-1))
     assert torch.equal(_read_back("l.norm.weight", params, packed, numel), torch.ones(2))
@@ -183,10 +193,13 @@ class _Engine:
             row = torch.log_softmax(self.lm.table.detach()[(prompt + ids)[-1]].double(), -1)
             ids.append(int(row.argmax()))
             lps.append(float(row.max()) + self.bias)
-        choice = ChatCompletionResponseChoice(index=0, message={"role": "assistant", "content": ""},
-                                              finish_reason="length", token_ids=ids,
-                                              logprobs={"content": [{"token_id": t, "logprob": lp}
-                                                                    for t, lp in zip(ids, lps, strict=True)]})
+        choice = ChatCompletionResponseChoice(
+            index=0,
+            message={"role": "assistant", "content": ""},
+            finish_reason="length",
+            token_ids=ids,
+            logprobs={"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, lps, strict=True)]},
+        )
         return [ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt)]
 
 
@@ -263,8 +276,10 @@ def _check_client(held: dict[str, torch.Tensor] | None):
 
 
 def _body(tensors: dict[str, torch.Tensor], **extra) -> dict:
-    return {"buckets": [[{"name": n, "dtype": "float32", "sums": tensor_sums(t).tolist()}]
-                        for n, t in tensors.items()], **extra}
+    return {
+        "buckets": [[{"name": n, "dtype": "float32", "sums": tensor_sums(t).tolist()}] for n, t in tensors.items()],
+        **extra,
+    }
 
 
 def test_check_weights_route_answers_matches_mismatches_and_refusals():

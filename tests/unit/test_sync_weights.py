@@ -20,11 +20,20 @@ def _peft_model(seed: int = 0, attention_bias: bool = False, **lora):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-                         attention_bias=attention_bias)
-    model = get_peft_model(Qwen3ForCausalLM(config), LoraConfig(**{"r": 4, "lora_alpha": 8,
-                                                                           "target_modules": "all-linear", **lora}))
+    config = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        attention_bias=attention_bias,
+    )
+    model = get_peft_model(
+        Qwen3ForCausalLM(config), LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **lora})
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:  # peft starts B at zero: a delta of zero would prove nothing
@@ -48,8 +57,10 @@ def test_merged_weights_equal_peft_merge_adapter_and_leave_the_model_alone(lora)
     assert got.keys() == want.keys() and "model.layers.0.self_attn.q_proj.weight" in got
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    moved = want["model.layers.0.mlp.down_proj.weight"] - before["base_model.model.model.layers.0.mlp.down_proj"
-                                                                  ".base_layer.weight"]
+    moved = (
+        want["model.layers.0.mlp.down_proj.weight"]
+        - before["base_model.model.model.layers.0.mlp.down_proj.base_layer.weight"]
+    )
     assert moved.abs().max() > 1e-3  # the adapters did change the weights
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing merged in place
 
@@ -71,9 +82,13 @@ def test_stable_tensors_outlive_the_next_step():
     assert first_name not in rest and torch.equal(first, snapshot)
 
 
-@pytest.mark.parametrize("lora", [{"use_dora": True},  # a LoRA bias needs a base bias: the attention's here
-                                  {"lora_bias": True, "attention_bias": True,
-                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}])
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"use_dora": True},  # a LoRA bias needs a base bias: the attention's here
+        {"lora_bias": True, "attention_bias": True, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    ],
+)
 def test_dora_and_lora_bias_go_through_peft_merge_of_the_layer_and_are_undone(lora):
     model = _peft_model(**lora)
     with torch.no_grad():

@@ -17,21 +17,34 @@ from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
 from grpokit.template.prompts import PromptOptions, check_data_options, prepare_prompts
 from grpokit.testing import CHATML_TEMPLATE, build_tiny_tokenizer
 
-WEATHER = {"name": "get_weather", "description": "Weather of a city.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 CLOCK = {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": {}}}
 # a chat template that renders tools= and enable_thinking, as Qwen3's does (shortened)
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %}{{ t.function.name if t.function is defined "
-    "else t.name }};{% endfor %}<|im_end|>\n{% endif %}" + CHATML_TEMPLATE
+    "else t.name }};{% endfor %}<|im_end|>\n{% endif %}"
+    + CHATML_TEMPLATE
     + "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
-      "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
 )
 
 
 def data_args(**kw) -> SimpleNamespace:
-    base = dict(system=None, columns=None, max_length=None, truncation_strategy=None, dataset_num_proc=1,
-                load_from_cache_file=False, agent_template=None, enable_thinking=None, chat_template_kwargs=None)
+    base = dict(
+        system=None,
+        columns=None,
+        max_length=None,
+        truncation_strategy=None,
+        dataset_num_proc=1,
+        load_from_cache_file=False,
+        agent_template=None,
+        enable_thinking=None,
+        chat_template_kwargs=None,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -47,8 +60,9 @@ def rows(ds: datasets.Dataset) -> list[dict]:
 
 
 def test_hermes_writes_tools_after_the_system_prompt():
-    [system, user] = add_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-                               [WEATHER, CLOCK], "hermes")
+    [system, user] = add_tools(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [WEATHER, CLOCK], "hermes"
+    )
     text = system["content"]
     assert text.startswith("Be brief.\n\n# Tools\n") and user == {"role": "user", "content": "hi"}
     listed = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
@@ -62,13 +76,14 @@ def test_react_en_makes_a_system_message_listing_the_tools():
     text = system["content"]
     assert system["role"] == "system" and text.startswith("Answer the following questions as best you can.")
     assert "Action: the action to take, should be one of [get_weather,now]" in text
-    assert 'get_weather: Call this tool' in text and '"city": {"type": "string"}' in text
+    assert "get_weather: Call this tool" in text and '"city": {"type": "string"}' in text
     assert text.rstrip().endswith("Begin!")
 
 
 def test_react_grpo_lists_the_tools_and_asks_for_think_then_action():
-    [system, user] = add_tools([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-                               [WEATHER, CLOCK], "react_grpo")
+    [system, user] = add_tools(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [WEATHER, CLOCK], "react_grpo"
+    )
     text = system["content"]
     assert system["role"] == "system" and user == {"role": "user", "content": "hi"}
     assert "Be brief." not in text  # as react_en (and ms-swift's react templates): the tool prompt is the system
@@ -77,8 +92,7 @@ def test_react_grpo_lists_the_tools_and_asks_for_think_then_action():
     assert "now: The time. Parameters: {}" in text
     # the markers ms-swift's react_grpo uses, in its order
     layout = text.split("Reply layout:\n\n")[1]
-    assert layout.startswith("<think>what to do next</think>\nAction: one name from [get_weather,now]\n"
-                             "Action Input: ")
+    assert layout.startswith("<think>what to do next</think>\nAction: one name from [get_weather,now]\nAction Input: ")
     assert [m for m in ("Observation:", "Final Answer:") if m in layout] == ["Observation:", "Final Answer:"]
     assert text.rstrip().endswith("Begin!")
 
@@ -92,9 +106,12 @@ def test_a_reply_in_the_react_grpo_format_earns_the_react_rewards():
 
 def test_native_tools_reach_the_chat_template_through_every_engine_path(tokenizer):
     opts = PromptOptions()
-    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}],
-                                      "tools": json.dumps([WEATHER, CLOCK])},
-                                     {"messages": [{"role": "user", "content": "yo"}], "tools": None}])
+    ds = datasets.Dataset.from_list(
+        [
+            {"messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([WEATHER, CLOCK])},
+            {"messages": [{"role": "user", "content": "yo"}], "tools": None},
+        ]
+    )
     out = rows(prepare_prompts(ds, opts.template(tokenizer), opts, "d"))
     assert json.loads(out[0]["messages"][0][TOOLS_KEY]) == [WEATHER, CLOCK]
     template = opts.template(tokenizer)
@@ -108,12 +125,14 @@ def test_bad_tools_and_unknown_agent_template_are_refused():
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "tools": "[{"}])
     with pytest.raises(DataError, match="d: row 0: column 'tools' is not valid JSON"):
         prepare_prompts(ds, None, PromptOptions(), "d")
-    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}],
-                                      "tools": json.dumps([{"description": "x"}])}])
+    ds = datasets.Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([{"description": "x"}])}]
+    )
     with pytest.raises(DataError, match="a tool has no name"):
         prepare_prompts(ds, None, PromptOptions(), "d")
-    with pytest.raises(ConfigError,
-                       match="--agent_template glm4: not implemented in grpokit; use hermes, react_en or react_grpo"):
+    with pytest.raises(
+        ConfigError, match="--agent_template glm4: not implemented in grpokit; use hermes, react_en or react_grpo"
+    ):
         PromptOptions.from_args(data_args(agent_template="glm4"))
 
 
@@ -134,8 +153,9 @@ def test_enable_thinking_and_chat_template_kwargs_reach_the_template(tokenizer):
 
 
 def long_rows(tokenizer) -> tuple[datasets.Dataset, list[int]]:
-    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi " * n}], "k": n}
-                                     for n in (1, 40, 2)])
+    ds = datasets.Dataset.from_list(
+        [{"messages": [{"role": "user", "content": "hi " * n}], "k": n} for n in (1, 40, 2)]
+    )
     lengths = PromptOptions().template(tokenizer).prompt_lengths(ds["messages"])
     return ds, lengths
 
@@ -157,8 +177,11 @@ def test_max_length_delete_drops_long_prompts_and_counts_them(tokenizer, caplog)
 def test_max_length_raise_names_the_row(tokenizer):
     ds, lengths = long_rows(tokenizer)
     opts = PromptOptions(max_length=lengths[2], truncation_strategy="raise")
-    with pytest.raises(DataError, match=rf"d: row 1 has a {lengths[1]}-token prompt, over --max_length "
-                                        rf"{lengths[2]} \(1 of 3 rows are\)"):
+    with pytest.raises(
+        DataError,
+        match=rf"d: row 1 has a {lengths[1]}-token prompt, over --max_length "
+        rf"{lengths[2]} \(1 of 3 rows are\)",
+    ):
         prepare_prompts(ds, opts.template(tokenizer), opts, "d")
 
 
@@ -199,16 +222,20 @@ def test_option_checks_without_a_model(caplog):
 
 
 def test_tools_read_by_arrow_lose_the_nulls_arrow_added(tokenizer):
-    other = {"name": "add", "description": "Add.", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}
+    other = {
+        "name": "add",
+        "description": "Add.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    }
     ds = datasets.Dataset.from_list([{"query": "hi", "tools": [t]} for t in (WEATHER, other)])
     assert ds[0]["tools"][0]["parameters"]["required"] is None  # what Arrow does to a key only some rows have
     from grpokit.data.loading import normalize_rows
 
     opts = PromptOptions(agent_template="hermes")
     out = prepare_prompts(normalize_rows(ds, None), opts.template(tokenizer), opts, "d")
-    listed = [json.loads(out[i]["messages"][0]["content"].split("<tools>\n")[1].split("\n</tools>")[0])
-              for i in range(2)]
+    listed = [
+        json.loads(out[i]["messages"][0]["content"].split("<tools>\n")[1].split("\n</tools>")[0]) for i in range(2)
+    ]
     assert listed == [{"type": "function", "function": WEATHER}, {"type": "function", "function": other}]
 
 
@@ -226,13 +253,19 @@ def test_native_tools_survive_the_rollout_wire(tokenizer):
 
 def test_row_chat_template_kwargs_win_over_the_run(tokenizer):
     opts = PromptOptions.from_args(data_args(enable_thinking=True))
-    ds = datasets.Dataset.from_list([{"query": "a", "chat_template_kwargs": json.dumps({"enable_thinking": False})},
-                                     {"query": "b", "chat_template_kwargs": None}])
+    ds = datasets.Dataset.from_list(
+        [
+            {"query": "a", "chat_template_kwargs": json.dumps({"enable_thinking": False})},
+            {"query": "b", "chat_template_kwargs": None},
+        ]
+    )
     from grpokit.data.loading import normalize_rows
 
     out = rows(prepare_prompts(normalize_rows(ds, None), opts.template(tokenizer), opts, "d"))
-    assert [json.loads(r["messages"][0][KWARGS_KEY]) for r in out] == [{"enable_thinking": False},
-                                                                        {"enable_thinking": True}]
+    assert [json.loads(r["messages"][0][KWARGS_KEY]) for r in out] == [
+        {"enable_thinking": False},
+        {"enable_thinking": True},
+    ]
     assert opts.template(tokenizer).render_prompt(out[0]["messages"]).endswith("<think>\n\n</think>\n\n")
     bad = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": "[1]"}])
     with pytest.raises(DataError, match="d: row 0: column 'chat_template_kwargs' must be a JSON object"):
@@ -242,8 +275,11 @@ def test_row_chat_template_kwargs_win_over_the_run(tokenizer):
 def test_native_tools_with_a_template_that_drops_them_is_refused():
     tok = build_tiny_tokenizer()  # plain ChatML: no tools in it
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "tools": json.dumps([WEATHER])}])
-    with pytest.raises(DataError, match="d has a 'tools' column, but the model's chat template does not render "
-                                        "tools.*--agent_template hermes, react_en or react_grpo"):
+    with pytest.raises(
+        DataError,
+        match="d has a 'tools' column, but the model's chat template does not render "
+        "tools.*--agent_template hermes, react_en or react_grpo",
+    ):
         prepare_prompts(ds, PromptOptions().template(tok), PromptOptions(), "d")
     opts = PromptOptions(agent_template="hermes")
     [row] = rows(prepare_prompts(ds, opts.template(tok), opts, "d"))

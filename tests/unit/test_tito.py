@@ -62,8 +62,11 @@ def test_text_between_turns_under_a_dropping_template_is_the_template_s_own():
     # (the longer rendering starts with the shorter one + the content) cannot hold; the text after the content
     # is still what the template renders there
     template = ChatTemplate(tokenizer(True))
-    full = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": THINK},
-            {"role": "user", "content": "Observation: ok"}]
+    full = [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": THINK},
+        {"role": "user", "content": "Observation: ok"},
+    ]
     seg = template.tokenize(THINK) + [template.eos_token_id]
     want = "\n<|im_start|>user\nObservation: ok<|im_end|>\n<|im_start|>assistant\n"
     assert template.between_text(full, 1, 3, seg) == want
@@ -87,8 +90,16 @@ class TemplateEngine(InferEngine):
             text = THINK if n == 0 else f"reply {n + 1}"
             ids = self.template.tokenize(text) + [self.tokenizer.eos_token_id]
             self.prompts.append(prompt)
-            out.append(ChatCompletionResponse(prompt_token_ids=prompt, choices=[ChatCompletionResponseChoice(
-                message={"role": "assistant", "content": text}, finish_reason="stop", token_ids=ids)]))
+            out.append(
+                ChatCompletionResponse(
+                    prompt_token_ids=prompt,
+                    choices=[
+                        ChatCompletionResponseChoice(
+                            message={"role": "assistant", "content": text}, finish_reason="stop", token_ids=ids
+                        )
+                    ],
+                )
+            )
         return out
 
 
@@ -122,12 +133,14 @@ def test_later_turns_are_sampled_from_the_trajectory_s_own_ids(dropping, caplog)
     full = sample.prompt_ids + sample.completion_ids
     assert len(engine.prompts) == 3 and len(out.rollout_infos[RECORD_KEY]) == 3
     for prompt in engine.prompts:  # every turn's prompt is the trained sequence so far
-        assert full[:len(prompt)] == prompt
-    assert template.tokenize(THINK) == sample.completion_ids[:len(template.tokenize(THINK))]  # trained as sampled
+        assert full[: len(prompt)] == prompt
+    assert template.tokenize(THINK) == sample.completion_ids[: len(template.tokenize(THINK))]  # trained as sampled
     rerender = template.encode_prompt(out.messages[:5])
     assert (rerender != engine.prompts[2]) is dropping  # a re-render would have lost turn 1's <think> block
-    assert tito_metrics(_batch(template, sample), [out]) == {"multi_turn/tito_violations": 0.0,
-                                                             "multi_turn/tito_unchecked": 0.0}
+    assert tito_metrics(_batch(template, sample), [out]) == {
+        "multi_turn/tito_violations": 0.0,
+        "multi_turn/tito_unchecked": 0.0,
+    }
     said = [r.getMessage() for r in caplog.records if "prefix-preserving" in r.getMessage()]
     assert len(said) == int(dropping)  # once, and only for the template that drops
 
@@ -167,8 +180,10 @@ def test_violation_counter_catches_trajectories_that_train_other_ids(caplog):
     assert _violations(template, good, junk) == 1
     # no record (a run() override): unchecked
     none = out.model_copy(update={"rollout_infos": {}})
-    assert tito_metrics(_batch(template, good), [none]) == {"multi_turn/tito_violations": 0.0,
-                                                            "multi_turn/tito_unchecked": 1.0}
+    assert tito_metrics(_batch(template, good), [none]) == {
+        "multi_turn/tito_violations": 0.0,
+        "multi_turn/tito_unchecked": 1.0,
+    }
 
 
 def test_a_row_cut_to_the_completion_limit_is_checked_up_to_the_cut():

@@ -64,8 +64,13 @@ def test_dapo_step_loss_is_token_mean_of_trained_tokens():
     for i in range(2):  # the first optimizer step: micro-batches 0 and 1
         rows = slice(2 * i, 2 * i + 2)
         logps = torch.full((2, 4), -0.7, dtype=torch.float64)
-        inp = LossInputs(logps=logps, old_logps=logps.clone(), advantages=torch.ones(2, dtype=torch.float64),
-                         mask=trained[rows].double(), num_items=num_items[i])
+        inp = LossInputs(
+            logps=logps,
+            old_logps=logps.clone(),
+            advantages=torch.ones(2, dtype=torch.float64),
+            mask=trained[rows].double(),
+            num_items=num_items[i],
+        )
         total += compute_policy_loss(inp, LossConfig(loss_type="dapo")).loss.item() / 2
     assert total == pytest.approx(-1.0)
 
@@ -77,8 +82,25 @@ def test_trainer_counts_the_filtered_mask(overlong_filter, expected):
 
     mask, truncated = window()
     one_process = SimpleNamespace(num_processes=1)  # gather_rows returns a single process's rows as they are
-    got = window_num_items(mask, truncated, loss_type="dapo", overlong_filter=overlong_filter,
-                           steps_per_generation=4, gradient_accumulation_steps=2, accelerator=one_process)
+    got = window_num_items(
+        mask,
+        truncated,
+        loss_type="dapo",
+        overlong_filter=overlong_filter,
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        accelerator=one_process,
+    )
     assert got == expected
-    assert window_num_items(mask, truncated, loss_type="grpo", overlong_filter=overlong_filter,
-                            steps_per_generation=4, gradient_accumulation_steps=2, accelerator=one_process) is None
+    assert (
+        window_num_items(
+            mask,
+            truncated,
+            loss_type="grpo",
+            overlong_filter=overlong_filter,
+            steps_per_generation=4,
+            gradient_accumulation_steps=2,
+            accelerator=one_process,
+        )
+        is None
+    )

@@ -27,8 +27,9 @@ def _expected(n: int, per_window: int, windows: int, world: int, rank: int) -> l
     for w in range(windows):
         share = per_window // world
         positions = range(w * per_window + rank * share, w * per_window + (rank + 1) * share)
-        out.append([int(torch.randperm(n, generator=torch.Generator().manual_seed(3 + p // n))[p % n])
-                    for p in positions])
+        out.append(
+            [int(torch.randperm(n, generator=torch.Generator().manual_seed(3 + p // n))[p % n]) for p in positions]
+        )
     return out
 
 
@@ -75,7 +76,10 @@ def test_jsonl_log_appends_flushed_lines_and_truncates_on_resume(tmp_path):
     log.write({"step": 3, "text": "again"})
     log.close()
     assert [json.loads(x) for x in (tmp_path / "log.jsonl").read_text(encoding="utf-8").splitlines()] == [
-        {"step": 1, "text": "é"}, {"step": 2, "text": "é"}, {"step": 3, "text": "again"}]
+        {"step": 1, "text": "é"},
+        {"step": 2, "text": "é"},
+        {"step": 3, "text": "again"},
+    ]
     assert log.rows()[-1]["text"] == "again"
     off = JsonlLog(tmp_path / "off.jsonl", enabled=False)
     off.write({"step": 1})
@@ -122,9 +126,14 @@ def _window(n: int = 4, num_items: list[float] | None = None) -> Window:
 
     # row i: a left-padded prompt of 1 + i % 2 tokens, then i + 1 completion tokens (of at most 4)
     att = torch.tensor([[0] * (1 - i % 2) + [1] * (1 + i % 2) + [1] * (i + 1) + [0] * (3 - i) for i in range(n)])
-    batch = RolloutBatch(input_ids=att * 7, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp(min=0),
-                         completion_mask=att[:, 2:].float(), truncated=torch.tensor([i == n - 1 for i in range(n)]),
-                         advantages=torch.arange(n, dtype=torch.float32))
+    batch = RolloutBatch(
+        input_ids=att * 7,
+        attention_mask=att,
+        position_ids=(att.cumsum(-1) - 1).clamp(min=0),
+        completion_mask=att[:, 2:].float(),
+        truncated=torch.tensor([i == n - 1 for i in range(n)]),
+        advantages=torch.arange(n, dtype=torch.float32),
+    )
     batch.extra["row_id"] = torch.arange(n)
     return Window(batch, [], [], torch.zeros(n, 1), torch.zeros(n), {}, {}, num_items)
 
@@ -140,11 +149,23 @@ def test_window_micro_batches_are_consecutive_trimmed_slices_with_their_token_co
 
 def test_window_metrics_summarise_rewards_lengths_and_advantages():
     # rewards [0, 1, 2, 3]: mean 1.5, sample std sqrt(5/3) = 1.291; lengths 1..4; one of four truncated
-    m = window_metrics(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([1, 2, 3, 4]),
-                       torch.tensor([0.0, 0.0, 0.0, 1.0]), {"reward/mean": 9.0, "frac_reward_zero_std": 0.5})
-    assert m == pytest.approx({"reward": 1.5, "reward_std": (5 / 3) ** 0.5, "completions/mean_length": 2.5,
-                               "completions/max_length": 4.0, "completions/min_length": 1.0,
-                               "completions/clipped_ratio": 0.25, "frac_reward_zero_std": 0.5})
+    m = window_metrics(
+        torch.tensor([0.0, 1.0, 2.0, 3.0]),
+        torch.tensor([1, 2, 3, 4]),
+        torch.tensor([0.0, 0.0, 0.0, 1.0]),
+        {"reward/mean": 9.0, "frac_reward_zero_std": 0.5},
+    )
+    assert m == pytest.approx(
+        {
+            "reward": 1.5,
+            "reward_std": (5 / 3) ** 0.5,
+            "completions/mean_length": 2.5,
+            "completions/max_length": 4.0,
+            "completions/min_length": 1.0,
+            "completions/clipped_ratio": 0.25,
+            "frac_reward_zero_std": 0.5,
+        }
+    )
     assert window_metrics(torch.tensor([2.0]), torch.tensor([3]), torch.tensor([0.0]), {})["reward_std"] == 0.0
 
 
@@ -152,15 +173,41 @@ def test_completion_rows_keep_the_prompt_rewards_and_multi_turn_messages():
     from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
 
     req = RolloutInferRequest(messages=[{"role": "user", "content": "2+2?"}], data_dict={}, prompt_id="0")
-    turns = [[{"role": "assistant", "content": "4"}],
-             [{"role": "assistant", "content": "5"}, {"role": "user", "content": "no"},
-              {"role": "assistant", "content": "4"}]]
-    outputs = [RolloutOutput(response=ChatCompletionResponse(choices=[ChatCompletionResponseChoice(
-        message=t[-1], finish_reason="stop", token_ids=[1])]), messages=[*req.messages, *t],
-        response_token_ids=[[1]], response_loss_mask=[[1]], request_id=req.request_id, prompt_id="0")
-        for t in turns]
-    rows = completion_rows([req], outputs, torch.tensor([[1.0, float("nan")], [0.5, 0.0]]), torch.tensor([0.5, -0.5]),
-                           ["accuracy", "format"], step=3)
-    assert rows[0] == {"step": 3, "prompt": "2+2?", "completion": "4", "advantage": 0.5, "accuracy": 1.0,
-                       "format": None}
+    turns = [
+        [{"role": "assistant", "content": "4"}],
+        [
+            {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "no"},
+            {"role": "assistant", "content": "4"},
+        ],
+    ]
+    outputs = [
+        RolloutOutput(
+            response=ChatCompletionResponse(
+                choices=[ChatCompletionResponseChoice(message=t[-1], finish_reason="stop", token_ids=[1])]
+            ),
+            messages=[*req.messages, *t],
+            response_token_ids=[[1]],
+            response_loss_mask=[[1]],
+            request_id=req.request_id,
+            prompt_id="0",
+        )
+        for t in turns
+    ]
+    rows = completion_rows(
+        [req],
+        outputs,
+        torch.tensor([[1.0, float("nan")], [0.5, 0.0]]),
+        torch.tensor([0.5, -0.5]),
+        ["accuracy", "format"],
+        step=3,
+    )
+    assert rows[0] == {
+        "step": 3,
+        "prompt": "2+2?",
+        "completion": "4",
+        "advantage": 0.5,
+        "accuracy": 1.0,
+        "format": None,
+    }
     assert rows[1]["messages"][-3:] == turns[1] and rows[1]["advantage"] == -0.5

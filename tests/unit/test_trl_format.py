@@ -27,8 +27,10 @@ def test_the_loader_records_the_prompt_format_as_trl_decides_it():
     assert _flags([{"question": "2+2?", "answer": "4"}]) == [False]  # ms-swift's string aliases: standard
     assert _flags([{"instruction": "Add", "input": "2+2"}]) == [False]
     # two datasets in one run keep each row's own format
-    parts = [(name, normalize_rows(Dataset.from_list(rows), None, source=name)) for name, rows in
-             [("a", [{"prompt": "1+1?"}]), ("b", [{"messages": [{"role": "user", "content": "2+2?"}]}])]]
+    parts = [
+        (name, normalize_rows(Dataset.from_list(rows), None, source=name))
+        for name, rows in [("a", [{"prompt": "1+1?"}]), ("b", [{"messages": [{"role": "user", "content": "2+2?"}]}])]
+    ]
     assert concat_datasets(parts)[CONVERSATIONAL_COLUMN] == [False, True]
 
 
@@ -44,6 +46,7 @@ def _seen(func_kwargs: list[dict]):
     def reward(prompts, completions, **kwargs):  # TRL by its signature, not marked
         func_kwargs.append({"prompts": prompts, "completions": completions, **kwargs})
         return [0.0] * len(completions)
+
     return reward
 
 
@@ -65,8 +68,10 @@ def test_an_explicit_mark_wins_over_the_dataset():
     as_messages = trl_convention(_seen(conv_seen), conversational=True)
     as_strings = trl_convention(_seen(std_seen), conversational=False)
     RewardRunner([as_messages, as_strings], ["m", "s"]).compute(["0", "1"], _kwargs([False, True]))
-    assert conv_seen[0]["completions"] == [[{"role": "assistant", "content": "0"}],
-                                           [{"role": "assistant", "content": "1"}]]
+    assert conv_seen[0]["completions"] == [
+        [{"role": "assistant", "content": "0"}],
+        [{"role": "assistant", "content": "1"}],
+    ]
     assert std_seen[0]["completions"] == ["0", "1"] and std_seen[0]["prompts"] == ["2+2?", "2+2?"]
 
 

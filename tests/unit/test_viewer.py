@@ -43,8 +43,9 @@ def test_chosen_steps_keep_first_last_and_even_spacing():
 
 def test_report_data_is_json_safe_and_bounded(tmp_path):
     rows = [{"step": s, "prompt": "p", "completion": "</script><!--", "group": "0"} for s in range(1, 6)]
-    run = _run_dir(tmp_path, ['{"step": 1, "loss": NaN, "reward": 0.5}', '{"step": 2, "loss": 1.0}',
-                              '{"step": 3, "lo'], rows)  # a torn last line, as while a run writes
+    run = _run_dir(
+        tmp_path, ['{"step": 1, "loss": NaN, "reward": 0.5}', '{"step": 2, "loss": 1.0}', '{"step": 3, "lo'], rows
+    )  # a torn last line, as while a run writes
     data = report_data(run, max_completion_steps=2)
     assert [r["step"] for r in data["logs"]] == [1, 2] and data["logs"][0]["loss"] is None
     assert sorted(data["completions"]) == ["1", "5"]
@@ -53,7 +54,7 @@ def test_report_data_is_json_safe_and_bounded(tmp_path):
     # the completion's "</script>" cannot end the data element: only the page's own three scripts end
     assert html.count("</script>") == 3 and "\\u003c/script>\\u003c!--" in html
     start = html.index('id="grpokit-data">') + len('id="grpokit-data">')
-    assert json.loads(html[start:html.index("</script>", start)])["logs"][1]["loss"] == 1.0
+    assert json.loads(html[start : html.index("</script>", start)])["logs"][1]["loss"] == 1.0
     assert write_report(run, max_completion_steps=2) == run / "report.html"
     assert (run / "report.html").read_text() == html
 
@@ -67,13 +68,16 @@ def test_report_refuses_a_folder_that_is_no_run(tmp_path):
 
 def test_view_never_imports_torch_and_refuses_port_without_serve(tmp_path):
     run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], [])
-    code = ("import sys; from grpokit.cli.main import main; main(['view', sys.argv[1]]); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; from grpokit.cli.main import main; main(['view', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(run / "report.html")
-    bad = subprocess.run([sys.executable, "-m", "grpokit", "view", str(run), "--port", "9"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "grpokit", "view", str(run), "--port", "9"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "--port is for --serve" in bad.stderr
 
 
@@ -93,12 +97,15 @@ def test_server_answers_its_three_paths_and_refuses_the_rest(tmp_path):
         assert b'data-live="1"' in urllib.request.urlopen(base + "/", timeout=10).read()
         for path, method, code in (("/etc/passwd", "GET", 404), ("/", "POST", 405)):
             with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(urllib.request.Request(base + path, method=method, data=b"x" if
-                                                              method == "POST" else None), timeout=10)
+                urllib.request.urlopen(
+                    urllib.request.Request(base + path, method=method, data=b"x" if method == "POST" else None),
+                    timeout=10,
+                )
             assert e.value.code == code
         with pytest.raises(urllib.error.HTTPError) as e:  # a rebound name: the page is not handed to that site
-            urllib.request.urlopen(urllib.request.Request(base + "/data.json", headers={"Host": "evil.example"}),
-                                   timeout=10)
+            urllib.request.urlopen(
+                urllib.request.Request(base + "/data.json", headers={"Host": "evil.example"}), timeout=10
+            )
         assert e.value.code == 403
     finally:
         server.shutdown()
@@ -117,10 +124,20 @@ class _CharTokenizer:
 
 
 def _output(req, text, finish, extra_messages=()):
-    return RolloutOutput(response=ChatCompletionResponse(choices=[ChatCompletionResponseChoice(
-        message={"role": "assistant", "content": text}, finish_reason=finish, token_ids=[1])]),
-        messages=[*req.messages, *extra_messages, {"role": "assistant", "content": text}], response_token_ids=[[1]],
-        response_loss_mask=[[1]], request_id=req.request_id, prompt_id="7")
+    return RolloutOutput(
+        response=ChatCompletionResponse(
+            choices=[
+                ChatCompletionResponseChoice(
+                    message={"role": "assistant", "content": text}, finish_reason=finish, token_ids=[1]
+                )
+            ]
+        ),
+        messages=[*req.messages, *extra_messages, {"role": "assistant", "content": text}],
+        response_token_ids=[[1]],
+        response_loss_mask=[[1]],
+        request_id=req.request_id,
+        prompt_id="7",
+    )
 
 
 def test_completion_log_rows_carry_bounded_token_data_masks_and_thumbnails():
@@ -128,36 +145,59 @@ def test_completion_log_rows_carry_bounded_token_data_masks_and_thumbnails():
 
     buf = io.BytesIO()
     Image.new("RGB", (600, 300), (200, 30, 30)).save(buf, format="PNG")
-    req = RolloutInferRequest(messages=[{"role": "user", "content": "q"}], data_dict={"images": [buf.getvalue()]},
-                              prompt_id="7")
+    req = RolloutInferRequest(
+        messages=[{"role": "user", "content": "q"}], data_dict={"images": [buf.getvalue()]}, prompt_id="7"
+    )
     tool = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "out"}]
     outputs = [_output(req, "abcd", "length", tool), _output(req, "xy", "stop"), _output(req, "z", "stop")]
     # completions right-padded to C = 4 after a prompt of 2; row 0's tokens 2-3 are tool output (mask 0)
     comp = torch.tensor([[ord(c) for c in "abcd"], [ord("x"), ord("y"), 0, 0], [ord("z"), 0, 0, 0]])
     att = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
-    batch = RolloutBatch(input_ids=torch.cat([torch.full((3, 2), 5), comp], 1),
-                         attention_mask=torch.cat([torch.ones(3, 2, dtype=torch.long), att], 1),
-                         position_ids=torch.arange(6).repeat(3, 1),
-                         completion_mask=torch.tensor([[1.0, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]),
-                         truncated=torch.tensor([True, False, False]), advantages=torch.tensor([1.0, -0.5, -0.5]))
+    batch = RolloutBatch(
+        input_ids=torch.cat([torch.full((3, 2), 5), comp], 1),
+        attention_mask=torch.cat([torch.ones(3, 2, dtype=torch.long), att], 1),
+        position_ids=torch.arange(6).repeat(3, 1),
+        completion_mask=torch.tensor([[1.0, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]),
+        truncated=torch.tensor([True, False, False]),
+        advantages=torch.tensor([1.0, -0.5, -0.5]),
+    )
 
     def logps(model, chunk, compute_entropy=False):  # logp = -(column+1)/10, entropy = column+1, per chunk
         cols = torch.arange(1, chunk.logits_to_keep + 1, dtype=torch.float32).repeat(len(chunk), 1)
         return -cols / 10, cols
 
     fwd = TokenForward(logps, None, SimpleNamespace(device="cpu", autocast=nullcontext), micro_batch_size=2)
-    rows = completion_log_rows([req], outputs, torch.tensor([[1.0], [0.0], [0.0]]), batch,
-                               torch.tensor([1.0, 0.0, 0.0]), ["acc"], 2,
-                               limits=CompletionLimits(max_tokens=3, max_rows=2), forward=fwd,
-                               tokenizer=_CharTokenizer(), images=True)
+    rows = completion_log_rows(
+        [req],
+        outputs,
+        torch.tensor([[1.0], [0.0], [0.0]]),
+        batch,
+        torch.tensor([1.0, 0.0, 0.0]),
+        ["acc"],
+        2,
+        limits=CompletionLimits(max_tokens=3, max_rows=2),
+        forward=fwd,
+        tokenizer=_CharTokenizer(),
+        images=True,
+    )
     assert [r["group"] for r in rows] == ["7"] * 3 and [r["truncated"] for r in rows] == [True, False, False]
     assert rows[0]["reward"] == 1.0 and rows[0]["acc"] == 1.0 and rows[0]["advantage"] == 1.0
     # row 0: 4 tokens, 3 kept, one counted as cut; its third token is tool output (mask 0)
-    assert rows[0]["tokens"] == {"text": ["a", "b", "c"], "logprob": [-0.1, -0.2, -0.3], "entropy": [1.0, 2.0, 3.0],
-                                 "mask": [1, 1, 0], "cut": 1}
+    assert rows[0]["tokens"] == {
+        "text": ["a", "b", "c"],
+        "logprob": [-0.1, -0.2, -0.3],
+        "entropy": [1.0, 2.0, 3.0],
+        "mask": [1, 1, 0],
+        "cut": 1,
+    }
     # row 1 sits in the second chunk, trimmed to its own width of 2: the values are that chunk's columns
-    assert rows[1]["tokens"] == {"text": ["x", "y"], "logprob": [-0.1, -0.2], "entropy": [1.0, 2.0],
-                                 "mask": [1, 1], "cut": 0}
+    assert rows[1]["tokens"] == {
+        "text": ["x", "y"],
+        "logprob": [-0.1, -0.2],
+        "entropy": [1.0, 2.0],
+        "mask": [1, 1],
+        "cut": 0,
+    }
     assert "tokens" not in rows[2] and "thumbnails" not in rows[2]  # beyond max_rows: text and scores only
     assert rows[0]["messages"][-3]["role"] == "assistant" and rows[0]["messages"][-2]["role"] == "tool"
     uri = rows[0]["thumbnails"][0]

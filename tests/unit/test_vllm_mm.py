@@ -35,8 +35,10 @@ def test_image_rows_go_unexpanded_with_their_images(idefics3):
     template, processor = engine_template(str(idefics3))
     assert isinstance(template, ProcessorTemplate) and processor is template.processor
     image_id = template.tokenizer.convert_tokens_to_ids("<image>")
-    two = RolloutInferRequest(messages=[{"role": "user", "content": "<image> and <image>?"}],
-                              data_dict={"images": [_png((200, 0, 0)), _png((0, 0, 200))]})
+    two = RolloutInferRequest(
+        messages=[{"role": "user", "content": "<image> and <image>?"}],
+        data_dict={"images": [_png((200, 0, 0)), _png((0, 0, 200))]},
+    )
     text = RolloutInferRequest(messages=[{"role": "user", "content": "no image"}])
     inputs, expected = vllm_inputs(template, [two, text])
     ids, _ = template.encode_mm(two.messages, two.data_dict["images"])
@@ -52,8 +54,10 @@ def test_a_pinned_later_turn_goes_as_the_trajectory_ids_with_images_collapsed(id
     each image's expanded tokens collapsed back to one slot; ids missing an image's tokens stop the rollout."""
     template, _ = engine_template(str(idefics3))
     tok = template.tokenizer
-    req = RolloutInferRequest(messages=[{"role": "user", "content": "<image> and <image>?"}],
-                              data_dict={"images": [_png((200, 0, 0)), _png((0, 0, 200))]})
+    req = RolloutInferRequest(
+        messages=[{"role": "user", "content": "<image> and <image>?"}],
+        data_dict={"images": [_png((200, 0, 0)), _png((0, 0, 200))]},
+    )
     images = req.data_dict["images"]
     ids, row = template.encode_mm(req.messages, images)
     reply = [i for c in "a red one" for i in tok(c, add_special_tokens=False)["input_ids"]]
@@ -62,7 +66,7 @@ def test_a_pinned_later_turn_goes_as_the_trajectory_ids_with_images_collapsed(id
     slots = tok(template.render_mm(req.messages, 2), add_special_tokens=False)["input_ids"]
     assert expected == [ids + reply] and inputs[0]["prompt_token_ids"] == slots + reply
     spans = template.image_spans(ids)
-    template.pin(req.request_id, req.messages, images, ids[:spans[1][0]] + ids[spans[1][1]:], row)
+    template.pin(req.request_id, req.messages, images, ids[: spans[1][0]] + ids[spans[1][1] :], row)
     with pytest.raises(RolloutError, match=r"image 1 of 2: its \d+ expanded tokens are not in the prompt"):
         vllm_inputs(template, [req])
 
@@ -97,8 +101,9 @@ def test_other_families_stay_text_only_and_refuse_image_rows(tmp_path):
     folder = build_tiny_vlm(tmp_path / "qwen", "qwen2_vl")
     template, _ = engine_template(str(folder))
     assert not isinstance(template, ProcessorTemplate)
-    row = RolloutInferRequest(messages=[{"role": "user", "content": "<image>?"}],
-                              data_dict={"images": [_png((1, 2, 3))]})
+    row = RolloutInferRequest(
+        messages=[{"role": "user", "content": "<image>?"}], data_dict={"images": [_png((1, 2, 3))]}
+    )
     with pytest.raises(RolloutError, match="the vLLM engine was given image rows but serves this model as text-only"):
         vllm_inputs(template, [row])
 
@@ -107,6 +112,7 @@ def test_prompt_ids_vllm_expanded_otherwise_stop_the_rollout():
     check_prompt_ids([SimpleNamespace(prompt_token_ids=[1, 2, 3])], [[1, 2, 3]])
     with pytest.raises(RolloutError) as e:
         check_prompt_ids([SimpleNamespace(prompt_token_ids=[1, 2, 3])], [[1, 9, 9, 3]])
-    assert str(e.value).startswith("request 0: vLLM's prompt ids differ from the processor's (3 vs 4 ids, first "
-                                   "difference at position 1)")
+    assert str(e.value).startswith(
+        "request 0: vLLM's prompt ids differ from the processor's (3 vs 4 ids, first difference at position 1)"
+    )
     assert "\n" not in str(e.value)

@@ -76,15 +76,19 @@ def test_deepspeed_precision_modes_are_refused_and_auto_is_off(tmp_path):
     def config(sections: dict) -> dict:
         path = tmp_path / "ds.json"
         path.write_text(json.dumps({"zero_optimization": {"stage": 3}, **sections}))
-        args = SimpleNamespace(deepspeed=str(path), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                               max_grad_norm=1.0)
+        args = SimpleNamespace(
+            deepspeed=str(path), per_device_train_batch_size=4, gradient_accumulation_steps=1, max_grad_norm=1.0
+        )
         return zero.deepspeed_config(args, 32, 2)
 
     ds = config({"bf16": {"enabled": "auto"}, "fp16": {"enabled": False, "loss_scale": 0}, "bfloat16": {}})
     assert ds["bf16"]["enabled"] is False and ds["fp16"] == {"enabled": False, "loss_scale": 0}
     for section, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
-        with pytest.raises(ConfigError, match=rf"{section}\.enabled true would make DeepSpeed train {dtype} weights.*"
-                                              rf"set it to \"auto\" or false and pass --torch_dtype {dtype}"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"{section}\.enabled true would make DeepSpeed train {dtype} weights.*"
+            rf"set it to \"auto\" or false and pass --torch_dtype {dtype}",
+        ):
             config({section: {"enabled": True}})
     with pytest.raises(ConfigError, match=r'the "bf16" section must be a JSON object such as \{"enabled": "auto"\}'):
         config({"bf16": True})

@@ -26,8 +26,12 @@ LOGPROB_ATOL = 1e-3  # float32 on both sides; measured ≤ 1e-5 (oneDNN vs torch
 def engine(tiny128):
     from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 
-    eng = VllmEngine(str(tiny128), VllmSettings(dtype="float32", max_model_len=512, enforce_eager=True,
-                                                max_num_seqs=64, gpu_memory_utilization=0.3))
+    eng = VllmEngine(
+        str(tiny128),
+        VllmSettings(
+            dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=64, gpu_memory_utilization=0.3
+        ),
+    )
     yield eng
     eng.close()
 
@@ -52,7 +56,7 @@ def _hf(model, tiny128) -> TransformersEngine:
 def _recomputed_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
     """The trainer's quantity: log_softmax(logits / T) at the sampled tokens."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()  # [T, V]
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
 
 
@@ -127,8 +131,10 @@ def test_sync_weights_in_place_three_rounds(engine, policy, tiny128):
 def test_sync_weights_merges_lora(engine, policy, tiny128):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                              target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        policy,
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+    )
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -145,15 +151,24 @@ def test_sync_weights_merges_lora(engine, policy, tiny128):
 
 def test_structured_regex_and_json(engine):
     answer = r"<answer>[0-9]{1,3}</answer>"
-    free = [c.message["content"] for r in engine.infer(_requests(2), RequestConfig(n=4, max_tokens=24, seed=0))
-            for c in r.choices]
+    free = [
+        c.message["content"]
+        for r in engine.infer(_requests(2), RequestConfig(n=4, max_tokens=24, seed=0))
+        for c in r.choices
+    ]
     assert not any(re.fullmatch(answer, t) for t in free)
     out = engine.infer(_requests(2), RequestConfig(n=4, max_tokens=24, seed=0, structured_outputs_regex=answer))
     texts = [c.message["content"] for r in out for c in r.choices]
     assert len(texts) == 8 and all(re.fullmatch(answer, t) for t in texts), texts
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "value"],
-              "properties": {"name": {"type": "string", "maxLength": 8},
-                             "value": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "value"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "value": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+    }
     out = engine.infer(_requests(2), RequestConfig(n=4, max_tokens=48, seed=0, structured_outputs_json=schema))
     for c in (c for r in out for c in r.choices):
         assert c.finish_reason == "stop"  # the grammar closed the object; then only EOS is allowed
@@ -170,8 +185,7 @@ def test_server_buckets_load_once_the_model_is_complete(engine, policy, tiny128)
     from grpokit.wire.bodies import TensorMeta
 
     named = [(n, p.detach().clone()) for n, p in policy.named_parameters()]
-    metas = [TensorMeta(name=n, dtype="float32", shape=list(t.shape), offset=0, nbytes=4 * t.numel())
-             for n, t in named]
+    metas = [TensorMeta(name=n, dtype="float32", shape=list(t.shape), offset=0, nbytes=4 * t.numel()) for n, t in named]
     assert engine.check_weights(metas) == []
     bad = TensorMeta(name="model.nope.weight", dtype="float32", shape=[2], offset=0, nbytes=8)
     wrong = TensorMeta(name=named[0][0], dtype="int64", shape=[1, 2], offset=0, nbytes=16)

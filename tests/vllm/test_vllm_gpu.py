@@ -40,8 +40,9 @@ def _greedy(engine) -> list[list[int]]:
 def test_sleep_frees_memory_and_a_sync_restores_the_policy(tiny128, level):
     from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 
-    settings = VllmSettings(dtype="float32", gpu_memory_utilization=0.2, sleep_level=level, enforce_eager=True,
-                            max_model_len=512)
+    settings = VllmSettings(
+        dtype="float32", gpu_memory_utilization=0.2, sleep_level=level, enforce_eager=True, max_model_len=512
+    )
     engine = VllmEngine(str(tiny128), settings)
     try:
         assert engine.sleep_supported
@@ -65,8 +66,9 @@ def test_sleep_frees_memory_and_a_sync_restores_the_policy(tiny128, level):
 def test_bfloat16_logprobs_stay_close(tiny128):
     from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 
-    engine = VllmEngine(str(tiny128), VllmSettings(dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=512,
-                                                   enforce_eager=True))
+    engine = VllmEngine(
+        str(tiny128), VllmSettings(dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=512, enforce_eager=True)
+    )
     try:
         model = _perturbed(tiny128, torch.float32)
         engine.sync_weights(model)  # float32 trainer weights into a bfloat16 engine
@@ -75,7 +77,7 @@ def test_bfloat16_logprobs_stay_close(tiny128):
             c = resp.choices[0]
             ids = torch.tensor([resp.prompt_token_ids + c.token_ids], device="cuda")
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(ids).logits[0, len(resp.prompt_token_ids) - 1:-1].float()
+                logits = model(ids).logits[0, len(resp.prompt_token_ids) - 1 : -1].float()
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids, device="cuda")[:, None])
             got = torch.tensor([x["logprob"] for x in c.logprobs["content"]], device="cuda")
             worst = max(worst, float((got - want.squeeze(-1)).abs().max()))

@@ -32,10 +32,16 @@ def _png(rgb) -> bytes:
     return buf.getvalue()
 
 
-REQUESTS = [RolloutInferRequest(messages=QUESTION, data_dict={"images": [_png(c)]})
-            for c in ((220, 20, 20), (20, 200, 30), (30, 40, 210))]
-REQUESTS.append(RolloutInferRequest(messages=[{"role": "user", "content": "Two images: <image> and <image>?"}],
-                                    data_dict={"images": [_png((200, 200, 0)), _png((0, 90, 90))]}))
+REQUESTS = [
+    RolloutInferRequest(messages=QUESTION, data_dict={"images": [_png(c)]})
+    for c in ((220, 20, 20), (20, 200, 30), (30, 40, 210))
+]
+REQUESTS.append(
+    RolloutInferRequest(
+        messages=[{"role": "user", "content": "Two images: <image> and <image>?"}],
+        data_dict={"images": [_png((200, 200, 0)), _png((0, 90, 90))]},
+    )
+)
 REQUESTS.append(RolloutInferRequest(messages=[{"role": "user", "content": "No image here."}]))  # a text row
 
 
@@ -82,7 +88,7 @@ def logprob_gaps(engine, model) -> tuple[float, float]:
         full = torch.tensor([ids + c.token_ids])
         with torch.no_grad():
             logits = model(input_ids=full, **collate_mm([row], len(ids), len(c.token_ids))).logits
-        logits = logits[0, len(ids) - 1:-1].float() / SAMPLED.temperature
+        logits = logits[0, len(ids) - 1 : -1].float() / SAMPLED.temperature
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         allowed = logits.clone()
         allowed[:, blocked] = float("-inf")
@@ -99,8 +105,12 @@ def test_engine_takes_images_and_follows_a_weight_sync(idefics3):
     from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
 
     torch.set_num_threads(1)
-    engine = VllmEngine(str(idefics3), VllmSettings(dtype="float32", max_model_len=512, enforce_eager=True,
-                                                    gpu_memory_utilization=0.3, max_num_seqs=32))
+    engine = VllmEngine(
+        str(idefics3),
+        VllmSettings(
+            dtype="float32", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3, max_num_seqs=32
+        ),
+    )
     try:
         assert isinstance(engine.template, ProcessorTemplate)
         model = AutoModelForImageTextToText.from_pretrained(str(idefics3), dtype=torch.float32).eval()
@@ -121,8 +131,11 @@ def test_engine_takes_images_and_follows_a_weight_sync(idefics3):
         engine.close()
 
 
-@pytest.mark.parametrize("tuner", [["--tuner_type", "full", "--learning_rate", "1e-2"],
-                                   ["--tuner_type", "lora", "--learning_rate", "5e-2"]], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "tuner",
+    [["--tuner_type", "full", "--learning_rate", "1e-2"], ["--tuner_type", "lora", "--learning_rate", "5e-2"]],
+    ids=["full", "lora"],
+)
 def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch, tuner):
     """Full fine-tuning and LoRA (merged into vLLM's weights at each sync), the vision tower frozen (the default)."""
     from grpokit.engines.vllm_engine import VllmEngine
@@ -140,14 +153,51 @@ def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch, tuner):
     if "test_length_with_images" not in orms:
         orms["test_length_with_images"] = LengthWithImages
     out = tmp_path / "colocate"
-    cfg = parse_train_args([
-        "--model", str(idefics3), "--dataset", "builtin:colours", "--reward_funcs", "test_length_with_images",
-        *tuner, "--torch_dtype", "float32", "--beta", "0",
-        "--num_generations", "4", "--per_device_train_batch_size", "8",
-        "--max_completion_length", "8", "--temperature", "1.0", "--max_steps", "2",
-        "--rollout_importance_sampling_mode", "token_truncate", "--use_vllm", "true", "--vllm_mode", "colocate",
-        "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
-        "--output_dir", str(out), "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(idefics3),
+            "--dataset",
+            "builtin:colours",
+            "--reward_funcs",
+            "test_length_with_images",
+            *tuner,
+            "--torch_dtype",
+            "float32",
+            "--beta",
+            "0",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--temperature",
+            "1.0",
+            "--max_steps",
+            "2",
+            "--rollout_importance_sampling_mode",
+            "token_truncate",
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--plots",
+            "false",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     trainer = run_train(cfg)
     try:
         assert isinstance(trainer.engine, VllmEngine)

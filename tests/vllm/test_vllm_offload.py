@@ -25,12 +25,18 @@ pytestmark = pytest.mark.vllm
 def _storage(model, optimizer) -> list[torch.Tensor]:
     """Views of the trainer's weight and optimizer-state storage (holding them keeps that memory from being
     reused, so a data pointer seen later in it means the same storage)."""
-    return [t.detach() for t in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values()
-                                                       if isinstance(v, torch.Tensor) and v.numel() > 1)]]
+    return [
+        t.detach()
+        for t in [
+            *model.parameters(),
+            *(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1),
+        ]
+    ]
 
 
-def test_colocate_with_offload_trains_in_step_and_generates_without_the_training_storage(tiny128, tmp_path,
-                                                                                            monkeypatch):
+def test_colocate_with_offload_trains_in_step_and_generates_without_the_training_storage(
+    tiny128, tmp_path, monkeypatch
+):
     from grpokit.engines.vllm_engine import VllmEngine
     from grpokit.pipeline.train import run_train
     from grpokit.trainers import grpo_trainer, offload
@@ -39,8 +45,14 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
 
     def gpu_offloader(rollout_args, engine, models, optimizer, device, main_process):
         assert engine.engine_type == "vllm" and device.type == "cpu"
-        made.append(offload.Offloader(models, optimizer, offload_model=rollout_args.offload_model,
-                                      offload_optimizer=rollout_args.offload_optimizer))
+        made.append(
+            offload.Offloader(
+                models,
+                optimizer,
+                offload_model=rollout_args.offload_model,
+                offload_optimizer=rollout_args.offload_optimizer,
+            )
+        )
         return made[-1]
 
     monkeypatch.setattr(grpo_trainer, "make_offloader", gpu_offloader)
@@ -68,10 +80,28 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
     monkeypatch.setattr(VllmEngine, "sync_weights", checked_sync)
     monkeypatch.setattr(VllmEngine, "infer", watched_infer)
     out = tmp_path / "offload"
-    cfg = parse_train_args(_args(tiny128, out, "--use_vllm", "true", "--vllm_mode", "colocate",
-                                 "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512",
-                                 "--vllm_gpu_memory_utilization", "0.3", "--offload_model", "true",
-                                 "--offload_optimizer", "true", "--sleep_level", "1"))
+    cfg = parse_train_args(
+        _args(
+            tiny128,
+            out,
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+            "--offload_model",
+            "true",
+            "--offload_optimizer",
+            "true",
+            "--sleep_level",
+            "1",
+        )
+    )
     trainer = run_train(cfg)
     try:
         assert len(made) == 1 and made[0].optimizer is not None and made[0].models

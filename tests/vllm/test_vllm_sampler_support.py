@@ -31,15 +31,53 @@ def test_vllm_weights_stay_at_one_under_truncated_sampling(tiny128, tmp_path, tr
 
     torch.set_num_threads(1)
     out = tmp_path / "run"
-    cfg = parse_train_args(["--model", str(tiny128), "--dataset", "builtin:arithmetic", "--reward_funcs",
-                            "test_length", "--max_steps", "2", "--num_generations", "4",
-                            "--per_device_train_batch_size", "8", "--max_completion_length", "12",
-                            "--learning_rate", "5e-3", "--beta", "0", "--torch_dtype", "float32",
-                            "--temperature", "0.9", "--rollout_importance_sampling_mode", "token_truncate",
-                            "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_enforce_eager", "true",
-                            "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
-                            "--output_dir", str(out), "--save_final_model", "false", "--plots", "false",
-                            "--disable_tqdm", "true", *truncation])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny128),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "test_length",
+            "--max_steps",
+            "2",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "12",
+            "--learning_rate",
+            "5e-3",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--temperature",
+            "0.9",
+            "--rollout_importance_sampling_mode",
+            "token_truncate",
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--plots",
+            "false",
+            "--disable_tqdm",
+            "true",
+            *truncation,
+        ]
+    )
     trainer = run_train(cfg)
     try:
         assert isinstance(trainer.engine, VllmEngine)

@@ -23,8 +23,10 @@ pytestmark = pytest.mark.vllm
 
 GREEDY = RequestConfig(max_tokens=6, temperature=0)
 QUESTION = [{"role": "user", "content": "<image>What colour is this image?"}]
-PROMPTS = [RolloutInferRequest(messages=QUESTION, data_dict={"images": [_png(c)]})
-           for c in ((220, 20, 20), (20, 200, 30), (30, 40, 210))]
+PROMPTS = [
+    RolloutInferRequest(messages=QUESTION, data_dict={"images": [_png(c)]})
+    for c in ((220, 20, 20), (20, 200, 30), (30, 40, 210))
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,19 @@ def idefics3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(idefics3, tmp_path_factory):
-    with rollout_server(idefics3, tmp_path_factory.mktemp("logs"), "--engine", "vllm", "--torch_dtype", "float32",
-                        "--vllm_max_model_len", "512", "--max_batch_size", "32", start_timeout=400) as s:
+    with rollout_server(
+        idefics3,
+        tmp_path_factory.mktemp("logs"),
+        "--engine",
+        "vllm",
+        "--torch_dtype",
+        "float32",
+        "--vllm_max_model_len",
+        "512",
+        "--max_batch_size",
+        "32",
+        start_timeout=400,
+    ) as s:
         yield s
 
 
@@ -47,8 +60,11 @@ def _greedy(engine, pad: int) -> list[list[int]]:
     return [seq[: seq.index(pad)] if pad in seq else seq for seq in ids]
 
 
-@pytest.mark.parametrize("tuner", [["--tuner_type", "full", "--learning_rate", "1e-2"],
-                                   ["--tuner_type", "lora", "--learning_rate", "5e-2"]], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "tuner",
+    [["--tuner_type", "full", "--learning_rate", "1e-2"], ["--tuner_type", "lora", "--learning_rate", "5e-2"]],
+    ids=["full", "lora"],
+)
 def test_server_mode_training_with_images_keeps_the_server_in_step(idefics3, server, tmp_path, monkeypatch, tuner):
     from grpokit.engines.client import RolloutClient
     from grpokit.engines.transformers_engine import TransformersEngine
@@ -76,13 +92,49 @@ def test_server_mode_training_with_images_keeps_the_server_in_step(idefics3, ser
         assert info.engine_info()["multimodal"] is True and info.engine_info()["engine_type"] == "vllm"
     finally:
         info.close()
-    trainer = run_train(parse_train_args([
-        "--model", str(idefics3), "--dataset", "builtin:colours", "--reward_funcs", "test_length_with_images",
-        *tuner, "--torch_dtype", "float32", "--beta", "0", "--num_generations", "4",
-        "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--temperature", "1.0",
-        "--max_steps", "2", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
-        str(server.port), "--vllm_server_timeout", "300", "--output_dir", str(tmp_path / "out"),
-        "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true"]))
+    trainer = run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(idefics3),
+                "--dataset",
+                "builtin:colours",
+                "--reward_funcs",
+                "test_length_with_images",
+                *tuner,
+                "--torch_dtype",
+                "float32",
+                "--beta",
+                "0",
+                "--num_generations",
+                "4",
+                "--per_device_train_batch_size",
+                "8",
+                "--max_completion_length",
+                "8",
+                "--temperature",
+                "1.0",
+                "--max_steps",
+                "2",
+                "--vllm_mode",
+                "server",
+                "--vllm_server_host",
+                "127.0.0.1",
+                "--vllm_server_port",
+                str(server.port),
+                "--vllm_server_timeout",
+                "300",
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--save_final_model",
+                "false",
+                "--plots",
+                "false",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+    )
     assert isinstance(trainer.engine, RolloutClient)
     assert len(checks) >= 2  # one sync per optimizer step (and one at start-up where the trainer makes it)
     for k, (served, local) in enumerate(checks):
@@ -138,16 +190,60 @@ def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_pa
     orms["test_two_images"] = two_images
     turns = ("--external_plugins", str(plugin), "--multi_turn_scheduler", "test_append_blue_image", "--max_turns", "2")
     try:
-        with rollout_server(idefics3, tmp_path, "--engine", "vllm", "--torch_dtype", "float32",
-                            "--vllm_max_model_len", "1024", "--max_batch_size", "32", *turns,
-                            start_timeout=400) as server:
-            trainer = run_train(parse_train_args([
-                "--model", str(idefics3), "--dataset", "builtin:colours", "--reward_funcs", "test_two_images",
-                "--torch_dtype", "float32", "--beta", "0", "--num_generations", "2", "--per_device_train_batch_size",
-                "4", "--max_completion_length", "4", "--max_steps", "1", "--vllm_mode", "server",
-                "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server.port), "--vllm_server_timeout",
-                "300", "--output_dir", str(tmp_path / "out"), "--save_final_model", "false", "--plots", "false",
-                "--disable_tqdm", "true"]))
+        with rollout_server(
+            idefics3,
+            tmp_path,
+            "--engine",
+            "vllm",
+            "--torch_dtype",
+            "float32",
+            "--vllm_max_model_len",
+            "1024",
+            "--max_batch_size",
+            "32",
+            *turns,
+            start_timeout=400,
+        ) as server:
+            trainer = run_train(
+                parse_train_args(
+                    [
+                        "--model",
+                        str(idefics3),
+                        "--dataset",
+                        "builtin:colours",
+                        "--reward_funcs",
+                        "test_two_images",
+                        "--torch_dtype",
+                        "float32",
+                        "--beta",
+                        "0",
+                        "--num_generations",
+                        "2",
+                        "--per_device_train_batch_size",
+                        "4",
+                        "--max_completion_length",
+                        "4",
+                        "--max_steps",
+                        "1",
+                        "--vllm_mode",
+                        "server",
+                        "--vllm_server_host",
+                        "127.0.0.1",
+                        "--vllm_server_port",
+                        str(server.port),
+                        "--vllm_server_timeout",
+                        "300",
+                        "--output_dir",
+                        str(tmp_path / "out"),
+                        "--save_final_model",
+                        "false",
+                        "--plots",
+                        "false",
+                        "--disable_tqdm",
+                        "true",
+                    ]
+                )
+            )
             assert server.healthy()
     finally:
         del orms["test_two_images"]

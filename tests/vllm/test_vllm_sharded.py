@@ -91,8 +91,18 @@ PLUGIN = textwrap.dedent('''
 
     TrainerFactory.TRAINER_MAPPING["grpo"] = "vllm_sharded_plugin.SyncCheck"
 ''')
-LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--target_modules", "all-linear",
-        "--learning_rate", "3e-2")
+LORA = (
+    "--tuner_type",
+    "lora",
+    "--lora_rank",
+    "4",
+    "--lora_alpha",
+    "8",
+    "--target_modules",
+    "all-linear",
+    "--learning_rate",
+    "3e-2",
+)
 
 
 def _free_port() -> int:
@@ -107,29 +117,95 @@ def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[lis
     plugin, dump = root / "vllm_sharded_plugin.py", root / "dump"
     plugin.write_text(PLUGIN)
     dump.mkdir(parents=True)
-    args = ["--model", str(model), "--dataset", "builtin:arithmetic", "--reward_funcs", "test_length",
-            "--external_plugins", str(plugin), "--max_steps", "3", "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--max_completion_length", "10", "--learning_rate", "5e-3",
-            "--beta", "0", "--torch_dtype", "float32", "--temperature", "0.9", "--use_vllm", "true",
-            "--vllm_mode", "colocate", "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-            "--vllm_gpu_memory_utilization", "0.3", "--vllm_max_num_seqs", "8", "--output_dir", str(root / "out"),
-            "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOKIT_TEST_DUMP": str(dump), "GRPOKIT_TEST_MODEL": str(model),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--nnodes", "1",
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "grpokit", "train"]
+    args = [
+        "--model",
+        str(model),
+        "--dataset",
+        "builtin:arithmetic",
+        "--reward_funcs",
+        "test_length",
+        "--external_plugins",
+        str(plugin),
+        "--max_steps",
+        "3",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "10",
+        "--learning_rate",
+        "5e-3",
+        "--beta",
+        "0",
+        "--torch_dtype",
+        "float32",
+        "--temperature",
+        "0.9",
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "colocate",
+        "--vllm_enforce_eager",
+        "true",
+        "--vllm_max_model_len",
+        "256",
+        "--vllm_gpu_memory_utilization",
+        "0.3",
+        "--vllm_max_num_seqs",
+        "8",
+        "--output_dir",
+        str(root / "out"),
+        "--save_final_model",
+        "false",
+        "--plots",
+        "false",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GRPOKIT_TEST_DUMP": str(dump),
+        "GRPOKIT_TEST_MODEL": str(model),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "grpokit",
+        "train",
+    ]
     if not processes:
         launcher = [sys.executable, "-m", "grpokit", "train"]
-        env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                          "MASTER_PORT")}
+        env = {
+            k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
     proc = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [[json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()]
-            for r in range(max(processes, 1))]
+    return [
+        [json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(max(processes, 1))
+    ]
 
 
-@pytest.mark.parametrize("sharding", [("--deepspeed", "zero3"), ("--fsdp", "true"), ("--deepspeed", "zero3", *LORA),
-                                      ()], ids=["zero3", "fsdp", "zero3-lora", "ddp"])
+@pytest.mark.parametrize(
+    "sharding",
+    [("--deepspeed", "zero3"), ("--fsdp", "true"), ("--deepspeed", "zero3", *LORA), ()],
+    ids=["zero3", "fsdp", "zero3-lora", "ddp"],
+)
 def test_each_rank_engine_follows_the_sharded_trainer(tiny128, tmp_path, sharding):
     if sharding[:1] == ("--deepspeed",) and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")

@@ -21,14 +21,48 @@ def _run(model_dir, out, steps: int):
     from grpokit.pipeline.train import run_train
 
     torch.set_num_threads(1)
-    cfg = parse_train_args(["--model", str(model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs",
-                            "accuracy", "--max_steps", str(steps), "--num_generations", "4",
-                            "--per_device_train_batch_size", "4", "--max_completion_length", "4",
-                            "--learning_rate", "1e-4", "--weight_decay", "0.1", "--torch_dtype", "float32",
-                            "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_enforce_eager", "true",
-                            "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
-                            "--output_dir", str(out), "--save_final_model", "false", "--plots", "false",
-                            "--disable_tqdm", "true"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(model_dir),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "accuracy",
+            "--max_steps",
+            str(steps),
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "4",
+            "--learning_rate",
+            "1e-4",
+            "--weight_decay",
+            "0.1",
+            "--torch_dtype",
+            "float32",
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--plots",
+            "false",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     return run_train(cfg)
 
 
@@ -84,10 +118,13 @@ def test_a_broken_sync_stops_the_colocate_run_at_that_step_naming_the_tensor(tin
     message = str(info.value)
     print(message)
     assert "\n" not in message and message.endswith(
-        "[sync after step 1; --check_weight_sync false turns the check off]")
+        "[sync after step 1; --check_weight_sync false turns the check off]"
+    )
     if fault == "corrupt":
-        assert message.startswith("weight sync check: vLLM does not hold the weights just synced: "
-                                  "model.embed_tokens.weight ("), message
+        assert message.startswith(
+            "weight sync check: vLLM does not hold the weights just synced: model.embed_tokens.weight ("
+        ), message
     else:
-        assert message.startswith("weight sync check: model.norm.weight never reached vLLM's weight loader "
-                                  "(dropped on the way)"), message
+        assert message.startswith(
+            "weight sync check: model.norm.weight never reached vLLM's weight loader (dropped on the way)"
+        ), message

@@ -48,14 +48,54 @@ def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_
     caplog.set_level(logging.WARNING, logger="grpokit")
     multi_turns["think_then_observe_vllm"] = ThinkThenObserve  # the conftest restores the registry
     out = tmp_path / "out"
-    trainer = run_train(parse_train_args([
-        "--model", str(model), "--dataset", "builtin:arithmetic", "--reward_funcs", "test_length",
-        "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
-        "--max_completion_length", "8", "--multi_turn_scheduler", "think_then_observe_vllm", "--max_turns", "3",
-        "--learning_rate", "1e-3", "--beta", "0", "--torch_dtype", "float32", "--use_vllm", "true",
-        "--vllm_mode", "colocate", "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512",
-        "--vllm_gpu_memory_utilization", "0.3", "--output_dir", str(out), "--save_final_model", "false",
-        "--plots", "false", "--disable_tqdm", "true"]))
+    trainer = run_train(
+        parse_train_args(
+            [
+                "--model",
+                str(model),
+                "--dataset",
+                "builtin:arithmetic",
+                "--reward_funcs",
+                "test_length",
+                "--max_steps",
+                "1",
+                "--num_generations",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+                "--max_completion_length",
+                "8",
+                "--multi_turn_scheduler",
+                "think_then_observe_vllm",
+                "--max_turns",
+                "3",
+                "--learning_rate",
+                "1e-3",
+                "--beta",
+                "0",
+                "--torch_dtype",
+                "float32",
+                "--use_vllm",
+                "true",
+                "--vllm_mode",
+                "colocate",
+                "--vllm_enforce_eager",
+                "true",
+                "--vllm_max_model_len",
+                "512",
+                "--vllm_gpu_memory_utilization",
+                "0.3",
+                "--output_dir",
+                str(out),
+                "--save_final_model",
+                "false",
+                "--plots",
+                "false",
+                "--disable_tqdm",
+                "true",
+            ]
+        )
+    )
     try:
         assert trainer.state.global_step == 1
         assert any("not prefix-preserving" in r.getMessage() for r in caplog.records)

@@ -42,12 +42,41 @@ if "test_length" not in orms:
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs", "test_length",
-            "--max_steps", "3", "--num_generations", "4", "--per_device_train_batch_size", "8",
-            "--max_completion_length", "12", "--learning_rate", "5e-3", "--beta", "0", "--torch_dtype", "float32",
-            "--temperature", "0.9", "--rollout_importance_sampling_mode", "token_truncate",
-            "--output_dir", str(out), "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true",
-            *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--dataset",
+        "builtin:arithmetic",
+        "--reward_funcs",
+        "test_length",
+        "--max_steps",
+        "3",
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_completion_length",
+        "12",
+        "--learning_rate",
+        "5e-3",
+        "--beta",
+        "0",
+        "--torch_dtype",
+        "float32",
+        "--temperature",
+        "0.9",
+        "--rollout_importance_sampling_mode",
+        "token_truncate",
+        "--output_dir",
+        str(out),
+        "--save_final_model",
+        "false",
+        "--plots",
+        "false",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
 
 
 def _greedy(engine, pad: int) -> list[list[int]]:
@@ -66,7 +95,7 @@ def compare(engine, model, tokenizer) -> dict:
         c = resp.choices[0]
         full = torch.tensor([resp.prompt_token_ids + c.token_ids], device=next(model.parameters()).device)
         with torch.no_grad():
-            logits = model(full).logits[0, len(resp.prompt_token_ids) - 1:-1].float() / SAMPLED.temperature
+            logits = model(full).logits[0, len(resp.prompt_token_ids) - 1 : -1].float() / SAMPLED.temperature
         want = torch.log_softmax(logits, -1).cpu().gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         got = torch.tensor([x["logprob"] for x in c.logprobs["content"]])
         worst = max(worst, float((got - want).abs().max()))
@@ -98,9 +127,22 @@ def test_colocate_training_keeps_vllm_in_step(tiny128, tmp_path, monkeypatch):
 
     monkeypatch.setattr(VllmEngine, "sync_weights", checked_sync)
     out = tmp_path / "colocate"
-    cfg = parse_train_args(_args(tiny128, out, "--use_vllm", "true", "--vllm_mode", "colocate",
-                                 "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512",
-                                 "--vllm_gpu_memory_utilization", "0.3"))
+    cfg = parse_train_args(
+        _args(
+            tiny128,
+            out,
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+        )
+    )
     trainer = run_train(cfg)
     try:
         assert isinstance(trainer.engine, VllmEngine)
@@ -124,11 +166,38 @@ def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkey
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     out = tmp_path / "defaults"
-    cfg = parse_train_args(["--model", str(tiny128), "--dataset", "builtin:arithmetic", "--reward_funcs",
-                            "test_length", "--use_vllm", "true", "--vllm_mode", "colocate", "--max_steps", "1",
-                            "--num_generations", "4", "--per_device_train_batch_size", "8",
-                            "--max_completion_length", "8", "--beta", "0", "--torch_dtype", "float32",
-                            "--output_dir", str(out), "--save_final_model", "false", "--plots", "false"])
+    cfg = parse_train_args(
+        [
+            "--model",
+            str(tiny128),
+            "--dataset",
+            "builtin:arithmetic",
+            "--reward_funcs",
+            "test_length",
+            "--use_vllm",
+            "true",
+            "--vllm_mode",
+            "colocate",
+            "--max_steps",
+            "1",
+            "--num_generations",
+            "4",
+            "--per_device_train_batch_size",
+            "8",
+            "--max_completion_length",
+            "8",
+            "--beta",
+            "0",
+            "--torch_dtype",
+            "float32",
+            "--output_dir",
+            str(out),
+            "--save_final_model",
+            "false",
+            "--plots",
+            "false",
+        ]
+    )
     trainer = run_train(cfg)
     try:
         assert isinstance(trainer.engine, VllmEngine)
@@ -148,8 +217,9 @@ def test_a_memory_fraction_vllm_cannot_reserve_names_our_option(tiny128, monkeyp
     with pytest.raises(ConfigError) as e:  # all of the RAM: more than is available while anything else runs
         VllmEngine.from_rollout_args(rollout, str(tiny128), "float32")
     message = str(e.value)
-    assert message.startswith("--vllm_gpu_memory_utilization 1.0: vLLM could not start with this memory fraction ("
-                              "Available memory on node "), message
+    assert message.startswith(
+        "--vllm_gpu_memory_utilization 1.0: vLLM could not start with this memory fraction (Available memory on node "
+    ), message
     assert "lower it (e.g. --vllm_gpu_memory_utilization 0.5)" in message and "VLLM_CPU_KVCACHE_SPACE" in message
     assert "\n" not in message and "--gpu-memory-utilization" not in message
 
@@ -159,16 +229,29 @@ def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
     from grpokit.pipeline.train import run_train
 
     torch.set_num_threads(1)
-    with rollout_server(tiny128, tmp_path, "--engine", "vllm", "--torch_dtype", "float32", "--max_batch_size", "64",
-                        start_timeout=300) as server:
+    with rollout_server(
+        tiny128, tmp_path, "--engine", "vllm", "--torch_dtype", "float32", "--max_batch_size", "64", start_timeout=300
+    ) as server:
         client = RolloutClient(base_urls=[server.url], timeout=120)
         info = client.engine_info(refresh=True)
         assert info["engine_type"] == "vllm"
         version = info["weight_version"]
         client.close()
         out = tmp_path / "server"
-        cfg = parse_train_args(_args(tiny128, out, "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
-                                     "--vllm_server_port", str(server.port), "--vllm_server_timeout", "120"))
+        cfg = parse_train_args(
+            _args(
+                tiny128,
+                out,
+                "--vllm_mode",
+                "server",
+                "--vllm_server_host",
+                "127.0.0.1",
+                "--vllm_server_port",
+                str(server.port),
+                "--vllm_server_timeout",
+                "120",
+            )
+        )
         trainer = run_train(cfg)  # closes its client at the end
         client = RolloutClient(base_urls=[server.url], timeout=120)
         try:
@@ -190,13 +273,35 @@ def test_constrained_colocate_run_logs_only_valid_json(tiny128, tmp_path):
     from grpokit.pipeline.train import run_train
 
     torch.set_num_threads(1)
-    schema = {"type": "object", "additionalProperties": False, "required": ["answer"],
-              "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["answer"],
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999}},
+    }
     out = tmp_path / "json"
-    cfg = parse_train_args(_args(tiny128, out, "--use_vllm", "true", "--vllm_enforce_eager", "true",
-                                 "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
-                                 "--max_steps", "2", "--max_completion_length", "16",
-                                 "--structured_outputs_json", json.dumps(schema), "--log_completions", "true"))
+    cfg = parse_train_args(
+        _args(
+            tiny128,
+            out,
+            "--use_vllm",
+            "true",
+            "--vllm_enforce_eager",
+            "true",
+            "--vllm_max_model_len",
+            "512",
+            "--vllm_gpu_memory_utilization",
+            "0.3",
+            "--max_steps",
+            "2",
+            "--max_completion_length",
+            "16",
+            "--structured_outputs_json",
+            json.dumps(schema),
+            "--log_completions",
+            "true",
+        )
+    )
     trainer = run_train(cfg)
     trainer.engine.close()
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

@@ -36,21 +36,36 @@ def test_turn_two_is_sampled_from_the_trajectory_ids(tmp_path):
 
     torch.set_num_threads(1)
     folder = build_tiny_vlm(tmp_path / "model", "idefics3", hidden_size=128)  # vLLM CPU attention: head size 32
-    engine = VllmEngine(str(folder), VllmSettings(dtype="float32", max_model_len=512, enforce_eager=True,
-                                                  gpu_memory_utilization=0.3, max_num_seqs=4))
+    engine = VllmEngine(
+        str(folder),
+        VllmSettings(
+            dtype="float32", max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3, max_num_seqs=4
+        ),
+    )
     try:
         template = engine.template
         tok = template.tokenizer
-        first = RolloutInferRequest(messages=[{"role": "user", "content": "<image>What colour is this image?"}],
-                                    data_dict={"images": [_square((220, 20, 20))]})
+        first = RolloutInferRequest(
+            messages=[{"role": "user", "content": "<image>What colour is this image?"}],
+            data_dict={"images": [_square((220, 20, 20))]},
+        )
         trajectory = TrajectoryImages(template, first)
         reply = [i for c in REPLY for i in tok(c, add_special_tokens=False)["input_ids"]]  # one token per character
         assert tok.decode(reply) == REPLY and tok(REPLY, add_special_tokens=False)["input_ids"] != reply
-        messages = [*first.messages, {"role": "assistant", "content": REPLY},
-                    {"role": "user", "content": "<image>And this one?"}]
+        messages = [
+            *first.messages,
+            {"role": "assistant", "content": REPLY},
+            {"role": "user", "content": "<image>And this one?"},
+        ]
         second = RolloutInferRequest(messages=messages, data_dict=dict(first.data_dict), request_id=first.request_id)
-        step = StepResult(infer_request=second, token_ids=reply, loss_mask=[1] * len(reply),
-                          logprobs=[0.0] * len(reply), rollout_infos={}, images=[_square((20, 200, 30))])
+        step = StepResult(
+            infer_request=second,
+            token_ids=reply,
+            loss_mask=[1] * len(reply),
+            logprobs=[0.0] * len(reply),
+            rollout_infos={},
+            images=[_square((20, 200, 30))],
+        )
         trajectory.commit(step, trajectory.between("step()", step, reply), {})
         ids, row = trajectory.ids, trajectory.row
         images = second.data_dict["images"]
@@ -61,9 +76,10 @@ def test_turn_two_is_sampled_from_the_trajectory_ids(tmp_path):
         c = resp.choices[0]
         model = AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids + c.token_ids]),
-                           **collate_mm([row], len(ids), len(c.token_ids))).logits
-        logits = logits[0, len(ids) - 1:-1].float() / SAMPLED.temperature
+            logits = model(
+                input_ids=torch.tensor([ids + c.token_ids]), **collate_mm([row], len(ids), len(c.token_ids))
+            ).logits
+        logits = logits[0, len(ids) - 1 : -1].float() / SAMPLED.temperature
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
         allowed = logits.clone()
         allowed[:, template.blocked_token_ids] = float("-inf")
@@ -107,14 +123,54 @@ def test_colocate_training_adds_an_image_in_turn_two(tmp_path):
     orms["test_two_images"], multi_turns["test_append_blue"] = two_images, AppendBlueImage
     out = tmp_path / "out"
     try:
-        trainer = run_train(parse_train_args([
-            "--model", str(folder), "--dataset", "builtin:colours", "--reward_funcs", "test_two_images",
-            "--multi_turn_scheduler", "test_append_blue", "--max_turns", "2", "--torch_dtype", "float32",
-            "--beta", "0", "--num_generations", "2", "--per_device_train_batch_size", "4",
-            "--max_completion_length", "4", "--max_steps", "1", "--rollout_importance_sampling_mode",
-            "token_truncate", "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_enforce_eager", "true",
-            "--vllm_max_model_len", "1024", "--vllm_gpu_memory_utilization", "0.3", "--output_dir", str(out),
-            "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true"]))
+        trainer = run_train(
+            parse_train_args(
+                [
+                    "--model",
+                    str(folder),
+                    "--dataset",
+                    "builtin:colours",
+                    "--reward_funcs",
+                    "test_two_images",
+                    "--multi_turn_scheduler",
+                    "test_append_blue",
+                    "--max_turns",
+                    "2",
+                    "--torch_dtype",
+                    "float32",
+                    "--beta",
+                    "0",
+                    "--num_generations",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "4",
+                    "--max_completion_length",
+                    "4",
+                    "--max_steps",
+                    "1",
+                    "--rollout_importance_sampling_mode",
+                    "token_truncate",
+                    "--use_vllm",
+                    "true",
+                    "--vllm_mode",
+                    "colocate",
+                    "--vllm_enforce_eager",
+                    "true",
+                    "--vllm_max_model_len",
+                    "1024",
+                    "--vllm_gpu_memory_utilization",
+                    "0.3",
+                    "--output_dir",
+                    str(out),
+                    "--save_final_model",
+                    "false",
+                    "--plots",
+                    "false",
+                    "--disable_tqdm",
+                    "true",
+                ]
+            )
+        )
         trainer.engine.close()
     finally:
         del orms["test_two_images"], multi_turns["test_append_blue"]

@@ -26,10 +26,12 @@ def as_request(request: Any) -> RolloutInferRequest:
     if isinstance(request, RolloutInferRequest):
         return request
     if not isinstance(request, dict) or "messages" not in request:
-        raise ValueError(f"infer: a request must be a RolloutInferRequest or a dict with 'messages', got "
-                         f"{type(request).__name__}")
-    return RolloutInferRequest(messages=list(request["messages"]),
-                               data_dict={k: v for k, v in request.items() if k != "messages"})
+        raise ValueError(
+            f"infer: a request must be a RolloutInferRequest or a dict with 'messages', got {type(request).__name__}"
+        )
+    return RolloutInferRequest(
+        messages=list(request["messages"]), data_dict={k: v for k, v in request.items() if k != "messages"}
+    )
 
 
 class TransformersEngine(_Engine):
@@ -38,17 +40,29 @@ class TransformersEngine(_Engine):
 
     def __init__(self, model: Any, template: ChatTemplate | None = None, max_batch_size: int = 0, **kwargs: Any):
         if isinstance(model, str) or template is None:
-            raise ConfigError("grpokit.swift TransformersEngine: pass a loaded model and its template "
-                              "(TransformersEngine(model, template=template)); loading by name is not supported here")
+            raise ConfigError(
+                "grpokit.swift TransformersEngine: pass a loaded model and its template "
+                "(TransformersEngine(model, template=template)); loading by name is not supported here"
+            )
         if kwargs:
-            raise ConfigError(f"grpokit.swift TransformersEngine: options {', '.join(sorted(kwargs))} are not "
-                              "supported; only model, template and max_batch_size are")
+            raise ConfigError(
+                f"grpokit.swift TransformersEngine: options {', '.join(sorted(kwargs))} are not "
+                "supported; only model, template and max_batch_size are"
+            )
         super().__init__(model, template, max_batch_size=max_batch_size or _NO_LIMIT)
 
-    def infer(self, requests: list[Any], request_config: RequestConfig | None = None, *,
-              use_tqdm: bool = False) -> list[ChatCompletionResponse]:
+    def infer(
+        self, requests: list[Any], request_config: RequestConfig | None = None, *, use_tqdm: bool = False
+    ) -> list[ChatCompletionResponse]:
         return super().infer([as_request(r) for r in requests], request_config or RequestConfig())
 
 
-__all__ = ["ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatMessage", "RequestConfig",
-           "RolloutInferRequest", "RolloutOutput", "TransformersEngine"]
+__all__ = [
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatMessage",
+    "RequestConfig",
+    "RolloutInferRequest",
+    "RolloutOutput",
+    "TransformersEngine",
+]

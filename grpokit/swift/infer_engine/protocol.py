@@ -9,5 +9,11 @@ from grpokit.protocol import (  # noqa: F401 (re-exported)
     RolloutOutput,
 )
 
-__all__ = ["ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatMessage", "RequestConfig",
-           "RolloutInferRequest", "RolloutOutput"]
+__all__ = [
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatMessage",
+    "RequestConfig",
+    "RolloutInferRequest",
+    "RolloutOutput",
+]

@@ -6,5 +6,16 @@ from grpokit.rewards.math_rewards import MathAccuracy, MathORM  # noqa: F401
 from grpokit.rewards.shape_rewards import CosineReward, Format, ReActFormat, RepetitionPenalty, SoftOverlong  # noqa
 from grpokit.rewards.toolbench import ReactORM  # noqa: F401
 
-__all__ = ["ORM", "AsyncORM", "CosineReward", "Format", "MathAccuracy", "MathORM", "ReActFormat", "ReactORM",
-           "RepetitionPenalty", "SoftOverlong", "orms"]
+__all__ = [
+    "ORM",
+    "AsyncORM",
+    "CosineReward",
+    "Format",
+    "MathAccuracy",
+    "MathORM",
+    "ReActFormat",
+    "ReactORM",
+    "RepetitionPenalty",
+    "SoftOverlong",
+    "orms",
+]

@@ -7,5 +7,12 @@ from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns  # noqa: 
 from grpokit.rollout.openenv_scheduler import OpenEnvScheduler  # noqa: F401 - in-process OpenEnv (no server)
 from grpokit.rollout.scheduler import RolloutScheduler  # noqa: F401
 
-__all__ = ["GYMScheduler", "MathTipsScheduler", "MultiTurnScheduler", "OpenEnvScheduler", "RolloutScheduler",
-           "ThinkingModelTipsScheduler", "multi_turns"]
+__all__ = [
+    "GYMScheduler",
+    "MathTipsScheduler",
+    "MultiTurnScheduler",
+    "OpenEnvScheduler",
+    "RolloutScheduler",
+    "ThinkingModelTipsScheduler",
+    "multi_turns",
+]
