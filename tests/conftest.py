@@ -65,8 +65,10 @@ def _cpus() -> int:
 
 def _worker_threads(config) -> int | None:
     """Torch threads of an xdist worker when none were asked for: the CPUs shared out between the workers (at
-    least one), instead of torch's default of every core in every worker. Measured on 2 cores, 2 workers, the
-    unit suite and eight integration files: 242 s with 2 threads a worker, 181 s with 1 (4 workers of 1: 197 s)."""
+    least one), instead of torch's default of every core in every worker (2 workers of 2 threads on 2 cores).
+    The whole main suite took as long either way in CI (871 s with 2 threads a worker, 875 s with 1: most of its
+    time is in subprocesses, which run one thread already); a subset heavy in in-process runs (the unit suite and
+    eight integration files) gave 242 s against 181 s in one sitting, and 4 workers of 1 thread 197 s."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     return max(1, _cpus() // int(workers)) if workers else None
 
