@@ -311,10 +311,26 @@ def grad_norm(optimizer) -> float | None:
     return optimizer.grad_norm if isinstance(optimizer, EngineStep) else None
 
 
+def _without_the_cpu_shm_kernel() -> None:
+    """On a CPU, DeepSpeed's comm layer compiles its shared-memory all-reduce kernel with g++ as it starts (about
+    45 s on 2 cores, once per installation; an error where no compiler is installed). Only DeepSpeed's inference
+    all-reduce calls it, never ZeRO training, whose collectives go through torch.distributed: marked unavailable in
+    DeepSpeed's table of compatible ops (a module attribute it computes once and keeps), the layer starts without
+    it and nothing is compiled."""
+    import deepspeed.ops  # an optional heavy package, imported only with --deepspeed: not at the top
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def initialize(model, optimizer, config: dict):
     """A DeepSpeed engine over ``model`` (and ``optimizer`` when training) in the existing process group."""
     import deepspeed  # an optional heavy package, imported only with --deepspeed: not at the top
 
+    _without_the_cpu_shm_kernel()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config))
     return engine
 

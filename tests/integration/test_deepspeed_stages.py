@@ -178,3 +178,8 @@ def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
     )
     assert not dist.is_initialized() and [k for k in _LAUNCHER_VARS if k in os.environ] == []
     assert _log_rows(out)[0]["grad_norm"] > 0
+    # DeepSpeed's comm layer started on the CPU without compiling its shared-memory kernel (zero.py)
+    import deepspeed.ops
+
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    assert "deepspeed_shm_comm" not in sys.modules
