@@ -14,7 +14,7 @@ from grpokit.rollout.scheduler import RolloutScheduler, run_trajectories
 from grpokit.template.encode import EncodedSample
 from grpokit.trainers.batch import collate
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # the engine thread takes the caller's torch thread count
 pytestmark = pytest.mark.numerics
 

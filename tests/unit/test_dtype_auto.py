@@ -15,7 +15,7 @@ import torch
 from grpokit.errors import ConfigError
 from grpokit.modeling import cpu_has_fast_bf16, resolve_dtype_name, torch_dtype
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # the --torch_dtype auto rule itself, under either forced choice
 pytestmark = [
     pytest.mark.numerics,

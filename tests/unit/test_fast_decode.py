@@ -12,7 +12,7 @@ import torch
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
 from grpokit.engines.sampling import inverse_cdf, sampling_processors
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # greedy tokens of the fast decoder equal HF generate's; the sum order follows the threads
 pytestmark = pytest.mark.numerics
 

@@ -16,7 +16,7 @@ from grpokit.errors import ConfigError
 from grpokit.trainers.offload import Offloader, make_offloader
 from grpokit.trainers.window_producer import WindowProducer
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # offloaded and restored tensors are compared value for value
 pytestmark = pytest.mark.numerics
 

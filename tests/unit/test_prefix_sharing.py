@@ -7,7 +7,7 @@ import torch
 
 from grpokit.engines.prefix import completion_logits, shared_prompts
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # a shared-prefix forward equals the plain forward within float tolerance
 pytestmark = pytest.mark.numerics
 

@@ -10,7 +10,7 @@ import torch
 
 from grpokit.engines.weights import iter_sync_weights, named_sync_tensors, plain_name
 
-# numerics: run again by .ci/run under the other dtype choice and one thread;
+# numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # synced weights are compared with the policy's tensors
 pytestmark = pytest.mark.numerics
 
