@@ -70,7 +70,11 @@ def _worker_threads(config) -> int | None:
     time is in subprocesses, which run one thread already); a subset heavy in in-process runs (the unit suite and
     eight integration files) gave 242 s against 181 s in one sitting, and 4 workers of 1 thread 197 s."""
     workers = getattr(config, "workerinput", {}).get("workercount")
-    return max(1, _cpus() // int(workers)) if workers else None
+    return _threads_per_worker(int(workers)) if workers else None
+
+
+def _threads_per_worker(workers: int) -> int:
+    return max(1, _cpus() // workers)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -81,7 +85,8 @@ def pytest_configure_node(node) -> None:
 def _threads_line() -> str:
     asked = os.environ.get(THREADS_ENV)
     if _WORKERS and not asked:
-        return f"torch threads {max(1, _cpus() // _WORKERS[0])} in each of {_WORKERS[0]} workers ({THREADS_ENV}=unset)"
+        workers = _WORKERS[0]
+        return f"torch threads {_threads_per_worker(workers)} in each of {workers} workers ({THREADS_ENV}=unset)"
     return f"torch threads {torch.get_num_threads()} ({THREADS_ENV}={asked or 'unset'})"
 
 
@@ -93,8 +98,8 @@ def pytest_configure(config) -> None:
         if not threads.isdigit() or int(threads) < 1:
             raise pytest.UsageError(f"{THREADS_ENV}={threads!r}: give a positive number of torch threads")
         torch.set_num_threads(int(threads))  # before collection: module imports and module fixtures see it too
-    elif _worker_threads(config):
-        torch.set_num_threads(_worker_threads(config))
+    elif worker_threads := _worker_threads(config):
+        torch.set_num_threads(worker_threads)
     BASELINE.update(
         threads=torch.get_num_threads(),
         dtype=torch.get_default_dtype(),
