@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_distributed import _free_port
+from cli_process import free_port
 
 RUNS = 6  # launches of the script: with a plain exit, P(no launch aborts) is about 0.5**6, under 2%
 
@@ -78,7 +78,7 @@ def test_exit_with_lingering_backend_threads_is_clean(tmp_path):
             "--master_addr",
             "127.0.0.1",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             str(script),
             str(marker),
             str(code),

@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_process import run_grpokit
 from test_distributed import PLUGIN, B, _args, _dumps, _log_rows, _max_diff, _one_process, _params, make_setup
 from test_sharded_fsdp import ENGINE_CHECK, STEPS, _check_same, _run
 
@@ -47,9 +47,7 @@ def _solo(setup, name: str, batch: int, *extra: str) -> Path:
         OMP_NUM_THREADS="1", GRPOKIT_TEST_DUMP=str(run / "dump"), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
     )
     args = _args(setup.model, setup.data, run / "out", setup.plugin, batch, *STEPS, *KL, *extra)
-    proc = subprocess.run(
-        [sys.executable, "-m", "grpokit", "train", *args], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = run_grpokit(["train", *args], env=env, timeout=300)  # a forked process (cli_process.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run
 

@@ -2,8 +2,8 @@
 
 A plugin swaps in a GRPOTrainer whose completions are fixed token ids derived from (prompt position, sample
 number), so runs differ only by how the work is split over processes. Each rank dumps its rewards, advantages,
-losses, loss denominators and final parameters. The 1-process references run inside pytest; torchrun starts
-three 2-process runs (about 1.5 minutes on 2 idle cores).
+losses, loss denominators and final parameters. The 1-process references run inside pytest; the 2-process runs
+are torchrun's ranks with its environment, forked from the test zygote (``_torchrun``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_process import run_grpokit_ranks
 
 from grpokit.errors import ConfigError
 
@@ -116,14 +116,12 @@ B = 8  # completions per process and micro-step in the 2-process runs (2 prompts
 # ----------------------------------------------------------------------------------------------------------
 # launching
 # ----------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(args: list[str], dump: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    """`grpokit train` under torchrun: 2 gloo processes on 127.0.0.1."""
+    """`grpokit train` as `torchrun --nproc_per_node 2` runs it: 2 gloo ranks on 127.0.0.1 with torchrun's
+    environment, forked from the test zygote (cli_process.py: no launcher, no interpreter start-up or imports a
+    rank); the ranks' outputs one after the other, as the launcher would print them."""
     dump.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -132,22 +130,7 @@ def _torchrun(args: list[str], dump: Path, timeout: int = 240) -> subprocess.Com
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--nnodes",
-        "1",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        "-m",
-        "grpokit",
-    ]
-    proc = subprocess.run([*launcher, "train", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_grpokit_ranks(["train", *args], 2, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     # every 2-process run of the suite (DDP, FSDP2, ZeRO) also checks the clean exit of test_clean_exit.py: no
     # "terminate called" abort from a lingering gloo thread after the run printed its summary

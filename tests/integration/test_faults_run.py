@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cli_process import run_grpokit
+from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -137,15 +137,8 @@ def _cli(args: list[str], timeout: int = 300, **env: str) -> subprocess.Complete
     return run_grpokit(["train", *args], env=_env(**env), timeout=timeout)  # a forked process (cli_process.py)
 
 
-def _start(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "grpokit", "train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(**env),
-        start_new_session=True,
-    )
+def _start(args: list[str], **env: str) -> StartedGrpokit:
+    return StartedGrpokit(["train", *args], env=_env(**env))  # a forked process of its own group (cli_process.py)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -263,9 +256,9 @@ def test_sigterm_to_two_processes_saves_one_step_and_resumes_exactly(setup):
     ]
     two = ("--per_device_train_batch_size", "2")
     ref = setup.root / "two_reference"
-    res = subprocess.run(
-        [*launcher, *_args(setup, ref, *two)], capture_output=True, text=True, check=False, timeout=300, env=_env()
-    )
+    # the reference and the resumed run: torchrun's ranks forked from the zygote (cli_process.py); the run that
+    # is stopped goes through torchrun itself, whose forwarding of SIGTERM to its ranks is part of the subject
+    res = run_grpokit_ranks(["train", *_args(setup, ref, *two)], 2, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = setup.root / "two_sigterm"
     args = _args(setup, out, *two, "--callbacks", "park")
@@ -285,14 +278,7 @@ def test_sigterm_to_two_processes_saves_one_step_and_resumes_exactly(setup):
     assert len(stopped) == 1 and "after step 3" in stopped[0], err[-3000:]  # said once, by rank 0
     assert {p.name for p in (out / "checkpoint-3").glob("window_rank*.pt")} == {"window_rank0.pt", "window_rank1.pt"}
     (out / "go").unlink()
-    res = subprocess.run(
-        [*launcher, *args, "--resume_from_checkpoint", "latest"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        env=_env(),
-    )
+    res = run_grpokit_ranks(["train", *args, "--resume_from_checkpoint", "latest"], 2, env=_env(), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _log(out) == _log(ref) and [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
 

@@ -7,8 +7,9 @@
 
 The runs sample from the tiny model (the in-process engine) and score with a length reward, so the loss and the
 updates depend on the seed. A callback plugin writes each rank's parameter digest before and after training, named
-by the launcher's RANK (a rank left out of the group still says which process it was). torchrun runs 4 times,
-about 20 s each on 2 cores; OMP_NUM_THREADS=1 keeps the arithmetic independent of the thread count.
+by the launcher's RANK (a rank left out of the group still says which process it was). 4 two-process runs
+(torchrun's ranks, forked with its environment: ``_torchrun``); OMP_NUM_THREADS=1 keeps the arithmetic independent
+of the thread count.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_process import run_grpokit_ranks
 
 from grpokit.errors import ConfigError
 
@@ -125,12 +126,10 @@ def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
 
 
 def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node 2 -m grpokit train ...`; --standalone lets torchrun pick a free port itself."""
+    """`torchrun --nproc_per_node 2 -m grpokit train ...`: its 2 ranks with torchrun's environment, forked from
+    the test zygote (test_distributed.py's ``_torchrun``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*launcher, "-m", "grpokit", "train", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    proc = run_grpokit_ranks(["train", *args], 2, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 

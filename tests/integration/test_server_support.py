@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cli_process import StartedGrpokit, free_port  # noqa: F401 (free_port: for the server tests)
 
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: StartedGrpokit
     port: int
     log: Path
 
@@ -41,10 +35,11 @@ def rollout_server(model_dir: Path, log_dir: Path, *args: str, env: dict | None 
     """A running server; always killed on exit. Fails with the server's log when it does not come up."""
     port = free_port()
     log = log_dir / f"rollout-{port}.log"
-    cmd = [sys.executable, "-m", "grpokit", "rollout", "--model", str(model_dir), "--port", str(port), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env)
+    # `python -m grpokit rollout ...`, forked from the test zygote (cli_process.py): no interpreter start-up
+    proc = StartedGrpokit(
+        ["rollout", "--model", str(model_dir), "--port", str(port), *args], env=full_env, output=str(log)
+    )
     server = Server(proc, port, log)
     headers = {"Authorization": f"Bearer {full_env['GRPOKIT_API_KEY']}"} if full_env.get("GRPOKIT_API_KEY") else {}
     try:

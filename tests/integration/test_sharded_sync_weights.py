@@ -8,11 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from test_distributed import _free_port
+from cli_process import run_grpokit_ranks
 
 pytestmark = pytest.mark.slow
 SCRIPT = r"""
@@ -74,22 +72,8 @@ def test_lora_merged_from_shards_equals_peft_merge(tmp_path, mode, kind):
     script = tmp_path / "check.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(script),
-        mode,
-        str(tmp_path),
-        kind,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # `torchrun --nproc_per_node 2 check.py MODE TMP KIND`: its ranks, forked from the test zygote (cli_process.py)
+    proc = run_grpokit_ranks([mode, str(tmp_path), kind], 2, env=env, timeout=240, script=str(script))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

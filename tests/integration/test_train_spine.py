@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_process import run_grpokit
+from cli_process import StartedGrpokit, run_grpokit
 
 pytestmark = pytest.mark.slow
 
@@ -167,13 +166,7 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
         "park_after_step_2",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpokit", "train", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = StartedGrpokit(["train", *args], env=env)  # a forked process of its own group (cli_process.py)
     try:
         deadline = time.monotonic() + 240  # a guard against a run that never gets there
         while not (out / "parked").exists():  # the run waits there, after step 2, until it is killed
