@@ -2,15 +2,21 @@
 transformers and grpokit: a zygote process imports them once (per test process), then forks one child per call.
 
 Each child is a process of its own, as ``subprocess.run([sys.executable, "-m", "grpokit", ...])`` gives: its own
-pid, environment, working directory, stdout/stderr (files read back as text), exit status (``sys.exit``,
-``os._exit``, a signal), atexit handlers and interpreter finalization; nothing it does reaches the zygote or the
-next call. What it shares is the modules imported before the fork, so a variable read only at import time (none
-that these tests vary) keeps the zygote's value; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``.
-A run whose zygote cannot fork safely (a thread is already running there) falls back to a plain subprocess.
-``run_grpokit_ranks`` forks a launcher's ranks together, each with the environment torchrun would give it.
+pid, process group, environment, working directory, stdout/stderr (files read back as text), exit status
+(``sys.exit``, ``os._exit``, a signal) and atexit handlers; nothing it does reaches the zygote or the next call.
+What it shares is the modules imported before the fork, so a variable read only at import time (none that these
+tests vary) keeps the zygote's value; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``. A run whose
+zygote cannot fork safely (a thread is already running there) falls back to a plain subprocess.
+
+How a child ends: a one-process child that returns or raises SystemExit waits for its non-daemon threads, runs
+its atexit handlers, flushes stdout/stderr and leaves with its status, without the interpreter's teardown of the
+modules (1.6-2 s of CPU in a process holding torch, transformers, peft and deepspeed, more than a failing run's
+whole work); any other exception ends it as a plain interpreter would. The ranks of ``run_grpokit_ranks`` (a
+launcher's processes, forked together, each with the environment torchrun gives it) end with the full
+finalization, since a clean exit of a multi-process run is one of the things their tests check.
 
 Only for runs whose subject is not the interpreter's start-up itself (``--help`` answering before torch is
-imported, the clean exit of lingering process groups: those tests start ``sys.executable`` themselves).
+imported: those tests start ``sys.executable`` themselves).
 """
 
 from __future__ import annotations
@@ -30,8 +36,14 @@ ZYGOTE = textwrap.dedent("""
     import json, os, runpy, sys, threading
     import grpokit.cli.main
     grpokit.cli.main._quiet_third_party()  # what `grpokit train|infer` sets before the libraries are imported
+    import importlib.util
     import torch, transformers  # noqa: F401  (what every call would import)
     import grpokit.pipeline.train, grpokit.pipeline.infer, grpokit.server.cli  # noqa: F401
+    # and what a run imports on its way (peft pulls transformers' modelling and torch._dynamo: 1.9 s of each
+    # child's 2.5 s in a one-step run; accelerate imports deepspeed where it is installed)
+    import accelerate, datasets, peft, safetensors.torch, transformers.optimization  # noqa: F401
+    if importlib.util.find_spec("deepspeed") is not None:
+        import deepspeed  # noqa: F401
     reply = os.fdopen(int(sys.argv[1]), "w", buffering=1)
 
 
@@ -102,14 +114,38 @@ ZYGOTE = textwrap.dedent("""
         os.close(f)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    script = job.get("script")
+    if proc.get("cpus"):  # `taskset -c CPUS`
+        os.sched_setaffinity(0, proc["cpus"])
+    script, finalize = job.get("script"), job.get("finalize", True)
     sys.argv = [script or "grpokit", *job["args"]]
     del job, proc, reply, line
-    if script:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
-    else:
-        runpy.run_module("grpokit", run_name="__main__", alter_sys=True)
+
+
+    def run():
+        if script:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module("grpokit", run_name="__main__", alter_sys=True)
+
+
+    if finalize:
+        run()
+    else:  # the interpreter's exit up to its atexit handlers, then out without tearing the modules down
+        try:
+            run()
+            code = 0
+        except SystemExit as stop:
+            code = 0 if stop.code is None else stop.code
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        threading._shutdown()  # non-daemon threads are waited for, as at a normal exit
+        import atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code & 0xFF)
 """)
 
 
@@ -128,19 +164,30 @@ class _Zygote:
         self.lock = threading.Lock()
 
     def run(
-        self, args: list[str], envs: list[dict], cwd: str, timeout: float, script: str | None = None
+        self,
+        args: list[str],
+        envs: list[dict],
+        cwd: str,
+        timeout: float,
+        script: str | None = None,
+        cpus: list[int] | None = None,
     ) -> list[subprocess.CompletedProcess] | None:
-        """One child per environment, started together (``python -m grpokit ARGS``, or ``python SCRIPT ARGS``);
-        None when the zygote cannot fork safely."""
+        """One child per environment, started together (``python -m grpokit ARGS``, or ``python SCRIPT ARGS``),
+        each on ``cpus`` if given; None when the zygote cannot fork safely."""
         with self.lock, tempfile.TemporaryDirectory(prefix="grpokit-cli-") as tmp:
             procs = [
-                {"env": env, "stdout": os.path.join(tmp, f"stdout{i}"), "stderr": os.path.join(tmp, f"stderr{i}")}
+                {
+                    "env": env,
+                    "stdout": os.path.join(tmp, f"stdout{i}"),
+                    "stderr": os.path.join(tmp, f"stderr{i}"),
+                    "cpus": cpus,
+                }
                 for i, env in enumerate(envs)
             ]
             for proc in procs:
                 for path in (proc["stdout"], proc["stderr"]):
                     open(path, "w").close()
-            job = {"args": args, "cwd": cwd, "procs": procs, "script": script}
+            job = {"args": args, "cwd": cwd, "procs": procs, "script": script, "finalize": len(envs) > 1}
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             first = json.loads(self.replies.readline())
@@ -170,7 +217,7 @@ class _Zygote:
             return None
         try:
             proc = {"env": env, "stdout": stdout, "stderr": stderr}
-            job = {"args": args, "cwd": cwd, "procs": [proc], "status": status}
+            job = {"args": args, "cwd": cwd, "procs": [proc], "status": status, "finalize": False}
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             return json.loads(self.replies.readline()).get("pids", [None])[0]
@@ -263,9 +310,10 @@ def run_grpokit_ranks(
     env: dict | None = None,
     timeout: float = 240,
     script: str | None = None,
+    cpus: list[int] | None = None,
 ) -> subprocess.CompletedProcess:
     """What ``torchrun --nproc_per_node NPROC --master_addr 127.0.0.1 --master_port PORT -m grpokit ARGS`` runs
-    (or ``torchrun ... SCRIPT ARGS``):
+    (or ``torchrun ... SCRIPT ARGS``; every rank on ``cpus``, as under ``taskset -c``):
     NPROC ranks with torchrun's environment (``launch_env``), forked from the zygote together (each skips the
     imports, and no launcher process starts). As from torchrun: the first failing rank's status (else 0) and
     the ranks' outputs, here one after the other in rank order. The launcher itself (its signal forwarding, its
@@ -275,9 +323,13 @@ def run_grpokit_ranks(
     port = free_port() if port is None else port
     envs = [launch_env(base, rank, nproc, port) for rank in range(nproc)]
     cmd = [sys.executable, *([script] if script else ["-m", "grpokit"]), *args]
-    done = _the_zygote().run(list(args), envs, os.getcwd(), timeout, script)
+    done = _the_zygote().run(list(args), envs, os.getcwd(), timeout, script, cpus)
     if done is None:  # the zygote could not fork safely: plain processes, started together
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e) for e in envs]
+        pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        procs = [
+            subprocess.Popen([*pin, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+            for e in envs
+        ]
         outputs = [p.communicate(timeout=timeout) for p in procs]
         done = [subprocess.CompletedProcess(cmd, p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
     return subprocess.CompletedProcess(

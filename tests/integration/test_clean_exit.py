@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cli_process import free_port
+from cli_process import free_port, run_grpokit_ranks
 
 RUNS = 6  # launches of the script: with a plain exit, P(no launch aborts) is about 0.5**6, under 2%
 
@@ -51,39 +51,32 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _one_cpu() -> list[str]:
-    """A launcher prefix that pins every process to one CPU (the workers are descheduled often: the race shows)."""
-    if shutil.which("taskset") is None or not hasattr(os, "sched_getaffinity"):
-        return []
-    return ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
+def _one_cpu() -> list[int]:
+    """One CPU for every process (the workers are descheduled often: the race shows)."""
+    return [min(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") else []
 
 
 @pytest.mark.slow
 def test_exit_with_lingering_backend_threads_is_clean(tmp_path):
+    """RUNS launches of torchrun's ranks forked from the test zygote (cli_process.py: the interpreter's exit is
+    each rank's own), then one through torchrun itself, whose report names each rank's exit status."""
     script = tmp_path / "exit_script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for i in range(RUNS + 1):
         code = 0 if i < RUNS else 3  # the last launch: the status given is the status the processes end with
         marker = tmp_path / f"run{i}"
-        cmd = [
-            *_one_cpu(),
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--nnodes",
-            "1",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(script),
-            str(marker),
-            str(code),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+        if code == 0:
+            proc = run_grpokit_ranks(
+                [str(marker), str(code)], 2, env=env, timeout=120, script=str(script), cpus=_one_cpu()
+            )
+        else:
+            pin = ["taskset", "-c", ",".join(map(str, _one_cpu()))] if shutil.which("taskset") and _one_cpu() else []
+            launcher = [*pin, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1"]
+            cmd = [*launcher, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
+            proc = subprocess.run(
+                [*cmd, str(marker), str(code)], capture_output=True, text=True, timeout=120, env=env, check=False
+            )
         assert "terminate called" not in proc.stderr, f"launch {i}: {proc.stderr[-3000:]}"
         if code == 0:
             assert proc.returncode == 0, f"launch {i}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"

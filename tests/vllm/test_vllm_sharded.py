@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from cli_process import run_grpokit, run_grpokit_ranks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -105,12 +106,6 @@ LORA = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[list[dict]]:
     """Train under torchrun with ``processes`` processes, or in one process without a launcher (0); each rank's
     dumped checks."""
@@ -172,28 +167,14 @@ def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[lis
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(processes),
-        "--nnodes",
-        "1",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        "-m",
-        "grpokit",
-        "train",
-    ]
-    if not processes:
-        launcher = [sys.executable, "-m", "grpokit", "train"]
+    # torchrun's ranks (or one process without a launcher), forked from the test zygote (cli_process.py)
+    if processes:
+        proc = run_grpokit_ranks(["train", *args], processes, env=env, timeout=900)
+    else:
         env = {
             k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         }
-    proc = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=900, env=env)
+        proc = run_grpokit(["train", *args], env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [
         [json.loads(line) for line in (dump / f"rank{r}.jsonl").read_text().splitlines()]
