@@ -44,6 +44,8 @@ ZYGOTE = textwrap.dedent("""
     import accelerate, datasets, peft, safetensors.torch, transformers.optimization  # noqa: F401
     if importlib.util.find_spec("deepspeed") is not None:
         import deepspeed  # noqa: F401
+    if importlib.util.find_spec("vllm") is not None:  # the vLLM suite's environment: 3 s of each engine's start
+        import vllm  # noqa: F401
     reply = os.fdopen(int(sys.argv[1]), "w", buffering=1)
 
 
