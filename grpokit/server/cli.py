@@ -123,6 +123,8 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm_gpu_memory_utilization", type=float, default=None,
                    help="vllm: fraction of the accelerator's memory vLLM may take (default: the engine's)")
     p.add_argument("--vllm_enable_prefix_caching", default="true", **flag, help="vllm: reuse cached prefixes")
+    p.add_argument("--vllm_enforce_eager", default="false", **flag,
+                   help="vllm: no CUDA graphs, no torch.compile of the model (a faster start, slower decoding)")
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="vllm: only 1 (not implemented yet)")
     p.add_argument("--vllm_data_parallel_size", type=int, default=1,
                    help="vllm: only 1 (not implemented yet; start one server per device)")
@@ -185,8 +187,8 @@ def options_from_argv(argv: list[str]):
     check_security(a.host, api_key, a.insecure)
     vllm = {k: getattr(a, k) for k in ("vllm_max_model_len", "vllm_gpu_memory_utilization",
                                        "vllm_tensor_parallel_size", "vllm_data_parallel_size")}
-    vllm.update({k: getattr(a, k) == "true" for k in ("vllm_enable_prefix_caching", "vllm_enable_lora",
-                                                      "vllm_use_async_engine")})
+    vllm.update({k: getattr(a, k) == "true" for k in ("vllm_enable_prefix_caching", "vllm_enforce_eager",
+                                                      "vllm_enable_lora", "vllm_use_async_engine")})
     engine = a.engine or default_engine()
     if engine == "vllm" and not vllm_installed():
         raise ConfigError("--engine vllm: the vllm package is not installed; pip install 'grpokit[vllm]' on a GPU "

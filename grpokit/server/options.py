@@ -71,6 +71,7 @@ class ServerOptions:
     vllm_max_model_len: int | None = None
     vllm_gpu_memory_utilization: float | None = None  # None: the vLLM engine's default
     vllm_enable_prefix_caching: bool = True
+    vllm_enforce_eager: bool = False  # no CUDA graphs and no torch.compile of the model
     vllm_tensor_parallel_size: int = 1
     vllm_data_parallel_size: int = 1
     vllm_enable_lora: bool = False
@@ -218,6 +219,7 @@ class ServerOptions:
                 for flag, on in (
                     ("--vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization is not None),
                     ("--vllm_enable_prefix_caching false", not self.vllm_enable_prefix_caching),
+                    ("--vllm_enforce_eager true", self.vllm_enforce_eager),
                 )
                 if on
             ]
@@ -226,7 +228,7 @@ class ServerOptions:
 
     def vllm_settings(self) -> dict:
         """``VllmSettings`` fields set by the options (others keep the engine's defaults)."""
-        extra = {"enable_prefix_caching": self.vllm_enable_prefix_caching}
+        extra = {"enable_prefix_caching": self.vllm_enable_prefix_caching, "enforce_eager": self.vllm_enforce_eager}
         if self.vllm_gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
         return extra

@@ -160,6 +160,10 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
             ["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
             "applies to --engine vllm only",
         ),
+        (
+            ["--model", "m", "--engine", "transformers", "--vllm_enforce_eager", "true"],
+            "--vllm_enforce_eager true applies to --engine vllm only",
+        ),
         (["--model", "m", "--vllm_gpu_memory_utilization", "1.5"], "must be in (0, 1]"),
         (["--model", "m", "--max_sync_timeout_s", "1e9"], "--max_sync_timeout_s"),
         ([], "--model"),
@@ -184,11 +188,14 @@ def test_engine_defaults_to_vllm_when_installed_and_a_missing_vllm_is_one_line(m
             "512",
             "--vllm_enable_prefix_caching",
             "false",
+            "--vllm_enforce_eager",
+            "true",
         ]
     )
     assert vllm.engine == "vllm" and vllm.vllm_settings() == {
         "gpu_memory_utilization": 0.5,
         "enable_prefix_caching": False,
+        "enforce_eager": True,
     }
     assert vllm.vllm_max_model_len == 512
     monkeypatch.setattr("grpokit.server.cli.vllm_installed", lambda: False)

@@ -50,6 +50,8 @@ def server(idefics3, tmp_path_factory):
         "512",
         "--max_batch_size",
         "32",
+        "--vllm_enforce_eager",  # no torch.compile of the model (test_vllm_train.py's colocate runs compile it)
+        "true",
         start_timeout=400,
     ) as s:
         yield s
@@ -201,6 +203,8 @@ def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_pa
             "1024",
             "--max_batch_size",
             "32",
+            "--vllm_enforce_eager",
+            "true",
             *turns,
             start_timeout=400,
         ) as server:

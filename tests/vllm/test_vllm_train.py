@@ -229,8 +229,19 @@ def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
     from grpokit.pipeline.train import run_train
 
     torch.set_num_threads(1)
+    # eager (no torch.compile of the model: 15-20 s of a start on a CPU); the colocate tests above run compiled
+    eager = ("--vllm_enforce_eager", "true")
     with rollout_server(
-        tiny128, tmp_path, "--engine", "vllm", "--torch_dtype", "float32", "--max_batch_size", "64", start_timeout=300
+        tiny128,
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--torch_dtype",
+        "float32",
+        "--max_batch_size",
+        "64",
+        *eager,
+        start_timeout=300,
     ) as server:
         client = RolloutClient(base_urls=[server.url], timeout=120)
         info = client.engine_info(refresh=True)
