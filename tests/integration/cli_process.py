@@ -68,13 +68,15 @@ ZYGOTE = textwrap.dedent("""
         pid = os.fork()
         if pid == 0:
             return job["procs"][0]
-        answer(pids=[pid])
-        reply.close()
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        with open(job["status"] + ".part", "w") as f:
-            f.write(str(code))
-        os.replace(job["status"] + ".part", job["status"])
-        os._exit(0)
+        try:
+            answer(pids=[pid])
+            reply.close()
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            with open(job["status"] + ".part", "w") as f:
+                f.write(str(code))
+            os.replace(job["status"] + ".part", job["status"])
+        finally:  # whatever happens, this fork never goes back to the zygote's loop
+            os._exit(0)
 
 
     def child_of(job):

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+from cli_process import run_grpokit
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_run_without_a_terminal_writes_progress_lines(tiny_model_dir, math_jsonl, tmp_path):
-    err_file = tmp_path / "stderr.txt"
     args = [
         "--model",
         str(tiny_model_dir),
@@ -38,16 +36,9 @@ def test_a_run_without_a_terminal_writes_progress_lines(tiny_model_dir, math_jso
         "--save_final_model",
         "false",
     ]
-    with err_file.open("w") as err:
-        res = subprocess.run(
-            [sys.executable, "-m", "grpokit", "train", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            timeout=240,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-    stderr = err_file.read_text()
+    # a forked process (cli_process.py) whose stderr is a file, read back after it ended
+    res = run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    stderr = res.stderr
     assert res.returncode == 0, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.startswith("train: step")]
     # the first and the last step always get a line (and any step 30 s after the previous line)
