@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,26 @@ def _threads_line() -> str:
     return f"torch threads {torch.get_num_threads()} ({THREADS_ENV}={asked or 'unset'})"
 
 
+def _wait_for_system_setup() -> None:
+    """CI (.ci/run) runs the README's system set-up beside the Python install and names, in
+    GRPOKIT_SYSTEM_SETUP_STATUS, the file its exit status will be written to: nothing is collected before the
+    packages the sandbox and viewer tests look for are there."""
+    path = os.environ.get("GRPOKIT_SYSTEM_SETUP_STATUS")
+    if not path:
+        return
+    deadline = time.monotonic() + 900
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise pytest.UsageError(f"scripts/setup_system.sh did not finish in 900 s (no {path})")
+        time.sleep(0.5)
+    with open(path) as f:
+        status = f.read().strip()
+    if status != "0":
+        raise pytest.UsageError(f"scripts/setup_system.sh failed with status {status}; its log is {path[:-7]}")
+
+
 def pytest_configure(config) -> None:
+    _wait_for_system_setup()
     _CONFIG[:] = [config]
     _absolute_import_paths()
     threads = os.environ.get(THREADS_ENV)
