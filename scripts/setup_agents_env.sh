@@ -10,7 +10,6 @@
 # of requirements/lock.txt, pytest, and the library at its pin from pyproject's extra of the same name; not
 # grpokit itself: scripts/test_agents.sh puts the clone on PYTHONPATH.
 # Idempotent: a ready environment is left as it is (rebuilt when pyproject.toml or the lock file changed).
-# Installs skip byte-compiling (--no-compile; Python compiles what the tests import on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FLAVOUR="${1:?usage: setup_agents_env.sh verifiers|openenv}"
@@ -31,7 +30,7 @@ install_deps() {
     # pins the library
     local constraints="$VENV/constraints.txt"
     grep -viE '^(openai|mcp|mcp-types|pillow)==' requirements/lock.txt > "$constraints"
-    "$PY" -m pip install -q --no-compile 'torch==2.13.0' -c "$constraints" -e ".[$FLAVOUR]" pytest pytest-timeout
+    "$PY" -m pip install -q 'torch==2.13.0' -c "$constraints" -e ".[$FLAVOUR]" pytest pytest-timeout
     "$PY" -m pip uninstall -q -y grpokit
 }
 
@@ -46,7 +45,7 @@ if [ -x "$PY" ] && [ -f "$MARK" ] && "$PY" -c "$PROBE" >/dev/null 2>&1; then
 fi
 mkdir -p "$(dirname "$VENV")"
 python3 -m venv "$VENV"
-"$PY" -m pip install -q --no-compile 'torch==2.13.0'
+"$PY" -m pip install -q 'torch==2.13.0'
 install_deps
 "$PY" -c "$PROBE"
 echo "$STAMP" > "$MARK"

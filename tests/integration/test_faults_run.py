@@ -141,7 +141,7 @@ def _start(args: list[str], **env: str) -> StartedGrpokit:
     return StartedGrpokit(["train", *args], env=_env(**env))  # a forked process of its own group (cli_process.py)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen | StartedGrpokit, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
@@ -151,7 +151,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen | StartedGrpokit, timeout: float = 120) -> tuple[int, str]:
     try:
         _, err = proc.communicate(timeout=timeout)
     finally:
