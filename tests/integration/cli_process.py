@@ -319,10 +319,10 @@ def run_grpokit_ranks(
     """What ``torchrun --nproc_per_node NPROC --master_addr 127.0.0.1 --master_port PORT -m grpokit ARGS`` runs
     (or ``torchrun ... SCRIPT ARGS``; every rank on ``cpus``, as under ``taskset -c``):
     NPROC ranks with torchrun's environment (``launch_env``), forked from the zygote together (each skips the
-    imports, and no launcher process starts). As from torchrun: the first failing rank's status (else 0) and
-    the ranks' outputs, here one after the other in rank order. The launcher itself (its signal forwarding, its
-    exit) is tested with real torchrun where it is the subject (test_clean_exit.py, test_faults_run.py's SIGTERM
-    to two processes)."""
+    imports, and no launcher process starts). Its status is non-zero when a rank fails, as torchrun's is (here
+    the first failing rank's own status, where torchrun exits 1); its outputs are the ranks', one after the other
+    in rank order. The launcher itself (its signal forwarding, its exit report) is tested with real torchrun
+    where it is the subject (test_clean_exit.py, test_faults_run.py's SIGTERM to two processes)."""
     base = dict(os.environ if env is None else env)
     port = free_port() if port is None else port
     envs = [launch_env(base, rank, nproc, port) for rank in range(nproc)]
