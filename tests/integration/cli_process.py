@@ -203,7 +203,7 @@ class _Zygote:
                 codes = json.loads(self.replies.readline())["codes"]
             finally:
                 timer.cancel()
-            cmd = [sys.executable, *([script] if script else ["-m", "grpokit"]), *args]
+            cmd = _command(args, script)
             done = [
                 subprocess.CompletedProcess(cmd, code, *(_read(proc[k]) for k in ("stdout", "stderr")))
                 for code, proc in zip(codes, procs, strict=True)
@@ -232,6 +232,11 @@ class _Zygote:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
+
+
+def _command(args: list[str], script: str | None = None) -> list[str]:
+    """The command line a child stands for: ``python -m grpokit ARGS`` or ``python SCRIPT ARGS``."""
+    return [sys.executable, *([script] if script else ["-m", "grpokit"]), *args]
 
 
 def _kill_groups(pids: list[int]) -> None:
@@ -270,9 +275,7 @@ def run_grpokit(
     from the zygote."""
     done = _the_zygote().run(list(args), [dict(os.environ if env is None else env)], cwd or os.getcwd(), timeout)
     if done is None:
-        return subprocess.run(
-            [sys.executable, "-m", "grpokit", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
-        )
+        return subprocess.run(_command(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     return done[0]
 
 
@@ -326,7 +329,7 @@ def run_grpokit_ranks(
     base = dict(os.environ if env is None else env)
     port = free_port() if port is None else port
     envs = [launch_env(base, rank, nproc, port) for rank in range(nproc)]
-    cmd = [sys.executable, *([script] if script else ["-m", "grpokit"]), *args]
+    cmd = _command(args, script)
     done = _the_zygote().run(list(args), envs, os.getcwd(), timeout, script, cpus)
     if done is None:  # the zygote could not fork safely: plain processes, started together
         pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
@@ -354,7 +357,7 @@ class StartedGrpokit:
     def __init__(self, args: list[str], env: dict, cwd: str | None = None, output: str | None = None) -> None:
         """``output``: one file for both streams (``stdout=sink, stderr=STDOUT``); ``communicate`` then reads
         nothing."""
-        self.args = [sys.executable, "-m", "grpokit", *args]
+        self.args = _command(args)
         self._tmp = tempfile.TemporaryDirectory(prefix="grpokit-cli-")
         self._status, self._out, self._err = (os.path.join(self._tmp.name, n) for n in ("status", "stdout", "stderr"))
         if output is not None:
