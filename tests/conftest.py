@@ -106,7 +106,8 @@ def _wait_for_system_setup() -> None:
     with open(path) as f:
         status = f.read().strip()
     if status != "0":
-        raise pytest.UsageError(f"scripts/setup_system.sh failed with status {status}; its log is {path[:-7]}")
+        log = path.removesuffix(".status")  # .ci/run names the status file after the log
+        raise pytest.UsageError(f"scripts/setup_system.sh failed with status {status}; its log is {log}")
 
 
 def pytest_configure(config) -> None:
