@@ -10,7 +10,8 @@ import time
 import httpx
 import pytest
 import torch
-from test_server_support import free_port, rollout_server
+from cli_process import free_port
+from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import ServerError

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from cli_process import StartedGrpokit, free_port  # noqa: F401 (free_port: for the server tests)
+from cli_process import StartedGrpokit, free_port
 
 
 @dataclass
