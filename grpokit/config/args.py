@@ -154,12 +154,14 @@ class RolloutArguments:
               "synchronous. Default: one window with --async_generate true, else 0 (docs/server_mode.md)", ge=0)
     partial_rollouts: bool = _opt(
         False, "server mode with --max_staleness: a weight update pauses the server's running generation, which "
-               "continues on the new weights (finished tokens and logprobs kept, each token tagged with its "
-               "version)")
+               "continues on the new weights (finished tokens and logprobs kept, each token tagged by version)")
     staleness_policy: Literal["wait", "drop"] = _opt(
         "wait", "--max_staleness: wait (the producer waits, so no window is ever too old) or drop (the producer "
                 "runs one window further ahead; a window too old when its turn comes is dropped and its prompts "
                 "rolled out again)")
+    stream_groups: bool = _opt(
+        False, "--max_staleness: the buffer holds groups, each taken to train as soon as its num_generations "
+               "completions are scored, from one producer per rollout server (docs/server_mode.md)")
     multi_turn_scheduler: str | None = _opt(None, "multi-turn scheduler name from the multi_turns registry")
     max_turns: int | None = _opt(None, "max turns per trajectory", ge=1)
     gym_env: str | None = _opt(None, "environment name from the envs registry (gym_scheduler)")

@@ -34,7 +34,7 @@ def check_partial_rollouts(r, server: bool) -> None:
 
 
 def check_staleness(r, plan: BatchPlan) -> None:
-    """A window rolled out ahead is at least one window's optimizer steps old when it trains."""
+    """A window rolled out ahead is at least one window's optimizer steps old when it trains; --stream_groups."""
     k, steps = r.max_staleness, plan.optimizer_steps_per_window
     if k and k < steps:
         raise ConfigError(
@@ -48,4 +48,21 @@ def check_staleness(r, plan: BatchPlan) -> None:
             f"--staleness_policy drop with {plan.world_size} processes: not implemented yet (each "
             "process would drop windows by its own timing, and they must train the same windows); "
             "use --staleness_policy wait"
+        )
+    check_stream_groups(r, plan)
+
+
+def check_stream_groups(r, plan: BatchPlan) -> None:
+    """--stream_groups: groups from the buffer of --max_staleness, one training process."""
+    if not getattr(r, "stream_groups", False):
+        return
+    if not r.async_generate:
+        raise ConfigError(
+            "--stream_groups true takes groups from the buffer of asynchronous training as they finish: add "
+            f"--max_staleness K (K ≥ {plan.optimizer_steps_per_window}, one window's optimizer steps)"
+        )
+    if plan.world_size > 1:
+        raise ConfigError(
+            f"--stream_groups true with {plan.world_size} processes: not implemented yet (every process would "
+            "have to train groups finished at the same moment); use one training process, or --stream_groups false"
         )

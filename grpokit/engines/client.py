@@ -244,8 +244,8 @@ class RolloutClient(InferEngine):
         body = min(float(info.get("max_body_mb") or 64.0) for info in self._infos)
         return count, int(body * 1024 * 1024)
 
-    async def _infer_positions(self, requests: Sequence[RolloutInferRequest],
-                               config: RequestConfig) -> list[tuple[int, RolloutOutput]]:
+    async def _infer_positions(self, requests: Sequence[RolloutInferRequest], config: RequestConfig,
+                               server: int | None = None) -> list[tuple[int, RolloutOutput]]:
         requests = list(requests)
         if not requests:
             return []
@@ -255,9 +255,11 @@ class RolloutClient(InferEngine):
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
-        for server, idx in enumerate(split_requests(requests, len(self.endpoints))):
+        shares = (split_requests(requests, len(self.endpoints)) if server is None
+                  else [list(range(len(requests))) if i == server else [] for i in range(len(self.endpoints))])
+        for i, idx in enumerate(shares):
             for part in split_by_size([sizes[j] for j in idx], max_batch, budget):
-                calls.append((server, [idx[k] for k in part]))
+                calls.append((i, [idx[k] for k in part]))
         async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
             answers = await asyncio.gather(*(self._request_async(
                 http, server, "/infer/", {"requests": [dumped[j] for j in idx], "request_config": conf})
@@ -276,10 +278,11 @@ class RolloutClient(InferEngine):
         tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
         return tagged
 
-    async def infer_trajectories_async(self, requests: Sequence[RolloutInferRequest],
-                                       config: RequestConfig) -> list[RolloutOutput]:
-        """Whole trajectories from the servers' schedulers, in request order (several per request possible)."""
-        return [o for _, o in await self._infer_positions(requests, config)]
+    async def infer_trajectories_async(self, requests: Sequence[RolloutInferRequest], config: RequestConfig,
+                                       server: int | None = None) -> list[RolloutOutput]:
+        """Whole trajectories from the servers' schedulers, in request order (several per request possible); all
+        from server number ``server`` where given, else each group to the least-loaded server."""
+        return [o for _, o in await self._infer_positions(requests, config, server)]
 
     def infer_trajectories(self, requests: Sequence[RolloutInferRequest],
                            config: RequestConfig) -> list[RolloutOutput]:

@@ -114,11 +114,18 @@ class RemoteScheduler(RolloutScheduler):
         )
 
     async def async_infer(
-        self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig
+        self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig, server: int | None = None
     ) -> list[RolloutOutput]:
-        return self._trained(
-            requests, await self.infer_engine.infer_trajectories_async(self._wire(requests), request_config)
-        )
+        """Trajectories from the servers (all from server number ``server`` where given: a --stream_groups
+        producer's own server)."""
+        infer, wire = self.infer_engine.infer_trajectories_async, self._wire(requests)
+        outputs = await (infer(wire, request_config) if server is None else infer(wire, request_config, server=server))
+        return self._trained(requests, outputs)
+
+    @property
+    def num_servers(self) -> int:
+        """How many rollout servers answer: with --stream_groups each gets a producer of its own."""
+        return len(getattr(self.infer_engine, "endpoints", ())) or 1
 
 
 def check_prompt_ids(template, requests: Sequence[RolloutInferRequest], outputs: list[RolloutOutput]) -> None:

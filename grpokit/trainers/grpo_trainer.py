@@ -27,13 +27,13 @@ from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
+from grpokit.trainers.group_buffer import buffer_for_run, loop_position
 from grpokit.trainers.hf_callbacks import RunCallbacks
 from grpokit.trainers.offload import make_offloader, offload_context
 from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollout_buffer import RolloutBuffer, loop_position
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
@@ -90,7 +90,7 @@ class GRPOTrainer:
                                     timeout=cfg.reward.reward_timeout)
             self.reward_names, self.reward_runner = rewards.names, rewards.runner
             prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
-                                           cfg.data.dataset_shuffle, self.accelerator)
+                                           cfg.data.dataset_shuffle, self.accelerator, cfg.rollout.stream_groups)
             columns = getattr(train_dataset, "column_names", ())
             images = getattr(self.template, "multimodal", False) or "images" in columns
             self._producer = WindowProducer(
@@ -98,7 +98,7 @@ class GRPOTrainer:
                 rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
                 models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
                 plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
-            self._async = RolloutBuffer.for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness
+            self._async = buffer_for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness, --stream_groups
             self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
                 chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
                 process_index=self.accelerator.process_index)
@@ -354,7 +354,8 @@ class GRPOTrainer:
         window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
                                              prompts_consumed=consumed,
-                                             extra={**chord, "prompts_pending": pending},
+                                             extra={**chord, "prompts_pending": pending,
+                                                    "prompts_per_draw": self._producer.prompts.prompts_per_window},
                                              window=window, step_metrics=unlogged)
         self._call("on_save", str(ckpt))
         return ckpt

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader
 
+from grpokit.errors import ConfigError
+
 
 class PromptStream:
     """Windows of ``prompts_per_window`` prompts from a seeded permutation of the dataset per epoch (or the dataset
@@ -20,11 +22,14 @@ class PromptStream:
     always maps to the same row. Drawing is thread-safe (a background rollout and dynamic sampling both draw)."""
 
     @classmethod
-    def for_run(cls, dataset, prompts_per_window: int, args, shuffle: bool, accelerator) -> PromptStream:
-        """The stream of a training run: seeded by --seed, read by --dataloader_* workers, one block per process."""
+    def for_run(
+        cls, dataset, prompts_per_window: int, args, shuffle: bool, accelerator, by_group: bool = False
+    ) -> PromptStream:
+        """The stream of a training run: seeded by --seed, read by --dataloader_* workers, one block per process;
+        ``by_group`` (--stream_groups): one prompt per draw, each group on its own."""
         return cls(
             dataset,
-            prompts_per_window,
+            1 if by_group else prompts_per_window,
             seed=args.seed,
             shuffle=shuffle,
             num_processes=accelerator.num_processes,
@@ -81,10 +86,22 @@ class PromptStream:
         return start, [{"_prompt_index": pos, **row} for pos, row in zip(positions, rows, strict=True)]
 
     def restore(self, loop: dict) -> int:
-        """The frontier and the pending windows from a checkpoint's loop state; returns the frontier."""
+        """The frontier and the pending windows from a checkpoint's loop state; returns the frontier. Windows
+        saved by a stream that drew more prompts at a time (``prompts_per_draw``) are replayed prompt by prompt
+        here; the other way round is refused, since a replayed window always starts a whole one."""
+        pending = sorted(loop.get("prompts_pending", []))
+        saved = int(loop.get("prompts_per_draw", self.prompts_per_window))
+        if saved != self.prompts_per_window and pending:
+            if self.prompts_per_window != 1:
+                raise ConfigError(
+                    f"the checkpoint holds {len(pending)} draw(s) of {saved} prompt(s) not trained yet; this run "
+                    f"draws {self.prompts_per_window} at a time (its batch size or --stream_groups differs): resume "
+                    "with the checkpoint's settings (--stream_groups true where it drew one at a time)"
+                )
+            pending = sorted({start + k for start in pending for k in range(saved)})
         with self._lock:
             self.position = loop["prompts_consumed"]
-            self.replay = sorted(loop.get("prompts_pending", []))
+            self.replay = pending
         return self.position
 
     def requeue(self, starts: list[int]) -> None:

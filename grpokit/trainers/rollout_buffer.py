@@ -89,16 +89,10 @@ class RolloutBuffer:
             self._cond.notify_all()  # room for the producer
             counts, self._counts = self._counts, {k: 0.0 for k in self._counts}
         wait = time.perf_counter() - t0
-        oldest = [o.oldest_weight_version() for o in item.rollout.outputs]  # each trajectory's oldest token
-        ages = [step - (item.version if v is None else v) for v in oldest]
-        partial = sum(len({v for seg in o.weight_versions for v in seg}) > 1 for o in item.rollout.outputs)
         counts["dropped"] += dropped
         metrics = {
-            "async/staleness": max(ages),
-            "async/staleness_max": max(ages),
-            "async/staleness_mean": sum(ages) / len(ages),
+            **age_metrics(step, item.rollout.outputs, [item.version] * len(item.rollout.outputs)),
             "async/buffer_fill": float(fill),
-            "async/partial_trajectories": float(partial),
             "async/wait_s": wait,
             "async/time_saved_s": max(0.0, item.rollout.timing["rollout"] - wait),
             **{f"async/{k}": v for k, v in counts.items()},
@@ -160,7 +154,15 @@ class RolloutBuffer:
                 self._cond.notify_all()
 
 
-def loop_position(buffer: RolloutBuffer | None, stream) -> tuple[int, list[int]]:
-    """What a checkpoint stores of the stream: its frontier and the start positions of every window drawn and not
-    trained (rolled out ahead, or handed back to ``stream``)."""
-    return buffer.loop_position() if buffer is not None else (stream.position, sorted(stream.replay))
+def age_metrics(step: int, outputs: list, versions: list[int]) -> dict[str, float]:
+    """Staleness at optimizer step ``step``: each trajectory's age from its oldest token (``versions``: the
+    version its rollout began with, where the tokens carry none), and how many span two versions or more."""
+    oldest = [o.oldest_weight_version() for o in outputs]
+    ages = [step - (start if v is None else v) for v, start in zip(oldest, versions, strict=True)]
+    partial = sum(len({v for seg in o.weight_versions for v in seg}) > 1 for o in outputs)
+    return {
+        "async/staleness": max(ages),
+        "async/staleness_max": max(ages),
+        "async/staleness_mean": sum(ages) / len(ages),
+        "async/partial_trajectories": float(partial),
+    }

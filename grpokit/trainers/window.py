@@ -24,6 +24,7 @@ class WindowRollout:
     outputs: list[RolloutOutput]
     rewards_per_func: torch.Tensor  # [N, F]
     timing: dict[str, float]  # seconds: rollout, reward
+    sampled: dict[str, float] | None = None  # dynamic sampling's metrics where it ran already (--stream_groups)
 
 
 @dataclass

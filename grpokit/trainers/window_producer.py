@@ -121,7 +121,7 @@ class WindowProducer:
         requests = self.requests(prompts)
         outputs = self._generate_tagged(requests, version)
         t1 = time.perf_counter()
-        rewards_per_func = self._score(requests, outputs)
+        rewards_per_func = self.rewards_of(requests, outputs)
         return WindowRollout(requests, outputs, rewards_per_func,
                              {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
 
@@ -129,9 +129,18 @@ class WindowProducer:
         with self._engine_lock, self._around_generation():  # --offload_*: the training model waits in CPU memory
             version = self.weights_at if version is None else version
             outputs = self._generate(requests)
+        return self.tag(outputs, version)
+
+    @staticmethod
+    def tag(outputs: list[RolloutOutput], version: int) -> list[RolloutOutput]:
+        """Each token's weight version: the server's tags, else ``version`` (the one its rollout began with)."""
         for o in outputs:
             o.weight_versions = _versions(o, version)
         return outputs
+
+    def rewards_of(self, requests: list[RolloutInferRequest], outputs: list[RolloutOutput]) -> torch.Tensor:
+        """[N, F] rewards through the trainer's ``_score_completions`` where overridden, else ``score``."""
+        return self._score(requests, outputs)
 
     def requests(self, prompts: list[dict]) -> list[RolloutInferRequest]:
         """num_generations requests per prompt; the row's other columns travel as ``data_dict``."""
@@ -187,8 +196,8 @@ class WindowProducer:
         """Dynamic sampling, tensors and old/ref logps, advantages, token counts, metrics and log rows."""
         a = self.algorithm
         requests, outputs, rewards_per_func = rollout.requests, rollout.outputs, rollout.rewards_per_func
-        metrics: dict[str, float] = {}
-        if a.dynamic_sample:
+        metrics: dict[str, float] = dict(rollout.sampled or {})  # --stream_groups: sampled as groups came in
+        if a.dynamic_sample and rollout.sampled is None:
             requests, outputs, rewards_per_func, metrics = self._dynamic_sampling(requests, outputs,
                                                                                   rewards_per_func)
         rows = sample_rows(requests, outputs)  # the seed's `inputs`: one dict per trajectory

@@ -1,8 +1,8 @@
 """The fault matrix of issue 33: a run killed with SIGKILL at chosen points, resumed with
 ``--resume_from_checkpoint latest`` each time, then let finish, trains every prompt of the epoch exactly once,
-in sync mode (K = 0), with --max_staleness 1, with --max_staleness 2, and with --max_staleness 2 and
---partial_rollouts true (longer completions, so that weight updates interrupt rows), all against one rollout
-server.
+in sync mode (K = 0), with --max_staleness 1, with --max_staleness 2, with --max_staleness 2 and
+--partial_rollouts true (longer completions, so that weight updates interrupt rows), and with --max_staleness 2
+and --stream_groups true (the buffer holds groups: "full" is K groups ready), all against one rollout server.
 
 One run per mode, killed at successive points (each launch dies at one point, the next resumes and dies at the
 next), then a last launch that finishes the epoch (24 prompts, 2 per step: 12 steps, a checkpoint every 2):
@@ -138,6 +138,7 @@ MODES = {
     "k1": (1, ASYNC_POINTS, []),
     "k2": (2, ASYNC_POINTS, []),
     "k2_partial": (2, ASYNC_POINTS, ["--partial_rollouts", "true", "--max_completion_length", "96"]),
+    "k2_groups": (2, ASYNC_POINTS, ["--stream_groups", "true"]),  # pending: single prompts, not windows
 }
 TIMES: dict[str, list[float]] = {}
 

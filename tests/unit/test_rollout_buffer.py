@@ -15,8 +15,9 @@ from grpokit.config.async_rules import check_staleness
 from grpokit.config.plan import BatchPlan
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, RolloutOutput
+from grpokit.trainers.group_buffer import loop_position
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollout_buffer import RolloutBuffer, loop_position
+from grpokit.trainers.rollout_buffer import RolloutBuffer
 from grpokit.trainers.window import WindowRollout
 
 PER_WINDOW = 2
