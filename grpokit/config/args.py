@@ -153,8 +153,8 @@ class RolloutArguments:
               "trained token is more than this many optimizer steps older than the weights that train it; 0 is "
               "synchronous. Default: one window with --async_generate true, else 0 (docs/server_mode.md)", ge=0)
     partial_rollouts: bool = _opt(
-        False, "server mode with --max_staleness: a weight update pauses the server's running generation, which "
-               "continues on the new weights (finished tokens and logprobs kept, each token tagged by version)")
+        False, "--max_staleness (server mode, or vLLM colocate): a weight update pauses the running generation, "
+               "which continues on the new weights (finished tokens and logprobs kept, each token tagged by version)")
     staleness_policy: Literal["wait", "drop"] = _opt(
         "wait", "--max_staleness: wait (the producer waits, so no window is ever too old) or drop (the producer "
                 "runs one window further ahead; a window too old when its turn comes is dropped and its prompts "

@@ -13,13 +13,15 @@ def async_option(r) -> str:
 
 
 def check_partial_rollouts(r, server: bool) -> None:
-    """--partial_rollouts: a rollout server's engine pauses and continues; only while rolling out ahead."""
+    """--partial_rollouts: a rollout server's engine or vLLM colocate pauses and continues; only while rolling
+    out ahead."""
     if not r.partial_rollouts:
         return
-    if not server:
+    if not (server or r.use_vllm):
         raise ConfigError(
-            "--partial_rollouts true: implemented in server mode (--vllm_mode server, the rollout "
-            "server's transformers engine); not yet for vLLM colocate, nor for the in-process engine"
+            "--partial_rollouts true: implemented in server mode (--vllm_mode server) and for vLLM colocate "
+            "(--use_vllm true); the in-process transformers engine samples from the live weights, so no weight "
+            "update ever lands during its rollout"
         )
     if not r.async_generate:
         raise ConfigError(

@@ -15,7 +15,7 @@ def check_partial_rollouts(infos: list[dict]) -> None:
     if engines:
         raise ConfigError(
             f"--partial_rollouts true: not implemented for the rollout server's {', '.join(engines)} "
-            "engine yet (the transformers engine pauses and continues); use --partial_rollouts false"
+            "engine yet (the transformers and vLLM engines pause and continue); use --partial_rollouts false"
         )
 
 

@@ -16,6 +16,7 @@ a weight sync. vLLM offers it on CUDA/ROCm/XPU only; elsewhere a warning says th
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -169,13 +170,16 @@ class VllmEngine(InferEngine):
         with self.lock:
             self._wake_for_rollout()
             try:
-                outs = self._run(self.llm.generate, inputs, params, use_tqdm=False)
+                outs = self._sample(inputs, params)
             except ValueError as e:  # e.g. a prompt longer than max_model_len
                 raise ConfigError(f"vLLM refused the request: {_first_line(e)}") from e
             finally:
                 self._sleep_after_rollout()
         check_prompt_ids(outs, prompts)
         return [self._response(out, p, config) for out, p in zip(outs, prompts, strict=True)]
+
+    def _sample(self, inputs: list[dict], params: list) -> list:  # the served engine steps it: partial rollouts
+        return self._run(self.llm.generate, inputs, params, use_tqdm=False)
 
     def _sampling_params(self, config: RequestConfig, n_requests: int) -> list:
         from vllm import SamplingParams
@@ -345,9 +349,7 @@ class VllmEngine(InferEngine):
         self._weights_dropped = False
 
     def info(self) -> dict:
-        import vllm
-
-        return {"torch_dtype": self.dtype_name, "device": str(self.device), "vllm_version": vllm.__version__}
+        return {"torch_dtype": self.dtype_name, "device": str(self.device), "vllm_version": import_vllm().__version__}
 
     def close(self) -> None:
         """Shut vLLM down and release its process-wide state (so that another engine can start here)."""
@@ -358,8 +360,6 @@ class VllmEngine(InferEngine):
         self._run(shutdown, llm, self._joined_launcher)
         del llm
         self._executor.shutdown(wait=True)
-        import gc
-
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -391,8 +391,7 @@ def _start_error(e: BaseException, model_path: str, s: VllmSettings, device: tor
 
 
 def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _field_default(options, name: str):

@@ -35,6 +35,7 @@ from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
+from grpokit.engines.vllm_partial import PausableVllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
 from grpokit.pipeline.vlm_parts import check_model_takes_images
@@ -138,9 +139,10 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
         return RolloutClient.from_args(r, infer_on_loop_thread=True)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
-        return VllmEngine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
-                                            seed=cfg.training.seed, template=template,  # as the trainer renders
-                                            infer_on_loop_thread=True)
+        engine = PausableVllmEngine if r.partial_rollouts else VllmEngine  # a sync pauses and continues its batch
+        return engine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
+                                        seed=cfg.training.seed, template=template,  # as the trainer renders
+                                        infer_on_loop_thread=True)
     return None
 
 

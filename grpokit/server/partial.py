@@ -15,11 +15,10 @@ structured outputs.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from grpokit.engines.pause import PauseGate
 from grpokit.protocol import ChatCompletionResponseChoice, RequestConfig
 
 
@@ -35,23 +34,9 @@ class _Paused(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-class PartialRollouts:
+class PartialRollouts(PauseGate):
     """Mixin for an engine with ``lock``, ``_generate(prompts, config, events)`` and ``_stopping(stop, events)``
-    (TransformersEngine's). Counts the resumed rows in ``partial_resumes``."""
-
-    def _init_partial(self) -> None:
-        self._pause = threading.Event()
-        self._resumed = threading.Condition()
-        self._pausable = True  # False while a grammar-constrained call runs (it runs to its end)
-        self.partial_resumes = 0
-
-    def pause_for_update(self) -> None:
-        self._pause.set()
-
-    def resume_after_update(self) -> None:
-        with self._resumed:
-            self._pause.clear()
-            self._resumed.notify_all()
+    (TransformersEngine's)."""
 
     def _stopping(self, stop, events=None):
         criteria = super()._stopping(stop, events)
@@ -91,16 +76,6 @@ class PartialRollouts:
         if c.finish_reason != "length" or len(c.token_ids) >= config.max_tokens:
             return False
         return events is None or events[i] is None or not events[i].is_set()
-
-    def _wait_for_update(self) -> None:
-        """Give the lock to the waiting update, and take it back once the update is done."""
-        self.lock.release()
-        try:
-            with self._resumed:
-                while self._pause.is_set():
-                    self._resumed.wait(timeout=1.0)
-        finally:
-            self.lock.acquire()
 
     def _joined(
         self, first: ChatCompletionResponseChoice, more: ChatCompletionResponseChoice, version, config: RequestConfig

@@ -1,19 +1,21 @@
 """``grpokit rollout --engine vllm``: the vLLM engine with the server's request checks (imported only then).
 
-vLLM samples a batch in one blocking call, so a disconnected client's requests are dropped only while they wait
-for the engine (not once their batch is generating), and the context check runs here, before vLLM sees the batch.
+A disconnected client's requests are dropped only while they wait for the engine (not once their batch is
+generating), and the context check runs here, before vLLM sees the batch. The batch is stepped so that a weight
+update can pause it and continue it on the new weights (vllm_partial.py).
 """
 
 from __future__ import annotations
 
 from grpokit.engines.transformers_engine import context_message
-from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
+from grpokit.engines.vllm_engine import VllmSettings
+from grpokit.engines.vllm_partial import PausableVllmEngine
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.server.engine import CancellableRequests
 
 
-class ServedVllmEngine(CancellableRequests, VllmEngine):
+class ServedVllmEngine(CancellableRequests, PausableVllmEngine):  # an update may pause and continue a batch
     def __init__(self, model_path: str, settings: VllmSettings) -> None:
         super().__init__(model_path, settings)
         self._init_cancel()

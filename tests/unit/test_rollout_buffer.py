@@ -222,21 +222,26 @@ def test_the_bound_is_at_least_one_window():
 
 
 @pytest.mark.parametrize(
-    "server, async_, regex, error",
+    "server, vllm, async_, regex, error",
     [
-        (False, True, None, "implemented in server mode"),
-        (True, False, None, "add --max_staleness K"),
-        (True, True, "[0-9]+", "a grammar cannot resume"),
-        (True, True, None, None),
+        (False, False, True, None, "implemented in server mode .* and for vLLM colocate"),
+        (False, True, True, None, None),  # vLLM colocate: a sync pauses the producer's batch
+        (True, False, False, None, "add --max_staleness K"),
+        (True, False, True, "[0-9]+", "a grammar cannot resume"),
+        (True, False, True, None, None),
     ],
 )
-def test_partial_rollouts_need_a_server_rolling_out_ahead_without_a_grammar(server, async_, regex, error):
+def test_partial_rollouts_need_a_pausable_engine_rolling_ahead_without_a_grammar(server, vllm, async_, regex, error):
     from types import SimpleNamespace
 
     from grpokit.config.async_rules import check_partial_rollouts
 
     r = SimpleNamespace(
-        partial_rollouts=True, async_generate=async_, structured_outputs_regex=regex, structured_outputs_json=None
+        partial_rollouts=True,
+        use_vllm=vllm,
+        async_generate=async_,
+        structured_outputs_regex=regex,
+        structured_outputs_json=None,
     )
     if error is None:
         check_partial_rollouts(r, server)

@@ -1,0 +1,37 @@
+"""The pause a weight update sets so that a running generation hands it the engine's lock and continues after
+it on the new weights (partial rollouts): shared by the served transformers engine (server/partial.py) and the
+vLLM engines (vllm_partial.py)."""
+
+from __future__ import annotations
+
+import threading
+
+
+class PauseGate:
+    """What a weight update and a pausable engine (with ``lock``) share: the update sets the pause before it takes
+    the lock; the generation, seeing it, hands the lock over (``_wait_for_update``) and takes it back once the
+    update has cleared the pause. Counts the resumed rows in ``partial_resumes``."""
+
+    def _init_partial(self) -> None:
+        self._pause = threading.Event()
+        self._resumed = threading.Condition()
+        self._pausable = True  # False while a call that cannot resume runs (it runs to its end)
+        self.partial_resumes = 0
+
+    def pause_for_update(self) -> None:
+        self._pause.set()
+
+    def resume_after_update(self) -> None:
+        with self._resumed:
+            self._pause.clear()
+            self._resumed.notify_all()
+
+    def _wait_for_update(self) -> None:
+        """Give the lock to the waiting update, and take it back once the update is done."""
+        self.lock.release()
+        try:
+            with self._resumed:
+                while self._pause.is_set():
+                    self._resumed.wait(timeout=1.0)
+        finally:
+            self.lock.acquire()

@@ -1,0 +1,143 @@
+"""Partial rollouts on vLLM (``--partial_rollouts true``): the rollout server's vLLM engine, and vLLM colocate.
+
+``LLM.generate`` runs vLLM's engine until the whole batch has ended, so a weight update could only wait for it.
+Here the batch is driven step by step through vLLM's public ``LLMEngine`` API (``add_request``, ``step``,
+``abort_request``, with cumulative outputs) on the vLLM thread, and between two steps the loop looks at the pause
+a waiting update sets (``PauseGate``). When it is set, the unfinished requests are aborted, each keeps the tokens
+and logprobs it has, the lock goes to the update, and once the new weights are in each request is added again as
+its prompt plus its tokens, with the tokens it has left: the continuation samples from the new weights (prefix
+caching makes its prefill cheap), and every token carries the weight version that sampled it. The rollout
+server's update pauses when the trainer asks it to (``interrupt``); in colocate mode the trainer's own sync does,
+while the background producer of --max_staleness generates.
+
+What cannot continue runs to its end as before: images (the continuation would need them re-attached),
+structured outputs (a grammar cannot restart mid-completion; the trainer refuses the pair anyway) and requests with
+several samples each. A stop string split across a pause is not seen, since the continuation's detokenizer starts
+at the pause; its stop tokens are.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from grpokit.engines.pause import PauseGate
+from grpokit.engines.vllm_engine import VllmEngine
+from grpokit.protocol import ChatCompletionResponse, RequestConfig
+
+
+@dataclass
+class _Logprob:
+    logprob: float
+
+
+@dataclass
+class _Piece:
+    """One request's completion so far, in the shape ``VllmEngine._response`` reads from vLLM's outputs."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # per token {token id: _Logprob}, where asked for
+    versions: list[int | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+
+
+@dataclass
+class _Output:
+    prompt_token_ids: list[int]
+    outputs: list[_Piece]
+
+
+class VllmPartialRollouts(PauseGate):
+    """Mixin for ``VllmEngine`` (``lock``, ``llm``, ``_run`` on the vLLM thread, ``_sample``, ``_response``)."""
+
+    def _sample(self, inputs: list[dict], params: list) -> list:
+        """Called with ``lock`` held: the batch's outputs, paused and continued across weight updates."""
+        if any("multi_modal_data" in i for i in inputs) or any(p.n != 1 or p.structured_outputs for p in params):
+            outs = super()._sample(inputs, params)
+            for out in outs:  # run to their end on the weights they began with
+                for c in out.outputs:
+                    c.versions = [self.policy_version] * len(c.token_ids)
+            return outs
+        from vllm.sampling_params import RequestOutputKind  # not at the top: vLLM is imported only when served
+
+        prompts = [list(i["prompt_token_ids"]) for i in inputs]
+        pieces = [_Piece(logprobs=[] if p.logprobs is not None else None) for p in params]
+        todo = list(range(len(inputs)))
+        while todo:
+            steps = []
+            for i in todo:
+                p = params[i].clone()
+                p.max_tokens = params[i].max_tokens - len(pieces[i].token_ids)
+                p.output_kind = RequestOutputKind.DELTA  # each step's new tokens: kept when a pause aborts it
+                steps.append((pieces[i], prompts[i] + pieces[i].token_ids, p))
+            self._run(self._step_until_paused, steps, self.policy_version)
+            todo = [i for i in todo if pieces[i].finish_reason is None]
+            if todo:  # paused: the update loads the new weights, then these continue on them
+                self.partial_resumes += sum(bool(pieces[i].token_ids) for i in todo)
+                self._wait_for_update()
+        for piece in pieces:
+            piece.text = self.tokenizer.decode(piece.token_ids, skip_special_tokens=True)
+        return [_Output(prompt, [piece]) for prompt, piece in zip(prompts, pieces, strict=True)]
+
+    def _step_until_paused(self, steps: list[tuple[_Piece, list[int], object]], version) -> None:
+        """On the vLLM thread: step the engine until every request has ended or the pause is set (those still
+        open are then aborted), adding each step's new tokens to the request's piece, tagged ``version``."""
+        engine = self.llm.llm_engine
+        by_id = {}
+        for piece, prompt, p in steps:
+            request_id = f"grpokit-{uuid.uuid4().hex}"
+            by_id[request_id] = piece
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
+        try:
+            while engine.has_unfinished_requests() and not self._pause.is_set():
+                for out in engine.step():
+                    if out.request_id in by_id:
+                        _extend(by_id[out.request_id], out, version)
+        finally:
+            still_open = [rid for rid, piece in by_id.items() if piece.finish_reason is None]
+            if still_open:
+                engine.abort_request(still_open)
+
+    def _response(self, out, prompt_ids: list[int], config: RequestConfig) -> ChatCompletionResponse:
+        """vLLM's answer, each choice tagged per token with the weight version that sampled it."""
+        response = super()._response(out, prompt_ids, config)
+        for choice, c in zip(response.choices, out.outputs, strict=True):
+            versions = getattr(c, "versions", None)
+            choice.weight_versions = versions if versions and None not in versions else None
+        return response
+
+
+class PausableVllmEngine(VllmPartialRollouts, VllmEngine):
+    """``VllmEngine`` whose batches a weight sync pauses and continues on the new weights (vLLM colocate with
+    --partial_rollouts true; the rollout server's vLLM engine is one too)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_partial()
+
+    def sync_weights(self, model) -> None:
+        self.pause_for_update()  # a batch generating in another thread hands over the lock at its next step
+        try:
+            super().sync_weights(model)
+        finally:
+            self.resume_after_update()
+
+    def sync_weights_checked(self, model):
+        self.pause_for_update()
+        try:
+            return super().sync_weights_checked(model)
+        finally:
+            self.resume_after_update()
+
+
+def _extend(piece: _Piece, out, version) -> None:
+    """A step's delta output added to ``piece``: its new tokens (tagged ``version``), logprobs, and the end."""
+    c = out.outputs[0]
+    new = list(c.token_ids)
+    piece.token_ids += new
+    piece.versions += [version] * len(new)
+    if piece.logprobs is not None:
+        piece.logprobs += [{t: _Logprob(float(pos[t].logprob))} for t, pos in zip(new, c.logprobs or [], strict=False)]
+    if out.finished:
+        piece.finish_reason = c.finish_reason
