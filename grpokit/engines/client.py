@@ -245,7 +245,7 @@ class RolloutClient(InferEngine):
         return count, int(body * 1024 * 1024)
 
     async def _infer_positions(self, requests: Sequence[RolloutInferRequest], config: RequestConfig,
-                               server: int | None = None) -> list[tuple[int, RolloutOutput]]:
+                               only: int | None = None) -> list[tuple[int, RolloutOutput]]:
         requests = list(requests)
         if not requests:
             return []
@@ -255,8 +255,8 @@ class RolloutClient(InferEngine):
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
-        shares = (split_requests(requests, len(self.endpoints)) if server is None
-                  else [list(range(len(requests))) if i == server else [] for i in range(len(self.endpoints))])
+        shares = (split_requests(requests, len(self.endpoints)) if only is None  # else all to server ``only``
+                  else [list(range(len(requests))) if i == only else [] for i in range(len(self.endpoints))])
         for i, idx in enumerate(shares):
             for part in split_by_size([sizes[j] for j in idx], max_batch, budget):
                 calls.append((i, [idx[k] for k in part]))

@@ -2,7 +2,7 @@
 
 ``LLM.generate`` runs vLLM's engine until the whole batch has ended, so a weight update could only wait for it.
 Here the batch is driven step by step through vLLM's public ``LLMEngine`` API (``add_request``, ``step``,
-``abort_request``, with cumulative outputs) on the vLLM thread, and between two steps the loop looks at the pause
+``abort_request``, with delta outputs) on the vLLM thread, and between two steps the loop looks at the pause
 a waiting update sets (``PauseGate``). When it is set, the unfinished requests are aborted, each keeps the tokens
 and logprobs it has, the lock goes to the update, and once the new weights are in each request is added again as
 its prompt plus its tokens, with the tokens it has left: the continuation samples from the new weights (prefix
@@ -109,24 +109,30 @@ class VllmPartialRollouts(PauseGate):
 
 
 class PausableVllmEngine(VllmPartialRollouts, VllmEngine):
-    """``VllmEngine`` whose batches a weight sync pauses and continues on the new weights (vLLM colocate with
-    --partial_rollouts true; the rollout server's vLLM engine is one too)."""
+    """vLLM colocate with --partial_rollouts true: the trainer's weight sync pauses the batch the background
+    producer is generating, loads, and lets it continue. The trainer names the version before it syncs; tokens are
+    tagged with it only once those weights are in (a batch starting in between still samples the old ones)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._init_partial()
+        self._next_version: int | None = None
+
+    def set_policy_version(self, version: int) -> None:
+        self._next_version = version
 
     def sync_weights(self, model) -> None:
-        self.pause_for_update()  # a batch generating in another thread hands over the lock at its next step
-        try:
-            super().sync_weights(model)
-        finally:
-            self.resume_after_update()
+        self._paused(super().sync_weights, model)
 
     def sync_weights_checked(self, model):
-        self.pause_for_update()
+        return self._paused(super().sync_weights_checked, model)
+
+    def _paused(self, sync, model):
+        self.pause_for_update()  # a batch generating in another thread hands over the lock at its next step
         try:
-            return super().sync_weights_checked(model)
+            result = sync(model)
+            self.policy_version = self._next_version  # loaded: what the continuing rows are tagged with
+            return result
         finally:
             self.resume_after_update()
 

@@ -8,17 +8,18 @@ update can pause it and continue it on the new weights (vllm_partial.py).
 from __future__ import annotations
 
 from grpokit.engines.transformers_engine import context_message
-from grpokit.engines.vllm_engine import VllmSettings
-from grpokit.engines.vllm_partial import PausableVllmEngine
+from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
+from grpokit.engines.vllm_partial import VllmPartialRollouts
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.server.engine import CancellableRequests
 
 
-class ServedVllmEngine(CancellableRequests, PausableVllmEngine):  # an update may pause and continue a batch
+class ServedVllmEngine(CancellableRequests, VllmPartialRollouts, VllmEngine):
     def __init__(self, model_path: str, settings: VllmSettings) -> None:
         super().__init__(model_path, settings)
         self._init_cancel()
+        self._init_partial()  # an update may pause a batch and continue it (the app tags the version it loaded)
         self.max_model_len = self._context_length()
 
     @classmethod

@@ -77,8 +77,8 @@ def buffer_for_run(producer, r, plan) -> RolloutBuffer | GroupBuffer | None:
 
 
 def loop_position(buffer, stream) -> tuple[int, list[int]]:
-    """What a checkpoint stores of the stream: its frontier and the start positions of every window drawn and not
-    trained (rolled out ahead, or handed back to ``stream``)."""
+    """What a checkpoint stores of the stream: its frontier and the start positions of every draw (a window; a
+    group with --stream_groups) taken and not trained (rolled out ahead, or handed back to ``stream``)."""
     return buffer.loop_position() if buffer is not None else (stream.position, sorted(stream.replay))
 
 
