@@ -169,8 +169,7 @@ def test_dynamic_sampling_skips_groups_without_signal():
         trained, metrics = _train(buffer, producer, 6)
     finally:
         buffer.drain()
-    assert not any(pos % 3 == 0 for pos in trained)
-    assert all(m is not None for m in [buffer._sampled([], 0)])
+    assert len(trained) == 6 * 4 and not any(pos % 3 == 0 for pos in trained)  # every flat group skipped
     assert all(m["async/staleness_max"] <= 2 for m in metrics)
 
 
