@@ -2,11 +2,11 @@
 
 Starts one `grpokit rollout` server (transformers engine, subprocess, 127.0.0.1, free port) and trains the same
 settings once per mode against it (``--modes sync,1,2,4,2p``: ``--max_staleness`` 0, 1, 2, 4 with
-``--staleness_policy wait``, and ``Kp``: K with ``--partial_rollouts true``). Reports wall time per 100 trained
-groups (a group: one prompt's ``--num_generations`` completions) from the optimizer steps' end times, the first
-step excluded, its ratio to
-sync, and the logged ``async/staleness_mean`` (steps between the weights that sampled a completion and those it
-trains) and ``async/wait_s`` (the loop waiting for a window) of each mode, means over the same steps.
+``--staleness_policy wait``, ``Kp``: K with ``--partial_rollouts true``, ``Kg``: K with ``--stream_groups
+true``). Reports wall time per 100 trained groups (a group: one prompt's ``--num_generations`` completions) from
+the optimizer steps' end times, the first step excluded, its ratio to sync, and the logged
+``async/staleness_mean`` (steps between the weights that sampled a completion and those it trains) and
+``async/wait_s`` (the loop waiting for a window) of each mode, means over the same steps.
 
 The workload (``--workload longtail``, the default): completion lengths are drawn per row from a heavy-tailed
 distribution, ``--long_fraction`` (10%) of the rows at ``--max_completion_length`` and the rest short (geometric,
@@ -50,29 +50,30 @@ HERE = Path(__file__).resolve().parent
 PLUGIN = HERE / "bench_async_plugin.py"
 
 
-def parse_modes(text: str) -> list[tuple[int, bool]]:
-    """``sync,1,2,4,2p`` -> [(0, False), (1, False), (2, False), (4, False), (2, True)]: (``--max_staleness``,
-    ``--partial_rollouts``); ``sync`` is ``--max_staleness 0``."""
+def parse_modes(text: str) -> list[tuple[int, bool, bool]]:
+    """``sync,1,2,4,2p,2g`` -> [(0, False, False), (1, False, False), ..., (2, True, False), (2, False, True)]:
+    (``--max_staleness``, ``--partial_rollouts``, ``--stream_groups``); ``sync`` is ``--max_staleness 0``, a K
+    followed by ``p`` adds partial rollouts and by ``g`` streaming groups (``2pg``: both)."""
     modes = []
     for part in text.split(","):
         part = part.strip()
-        partial = part.endswith("p")
-        digits = part[:-1] if partial else part
+        digits = part.rstrip("pg")
+        flags = part[len(digits) :]
         if part == "sync":
-            k = 0
-        elif digits.isdigit() and (int(digits) > 0 or not partial):
-            k = int(digits)
+            modes.append((0, False, False))
+        elif digits.isdigit() and (int(digits) > 0 or not flags) and len(set(flags)) == len(flags):
+            modes.append((int(digits), "p" in flags, "g" in flags))
         else:
-            raise SystemExit(f"--modes {text}: {part!r} is neither sync, a number of steps, nor K ≥ 1 followed by p")
-        modes.append((k, partial))
+            raise SystemExit(f"--modes {text}: {part!r} is neither sync, a number of steps, nor K ≥ 1 followed by p/g")
     return modes
 
 
-def mode_name(mode: tuple[int, bool]) -> str:
-    k, partial = mode
+def mode_name(mode: tuple[int, bool, bool]) -> str:
+    k, partial, groups = mode
     if k == 0:
         return "sync"
-    return f"K = {k}" + (" with partial rollouts" if partial else " without partial rollouts" if k > 1 else "")
+    name = f"K = {k}" + (" with partial rollouts" if partial else " without partial rollouts" if k > 1 else "")
+    return name + (", streaming groups" if groups else "")
 
 
 def train(
@@ -80,7 +81,7 @@ def train(
     model: str,
     port: int,
     out: Path,
-    mode: tuple[int, bool],
+    mode: tuple[int, bool, bool],
     cores: str | None,
     steps: int | None = None,
 ) -> dict:
@@ -139,6 +140,8 @@ def train(
         "step_stamps",
         "--partial_rollouts",
         str(mode[1]).lower(),
+        "--stream_groups",
+        str(mode[2]).lower(),
     ]
     if a.lora:
         cmd += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--learning_rate", "2e-4"]
@@ -191,7 +194,8 @@ def main() -> None:
     p.add_argument(
         "--modes",
         default="sync,1,2,4,2p",
-        help="comma-separated: sync, --max_staleness values, and K followed by p for K with partial rollouts",
+        help="comma-separated: sync, --max_staleness values, and K followed by p (partial rollouts), g (streaming "
+        "groups) or both",
     )
     p.add_argument("--steps", type=int, default=26, help="optimizer steps per mode (the first is not timed)")
     p.add_argument(
@@ -273,10 +277,11 @@ def main() -> None:
     ) as port:
         # untimed: the server's first batches (allocations, code paths warming up) would fall on the first mode
         train(a, model, port, work / "warmup", modes[0], trainer_cores, steps=3)
-        runs: dict[tuple[int, bool], list[dict]] = {m: [] for m in modes}
+        runs: dict[tuple[int, bool, bool], list[dict]] = {m: [] for m in modes}
         for r in range(a.rounds):  # interleaved, each round starting one mode later: a change of the machine's
             for m in modes[r % len(modes) :] + modes[: r % len(modes)]:  # load falls on every mode alike
-                runs[m].append(train(a, model, port, work / f"k{m[0]}{'p' if m[1] else ''}_r{r}", m, trainer_cores))
+                folder = work / f"k{m[0]}{'p' if m[1] else ''}{'g' if m[2] else ''}_r{r}"
+                runs[m].append(train(a, model, port, folder, m, trainer_cores))
     load_after = loadavg()
     groups = a.batch / a.num_generations
     per_round = {k: [summarise(run, groups) for run in rs] for k, rs in runs.items()}
@@ -295,7 +300,7 @@ def main() -> None:
         f"{a.trainer_threads}, server {a.server_threads}; "
         f"load average {load_before} before, {load_after} after; {time.monotonic() - t0:.0f} s in all"
     )
-    base = res.get((0, False))
+    base = res.get((0, False, False))
     print(
         "| mode | s / 100 groups | throughput vs sync | staleness mean (max) | loop wait s/step | producer idle "
         "s/step | rollout s | train s | sync s | mean length | at limit |"

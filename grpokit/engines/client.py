@@ -308,6 +308,13 @@ class RolloutClient(InferEngine):
                                                     prompt_token_ids=outs[0].response.prompt_token_ids))
         return responses
 
+    def probe(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
+        """The weight-sync check's greedy probe on the first server (``POST /probe/``): it runs on the new weights
+        at once, where an /infer/ call would queue behind the rollout in flight."""
+        prompt = request.messages[-1]["content"]
+        answer = self._request(0, "POST", "/probe/", {"prompt": prompt, "max_tokens": config.max_tokens})
+        return ChatCompletionResponse.model_validate(answer)
+
     def sync_weights(self, model) -> None:
         """Push ``model``'s weights (LoRA merged) to every server over the torch.distributed group."""
         self._push(model, None)

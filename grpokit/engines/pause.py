@@ -4,7 +4,14 @@ vLLM engines (vllm_partial.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+# Set around a call that must run to its end while the pause holds (the weight-sync check's probe, which runs on
+# the new weights before the paused rows continue): the pause does not stop it.
+PROBING: ContextVar[bool] = ContextVar("grpokit_probing", default=False)
 
 
 class PauseGate:
@@ -35,3 +42,17 @@ class PauseGate:
                     self._resumed.wait(timeout=1.0)
         finally:
             self.lock.acquire()
+
+
+@contextlib.contextmanager
+def paused(engine) -> Iterator[None]:
+    """Hold a pausable engine's running generation at its next token for the block (the block takes the lock as
+    it needs; the rows continue after it); a plain engine is left as it is, so the block waits for its batch."""
+    pausable = hasattr(engine, "pause_for_update")
+    if pausable:
+        engine.pause_for_update()
+    try:
+        yield
+    finally:
+        if pausable:
+            engine.resume_after_update()

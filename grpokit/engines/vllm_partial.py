@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from grpokit.engines.pause import PauseGate
+from grpokit.engines.pause import PROBING, PauseGate
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.protocol import ChatCompletionResponse, RequestConfig
 
@@ -53,7 +53,8 @@ class VllmPartialRollouts(PauseGate):
 
     def _sample(self, inputs: list[dict], params: list) -> list:
         """Called with ``lock`` held: the batch's outputs, paused and continued across weight updates."""
-        if any("multi_modal_data" in i for i in inputs) or any(p.n != 1 or p.structured_outputs for p in params):
+        plain = PROBING.get() or any("multi_modal_data" in i for i in inputs)  # the probe runs on, paused or not
+        if plain or any(p.n != 1 or p.structured_outputs for p in params):
             outs = super()._sample(inputs, params)
             for out in outs:  # run to their end on the weights they began with
                 for c in out.outputs:

@@ -1,7 +1,8 @@
 """The rollout server's HTTP API (FastAPI). Endpoint names follow ms-swift's ``swift rollout``.
 
 ``GET /health/``, ``GET /get_engine_type/``, ``POST /infer/`` (trajectories through the server's scheduler),
-``POST /init_communicator/``, ``POST /update_weights/``, ``POST /check_weights/``, ``POST /close_communicator/``,
+``POST /init_communicator/``, ``POST /update_weights/``, ``POST /check_weights/``, ``POST /probe/`` (the check's
+greedy probe), ``POST /close_communicator/``,
 ``POST /reset_prefix_cache/``; ``GET /openapi.json`` describes them. Every error answer is JSON
 ``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request stops the server, and
 an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the next token).
@@ -19,8 +20,10 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from grpokit.agents.service import ChatService
+from grpokit.engines.pause import PROBING, paused
 from grpokit.errors import GrpokitError
-from grpokit.server.bodies import InferBody
+from grpokit.protocol import RequestConfig, RolloutInferRequest
+from grpokit.server.bodies import InferBody, ProbeBody
 from grpokit.server.engine import CANCEL
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardMiddleware, GuardPolicy
@@ -360,7 +363,28 @@ def _add_check_route(app: FastAPI, state: ServerState) -> None:
             }
 
         def check() -> dict:
-            with state.engine.lock:  # no sync loads while the weights are read back
+            # no sync loads while the weights are read back; a generation running pauses (partial rollouts)
+            with paused(state.engine), state.engine.lock:
                 return check_held(body, state.engine.weight_sums)
 
         return await asyncio.to_thread(check)
+
+    @app.post("/probe/")
+    async def probe(body: ProbeBody) -> dict:
+        """The check's greedy probe after a sync, on the new weights and before rows paused by the update go
+        on (a plain /infer/ call would queue behind the rollout in flight)."""
+        request = RolloutInferRequest(messages=[{"role": "user", "content": body.prompt}])
+        config = RequestConfig(max_tokens=body.max_tokens, temperature=0, logprobs=True)
+
+        def run() -> dict:
+            token = PROBING.set(True)
+            try:
+                with paused(state.engine):
+                    return state.engine.infer([request], config)[0].model_dump(mode="json")
+            finally:
+                PROBING.reset(token)
+
+        try:
+            return await asyncio.to_thread(run)
+        except ValueError as e:  # includes ConfigError: e.g. a prompt longer than the context
+            raise HTTPException(400, f"{type(e).__name__}: {e}") from e

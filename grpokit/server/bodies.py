@@ -17,3 +17,13 @@ class InferBody(BaseModel):
 
     requests: list[RolloutInferRequest]
     request_config: RequestConfig = Field(default_factory=RequestConfig)
+
+
+class ProbeBody(BaseModel):
+    """``POST /probe/``: a few greedy tokens with their logprobs for one short user prompt (the weight-sync
+    check's probe, grpokit/trainers/sync_check.py)."""
+
+    model_config = _STRICT
+
+    prompt: str = Field(max_length=2000)
+    max_tokens: int = Field(4, ge=1, le=16)

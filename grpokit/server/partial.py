@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from grpokit.engines.pause import PauseGate
+from grpokit.engines.pause import PROBING, PauseGate
 from grpokit.protocol import ChatCompletionResponseChoice, RequestConfig
 
 
@@ -45,7 +45,7 @@ class PartialRollouts(PauseGate):
     def _generate(self, prompts: list[list[int]], config: RequestConfig, events: list | None = None):
         """Called with ``lock`` held; tags each token with the weight version; continues paused rows."""
         version = self.policy_version
-        pausable = not (config.structured_outputs_regex or config.structured_outputs_json)
+        pausable = not (config.structured_outputs_regex or config.structured_outputs_json or PROBING.get())
         self._pausable = pausable
         try:
             choices = super()._generate(prompts, config, events)

@@ -88,7 +88,9 @@ def run_probe(engine, policy) -> tuple[float, float] | None:
     """(max |Δ logp|, tolerance) of the probe, None when the engine returned no tokens; WeightSyncError beyond
     the tolerance."""
     request = RolloutInferRequest(messages=[{"role": "user", "content": PROBE_PROMPT}])
-    response = engine.infer([request], RequestConfig(max_tokens=PROBE_TOKENS, temperature=0, logprobs=True))[0]
+    config = RequestConfig(max_tokens=PROBE_TOKENS, temperature=0, logprobs=True)
+    ask = getattr(engine, "probe", None)  # a rollout server's: not queued behind its rollout in flight
+    response = ask(request, config) if callable(ask) else engine.infer([request], config)[0]
     choice = response.choices[0]
     prompt, ids, engine_lps = (
         list(response.prompt_token_ids or []),

@@ -1,6 +1,7 @@
-"""--max_staleness (tiny model, float32): K = 0 is the synchronous run exactly; against a real rollout server
-(transformers engine) with K = 2 and with --staleness_policy drop no trained row was sampled more than K optimizer steps
-before the step that trains it (from each row's weight version in completions.jsonl), and no prompt trains twice."""
+"""--max_staleness (tiny model, float32): K = 0 is the synchronous run exactly, in process and against a real
+rollout server; against a real rollout server (transformers engine) with K = 2 and with --staleness_policy drop no
+trained row was sampled more than K optimizer steps before the step that trains it (from each row's weight version
+in completions.jsonl), and no prompt trains twice."""
 
 from __future__ import annotations
 
@@ -87,11 +88,27 @@ def _train(tiny, out, *extra: str, port: int | None = None):
 
 def test_max_staleness_0_is_the_synchronous_run(tiny, tmp_path):
     """An explicit 0 wins over --async_generate true: the same samples, losses and weights as the synchronous run.
-    (In process: a rollout server batches concurrent requests as they arrive, so its samples are not repeatable.)"""
+    (In process here; the server-mode test below gives each run a fresh server.)"""
     (t_sync, logs_sync, rows_sync), (t_k0, logs_k0, rows_k0) = (
         _train(tiny, tmp_path / name, "--max_steps", "3", *extra)
         for name, extra in (("sync", ()), ("k0", ("--async_generate", "true", "--max_staleness", "0")))
     )
+    assert not any(k.startswith("async/") for k in logs_k0[0])
+    assert [r["completion"] for r in rows_k0] == [r["completion"] for r in rows_sync]
+    assert [(r["loss"], r["reward"]) for r in logs_k0] == [(r["loss"], r["reward"]) for r in logs_sync]
+    assert any(r["loss"] != 0 for r in logs_sync)
+    for (name, a), b in zip(t_sync.policy.state_dict().items(), t_k0.policy.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_max_staleness_0_is_the_synchronous_run_in_server_mode(tiny, tmp_path):
+    """The same against a real rollout server (transformers engine): each run gets a fresh server, so both see
+    the same sampler state and the same /infer/ calls, one per window, in the same order."""
+    runs = []
+    for name, extra in (("sync", ()), ("k0", ("--async_generate", "true", "--max_staleness", "0"))):
+        with rollout_server(tiny, tmp_path, *FLOAT32) as server:
+            runs.append(_train(tiny, tmp_path / name, "--max_steps", "3", *extra, port=server.port))
+    (t_sync, logs_sync, rows_sync), (t_k0, logs_k0, rows_k0) = runs
     assert not any(k.startswith("async/") for k in logs_k0[0])
     assert [r["completion"] for r in rows_k0] == [r["completion"] for r in rows_sync]
     assert [(r["loss"], r["reward"]) for r in logs_k0] == [(r["loss"], r["reward"]) for r in logs_sync]

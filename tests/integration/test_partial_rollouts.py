@@ -90,6 +90,37 @@ def test_an_interrupting_update_continues_rows_on_the_new_weights(tiny, server, 
     assert spans >= 1, [set(o.response.choices[-1].weight_versions) for o in got]  # a row spanned the update
 
 
+def test_a_checked_sync_does_not_wait_for_the_rollout_in_flight(tiny, server, one_torch_thread):
+    """With interrupt, the update, the check's read-back and its probe all run while the rows are paused: the
+    checked sync returns while the rollout it interrupted is still generating."""
+    from types import SimpleNamespace
+
+    from grpokit.trainers.sync_check import sync
+
+    new = load_causal_lm(str(tiny), torch.float32)
+    client = RolloutClient(base_urls=[server.url], timeout=60, partial_rollouts=True)
+    try:
+        client.set_policy_version(20)
+        client.sync_weights(new)  # the served weights are the trainer's from here on
+        requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"go {i}"}]) for i in range(4)]
+        got: list = []
+        worker = threading.Thread(
+            target=lambda: got.extend(client.infer_trajectories(requests, RequestConfig(max_tokens=900)))
+        )
+        worker.start()
+        deadline = time.monotonic() + 30
+        while _inflight(server.url) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        sync(client, new, SimpleNamespace(check_weight_sync=True), step=21)  # raises if the check fails
+        assert worker.is_alive()  # the rollout it interrupted is still generating
+        worker.join(180)
+    finally:
+        client.close()
+    versions = [set(o.response.choices[-1].weight_versions) for o in got]
+    assert len(got) == 4 and any(v == {20, 21} for v in versions), versions
+
+
 def test_training_with_partial_rollouts_logs_mixed_trajectories(tiny, server, tmp_path):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train

@@ -298,3 +298,18 @@ def test_check_weights_route_answers_matches_mismatches_and_refusals():
     client, _ = _check_client(None)  # an engine that cannot read its weights back
     resp = client.post("/check_weights/", json=_body({"w": w}))
     assert resp.status_code == 501 and "--check_weight_sync false" in resp.json()["error"]
+
+
+def test_probe_route_answers_the_prompt_greedily_and_bounds_its_body():
+    from grpokit.engines.pause import PROBING
+
+    client, state = _check_client(None)
+    seen = []
+    infer = state.engine.infer
+    state.engine.infer = lambda requests, config: seen.append((config, PROBING.get())) or infer(requests, config)
+    answer = client.post("/probe/", json={"prompt": "abc", "max_tokens": 4})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "cba"
+    config, probing = seen[0]
+    assert probing and config.temperature == 0 and config.logprobs and config.max_tokens == 4  # runs while paused
+    for body in ({"prompt": "abc", "max_tokens": 17}, {"prompt": "x" * 2001}, {"prompt": "a", "extra": 1}, {}):
+        assert client.post("/probe/", json=body).status_code == 422, body
