@@ -12,7 +12,8 @@ served model; only where EOS falls is decided here. The distribution (environmen
 - ``GRPOKIT_BENCH_SHORT_MEAN`` (``max_tokens / 8``): the others' mean length (geometric, at most
   ``max_tokens - 1``);
 - a row that a weight update paused (``--partial_rollouts``) keeps its length when it continues: the continuation's
-  prompt is the row's prompt plus its tokens so far, which the plugin recognises and counts from;
+  prompt is the row's prompt plus its tokens so far, which the plugin recognises and counts from (also when a
+  continuation is paused again after one token: the update, the check's read-back and its probe each pause);
 - ``GRPOKIT_BENCH_LENGTH_SEED`` (0); ``GRPOKIT_BENCH_LONGTAIL=0`` turns the workload off (lengths as sampled);
   ``GRPOKIT_BENCH_LENGTH_LOG=FILE`` appends each generate call's drawn lengths to FILE (to check that two modes
   drew the same).
@@ -72,6 +73,7 @@ class ForcedLengths(LogitsProcessor):
     def _targets(self, prompts: torch.Tensor) -> torch.Tensor:
         seen: dict[tuple[int, ...], int] = {}
         out = []
+        self.keys = []
         for row in prompts.tolist():
             start = 0
             while start < len(row) and row[start] == self.pad:  # left padding depends on the batch: not the prompt
@@ -83,11 +85,15 @@ class ForcedLengths(LogitsProcessor):
                 target, had = _RUNNING.pop(key[:-1])
                 out.append(target - had - 1)
                 self.before.append(had + 1)
+                # a continuation paused again after its first token (the update, the check's read-back and its
+                # probe each pause) comes back with these ids plus that token: it continues from here
+                _RUNNING[key] = (target, had + 1)
+                self.keys.append(key)
                 continue
             k = seen[key] = seen.get(key, -1) + 1
             out.append(target_length(list(key), k, self.max_tokens, self.long_fraction, self.short_mean, self.seed))
             self.before.append(0)
-        self.keys = [None] * len(out)
+            self.keys.append(None)
         return torch.tensor(out, device=prompts.device)
 
     def _remember(self, input_ids: torch.LongTensor, t: int) -> None:
