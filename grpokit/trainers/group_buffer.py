@@ -146,7 +146,7 @@ class GroupBuffer:
         self._start()
         t0 = time.perf_counter()
         chosen: list[_Group] = []
-        skipped = 0
+        skipped = filler = 0  # dynamic sampling: groups without signal skipped, and taken once it ran out
         with self._cond:
             fill = len(self._ready)
             while len(chosen) < self.groups_per_window:
@@ -154,9 +154,11 @@ class GroupBuffer:
                 if group is None:
                     self._cond.wait(timeout=1.0)
                     continue
-                if skipped < self._skip_limit and not self._has_signal(group):
-                    skipped += 1  # dynamic sampling: the next group from the stream instead
-                    continue
+                if self._skip_limit and not self._has_signal(group):
+                    if skipped < self._skip_limit:
+                        skipped += 1  # the next group from the stream instead
+                        continue
+                    filler += 1
                 chosen.append(group)
             overtaken = sum(g.position > min(self._outstanding, default=g.position) for g in chosen)
             self._cond.notify_all()  # room for the producers
@@ -167,7 +169,7 @@ class GroupBuffer:
             [o for g in chosen for o in g.outputs],
             torch.cat([g.rewards for g in chosen]),
             {"rollout": max(g.seconds for g in chosen), "reward": sum(g.reward_s for g in chosen)},
-            sampled=self._sampled(chosen, skipped),
+            sampled=self._sampled(skipped, filler),
         )
         versions = [g.version for g in chosen for _ in g.outputs]
         metrics = {
@@ -215,11 +217,10 @@ class GroupBuffer:
         rewards = torch.nansum(group.rewards * self._weights, dim=1)
         return bool(groups_with_signal(rewards, torch.zeros(len(rewards), dtype=torch.long)).any())
 
-    def _sampled(self, chosen: list[_Group], skipped: int) -> dict[str, float] | None:
+    def _sampled(self, skipped: int, filler: int) -> dict[str, float] | None:
         """Dynamic sampling's metrics as the windowed loop names them (rounds: windows' worth of groups skipped)."""
         if not self._skip_limit:
             return None
-        filler = sum(not self._has_signal(g) for g in chosen)
         return {
             "dynamic_sampling/rounds": skipped / self.groups_per_window,
             "dynamic_sampling/groups_without_signal": float(filler),
