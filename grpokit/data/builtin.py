@@ -38,10 +38,23 @@ def _ordered(rows: list[Row], seed: int) -> list[Row]:
     return rows
 
 
-# ---------------------------------------------------------------- arithmetic
+# ---------------------------------------------------------------- arithmetic, subtraction
 
 ARITHMETIC_RANGE = (1, 20)
 ARITHMETIC_TEST_SIZE = 100  # of the 20 x 20 = 400 ordered pairs; the other 300 train
+SUBTRACTION_MAX = 40
+SUBTRACTION_TEST_SIZE = 100  # of the 780 pairs 1 <= b < a <= 40; the other 680 train
+
+
+def _pair_rows(pairs: list[tuple[int, int]], split: str, test_size: int, op: str) -> list[Row]:
+    """Split ``pairs`` (shuffled with the content seed: test first) into rows asking for ``a op b``."""
+    random.Random(_CONTENT_SEED).shuffle(pairs)
+    chosen = pairs[:test_size] if split == "test" else pairs[test_size:]
+    value = {"+": int.__add__, "-": int.__sub__}[op]
+    return [
+        {"messages": _user(f"What is {a} {op} {b}? Answer with just the number."), "solution": str(value(a, b))}
+        for a, b in chosen
+    ]
 
 
 @BUILTIN_TASKS.register("arithmetic")
@@ -50,13 +63,19 @@ def arithmetic(split: str = "train", seed: int = 42) -> list[Row]:
     _check_split("arithmetic", split)
     lo, hi = ARITHMETIC_RANGE
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
-    random.Random(_CONTENT_SEED).shuffle(pairs)
-    chosen = pairs[:ARITHMETIC_TEST_SIZE] if split == "test" else pairs[ARITHMETIC_TEST_SIZE:]
-    rows = [
-        {"messages": _user(f"What is {a} + {b}? Answer with just the number."), "solution": str(a + b)}
-        for a, b in chosen
-    ]
-    return _ordered(rows, seed)
+    return _ordered(_pair_rows(pairs, split, ARITHMETIC_TEST_SIZE, "+"), seed)
+
+
+@BUILTIN_TASKS.register("subtraction")
+def subtraction(split: str = "train", seed: int = 42) -> list[Row]:
+    """``What is a - b?`` with 1 <= b < a <= 40; column ``solution`` = str(a - b). 680 train / 100 test pairs.
+
+    The harder demo (``grpokit/config/demo_subtraction.yaml``): SmolLM2-135M-Instruct answers about one in five
+    of these right before training, against two in five on ``arithmetic``.
+    """
+    _check_split("subtraction", split)
+    pairs = [(a, b) for a in range(2, SUBTRACTION_MAX + 1) for b in range(1, a)]
+    return _ordered(_pair_rows(pairs, split, SUBTRACTION_TEST_SIZE, "-"), seed)
 
 
 # ---------------------------------------------------------------- countdown

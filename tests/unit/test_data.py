@@ -284,6 +284,27 @@ def test_arithmetic_rows_are_correct_and_splits_disjoint():
         assert 1 <= a <= 20 and 1 <= b <= 20 and row["solution"] == str(a + b)
 
 
+def test_subtraction_rows_cover_every_pair_once_with_positive_answers():
+    train, test = builtin_rows("subtraction", "train", 0), builtin_rows("subtraction", "test", 0)
+    pairs = {
+        tuple(map(int, re.match(r"What is (\d+) - (\d+)\?", r["messages"][0]["content"]).groups())): r["solution"]
+        for r in train + test
+    }
+    assert (len(train), len(test), len(pairs)) == (680, 100, 780)  # every pair 1 <= b < a <= 40, in one split
+    assert all(1 <= b < a <= 40 and sol == str(a - b) for (a, b), sol in pairs.items())
+    assert builtin_rows("subtraction", "test", 1) != test  # --seed orders the rows ...
+    assert sorted(map(str, builtin_rows("subtraction", "test", 1))) == sorted(map(str, test))  # ... not the split
+
+
+def test_demo_configs_parse_and_name_their_tasks():
+    from grpokit.config.parse import DEMO_YAML, parse_train_args
+
+    harder = DEMO_YAML.with_name("demo_subtraction.yaml")
+    cfg = parse_train_args(["--config", str(harder)])
+    assert cfg.data.dataset == ["builtin:subtraction"] and cfg.data.val_dataset == ["builtin:subtraction:test"]
+    assert cfg.model.model is None  # the built-in demo model, as for `grpokit train`
+
+
 def test_countdown_solutions_use_each_number_once_and_hit_target():
     train, test = builtin_rows("countdown", "train", 0), builtin_rows("countdown", "test", 0)
     key = lambda r: (tuple(sorted(r["nums"])), r["target"])  # noqa: E731
