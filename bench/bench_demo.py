@@ -25,6 +25,7 @@ import yaml
 
 ACCURACY = re.compile(r"accuracy (\d+\.\d+)")
 ELAPSED = re.compile(r"(?:(\d+)m)?(\d+)s elapsed")
+DEMO_YAML = Path(__file__).resolve().parents[1] / "grpokit" / "config" / "demo.yaml"  # `grpokit train`'s recipe
 
 
 def _grpokit(*args: str) -> str:
@@ -39,10 +40,8 @@ def held_out(model: str | None, dataset: str) -> float:
     return float(ACCURACY.findall(out)[-1])
 
 
-def held_out_split(config: Path | None) -> str:
-    """The split `grpokit infer` scores: the config's first val_dataset (the default demo's without one)."""
-    if config is None:
-        return "builtin:arithmetic:test"
+def held_out_split(config: Path) -> str:
+    """The split `grpokit infer` scores: the config's first val_dataset."""
     val = yaml.safe_load(config.read_text()).get("val_dataset")
     if not val:
         raise SystemExit(f"{config}: no val_dataset to score the trained model on")
@@ -75,7 +74,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None, help="a demo's yaml (default: the built-in demo)")
     parser.add_argument("--before", action="store_true", help="also score the untrained model")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    dataset = held_out_split(args.config)
+    dataset = held_out_split(args.config or DEMO_YAML)
     if args.config is not None:
         extra = ["--config", str(args.config), *extra]
     print(f"recipe: the demo{' with ' + ' '.join(extra) if extra else ''}", flush=True)
