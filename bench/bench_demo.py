@@ -23,9 +23,10 @@ from pathlib import Path
 
 import yaml
 
+from grpokit.config.parse import DEMO_YAML  # `grpokit train`'s recipe
+
 ACCURACY = re.compile(r"accuracy (\d+\.\d+)")
 ELAPSED = re.compile(r"(?:(\d+)m)?(\d+)s elapsed")
-DEMO_YAML = Path(__file__).resolve().parents[1] / "grpokit" / "config" / "demo.yaml"  # `grpokit train`'s recipe
 
 
 def _grpokit(*args: str) -> str:
