@@ -31,7 +31,7 @@ class WindowRollout:
 class Window:
     """What the loop trains on for ``steps_per_generation × num_iterations`` micro-steps (this process's rows)."""
 
-    batch: RolloutBatch  # advantages set; old/ref logps where the loss needs them
+    batch: RolloutBatch  # advantages set; old/ref logps where the loss needs them (NaN old rows: not computed)
     requests: list[RolloutInferRequest]
     outputs: list[RolloutOutput]
     rewards_per_func: torch.Tensor  # [N, F] NaN = not scored
@@ -42,8 +42,13 @@ class Window:
     completion_rows: list[dict] = field(default_factory=list)  # completions.jsonl rows of every process
 
     def micro_batches(self, steps_per_generation: int) -> list[RolloutBatch]:
-        """The batch cut into ``steps_per_generation`` consecutive slices, each with its loss denominator."""
+        """The batch cut into ``steps_per_generation`` consecutive slices, each with its loss denominator. A slice
+        whose old logps were not computed (the window's first optimizer step trains it with the policy that the
+        window starts with) has none: the loss takes its own forward's, detached, as in ms-swift and TRL."""
         micro = self.batch.split(steps_per_generation)
+        for mb in micro:
+            if mb.old_logps is not None and len(mb) and bool(mb.old_logps.isnan().all()):
+                mb.old_logps = None
         if self.num_items is not None:
             for mb, n in zip(micro, self.num_items, strict=True):
                 mb.num_items = n

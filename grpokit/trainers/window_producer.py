@@ -204,7 +204,7 @@ class WindowProducer:
         t0 = time.perf_counter()
         batches = None  # the mini-batches, where a hook needs them
         if self.hooks.prepare_batches is None:
-            batch = self.encode_rows(rows)
+            batch = self.encode_rows(rows, skip_first_step=True)
         else:
             batches = self.hooks.prepare_batches(rows)
             batch = RolloutBatch.join(batches, len(rows), "_prepare_batch_inputs")
@@ -318,9 +318,9 @@ class WindowProducer:
             raise PluginError("_compute_advantages returned NaN or infinite advantages")
         return out.detach().float().cpu()
 
-    def encode_rows(self, rows: list[dict]) -> RolloutBatch:
+    def encode_rows(self, rows: list[dict], *, skip_first_step: bool = False) -> RolloutBatch:
         """The window's rows (sample_rows) as one batch: trajectories encoded (token ids as generated, never
-        re-encoded), old/ref logps added when needed."""
+        re-encoded), old/ref logps added when needed (``skip_first_step``: see ``_old_logps_start``)."""
         requests, outputs = [r["_request"] for r in rows], [r["_output"] for r in rows]
         by_id = {r.request_id: r for r in requests}
         mm = bool(getattr(self.template, "multimodal", False))  # the processor template also takes the images
@@ -336,17 +336,22 @@ class WindowProducer:
         if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
             # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
             batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
-        elif self._needs_old_logps():
-            batch.old_logps = self._batched_logps(self.models.model, batch)
+        elif (first := self._old_logps_start(len(batch), skip_first_step)) is not None:
+            batch.old_logps = self._batched_logps(self.models.model, batch, first)
         if self.algorithm.beta != 0:
             batch.ref_logps = self._ref_logps(batch)
         return batch
 
-    def _needs_old_logps(self) -> bool:
-        """The policy drifts inside a window when it is updated more than once per rollout."""
-        a = self.algorithm
-        drift = a.num_iterations > 1 or self.plan.steps_per_generation > self.plan.gradient_accumulation_steps
-        return drift or (a.kl_in_reward and a.beta != 0) or self.rollout_args.async_generate
+    def _old_logps_start(self, rows: int, skip_first_step: bool) -> int | None:
+        """The first row whose old logps need a forward; None: no row's. The policy drifts when updated more than
+        once per rollout, but in one pass the first optimizer step's rows meet the window's own policy: their old
+        logps are the loss forward's, detached (left NaN here; Window.micro_batches then gives those none)."""
+        a, spg, gas = self.algorithm, self.plan.steps_per_generation, self.plan.gradient_accumulation_steps
+        if (a.kl_in_reward and a.beta != 0) or self.rollout_args.async_generate or a.num_iterations > 1:
+            return 0  # the penalty reads every row's; the engine's are copied in; a second pass drifts
+        if spg <= gas:
+            return None
+        return gas * (rows // spg) if skip_first_step else 0
 
     def _ref_logps(self, batch: RolloutBatch) -> torch.Tensor:
         if self.models.ref_model is not None:
@@ -355,11 +360,12 @@ class WindowProducer:
             return self._batched_logps(self.models.model, batch)
 
     @torch.no_grad()
-    def _batched_logps(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """Logps over a whole window in micro-batch-sized chunks (no grad), in batch row order."""
+    def _batched_logps(self, model, batch: RolloutBatch, first: int = 0) -> torch.Tensor:
+        """Logps of the window's rows from ``first`` on (NaN before it), in micro-batch-sized chunks, no grad."""
         out = torch.zeros_like(batch.completion_mask)
+        out[:first] = float("nan")
         b = self.models.micro_batch_size
-        for start in range(0, len(batch), b):
+        for start in range(first, len(batch), b):
             chunk = batch.select(slice(start, start + b)).trim().to(self.accelerator.device)
             with self.accelerator.autocast():
                 lp, _ = self.hooks.logps(model, chunk)

@@ -66,7 +66,8 @@ def test_every_documented_hook_takes_effect(tiny_model_dir, math_jsonl, tmp_path
     TrainerFactory.TRAINER_MAPPING["grpo"] = Hooked
     try:
         # one window of 8 completions (2 prompts × 4), trained as 2 micro-batches of 4, one optimizer step each:
-        # the policy drifts inside the window, so old logps are computed in 2 chunks of 4 before training
+        # the policy drifts inside the window, so the second micro-batch's old logps (one chunk of 4) are computed
+        # before training; the first trains with the window's own policy and needs none
         trainer = run_train(
             parse_train_args(
                 [
@@ -113,11 +114,11 @@ def test_every_documented_hook_takes_effect(tiny_model_dir, math_jsonl, tmp_path
         "score": 1,
         "training_step": 2,
         "loss": 2,
-        "logps": 4,
-        "model_inputs": 4,
-    }  # logps: 2 old-logps chunks, then one per loss
+        "logps": 3,
+        "model_inputs": 3,
+    }  # logps: 1 old-logps chunk, then one per loss
     assert seen["requests"] == 8
-    assert seen["entropy_flags"][:2] == [False, False]  # old logps ask for no entropies
+    assert seen["entropy_flags"][:1] == [False]  # old logps ask for no entropies
     assert seen["micro_row_ids"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # extra rows travel with their micro-batch
     assert all(isinstance(x, torch.Tensor) and x.ndim == 0 for x in seen["losses"])
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

@@ -213,7 +213,7 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     from grpokit.trainers.factory import TrainerFactory
     from grpokit.trainers.grpo_trainer import GRPOTrainer
 
-    seen: dict = {"infer_calls": 0, "windows": [], "micro": [], "first_ratio": []}
+    seen: dict = {"infer_calls": 0, "windows": [], "micro": [], "old_given": [], "old_error": []}
 
     def rows(batch) -> list[tuple[list[int], list[float]]]:
         """Each row's real tokens (padding dropped) and its completion mask up to its last trained token."""
@@ -232,15 +232,18 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
 
         def _prepare_inputs(self, prompts, rollout=None):
             window = super()._prepare_inputs(prompts, rollout)
-            seen["windows"].append(rows(window.batch))
+            batch = window.batch
+            seen["windows"].append(rows(batch))
+            with torch.no_grad():  # the policy the window starts with, over every row
+                lp, _ = self._get_per_token_logps_and_entropies(self.model, batch.to(self.accelerator.device))
+            old, mask = batch.old_logps, batch.completion_mask.bool()
+            assert old.isnan().all(1).tolist() == [True] * 4 + [False] * 12  # the first step's rows: no forward
+            seen["old_error"].append(float((lp.float() - old)[4:][mask[4:]].abs().max()))
             return window
 
         def _compute_loss_and_metrics(self, model, inputs):
             seen["micro"].append(rows(inputs))
-            if inputs.old_logps is not None and len(seen["micro"]) % 4 == 1:
-                lp, _ = self._get_per_token_logps_and_entropies(model, inputs.to(self.accelerator.device))
-                mask = inputs.completion_mask.bool()
-                seen["first_ratio"].append(float((lp.detach() - inputs.old_logps)[mask].abs().max()))
+            seen["old_given"].append(inputs.old_logps is not None)
             return super()._compute_loss_and_metrics(model, inputs)
 
     saved = dict(TrainerFactory.TRAINER_MAPPING)
@@ -275,8 +278,10 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
         assert [len(m) for m in micro] == [4, 4, 4, 4]
         assert [row for m in micro for row in m] == window
     assert seen["windows"][0] != seen["windows"][1]  # the second window is a new rollout
-    # old logps are computed (the policy drifts inside the window) and equal the current ones on micro-step 1
-    assert seen["first_ratio"] and max(seen["first_ratio"]) < 1e-5
+    # the policy drifts inside the window: old logps are the window-start policy's, computed before the first
+    # update for the rows of micro-steps 2-4; micro-step 1 trains with that policy itself and gets none
+    assert seen["old_given"] == [False, True, True, True] * 2
+    assert max(seen["old_error"]) < 1e-5
 
 
 def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
