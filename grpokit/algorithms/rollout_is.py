@@ -117,11 +117,17 @@ def sequence_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> _ModeOut
     return _ModeOut(torch.exp(log_ratio) * keep, _sequence_clipped_frac(seq, mask, threshold))
 
 
-def validate_rollout_is_options(mode: str | None, threshold: float) -> None:
-    """Unknown mode or a threshold below 1 (which would down-weight or drop on-policy tokens) → ConfigError."""
+def validate_rollout_is_options(mode: str | None, threshold: float, use_rollout_logprobs: bool = False) -> None:
+    """Unknown mode, a threshold below 1 (which would down-weight or drop on-policy tokens), or a mode beside
+    --use_rollout_logprobs (the old logps are then the engine's, so every weight would be 1) → ConfigError."""
     if mode is None:
         return
     ROLLOUT_IS_MODES.get_or_raise(mode)
+    if use_rollout_logprobs:
+        raise ConfigError(
+            f"--rollout_importance_sampling_mode {mode} weighs the trainer's old logps against the engine's; with "
+            "--use_rollout_logprobs true the old logps are the engine's, so every weight would be 1. Drop one"
+        )
     if not threshold >= 1.0:
         raise ConfigError(
             f"--rollout_importance_sampling_threshold {threshold}: must be >= 1 (an on-policy token "

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from grpokit.config.fields import opt as _opt
+from grpokit.config.reward_args import RewardArguments  # one slice, kept in its own module
 from grpokit.protocol import (
     MAX_N,
     MAX_REPETITION_PENALTY,
@@ -226,6 +227,10 @@ class AlgorithmArguments:
     rollout_importance_sampling_mode: str | None = _opt(
         None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C", ge=1)
+    use_rollout_logprobs: bool = _opt(
+        False, "slime's --use-rollout-logprobs (verl's bypass mode): the engine's logprobs of the sampled tokens are "
+               "the old policy's in the clipped ratio, so no forward recomputes them. They equal the trainer's up to "
+               "the sampler's numerics (the mismatch/* metrics show how far); every trained token needs one")
     logps_support: Literal["sampler", "full"] = _opt(
         "sampler", "the support of the training logps (old, current, reference) when sampling truncates (top_k, "
                    "top_p < 1, special tokens an engine never emits): sampler renormalises each token's probability "
@@ -254,34 +259,6 @@ class AlgorithmArguments:
     off_policy_sequence_mask_delta: float | None = _opt(
         None, "DeepSeek-V3.2: a sequence with a negative advantage whose mean log π_old − log π_θ per token exceeds "
               "this gets no policy loss (π_old: the engine's logprobs, else the old logps)", ge=0, why="unset: no mask")
-
-
-@dataclass
-class RewardArguments:
-    reward_funcs: list[str] = _opt([], "reward functions from the orms registry (default: accuracy)")
-    reward_weights: list[float] = _opt([], "one weight per reward function, then per reward model (default 1)")
-    reward_model: list[str] = _opt([], "reward model folder(s) (sequence classification, frozen)")
-    reward_model_plugin: list[str] = _opt([], "rm_plugins name per reward model (default: default)")
-    external_plugins: list[str] = _opt([], "python files imported before anything is looked up")
-    cosine_min_len_value_wrong: float = _opt(-0.5, "cosine reward: value for a short wrong answer")
-    cosine_max_len_value_wrong: float = _opt(0.0, "cosine reward: value for a long wrong answer")
-    cosine_min_len_value_correct: float = _opt(1.0, "cosine reward: value for a short correct answer")
-    cosine_max_len_value_correct: float = _opt(0.5, "cosine reward: value for a long correct answer")
-    cosine_max_len: int | None = _opt(None, "cosine reward: length scale (default max_completion_length)", ge=1)
-    repetition_n_grams: int = _opt(3, "repetition reward: n-gram size", ge=1)
-    repetition_max_penalty: float = _opt(-1.0, "repetition reward: most negative value", le=0)
-    soft_max_length: int | None = _opt(None, "soft_overlong reward: max length (default max_completion_length)", ge=1)
-    soft_cache_length: int | None = _opt(None, "soft_overlong reward: soft penalty window", ge=0)
-    code_exec_timeout: float = _opt(5.0, "code_exec reward: seconds per sample, across all its test cases", gt=0)
-    code_exec_memory_mb: int = _opt(512, "code_exec reward: memory limit per program", ge=1)
-    code_exec_workers: int = _opt(2, "code_exec reward: programs run in parallel", ge=1)
-    code_exec_isolation: str = _opt("bwrap", "code_exec reward: bwrap (each program in a bubblewrap sandbox with "
-                                             "seccomp; refuses to start without it) or none (UNSAFE: no isolation, "
-                                             "warned at every start)")
-    reward_timeout: float | None = _opt(None, "seconds one reward function may take on a batch (sync rewards then run "
-                                              "in a worker thread, async ones under asyncio's timeout); past it the "
-                                              "run stops with a reward error naming the function; unset: no limit "
-                                              "(a 'still running' line every 30 s either way)", gt=0)
 
 
 @dataclass

@@ -79,7 +79,8 @@ def check_registry_names(cfg: TrainConfig) -> None:
     validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
     validate_loss_config(loss_config(cfg))
     validate_entropy_quantile(a.top_entropy_quantile)
-    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold)
+    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold,
+                                a.use_rollout_logprobs)
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:

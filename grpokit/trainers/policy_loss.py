@@ -87,7 +87,8 @@ def policy_loss(
 
 def _trainer_side(old: torch.Tensor, logps: torch.Tensor, inputs: RolloutBatch) -> torch.Tensor:
     """The trainer's logps to hold against the engine's: the old logps, unless they are the engine's own
-    (--async_generate copies them in), then this forward's (one optimizer step newer than the sampler)."""
+    (--async_generate and --use_rollout_logprobs copy them in), then this forward's (at most a window newer than
+    the sampler's weights)."""
     engine = inputs.rollout_logps
     if inputs.old_logps is None or not torch.equal(old, torch.nan_to_num(engine.to(old.dtype), nan=0.0)):
         return old

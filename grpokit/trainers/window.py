@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
+from grpokit.errors import ConfigError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import gather_rows
@@ -81,6 +82,22 @@ def sample_rows(requests: list[RolloutInferRequest], outputs: list[RolloutOutput
             }
         )
     return rows
+
+
+def engine_old_logps(batch: RolloutBatch, *, required: bool) -> torch.Tensor | None:
+    """The engine's logprobs of the sampled tokens as the old (behaviour) policy's [N, C], when every trained
+    token has one; else None, or with ``required`` (--use_rollout_logprobs) a ConfigError saying how many lack one."""
+    lps, trained = batch.rollout_logps, batch.completion_mask.bool()
+    if lps is not None and not torch.isnan(lps[trained]).any():
+        return torch.nan_to_num(lps, nan=0.0)
+    if required:
+        missing = int(trained.sum()) if lps is None else int(torch.isnan(lps[trained]).sum())
+        raise ConfigError(
+            f"--use_rollout_logprobs true: the engine returned no logprob for {missing} of the {int(trained.sum())} "
+            "trained tokens of this window (a multi-turn scheduler that does not return rollout_logprobs, or a "
+            "_generate_completions override that drops them); return them, or set --use_rollout_logprobs false"
+        )
+    return None
 
 
 def advantage_stats(advantages: torch.Tensor) -> dict[str, float]:

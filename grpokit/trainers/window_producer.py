@@ -33,6 +33,7 @@ from grpokit.trainers.window import (
     Window,
     WindowRollout,
     advantage_stats,
+    engine_old_logps,
     sample_rows,
     window_metrics,
     window_num_items,
@@ -105,7 +106,8 @@ class WindowProducer:
             top_p=rollout_args.top_p, top_k=rollout_args.top_k, repetition_penalty=rollout_args.repetition_penalty,
             stop=list(rollout_args.stop_words),
             logprobs=bool(algorithm.rollout_importance_sampling_mode or rollout_args.async_generate
-                          or algorithm.off_policy_sequence_mask_delta is not None),  # the mask's behaviour policy
+                          or algorithm.use_rollout_logprobs  # the behaviour policy's, for the ratio or the mask
+                          or algorithm.off_policy_sequence_mask_delta is not None),
             structured_outputs_regex=rollout_args.structured_outputs_regex,
             structured_outputs_json=rollout_args.structured_outputs_json)
         self.support = sampler_support(rollout_args, algorithm, template)  # every batch's kept set (or None)
@@ -333,10 +335,9 @@ class WindowProducer:
         batch = collate(samples, self.template.pad_token_id, truncated, limit)
         batch.sampler_support = self.support  # old, reference and current logps over the sampler's kept set
         batch.weight_version = torch.tensor([-1 if (v := o.oldest_weight_version()) is None else v for o in outputs])
-        if r.async_generate and _complete(batch.rollout_logps, batch.completion_mask):
-            # generated one step ago: the engine's logprobs are the behaviour policy's; the live model no longer is
-            batch.old_logps = torch.nan_to_num(batch.rollout_logps, nan=0.0)
-        elif (first := self._old_logps_start(len(batch), skip_first_step)) is not None:
+        if r.async_generate or self.algorithm.use_rollout_logprobs:  # generated ahead, or taken as they are
+            batch.old_logps = engine_old_logps(batch, required=self.algorithm.use_rollout_logprobs)
+        if batch.old_logps is None and (first := self._old_logps_start(len(batch), skip_first_step)) is not None:
             batch.old_logps = self._batched_logps(self.models.model, batch, first)
         if self.algorithm.beta != 0:
             batch.ref_logps = self._ref_logps(batch)
@@ -379,11 +380,6 @@ def _trajectory_images(output: RolloutOutput, by_id: dict) -> list:
     if "images" in output.rollout_infos:
         return list(output.rollout_infos["images"] or [])
     return row_images(by_id[output.request_id].data_dict)
-
-
-def _complete(rollout_logps: torch.Tensor | None, mask: torch.Tensor) -> bool:
-    """Every trained token has an engine logprob."""
-    return rollout_logps is not None and not torch.isnan(rollout_logps[mask.bool()]).any()
 
 
 def _versions(output: RolloutOutput, start: int) -> list[list[int]]:
