@@ -1,8 +1,9 @@
 """Attention forward + backward at one shape: torch's scaled_dot_product_attention against eager attention.
 
-Eager is what ``--attn_impl eager`` runs: q·kᵀ scaled, the causal mask, softmax in float32, ·v. The shape
-defaults to one micro-batch of the demo (SmolLM2-135M: 9 heads of 64; 8 rows of about 60 tokens). Each variant
-runs warm-up calls, then the mean of ``--repeats`` calls; the variants alternate in one process.
+Eager is the arithmetic of transformers' eager attention (``--attn_impl eager``): q·kᵀ scaled, the causal
+mask, softmax in float32, ·v. The shape defaults to one micro-batch of the demo (SmolLM2-135M: 9 heads of 64;
+8 rows of about 60 tokens). Each variant runs warm-up calls, then the mean of ``--repeats`` calls; the variants
+alternate in one process.
 
     python bench/bench_attention.py --dtype bfloat16
     python bench/bench_attention.py --dtype float32 --tokens 512
