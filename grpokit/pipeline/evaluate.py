@@ -15,6 +15,7 @@ from grpokit.algorithms.pass_at_k import ks_up_to
 from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
+from grpokit.trainers.outputs import jsonl_line
 
 
 def _settings(args) -> EvalSettings:
@@ -108,7 +109,7 @@ def score_and_report(engine, template, rows: list[dict], runner, args, model: st
         with open(args.output, "w") as f:
             f.write(json.dumps({"model": model, "dataset": args.dataset, **result.metrics}) + "\n")
             for row in [*result.rows, *result.sampled_rows]:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(jsonl_line(row))
         if settings.num_generations:
             print(f"wrote {args.output}", flush=True)
     return result

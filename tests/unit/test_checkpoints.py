@@ -391,6 +391,20 @@ def test_torn_last_log_line_is_dropped_and_a_bad_middle_line_named(tmp_path):
         log.truncate_after(2)
 
 
+def test_a_row_holding_unicode_line_separators_stays_one_line(tmp_path):
+    # a tiny random model's byte-level BPE writes U+0085 now and then; json.dumps leaves it raw, and
+    # str.splitlines() (the way most scripts read a JSON-lines file) then cut the row in two
+    text = "a\x85b\u2028c\u2029d é\nend"
+    path = tmp_path / "completions.jsonl"
+    log = JsonlLog(path)
+    log.write({"step": 1, "completion": text})
+    log.write({"step": 2, "completion": "plain"})
+    log.close()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["completion"] for line in lines] == [text, "plain"]
+    assert "é" in lines[0]  # text outside ASCII stays readable, only the three separators are escaped
+
+
 @pytest.mark.parametrize(
     "value, want", [(3e-7, 3e-7), (0.123456789, 0.123457), (1234567.0, 1234570.0), (-2.5e-12, -2.5e-12), (0.0, 0.0)]
 )
