@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from collections import defaultdict
@@ -153,15 +152,13 @@ class JsonlLog:
 
 # characters that json.dumps(ensure_ascii=False) leaves raw but str.splitlines() (and so many JSONL readers)
 # takes for a line end; a model writes them (the byte-level BPE of a tiny random model does, from time to time)
-_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-_LINE_BREAKS_RE = re.compile("[\x85\u2028\u2029]")
+_ESCAPE_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def jsonl_line(row: dict, default: Callable[[Any], Any] | None = None) -> str:
     """One JSON-lines row, text kept readable (not ``\\u`` escaped), ending in its only line break. Outside ASCII
     only U+0085, U+2028 and U+2029 are escaped: left raw, ``str.splitlines()`` splits the row in two."""
-    text = json.dumps(row, ensure_ascii=False, default=default)
-    return _LINE_BREAKS_RE.sub(lambda m: _LINE_BREAKS[m.group()], text) + "\n"
+    return json.dumps(row, ensure_ascii=False, default=default).translate(_ESCAPE_LINE_BREAKS) + "\n"
 
 
 def _parse_row(line: bytes) -> dict | None:
