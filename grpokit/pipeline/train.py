@@ -29,6 +29,7 @@ from grpokit.agents.verifiers_env import (
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.resolve import resolve
+from grpokit.config.teacher_args import teacher_specs
 from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
@@ -64,7 +65,8 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bo
     """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns.
     ``env_reward``: the scheduler's gym reward is a reward, so no function is needed by default."""
 
-    default = [] if (cfg.reward.reward_model or env_reward) else ["accuracy"]
+    teacher = teacher_specs(cfg.teacher, cfg.model.model, cfg.model.tuner_type == "lora")  # pure distillation
+    default = [] if (cfg.reward.reward_model or env_reward or teacher) else ["accuracy"]
     names = list(cfg.reward.reward_funcs or default)
     options = cfg.flat()
     funcs = build_reward_funcs(names, options, tokenizer)
