@@ -67,10 +67,37 @@ def _train(model: Path, data: Path, out: Path, extra: list[str]) -> list[dict]:
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    args = ["--model", str(model), "--dataset", str(data), "--output_dir", str(out), "--num_generations", "4",
-            "--per_device_train_batch_size", "4", "--max_completion_length", "8", "--max_steps", "2",
-            "--learning_rate", "1e-3", "--torch_dtype", "float32", "--beta", "0", "--disable_tqdm", "true",
-            "--plots", "false", "--save_final_model", "false", "--seed", "1", *extra]
+    args = [
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--torch_dtype",
+        "float32",
+        "--beta",
+        "0",
+        "--disable_tqdm",
+        "true",
+        "--plots",
+        "false",
+        "--save_final_model",
+        "false",
+        "--seed",
+        "1",
+        *extra,
+    ]
     run_train(parse_train_args(args))
     return [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
 
@@ -83,11 +110,24 @@ CASES = {
     "in_process": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
     "server": lambda t, s, url: ["--teacher_model_server", url, "--reward_funcs", "accuracy"],
     "two_teachers_by_tag": lambda t, s, url: [
-        "--teacher_model", json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}]),
-        "--reward_funcs", "accuracy", "--per_device_train_batch_size", "8", "--dataset_shuffle", "false"],
+        "--teacher_model",
+        json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}]),
+        "--reward_funcs",
+        "accuracy",
+        "--per_device_train_batch_size",
+        "8",
+        "--dataset_shuffle",
+        "false",
+    ],
     "teacher_prompt": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
-    "lora_base_as_teacher": lambda t, s, url: ["--tuner_type", "lora", "--teacher_model", str(s),
-                                               "--reward_funcs", "accuracy", "--per_device_train_batch_size", "8", "--dataset_shuffle", "false"],
+    "lora_base_as_teacher": lambda t, s, url: [
+        "--tuner_type",
+        "lora",
+        "--teacher_model",
+        str(s),
+        "--reward_funcs",
+        "accuracy",
+    ],
     "pure_distillation": lambda t, s, url: ["--teacher_model", str(t)],
 }
 
