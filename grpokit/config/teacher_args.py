@@ -123,6 +123,14 @@ def check_teacher_options(cfg) -> None:
     specs = teacher_specs(cfg.teacher, cfg.model.model, cfg.model.tuner_type == "lora")
     if not specs:
         return
+    for spec in specs:
+        if spec.kind == "server" and not spec.source.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"--teacher_model_server {spec.source}: not an http(s) URL; give the teacher server's "
+                "base URL, e.g. http://127.0.0.1:8000"
+            )
+        if spec.kind == "model" and not os.path.isdir(spec.source):
+            raise ConfigError(f"--teacher_model {spec.source}: no such folder; give a local Hugging Face model folder")
     a, w = cfg.algorithm, cfg.reward
     if a.loss_type in ("real", "luspo"):
         raise ConfigError(
