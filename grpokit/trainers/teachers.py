@@ -23,7 +23,7 @@ from grpokit.algorithms.distill import distill_advantages, teacher_kl_per_token
 from grpokit.config.teacher_args import TEACHER_PROMPT, TeacherSpec, teacher_specs
 from grpokit.engines.teacher_client import TeacherServer
 from grpokit.errors import ConfigError, DataError
-from grpokit.modeling import load_causal_lm, torch_dtype
+from grpokit.modeling import load_trained, torch_dtype
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.distributed import gather_rows
 
@@ -86,7 +86,7 @@ class Teachers:
         if spec.kind == "base":
             return Teacher(spec, model=model)
         dtype = torch_dtype(cfg.model.torch_dtype, for_training_weights=False)
-        teacher = load_causal_lm(spec.source, dtype, trust_remote_code=cfg.model.trust_remote_code)
+        teacher = load_trained(spec.source, dtype, trust_remote_code=cfg.model.trust_remote_code)  # or an adapter
         vocab = teacher.get_output_embeddings().weight.shape[0]
         if len(template.tokenizer) > vocab:
             raise ConfigError(
