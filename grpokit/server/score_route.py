@@ -61,8 +61,6 @@ def add_score_route(app: FastAPI, state) -> None:
                 "teacher with `grpokit rollout --engine transformers`",
             )
         _check_bounds(body, engine, state.options.max_batch_requests)
-        if body.temperature <= 0:
-            raise HTTPException(422, "temperature must be > 0 to score tokens (the rollout's sampling temperature)")
 
         def run() -> list[list[float]]:
             with engine.lock:
@@ -90,7 +88,8 @@ def _check_bounds(body: ScoreBody, engine, max_rows: int) -> None:
 def score(model, pad_id: int, body: ScoreBody) -> list[list[float]]:
     """The completion tokens' logprobs, ``ROWS_PER_FORWARD`` sequences per forward."""
     s = body.support
-    support = None if s is None else SamplerSupport(s.top_k, s.top_p, s.min_p, tuple(s.blocked))
+    vocab = model.get_output_embeddings().weight.shape[0]  # a top-k past the vocabulary keeps all of it
+    support = None if s is None else SamplerSupport(min(s.top_k, vocab), s.top_p, s.min_p, tuple(s.blocked))
     support = support if support is not None and support.truncates else None
     opts = ForwardOptions(temperature=body.temperature, chunk_size=0, padding_free=False, share_prompts=False)
     device = next(model.parameters()).device
