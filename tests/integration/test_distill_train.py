@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_server_deadlines import serve  # noqa: E402 (uvicorn in a thread, one module-scoped server)
+from tiny_runs import tiny_run  # noqa: E402
 
 from grpokit.modeling import load_causal_lm  # noqa: E402
 
@@ -63,45 +64,6 @@ def rows_jsonl(tmp_path_factory) -> Path:
     return path
 
 
-def _train(model: Path, data: Path, out: Path, extra: list[str]) -> list[dict]:
-    from grpokit.config.parse import parse_train_args
-    from grpokit.pipeline.train import run_train
-
-    args = [
-        "--model",
-        str(model),
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--beta",
-        "0",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--seed",
-        "1",
-        *extra,
-    ]
-    run_train(parse_train_args(args))
-    return [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-
-
 def _metric(rows: list[dict], key: str) -> list[float]:
     return [r[k] for r in rows for k in (key, f"train/{key}") if k in r]
 
@@ -139,7 +101,7 @@ def test_distillation_runs_log_teacher_kl(case, teacher_dir, teacher_url, tiny_m
         data = tmp_path / "rows.jsonl"
         rows = [json.loads(x) for x in rows_jsonl.read_text().splitlines()]
         data.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "teacher_prompt"}) + "\n" for r in rows))
-    logged = _train(tiny_model_dir, data, tmp_path / "out", CASES[case](teacher_dir, tiny_model_dir, teacher_url))
+    _, logged = tiny_run(tiny_model_dir, data, tmp_path / "out", *CASES[case](teacher_dir, tiny_model_dir, teacher_url))
     kl = _metric(logged, "teacher_kl")
     assert len(kl) == 2 and all(math.isfinite(x) and x >= 0 for x in kl), logged
     if case == "lora_base_as_teacher":  # LoRA's B starts at 0: the base is the student at the first rollout
