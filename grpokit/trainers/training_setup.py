@@ -66,7 +66,8 @@ def setup_training(
     template: ChatTemplate | None = None,
 ) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
-    (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
+    (or wrapped by grpokit: --fsdp, --deepspeed), the reference model where the KL term needs one, and the
+    teachers of on-policy distillation (trainers/teachers.py), if any.
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
     needs no whole copy for the in-process engine. ``owner``: the trainer being built, handed to an
     ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point). ``template``: the
