@@ -147,3 +147,18 @@ def warn_if_not_causal_lm(path: str) -> bool:
         ", ".join(map(str, archs)),
     )
     return True
+
+
+def load_trained(path: str, dtype, trust_remote_code: bool = False):
+    """A trained folder as a causal LM: a full model, or a LoRA adapter folder (adapter_config.json, what a LoRA
+    run's final_model holds) merged into its base, which must be on this machine."""
+    p = Path(path)
+    if not (p / "adapter_config.json").is_file():
+        return load_causal_lm(str(p), dtype, trust_remote_code=trust_remote_code)
+    from peft import PeftModel  # optional heavy import: only adapter folders need it
+
+    base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_path or not Path(base_path).exists():
+        raise ConfigError(f"{path}: LoRA adapter whose base model {base_path!r} is not on this machine")
+    base = load_causal_lm(base_path, dtype, trust_remote_code=trust_remote_code)
+    return PeftModel.from_pretrained(base, str(p)).merge_and_unload()

@@ -82,7 +82,7 @@ class LossConfig:
 class LossInputs:
     logps: Tensor  # [B, T] current policy (requires grad)
     old_logps: Tensor  # [B, T] policy at rollout time (detached)
-    advantages: Tensor  # [B]
+    advantages: Tensor  # [B], or [B, T] per token (a teacher's term: algorithms/distill.py)
     mask: Tensor  # [B, T] 1 = trained token (completion mask, with overlong filter applied)
     ref_logps: Tensor | None = None  # [B, T] when beta != 0
     rollout_is_weights: Tensor | None = None  # [B, T] detached, multiplies the policy term (vespo: joins its W)
@@ -254,7 +254,8 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
     old = torch.where(keep, inp.old_logps.detach().to(dtype), 0.0)
     log_ratio = logps - old  # [B, T]
     ratio = torch.exp(log_weights(log_ratio, logps, mask))  # [B, T] or [B, 1]
-    adv = inp.advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+    adv = inp.advantages.detach().to(dtype)
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else torch.where(keep, adv, 0.0)  # [B, 1] or per token [B, T]
     rollout_w = None if inp.rollout_is_weights is None else inp.rollout_is_weights.detach().to(dtype)  # [B, T]
 
     out = token_loss(PolicyTerms(ratio, logps, log_ratio, adv, mask, rollout_w), cfg)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from grpokit.config.fields import opt as _opt
 from grpokit.config.reward_args import RewardArguments  # one slice, kept in its own module
+from grpokit.config.teacher_args import TeacherArguments  # one slice, kept in its own module
 from grpokit.protocol import (
     MAX_N,
     MAX_REPETITION_PENALTY,
@@ -353,7 +354,7 @@ class TrainingArguments:
 
 
 ALL_GROUPS = (ModelArguments, DataArguments, RolloutArguments, AlgorithmArguments, RewardArguments,
-              TrainingArguments)
+              TrainingArguments, TeacherArguments)
 
 
 @dataclass
@@ -366,12 +367,13 @@ class TrainConfig:
     algorithm: AlgorithmArguments
     reward: RewardArguments
     training: TrainingArguments
+    teacher: TeacherArguments = field(default_factory=TeacherArguments)  # on-policy distillation
     # ms-swift options given that grpokit warns about or refuses (config/swift_options.py): name -> value
     swift_options: dict = field(default_factory=dict)
 
     def flat(self) -> dict:
         """All options in one dict (args.json; reward constructors pick their kwargs from it by name)."""
         out: dict = {}
-        for part in (self.model, self.data, self.rollout, self.algorithm, self.reward, self.training):
+        for part in (self.model, self.data, self.rollout, self.algorithm, self.reward, self.training, self.teacher):
             out.update(asdict(part))
         return out

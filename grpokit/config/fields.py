@@ -187,7 +187,7 @@ def check_value(name: str, field: dataclasses.Field, kind: Kind, value) -> None:
 
 def check_fields(cfg) -> None:
     """Every option of ``cfg`` (a TrainConfig) against its field: type, finiteness, bounds, choices."""
-    for part in (cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.reward, cfg.training):
+    for part in (cfg.model, cfg.data, cfg.rollout, cfg.algorithm, cfg.reward, cfg.training, cfg.teacher):
         for name, (field, kind) in _group_fields(type(part)).items():
             check_value(name, field, kind, getattr(part, name))
 

@@ -61,7 +61,7 @@ _warn(
 _warn(
     "an option of DPO/KTO/CPO/SimPO/ORPO/RM/GKD training (swift rlhf's other --rlhf_type values), not of GRPO",
     "label_smoothing rpo_alpha ld_alpha discopop_tau loss_weights cpo_alpha simpo_gamma desirable_weight "
-    "undesirable_weight center_rewards_coefficient sft_alpha lmbda seq_kd gkd_logits_topk teacher_tag_key "
+    "undesirable_weight center_rewards_coefficient sft_alpha lmbda seq_kd gkd_logits_topk "
     "ref_adapters",
 )
 _warn(
@@ -90,11 +90,11 @@ _warn(
 )
 _warn(
     "a setting of an algorithm grpokit does not have: RLSD (--advantage_reweight), "
-    "SDAR (--sdar_loss_coef), --loss_type fipo, or a teacher model; those are refused, so this one has "
+    "SDAR (--sdar_loss_coef) or --loss_type fipo; those are refused, so this one has "
     "nothing to act on",
     "rlsd_lambda rlsd_reweight_clip_range "
     "rlsd_lambda_warmup_steps rlsd_lambda_decay_steps rlsd_negative_only sdar_gate_beta fipo_decay_rate "
-    "fipo_clip_range fipo_clip_high_only fipo_safety_threshold teacher_kl_coef",
+    "fipo_clip_range fipo_clip_high_only fipo_safety_threshold",
 )
 _warn(
     "acts only with --packing, --streaming or --interleave_prob, which grpokit refuses",

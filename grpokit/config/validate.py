@@ -40,6 +40,7 @@ from grpokit.config.fields import check_fields
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
 from grpokit.config.resolve import OPTIM_NAMES
 from grpokit.config.swift_options import check_swift_options, is_rank0
+from grpokit.config.teacher_args import check_teacher_options
 from grpokit.engines.structured import check_structured_options
 from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
@@ -59,6 +60,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_ref_sync(cfg)
     _real_loss_rules(cfg)
     check_chord_options(cfg)
+    check_teacher_options(cfg)  # on-policy distillation (config/teacher_args.py)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
     _check_rewards(cfg)

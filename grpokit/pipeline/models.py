@@ -5,6 +5,7 @@ tokenizer must cover the model's vocabulary, and prompt + completion must fit in
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from grpokit.config.args import ModelArguments
 from grpokit.config.validate import json_object
 from grpokit.data.hub import hub_unreachable_reason
 from grpokit.errors import ConfigError
-from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
+from grpokit.modeling import load_causal_lm, load_tokenizer, load_trained, torch_dtype
 from grpokit.pipeline.default_model import ensure_default_model
 from grpokit.pipeline.vlm_parts import freeze_vlm_parts, load_vlm, vlm_targets
 from grpokit.template.processor import is_vlm_folder, load_processor
@@ -231,17 +232,7 @@ def load_for_inference(path: str, torch_dtype_name: str = "auto"):
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--model {path}: no such folder")
-    dtype = torch_dtype(torch_dtype_name, for_training_weights=False)
-    if (p / "adapter_config.json").is_file():
-        import json
-
-        from peft import PeftModel
-
-        base_path = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base_path or not Path(base_path).exists():
-            raise ConfigError(f"--model {path}: LoRA adapter whose base model {base_path!r} is not on this machine")
-        base = load_causal_lm(base_path, dtype)
-        model = PeftModel.from_pretrained(base, str(p)).merge_and_unload()
-        tok_path = str(p) if (p / "tokenizer_config.json").is_file() else base_path
-        return model, load_tokenizer(tok_path)
-    return load_causal_lm(str(p), dtype), load_tokenizer(str(p))
+    model = load_trained(path, torch_dtype(torch_dtype_name, for_training_weights=False))
+    adapter = (p / "adapter_config.json").is_file() and not (p / "tokenizer_config.json").is_file()
+    tok_path = json.loads((p / "adapter_config.json").read_text())["base_model_name_or_path"] if adapter else str(p)
+    return model, load_tokenizer(tok_path)

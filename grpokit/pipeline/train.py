@@ -29,6 +29,7 @@ from grpokit.agents.verifiers_env import (
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan
 from grpokit.config.resolve import resolve
+from grpokit.config.teacher_args import TEACHER_PROMPT, teacher_specs
 from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
@@ -36,6 +37,7 @@ from grpokit.engines.client import RolloutClient
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.engines.vllm_partial import PausableVllmEngine
+from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
 from grpokit.pipeline.vlm_parts import check_model_takes_images
@@ -64,7 +66,12 @@ def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bo
     """Reward functions, then reward models (each through its rm_plugin); checked against dataset columns.
     ``env_reward``: the scheduler's gym reward is a reward, so no function is needed by default."""
 
-    default = [] if (cfg.reward.reward_model or env_reward) else ["accuracy"]
+    teacher = teacher_specs(cfg.teacher, cfg.model.model, cfg.model.tuner_type == "lora")  # pure distillation
+    if TEACHER_PROMPT in columns and not teacher:  # ms-swift: the current policy as its own teacher
+        raise ConfigError(f"the dataset has a {TEACHER_PROMPT} column but no --teacher_model/--teacher_model_server; "
+                          "self-distillation with the current policy as teacher is not implemented: name a teacher "
+                          "(the --model folder itself is a frozen copy of the start) or drop the column")
+    default = [] if (cfg.reward.reward_model or env_reward or teacher) else ["accuracy"]
     names = list(cfg.reward.reward_funcs or default)
     options = cfg.flat()
     funcs = build_reward_funcs(names, options, tokenizer)

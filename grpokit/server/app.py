@@ -30,6 +30,7 @@ from grpokit.server.guard import GuardMiddleware, GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
+from grpokit.server.score_route import add_score_route
 from grpokit.server.state import ServerState
 from grpokit.server.weight_sync import RendezvousBusy, check_held
 from grpokit.template.processor import is_vlm_folder
@@ -70,6 +71,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
             ),
         )
     _add_check_route(app, state)
+    add_score_route(app, state)  # a distillation teacher's scores (server/score_route.py)
     return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
 
 

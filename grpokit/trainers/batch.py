@@ -29,7 +29,7 @@ class RolloutBatch:
     position_ids: torch.Tensor  # [N, P+C]
     completion_mask: torch.Tensor  # [N, C] float, 1 = trained token
     truncated: torch.Tensor  # [N] bool, completion hit the length limit
-    advantages: torch.Tensor | None = None  # [N]
+    advantages: torch.Tensor | None = None  # [N], or [N, C] per token with a teacher (algorithms/distill.py)
     old_logps: torch.Tensor | None = None  # [N, C]
     ref_logps: torch.Tensor | None = None  # [N, C]
     rollout_logps: torch.Tensor | None = None  # [N, C] engine logprobs (NaN where missing)
@@ -202,9 +202,9 @@ class RolloutBatch:
             position_ids=self.position_ids[:, cols],
             completion_mask=self.completion_mask[:, :keep_c],
         )
-        for name in ("old_logps", "ref_logps", "rollout_logps"):
+        for name in ("old_logps", "ref_logps", "rollout_logps", "advantages"):
             v = getattr(out, name)
-            if v is not None:
+            if v is not None and v.dim() == 2:  # advantages are [N] or, with a teacher, per token [N, C]
                 setattr(out, name, v[:, :keep_c])
         return out
 

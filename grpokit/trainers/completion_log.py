@@ -52,7 +52,10 @@ def completion_log_rows(
 ) -> list[dict]:
     """This process's rows of one step: ``batch`` holds the encoded rows (advantages set), ``rewards`` [N] the
     weighted sums of these rows."""
-    rows = completion_rows(requests, outputs, rewards_per_func, batch.advantages, reward_names, step)
+    adv, mask = batch.advantages, batch.completion_mask
+    if adv.dim() == 2:  # a teacher's per-token advantages: their mean over the completion
+        adv = (adv * mask).sum(1) / mask.sum(1).clamp(min=1)
+    rows = completion_rows(requests, outputs, rewards_per_func, adv, reward_names, step)
     by_id = {r.request_id: r for r in requests}
     for i, (row, o) in enumerate(zip(rows, outputs, strict=True)):
         finish = o.response.choices[0].finish_reason if o.response.choices else None

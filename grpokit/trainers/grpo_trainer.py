@@ -63,8 +63,7 @@ class GRPOTrainer:
         # template, plan: built once by the pipeline's set-up; made here for a trainer built in code
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, plan or batch_plan(cfg), loss_config(cfg)
         self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
-        self._num_prompts = len(train_dataset)
-        self.state = TrainerState()
+        self._num_prompts, self.state = len(train_dataset), TrainerState()
         # the seed's names (ms-swift's meanings), read by ported trainer code
         self.temperature, self.num_generations = cfg.rollout.temperature, cfg.rollout.num_generations
         self.beta, self.loss_type = self.loss_cfg.beta, self.loss_cfg.loss_type
@@ -87,7 +86,7 @@ class GRPOTrainer:
             self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
                                              self.accelerator.device, self.accelerator.is_main_process)
             rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler,
-                                    timeout=cfg.reward.reward_timeout)
+                                    timeout=cfg.reward.reward_timeout, distill=parts.teachers is not None)
             self.reward_names, self.reward_runner = rewards.names, rewards.runner
             prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
                                            cfg.data.dataset_shuffle, self.accelerator, cfg.rollout.stream_groups)
@@ -96,7 +95,8 @@ class GRPOTrainer:
             self._producer = WindowProducer(
                 hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
                 rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
-                models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size),
+                models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size,
+                              parts.teachers),  # teachers: on-policy distillation (trainers/teachers.py)
                 plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
             self._async = buffer_for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness, --stream_groups
             self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss

@@ -21,6 +21,7 @@ from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.trainers.teachers import Teachers
 from grpokit.trainers.window_producer import Rewards
 from grpokit.trainers.zero import (
     EngineStep,
@@ -50,6 +51,7 @@ class TrainingParts:
     template: ChatTemplate
     generation_model: Any = None  # --fsdp: a whole copy of the policy for the in-process engine (sharding.py)
     process_group: ProcessGroupLease = field(default_factory=ProcessGroupLease)  # formed for this run, if one was
+    teachers: Teachers | None = None  # on-policy distillation (--teacher_model, --teacher_model_server)
 
 
 def setup_training(
@@ -64,7 +66,8 @@ def setup_training(
     template: ChatTemplate | None = None,
 ) -> TrainingParts:
     """The accelerator (seeded, checked), then the model, optimizer and learning-rate schedule prepared by it
-    (or wrapped by grpokit: --fsdp, --deepspeed), and the reference model where the KL term needs one.
+    (or wrapped by grpokit: --fsdp, --deepspeed), the reference model where the KL term needs one, and the
+    teachers of on-policy distillation (trainers/teachers.py), if any.
     ``engine_given``: an engine with weights of its own (vLLM, a rollout server) generates, so a sharded policy
     needs no whole copy for the in-process engine. ``owner``: the trainer being built, handed to an
     ``OptimizerCallback`` (``trainer.model`` is the model before any wrapper at that point). ``template``: the
@@ -120,10 +123,12 @@ def _prepared(
     # DeepSpeed clips inside the engine's step (gradient_clipping in its config): the loop gets no parameters to clip
     trainable = [] if ds_config else [p for p in prepared.parameters() if p.requires_grad]
     template = template or PromptOptions.from_args(cfg.data, cfg.rollout).template(tokenizer)
+    policy = accelerator.unwrap_model(prepared)
+    teachers = Teachers.build(cfg, accelerator, prepared, policy, template)
     return TrainingParts(
         accelerator,
         prepared,
-        accelerator.unwrap_model(prepared),
+        policy,
         optimizer,
         scheduler,
         ref,
@@ -132,6 +137,7 @@ def _prepared(
         template,
         whole,
         lease,
+        teachers,
     )
 
 
@@ -256,9 +262,10 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     return engine, scheduler
 
 
-def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None) -> Rewards:
+def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None, distill: bool = False) -> Rewards:
     """One name and weight per reward column; the scheduler's gym reward, if it gives one, is the last.
-    ``timeout``: --reward_timeout, seconds one reward function may take on a batch."""
+    ``timeout``: --reward_timeout, seconds one reward function may take on a batch. ``distill``: a teacher is set,
+    so no reward at all is pure on-policy distillation (the advantages are the teacher's term alone)."""
     funcs = list(funcs or [])
     names = list(names or [getattr(f, "__name__", type(f).__name__) for f in funcs])
     uses_env_reward = bool(getattr(scheduler, "uses_env_reward", False))
@@ -271,7 +278,7 @@ def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None
         raise ConfigError(
             f"{len(w)} reward weight(s) for {len(names)} reward(s) ({', '.join(names)}); give one weight each"
         )
-    if not names:
-        raise ConfigError("no reward: pass --reward_funcs NAME (e.g. accuracy) or --reward_model PATH")
+    if not names and not distill:
+        raise ConfigError("no reward: pass --reward_funcs NAME (e.g. accuracy), --reward_model PATH or a teacher")
     runner = RewardRunner(funcs, names[: len(funcs)], timeout=timeout) if funcs else None
     return Rewards(names, torch.tensor(w, dtype=torch.float32), runner, uses_env_reward)

@@ -62,6 +62,7 @@ class Models:
     policy: Any
     ref_model: Any
     micro_batch_size: int
+    teachers: Any = None  # trainers/teachers.py's Teachers: on-policy distillation, None without a teacher
 
 
 @dataclass
@@ -221,6 +222,8 @@ class WindowProducer:
             adv_metrics = {**est.metrics, **advantage_stats(advantages)}
         start = row_offset(self.accelerator, len(outputs))
         batch.advantages = advantages[start:start + len(outputs)].float()
+        if self.models.teachers is not None:  # after group normalisation: + c·(teacher − old) per token (distill.py)
+            batch.advantages, adv_metrics = self.models.teachers.apply(batch, rows, self._batched_logps, adv_metrics)
         rewards = est.rewards
         num_items = window_num_items(
             batch.completion_mask, batch.truncated, loss_type=a.loss_type, overlong_filter=a.overlong_filter,
@@ -348,8 +351,9 @@ class WindowProducer:
         once per rollout, but in one pass the first optimizer step's rows meet the window's own policy: their old
         logps are the loss forward's, detached (left NaN here; Window.micro_batches then gives those none)."""
         a, spg, gas = self.algorithm, self.plan.steps_per_generation, self.plan.gradient_accumulation_steps
-        if (a.kl_in_reward and a.beta != 0) or self.rollout_args.async_generate or a.num_iterations > 1:
-            return 0  # the penalty reads every row's; the engine's are copied in; a second pass drifts
+        if ((a.kl_in_reward and a.beta != 0) or self.rollout_args.async_generate or a.num_iterations > 1
+                or self.models.teachers is not None):
+            return 0  # the penalty and a teacher read every row's; the engine's are copied in; a second pass drifts
         if spg <= gas:
             return None
         return gas * (rows // spg) if skip_first_step else 0

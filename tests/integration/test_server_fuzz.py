@@ -120,6 +120,7 @@ ROUTES = [
     ("POST", "/update_weights/"),
     ("POST", "/close_communicator/"),
     ("POST", "/reset_prefix_cache/"),
+    ("POST", "/score_tokens/"),
     ("GET", "/v1/models"),
     ("POST", "/v1/chat/completions"),
 ]

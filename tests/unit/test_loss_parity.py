@@ -1,4 +1,5 @@
-"""compute_policy_loss against plain-torch transcriptions of TRL's GRPOTrainer._compute_loss (float64, 1e-6).
+"""compute_policy_loss against plain-torch transcriptions of TRL's GRPOTrainer._compute_loss (float64, 1e-6), and
+the teacher's per-token advantage (algorithms/distill.py) against ms-swift's OPD-RL formula.
 
 Each ``trl_*`` function below restates, in its own few lines, the formula TRL's ``_compute_loss`` computes for
 one loss type (trl/trainer/grpo_trainer.py); none of it calls grpokit. The batch has padding, mixed-sign
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from grpokit.algorithms import LossConfig, LossInputs, compute_policy_loss
+from grpokit.algorithms.distill import distill_advantages
 
 B, T, MAX_LEN = 4, 5, 6
 TOL = {"atol": 1e-6, "rtol": 1e-6}
@@ -198,3 +200,41 @@ def test_vespo_matches_trl_with_token_rollout_weights(k, lam):
     want, want_grad = reference_grad(trl_vespo, d, beta=0.0, entropy=False, is_ratio=trl_w, k=k, lam=lam)
     torch.testing.assert_close(out.loss, want, **TOL)
     torch.testing.assert_close(grad, want_grad, **TOL)
+
+
+# ms-swift's expand_advantage_to_per_token / compute_teacher_kl_per_token, restated in our own words (no
+# ms-swift code runs here): the base advantage broadcast over the completion frame, plus coef × the masked
+# teacher-minus-old-student log-ratio; the k3 gauge masks the ratio before exp, then sums over the mask / count.
+def swift_per_token_advantage(adv, teacher, old, mask, coef):
+    signed = (teacher - old).masked_fill(~mask.bool(), 0.0)
+    return adv.unsqueeze(1).expand_as(mask).clone() + coef * signed
+
+
+def swift_teacher_kl(teacher, old, mask):
+    d = (teacher - old).masked_fill(~mask.bool(), 0.0)
+    k3 = torch.exp(d) - d - 1
+    return (k3.sum() / mask.sum().clamp(min=1.0)).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("coef", [1.0, 0.3])
+def test_teacher_advantage_matches_ms_swift(seed, coef):
+    d = make_batch(seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    teacher = d["old"] + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 4  # log-ratios in ±2
+    out = distill_advantages(d["adv"], teacher, d["old"], d["mask"], coef)
+    want = swift_per_token_advantage(d["adv"], teacher, d["old"], d["mask"], coef)
+    torch.testing.assert_close(out.advantages, want, **TOL)
+    assert out.metrics["teacher_kl"] == pytest.approx(swift_teacher_kl(teacher, d["old"], d["mask"]), abs=1e-6)
+    # and through the loss: ms-swift's clipped objective takes the [B, T] advantages as they are
+    got, grad = grpokit_loss({**d, "adv": out.advantages}, LossConfig(loss_type="grpo", beta=0.0))
+    want_loss, want_grad = reference_grad(swift_ppo_clip_per_token, {**d, "adv": want})
+    torch.testing.assert_close(got.loss, want_loss, **TOL)
+    torch.testing.assert_close(grad, want_grad, **TOL)
+
+
+def swift_ppo_clip_per_token(d, eps=0.2):
+    """−min(r·A_t, clip(r)·A_t) with per-token advantages [B, T], then the grpo aggregation."""
+    r = torch.exp(d["logps"] - d["old"])
+    policy = -torch.minimum(r * d["adv"], torch.clamp(r, 1 - eps, 1 + eps) * d["adv"])
+    return trl_normalise(policy, d["mask"], "grpo", None)
