@@ -49,9 +49,10 @@ from grpokit.template.prompts import check_data_options
 logger = logging.getLogger(__name__)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError naming the option, its value and the fix, for the first problem found. ms-swift's options
-    that grpokit warns about get their one line each here, on rank 0. ``cfg`` is not changed."""
+def validate(cfg: TrainConfig, supplied_rewards: int = 0) -> None:
+    """Raise ConfigError naming the option, its value and the fix, for the first problem found (ms-swift's options
+    warned about: one line each, rank 0). ``cfg`` is not changed. ``supplied_rewards``: reward callables given
+    besides ``--reward_funcs`` (TRL's ``reward_funcs``), counted by ``--reward_weights``."""
     check_fields(cfg)
     check_swift_options(cfg.swift_options, log=logger.warning)
     _check_swift_names(cfg)
@@ -61,7 +62,7 @@ def validate(cfg: TrainConfig) -> None:
     check_chord_options(cfg)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
-    _check_rewards(cfg)
+    _check_rewards(cfg, supplied_rewards)
     _check_paths(cfg)
     check_context(cfg)
     _check_sampling(cfg)
@@ -97,7 +98,8 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
                       vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                       vespo_lambda_neg=a.vespo_lambda_neg,
                       rollout_importance_sampling_mode=a.rollout_importance_sampling_mode,
-                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations)
+                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations,
+                      kl_bias_correction=a.kl_bias_correction)
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
@@ -305,12 +307,12 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
                           f"partition the weights and optimizer state themselves); drop it and use {instead}")
 
 
-def _check_rewards(cfg: TrainConfig) -> None:
+def _check_rewards(cfg: TrainConfig, supplied: int = 0) -> None:
     r, w = cfg.rollout, cfg.reward
     gym = r.multi_turn_scheduler in ("gym_scheduler", "OpenEnvScheduler", "openenv_scheduler")
     if w.reward_weights:
-        funcs = w.reward_funcs or ([] if (w.reward_model or gym) else ["accuracy"])
-        n = len(funcs) + len(w.reward_model) + int(gym)
+        funcs = w.reward_funcs or ([] if (w.reward_model or gym or supplied) else ["accuracy"])
+        n = len(funcs) + supplied + len(w.reward_model) + int(gym)
         if len(w.reward_weights) != n:
             order = "functions first, then models" + (", then gym_reward" if gym else "")
             raise ConfigError(f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "

@@ -123,8 +123,9 @@ def seeded_weights(seed: int):
         yield
 
 
-def load_policy(margs: ModelArguments, beta: float, log=print):
-    """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref."""
+def load_policy(margs: ModelArguments, beta: float, log=print, peft_config=None):
+    """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref.
+    ``peft_config``: a peft ``LoraConfig`` to apply as given, instead of one made from the --lora_* options."""
     path = resolve_model_path(margs, log=log)
     check_model_source(path)
     if margs.ref_model and beta != 0:
@@ -149,7 +150,7 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
         tokenizer = load_processor(path, tokenizer)
         freeze_vlm_parts(model, margs)
     if lora:
-        model = apply_lora(model, margs, vlm_targets(model, margs) if vlm else None)
+        model = apply_lora(model, margs, vlm_targets(model, margs) if vlm else None, peft_config)
     else:
         freeze_parameters(model, margs)
     ref = None
@@ -164,9 +165,14 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
     return model, tokenizer, ref
 
 
-def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None):
+def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None, peft_config=None):
     from peft import LoraConfig, get_peft_model
 
+    if peft_config is not None:  # the caller's own LoraConfig (TRL's peft_config), applied as given
+        try:
+            return get_peft_model(model, peft_config)
+        except ValueError as e:
+            raise ConfigError(f"peft_config: {str(e).splitlines()[0]}") from e
     targets = margs.target_modules
     if vlm_linear is not None and targets == ["all-linear"]:  # a VLM: all-linear of the parts that train
         targets = vlm_linear
