@@ -224,8 +224,9 @@ class AlgorithmArguments:
     overlong_filter: bool = _opt(False, "truncated completions contribute no loss")
     top_entropy_quantile: float = _opt(1.0, "train only the top-q highest-entropy tokens (global quantile)", gt=0, le=1)
     log_entropy: bool = _opt(False, "log token entropy")
-    kl_bias_correction: bool = _opt(False, "--beta: multiply each token's KL by its importance ratio, the unbiased "
-                                           "reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's use_bias_correction_kl)")
+    kl_bias_correction: bool = _opt(False, "--beta: each token's KL times its importance ratio, the unbiased "
+                                           "reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's "
+                                           "use_bias_correction_kl)")
     rollout_importance_sampling_mode: str | None = _opt(
         None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C", ge=1)

@@ -156,7 +156,9 @@ def _load_yaml(path: str, parser) -> dict:
     return coerce_yaml(data, option_fields(ALL_GROUPS), where=f"--config {path}: ")
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train", supplied_rewards: int = 0) -> TrainConfig:
+def parse_train_args(
+    argv: list[str] | None = None, prog: str = "grpokit train", supplied_rewards: int = 0
+) -> TrainConfig:
     """``supplied_rewards``: reward callables a Python caller gives besides --reward_funcs (TRL's API)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:

@@ -18,7 +18,7 @@ from typing import Any
 
 from grpokit.config.args import ALL_GROUPS
 from grpokit.errors import ConfigError
-from grpokit.trl.fields import CONVERTED, INERT, REFUSED, RENAMED, SAME, TRL_DEFAULTS, decided
+from grpokit.trl.fields import REFUSED, RENAMED, SAME, TRL_DEFAULTS, decided
 
 DEFAULT_OUTPUT_DIR = "trainer_output"  # transformers' default output_dir
 _NEEDS_VALUE = {"max_completion_length", "num_generations", "learning_rate"}  # TRL's None here has no grpokit form
@@ -58,7 +58,9 @@ class GRPOConfig:
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
-                raise ConfigError(f"GRPOConfig({name}=...): no such field in TRL's GRPOConfig or grpokit's options{hint}")
+                raise ConfigError(
+                    f"GRPOConfig({name}=...): no such field in TRL's GRPOConfig or grpokit's options{hint}"
+                )
         self.__dict__.update(trl_defaults())
         self.__dict__.update(fields)
         self.extra = {k: v for k, v in fields.items() if k not in decided()}  # grpokit's own options
@@ -70,7 +72,8 @@ class GRPOConfig:
         if self.vllm_importance_sampling_cap is not None:
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         if self.auto_find_batch_size:
-            raise ConfigError(f"GRPOConfig(auto_find_batch_size=True): not supported; {REFUSED['auto_find_batch_size']}")
+            why = REFUSED["auto_find_batch_size"]
+            raise ConfigError(f"GRPOConfig(auto_find_batch_size=True): not supported; {why}")
 
     def __repr__(self) -> str:
         return f"GRPOConfig(output_dir={self.output_dir!r}, ...)"
@@ -116,12 +119,17 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None:
                 out += [f"--{name}", str(_whole_steps(name, value))]
-        for name, allowed in (("eval_strategy", ("no", "steps")), ("save_strategy", ("no", "steps")),
-                              ("logging_strategy", ("steps",))):
+        for name, allowed in (
+            ("eval_strategy", ("no", "steps")),
+            ("save_strategy", ("no", "steps")),
+            ("logging_strategy", ("steps",)),
+        ):
             value = str(getattr(getattr(self, name), "value", getattr(self, name)))
             if value not in allowed:
-                raise ConfigError(f"GRPOConfig({name}={value!r}): not supported by grpokit; use "
-                                  f"{' or '.join(repr(a) for a in allowed)}")
+                raise ConfigError(
+                    f"GRPOConfig({name}={value!r}): not supported by grpokit; use "
+                    f"{' or '.join(repr(a) for a in allowed)}"
+                )
             if name != "logging_strategy":
                 out += [f"--{name}", value]
         reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or ["none"])
@@ -129,27 +137,37 @@ class GRPOConfig:
         tracking = reports not in (["none"], [])
         for name in ("run_name", "project"):
             if tracking and not _same(getattr(self, name), trl_defaults()[name]):
-                raise ConfigError(f"GRPOConfig({name}=...): naming the tracker's run is not supported by grpokit; "
-                                  "set the tracker's own variable (WANDB_NAME, WANDB_PROJECT, ...)")
+                raise ConfigError(
+                    f"GRPOConfig({name}=...): naming the tracker's run is not supported by grpokit; "
+                    "set the tracker's own variable (WANDB_NAME, WANDB_PROJECT, ...)"
+                )
         if self.vllm_mode == "server":
             if self.vllm_server_base_url:
                 out += ["--vllm_server_base_url", str(self.vllm_server_base_url)]
             else:
-                out += ["--vllm_server_host", str(self.vllm_server_host), "--vllm_server_port",
-                        str(self.vllm_server_port)]
+                out += [
+                    "--vllm_server_host",
+                    str(self.vllm_server_host),
+                    "--vllm_server_port",
+                    str(self.vllm_server_port),
+                ]
         if self.vllm_enable_sleep_mode:
             out += ["--sleep_level", "2"]  # TRL's vLLM sleeps at level 2 between generations
         out += self._importance_sampling()
         if isinstance(self.deepspeed, dict):
-            raise ConfigError("GRPOConfig(deepspeed={...}): give a DeepSpeed JSON file path or a preset name "
-                              "(zero0 ... zero3_offload)")
+            raise ConfigError(
+                "GRPOConfig(deepspeed={...}): give a DeepSpeed JSON file path or a preset name "
+                "(zero0 ... zero3_offload)"
+            )
         if self.deepspeed:
             out += ["--deepspeed", str(self.deepspeed)]
         if self.fsdp is True:
             out += ["--fsdp", "true"]
         elif self.fsdp not in (None, False, "", []):
-            raise ConfigError(f"GRPOConfig(fsdp={self.fsdp!r}): grpokit's FSDP2 takes fsdp=True (each decoder "
-                              "layer wrapped, full sharding); TRL's option strings are not supported")
+            raise ConfigError(
+                f"GRPOConfig(fsdp={self.fsdp!r}): grpokit's FSDP2 takes fsdp=True (each decoder "
+                "layer wrapped, full sharding); TRL's option strings are not supported"
+            )
         if self.beta != 0 and self.use_bias_correction_kl:
             out += ["--kl_bias_correction", "true"]
         return out
@@ -159,10 +177,16 @@ class GRPOConfig:
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return []
         if self.vllm_importance_sampling_clip_max is None:
-            raise ConfigError("GRPOConfig(vllm_importance_sampling_clip_max=None): a bound below is not implemented; "
-                              "give the upper bound C (TRL's default 3.0) or vllm_importance_sampling_correction=False")
-        return ["--rollout_importance_sampling_mode", str(self.vllm_importance_sampling_mode),
-                "--rollout_importance_sampling_threshold", str(self.vllm_importance_sampling_clip_max)]
+            raise ConfigError(
+                "GRPOConfig(vllm_importance_sampling_clip_max=None): a bound below is not implemented; "
+                "give the upper bound C (TRL's default 3.0) or vllm_importance_sampling_correction=False"
+            )
+        return [
+            "--rollout_importance_sampling_mode",
+            str(self.vllm_importance_sampling_mode),
+            "--rollout_importance_sampling_threshold",
+            str(self.vllm_importance_sampling_clip_max),
+        ]
 
 
 def _dtype_flags(model_init_kwargs: Any, bf16: bool, fp16: bool, extra: dict) -> list[str]:
@@ -173,22 +197,26 @@ def _dtype_flags(model_init_kwargs: Any, bf16: bool, fp16: bool, extra: dict) ->
     out = []
     dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
     if "torch_dtype" not in extra:
-        chosen = str(dtype).removeprefix("torch.") if dtype else "float16" if fp16 else "bfloat16" if bf16 else "float32"
-        out += ["--torch_dtype", chosen]
+        mixed = "float16" if fp16 else "bfloat16" if bf16 else "float32"
+        out += ["--torch_dtype", str(dtype).removeprefix("torch.") if dtype else mixed]
     if "attn_implementation" in kwargs:
         out += ["--attn_impl", str(kwargs.pop("attn_implementation"))]
     if "trust_remote_code" in kwargs:
         out += ["--trust_remote_code", "true" if kwargs.pop("trust_remote_code") else "false"]
     if kwargs:
-        raise ConfigError(f"GRPOConfig(model_init_kwargs={{{next(iter(kwargs))!r}: ...}}): not supported by grpokit; "
-                          "it takes dtype, torch_dtype, attn_implementation and trust_remote_code")
+        raise ConfigError(
+            f"GRPOConfig(model_init_kwargs={{{next(iter(kwargs))!r}: ...}}): not supported by grpokit; "
+            "it takes dtype, torch_dtype, attn_implementation and trust_remote_code"
+        )
     return out
 
 
 def _whole_steps(name: str, value: Any) -> int:
     if isinstance(value, float) and value < 1:
-        raise ConfigError(f"GRPOConfig({name}={value}): a fraction of the run is not supported by grpokit; give a "
-                          "whole number of steps")
+        raise ConfigError(
+            f"GRPOConfig({name}={value}): a fraction of the run is not supported by grpokit; give a "
+            "whole number of steps"
+        )
     if isinstance(value, float) and not value.is_integer():
         raise ConfigError(f"GRPOConfig({name}={value}): give a whole number of steps")
     return int(value)

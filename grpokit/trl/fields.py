@@ -127,8 +127,8 @@ CONVERTED = frozenset(
         "fsdp",  # True (grpokit's FSDP2); TRL's option strings are refused
         "max_tool_calling_iterations",  # the tools/environment_factory loop's turn limit (grpokit.trl.tools)
         "logging_strategy",  # steps; no/epoch refused
-    "run_name",  # the trackers' run name: with report_to none it names nothing (as in TRL); else refused
-    "project",
+        "run_name",  # the trackers' run name: with report_to none it names nothing (as in TRL); else refused
+        "project",
     ]
 )
 

@@ -34,12 +34,16 @@ def _per_reward(classes: Any, n: int) -> list:
         return [None] * n
     if not isinstance(classes, (list, tuple)):
         if n != 1:
-            raise ConfigError(f"GRPOTrainer(reward_processing_classes=...): one tokenizer for {n} rewards; give a "
-                              "list with one entry per reward function (None for a function)")
+            raise ConfigError(
+                f"GRPOTrainer(reward_processing_classes=...): one tokenizer for {n} rewards; give a "
+                "list with one entry per reward function (None for a function)"
+            )
         return [classes]
     if len(classes) != n:
-        raise ConfigError(f"GRPOTrainer(reward_processing_classes=...): {len(classes)} entries for {n} rewards; give "
-                          "one per reward function (None where none is needed)")
+        raise ConfigError(
+            f"GRPOTrainer(reward_processing_classes=...): {len(classes)} entries for {n} rewards; give "
+            "one per reward function (None where none is needed)"
+        )
     return list(classes)
 
 
@@ -56,8 +60,10 @@ def _one(i: int, func: Any, tokenizer: Any, torch_dtype: str) -> tuple[str, Any]
         func.requires_grad_(False).eval()
         return _rm(_model_name(func), DefaultRMPlugin(func, RMTemplate(tokenizer)))
     if not callable(func):
-        raise ConfigError(f"GRPOTrainer(reward_funcs[{i}]=<{type(func).__name__}>): give a function, a reward "
-                          "model's folder or a PreTrainedModel")
+        raise ConfigError(
+            f"GRPOTrainer(reward_funcs[{i}]=<{type(func).__name__}>): give a function, a reward "
+            "model's folder or a PreTrainedModel"
+        )
     name = getattr(func, "__name__", None) or type(func).__name__
     return name, _trl_called(func)
 
@@ -102,8 +108,10 @@ def _model_tokenizer(model: Any, i: int) -> Any:
 
     path = getattr(model.config, "_name_or_path", "")
     if not path:
-        raise ConfigError(f"GRPOTrainer(reward_funcs[{i}]=<{type(model).__name__}>): the model names no folder to "
-                          "load its tokenizer from; give it in reward_processing_classes")
+        raise ConfigError(
+            f"GRPOTrainer(reward_funcs[{i}]=<{type(model).__name__}>): the model names no folder to "
+            "load its tokenizer from; give it in reward_processing_classes"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -52,15 +52,21 @@ def _timeouts() -> tuple[int | None, int | None]:
     return None, None
 
 
-def _grade(contents: list[str], solution: list[str], log_extra: Callable | None,
-           skipped: list[str | None] | None = None) -> list[float | None]:
+def _grade(
+    contents: list[str], solution: list[str], log_extra: Callable | None, skipped: list[str | None] | None = None
+) -> list[float | None]:
     """math_verify's verdict per (content, solution); ``skipped[i]`` set: reward 0.0 with that note instead."""
     from math_verify import LatexExtractionConfig, parse, verify  # not at the top: an optional package
     from math_verify.parser import NormalizationConfig
 
     parse_timeout, verify_timeout = _timeouts()
-    extraction = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
-                                        boxed_match_priority=0, try_extract_without_anchor=False)]
+    extraction = [
+        LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True),
+            boxed_match_priority=0,
+            try_extract_without_anchor=False,
+        )
+    ]
     rewards: list[float | None] = []
     golds, answers = [], []
     for i, (content, sol) in enumerate(zip(contents, solution, strict=True)):
@@ -76,8 +82,9 @@ def _grade(contents: list[str], solution: list[str], log_extra: Callable | None,
             golds.append("[unparseable]")
             answers.append("[skipped]")
             continue
-        answer = parse(content, extraction_config=extraction, extraction_mode="first_match",
-                       parsing_timeout=parse_timeout)
+        answer = parse(
+            content, extraction_config=extraction, extraction_mode="first_match", parsing_timeout=parse_timeout
+        )
         rewards.append(float(verify(gold, answer, timeout_seconds=verify_timeout)))
         golds.append(str(gold))
         answers.append(str(answer) if answer else "[unparseable]")
@@ -88,15 +95,21 @@ def _grade(contents: list[str], solution: list[str], log_extra: Callable | None,
     return rewards
 
 
-def accuracy_reward(completions: list, solution: list[str], log_extra: Callable | None = None,
-                    **kwargs: Any) -> list[float | None]:
+def accuracy_reward(
+    completions: list, solution: list[str], log_extra: Callable | None = None, **kwargs: Any
+) -> list[float | None]:
     """1.0 when the completion's answer equals the solution by math_verify, 0.0 when not, None when the solution
     does not parse."""
     return _grade([_text(c) for c in completions], solution, log_extra)
 
 
-def reasoning_accuracy_reward(completions: list, solution: list[str], reasoning_delimiters: list[str] | None = None,
-                              log_extra: Callable | None = None, **kwargs: Any) -> list[float | None]:
+def reasoning_accuracy_reward(
+    completions: list,
+    solution: list[str],
+    reasoning_delimiters: list[str] | None = None,
+    log_extra: Callable | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
     """``accuracy_reward`` on what follows the reasoning; 0.0 (not None) when the reasoning never closes."""
     delimiters = reasoning_delimiters if reasoning_delimiters is not None else ["</think>"]
     contents, skipped = [], []
@@ -116,14 +129,21 @@ def think_format_reward(completions: list, **kwargs: Any) -> list[float]:
 class _CosineScaled:
     __name__ = "cosine_scaled_reward"  # the reward's logged name, as in TRL
 
-    def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float,
-                 max_value_correct: float) -> None:
+    def __init__(
+        self,
+        max_len: int,
+        min_value_wrong: float,
+        max_value_wrong: float,
+        min_value_correct: float,
+        max_value_correct: float,
+    ) -> None:
         self.max_len = max_len
         self.wrong = (max_value_wrong, min_value_wrong)  # (at the longest, at the shortest): short wrong costs more
         self.correct = (min_value_correct, max_value_correct)  # short correct earns more
 
-    def __call__(self, completions: list, solution: list[str], completion_ids: list[list[int]],
-                 **kwargs: Any) -> list[float | None]:
+    def __call__(
+        self, completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs: Any
+    ) -> list[float | None]:
         out: list[float | None] = []
         for correct, ids in zip(accuracy_reward(completions, solution), completion_ids, strict=True):
             if correct is None:
@@ -135,8 +155,13 @@ class _CosineScaled:
         return out
 
 
-def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
-                             min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> Callable:
+def get_cosine_scaled_reward(
+    max_len: int,
+    min_value_wrong: float = -1.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+) -> Callable:
     """A reward ``f(completions, solution, completion_ids)``: for a correct answer from ``max_value_correct``
     (0 tokens) down to ``min_value_correct`` (``max_len`` tokens); for a wrong one from ``min_value_wrong`` up to
     ``max_value_wrong``; None where the solution does not parse."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpokit.config.checked import checked_config
 from grpokit.config.parse import parse_train_args
+from grpokit.config.plan import checkpoint_dirs
 from grpokit.errors import ConfigError
 from grpokit.pipeline.supplied import Supplied, model_folder
 from grpokit.pipeline.train import assembled
@@ -41,34 +41,53 @@ class GRPOTrainer:
         environment_factory: Any = None,
     ) -> None:
         if optimizers not in ((None, None), None):
-            raise ConfigError("GRPOTrainer(optimizers=...): not supported by grpokit; pick one with "
-                              "GRPOConfig(optim=...), or register a builder in optimizers_map and give "
-                              "GRPOConfig(optimizer=NAME)")
+            raise ConfigError(
+                "GRPOTrainer(optimizers=...): not supported by grpokit; pick one with "
+                "GRPOConfig(optim=...), or register a builder in optimizers_map and give "
+                "GRPOConfig(optimizer=NAME)"
+            )
         if quantization_config is not None:
-            raise ConfigError("GRPOTrainer(quantization_config=...): quantized training (QLoRA) is not supported by "
-                              "grpokit; use peft_config on the unquantized model")
+            raise ConfigError(
+                "GRPOTrainer(quantization_config=...): quantized training (QLoRA) is not supported by "
+                "grpokit; use peft_config on the unquantized model"
+            )
         for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if data is not None and not (hasattr(data, "column_names") and hasattr(data, "__len__")):
-                raise ConfigError(f"GRPOTrainer({name}=<{type(data).__name__}>): give a datasets.Dataset (an "
-                                  "IterableDataset or a dict of datasets is not supported)")
+                raise ConfigError(
+                    f"GRPOTrainer({name}=<{type(data).__name__}>): give a datasets.Dataset (an "
+                    "IterableDataset or a dict of datasets is not supported)"
+                )
         if train_dataset is None:
             raise ConfigError("GRPOTrainer(train_dataset=None): give a datasets.Dataset with a prompt column")
         path = model if isinstance(model, (str, Path)) else model_folder(model)
         self.args = args if args is not None else GRPOConfig(output_dir=f"{Path(str(path)).name}-GRPO")
         lora = peft_config is not None or hasattr(model, "peft_config")
         rewards = reward_list(reward_funcs, reward_processing_classes, self.args.reward_model_dtype())
-        cfg = parse_train_args(["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config)],
-                               prog="GRPOTrainer", supplied_rewards=len(rewards))
+        # checkpoints of an earlier run are fine until train() says whether it resumes them: checked there
+        later = ["--resume_from_checkpoint", "latest"] if checkpoint_dirs(self.args.output_dir) else []
+        cfg = parse_train_args(
+            ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later],
+            prog="GRPOTrainer",
+            supplied_rewards=len(rewards),
+        )
+        cfg.training.resume_from_checkpoint = None  # train(resume_from_checkpoint=...) decides
         scheduler, cfg = rollout_parts(cfg, tools, environment_factory, rollout_func, self.args, self)
         if not rewards and not cfg.rollout.use_gym_env:
-            raise ConfigError("GRPOTrainer(reward_funcs=None): give a reward function (or an environment_factory "
-                              "whose environments define get_reward)")
+            raise ConfigError(
+                "GRPOTrainer(reward_funcs=None): give a reward function (or an environment_factory "
+                "whose environments define get_reward)"
+            )
         self.supplied = Supplied(
-            train_dataset=train_dataset, eval_dataset=eval_dataset,
-            model=None if isinstance(model, (str, Path)) else model, tokenizer=processing_class,
-            peft_config=peft_config, rewards=rewards, callbacks=list(callbacks or []), scheduler=scheduler,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            model=None if isinstance(model, (str, Path)) else model,
+            tokenizer=processing_class,
+            peft_config=peft_config,
+            rewards=rewards,
+            callbacks=list(callbacks or []),
+            scheduler=scheduler,
         )
-        self.cfg = checked_config(cfg, len(rewards))  # TRL fails at construction: so do the option checks
+        self.cfg = cfg  # checked by the parser (as TRL fails at construction); train() checks what changed since
         self.reward_funcs = [func for _, func in rewards]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
@@ -78,12 +97,14 @@ class GRPOTrainer:
         """Train; returns transformers' ``TrainOutput(global_step, training_loss, metrics)``. ``True`` resumes
         from the last checkpoint in output_dir, a path from that checkpoint."""
         if kwargs:
-            raise ConfigError(f"GRPOTrainer.train({next(iter(kwargs))}=...): not supported; train() takes "
-                              "resume_from_checkpoint")
+            raise ConfigError(
+                f"GRPOTrainer.train({next(iter(kwargs))}=...): not supported; train() takes resume_from_checkpoint"
+            )
         cfg = self.cfg
         if resume_from_checkpoint:
-            cfg.training.resume_from_checkpoint = ("latest" if resume_from_checkpoint is True
-                                                   else str(resume_from_checkpoint))
+            cfg.training.resume_from_checkpoint = (
+                "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            )
         with assembled(cfg, self.supplied) as trainer:
             self.trainer = trainer
             state = trainer.train()
@@ -136,7 +157,14 @@ def _lora_flags(peft_config: Any) -> list[str]:
     if peft_config is None:
         return []
     if type(peft_config).__name__ != "LoraConfig":
-        raise ConfigError(f"GRPOTrainer(peft_config=<{type(peft_config).__name__}>): only a peft LoraConfig is "
-                          "supported")
-    return ["--lora_rank", str(peft_config.r), "--lora_alpha", str(peft_config.lora_alpha),
-            "--lora_dropout", str(peft_config.lora_dropout)]
+        raise ConfigError(
+            f"GRPOTrainer(peft_config=<{type(peft_config).__name__}>): only a peft LoraConfig is supported"
+        )
+    return [
+        "--lora_rank",
+        str(peft_config.r),
+        "--lora_alpha",
+        str(peft_config.lora_alpha),
+        "--lora_dropout",
+        str(peft_config.lora_dropout),
+    ]
