@@ -17,8 +17,10 @@ from grpokit.errors import ConfigError, GrpokitError
 pytestmark = pytest.mark.slow
 
 # what every example's GRPOConfig holds besides its own fields: a run of two steps, small enough for a CPU
-ARGS = ("output_dir=OUT, max_steps=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8, "
-        "logging_steps=1, use_cpu=True, report_to='none'")
+ARGS = (
+    "output_dir=OUT, max_steps=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8, "
+    "logging_steps=1, use_cpu=True, report_to='none'"
+)
 
 
 def run(script: str, model, out, **names) -> dict:
@@ -41,37 +43,51 @@ def completions(out) -> list[dict]:
 def math_rows(n: int = 8, system: bool = False) -> Dataset:
     """Conversational rows with a ``solution`` column (TRL's DeepMath shape), one with an unparseable solution."""
     head = [{"role": "system", "content": "Think, then answer in \\boxed{}."}] if system else []
-    return Dataset.from_list([
-        {"prompt": [*head, {"role": "user", "content": f"What is {i} + {i}?"}],
-         "solution": "$$" if i == 0 else str(2 * i)}
-        for i in range(n)
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [*head, {"role": "user", "content": f"What is {i} + {i}?"}],
+                "solution": "$$" if i == 0 else str(2 * i),
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def test_quickstart_with_trl_rewards(tiny_model_dir, tmp_path):
     """TRL's quickstart: ``trl.rewards.accuracy_reward`` on conversational rows with a solution column."""
-    scope = run("""
+    scope = run(
+        """
         from trl import GRPOConfig, GRPOTrainer
         from trl.rewards import accuracy_reward
 
         trainer = GRPOTrainer(model=MODEL, reward_funcs=accuracy_reward, args=GRPOConfig(ARGS),
                               train_dataset=dataset)
         result = trainer.train()
-    """, tiny_model_dir, tmp_path, dataset=math_rows())
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=math_rows(),
+    )
     assert scope["result"].global_step == 2
     rows = logged(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and "rewards/accuracy_reward/mean" in rows[0]
     args = json.loads((tmp_path / "args.json").read_text())
     # TRL's defaults hold under TRL's API: no KL term, dapo, full fine-tuning, bf16 (float32 master weights)
-    assert (args["beta"], args["loss_type"], args["tuner_type"], args["torch_dtype"]) == (0.0, "dapo", "full",
-                                                                                         "bfloat16")
+    assert (args["beta"], args["loss_type"], args["tuner_type"], args["torch_dtype"]) == (
+        0.0,
+        "dapo",
+        "full",
+        "bfloat16",
+    )
 
 
 def test_rewards_with_columns_weights_none_async_and_logging(tiny_model_dir, tmp_path):
     """TRL's custom rewards: an extra dataset column, several rewards with reward_weights, None for samples a
     reward does not score, an async reward, completion_ids and trainer_state, and log_extra/log_metric with
     log_completions."""
-    scope = run("""
+    scope = run(
+        """
         import asyncio
         from trl import GRPOConfig, GRPOTrainer
 
@@ -95,15 +111,30 @@ def test_rewards_with_columns_weights_none_async_and_logging(tiny_model_dir, tmp
                               args=GRPOConfig(ARGS, reward_weights=[1.0, 0.5, 2.0], log_completions=True),
                               train_dataset=dataset)
         trainer.train()
-    """, tiny_model_dir, tmp_path, dataset=Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"Repeat {i}"}], "ground_truth": str(i),
-         "kind": "even" if i % 2 == 0 else "odd"} for i in range(8)]))
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=Dataset.from_list(
+            [
+                {
+                    "prompt": [{"role": "user", "content": f"Repeat {i}"}],
+                    "ground_truth": str(i),
+                    "kind": "even" if i % 2 == 0 else "odd",
+                }
+                for i in range(8)
+            ]
+        ),
+    )
     seen = scope["seen"]
     assert seen["prompt"][-1]["role"] == "user" and seen["completion"][0]["role"] == "assistant"
     assert seen["step"] in (0, 1)
     rows = logged(tmp_path)
-    assert {"rewards/match_ground_truth/mean", "rewards/only_even/mean", "rewards/judged/mean",
-            "ground_truth_len"} <= set(rows[0])
+    assert {
+        "rewards/match_ground_truth/mean",
+        "rewards/only_even/mean",
+        "rewards/judged/mean",
+        "ground_truth_len",
+    } <= set(rows[0])
     assert rows[0]["rewards/judged/mean"] == 0.5 and rows[0]["ground_truth_len"] == 1.0
     logged_rows = completions(tmp_path)
     assert logged_rows and all("length" in r for r in logged_rows)
@@ -111,7 +142,8 @@ def test_rewards_with_columns_weights_none_async_and_logging(tiny_model_dir, tmp
 
 def test_peft_config_trains_the_adapter_and_save_model_writes_it(tiny_model_dir, tmp_path):
     """``peft_config=LoraConfig(...)`` wraps the model as given; ``save_model`` writes the adapter."""
-    scope = run("""
+    scope = run(
+        """
         from peft import LoraConfig
         from trl import GRPOConfig, GRPOTrainer
 
@@ -122,7 +154,11 @@ def test_peft_config_trains_the_adapter_and_save_model_writes_it(tiny_model_dir,
                               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         trainer.train()
         trainer.save_model(OUT + "/adapter")
-    """, tiny_model_dir, tmp_path, dataset=math_rows())
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=math_rows(),
+    )
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and set(config["target_modules"]) == {"q_proj", "v_proj"}
     assert json.loads((tmp_path / "args.json").read_text())["tuner_type"] == "lora"
@@ -132,7 +168,8 @@ def test_peft_config_trains_the_adapter_and_save_model_writes_it(tiny_model_dir,
 def test_reward_model_path_and_model_object(tiny_model_dir, tiny_rm_dir, tmp_path):
     """A reward model by folder in ``reward_funcs`` beside a function, and the policy given as a loaded model
     (with its tokenizer as processing_class): the model's column is named after its folder."""
-    run("""
+    run(
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
 
@@ -144,8 +181,12 @@ def test_reward_model_path_and_model_object(tiny_model_dir, tiny_rm_dir, tmp_pat
                               reward_funcs=[RM, reward_len], args=GRPOConfig(ARGS, reward_weights=[1.0, 0.1]),
                               train_dataset=dataset)
         trainer.train()
-    """, tiny_model_dir, tmp_path, RM=str(tiny_rm_dir),
-        dataset=Dataset.from_list([{"prompt": f"Say {i}"} for i in range(8)]))
+    """,
+        tiny_model_dir,
+        tmp_path,
+        RM=str(tiny_rm_dir),
+        dataset=Dataset.from_list([{"prompt": f"Say {i}"} for i in range(8)]),
+    )
     rows = logged(tmp_path)
     assert f"rewards/{tiny_rm_dir.name}/mean" in rows[0] and "rewards/reward_len/mean" in rows[0]
 
@@ -153,7 +194,8 @@ def test_reward_model_path_and_model_object(tiny_model_dir, tiny_rm_dir, tmp_pat
 def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
     """A transformers callback sees each step; conversational rows with a system prompt; evaluate() after
     training; then ``train(resume_from_checkpoint=True)`` continues from the last checkpoint."""
-    scope = run("""
+    scope = run(
+        """
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
@@ -176,7 +218,11 @@ def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
         args.max_steps = 3
         again = GRPOTrainer(model=MODEL, reward_funcs=brief, args=args, train_dataset=dataset)
         resumed = again.train(resume_from_checkpoint=True)
-    """, tiny_model_dir, tmp_path, dataset=math_rows(system=True))
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=math_rows(system=True),
+    )
     assert scope["steps"].steps == [1, 2]
     assert "eval_rewards/brief/mean" in scope["metrics"] or any(k.startswith("eval_") for k in scope["metrics"])
     assert scope["resumed"].global_step == 3
@@ -186,7 +232,8 @@ def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
 def test_a_second_run_on_a_locked_folder_stops_with_one_line(tiny_model_dir, tmp_path):
     """A callback of the first run starts a second TRL-API run on the same output_dir: refused by the lock,
     before any model loads; the first run finishes."""
-    scope = run("""
+    scope = run(
+        """
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
 
@@ -205,7 +252,11 @@ def test_a_second_run_on_a_locked_folder_stops_with_one_line(tiny_model_dir, tmp
         first = GRPOTrainer(model=MODEL, reward_funcs=brief, args=GRPOConfig(ARGS), train_dataset=dataset,
                             callbacks=[SecondRun()])
         result = first.train()
-    """, tiny_model_dir, tmp_path, dataset=math_rows())
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=math_rows(),
+    )
     assert scope["result"].global_step == 2 and len(scope["errors"]) == 2
     error = scope["errors"][0]
     assert isinstance(error, GrpokitError) and "\n" not in str(error)
@@ -220,15 +271,33 @@ def test_trl_api_gets_the_prompt_bound_and_the_resume_check(tiny_model_dir, tmp_
     def brief(completions, **kwargs):
         return [0.0 for _ in completions]
 
-    args = dict(output_dir=str(tmp_path), use_cpu=True, max_steps=1, num_generations=2,
-                per_device_train_batch_size=2, report_to="none")
+    args = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=1,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        report_to="none",
+    )
     with pytest.raises(ConfigError, match=r"^--max_completion_length 1024: the model .* context of 1024 tokens"):
-        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=brief, train_dataset=math_rows(),
-                    args=GRPOConfig(**args, max_completion_length=1024)).train()
-    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=brief, train_dataset=math_rows(),
-                args=GRPOConfig(**args, max_completion_length=8)).train()
-    changed = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=brief, train_dataset=math_rows(),
-                          args=GRPOConfig(**args, max_completion_length=8, learning_rate=1e-5))
+        GRPOTrainer(
+            model=str(tiny_model_dir),
+            reward_funcs=brief,
+            train_dataset=math_rows(),
+            args=GRPOConfig(**args, max_completion_length=1024),
+        ).train()
+    GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=brief,
+        train_dataset=math_rows(),
+        args=GRPOConfig(**args, max_completion_length=8),
+    ).train()
+    changed = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=brief,
+        train_dataset=math_rows(),
+        args=GRPOConfig(**args, max_completion_length=8, learning_rate=1e-5),
+    )
     with pytest.raises(GrpokitError, match="learning_rate") as err:
         changed.train(resume_from_checkpoint=True)
     assert "\n" not in str(err.value)

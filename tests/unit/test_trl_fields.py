@@ -27,8 +27,17 @@ def trl_package() -> Path:
     target = Path.home() / ".cache" / "grpokit" / f"trl-{TRL_VERSION}"
     config = target / "trl" / "trainer" / "grpo_config.py"
     if not config.is_file():
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-               f"trl=={TRL_VERSION}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"trl=={TRL_VERSION}",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and config.is_file(), (
             f"pip could not install trl=={TRL_VERSION} into {target} (is PyPI reachable?): {done.stderr[-500:]}"
@@ -79,9 +88,16 @@ def test_trl_defaults_are_trls(trl_fields):
     assert (args.beta, args.loss_type, args.num_train_epochs, args.learning_rate) == (0.0, "dapo", 3.0, 1e-6)
     assert args.bf16 is True and args.vllm_importance_sampling_correction is True
     flags = args.flags()
-    for option, value in (("beta", "0.0"), ("loss_type", "dapo"), ("num_train_epochs", "3.0"),
-                          ("gradient_checkpointing", "true"), ("logging_steps", "10"), ("tuner_type", "full"),
-                          ("torch_dtype", "bfloat16"), ("logging_first_step", "false")):
+    for option, value in (
+        ("beta", "0.0"),
+        ("loss_type", "dapo"),
+        ("num_train_epochs", "3.0"),
+        ("gradient_checkpointing", "true"),
+        ("logging_steps", "10"),
+        ("tuner_type", "full"),
+        ("torch_dtype", "bfloat16"),
+        ("logging_first_step", "false"),
+    ):
         assert flags[flags.index(f"--{option}") + 1] == value, option
 
 
