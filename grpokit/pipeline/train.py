@@ -63,8 +63,9 @@ from grpokit.trainers.signals import stop_outside_the_loop
 logger = logging.getLogger("grpokit")
 
 
-def build_rewards(cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bool = False,
-                  supplied: list[tuple[str, object]] = ()):
+def build_rewards(
+    cfg: TrainConfig, tokenizer, columns: set[str], env_reward: bool = False, supplied: list[tuple[str, object]] = ()
+):
     """Reward functions, the caller's (``supplied``: name, callable), then reward models (each through its
     rm_plugin); checked against dataset columns. ``env_reward``: the scheduler's gym reward is a reward, so no
     function is needed by default."""
@@ -121,8 +122,9 @@ def scheduler_recipe(cfg: TrainConfig, tokenizer, template: ChatTemplate, verifi
         return functools.partial(AgentScheduler.from_args, cfg.rollout, LocalEndpoint)
     if not cfg.rollout.multi_turn_scheduler:
         return None
-    return functools.partial(build_multi_turn, cfg.rollout, tokenizer, template=template,
-                             uses_env_reward=cfg.rollout.use_gym_env)
+    return functools.partial(
+        build_multi_turn, cfg.rollout, tokenizer, template=template, uses_env_reward=cfg.rollout.use_gym_env
+    )
 
 
 def uses_env_reward(cfg: TrainConfig, scheduler) -> bool:
@@ -134,6 +136,8 @@ def uses_env_reward(cfg: TrainConfig, scheduler) -> bool:
         return AgentScheduler.uses_env_reward
     if cfg.rollout.use_gym_env is not None:
         return cfg.rollout.use_gym_env
+    if not cfg.rollout.multi_turn_scheduler:  # a caller's recipe (the TRL API's tool loop) scores no gym reward
+        return False
     default = getattr(multi_turns.get_or_raise(cfg.rollout.multi_turn_scheduler), "uses_env_reward", False)
     return default if isinstance(default, bool) else False  # a property is the instance's to answer
 
@@ -146,9 +150,14 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
         return RolloutClient.from_args(r, infer_on_loop_thread=True)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
         engine = PausableVllmEngine if r.partial_rollouts else VllmEngine  # a sync pauses and continues its batch
-        return engine.from_rollout_args(r, resolve_model_path(cfg.model), cfg.model.torch_dtype,
-                                        seed=cfg.training.seed, template=template,  # as the trainer renders
-                                        infer_on_loop_thread=True)
+        return engine.from_rollout_args(
+            r,
+            resolve_model_path(cfg.model),
+            cfg.model.torch_dtype,
+            seed=cfg.training.seed,
+            template=template,  # as the trainer renders
+            infer_on_loop_thread=True,
+        )
     return None
 
 
@@ -206,21 +215,34 @@ def _datasets(cfg: TrainConfig, supplied: Supplied, verifiers: tuple | None):
     if supplied.train_dataset is not None:
         system = resolve_system(d.system)
         val = supplied.eval_dataset
-        return (normalize_rows(supplied.train_dataset, system, source="train_dataset"),
-                None if val is None else normalize_rows(val, system, source="eval_dataset"))
-    rows = RowOptions(columns=parse_columns(d.columns), num_proc=d.dataset_num_proc,
-                      load_from_cache_file=d.load_from_cache_file, max_row_bytes=d.max_row_bytes)
+        return (
+            normalize_rows(supplied.train_dataset, system, source="train_dataset"),
+            None if val is None else normalize_rows(val, system, source="eval_dataset"),
+        )
+    rows = RowOptions(
+        columns=parse_columns(d.columns),
+        num_proc=d.dataset_num_proc,
+        load_from_cache_file=d.load_from_cache_file,
+        max_row_bytes=d.max_row_bytes,
+    )
     default = [write_task_rows(verifiers[1], cfg.training.output_dir)] if verifiers else ["builtin:arithmetic"]
-    return load_train_val(d.dataset or default, d.val_dataset, system=resolve_system(d.system),
-                          seed=cfg.training.seed, split_dataset_ratio=d.split_dataset_ratio, options=rows)
+    return load_train_val(
+        d.dataset or default,
+        d.val_dataset,
+        system=resolve_system(d.system),
+        seed=cfg.training.seed,
+        split_dataset_ratio=d.split_dataset_ratio,
+        options=rows,
+    )
 
 
 def _policy(cfg: TrainConfig, supplied: Supplied, log):
     """(policy, tokenizer, ref): the caller's model object, else --model loaded; LoRA from the seed either way."""
     with seeded_weights(cfg.training.seed):  # the LoRA init is the same on every rank and run
         if supplied.model is not None:
-            return supplied_policy(supplied.model, supplied.tokenizer, cfg.model, cfg.algorithm.beta,
-                                   supplied.peft_config)
+            return supplied_policy(
+                supplied.model, supplied.tokenizer, cfg.model, cfg.algorithm.beta, supplied.peft_config
+            )
         return load_policy(cfg.model, cfg.algorithm.beta, log=log, peft_config=supplied.peft_config)
 
 
@@ -241,8 +263,11 @@ def _build(cfg: TrainConfig, plan, log, supplied: Supplied):  # long on purpose:
     train_ds = prepare_prompts(train_ds, template, prompts, where[0])
     if val_ds is not None:
         val_ds = prepare_prompts(val_ds, template, prompts, where[1])
-    chord_sft = (load_chord_sft_dataset(cfg, tokenizer, template)  # CHORD
-                 if cfg.algorithm.chord_sft_dataset else None)
+    chord_sft = (
+        load_chord_sft_dataset(cfg, tokenizer, template)  # CHORD
+        if cfg.algorithm.chord_sft_dataset
+        else None
+    )
     engine = build_engine(cfg, template)
     scheduler = supplied.scheduler or scheduler_recipe(cfg, tokenizer, template, verifiers)
     if engine is not None and getattr(engine, "engine_type", "") == "server":
@@ -253,8 +278,9 @@ def _build(cfg: TrainConfig, plan, log, supplied: Supplied):  # long on purpose:
         scheduler = scheduler(engine)  # a single-turn server plays each turn as one request; or vLLM colocate
     env_reward = uses_env_reward(cfg, scheduler)
     funcs, names = build_rewards(cfg, tokenizer, set(train_ds.column_names), env_reward, supplied.rewards)
-    funcs, names, weights = rubric_columns(reward_names(verifiers[1]) if verifiers else None, funcs, names,
-                                           cfg.reward.reward_weights or None)
+    funcs, names, weights = rubric_columns(
+        reward_names(verifiers[1]) if verifiers else None, funcs, names, cfg.reward.reward_weights or None
+    )
     for func in funcs:  # a reward that vets the rows before training (code_exec: tests it cannot grade)
         if callable(getattr(func, "check_rows", None)):
             func.check_rows(train_ds)
@@ -262,10 +288,20 @@ def _build(cfg: TrainConfig, plan, log, supplied: Supplied):  # long on purpose:
     callbacks = [callbacks_map.get_or_raise(n) for n in cfg.training.callbacks] + list(supplied.callbacks)
     trainer_cls = TrainerFactory.get_trainer_cls("grpo")
     # (a one-process group the set-up forms is the trainer's: released at its end, or when its set-up fails)
-    return trainer_cls(model=model, tokenizer=tokenizer, cfg=cfg, train_dataset=train_ds,
-                       eval_dataset=val_ds, reward_funcs=funcs, reward_names=names,
-                       reward_weights=weights, ref_model=ref, scheduler=scheduler,
-                       engine=engine, callbacks=callbacks,
-                       **_takes(trainer_cls, template=template, plan=plan),
-                       # only when given: a plugin's trainer class without this argument keeps working
-                       **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}))
+    return trainer_cls(
+        model=model,
+        tokenizer=tokenizer,
+        cfg=cfg,
+        train_dataset=train_ds,
+        eval_dataset=val_ds,
+        reward_funcs=funcs,
+        reward_names=names,
+        reward_weights=weights,
+        ref_model=ref,
+        scheduler=scheduler,
+        engine=engine,
+        callbacks=callbacks,
+        **_takes(trainer_cls, template=template, plan=plan),
+        # only when given: a plugin's trainer class without this argument keeps working
+        **({"chord_sft_dataset": chord_sft} if chord_sft is not None else {}),
+    )

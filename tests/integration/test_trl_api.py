@@ -301,3 +301,109 @@ def test_trl_api_gets_the_prompt_bound_and_the_resume_check(tiny_model_dir, tmp_
     with pytest.raises(GrpokitError, match="learning_rate") as err:
         changed.train(resume_from_checkpoint=True)
     assert "\n" not in str(err.value)
+
+
+# ChatML that renders tools= (as Qwen's templates do: a system block listing them), for the tool examples
+TOOL_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    '{{ \'</tools>\nCall one with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n\' }}'
+    "{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    from grpokit.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tool_model") / "model", chat_template=TOOL_TEMPLATE)
+
+
+def test_tools_and_environment_factory(tool_model_dir, tmp_path):
+    """TRL's tool and environment examples: plain functions (one async) as tools, an environment whose methods
+    are tools, whose reset starts each rollout and whose state the reward reads."""
+    scope = run(
+        """
+        from trl import GRPOConfig, GRPOTrainer
+
+        async def multiply(a: int, b: int) -> int:
+            \"\"\"Multiply two integers.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            \"\"\"
+            return a * b
+
+        class Wordle:
+            def reset(self, **kwargs):
+                self.guesses = 0
+                return " Guess a five-letter word."
+
+            def guess(self, word: str) -> str:
+                \"\"\"Guess the word.
+
+                Args:
+                    word: A five-letter word.
+                \"\"\"
+                self.guesses += 1
+                return "no"
+
+        def few_guesses(environments, **kwargs):
+            return [-float(env.guesses) for env in environments]
+
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=few_guesses, train_dataset=dataset, tools=[multiply],
+                              environment_factory=Wordle, args=GRPOConfig(ARGS, max_tool_calling_iterations=2,
+                                                                          log_completions=True))
+        trainer.train()
+    """,
+        tool_model_dir,
+        tmp_path,
+        dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": f"Play {i}."}]} for i in range(8)]),
+    )
+    rows = completions(tmp_path)
+    assert rows and all("Guess a five-letter word." in json.dumps(r) for r in rows)  # reset's text in the prompt
+    assert "rewards/few_guesses/mean" in logged(tmp_path)[0]
+    assert scope["trainer"].state.global_step == 2
+
+
+def test_rollout_func_generates_and_its_fields_reach_the_rewards(tiny_model_dir, tmp_path):
+    """TRL's rollout_func contract: each prompt once, num_generations completions back with their logprobs, and
+    an extra field the reward reads by name."""
+    scope = run(
+        """
+        from trl import GRPOConfig, GRPOTrainer
+
+        calls = []
+
+        def rollout_func(prompts, trainer):
+            tok = trainer.processing_class
+            out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "judge": []}
+            calls.append(len(prompts))
+            for prompt in prompts:
+                text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+                for k in range(trainer.args.num_generations):
+                    ids = tok(str(k), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                    out["prompt_ids"].append(prompt_ids)
+                    out["completion_ids"].append(ids)
+                    out["logprobs"].append([-1.0] * len(ids))
+                    out["judge"].append(float(k))
+            return out
+
+        def judged(completions, judge, **kwargs):
+            return judge
+
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=judged, args=GRPOConfig(ARGS), train_dataset=dataset,
+                              rollout_func=rollout_func)
+        trainer.train()
+    """,
+        tiny_model_dir,
+        tmp_path,
+        dataset=math_rows(),
+    )
+    assert scope["calls"] == [1, 1]  # 4 completions a step: one prompt, num_generations=4
+    assert [r["rewards/judged/mean"] for r in logged(tmp_path)] == [1.5, 1.5]  # judge 0, 1, 2, 3

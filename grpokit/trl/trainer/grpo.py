@@ -12,7 +12,8 @@ from grpokit.config.plan import checkpoint_dirs
 from grpokit.errors import ConfigError
 from grpokit.pipeline.supplied import Supplied, model_folder
 from grpokit.pipeline.train import assembled
-from grpokit.trl.agent import rollout_parts
+from grpokit.trainers.distributed import full_state_dict
+from grpokit.trl.agent import rollout_parts, with_tools
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.reward_setup import reward_list
 
@@ -40,25 +41,7 @@ class GRPOTrainer:
         rollout_func: Any = None,
         environment_factory: Any = None,
     ) -> None:
-        if optimizers not in ((None, None), None):
-            raise ConfigError(
-                "GRPOTrainer(optimizers=...): not supported by grpokit; pick one with "
-                "GRPOConfig(optim=...), or register a builder in optimizers_map and give "
-                "GRPOConfig(optimizer=NAME)"
-            )
-        if quantization_config is not None:
-            raise ConfigError(
-                "GRPOTrainer(quantization_config=...): quantized training (QLoRA) is not supported by "
-                "grpokit; use peft_config on the unquantized model"
-            )
-        for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if data is not None and not (hasattr(data, "column_names") and hasattr(data, "__len__")):
-                raise ConfigError(
-                    f"GRPOTrainer({name}=<{type(data).__name__}>): give a datasets.Dataset (an "
-                    "IterableDataset or a dict of datasets is not supported)"
-                )
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer(train_dataset=None): give a datasets.Dataset with a prompt column")
+        _check_arguments(optimizers, quantization_config, train_dataset, eval_dataset)
         path = model if isinstance(model, (str, Path)) else model_folder(model)
         self.args = args if args is not None else GRPOConfig(output_dir=f"{Path(str(path)).name}-GRPO")
         lora = peft_config is not None or hasattr(model, "peft_config")
@@ -71,12 +54,20 @@ class GRPOTrainer:
             supplied_rewards=len(rewards),
         )
         cfg.training.resume_from_checkpoint = None  # train(resume_from_checkpoint=...) decides
-        scheduler, cfg = rollout_parts(cfg, tools, environment_factory, rollout_func, self.args, self)
-        if not rewards and not cfg.rollout.use_gym_env:
+        given = len(rewards)
+        scheduler, rewards, schemas = rollout_parts(
+            cfg, tools, environment_factory, rollout_func, self.args, self, rewards
+        )
+        if not rewards:
             raise ConfigError(
                 "GRPOTrainer(reward_funcs=None): give a reward function (or an environment_factory "
                 "whose environments define get_reward)"
             )
+        if cfg.reward.reward_weights:  # as TRL: an environment's get_reward column weighs 1
+            cfg.reward.reward_weights = [*cfg.reward.reward_weights, *[1.0] * (len(rewards) - given)]
+        if schemas is not None:  # the tools into every prompt, through the chat template
+            train_dataset = with_tools(train_dataset, schemas, "train_dataset")
+            eval_dataset = None if eval_dataset is None else with_tools(eval_dataset, schemas, "eval_dataset")
         self.supplied = Supplied(
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
@@ -128,8 +119,6 @@ class GRPOTrainer:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained model (the adapter, under LoRA) and its tokenizer into ``output_dir`` (default: the run's)."""
-        from grpokit.trainers.distributed import full_state_dict  # not at the top: loads torch, with the run
-
         trainer = self._built("save_model()")
         out = Path(output_dir or self.args.output_dir)
         acc = trainer.accelerator
@@ -149,6 +138,29 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer.evaluate(): no eval_dataset was given")
         logs = trainer.evaluate()
         return {("eval_" + k.removeprefix("eval/")): v for k, v in logs.items() if k.startswith("eval/")}
+
+
+def _check_arguments(optimizers: Any, quantization_config: Any, train_dataset: Any, eval_dataset: Any) -> None:
+    """The arguments grpokit does not take, refused by name."""
+    if optimizers not in ((None, None), None):
+        raise ConfigError(
+            "GRPOTrainer(optimizers=...): not supported by grpokit; pick one with "
+            "GRPOConfig(optim=...), or register a builder in optimizers_map and give "
+            "GRPOConfig(optimizer=NAME)"
+        )
+    if quantization_config is not None:
+        raise ConfigError(
+            "GRPOTrainer(quantization_config=...): quantized training (QLoRA) is not supported by "
+            "grpokit; use peft_config on the unquantized model"
+        )
+    for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if data is not None and not (hasattr(data, "column_names") and hasattr(data, "__len__")):
+            raise ConfigError(
+                f"GRPOTrainer({name}=<{type(data).__name__}>): give a datasets.Dataset (an "
+                "IterableDataset or a dict of datasets is not supported)"
+            )
+    if train_dataset is None:
+        raise ConfigError("GRPOTrainer(train_dataset=None): give a datasets.Dataset with a prompt column")
 
 
 def _lora_flags(peft_config: Any) -> list[str]:
