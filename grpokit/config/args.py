@@ -40,6 +40,7 @@ class ModelArguments:
     target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+    disable_dropout: bool = _opt(False, "every dropout of the policy and reference at p = 0 (TRL's disable_dropout)")
     # ms-swift names (issue 19)
     attn_impl: str | None = _opt(None, "attention implementation: sdpa, eager, flash_attn (= flash_attention_2, "
                                        "CUDA only), flash_attention_3, flex_attention; default: transformers' choice",

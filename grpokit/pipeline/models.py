@@ -162,7 +162,17 @@ def load_policy(margs: ModelArguments, beta: float, log=print, peft_config=None)
             margs.attn_impl,
         )
         ref.requires_grad_(False).eval()
+    if margs.disable_dropout:
+        disable_dropout(model, ref)
     return model, tokenizer, ref
+
+
+def disable_dropout(*models) -> None:
+    """--disable_dropout: every ``torch.nn.Dropout`` (LoRA's too) at p = 0, as TRL's disable_dropout_in_model."""
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
 
 
 def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None, peft_config=None):

@@ -12,7 +12,7 @@ from typing import Any
 from grpokit.config.args import ModelArguments
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_tokenizer
-from grpokit.pipeline.models import apply_lora, check_tokenizer_covers, freeze_parameters
+from grpokit.pipeline.models import apply_lora, check_tokenizer_covers, disable_dropout, freeze_parameters
 
 
 @dataclass
@@ -56,8 +56,10 @@ def supplied_policy(model: Any, tokenizer: Any, margs: ModelArguments, beta: flo
             model.enable_input_require_grads()
     if lora and not hasattr(model, "peft_config"):  # a PeftModel given keeps its adapters
         model = apply_lora(model, margs, peft_config=peft_config)
-    else:
+    elif not lora:
         freeze_parameters(model, margs)
+    if margs.disable_dropout:
+        disable_dropout(model, ref)
     return model, tokenizer, ref
 
 

@@ -170,7 +170,7 @@ class GRPOConfig:
             )
         if self.beta != 0 and self.use_bias_correction_kl:
             out += ["--kl_bias_correction", "true"]
-        return out
+        return out + _generation_flags(self.generation_kwargs)
 
     def _importance_sampling(self) -> list[str]:
         """TRL corrects vLLM's sampling mismatch by default (vllm_importance_sampling_correction); only with vLLM."""
@@ -208,6 +208,23 @@ def _dtype_flags(model_init_kwargs: Any, bf16: bool, fp16: bool, extra: dict) ->
             f"GRPOConfig(model_init_kwargs={{{next(iter(kwargs))!r}: ...}}): not supported by grpokit; "
             "it takes dtype, torch_dtype, attn_implementation and trust_remote_code"
         )
+    return out
+
+
+_SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _generation_flags(kwargs: Any) -> list[str]:
+    """TRL's generation_kwargs override the sampling fields of the same name; other keys are refused by name."""
+    kwargs = json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs or {})
+    out = []
+    for key, value in kwargs.items():
+        if key not in _SAMPLING:
+            raise ConfigError(
+                f"GRPOConfig(generation_kwargs={{{key!r}: ...}}): not supported by grpokit; it takes "
+                f"{', '.join(_SAMPLING)}"
+            )
+        out += _flag(key, value)
     return out
 
 

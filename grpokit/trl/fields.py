@@ -79,7 +79,8 @@ TRL_DEFAULTS: dict[str, object] = {
 
 SAME = frozenset(
     """adam_beta1 adam_beta2 adam_epsilon beta chat_template_kwargs dataloader_multiprocessing_context
-    dataloader_num_workers dataloader_prefetch_factor delta disable_tqdm epsilon epsilon_high eval_on_start
+    dataloader_num_workers dataloader_prefetch_factor delta disable_dropout disable_tqdm epsilon epsilon_high
+    eval_on_start
     generation_batch_size gradient_accumulation_steps gradient_checkpointing gradient_checkpointing_kwargs
     importance_sampling_level learning_rate log_completions logging_first_step loss_type lr_scheduler_kwargs
     lr_scheduler_type max_completion_length max_grad_norm max_steps num_generations num_generations_eval
@@ -127,6 +128,7 @@ CONVERTED = frozenset(
         "fsdp",  # True (grpokit's FSDP2); TRL's option strings are refused
         "max_tool_calling_iterations",  # the tools/environment_factory loop's turn limit (grpokit.trl.tools)
         "logging_strategy",  # steps; no/epoch refused
+        "generation_kwargs",  # temperature/top_p/top_k/repetition_penalty/max_tokens override those fields, as in TRL
         "run_name",  # the trackers' run name: with report_to none it names nothing (as in TRL); else refused
         "project",
     ]
@@ -219,10 +221,8 @@ REFUSED: dict[str, str] = {
     "trackio_bucket_id": "not implemented",
     "trackio_static_space_id": "not implemented",
     "router_aux_loss_coef": "mixture-of-experts auxiliary losses are not implemented",
-    "disable_dropout": "not implemented",
     "cast_lm_head_to_fp32": "not implemented",
     "min_p": "not implemented in grpokit's samplers",
-    "generation_kwargs": "give the sampling fields (temperature, top_p, top_k, repetition_penalty) directly",
     "multi_objective_aggregation": "only sum_then_normalize (TRL's default) is implemented",
     "entropy_coef": "an entropy bonus is not implemented",
     "use_adaptive_entropy": "adaptive entropy control is not implemented",

@@ -121,6 +121,21 @@ def test_fields_become_grpokit_options(fields, option, value):
     assert flags[flags.index(f"--{option}") + 1] == value
 
 
+def test_generation_kwargs_override_the_sampling_fields_and_dropout_goes():
+    import torch
+
+    from grpokit.pipeline.models import disable_dropout
+
+    flags = GRPOConfig(top_k=0, generation_kwargs={"top_k": 5}, disable_dropout=True).flags()
+    assert [flags[i + 1] for i, f in enumerate(flags) if f == "--top_k"][-1] == "5"  # the later flag wins
+    assert flags[flags.index("--disable_dropout") + 1] == "true"
+    with pytest.raises(ConfigError, match=r"^GRPOConfig\(generation_kwargs=\{'min_p': \.\.\.\}\): not supported"):
+        GRPOConfig(generation_kwargs={"min_p": 0.1}).flags()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    disable_dropout(model, None)
+    assert model[1].p == 0.0
+
+
 def test_no_is_correction_without_vllm_and_none_when_turned_off():
     assert "--rollout_importance_sampling_mode" not in GRPOConfig().flags()
     off = GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=False).flags()
