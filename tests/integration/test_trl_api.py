@@ -268,38 +268,28 @@ def test_trl_api_gets_the_prompt_bound_and_the_resume_check(tiny_model_dir, tmp_
     with a changed option is refused before any model loads."""
     from grpokit.trl import GRPOConfig, GRPOTrainer
 
-    def brief(completions, **kwargs):
-        return [0.0 for _ in completions]
-
-    args = dict(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=1,
-        num_generations=2,
-        per_device_train_batch_size=2,
-        report_to="none",
-    )
-    with pytest.raises(ConfigError, match=r"^--max_completion_length 1024: the model .* context of 1024 tokens"):
-        GRPOTrainer(
+    def trainer(**fields):
+        args = GRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            max_steps=1,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            report_to="none",
+            **fields,
+        )
+        return GRPOTrainer(
             model=str(tiny_model_dir),
-            reward_funcs=brief,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
             train_dataset=math_rows(),
-            args=GRPOConfig(**args, max_completion_length=1024),
-        ).train()
-    GRPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=brief,
-        train_dataset=math_rows(),
-        args=GRPOConfig(**args, max_completion_length=8),
-    ).train()
-    changed = GRPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=brief,
-        train_dataset=math_rows(),
-        args=GRPOConfig(**args, max_completion_length=8, learning_rate=1e-5),
-    )
+            args=args,
+        )
+
+    with pytest.raises(ConfigError, match=r"^--max_completion_length 1024: the model .* context of 1024 tokens"):
+        trainer(max_completion_length=1024).train()
+    trainer(max_completion_length=8).train()
     with pytest.raises(GrpokitError, match="learning_rate") as err:
-        changed.train(resume_from_checkpoint=True)
+        trainer(max_completion_length=8, learning_rate=1e-5).train(resume_from_checkpoint=True)
     assert "\n" not in str(err.value)
 
 

@@ -117,6 +117,19 @@ class GRPOTrainer:
     def state(self):
         return self._built("state").state
 
+    def __getattr__(self, name: str):
+        """Other attributes of a TRL trainer (``accelerator``, ``optimizer``, ``lr_scheduler``, ...): grpokit's
+        trainer's, once train() has built it."""
+        if name.startswith("_") or "trainer" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._built(name), name)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(
+            "GRPOTrainer.push_to_hub(): not supported by grpokit; save_model() and upload the folder "
+            "(huggingface-cli upload)"
+        )
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained model (the adapter, under LoRA) and its tokenizer into ``output_dir`` (default: the run's)."""
         trainer = self._built("save_model()")
