@@ -135,6 +135,18 @@ class GRPOConfig:
         reports = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or ["none"])
         out += ["--report_to", *reports]
         tracking = reports not in (["none"], [])
+        tables = bool({"wandb", "trackio", "all"} & set(reports))  # where TRL logs its completions table
+        for name, off, why in (
+            (
+                "num_completions_to_print",
+                not self.log_completions,
+                "a console table of completions is not printed; log_completions writes them to completions.jsonl",
+            ),
+            ("log_unique_prompts", not tables, "completions tables are not sent to trackers"),
+            ("log_multimodal", not tables, "completions tables are not sent to trackers"),
+        ):
+            if not off and not _same(getattr(self, name), trl_defaults()[name]):
+                raise ConfigError(f"GRPOConfig({name}={getattr(self, name)!r}): not supported by grpokit; {why}")
         for name in ("run_name", "project"):
             if tracking and not _same(getattr(self, name), trl_defaults()[name]):
                 raise ConfigError(

@@ -65,8 +65,6 @@ TRL_DEFAULTS: dict[str, object] = {
     "vllm_importance_sampling_clip_max": 3.0,
     "use_bias_correction_kl": True,
     "log_completions": False,
-    "log_multimodal": True,
-    "log_unique_prompts": False,
     "pad_to_multiple_of": "auto",
     "vllm_group_port": 51216,
     "vllm_enable_sleep_mode": False,
@@ -129,6 +127,9 @@ CONVERTED = frozenset(
         "max_tool_calling_iterations",  # the tools/environment_factory loop's turn limit (grpokit.trl.tools)
         "logging_strategy",  # steps; no/epoch refused
         "generation_kwargs",  # temperature/top_p/top_k/repetition_penalty/max_tokens override those fields, as in TRL
+        "num_completions_to_print",  # TRL's console table, printed only with log_completions: refused there
+        "log_unique_prompts",  # shapes only the wandb/trackio table: refused when one is reported to
+        "log_multimodal",  # images in the wandb/trackio table: refused (False) when one is reported to
         "run_name",  # the trackers' run name: with report_to none it names nothing (as in TRL); else refused
         "project",
     ]
@@ -231,9 +232,6 @@ REFUSED: dict[str, str] = {
     "entropy_coef_delta": "adaptive entropy control is not implemented",
     "entropy_target": "adaptive entropy control is not implemented",
     "vllm_importance_sampling_clip_min": "a lower bound is not implemented (the upper, clip_max, is)",
-    "log_multimodal": "images are not logged",
-    "num_completions_to_print": "completions are written to completions.jsonl (log_completions)",
-    "log_unique_prompts": "completions.jsonl holds every prompt with its completions",
     "use_transformers_continuous_batching": "grpokit's transformers engine batches its own way",
     "transformers_continuous_batching_config": "grpokit's transformers engine batches its own way",
     "use_transformers_paged": "grpokit's transformers engine batches its own way",
