@@ -40,8 +40,7 @@ def supplied_policy(model: Any, tokenizer: Any, margs: ModelArguments, beta: flo
             f"model=<{type(model).__name__}>: give a transformers causal language model (AutoModelForCausalLM) or "
             "its folder"
         )
-    if tokenizer is None:
-        tokenizer = load_tokenizer(margs.model, margs.trust_remote_code)
+    tokenizer = load_tokenizer(margs.model, margs.trust_remote_code) if tokenizer is None else padded(tokenizer)
     check_tokenizer_covers(model, tokenizer, margs.model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -61,6 +60,16 @@ def supplied_policy(model: Any, tokenizer: Any, margs: ModelArguments, beta: flo
     if margs.disable_dropout:
         disable_dropout(model, ref)
     return model, tokenizer, ref
+
+
+def padded(tokenizer: Any) -> Any:
+    """A caller's tokenizer as grpokit's own are loaded: prompts padded on the left, eos as the pad token when it
+    has none (as TRL does)."""
+    text = getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
+    text.padding_side = "left"
+    if text.pad_token is None:
+        text.pad_token = text.eos_token
+    return tokenizer
 
 
 def model_folder(model: Any) -> str:

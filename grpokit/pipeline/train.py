@@ -39,8 +39,14 @@ from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.engines.vllm_partial import PausableVllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
-from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
-from grpokit.pipeline.supplied import Supplied, supplied_policy
+from grpokit.pipeline.models import (
+    bound_prompt_length,
+    check_tokenizer_covers,
+    load_policy,
+    resolve_model_path,
+    seeded_weights,
+)
+from grpokit.pipeline.supplied import Supplied, padded, supplied_policy
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -243,7 +249,11 @@ def _policy(cfg: TrainConfig, supplied: Supplied, log):
             return supplied_policy(
                 supplied.model, supplied.tokenizer, cfg.model, cfg.algorithm.beta, supplied.peft_config
             )
-        return load_policy(cfg.model, cfg.algorithm.beta, log=log, peft_config=supplied.peft_config)
+        model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log, peft_config=supplied.peft_config)
+    if supplied.tokenizer is not None:  # the caller's tokenizer (TRL's processing_class) for the folder's model
+        check_tokenizer_covers(model, supplied.tokenizer, resolve_model_path(cfg.model))
+        tokenizer = padded(supplied.tokenizer)
+    return model, tokenizer, ref
 
 
 def _build(cfg: TrainConfig, plan, log, supplied: Supplied):  # long on purpose: the set-up's order, read top down

@@ -16,10 +16,12 @@ from grpokit.errors import ConfigError, GrpokitError
 
 pytestmark = pytest.mark.slow
 
-# what every example's GRPOConfig holds besides its own fields: a run of two steps, small enough for a CPU
+# what every example's GRPOConfig holds besides its own fields: a run of two steps, small enough for a CPU (in
+# float32 without recomputed activations, as CPU scripts set it: TRL's bf16 and gradient_checkpointing defaults
+# cost time here; tests/unit/test_trl_fields.py checks that they hold)
 ARGS = (
     "output_dir=OUT, max_steps=2, num_generations=4, per_device_train_batch_size=4, max_completion_length=8, "
-    "logging_steps=1, use_cpu=True, report_to='none'"
+    "logging_steps=1, use_cpu=True, report_to='none', bf16=False, gradient_checkpointing=False"
 )
 
 
@@ -73,13 +75,9 @@ def test_quickstart_with_trl_rewards(tiny_model_dir, tmp_path):
     rows = logged(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and "rewards/accuracy_reward/mean" in rows[0]
     args = json.loads((tmp_path / "args.json").read_text())
-    # TRL's defaults hold under TRL's API: no KL term, dapo, full fine-tuning, bf16 (float32 master weights)
-    assert (args["beta"], args["loss_type"], args["tuner_type"], args["torch_dtype"]) == (
-        0.0,
-        "dapo",
-        "full",
-        "bfloat16",
-    )
+    # TRL's defaults hold under TRL's API: no KL term, dapo, full fine-tuning, 3 epochs (max_steps rules here)
+    trl_defaults = (args["beta"], args["loss_type"], args["tuner_type"], args["num_train_epochs"])
+    assert trl_defaults == (0.0, "dapo", "full", 3.0)
 
 
 def test_rewards_with_columns_weights_none_async_and_logging(tiny_model_dir, tmp_path):
@@ -141,16 +139,19 @@ def test_rewards_with_columns_weights_none_async_and_logging(tiny_model_dir, tmp
 
 
 def test_peft_config_trains_the_adapter_and_save_model_writes_it(tiny_model_dir, tmp_path):
-    """``peft_config=LoraConfig(...)`` wraps the model as given; ``save_model`` writes the adapter."""
+    """``peft_config=LoraConfig(...)`` wraps the model as given (its folder's tokenizer given as processing_class);
+    ``save_model`` writes the adapter."""
     scope = run(
         """
         from peft import LoraConfig
+        from transformers import AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
 
         def reward_len(completions, **kwargs):
             return [-abs(5 - len(c[0]["content"])) for c in completions]
 
         trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=GRPOConfig(ARGS), train_dataset=dataset,
+                              processing_class=AutoTokenizer.from_pretrained(MODEL),
                               peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         trainer.train()
         trainer.save_model(OUT + "/adapter")
@@ -211,7 +212,7 @@ def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
 
         steps = Steps()
         trainer = GRPOTrainer(model=MODEL, reward_funcs=brief, args=GRPOConfig(ARGS, save_steps=1),
-                              train_dataset=dataset, eval_dataset=dataset, callbacks=[steps])
+                              train_dataset=dataset, eval_dataset=dataset.select(range(2)), callbacks=[steps])
         trainer.train()
         metrics = trainer.evaluate()
         args = GRPOConfig(ARGS, save_steps=1)
