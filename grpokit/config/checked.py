@@ -16,17 +16,18 @@ from grpokit.config.validate import validate
 _STAMP = "_grpokit_checked"
 
 
-def checked_config(cfg: TrainConfig, supplied_rewards: int = 0) -> TrainConfig:
-    """``cfg`` checked and resolved (a copy; ``cfg`` is not changed). ``supplied_rewards``: reward callables a
-    caller hands over besides ``--reward_funcs`` (``--reward_weights`` counts them)."""
-    if cfg.__dict__.get(_STAMP) == _stamp(cfg, supplied_rewards):
+def checked_config(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = False) -> TrainConfig:
+    """``cfg`` checked and resolved (a copy; ``cfg`` is not changed). A caller's parts: ``supplied_rewards`` reward
+    callables besides ``--reward_funcs`` (``--reward_weights`` counts them), ``supplied_eval`` evaluation rows."""
+    stamp = _stamp(cfg, supplied_rewards, supplied_eval)
+    if cfg.__dict__.get(_STAMP) == stamp:
         return cfg
     check_fields(cfg)  # before resolve: an error names the option as given (--max_new_tokens, not its target)
     out = resolve(cfg)
-    validate(out, supplied_rewards)
-    out.__dict__[_STAMP] = _stamp(out, supplied_rewards)
+    validate(out, supplied_rewards, supplied_eval)
+    out.__dict__[_STAMP] = _stamp(out, supplied_rewards, supplied_eval)
     return out
 
 
-def _stamp(cfg: TrainConfig, supplied_rewards: int) -> str:
-    return f"{supplied_rewards}:{cfg!r}"
+def _stamp(cfg: TrainConfig, supplied_rewards: int, supplied_eval: bool) -> str:
+    return f"{supplied_rewards}:{supplied_eval}:{cfg!r}"

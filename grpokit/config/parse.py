@@ -157,9 +157,10 @@ def _load_yaml(path: str, parser) -> dict:
 
 
 def parse_train_args(
-    argv: list[str] | None = None, prog: str = "grpokit train", supplied_rewards: int = 0
+    argv: list[str] | None = None, prog: str = "grpokit train", supplied_rewards: int = 0, supplied_eval: bool = False
 ) -> TrainConfig:
-    """``supplied_rewards``: reward callables a Python caller gives besides --reward_funcs (TRL's API)."""
+    """``supplied_rewards``, ``supplied_eval``: reward callables and evaluation rows a Python caller gives besides
+    the options (TRL's API)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         _load_plugins_for_help(argv)
@@ -191,4 +192,4 @@ def parse_train_args(
     # must answer without it
     from grpokit.config.checked import checked_config
 
-    return checked_config(cfg, supplied_rewards)
+    return checked_config(cfg, supplied_rewards, supplied_eval)

@@ -49,14 +49,14 @@ from grpokit.template.prompts import check_data_options
 logger = logging.getLogger(__name__)
 
 
-def validate(cfg: TrainConfig, supplied_rewards: int = 0) -> None:
+def validate(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = False) -> None:
     """Raise ConfigError naming the option, its value and the fix, for the first problem found (ms-swift's options
-    warned about: one line each, rank 0). ``cfg`` is not changed. ``supplied_rewards``: reward callables given
-    besides ``--reward_funcs`` (TRL's ``reward_funcs``), counted by ``--reward_weights``."""
+    warned about: one line each, rank 0). ``cfg`` is not changed. A caller's parts: ``supplied_rewards`` reward
+    callables besides --reward_funcs (counted by --reward_weights), ``supplied_eval`` evaluation rows."""
     check_fields(cfg)
     check_swift_options(cfg.swift_options, log=logger.warning)
     _check_swift_names(cfg)
-    _check_evaluation(cfg)
+    _check_evaluation(cfg, supplied_eval)
     _check_ref_sync(cfg)
     _real_loss_rules(cfg)
     check_chord_options(cfg)
@@ -192,16 +192,17 @@ def _check_scheduler_name(name: str) -> None:
                           f"{', '.join(names)}")
 
 
-def _check_evaluation(cfg: TrainConfig) -> None:
+def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
     """--eval_steps / --eval_on_start need validation data: without it nothing would ever be evaluated."""
     t, d = cfg.training, cfg.data
+    val = d.val_dataset or d.split_dataset_ratio or supplied_eval
     asked = (f"--eval_steps {t.eval_steps}" if t.eval_steps else "--eval_on_start true" if t.eval_on_start
              else None)
-    if asked and not d.val_dataset and not d.split_dataset_ratio:
+    if asked and not val:
         raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
                           "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
     k = t.num_generations_eval
-    if k and not d.val_dataset and not d.split_dataset_ratio:
+    if k and not val:
         raise ConfigError(f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "
                           "FILE and --eval_steps N, or drop it")
     if k and (t.eval_strategy or t.save_strategy) == "no":  # unset, --eval_strategy follows --save_strategy

@@ -181,7 +181,7 @@ def assembled(cfg: TrainConfig, supplied: Supplied | None = None):
     run folder probed and locked, a resume checked, then the parts built (``supplied`` ones used as given) into a
     ready trainer, yielded while the lock is held."""
     supplied = supplied or Supplied()
-    cfg = checked_config(cfg, len(supplied.rewards))  # a no-op on a parsed configuration
+    cfg = checked_config(cfg, len(supplied.rewards), supplied.eval_dataset is not None)  # no-op on a parsed one
     load_plugins_once(cfg.reward.external_plugins)  # the one load, before any registry lookup
     check_registry_names(cfg)  # the option values that name what a plugin may register, before any model loads
     check_names(cfg)

@@ -211,7 +211,8 @@ def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
             return [-float(len(c[0]["content"])) for c in completions]
 
         steps = Steps()
-        trainer = GRPOTrainer(model=MODEL, reward_funcs=brief, args=GRPOConfig(ARGS, save_steps=1),
+        args = GRPOConfig(ARGS, save_steps=1, eval_strategy="steps", eval_steps=2)
+        trainer = GRPOTrainer(model=MODEL, reward_funcs=brief, args=args,
                               train_dataset=dataset, eval_dataset=dataset.select(range(2)), callbacks=[steps])
         trainer.train()
         metrics = trainer.evaluate()
@@ -225,7 +226,9 @@ def test_callbacks_system_prompt_evaluate_and_resume(tiny_model_dir, tmp_path):
         dataset=math_rows(system=True),
     )
     assert scope["steps"].steps == [1, 2]
-    assert "eval_rewards/brief/mean" in scope["metrics"] or any(k.startswith("eval_") for k in scope["metrics"])
+    assert scope["metrics"]["eval_brief/greedy"] <= 0  # evaluate(): the reward on greedy completions
+    evaluated = [r for r in logged(tmp_path) if any(k.startswith("eval/") for k in r)]
+    assert evaluated and evaluated[0]["step"] == 2  # eval_strategy="steps", eval_steps=2 during training
     assert scope["resumed"].global_step == 3
     assert [r["step"] for r in logged(tmp_path)][-1] == 3
 

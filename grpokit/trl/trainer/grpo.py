@@ -52,6 +52,7 @@ class GRPOTrainer:
             ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later],
             prog="GRPOTrainer",
             supplied_rewards=len(rewards),
+            supplied_eval=eval_dataset is not None,
         )
         cfg.training.resume_from_checkpoint = None  # train(resume_from_checkpoint=...) decides
         given = len(rewards)
