@@ -25,7 +25,7 @@ def test_trl_vllm_colocate_example(tiny128, tmp_path):
             return [-abs(6 - len(c[0]["content"])) for c in completions]
 
         args = GRPOConfig(ARGS, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
-                          vllm_max_model_length=512, bf16=False)
+                          vllm_max_model_length=512)
         trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=args, train_dataset=dataset)
         trainer.train()
     """,
