@@ -21,7 +21,6 @@ import asyncio
 import functools
 import inspect
 import json
-import re
 from collections import OrderedDict
 from typing import Any
 
@@ -31,75 +30,11 @@ from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoic
 from grpokit.rewards import trl_convention
 from grpokit.rollout.multi_turn import MultiTurnScheduler
 from grpokit.rollout.scheduler import RolloutScheduler, _tag
+from grpokit.trl.tool_calls import call_tool, parse_tool_calls, tool_methods, tool_schemas
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _KEEP_ENVIRONMENTS = 8192  # trajectories whose environment a reward may still ask for
 _ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 TRL_FIELDS = "trl_fields"  # rollout_infos key of rollout_func's extra fields
-
-
-def tool_methods(env: Any) -> list:
-    """An environment's tools, as TRL lists them: public functions of its class but reset and get_reward."""
-    return [
-        getattr(env, name)
-        for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
-    ]
-
-
-def tool_schemas(tools: list) -> list[dict]:
-    from transformers.utils import get_json_schema  # not at the top: transformers loads with the run
-
-    out = []
-    for tool in tools:
-        try:
-            out.append(get_json_schema(tool))
-        except Exception as e:  # noqa: BLE001 - transformers raises its own error types for undocumented tools
-            raise ConfigError(
-                f"GRPOTrainer(tools=[{getattr(tool, '__name__', tool)!r}]): no JSON schema can be made "
-                f"({str(e).splitlines()[0]}); give it type hints and a Google-style docstring "
-                "with an Args section"
-            ) from None
-    return out
-
-
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """The reply's tool calls as {"name", "arguments"}; None when it calls none. A block that is not a JSON call
-    object is a call of no tool (its error goes back to the model)."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except ValueError:
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append({"name": None, "arguments": {}, "raw": block[:200]})
-            continue
-        args = call.get("arguments") or {}
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = {"__unparsed__": args}
-        calls.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {}})
-    return calls or None
-
-
-async def call_tool(tools: dict, call: dict) -> tuple[str, Any, bool]:
-    """(name, result, failed): the tool's result, or ``{"error": ...}`` as TRL gives it back to the model."""
-    name = call["name"] or "unknown"
-    tool = tools.get(call["name"])
-    try:
-        if tool is None:
-            raise ValueError(f"Tool {name} not found." if call["name"] else f"not a tool call: {call.get('raw')}")
-        if "__unparsed__" in call["arguments"]:
-            raise ValueError("the arguments are not a JSON object")
-        result = tool(**call["arguments"])
-        if inspect.isawaitable(result):
-            result = await result
-        return name, result, False
-    except Exception as e:  # noqa: BLE001 - a tool's failure is the model's observation, as in TRL
-        return name, {"error": str(e)}, True
 
 
 class TrlToolScheduler(MultiTurnScheduler):
@@ -122,9 +57,12 @@ class TrlToolScheduler(MultiTurnScheduler):
             row = {k: v for k, v in request.data_dict.items() if k != CONVERSATIONAL_COLUMN}
             multi = list(self.factories) != [None]
             env = self.factories[row.pop("environment", None) if multi else None]()
-            observation = env.reset(**{"prompt": request.messages, **row})
-            if inspect.isawaitable(observation):
-                observation = await observation
+            try:
+                observation = env.reset(**{"prompt": request.messages, **row})
+                if inspect.isawaitable(observation):
+                    observation = await observation
+            except Exception as e:  # the user's environment: name it, one line
+                raise RolloutError(f"environment {type(env).__name__}.reset() raised {type(e).__name__}: {e}") from e
             if observation is not None:
                 last = request.messages[-1]
                 request.messages[-1] = {**last, "content": (last.get("content") or "") + str(observation)}
@@ -213,7 +151,11 @@ class RolloutFuncScheduler(RolloutScheduler):
         ]
         if getattr(self.owner, "processing_class", None) is None:
             self.owner.processing_class = self.tokenizer  # what a rollout_func tokenizes with
-        out = await asyncio.to_thread(self.rollout_func, prompts, self.owner)
+        try:
+            out = await asyncio.to_thread(self.rollout_func, prompts, self.owner)
+        except Exception as e:  # the user's function: name it, one line
+            name = getattr(self.rollout_func, "__name__", "rollout_func")
+            raise RolloutError(f"rollout_func {name}() raised {type(e).__name__}: {e}") from e
         fields = self._checked(out, len(prompts) * self.num_generations)
         outputs = []
         for k, group in enumerate(groups.values()):

@@ -167,3 +167,20 @@ def test_rollout_func_fills_each_group_and_forwards_its_fields():
     bad = RolloutFuncScheduler(None, rollout_func=lambda p, t: {"prompt_ids": []}, owner=owner, num_generations=2)
     with pytest.raises(RolloutError, match="must return a dict with prompt_ids, completion_ids, logprobs"):
         asyncio.run(bad.async_infer(group, RequestConfig()))
+
+
+def test_a_failing_environment_or_rollout_func_is_named_in_one_line():
+    class Broken:
+        def reset(self, **kwargs):
+            raise KeyError("target")
+
+    with pytest.raises(RolloutError, match=r"^environment Broken\.reset\(\) raised KeyError: 'target'$"):
+        run_one(scheduler(lambda req: "ok", tools=(), factories={None: Broken}), request(), max_tokens=50)
+
+    def my_rollout(prompts, trainer):
+        raise ValueError("server down")
+
+    owner = type("Owner", (), {"processing_class": object()})()
+    sched = RolloutFuncScheduler(None, rollout_func=my_rollout, owner=owner, num_generations=2)
+    with pytest.raises(RolloutError, match=r"^rollout_func my_rollout\(\) raised ValueError: server down$"):
+        asyncio.run(sched.async_infer([request()], RequestConfig()))
