@@ -76,6 +76,7 @@ class LossConfig:
     rollout_importance_sampling_mode: str | None = None  # vespo folds token-level rollout IS weights into its W
     real_tau: float = 0.5  # real: temperature of the in-group classification (ms-swift's default)
     num_generations: int | None = None  # real: group size; a micro-batch holds whole groups of consecutive rows
+    kl_bias_correction: bool = False  # KL × the (unclipped) importance ratio: unbiased off-policy (DeepSeek-V3.2)
 
 
 @dataclass
@@ -273,7 +274,8 @@ def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
                 f"--beta {cfg.beta} puts a KL term in the loss, which needs ref_logps; pass them or use --beta 0"
             )
         kl = k3_kl(logps, torch.where(keep, inp.ref_logps.detach().to(dtype), 0.0))  # [B, T]
-        per_token = per_token + cfg.beta * kl
+        # the ratio carries gradient: at ratio 1 (on-policy) the KL's gradient changes too, as in TRL
+        per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_bias_correction else kl)
     per_token = torch.where(keep, per_token, 0.0)  # [B, T]
     loss = normalize(per_token, mask, inp, cfg)
     return LossOut(loss=loss, metrics=_metrics(ratio, out.logged, kl, keep))

@@ -41,6 +41,7 @@ class ModelArguments:
     target_modules: list[str] = _opt(["all-linear"], "LoRA target modules (peft names, or all-linear)")
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
+    disable_dropout: bool = _opt(False, "every dropout of the policy and reference at p = 0 (TRL's disable_dropout)")
     # ms-swift names (issue 19)
     attn_impl: str | None = _opt(None, "attention implementation: sdpa, eager, flash_attn (= flash_attention_2, "
                                        "CUDA only), flash_attention_3, flex_attention; default: transformers' choice",
@@ -225,6 +226,9 @@ class AlgorithmArguments:
     overlong_filter: bool = _opt(False, "truncated completions contribute no loss")
     top_entropy_quantile: float = _opt(1.0, "train only the top-q highest-entropy tokens (global quantile)", gt=0, le=1)
     log_entropy: bool = _opt(False, "log token entropy")
+    kl_bias_correction: bool = _opt(False, "--beta: each token's KL times its importance ratio, the unbiased "
+                                           "reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's "
+                                           "use_bias_correction_kl)")
     rollout_importance_sampling_mode: str | None = _opt(
         None, "correct the rollout-vs-training mismatch with the engine's logprobs (ROLLOUT_IS_MODES)")
     rollout_importance_sampling_threshold: float = _opt(2.0, "rollout IS threshold C", ge=1)

@@ -156,7 +156,11 @@ def _load_yaml(path: str, parser) -> dict:
     return coerce_yaml(data, option_fields(ALL_GROUPS), where=f"--config {path}: ")
 
 
-def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train") -> TrainConfig:
+def parse_train_args(
+    argv: list[str] | None = None, prog: str = "grpokit train", supplied_rewards: int = 0, supplied_eval: bool = False
+) -> TrainConfig:
+    """``supplied_rewards``, ``supplied_eval``: reward callables and evaluation rows a Python caller gives besides
+    the options (TRL's API)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         _load_plugins_for_help(argv)
@@ -183,12 +187,9 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
     }
     groups = [g for g in groups if type(g) in ALL_GROUPS]
     cfg = TrainConfig(*groups, swift_options=swift)
-    check_fields(cfg)  # before resolve: an error names the option as given (--max_new_tokens, not its target)
+    check_fields(cfg)  # before the import below: a bad value answers without torch
     # imported here, not at the top: validation imports torch (through grpokit.algorithms), and `--help` above
     # must answer without it
-    from grpokit.config.resolve import resolve
-    from grpokit.config.validate import validate
+    from grpokit.config.checked import checked_config
 
-    cfg = resolve(cfg)
-    validate(cfg)
-    return cfg
+    return checked_config(cfg, supplied_rewards, supplied_eval)

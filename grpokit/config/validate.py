@@ -50,20 +50,21 @@ from grpokit.template.prompts import check_data_options
 logger = logging.getLogger(__name__)
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError naming the option, its value and the fix, for the first problem found. ms-swift's options
-    that grpokit warns about get their one line each here, on rank 0. ``cfg`` is not changed."""
+def validate(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = False) -> None:
+    """Raise ConfigError naming the option, its value and the fix, for the first problem found (ms-swift's options
+    warned about: one line each, rank 0). ``cfg`` is not changed. A caller's parts: ``supplied_rewards`` reward
+    callables besides --reward_funcs (counted by --reward_weights), ``supplied_eval`` evaluation rows."""
     check_fields(cfg)
     check_swift_options(cfg.swift_options, log=logger.warning)
     _check_swift_names(cfg)
-    _check_evaluation(cfg)
+    _check_evaluation(cfg, supplied_eval)
     _check_ref_sync(cfg)
     _real_loss_rules(cfg)
     check_chord_options(cfg)
     check_teacher_options(cfg)  # on-policy distillation (config/teacher_args.py)
     check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
     _check_rollout_modes(cfg)
-    _check_rewards(cfg)
+    _check_rewards(cfg, supplied_rewards)
     _check_paths(cfg)
     check_context(cfg)
     _check_sampling(cfg)
@@ -99,7 +100,8 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
                       vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
                       vespo_lambda_neg=a.vespo_lambda_neg,
                       rollout_importance_sampling_mode=a.rollout_importance_sampling_mode,
-                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations)
+                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations,
+                      kl_bias_correction=a.kl_bias_correction)
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
@@ -192,16 +194,17 @@ def _check_scheduler_name(name: str) -> None:
                           f"{', '.join(names)}")
 
 
-def _check_evaluation(cfg: TrainConfig) -> None:
+def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
     """--eval_steps / --eval_on_start need validation data: without it nothing would ever be evaluated."""
     t, d = cfg.training, cfg.data
+    val = d.val_dataset or d.split_dataset_ratio or supplied_eval
     asked = (f"--eval_steps {t.eval_steps}" if t.eval_steps else "--eval_on_start true" if t.eval_on_start
              else None)
-    if asked and not d.val_dataset and not d.split_dataset_ratio:
+    if asked and not val:
         raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
                           "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
     k = t.num_generations_eval
-    if k and not d.val_dataset and not d.split_dataset_ratio:
+    if k and not val:
         raise ConfigError(f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "
                           "FILE and --eval_steps N, or drop it")
     if k and (t.eval_strategy or t.save_strategy) == "no":  # unset, --eval_strategy follows --save_strategy
@@ -307,12 +310,12 @@ def _check_vllm_colocate(cfg: TrainConfig) -> None:
                           f"partition the weights and optimizer state themselves); drop it and use {instead}")
 
 
-def _check_rewards(cfg: TrainConfig) -> None:
+def _check_rewards(cfg: TrainConfig, supplied: int = 0) -> None:
     r, w = cfg.rollout, cfg.reward
     gym = r.multi_turn_scheduler in ("gym_scheduler", "OpenEnvScheduler", "openenv_scheduler")
     if w.reward_weights:
-        funcs = w.reward_funcs or ([] if (w.reward_model or gym) else ["accuracy"])
-        n = len(funcs) + len(w.reward_model) + int(gym)
+        funcs = w.reward_funcs or ([] if (w.reward_model or gym or supplied) else ["accuracy"])
+        n = len(funcs) + supplied + len(w.reward_model) + int(gym)
         if len(w.reward_weights) != n:
             order = "functions first, then models" + (", then gym_reward" if gym else "")
             raise ConfigError(f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "

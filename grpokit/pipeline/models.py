@@ -124,8 +124,9 @@ def seeded_weights(seed: int):
         yield
 
 
-def load_policy(margs: ModelArguments, beta: float, log=print):
-    """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref."""
+def load_policy(margs: ModelArguments, beta: float, log=print, peft_config=None):
+    """Returns (policy, tokenizer, ref_model or None). LoRA policies need no ref copy: the base is the ref.
+    ``peft_config``: a peft ``LoraConfig`` to apply as given, instead of one made from the --lora_* options."""
     path = resolve_model_path(margs, log=log)
     check_model_source(path)
     if margs.ref_model and beta != 0:
@@ -150,7 +151,7 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
         tokenizer = load_processor(path, tokenizer)
         freeze_vlm_parts(model, margs)
     if lora:
-        model = apply_lora(model, margs, vlm_targets(model, margs) if vlm else None)
+        model = apply_lora(model, margs, vlm_targets(model, margs) if vlm else None, peft_config)
     else:
         freeze_parameters(model, margs)
     ref = None
@@ -162,12 +163,27 @@ def load_policy(margs: ModelArguments, beta: float, log=print):
             margs.attn_impl,
         )
         ref.requires_grad_(False).eval()
+    if margs.disable_dropout:
+        disable_dropout(model, ref)
     return model, tokenizer, ref
 
 
-def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None):
+def disable_dropout(*models) -> None:
+    """--disable_dropout: every ``torch.nn.Dropout`` (LoRA's too) at p = 0, as TRL's disable_dropout_in_model."""
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+
+
+def apply_lora(model, margs: ModelArguments, vlm_linear: list[str] | None = None, peft_config=None):
     from peft import LoraConfig, get_peft_model
 
+    if peft_config is not None:  # the caller's own LoraConfig (TRL's peft_config), applied as given
+        try:
+            return get_peft_model(model, peft_config)
+        except ValueError as e:
+            raise ConfigError(f"peft_config: {str(e).splitlines()[0]}") from e
     targets = margs.target_modules
     if vlm_linear is not None and targets == ["all-linear"]:  # a VLM: all-linear of the parts that train
         targets = vlm_linear

@@ -153,13 +153,25 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
 
 class RunLock:
     """``output_dir/.grpokit.lock``: one run per folder. The file holds the owner's pid and host; a lock whose
-    pid is gone (on this host) is stale and taken over, a live one refuses the second run."""
+    pid is gone (on this host) is stale and taken over, a live one refuses the second run. A lock file naming this
+    very pid is a dead run's (a restarted container reuses pids) unless this process holds it now: a second run
+    in one process (two TRL-API trainers, a callback starting another) is refused too."""
+
+    _held_here: set[Path] = set()  # lock files this process holds
 
     def __init__(self, output_dir: str | Path) -> None:
         self.path = Path(output_dir) / LOCK_FILE
         self.held = False
 
     def acquire(self) -> None:
+        if self.path.resolve() in RunLock._held_here:
+            raise OutputDirError(
+                _in_use_line(
+                    self.path.parent,
+                    {"pid": os.getpid(), "host": socket.gethostname()},
+                    " (this process: another run in it)",
+                )
+            )
         me = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -186,6 +198,7 @@ class RunLock:
                 with os.fdopen(fd, "w") as f:
                     json.dump(me, f)
             self.held = True
+            RunLock._held_here.add(self.path.resolve())
             return
         raise OutputDirError(
             f"--output_dir {self.path.parent}: could not take {self.path} (another run keeps "
@@ -204,6 +217,7 @@ class RunLock:
         if not self.held:
             return
         self.held = False
+        RunLock._held_here.discard(self.path.resolve())
         owner = self._owner()
         if owner is not None and owner.get("pid") == os.getpid():
             with contextlib.suppress(OSError):
@@ -246,9 +260,9 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
-def _in_use_line(output_dir: Path, owner: dict) -> str:
+def _in_use_line(output_dir: Path, owner: dict, where: str = "") -> str:
     host = owner.get("host")
-    where = "" if host == socket.gethostname() else f" on host {host}"
+    where = where if host == socket.gethostname() else f" on host {host}"
     return (
         f"--output_dir {output_dir} is in use by pid {owner['pid']}{where}: wait for that run to end, stop it, "
         f"or choose another --output_dir (if it is gone, delete {output_dir / LOCK_FILE})"

@@ -441,45 +441,6 @@ def test_uncalled_ms_swift_method_is_refused_in_one_line(tiny_model_dir, math_js
     assert "_get_per_token_logps_and_entropies" in message
 
 
-def test_trl_quickstart_trains_two_steps(tiny_model_dir, tmp_path):
-    """TRL's quickstart with `from trl` renamed, the model folder and a datasets.Dataset local."""
-    from datasets import Dataset
-
-    quickstart = port(
-        textwrap.dedent("""
-        from trl import GRPOConfig, GRPOTrainer
-
-        def reward_len(completions, **kwargs):
-            return [-abs(20 - len(completion)) for completion in completions]
-
-        def run(model, dataset, output_dir):
-            training_args = GRPOConfig(output_dir=output_dir, logging_steps=1, max_steps=2, num_generations=4,
-                                       per_device_train_batch_size=4, max_completion_length=8, beta=0.0,
-                                       torch_dtype="float32", save_final_model=False, plots=False, disable_tqdm=True)
-            trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
-            return trainer.train()
-    """)
-    )
-    scope: dict = {}
-    exec(compile(quickstart, "quickstart.py", "exec"), scope)  # noqa: S102 - the test's own script
-    dataset = Dataset.from_list([{"prompt": f"Summarise: item {i} is on sale."} for i in range(8)])
-    state = scope["run"](str(tiny_model_dir), dataset, str(tmp_path / "trl"))
-    assert state.global_step == 2
-    rows = log_rows(tmp_path / "trl")
-    assert [r["step"] for r in rows] == [1, 2] and "rewards/reward_len/mean" in rows[0]
-
-
-def test_trl_field_grpokit_lacks_is_named():
-    from grpokit.errors import ConfigError
-    from grpokit.trl import GRPOConfig
-
-    with pytest.raises(ConfigError, match=r"GRPOConfig\(use_liger_loss=\.\.\.\): not supported"):
-        GRPOConfig(output_dir="x", use_liger_loss=True).flags()
-    with pytest.raises(ConfigError, match=r"GRPOConfig\(no_such_field=\.\.\.\)"):
-        GRPOConfig(output_dir="x", no_such_field=1).flags()
-    assert GRPOConfig(output_dir="x", mask_truncated_completions=True).flags()[-2:] == ["--overlong_filter", "true"]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs the deepspeed extra")
 def test_recipes_under_zero3_in_two_processes(tiny_model_dir, math_jsonl, tmp_path):
     """The forward, loss and advantage recipes in one trainer class, 2 processes, --deepspeed zero3: every

@@ -290,12 +290,21 @@ def test_the_lock_refuses_a_live_owner_and_takes_over_a_dead_or_torn_one(tmp_pat
     lock.release()
     assert not lock_path.exists()
     lock_path.write_text('{"pid": 12')  # a lock whose writer died mid-write
-    RunLock(tmp_path).acquire()
+    lock.acquire()
     assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    lock.release()
     # a live pid that started after the lock was written is another process (the pid was reused)
     lock_path.write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "start": -5}))
-    RunLock(tmp_path).acquire()
+    lock.acquire()
     assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    # held by this process: a second run in it is refused too (two TRL-API trainers on one folder)
+    with pytest.raises(OutputDirError, match=rf"in use by pid {os.getpid()} \(this process: another run in it\)"):
+        RunLock(tmp_path).acquire()
+    lock.release()
+    # a lock file naming this pid that no run here holds is a dead run's (a restarted container reuses pids)
+    lock_path.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    lock.acquire()
+    lock.release()
 
 
 # ----------------------------------------------------------------------------------------------------------

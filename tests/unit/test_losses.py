@@ -406,3 +406,22 @@ def test_registries_cover_every_loss_type():
     assert set(POLICY_LOSSES) == names and set(LOSS_NORMALIZERS) == names
     assert set(LOSS_CHECKS) <= names
     assert set(IS_LEVELS) == {"token", "sequence", "sequence_token"}
+
+
+def test_kl_bias_correction_weighs_each_tokens_kl_by_its_ratio():
+    # one token: π_old 0.5 → π 0.25 (ratio r = 0.5), reference 0.5; advantage 0, so only β·KL is left.
+    # k3 = e^(ref − logπ) − (ref − logπ) − 1 = 2 − ln 2 − 1 = 0.30685; TRL's use_bias_correction_kl: r · k3
+    k3 = 2 - LN(2) - 1
+
+    def loss(correct: bool) -> float:
+        inp = LossInputs(
+            logps=t([[LN(0.25)]]).requires_grad_(True),
+            old_logps=t([[LN(0.5)]]),
+            advantages=t([0.0]),
+            mask=t([[1.0]]),
+            ref_logps=t([[LN(0.5)]]),
+        )
+        return run(LossConfig(loss_type="grpo", beta=0.1, kl_bias_correction=correct), inp)[0].loss.item()
+
+    assert loss(False) == pytest.approx(0.1 * k3)
+    assert loss(True) == pytest.approx(0.1 * 0.5 * k3)
