@@ -5,18 +5,15 @@ recorded, the same two under ``/episodes/<id>/v1`` (the episode's key is its bea
 the server's one line in OpenAI's shape, ``{"error": {"message": line, "type": ..., "code": status}}``
 (``OpenAIErrors`` rewrites every error answer under ``/v1`` and ``/episodes``, the guard's 401/413 included), so
 the ``openai`` package puts the line in its exception's message. For the in-process engine the trainer starts
-``LocalEndpoint``: the episode routes only, on 127.0.0.1, uvicorn in a thread of its own. The body and the answer
-are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
+``LocalEndpoint``: the episode routes only, on 127.0.0.1, on the hardened transport (server/surface.py) in a thread
+of its own. The body and the answer are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
-import socket
-import threading
 
 from fastapi import FastAPI, HTTPException, Request
 
@@ -25,7 +22,8 @@ from grpokit.agents.episodes import Episode, EpisodeRecorder
 from grpokit.agents.service import ChatService
 from grpokit.errors import RolloutError
 from grpokit.server.errors import ErrorMiddleware, install_error_handlers
-from grpokit.server.guard import GuardMiddleware, GuardPolicy
+from grpokit.server.guard import GuardPolicy
+from grpokit.server.surface import BackgroundServer, hardened, shared_limits
 
 logger = logging.getLogger(__name__)
 LOCAL_BODY_BYTES = 32 << 20  # an episode's call: a long history, never images
@@ -145,42 +143,22 @@ def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddlew
     install_error_handlers(app)
     add_episode_routes(app, service, recorder)
     policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it
-    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, policy)))
+    return hardened(app, policy, OpenAIErrors)
 
 
 class LocalEndpoint:
-    """The episode routes over ``service`` on 127.0.0.1 (a free port), served by uvicorn in a daemon thread.
-    ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops it."""
+    """The episode routes over ``service`` on 127.0.0.1 (a free port), on the hardened transport in a daemon
+    thread of the trainer (server/surface.py). ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops
+    it."""
 
     def __init__(self, service: ChatService, recorder: EpisodeRecorder) -> None:
-        import uvicorn  # the rollout server's dependency; a run without --agent never starts one
-
         self.service, self.recorder = service, recorder
-        guarded = episode_app(service, recorder)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(guarded, log_level="warning", lifespan="off", timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # the trainer's process owns its signals
-        self._thread = threading.Thread(target=self._serve, name="grpokit-episodes", daemon=True)
-        self._thread.start()
-        for _ in range(2000):  # up to 20 s: the loop is up once uvicorn says so
-            if self._server.started or not self._thread.is_alive():
-                break
-            threading.Event().wait(0.01)
-        if not self._server.started:
-            raise RolloutError("the local OpenAI endpoint for --agent did not start (see the log above)")
-
-    def _serve(self) -> None:
-        asyncio.run(self._server.serve(sockets=[self._sock]))
+        self._server = BackgroundServer(episode_app(service, recorder), shared_limits(), name="grpokit-episodes")
+        self.port, self.url = self._server.port, self._server.url
 
     def base_url(self, episode: Episode) -> str:
         """The ``base_url`` of an episode's client."""
         return f"{self.url}/episodes/{episode.id}/v1"
 
     def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self._server.close()
