@@ -57,7 +57,7 @@ class RunOutputs:
         self._log = JsonlLog(self.output_dir / "logging.jsonl", enabled=main)
         self._completions = JsonlLog(self.output_dir / "completions.jsonl", enabled=main and args.log_completions)
         if [r for r in args.report_to if r != "none"]:
-            accelerator.init_trackers("grpokit", config={k: str(v) for k, v in flat_config.items()})
+            accelerator.init_trackers("grpokit", config={k: str(v) for k, v in self._flat.items()})
 
     # -- logs ------------------------------------------------------------------------------------------------
     def log(self, logs: dict) -> None:
