@@ -115,9 +115,9 @@ def run_view(rest: list[str]) -> None:
 
     print(write_report(args.output_dir, args.output, args.max_completion_steps), flush=True)
     if args.serve:
-        from grpokit.viewer.serve import serve
+        from grpokit.server.viewer_site import serve_viewer  # on the transport every grpokit surface has
 
-        serve(args.output_dir, port, args.max_completion_steps)
+        serve_viewer(args.output_dir, port, args.max_completion_steps)
 
 
 def _quiet_third_party() -> None:
