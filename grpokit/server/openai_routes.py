@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import secrets
 
 from fastapi import FastAPI, HTTPException, Request
 
@@ -27,6 +28,7 @@ from grpokit.server.surface import BackgroundServer, hardened, shared_limits
 
 logger = logging.getLogger(__name__)
 LOCAL_BODY_BYTES = 32 << 20  # an episode's call: a long history, never images
+UNKNOWN_KEY = secrets.token_urlsafe(32)  # compared against when the id names no episode
 
 
 def add_openai_routes(app: FastAPI, service: ChatService) -> None:
@@ -43,19 +45,20 @@ def add_openai_routes(app: FastAPI, service: ChatService) -> None:
 
 def add_episode_routes(app: FastAPI, service: ChatService, recorder: EpisodeRecorder) -> None:
     """``/episodes/<id>/v1/models`` and ``/episodes/<id>/v1/chat/completions``: the calls of one episode, each
-    recorded; the episode's key is the bearer token (401 otherwise), an unknown id 404, an ended one 410."""
+    recorded; the episode's key is the bearer token: an unknown id and a wrong key get the same 401."""
 
     def episode_of(episode_id: str, request: Request) -> Episode:
+        """The open episode that this id and key name; one answer when either is wrong (nobody can tell an id
+        that exists from one that does not)."""
         episode = recorder.get(episode_id)
-        if episode is None:
-            raise HTTPException(
-                404, f"no open episode {episode_id[:40]!r}: episodes are reached only while their agent runs"
-            )
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), episode.key.encode()):
+        key = episode.key if episode is not None else UNKNOWN_KEY  # the same comparison either way
+        matches = hmac.compare_digest(token.strip().encode(), key.encode())
+        if episode is None or scheme.lower() != "bearer" or not matches:
             raise HTTPException(
                 401,
-                "missing or wrong episode key: use the client the agent was given (its api_key is the episode's key)",
+                "no open episode with this id and key: episodes are reached only while their agent runs, with the "
+                "client the agent was given (its base_url and api_key)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return episode

@@ -7,6 +7,14 @@ from grpokit.engines.base import InferEngine
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 
 
+def tiny_template(model_dir, **kwargs):
+    """The tiny model's chat template (``kwargs``: ChatTemplate's, e.g. ``max_length``)."""
+    from grpokit.modeling import load_tokenizer  # not at the top: only the tests that render load a tokenizer
+    from grpokit.template.encode import ChatTemplate
+
+    return ChatTemplate(load_tokenizer(model_dir), **kwargs)
+
+
 class EchoEngine(InferEngine):
     """Answers each call with ``ack <the last message's content>`` (or a scripted text), on the planned ids."""
 
