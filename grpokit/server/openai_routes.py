@@ -17,12 +17,14 @@ import logging
 import secrets
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from grpokit.agents.chat import ChatBody, ChatError, models_answer
 from grpokit.agents.episodes import Episode, EpisodeRecorder
 from grpokit.agents.service import ChatService
 from grpokit.errors import RolloutError
-from grpokit.server.errors import ErrorMiddleware, install_error_handlers
+from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
+from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardPolicy
 from grpokit.server.surface import BackgroundServer, hardened, shared_limits
 
@@ -31,16 +33,24 @@ LOCAL_BODY_BYTES = 32 << 20  # an episode's call: a long history, never images
 UNKNOWN_KEY = secrets.token_urlsafe(32)  # compared against when the id names no episode
 
 
-def add_openai_routes(app: FastAPI, service: ChatService) -> None:
-    """``/v1/models`` and ``/v1/chat/completions`` on ``app`` (the server's guard applies its API key)."""
+def add_openai_routes(app: FastAPI, service: ChatService, state=None) -> None:
+    """``/v1/models`` and ``/v1/chat/completions`` on ``app`` (the server's guard applies its API key). With the
+    server's ``state``, a call's ``n`` sequences count against --max_inflight_requests and a call whose client
+    disconnects is cancelled, as on ``/infer/`` (server/calls.py)."""
 
     @app.get("/v1/models")
     async def models() -> dict:
         return models_answer(service.model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody) -> dict:
-        return await _served(service, body, None)
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatBody, request: Request) -> dict | JSONResponse:
+        if state is None:
+            return await _served(service, body, None)
+        with admitted(state, body.n):
+            answer = await until_disconnect(request, _served(service, body, None))
+        if answer is None:
+            return JSONResponse(error_body("the client disconnected; its call was cancelled"), status_code=CLIENT_GONE)
+        return answer
 
 
 def add_episode_routes(app: FastAPI, service: ChatService, recorder: EpisodeRecorder) -> None:

@@ -194,6 +194,8 @@ def test_too_many_requests_per_call_and_in_flight():
     state.inflight = 15  # max_inflight_requests defaults to 4 x 4 = 16: two more do not fit
     resp = client.post("/infer/", json={"requests": [_req("a"), _req("b")]})
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    resp = client.post("/v1/chat/completions", json={"model": "m", "messages": [_req("a")["messages"][0]], "n": 2})
+    assert resp.status_code == 429 and "--max_inflight_requests" in resp.json()["error"]["message"]  # /v1 too
     state.inflight = 0
     assert client.post("/infer/", json={"requests": [_req("a"), _req("b")]}).status_code == 200
 

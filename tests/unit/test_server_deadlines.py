@@ -77,7 +77,15 @@ def _raw_post(port: int, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypatch):
+COUNT = [{"role": "user", "content": "count"}]
+LONG_CALLS = {  # every generation route: a call that would sample 1,000 tokens
+    "/infer/": {"requests": [{"messages": COUNT}], "request_config": {"max_tokens": 1000, "temperature": 1.0}},
+    "/v1/chat/completions": {"model": "m", "messages": COUNT, "max_tokens": 1000, "temperature": 1.0},
+}
+
+
+@pytest.mark.parametrize("path", list(LONG_CALLS))
+def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypatch, path):
     state, url, port = served
     engine = state.engine
     probe = _Probe(engine.template.eos_token_id)
@@ -92,15 +100,9 @@ def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypa
             finished.set()
 
     monkeypatch.setattr(engine, "infer", infer)
-    sock = _raw_post(
-        port,
-        "/infer/",
-        {
-            "requests": [{"messages": [{"role": "user", "content": "count"}]}],
-            "request_config": {"max_tokens": 1000, "temperature": 1.0},
-        },
-    )
+    sock = _raw_post(port, path, LONG_CALLS[path])
     assert probe.decoding.wait(30), "generation did not start"
+    assert state.inflight == 1  # counted against --max_inflight_requests while it runs
     sock.close()  # the client goes away mid-generation
     assert finished.wait(1.0), "the engine was still generating 1 s after the client disconnected"
     assert probe.steps < 900
