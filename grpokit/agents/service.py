@@ -108,6 +108,7 @@ class ChatService:
                 if body.logprobs and len(lps) == len(c.token_ids)
                 else None,
                 "token_ids": list(c.token_ids),
+                "weight_versions": c.weight_versions,  # per token, the weight version that sampled it (None: unknown)
             }
             choices.append(choice)
             records.append(ChoiceRecord(list(c.token_ids), lps, text, c.finish_reason, reply))

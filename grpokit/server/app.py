@@ -281,10 +281,14 @@ def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
         state.engine.pause_for_update()
     try:
         with state.engine.lock:  # sampling waits until every bucket is in
-            loaded = state.receiver.receive(body, state.engine.load_weights)
+            try:
+                loaded = state.receiver.receive(body, state.engine.load_weights)
+            except BaseException:  # some tensors may be new: no version describes them (server/calls.py: 503)
+                state.engine.weights_incomplete = True
+                raise
+            state.engine.weights_incomplete = False
             state.engine.reset_prefix_cache()
-            if body.version is not None:  # what the server's samples are tagged with from now on
-                state.engine.set_policy_version(body.version)
+            state.engine.set_policy_version(body.version)  # the samples' tag from now on; None: unknown
             return loaded
     finally:
         if pausing:  # loaded or not: paused rows continue (on the new weights when they came)

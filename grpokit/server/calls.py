@@ -1,6 +1,7 @@
 """Per-call controls every generation route of the rollout server shares (``/infer/``, ``/v1/chat/completions``):
-the sequences a call asks for are counted against ``--max_inflight_requests`` (429 past it), and a call whose
-client disconnects is cancelled (its rows stop at the next token)."""
+the sequences a call asks for are counted against ``--max_inflight_requests`` (429 past it), nothing is sampled
+after a weight update that failed halfway until a complete one arrives (503), and a call whose client
+disconnects is cancelled (its rows stop at the next token)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads 
 def admitted(state, n: int) -> Iterator[None]:
     """``n`` more sequences in flight on ``state`` while inside; 429 (Retry-After) when they would pass
     ``--max_inflight_requests``."""
+    if getattr(state.engine, "weights_incomplete", False):
+        raise HTTPException(
+            503,
+            "a weight update failed halfway: the served weights are no version the trainer sent; sampling "
+            "resumes once a complete update arrives (the trainer re-creates the weight-sync group)",
+            headers={"Retry-After": "5"},
+        )
     limit = state.options.max_inflight_requests
     if state.inflight + n > limit:
         raise HTTPException(
