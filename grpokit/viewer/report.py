@@ -99,6 +99,8 @@ def completions_by_step(path: Path, limit: int, skipped: Skipped) -> tuple[dict[
     """The completion rows of at most ``limit`` steps (``chosen_steps``) and the number of steps logged, in two
     streamed passes: the steps and each row's offset first, then only the chosen rows, up to ``MAX_SHOWN_BYTES``
     of them. Memory is bounded by what the page shows, not by the file."""
+    if not path.is_file():
+        return {}, 0
     offsets: dict[int, list[int]] = {}
     for offset, line in _lines(path):
         row = _row(line) if line else None

@@ -58,6 +58,11 @@ def test_report_data_is_json_safe_and_bounded(tmp_path):
     assert (run / "report.html").read_text() == html
 
 
+def test_a_run_without_completions_has_a_page(tmp_path):
+    (tmp_path / "logging.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # --log_completions false
+    assert report_data(tmp_path)["completion_steps"] == {"logged": 0, "shown": 0, "limit": 100}
+
+
 def test_report_refuses_a_folder_that_is_no_run(tmp_path):
     with pytest.raises(ConfigError, match="is not a folder"):
         report_data(tmp_path / "missing")
