@@ -1,12 +1,15 @@
 """What one agent episode may cost, over the episode routes of a real ``LocalEndpoint`` and a fake fast engine:
 budgets checked before the engine works, every prompt (a call continuing earlier replies included) bounded by
 --max_length and the model's context before it is tokenized, tokenizing off the endpoint's event loop, unguessable
-ids with one answer for an unknown id and a wrong key, and JSON text in tool calls that no parser can choke on."""
+ids with one answer for an unknown id and a wrong key, JSON text in tool calls that no parser can choke on, and
+an agent blocking the event loop noticed."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -176,3 +179,17 @@ def test_json_text_in_tool_calls_is_a_parse_failure_never_a_500(tiny_model_dir):
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def test_an_agent_blocking_the_event_loop_is_noticed_in_the_log(template, caplog, monkeypatch):
+    monkeypatch.setattr("grpokit.agents.runner.BLOCKED_S", 0.3)
+
+    async def agent(client, row):
+        await client.chat.completions.create(model="m", messages=row["messages"])
+        time.sleep(1.0)  # synchronous: nothing else on the loop runs meanwhile
+        return 1.0
+
+    with caplog.at_level(logging.WARNING, logger="grpokit.agents.runner"):
+        _, (out,) = _episodes(EchoEngine(template), agent)
+    assert out.rollout_infos["agent_status"] == "done"
+    assert any("held the event loop" in r.getMessage() and "'agent'" in r.getMessage() for r in caplog.records)
