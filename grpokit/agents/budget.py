@@ -24,7 +24,7 @@ MAX_EXTRA_CHARS = 65536  # a message's fields beside role and content, as the ro
 @dataclass(frozen=True)
 class EpisodeBudget:
     calls: int = 64
-    trajectories: int = 16  # rows of the training batch one episode may bring (choices that extend nothing)
+    trajectories: int = 8  # rows of the training batch one episode may bring (choices that extend nothing)
     tokens: int = 1 << 20  # prompt tokens plus n x max_tokens, over every call
     retained_chars: int = 32 << 20  # characters of the messages kept for the transcript, over every call
 
