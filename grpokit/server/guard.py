@@ -65,6 +65,23 @@ class GuardPolicy:
     item_hints: dict[str, str] = field(default_factory=dict)  # per path: why its budget is what it is
 
 
+def _cross_site(headers: dict[bytes, bytes], hosts: HostPolicy) -> tuple[int, str, list] | None:
+    """A refusal of a request a web page of another site sent: its ``Origin`` (421), or, for a plain GET that
+    carries none, the browser's ``Sec-Fetch-Site`` (403)."""
+    origin = headers.get(b"origin")
+    if origin is not None and not hosts.allows_origin(origin):
+        return (
+            MISDIRECTED,
+            f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the server takes no requests from web "
+            "pages of other sites",
+            [CLOSE],
+        )
+    site = headers.get(b"sec-fetch-site", b"").strip().lower()
+    if site in (b"cross-site", b"same-site"):
+        return 403, f"Sec-Fetch-Site {site.decode('latin-1')}: no requests from web pages of other sites", [CLOSE]
+    return None
+
+
 class GuardMiddleware:
     """Applies a ``GuardPolicy`` to every HTTP request (module docstring)."""
 
@@ -116,19 +133,9 @@ class GuardMiddleware:
                 ),
                 [CLOSE],
             )
-        origin = headers.get(b"origin")
-        if origin is not None and not hosts.allows_origin(origin):
-            return (
-                MISDIRECTED,
-                (
-                    f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server "
-                    "takes no requests from web pages of other sites"
-                ),
-                [CLOSE],
-            )
-        site = headers.get(b"sec-fetch-site", b"").strip().lower()
-        if site in (b"cross-site", b"same-site"):  # a browser says another site's page sent it (no Origin on a GET)
-            return 403, f"Sec-Fetch-Site {site.decode('latin-1')}: no requests from web pages of other sites", [CLOSE]
+        cross = _cross_site(headers, hosts)
+        if cross is not None:
+            return cross
         coding = headers.get(b"content-encoding", b"identity").strip().lower()
         if coding not in (b"", b"identity"):  # a compressed body would decode past every size budget
             return 415, f"Content-Encoding {coding[:32].decode('latin-1')!r}: send the body uncompressed", [CLOSE]
