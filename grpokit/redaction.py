@@ -4,11 +4,13 @@ An option is secret when a word of its name (split at ``_``, ``-`` and ``.``) is
 ``hub_token``, ``wandb_password``, ``client_secret``; not ``max_tokens``), wherever its value came from (a flag, a
 YAML file, the environment). Its value becomes ``REDACTED``, as does the password of a URL (``http://u:pw@host``)
 in any value, and any value that equals a secret environment variable's (``*_KEY``, ``*_TOKEN``, ... of 8 or more
-characters). Nested dicts and lists are walked.
+characters). Nested dicts and lists are walked. The command line's log handlers get ``RedactingFilter``, which does
+the same to every log line, the run's secret option values included.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -57,3 +59,37 @@ def redacted(value: Any, secrets: frozenset[str] | None = None, _depth: int = 0)
     if isinstance(value, str):
         return redact_text(value, secrets)
     return value
+
+
+_known: set[str] = set()  # values of secret options of this process's run (remember_secrets)
+
+
+def remember_secrets(options: dict) -> None:
+    """Keep the values of ``options``' secret options (a flag or YAML key the environment does not hold) so that
+    the log filter redacts them too."""
+    for k, v in options.items():
+        if is_secret_name(k) and isinstance(v, str) and len(v) >= 4:
+            _known.add(v)
+
+
+class RedactingFilter(logging.Filter):
+    """A log handler's filter: every record's message with URL passwords, secret environment values and the run's
+    secret option values replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.env = env_secrets()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        shown = redact_text(message, self.env | frozenset(_known))
+        if shown != message:
+            record.msg, record.args = shown, None
+        return True
+
+
+def install_log_redaction() -> None:
+    """Put a ``RedactingFilter`` on every handler of the root logger (once)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from grpokit.errors import GrpokitError
+from grpokit.redaction import install_log_redaction
 
 USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
+    install_log_redaction()  # no key or token in a log line (grpokit/redaction.py)
     if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
         _quiet_third_party()
 
