@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from grpokit.agents.chat import ChatError
+from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
 
 MAX_EXTRA_CHARS = 65536  # a message's fields beside role and content, as the rollout server bounds them
 
@@ -60,8 +61,10 @@ def message_chars(messages: list[dict]) -> tuple[int, int]:
     for i, m in enumerate(messages):
         text = m.get("content")
         content += len(text) if isinstance(text, str) else 0
-        extra = {k: v for k, v in m.items() if k not in ("role", "content")}
+        extra = {k: v for k, v in m.items() if k not in ("role", "content", TOOLS_KEY, KWARGS_KEY)}
         size = len(json.dumps(extra, ensure_ascii=False)) if extra else 0
+        carried = sum(len(m[k]) for k in (TOOLS_KEY, KWARGS_KEY) if isinstance(m.get(k), str))  # the call's tools
+        total += carried  # (bounded by the body's own limits: 128 tools)
         if size > MAX_EXTRA_CHARS:
             raise ChatError(
                 413,

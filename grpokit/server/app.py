@@ -346,6 +346,7 @@ def _add_check_route(app: FastAPI, state: ServerState) -> None:
                 PROBING.reset(token)
 
         try:
-            return await asyncio.to_thread(run)
+            with admitted(state, 1):  # counted like any generation (and refused on incomplete weights)
+                return await asyncio.to_thread(run)
         except ValueError as e:  # includes ConfigError: e.g. a prompt longer than the context
             raise HTTPException(400, f"{type(e).__name__}: {e}") from e
