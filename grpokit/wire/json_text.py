@@ -54,7 +54,7 @@ def loads(
             raise JsonTextError(f"{what}: not UTF-8 (byte {e.start})") from None
     deepest = depth(text)
     if deepest > max_depth:
-        raise JsonTextError(f"{what}: nested {deepest} levels deep (at most {max_depth})")
+        raise JsonTextError(f"{what}: nests deeper than {max_depth} levels ({deepest})")
     try:
         return json.loads(text, parse_int=_number(int, max_number_chars), parse_float=_number(float, max_number_chars))
     except JsonTextError as e:
