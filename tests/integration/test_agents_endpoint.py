@@ -59,6 +59,7 @@ def test_chat_completions_with_n_and_logprobs(rollout_v1):
     assert [c.index for c in r.choices] == [0, 1, 2]
     for c in r.choices:
         ids = c.model_extra["token_ids"]  # grpokit's extra field: the sampled ids
+        assert c.model_extra["weight_versions"] is None  # no update has carried a version yet: unknown
         assert 1 <= len(ids) <= 6 and len(c.logprobs.content) == len(ids)
         assert all(t.logprob <= 0 for t in c.logprobs.content)
         assert c.finish_reason in ("stop", "length") and c.message.role == "assistant"

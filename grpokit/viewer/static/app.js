@@ -3,7 +3,7 @@
    reloads ./data.json when the run has written more. No network beyond that server, nothing else fetched. */
 (function () {
   "use strict";
-  let DATA = checked(JSON.parse(document.getElementById("grpokit-data").textContent));
+  let DATA = null; // the inlined data, type-checked (checked() below) before the first render
   const LIVE = document.body.dataset.live === "1";
   const state = { step: null, filter: "all", sort: "group", search: "", colour: "logprob", follow: true };
   const charts = [];
@@ -333,6 +333,7 @@
     renderStep();
   }
 
+  DATA = checked(JSON.parse(document.getElementById("grpokit-data").textContent));
   document.body.append(el("div", { id: "page" }));
   render();
 
