@@ -24,11 +24,12 @@ from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.bodies import InferBody, ProbeBody
 from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
-from grpokit.server.guard import GuardMiddleware, GuardPolicy
+from grpokit.server.guard import GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.state import ServerState
+from grpokit.server.surface import hardened
 from grpokit.server.weight_sync import RendezvousBusy, check_held
 from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import CheckWeightsBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
@@ -68,7 +69,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
             state,  # /v1 counted against --max_inflight_requests and cancelled on disconnect, like /infer/
         )
     _add_check_route(app, state)
-    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
+    return hardened(app, guard_policy(state), OpenAIErrors)  # every surface's layers (/v1: OpenAI's error shape)
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:

@@ -63,6 +63,7 @@ class GuardPolicy:
     max_json_string: int = 24 << 20  # characters of one JSON string (a base64 image at --max_image_mb fits)
     path_items: dict[str, int] = field(default_factory=dict)
     item_hints: dict[str, str] = field(default_factory=dict)  # per path: why its budget is what it is
+    host_hint: str = ", or start grpokit rollout with --allowed_hosts NAME"  # how to allow another Host ("": none)
 
 
 def _cross_site(headers: dict[bytes, bytes], hosts: HostPolicy) -> tuple[int, str, list] | None:
@@ -129,7 +130,7 @@ class GuardMiddleware:
                 MISDIRECTED,
                 (
                     f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
-                    "connect by one of those, or start grpokit rollout with --allowed_hosts NAME"
+                    f"connect by one of those{self.policy.host_hint}"
                 ),
                 [CLOSE],
             )

@@ -155,7 +155,7 @@ def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddlew
     )
     install_error_handlers(app)
     add_episode_routes(app, service, recorder)
-    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it
+    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES, host_hint=" (the endpoint is local only)")
     return hardened(app, policy, OpenAIErrors)
 
 

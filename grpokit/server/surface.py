@@ -3,9 +3,9 @@ trainer's OpenAI endpoint for ``--agent`` (``LocalEndpoint``) and the viewer's `
 
 A surface is an ASGI application handed to ``hardened``, which puts the guard (server/guard.py: Host and cross-site
 checks, API key, body and parsed-size budgets) and the error net (server/errors.py: one JSON error shape, never a
-connection dropped by an exception) around it, and served by ``serve`` (in the foreground: a command's whole process) or
-``BackgroundServer`` (a thread of a process that does other work, such as the trainer's), both on the guarded
-transport (server/transport.py: phase deadlines answered with 408, a connection cap below the descriptor limit,
+connection dropped by an exception) around it, and served by ``serve`` (in the foreground: a command's whole
+process) or ``BackgroundServer`` (a thread of a process that does other work, such as the trainer's), both on the
+guarded transport (server/transport.py: phase deadlines answered with 408, a connection cap below the descriptor limit,
 throttled accept errors). A surface of a process with files of its own to write (the trainer's checkpoints and
 logs) gets at most half of the descriptors left (``shared_limits``).
 """

@@ -124,7 +124,7 @@ def _error(message: str) -> bytes:
 
 def viewer_app(site: ViewerSite):
     """The site behind the guard every surface has: loopback Host names only, no cross-site requests, no body."""
-    return hardened(site, GuardPolicy(api_key=None, max_body_bytes=0))
+    return hardened(site, GuardPolicy(api_key=None, max_body_bytes=0, host_hint=" (the viewer is local only)"))
 
 
 def start(output_dir: Path, port: int, max_completion_steps: int = MAX_COMPLETION_STEPS) -> BackgroundServer:
