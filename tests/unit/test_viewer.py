@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from contextlib import nullcontext
@@ -19,7 +20,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutInferRequest, RolloutOutput
-from grpokit.server.viewer_site import start
+from grpokit.server.viewer_site import ViewerSite, start
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows, thumbnail, token_pieces
 from grpokit.trainers.outputs import CompletionLimits
@@ -172,6 +173,36 @@ def test_a_page_that_cannot_be_built_is_an_http_error_and_no_temporary_file_is_l
     with pytest.raises(RuntimeError):
         write_report(run)
     assert not list(run.glob("*.tmp"))
+
+
+def test_one_build_per_version_however_many_requests(tmp_path, monkeypatch):
+    run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], [])
+    server = start(run, 0)
+    builds, release = [], threading.Event()
+    original = ViewerSite.build
+
+    def slow_build(self):
+        builds.append(1)
+        release.wait(30)  # every request below arrives while this build runs
+        return original(self)
+
+    monkeypatch.setattr(ViewerSite, "build", slow_build)
+    try:
+        with (run / "logging.jsonl").open("a") as f:
+            f.write('{"step": 2, "loss": 0.5}\n')  # a new version
+        answers = []
+        fetch = lambda: answers.append(_get(server.url + "/data.json")[0])  # noqa: E731 - a thread's target
+        callers = [threading.Thread(target=fetch) for _ in range(8)]
+        for t in callers:
+            t.start()
+        threading.Event().wait(0.5)
+        release.set()
+        for t in callers:
+            t.join(30)
+        assert answers == [200] * 8 and len(builds) == 1  # joined, not repeated
+        assert _get(server.url + "/")[0] == 200 and len(builds) == 1  # cached until the files change
+    finally:
+        server.close()
 
 
 def _broken(*args, **kwargs):
