@@ -3,9 +3,11 @@ takes them, the tool-call parser, and the answer.
 
 Tool calls are parsed in the Hermes / Qwen2.5 format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 blocks in the completion become the message's ``tool_calls`` (OpenAI's shape: ``arguments`` as JSON text) and are
-taken out of its ``content``. A block whose JSON does not parse, or has no string ``name``, stays in the content
-as text. ``tools`` reach the prompt as the tokenizer's chat template renders them (its ``tools=`` argument, carried
-on the first message: ``grpokit.template.carry``), as ``--agent_template`` unset does for datasets.
+taken out of its ``content``. A block whose JSON does not parse within the bounds of ``grpokit.wire.json_text``
+(nesting, number length), or has no string ``name``, stays in the content as text; a message's
+``tool_calls[].function.arguments`` that are not such JSON reach the template as text. ``tools`` reach the prompt
+as the tokenizer's chat template renders them (its ``tools=`` argument, carried on the first message:
+``grpokit.template.carry``), as ``--agent_template`` unset does for datasets.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from grpokit.protocol import (
     new_id,
 )
 from grpokit.template.carry import attach
+from grpokit.wire.json_text import JsonTextError, loads
 
 MAX_CHOICES = 64  # n of one call: every choice is a trajectory the trainer may keep
 MAX_TOOLS = 128
@@ -183,9 +186,9 @@ def _template_tool_calls(calls: Any, i: int) -> list[dict]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                pass  # the template renders the text as it came
+                args = loads(args, what="arguments") if args.strip() else {}
+            except JsonTextError:
+                pass  # not JSON within the bounds (deep, a huge number): the template renders the text as it came
         out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
     return out
 
@@ -210,8 +213,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
+            obj = loads(m.group(1), what="tool call")
+        except JsonTextError:  # not JSON within the bounds: the block stays in the content as text
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue

@@ -20,8 +20,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpokit.agents.budget import EpisodeBudget, Usage
 from grpokit.errors import RolloutError
-from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput, new_id
+from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutOutput
 
 STATUSES = ("running", "done", "failed", "timeout")
 
@@ -48,11 +49,14 @@ class CallRecord:
 
 @dataclass
 class Episode:
-    """One agent run: its session (``id``, ``key``), the dataset row, the calls, the outcome."""
+    """One agent run: its session (``id``, ``key``), the dataset row, the calls, the outcome, and what it may
+    still cost (``budget``, ``usage``: grpokit/agents/budget.py)."""
 
     row: dict
-    id: str = field(default_factory=new_id)
-    key: str = field(default_factory=lambda: secrets.token_hex(16))
+    id: str = field(default_factory=lambda: secrets.token_urlsafe(18))  # unguessable: nobody can list episodes
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    budget: EpisodeBudget = field(default_factory=EpisodeBudget)
+    usage: Usage = field(default_factory=Usage, repr=False)
     calls: list[CallRecord] = field(default_factory=list)
     reward: float | None = None
     status: str = "running"
@@ -153,12 +157,13 @@ class EpisodeRecorder:
     """The open sessions: an episode is reached by its id (``/episodes/<id>/v1``) with its key as the bearer
     token; it ends when its agent returns, raises or times out, after which its calls are refused (410)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: EpisodeBudget | None = None) -> None:
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
+        self.budget = budget or EpisodeBudget()
 
     def open(self, row: dict, prompt_id: str = "", request_id: str = "") -> Episode:
-        episode = Episode(row=row, prompt_id=prompt_id, request_id=request_id)
+        episode = Episode(row=row, prompt_id=prompt_id, request_id=request_id, budget=self.budget)
         with self._lock:
             self._episodes[episode.id] = episode
         return episode

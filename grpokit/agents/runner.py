@@ -3,7 +3,8 @@
 ``endpoint`` is anything with a ``recorder`` (an ``EpisodeRecorder``) and ``base_url(episode)``: the trainer's
 ``grpokit.server.openai_routes.LocalEndpoint``. An agent's exception or timeout ends its episode as ``failed`` or
 ``timeout`` (reward 0, nothing of it trained), never the run. An agent that blocks the event loop (a synchronous
-``time.sleep``, a blocking socket) cannot be cut off: agents must await their I/O.
+``time.sleep``, a blocking socket) cannot be cut off: agents must await their I/O; ``LoopWatch`` warns in the
+log when one does not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import logging
 import math
 import numbers
+import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ from grpokit.agents.episodes import Episode
 
 logger = logging.getLogger(__name__)
 AgentFn = Callable[[Any, dict], Awaitable[float | None]]
+BLOCKED_S = 2.0  # the event loop not turning for this long is an agent's blocking code
 
 
 def episode_client(endpoint, episode: Episode, timeout: float | None = None):
@@ -84,4 +88,49 @@ async def run_episodes(
         async with gate:
             return await run_episode(agent_fn, row, endpoint, timeout=timeout, prompt_id=pid, request_id=rid)
 
-    return list(await asyncio.gather(*(one(r, p, q) for r, (p, q) in zip(rows, ids, strict=True))))
+    async with LoopWatch(getattr(agent_fn, "__name__", "agent")):
+        return list(await asyncio.gather(*(one(r, p, q) for r, (p, q) in zip(rows, ids, strict=True))))
+
+
+class LoopWatch:
+    """Notices an agent that blocks the event loop the episodes run on (a synchronous ``time.sleep``, a blocking
+    socket, heavy CPU work): a task on the loop beats every ``limit_s / 4``, a thread of its own watches the beat,
+    and a beat later than ``limit_s`` is logged once per stall, as a warning naming the agent."""
+
+    def __init__(self, name: str, limit_s: float | None = None) -> None:
+        self.name, self.limit_s = name, limit_s or BLOCKED_S
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+        self.stalls = 0
+
+    async def _beating(self) -> None:
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(self.limit_s / 4)
+
+    def _watching(self) -> None:
+        warned_at = None
+        while not self._stop.wait(self.limit_s / 4):
+            beat = self._beat
+            if time.monotonic() - beat > self.limit_s and warned_at != beat:
+                warned_at = beat
+                self.stalls += 1
+                logger.warning(
+                    "agent %r held the event loop for over %g s: episode timeouts cannot fire and other "
+                    "episodes wait meanwhile; await I/O (asyncio.sleep, async clients) or run blocking code "
+                    "with asyncio.to_thread",
+                    self.name,
+                    self.limit_s,
+                )
+
+    async def __aenter__(self) -> LoopWatch:
+        self._beat = time.monotonic()
+        self._task = asyncio.ensure_future(self._beating())
+        self._thread = threading.Thread(target=self._watching, name="grpokit-agent-loop-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        self._task.cancel()
+        self._thread.join(timeout=5)

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from grpokit.agents import agents
+from grpokit.agents.budget import EpisodeBudget
 from grpokit.agents.engine import EpisodeEngine
 from grpokit.agents.episodes import EpisodeRecorder, episode_outputs
 from grpokit.agents.runner import AgentFn, run_episodes
@@ -61,12 +62,19 @@ class AgentScheduler(RolloutScheduler):
     uses_env_reward = True  # the agent's return value is the gym_reward column
 
     def __init__(
-        self, agent_fn: AgentFn, *, serve: Callable, concurrency: int = 64, timeout: float = 600.0, infer_engine=None
+        self,
+        agent_fn: AgentFn,
+        *,
+        serve: Callable,
+        concurrency: int = 64,
+        timeout: float = 600.0,
+        infer_engine=None,
+        budget: EpisodeBudget | None = None,
     ) -> None:
         super().__init__(infer_engine)
         self.agent_fn, self.serve = agent_fn, serve
         self.concurrency, self.timeout = concurrency, timeout
-        self.recorder = EpisodeRecorder()
+        self.recorder = EpisodeRecorder(budget)  # what each episode may cost (grpokit/agents/budget.py)
         self.endpoint = None
         self.service: ChatService | None = None
         self.windows = 0  # rollouts started: the policy version an episode's calls are recorded with
@@ -95,8 +103,14 @@ class AgentScheduler(RolloutScheduler):
                 raise ConfigError(
                     "AgentScheduler has no engine: the trainer sets infer_engine before the first rollout"
                 )
+            engine = EpisodeEngine.over(self.infer_engine)
             self.service = ChatService(
-                EpisodeEngine.over(self.infer_engine), SERVED_MODEL_NAME, config, version=lambda: self.windows - 1
+                engine,
+                SERVED_MODEL_NAME,
+                config,
+                version=lambda: self.windows - 1,
+                context=model_context(engine),
+                max_prompt=getattr(engine.template, "max_length", None),
             )
             self.endpoint = self.serve(self.service, self.recorder)
         self.service.defaults = config.model_copy(update={"n": 1, "logprobs": True})
@@ -169,6 +183,13 @@ class AgentScheduler(RolloutScheduler):
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
+
+
+def model_context(engine) -> int | None:
+    """The positions the engine's model takes (its config's ``max_position_embeddings``), when it says."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    n = getattr(config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def agent_row(request: RolloutInferRequest) -> dict:

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 from grpokit.errors import GrpokitError
+from grpokit.redaction import install_log_redaction
 
 USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
@@ -115,9 +116,9 @@ def run_view(rest: list[str]) -> None:
 
     print(write_report(args.output_dir, args.output, args.max_completion_steps), flush=True)
     if args.serve:
-        from grpokit.viewer.serve import serve
+        from grpokit.server.viewer_site import serve_viewer  # on the transport every grpokit surface has
 
-        serve(args.output_dir, port, args.max_completion_steps)
+        serve_viewer(args.output_dir, port, args.max_completion_steps)
 
 
 def _quiet_third_party() -> None:
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
+    install_log_redaction()  # no key or token in a log line (grpokit/redaction.py)
     if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
         _quiet_third_party()
 

@@ -332,10 +332,12 @@ class FastDecoder:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
                  eos_token_id: int, pad_token_id: int, greedy: bool,
                  processors: LogitsProcessorList | None = None, stopping: StoppingCriteriaList | None = None,
-                 want_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 want_logprobs: bool = False,
+                 uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New tokens [B, T'] (pad after a row finishes; T' < max_new_tokens when every row stopped early) and,
         with ``want_logprobs``, each token's log-probability under the processed distribution [B, T'].
-        ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers included)."""
+        ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers included).
+        ``uniform`` [T, B, 1] float64: the draws to sample with (a paused row's rest of its stream), else new."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         b, p = input_ids.shape
@@ -345,7 +347,8 @@ class FastDecoder:
         # rope tables are built per step: all at once they would be rows × context × head_dim floats, twice
         positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
         seqs = torch.cat([input_ids, input_ids.new_full((b, t_max), pad_token_id)], dim=1)  # what processors see
-        uniform = None if greedy else torch.rand(t_max, b, 1, device=dev, dtype=torch.float64)
+        if uniform is None and not greedy:
+            uniform = torch.rand(t_max, b, 1, device=dev, dtype=torch.float64)
         try:
             logits = self._prefill(input_ids, key_valid[:, :p], positions[:, :p], p + t_max)
             unfinished = torch.ones(b, dtype=torch.bool, device=dev)

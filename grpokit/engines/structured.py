@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +24,7 @@ import torch
 
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.protocol import MAX_JSON_DEPTH
+from grpokit.wire.json_text import JsonTextError, loads
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False}
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per engine
 PROBE_TOKENS = 4  # tokens the up-front check walks through the grammar (llguidance builds its lexer lazily)
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 @dataclass(frozen=True)
@@ -80,23 +78,20 @@ def load_json_schema(value: dict | str) -> dict[str, Any]:
     elif not text.startswith(("{", "[")) and text.endswith(".json"):
         raise ConfigError(f"structured_outputs_json {value}: no such file; pass a JSON schema as JSON text or "
                           "the path of a .json file")
-    try:
-        schema = _parse_schema_text(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"structured_outputs_json: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                          "pass a JSON schema as JSON text or the path of a .json file") from e
+    schema = _parse_schema_text(text)
     if not isinstance(schema, dict):
         raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
     return schema
 
 
 def _parse_schema_text(text: str) -> Any:
-    """``json.loads`` of a schema's text, bounded in nesting (``MAX_JSON_DEPTH``, as schemas given as objects):
-    ConfigError instead of Python's RecursionError for text nested thousands deep."""
-    brackets = [c for c in _JSON_STRING.sub('""', text) if c in "[]{}"]  # outside strings
-    if max(accumulate(1 if c in "[{" else -1 for c in brackets), default=0) > MAX_JSON_DEPTH:
-        raise ConfigError(f"structured_outputs_json: the schema nests deeper than {MAX_JSON_DEPTH} levels")
-    return json.loads(text)
+    """``json.loads`` of a schema's text within grpokit.wire.json_text's bounds (nesting ``MAX_JSON_DEPTH``, as
+    schemas given as objects; number length): a ConfigError naming the bound or where the JSON fails, never
+    Python's RecursionError or its integer-size ValueError."""
+    try:
+        return loads(text, max_depth=MAX_JSON_DEPTH, what="structured_outputs_json")
+    except JsonTextError as e:
+        raise ConfigError(f"{e}; pass a JSON schema as JSON text or the path of a .json file") from None
 
 
 def constraint_of(regex: str | None, schema: dict | str | None) -> Constraint | None:
@@ -120,11 +115,7 @@ def _schema_object(value: dict | str) -> dict[str, Any]:
     if not value.lstrip().startswith("{"):
         raise ConfigError("structured_outputs_json: a request carries the JSON schema itself, as a JSON object or "
                           "JSON text; a file path is read only from grpokit train's --structured_outputs_json")
-    try:
-        schema = _parse_schema_text(value)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"structured_outputs_json: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") \
-            from e
+    schema = _parse_schema_text(value)
     if not isinstance(schema, dict):
         raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
     return schema

@@ -133,8 +133,9 @@ class TransformersEngine(InferEngine):
 
     @torch.no_grad()
     def _generate(
-        self, prompts: list[list[int]], config: RequestConfig, events: list | None = None
+        self, prompts: list[list[int]], config: RequestConfig, events: list | None = None, uniform=None
     ) -> list[ChatCompletionResponseChoice]:
+        """``uniform``: the fast decoder's draws to sample with (a paused row's continuation, server/partial.py)."""
         if events is not None and all(e is not None and e.is_set() for e in events):
             return [self._choice([], "stop", "", None, config) for _ in prompts]  # every caller is gone
         model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)
@@ -170,6 +171,7 @@ class TransformersEngine(InferEngine):
                 processors=procs,
                 stopping=stopping,
                 want_logprobs=config.logprobs,
+                uniform=uniform,
             )
         else:
             with _no_gradient_checkpointing(model), _lora_merged(model):

@@ -11,10 +11,8 @@ an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import threading
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
@@ -24,14 +22,15 @@ from grpokit.engines.pause import PROBING, paused
 from grpokit.errors import GrpokitError
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.bodies import InferBody, ProbeBody
-from grpokit.server.engine import CANCEL
+from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
-from grpokit.server.guard import GuardMiddleware, GuardPolicy
+from grpokit.server.guard import GuardPolicy
 from grpokit.server.hosts import HostPolicy
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.score_route import add_score_route
 from grpokit.server.state import ServerState
+from grpokit.server.surface import hardened
 from grpokit.server.weight_sync import RendezvousBusy, check_held
 from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import CheckWeightsBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
@@ -40,7 +39,6 @@ MAX_MESSAGE_EXTRA_CHARS = 65536  # a message's fields beside role and content (t
 MAX_CALL_EXTRA_CHARS = 4 << 20  # the same over every message of one /infer/ call (each is echoed back twice)
 
 logger = logging.getLogger(__name__)
-CLIENT_GONE = 499  # nginx's code for "client closed the request": nobody reads it, the log does
 PEER_FAILED = 424  # Failed Dependency: the weight-sync peer (the trainer's store or group) failed, not this server
 
 
@@ -69,10 +67,11 @@ def create_app(state: ServerState) -> ErrorMiddleware:
                 context=getattr(state.engine, "max_model_len", None),
                 max_n=state.options.max_batch_requests,
             ),
+            state,  # /v1 counted against --max_inflight_requests and cancelled on disconnect, like /infer/
         )
     _add_check_route(app, state)
     add_score_route(app, state)  # a distillation teacher's scores (server/score_route.py)
-    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, guard_policy(state))))  # /v1: OpenAI's error shape
+    return hardened(app, guard_policy(state), OpenAIErrors)  # every surface's layers (/v1: OpenAI's error shape)
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:
@@ -115,26 +114,18 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
     async def infer(body: InferBody, request: Request) -> JSONResponse:
         n = len(body.requests)
         check_infer_body(body, opts.max_batch_requests)
-        if state.inflight + n > opts.max_inflight_requests:
-            raise HTTPException(
-                429,
-                f"server busy: {state.inflight} requests in flight, {n} more would exceed "
-                f"--max_inflight_requests {opts.max_inflight_requests}; retry later",
-                headers={"Retry-After": "1"},
-            )
-        if n == 0:
-            return JSONResponse([])
-        _refuse_images_of_text_model(state, body)
-        await _take_images(state, body)
-        state.inflight += n
-        try:
-            outputs = await until_disconnect(request, state.scheduler.async_infer(body.requests, body.request_config))
-        except ValueError as e:  # includes ConfigError: the request asks for something this server cannot do
-            raise HTTPException(400, f"{type(e).__name__}: {e}") from e
-        except GrpokitError as e:  # a scheduler, environment or engine broke the rollout
-            raise HTTPException(500, f"{type(e).__name__}: {e}") from e
-        finally:
-            state.inflight -= n
+        with admitted(state, n):  # 429 past --max_inflight_requests, before any work
+            if n == 0:
+                return JSONResponse([])
+            _refuse_images_of_text_model(state, body)
+            await _take_images(state, body)
+            try:
+                work = state.scheduler.async_infer(body.requests, body.request_config)
+                outputs = await until_disconnect(request, work)
+            except ValueError as e:  # includes ConfigError: the request asks for something this server cannot do
+                raise HTTPException(400, f"{type(e).__name__}: {e}") from e
+            except GrpokitError as e:  # a scheduler, environment or engine broke the rollout
+                raise HTTPException(500, f"{type(e).__name__}: {e}") from e
         if outputs is None:
             return JSONResponse(
                 error_body("the client disconnected; its requests were cancelled"), status_code=CLIENT_GONE
@@ -231,39 +222,6 @@ def bounded_chars(value, limit: int) -> int:
     return total
 
 
-async def until_disconnect(request: Request, work):
-    """Await ``work``; if the client disconnects first, cancel it and return None. The engine sees the cancel event
-    through ``CANCEL`` (copied into the task's context), so generation for this call stops at the next token."""
-    event = threading.Event()
-    token = CANCEL.set(event)
-    try:
-        task = asyncio.ensure_future(work)  # the task copies the context, with this call's event
-    finally:
-        CANCEL.reset(token)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server is stopping this request: same as a disconnect
-        watcher.cancel()
-        event.set()
-        task.cancel()
-        raise
-    if task.done():
-        watcher.cancel()
-        return task.result()
-    event.set()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    logger.info("%s: client disconnected; its requests were cancelled", request.url.path)
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     opts = state.options
 
@@ -326,10 +284,14 @@ def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
         state.engine.pause_for_update()
     try:
         with state.engine.lock:  # sampling waits until every bucket is in
-            loaded = state.receiver.receive(body, state.engine.load_weights)
+            try:
+                loaded = state.receiver.receive(body, state.engine.load_weights)
+            except BaseException:  # some tensors may be new: no version describes them (server/calls.py: 503)
+                state.engine.weights_incomplete = True
+                raise
+            state.engine.weights_incomplete = False
             state.engine.reset_prefix_cache()
-            if body.version is not None:  # what the server's samples are tagged with from now on
-                state.engine.set_policy_version(body.version)
+            state.engine.set_policy_version(body.version)  # the samples' tag from now on; None: unknown
             return loaded
     finally:
         if pausing:  # loaded or not: paused rows continue (on the new weights when they came)
@@ -387,6 +349,7 @@ def _add_check_route(app: FastAPI, state: ServerState) -> None:
                 PROBING.reset(token)
 
         try:
-            return await asyncio.to_thread(run)
+            with admitted(state, 1):  # counted like any generation (and refused on incomplete weights)
+                return await asyncio.to_thread(run)
         except ValueError as e:  # includes ConfigError: e.g. a prompt longer than the context
             raise HTTPException(400, f"{type(e).__name__}: {e}") from e

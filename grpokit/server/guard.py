@@ -1,7 +1,9 @@
 """ASGI middleware in front of every endpoint: Host/Origin, framing, the API key, and the body's size and shape.
 
 Everything here answers before the application sees the request, so a bad request costs no JSON parsing and cannot
-reach the engine. In order: a ``Host`` (or ``Origin``) the server is not reached by gets 421 (server/hosts.py);
+reach the engine. Every HTTP surface has it (server/surface.py). In order: a ``Host`` (or ``Origin``) the server is
+not reached by gets 421 (server/hosts.py); a browser's ``Sec-Fetch-Site: cross-site`` or ``same-site`` (a page of
+another site, which sends no ``Origin`` with a GET) 403; a compressed body (``Content-Encoding``) 415;
 ``Content-Length`` together with ``Transfer-Encoding`` (ambiguous framing) gets 400 and the connection is closed;
 a missing or wrong API key 401; a body over ``max_body_bytes`` 413; a body whose JSON would parse into more items
 than its endpoint's budget, hold a longer string than ``max_json_string``, or nest deeper than ``MAX_BODY_DEPTH``,
@@ -22,6 +24,7 @@ from grpokit.server.json_bounds import MAX_BODY_DEPTH, json_size
 
 CLOSE = (b"connection", b"close")
 MISDIRECTED = 421
+ONCE = (b"host", b"content-length", b"transfer-encoding", b"origin", b"sec-fetch-site")  # refused twice
 SCAN_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are measured in a thread, off the event loop
 
 
@@ -60,6 +63,24 @@ class GuardPolicy:
     max_json_string: int = 24 << 20  # characters of one JSON string (a base64 image at --max_image_mb fits)
     path_items: dict[str, int] = field(default_factory=dict)
     item_hints: dict[str, str] = field(default_factory=dict)  # per path: why its budget is what it is
+    host_hint: str = ", or start grpokit rollout with --allowed_hosts NAME"  # how to allow another Host ("": none)
+
+
+def _cross_site(headers: dict[bytes, bytes], hosts: HostPolicy) -> tuple[int, str, list] | None:
+    """A refusal of a request a web page of another site sent: its ``Origin`` (421), or, for a plain GET that
+    carries none, the browser's ``Sec-Fetch-Site`` (403)."""
+    origin = headers.get(b"origin")
+    if origin is not None and not hosts.allows_origin(origin):
+        return (
+            MISDIRECTED,
+            f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the server takes no requests from web "
+            "pages of other sites",
+            [CLOSE],
+        )
+    site = headers.get(b"sec-fetch-site", b"").strip().lower()
+    if site in (b"cross-site", b"same-site"):
+        return 403, f"Sec-Fetch-Site {site.decode('latin-1')}: no requests from web pages of other sites", [CLOSE]
+    return None
 
 
 class GuardMiddleware:
@@ -99,7 +120,7 @@ class GuardMiddleware:
         """(status, message, headers) of a refusal decided from the request line and headers, or None."""
         headers: dict[bytes, bytes] = {}
         for name, value in scope.get("headers") or []:
-            if name in headers and name in (b"host", b"content-length", b"transfer-encoding", b"origin"):
+            if name in headers and name in ONCE:
                 return 400, f"the {name.decode()} header is sent twice; send it once", [CLOSE]
             headers[name] = value
         hosts = self.policy.hosts
@@ -109,20 +130,16 @@ class GuardMiddleware:
                 MISDIRECTED,
                 (
                     f"Host {shown!r} is not a name this server is reached by ({hosts.describe()}); "
-                    "connect by one of those, or start grpokit rollout with --allowed_hosts NAME"
+                    f"connect by one of those{self.policy.host_hint}"
                 ),
                 [CLOSE],
             )
-        origin = headers.get(b"origin")
-        if origin is not None and not hosts.allows_origin(origin):
-            return (
-                MISDIRECTED,
-                (
-                    f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the rollout server "
-                    "takes no requests from web pages of other sites"
-                ),
-                [CLOSE],
-            )
+        cross = _cross_site(headers, hosts)
+        if cross is not None:
+            return cross
+        coding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if coding not in (b"", b"identity"):  # a compressed body would decode past every size budget
+            return 415, f"Content-Encoding {coding[:32].decode('latin-1')!r}: send the body uncompressed", [CLOSE]
         if b"transfer-encoding" in headers and b"content-length" in headers:
             return 400, "ambiguous framing: both Content-Length and Transfer-Encoding are sent; send one", [CLOSE]
         if self.api_key is not None and not self._authorized(headers.get(b"authorization", b"")):

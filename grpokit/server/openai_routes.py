@@ -5,59 +5,70 @@ recorded, the same two under ``/episodes/<id>/v1`` (the episode's key is its bea
 the server's one line in OpenAI's shape, ``{"error": {"message": line, "type": ..., "code": status}}``
 (``OpenAIErrors`` rewrites every error answer under ``/v1`` and ``/episodes``, the guard's 401/413 included), so
 the ``openai`` package puts the line in its exception's message. For the in-process engine the trainer starts
-``LocalEndpoint``: the episode routes only, on 127.0.0.1, uvicorn in a thread of its own. The body and the answer
-are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
+``LocalEndpoint``: the episode routes only, on 127.0.0.1, on the hardened transport (server/surface.py) in a thread
+of its own. The body and the answer are grpokit/agents/chat.py's, the call itself grpokit/agents/service.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
-import socket
-import threading
+import secrets
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from grpokit.agents.chat import ChatBody, ChatError, models_answer
 from grpokit.agents.episodes import Episode, EpisodeRecorder
 from grpokit.agents.service import ChatService
 from grpokit.errors import RolloutError
-from grpokit.server.errors import ErrorMiddleware, install_error_handlers
-from grpokit.server.guard import GuardMiddleware, GuardPolicy
+from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
+from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
+from grpokit.server.guard import GuardPolicy
+from grpokit.server.surface import BackgroundServer, hardened, shared_limits
 
 logger = logging.getLogger(__name__)
 LOCAL_BODY_BYTES = 32 << 20  # an episode's call: a long history, never images
+UNKNOWN_KEY = secrets.token_urlsafe(32)  # compared against when the id names no episode
 
 
-def add_openai_routes(app: FastAPI, service: ChatService) -> None:
-    """``/v1/models`` and ``/v1/chat/completions`` on ``app`` (the server's guard applies its API key)."""
+def add_openai_routes(app: FastAPI, service: ChatService, state=None) -> None:
+    """``/v1/models`` and ``/v1/chat/completions`` on ``app`` (the server's guard applies its API key). With the
+    server's ``state``, a call's ``n`` sequences count against --max_inflight_requests and a call whose client
+    disconnects is cancelled, as on ``/infer/`` (server/calls.py)."""
 
     @app.get("/v1/models")
     async def models() -> dict:
         return models_answer(service.model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody) -> dict:
-        return await _served(service, body, None)
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatBody, request: Request) -> dict | JSONResponse:
+        if state is None:
+            return await _served(service, body, None)
+        with admitted(state, body.n):
+            answer = await until_disconnect(request, _served(service, body, None))
+        if answer is None:
+            return JSONResponse(error_body("the client disconnected; its call was cancelled"), status_code=CLIENT_GONE)
+        return answer
 
 
 def add_episode_routes(app: FastAPI, service: ChatService, recorder: EpisodeRecorder) -> None:
     """``/episodes/<id>/v1/models`` and ``/episodes/<id>/v1/chat/completions``: the calls of one episode, each
-    recorded; the episode's key is the bearer token (401 otherwise), an unknown id 404, an ended one 410."""
+    recorded; the episode's key is the bearer token: an unknown id and a wrong key get the same 401."""
 
     def episode_of(episode_id: str, request: Request) -> Episode:
+        """The open episode that this id and key name; one answer when either is wrong (nobody can tell an id
+        that exists from one that does not)."""
         episode = recorder.get(episode_id)
-        if episode is None:
-            raise HTTPException(
-                404, f"no open episode {episode_id[:40]!r}: episodes are reached only while their agent runs"
-            )
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), episode.key.encode()):
+        key = episode.key if episode is not None else UNKNOWN_KEY  # the same comparison either way
+        matches = hmac.compare_digest(token.strip().encode(), key.encode())
+        if episode is None or scheme.lower() != "bearer" or not matches:
             raise HTTPException(
                 401,
-                "missing or wrong episode key: use the client the agent was given (its api_key is the episode's key)",
+                "no open episode with this id and key: episodes are reached only while their agent runs, with the "
+                "client the agent was given (its base_url and api_key)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return episode
@@ -144,43 +155,23 @@ def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddlew
     )
     install_error_handlers(app)
     add_episode_routes(app, service, recorder)
-    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES)  # each episode's own key guards it
-    return ErrorMiddleware(OpenAIErrors(GuardMiddleware(app, policy)))
+    policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES, host_hint=" (the endpoint is local only)")
+    return hardened(app, policy, OpenAIErrors)
 
 
 class LocalEndpoint:
-    """The episode routes over ``service`` on 127.0.0.1 (a free port), served by uvicorn in a daemon thread.
-    ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops it."""
+    """The episode routes over ``service`` on 127.0.0.1 (a free port), on the hardened transport in a daemon
+    thread of the trainer (server/surface.py). ``url`` is its base (``http://127.0.0.1:PORT``); ``close()`` stops
+    it."""
 
     def __init__(self, service: ChatService, recorder: EpisodeRecorder) -> None:
-        import uvicorn  # the rollout server's dependency; a run without --agent never starts one
-
         self.service, self.recorder = service, recorder
-        guarded = episode_app(service, recorder)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(guarded, log_level="warning", lifespan="off", timeout_keep_alive=30)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # the trainer's process owns its signals
-        self._thread = threading.Thread(target=self._serve, name="grpokit-episodes", daemon=True)
-        self._thread.start()
-        for _ in range(2000):  # up to 20 s: the loop is up once uvicorn says so
-            if self._server.started or not self._thread.is_alive():
-                break
-            threading.Event().wait(0.01)
-        if not self._server.started:
-            raise RolloutError("the local OpenAI endpoint for --agent did not start (see the log above)")
-
-    def _serve(self) -> None:
-        asyncio.run(self._server.serve(sockets=[self._sock]))
+        self._server = BackgroundServer(episode_app(service, recorder), shared_limits(), name="grpokit-episodes")
+        self.port, self.url = self._server.port, self._server.url
 
     def base_url(self, episode: Episode) -> str:
         """The ``base_url`` of an episode's client."""
         return f"{self.url}/episodes/{episode.id}/v1"
 
     def close(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self._server.close()

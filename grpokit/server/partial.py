@@ -42,13 +42,16 @@ class PartialRollouts(PauseGate):
         criteria = super()._stopping(stop, events)
         return StoppingCriteriaList([*(criteria or []), _Paused(self)])
 
-    def _generate(self, prompts: list[list[int]], config: RequestConfig, events: list | None = None):
-        """Called with ``lock`` held; tags each token with the weight version; continues paused rows."""
+    def _generate(self, prompts: list[list[int]], config: RequestConfig, events: list | None = None, uniform=None):
+        """Called with ``lock`` held; tags each token with the weight version; continues paused rows, a seeded
+        row with the rest of its random stream (``_seeded_draws``: a pause that loads no weights, the sync check's,
+        leaves its samples as they would have been); rows paused by an update that failed halfway stop where they
+        are (the weights they would continue on are no version at all)."""
         version = self.policy_version
         pausable = not (config.structured_outputs_regex or config.structured_outputs_json or PROBING.get())
         self._pausable = pausable
         try:
-            choices = super()._generate(prompts, config, events)
+            choices = super()._generate(prompts, config, events, uniform)
         finally:
             self._pausable = True
         for c in choices:
@@ -58,13 +61,16 @@ class PartialRollouts(PauseGate):
             if not paused:
                 return choices
             self._wait_for_update()
+            if getattr(self, "weights_incomplete", False):
+                return choices
             version = self.policy_version
             done = len(choices[paused[0]].token_ids)  # rows paused together have the same count of new tokens
-            rest = config.model_copy(update={"max_tokens": config.max_tokens - done})
+            rest = config.model_copy(update={"max_tokens": config.max_tokens - done, "seed": None})
             more = super()._generate(
                 [prompts[i] + choices[i].token_ids for i in paused],
                 rest,
                 None if events is None else [events[i] for i in paused],
+                _seeded_draws(self.model, config, len(prompts), done, paused),
             )
             self.partial_resumes += len(paused)
             for i, m in zip(paused, more, strict=True):
@@ -89,3 +95,16 @@ class PartialRollouts(PauseGate):
         versions = (first.weight_versions or []) + [version] * len(more.token_ids)
         joined.weight_versions = versions if first.weight_versions is not None and version is not None else None
         return joined
+
+
+def _seeded_draws(model, config: RequestConfig, rows: int, done: int, paused: list[int]) -> torch.Tensor | None:
+    """The rest of a seeded call's random stream for its paused rows: the fast decoder draws every token's uniform
+    number up front from the seed (one per row and token), so the continuation samples token ``done`` on with the
+    numbers the uninterrupted call would have used. None for an unseeded or greedy call (fresh draws sample the
+    same distribution)."""
+    if config.seed is None or config.temperature == 0:
+        return None
+    device = next(model.parameters()).device
+    torch.manual_seed(config.seed)
+    draws = torch.rand(config.max_tokens, rows, 1, device=device, dtype=torch.float64)
+    return draws[done:, paused]

@@ -1,4 +1,5 @@
-"""The rollout server's HTTP/1.1 transport: uvicorn's h11 protocol with deadlines, a connection cap and quiet logs.
+"""The HTTP/1.1 transport of every grpokit server (server/surface.py: the rollout server, the trainer's --agent
+endpoint, ``grpokit view --serve``): uvicorn's h11 protocol with deadlines, a connection cap and quiet logs.
 
 uvicorn arms its keep-alive timer only after a response, so a client that connects and sends nothing, stops inside
 its headers, or stops inside a declared body holds its connection (and a file descriptor) for ever. Here every

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from grpokit.wire.json_text import loads
+
 TOOLS_KEY = "tools"
 KWARGS_KEY = "chat_template_kwargs"
 
@@ -25,8 +27,9 @@ def attach(messages: list[dict], *, tools: list[dict] | None = None, kwargs: dic
     return messages
 
 
-def _loaded(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
+def _loaded(value: Any, key: str) -> Any:
+    """A carried value; JsonTextError (a ValueError) when its text is not JSON within bounds (a request body's)."""
+    return loads(value, what=f"messages[0].{key}") if isinstance(value, str) else value
 
 
 def detach(messages: list[dict]) -> tuple[list[dict], list[dict] | None, dict]:
@@ -35,9 +38,12 @@ def detach(messages: list[dict]) -> tuple[list[dict], list[dict] | None, dict]:
     for m in messages:
         if TOOLS_KEY in m or KWARGS_KEY in m:
             if m.get(TOOLS_KEY) is not None and tools is None:
-                tools = _loaded(m[TOOLS_KEY])
+                tools = _loaded(m[TOOLS_KEY], TOOLS_KEY)
             if m.get(KWARGS_KEY) is not None and not kwargs:
-                kwargs = dict(_loaded(m[KWARGS_KEY]))
+                kwargs = _loaded(m[KWARGS_KEY], KWARGS_KEY)
+                if not isinstance(kwargs, dict):
+                    raise ValueError(f"messages[0].{KWARGS_KEY}: send a JSON object, got {kwargs!r:.40}")
+                kwargs = dict(kwargs)
             m = {k: v for k, v in m.items() if k not in (TOOLS_KEY, KWARGS_KEY)}
         out.append(m)
     return out, tools, kwargs

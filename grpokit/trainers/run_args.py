@@ -13,6 +13,7 @@ from pathlib import Path
 
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
+from grpokit.redaction import redacted
 from grpokit.trainers.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
 
 HARMLESS = frozenset(
@@ -86,8 +87,9 @@ def read_args(path: Path) -> dict | None:
 
 
 def normalised(flat: dict) -> dict:
-    """Options as args.json holds them (JSON round trip: tuples become lists, paths strings)."""
-    return json.loads(json.dumps(flat, default=str))
+    """Options as args.json holds them (JSON round trip: tuples become lists, paths strings; secrets redacted,
+    grpokit/redaction.py: a run's folder is shared, its report mailed)."""
+    return redacted(json.loads(json.dumps(flat, default=str)))
 
 
 def changed_options(old: dict, new: dict) -> list[tuple[str, object, object]]:
@@ -103,7 +105,7 @@ def check_resume_args(old: dict | None, new: dict, ckpt: Path) -> list[str]:
     """Refuse a resume whose options would train something else; return the harmless changes, shown."""
     if old is None:
         return []
-    changes = changed_options(old, normalised(new))
+    changes = changed_options(redacted(old), normalised(new))  # an older args.json may hold a secret
     refused = [f"--{k} {_show(a)} → {_show(b)}" for k, a, b in changes if k not in HARMLESS]
     if refused:
         raise ConfigError(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from grpokit.config.plan import earlier_run_checkpoints
 from grpokit.errors import GrpokitError
+from grpokit.redaction import remember_secrets
 from grpokit.trainers.checkpoints import (
     ARGS_FILE,
     TMP_SUFFIX,
@@ -52,12 +53,13 @@ class RunOutputs:
             with output_errors(self.output_dir, "creating"):
                 self.output_dir.mkdir(parents=True, exist_ok=True)
         # args.json is written once resume() has compared the checkpoint's arguments with these
+        remember_secrets(flat_config)  # the log filter redacts them too
         self._flat = normalised(flat_config)
         self._args_text = json.dumps(self._flat, indent=2)
         self._log = JsonlLog(self.output_dir / "logging.jsonl", enabled=main)
         self._completions = JsonlLog(self.output_dir / "completions.jsonl", enabled=main and args.log_completions)
         if [r for r in args.report_to if r != "none"]:
-            accelerator.init_trackers("grpokit", config={k: str(v) for k, v in flat_config.items()})
+            accelerator.init_trackers("grpokit", config={k: str(v) for k, v in self._flat.items()})
 
     # -- logs ------------------------------------------------------------------------------------------------
     def log(self, logs: dict) -> None:

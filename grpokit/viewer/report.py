@@ -2,6 +2,11 @@
 JSON value, and that value inlined with the viewer's script and styles and the vendored uPlot charting library
 (static/, fetched by scripts/fetch_uplot.sh) into one HTML file that needs no server and no network.
 
+Every row is untrusted input: a line that is not a JSON object within bounds, or a row of the wrong shape, is
+skipped and counted (``skipped_rows``), never an error. The files are streamed: memory follows what the page
+shows (``max_completion_steps`` steps, at most ``MAX_SHOWN_BYTES`` of completion rows), not the size of the
+history. The page names the run's folder, never a local absolute path, and shows its options without secrets.
+
 Standard library only: `grpokit view` never imports torch.
 """
 
@@ -9,32 +14,116 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from grpokit.errors import ConfigError
+from grpokit.redaction import redacted
+from grpokit.wire.json_text import loads
 
 REPORT_NAME = "report.html"
 MAX_COMPLETION_STEPS = 100  # steps whose completions the page holds (first, last and evenly spaced between)
 STATIC = ("uPlot.iife.min.js", "uPlot.min.css", "app.js", "app.css")
+MAX_ROW_DEPTH = 32  # the rows grpokit writes nest a few levels; a deeper one is not a row of its own
+MAX_LINE_BYTES = 16 << 20  # one completion row (its token data is bounded by --log_completions_max_tokens)
+MAX_SHOWN_BYTES = 64 << 20  # completion rows the page holds, all steps together; the rest are skipped, counted
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Every JSON-object line of a JSON-lines file; a line that does not parse (the torn last line of a file
-    being written) is skipped. A missing file has no rows."""
+@dataclass
+class Skipped:
+    """Rows left out of the page, by file: lines that are not a JSON object within bounds (torn, too deep, a huge
+    number, not UTF-8 or a lone surrogate), rows of the wrong shape, rows past the page's byte budget."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+
+def _row(line: bytes) -> dict | None:
+    """A line as a JSON object whose every string can be written back as UTF-8, or None."""
+    try:
+        row = loads(line, max_depth=MAX_ROW_DEPTH)
+        if not isinstance(row, dict):
+            return None
+        json.dumps(row, ensure_ascii=False, allow_nan=True).encode("utf-8")  # a lone surrogate fails here
+    except (ValueError, RecursionError):  # JsonTextError, UnicodeEncodeError
+        return None
+    return row
+
+
+def _lines(path: Path):
+    """(byte offset, line) of every non-empty line, read in bounded pieces (a line past ``MAX_LINE_BYTES`` is
+    yielded empty: it is skipped, never held)."""
     if not path.is_file():
-        return []
+        return
+    with path.open("rb") as f:
+        offset = 0
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            start, offset = offset, offset + len(line)
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):  # the rest of the long line, dropped piece by piece
+                    line = f.readline(MAX_LINE_BYTES + 1)
+                    offset += len(line)
+                yield start, b""
+            elif line.strip():
+                yield start, line
+
+
+def read_rows(path: Path, skipped: Skipped | None = None) -> list[dict]:
+    """Every JSON-object line with an integer ``step`` of a JSON-lines file, streamed; a line that fails for any
+    reason (the torn last line of a file being written, a hostile row) is skipped and counted. A missing file has
+    no rows."""
     rows = []
-    for line in path.read_bytes().split(b"\n"):
-        if not line.strip():
+    for _, line in _lines(path):
+        row = _row(line) if line else None
+        if row is None or _step(row) is None:
+            if skipped is not None:
+                skipped.add(path.name)
             continue
-        try:
-            row = json.loads(line)
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
+        rows.append(row)
     return rows
+
+
+def _step(row: dict) -> int | None:
+    step = row.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def completions_by_step(path: Path, limit: int, skipped: Skipped) -> tuple[dict[int, list[dict]], int]:
+    """The completion rows of at most ``limit`` steps (``chosen_steps``) and the number of steps logged, in two
+    streamed passes: the steps and each row's offset first, then only the chosen rows, up to ``MAX_SHOWN_BYTES``
+    of them. Memory is bounded by what the page shows, not by the file."""
+    if not path.is_file():
+        return {}, 0
+    offsets: dict[int, list[int]] = {}
+    for offset, line in _lines(path):
+        row = _row(line) if line else None
+        step = None if row is None else _step(row)
+        if step is None:
+            skipped.add(path.name)
+            continue
+        offsets.setdefault(step, []).append(offset)
+    kept = chosen_steps(sorted(offsets), limit)
+    by_step: dict[int, list[dict]] = {s: [] for s in kept}
+    budget = MAX_SHOWN_BYTES
+    with path.open("rb") as f:
+        for step in kept:
+            for offset in offsets[step]:
+                f.seek(offset)
+                line = f.readline(MAX_LINE_BYTES + 1)
+                row = _row(line) if len(line) <= budget else None  # the file may have changed since: check again
+                if row is None or _step(row) != step:
+                    skipped.add(path.name)
+                    continue
+                budget -= len(line)
+                by_step[step].append(row)
+    return by_step, len(offsets)
 
 
 def version(output_dir: Path) -> str:
@@ -66,33 +155,46 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise ConfigError(f"grpokit view: {output_dir} is not a folder; give a run's --output_dir")
-    logs = read_rows(output_dir / "logging.jsonl")
+    skipped = Skipped()
+    logs = read_rows(output_dir / "logging.jsonl", skipped)
     if not logs and not (output_dir / "completions.jsonl").exists() and not (output_dir / "args.json").exists():
         raise ConfigError(
             f"grpokit view: {output_dir} has no logging.jsonl, completions.jsonl or args.json; give "
             "the --output_dir of a grpokit run"
         )
     stamp = version(output_dir)
-    by_step: dict[int, list[dict]] = {}
-    for row in read_rows(output_dir / "completions.jsonl"):
-        step = row.get("step")
-        if isinstance(step, int):
-            by_step.setdefault(step, []).append(row)
-    kept = chosen_steps(sorted(by_step), max_completion_steps)
+    by_step, logged = completions_by_step(output_dir / "completions.jsonl", max_completion_steps, skipped)
     try:
-        args = json.loads((output_dir / "args.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        args = {}
+        with (output_dir / "args.json").open("rb") as f:
+            args = _row(f.read(MAX_LINE_BYTES))
+    except OSError:
+        args = None
     return _finite(
         {
-            "run": str(output_dir.resolve()),
+            "run": output_dir.resolve().name,  # the folder's name only: the page is shared, local paths stay here
             "version": stamp,
             "logs": logs,
-            "args": args if isinstance(args, dict) else {},
-            "completions": {str(s): by_step[s] for s in kept},
-            "completion_steps": {"logged": len(by_step), "shown": len(kept), "limit": max_completion_steps},
+            "args": _shareable(args) if args is not None else {},
+            "completions": {str(s): rows for s, rows in by_step.items()},
+            "completion_steps": {"logged": logged, "shown": len(by_step), "limit": max_completion_steps},
+            "skipped_rows": skipped.counts,
         }
     )
+
+
+def _shareable(args: dict) -> dict:
+    """The run's options without secrets (an args.json written before they were redacted) and without local
+    absolute paths (shown from the folder or file name on)."""
+    return {k: _no_local_path(v) for k, v in redacted(args).items()}
+
+
+def _no_local_path(value):
+    if isinstance(value, str) and (value.startswith(("/", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", value)):
+        name = PurePath(value.replace("\\", "/")).name
+        return f".../{name}" if name else "..."
+    if isinstance(value, list):
+        return [_no_local_path(v) for v in value]
+    return value
 
 
 def render_html(data: dict, *, live: bool = False) -> str:
@@ -132,11 +234,12 @@ def write_report(
     html = render_html(report_data(output_dir, max_completion_steps))
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(html, encoding="utf-8")
+        tmp.write_bytes(html.encode("utf-8"))
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"grpokit view: cannot write {path}: {e.strerror or e}; choose another --output") from e
+    finally:
+        tmp.unlink(missing_ok=True)  # after a replace there is none; after any failure none is left behind
     return path
 
 

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from grpokit.agents.engine import CANCEL, PROMPT_IDS
 from grpokit.engines.base import InferEngine
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
+
+
+def tiny_template(model_dir, **kwargs):
+    """The tiny model's chat template (``kwargs``: ChatTemplate's, e.g. ``max_length``)."""
+    from grpokit.modeling import load_tokenizer  # not at the top: only the tests that render load a tokenizer
+    from grpokit.template.encode import ChatTemplate
+
+    return ChatTemplate(load_tokenizer(model_dir), **kwargs)
 
 
 class EchoEngine(InferEngine):
@@ -41,3 +52,41 @@ class EchoEngine(InferEngine):
             prompt = r.data_dict.get(PROMPT_IDS) or self.template.encode_prompt(r.messages)
             out.append(ChatCompletionResponse(choices=choices, prompt_token_ids=prompt))
         return out
+
+
+def agent_run_argv(model_dir: Path, tmp_path: Path, plugin: str, agent: str, steps: int, *extra: str):
+    """(``grpokit train`` arguments, output folder) of a tiny --agent run: 4 arithmetic rows, 2 episodes each,
+    ``plugin`` (the agent's source) loaded with --external_plugins."""
+    rows = [
+        {
+            "messages": [{"role": "user", "content": f"What is {a} * {b}?"}],
+            "expression": f"{a} * {b}",
+            "extra_calls": (a + b) % 3,
+        }
+        for a, b in ((2, 3), (4, 5), (6, 7), (8, 9))
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / f"{agent}_plugin.py"
+    path.write_text(plugin)
+    out = tmp_path / "out"
+    flags = {
+        "model": model_dir,
+        "dataset": data,
+        "output_dir": out,
+        "max_steps": steps,
+        "num_generations": 2,
+        "per_device_train_batch_size": 4,
+        "max_completion_length": 8,
+        "learning_rate": 1e-3,
+        "beta": 0,
+        "torch_dtype": "float32",
+        "seed": 0,
+        "disable_tqdm": "true",
+        "plots": "false",
+        "save_final_model": "false",
+        "agent": agent,
+        "external_plugins": path,
+        "agent_timeout": 120,
+    }
+    return [a for k, v in flags.items() for a in (f"--{k}", str(v))] + list(extra), out

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 
+from grpokit.agents.budget import EpisodeBudget
 from grpokit.agents.episodes import EpisodeRecorder
 from grpokit.agents.service import ChatService
 from grpokit.protocol import RequestConfig
@@ -19,6 +20,7 @@ from grpokit.server.openai_routes import episode_app
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 100
+UNBOUNDED = EpisodeBudget(calls=1 << 30, trajectories=1 << 30, tokens=1 << 40, retained_chars=1 << 40)
 
 
 def _openapi() -> dict:
@@ -34,7 +36,7 @@ def session(tiny_model_dir):
     from grpokit.modeling import load_tokenizer
     from grpokit.template.encode import ChatTemplate
 
-    recorder = EpisodeRecorder()
+    recorder = EpisodeRecorder(UNBOUNDED)  # one episode takes every example: its budget is not under test here
     service = ChatService(
         EchoEngine(ChatTemplate(load_tokenizer(tiny_model_dir))), "policy", RequestConfig(max_tokens=16)
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from agents_fakes import agent_run_argv
 
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
@@ -106,57 +107,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: str, agent: str, steps: int)
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    rows = [
-        {
-            "messages": [{"role": "user", "content": f"What is {a} * {b}?"}],
-            "expression": f"{a} * {b}",
-            "extra_calls": (a + b) % 3,
-        }
-        for a, b in ((2, 3), (4, 5), (6, 7), (8, 9))
-    ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    path = tmp_path / f"{agent}_plugin.py"
-    path.write_text(plugin)
-    out = tmp_path / "out"
-    cfg = parse_train_args(
-        [
-            "--model",
-            str(model_dir),
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            str(steps),
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--agent",
-            agent,
-            "--external_plugins",
-            str(path),
-            "--agent_timeout",
-            "120",
-        ]
-    )
+    argv, out = agent_run_argv(model_dir, tmp_path, plugin, agent, steps)
+    cfg = parse_train_args(argv)
     trainer = run_train(cfg)
     trainer.scheduler.close()
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

@@ -402,6 +402,27 @@ ROUND3 = [
         422,
         "nope.weight: no such parameter",
     ),
+    # fourth round: JSON text inside a body parsed within bounds, browsers' cross-site requests, encoded bodies
+    (
+        "schema as text holding a 5,000-digit number",
+        "POST",
+        "/infer/",
+        _infer({"structured_outputs_json": '{"maximum": ' + "9" * 5000 + "}"}),
+        {},
+        400,
+        "a number of 5000 characters",
+    ),
+    (
+        "carried tools as text nested 3000 deep",
+        "POST",
+        "/infer/",
+        _infer(messages=[{"role": "user", "content": "hi", "tools": "[" * 3000 + "]" * 3000}]),
+        {},
+        400,
+        "nests deeper than",
+    ),
+    ("a page of another site, no Origin", "GET", "/health/", b"", {"Sec-Fetch-Site": "cross-site"}, 403, "Sec-Fetch"),
+    ("a gzip-encoded body", "POST", "/infer/", _infer(), {"Content-Encoding": "gzip"}, 415, "uncompressed"),
 ]
 
 

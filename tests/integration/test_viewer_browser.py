@@ -336,6 +336,32 @@ def test_multi_turn_and_vision_rows_show_masked_turns_and_thumbnails(tmp_path):
     }
 
 
+ODD_ROWS = [  # rows of other shapes than grpokit writes: each must draw (or show as unreadable) on its own
+    {"tokens": {"text": 5, "logprob": "x", "mask": None}},
+    {"tokens": {"text": ["a", "b"], "logprob": [-1.0], "mask": [1, 1]}},  # lengths disagree
+    {"messages": "not a list", "thumbnails": {"src": "x"}, "group": {"a": 1}, "completion": 7},
+    {"messages": [None, 3, {"role": 5}, {"role": "tool", "content": {"deep": [1, 2]}}], "advantage": "high"},
+    {"prompt": ["list"], "reward": {"n": 1}, "truncated": "yes", "group": None},
+]
+
+
+def test_rows_of_any_shape_never_stop_the_step_from_drawing(tmp_path):
+    good = {"step": 1, "prompt": "p", "completion": "the good row", "group": "0", "reward": 1.0, "advantage": 0.5}
+    rows = [good, *({"step": 1, **odd} for odd in ODD_ROWS)]
+    (tmp_path / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "logging.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n" + "[" * 5000 + "\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "grpokit", "view", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    dom = _dom(Path(out.stdout.strip()).as_uri())
+    cards = dom.find_all(by_class("completion"))
+    assert len(cards) == len(rows)  # every row has its card: drawn, or marked as one that could not be
+    assert any("the good row" in c.text() for c in cards)
+    (summary,) = dom.find_all(lambda n: n.attrs.get("id") == "step-summary")
+    assert "rows skipped as unreadable: 1 of logging.jsonl" in summary.text()
+
+
 def test_serve_serves_an_updated_page_while_the_run_writes(run_dir, tmp_path):
     live = tmp_path / "live"
     live.mkdir()

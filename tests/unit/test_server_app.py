@@ -9,6 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from grpokit.engines.base import InferEngine
+from grpokit.errors import RolloutError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.server.app import create_app
@@ -69,7 +70,9 @@ def _healthy(client: TestClient, headers: dict | None = None) -> bool:
 
 @pytest.fixture()
 def client() -> TestClient:
-    return make_client()[0]
+    client, state = make_client()
+    client.app_state = state
+    return client
 
 
 def test_infer_returns_outputs_in_request_order(client):
@@ -194,6 +197,8 @@ def test_too_many_requests_per_call_and_in_flight():
     state.inflight = 15  # max_inflight_requests defaults to 4 x 4 = 16: two more do not fit
     resp = client.post("/infer/", json={"requests": [_req("a"), _req("b")]})
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+    resp = client.post("/v1/chat/completions", json={"model": "m", "messages": [_req("a")["messages"][0]], "n": 2})
+    assert resp.status_code == 429 and "--max_inflight_requests" in resp.json()["error"]["message"]  # /v1 too
     state.inflight = 0
     assert client.post("/infer/", json={"requests": [_req("a"), _req("b")]}).status_code == 200
 
@@ -228,6 +233,31 @@ def test_update_weights_checks_names_and_needs_a_group(client):
     assert "needs the served model on a GPU" in client.post("/init_communicator/", json=nccl).json()["error"]
     assert client.post("/close_communicator/").json() == {"ok": True}
     assert client.post("/reset_prefix_cache/").json() == {"ok": True}
+
+
+def test_a_failed_update_stops_sampling_until_a_complete_one_and_no_version_is_an_unknown_tag(client, monkeypatch):
+    state = client.app_state  # set by the fixture below
+    monkeypatch.setattr(type(state.receiver), "is_open", property(lambda self: True))
+
+    def half(body, load):
+        raise RolloutError("the trainer's end went away after 1 of 2 buckets")
+
+    monkeypatch.setattr(state.receiver, "receive", half)
+    state.engine.set_policy_version(3)
+    update = {**_weights_body("w", dry_run=False), "version": 4}
+    assert client.post("/update_weights/", json=update).status_code == 424
+    calls = {"/infer/": {"requests": [_req("a")]}, "/v1/chat/completions": {"model": "m", "messages": [_msg("a")]}}
+    for path, body in calls.items():
+        resp = client.post(path, json=body)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", path
+    monkeypatch.setattr(state.receiver, "receive", lambda body, load: 1)
+    assert client.post("/update_weights/", json=_weights_body("w", dry_run=False)).status_code == 200
+    assert state.engine.policy_version is None  # an update without a version: unknown, never the old tag
+    assert client.post("/infer/", json=calls["/infer/"]).status_code == 200
+
+
+def _msg(text: str) -> dict:
+    return _req(text)["messages"][0]
 
 
 def _meta(name="w", **kw) -> dict:

@@ -77,7 +77,15 @@ def _raw_post(port: int, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypatch):
+COUNT = [{"role": "user", "content": "count"}]
+LONG_CALLS = {  # every generation route: a call that would sample 1,000 tokens
+    "/infer/": {"requests": [{"messages": COUNT}], "request_config": {"max_tokens": 1000, "temperature": 1.0}},
+    "/v1/chat/completions": {"model": "m", "messages": COUNT, "max_tokens": 1000, "temperature": 1.0},
+}
+
+
+@pytest.mark.parametrize("path", list(LONG_CALLS))
+def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypatch, path):
     state, url, port = served
     engine = state.engine
     probe = _Probe(engine.template.eos_token_id)
@@ -92,15 +100,9 @@ def test_a_disconnected_client_frees_the_engine_within_a_second(served, monkeypa
             finished.set()
 
     monkeypatch.setattr(engine, "infer", infer)
-    sock = _raw_post(
-        port,
-        "/infer/",
-        {
-            "requests": [{"messages": [{"role": "user", "content": "count"}]}],
-            "request_config": {"max_tokens": 1000, "temperature": 1.0},
-        },
-    )
+    sock = _raw_post(port, path, LONG_CALLS[path])
     assert probe.decoding.wait(30), "generation did not start"
+    assert state.inflight == 1  # counted against --max_inflight_requests while it runs
     sock.close()  # the client goes away mid-generation
     assert finished.wait(1.0), "the engine was still generating 1 s after the client disconnected"
     assert probe.steps < 900
@@ -194,3 +196,31 @@ def test_an_unexpected_error_is_json_and_the_connection_stays_usable():
         assert client.get("/ok").json() == {"ok": True}  # the same keep-alive connection
         assert client.get("/nope").json() == {"error": "Not Found"}
         assert client.post("/ok").json() == {"error": "Method Not Allowed"}
+
+
+def test_a_pause_that_loads_no_weights_leaves_a_seeded_rows_samples_as_they_were(served, monkeypatch):
+    """A seeded row paused by /probe/ (the sync check's pause, which loads nothing) continues from the random
+    state it paused at: its tokens are those of the same call left alone."""
+    state, url, port = served
+    engine = state.engine
+    body = {
+        "requests": [{"messages": [{"role": "user", "content": "count"}]}],
+        "request_config": {"max_tokens": 120, "temperature": 1.0, "seed": 7},
+    }
+
+    def sampled(pause: bool) -> list[int]:
+        probe = _Probe(engine.template.eos_token_id)
+        monkeypatch.setattr(engine, "logits_processor_factory", lambda config, width: LogitsProcessorList([probe]))
+        answer = {}
+        call = threading.Thread(target=lambda: answer.update(r=httpx.post(url + "/infer/", json=body, timeout=120)))
+        call.start()
+        if pause:
+            assert probe.decoding.wait(30), "generation did not start"
+            assert httpx.post(url + "/probe/", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        call.join(120)
+        return answer["r"].json()[0]["response"]["choices"][0]["token_ids"]
+
+    alone = sampled(pause=False)
+    resumes = engine.partial_resumes
+    assert sampled(pause=True) == alone
+    assert engine.partial_resumes == resumes + 1  # it was paused, and went on

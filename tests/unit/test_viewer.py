@@ -20,11 +20,11 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutInferRequest, RolloutOutput
+from grpokit.server.viewer_site import ViewerSite, start
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows, thumbnail, token_pieces
 from grpokit.trainers.outputs import CompletionLimits
 from grpokit.viewer.report import chosen_steps, render_html, report_data, write_report
-from grpokit.viewer.serve import make_server
 
 
 def _run_dir(tmp_path, logs: list[str], completions: list[dict]):
@@ -59,6 +59,11 @@ def test_report_data_is_json_safe_and_bounded(tmp_path):
     assert (run / "report.html").read_text() == html
 
 
+def test_a_run_without_completions_has_a_page(tmp_path):
+    (tmp_path / "logging.jsonl").write_text('{"step": 1, "loss": 1.0}\n')  # --log_completions false
+    assert report_data(tmp_path)["completion_steps"] == {"logged": 0, "shown": 0, "limit": 100}
+
+
 def test_report_refuses_a_folder_that_is_no_run(tmp_path):
     with pytest.raises(ConfigError, match="is not a folder"):
         report_data(tmp_path / "missing")
@@ -81,36 +86,150 @@ def test_view_never_imports_torch_and_refuses_port_without_serve(tmp_path):
     assert bad.returncode == 2 and "--port is for --serve" in bad.stderr
 
 
+def _get(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers or {}), timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def test_server_answers_its_three_paths_and_refuses_the_rest(tmp_path):
     run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], [])
-    server = make_server(run, 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
+    server = start(run, 0)
+    base = server.url
     try:
-        before = urllib.request.urlopen(base + "/version", timeout=10).read().decode()
+        before = _get(base + "/version")[1].decode()
         with (run / "logging.jsonl").open("a") as f:
             f.write('{"step": 2, "loss": 0.5}\n')
-        assert urllib.request.urlopen(base + "/version", timeout=10).read().decode() != before
-        data = json.loads(urllib.request.urlopen(base + "/data.json", timeout=10).read())
+        assert _get(base + "/version")[1].decode() != before
+        data = json.loads(_get(base + "/data.json")[1])
         assert [r["step"] for r in data["logs"]] == [1, 2]
-        assert b'data-live="1"' in urllib.request.urlopen(base + "/", timeout=10).read()
-        for path, method, code in (("/etc/passwd", "GET", 404), ("/", "POST", 405)):
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(
-                    urllib.request.Request(base + path, method=method, data=b"x" if method == "POST" else None),
-                    timeout=10,
-                )
-            assert e.value.code == code
-        with pytest.raises(urllib.error.HTTPError) as e:  # a rebound name: the page is not handed to that site
-            urllib.request.urlopen(
-                urllib.request.Request(base + "/data.json", headers={"Host": "evil.example"}), timeout=10
-            )
-        assert e.value.code == 403
+        assert b'data-live="1"' in _get(base + "/")[1]
+        refused = {
+            "unknown path": (_get(base + "/etc/passwd"), 404),
+            "a write": (_get(base + "/", "POST"), 405),
+            # a rebound name: the page is not handed to that site
+            "foreign Host": (_get(base + "/data.json", headers={"Host": "evil.example"}), 421),
+            # a page of another site (a browser sends no Origin with a plain GET, but says where it comes from)
+            "cross-site": (_get(base + "/data.json", headers={"Sec-Fetch-Site": "cross-site"}), 403),
+        }
+        for name, ((code, body), want) in refused.items():
+            assert code == want, name
+            assert isinstance(json.loads(body)["error"], str), name  # one error shape on every surface
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        server.close()
+
+
+HOSTILE_LINES = [
+    "[" * 100_000,  # nested past any parser's recursion
+    '{"step": 1, "completion": "\\ud800"}',  # a lone surrogate: no UTF-8 page can carry it
+    '{"step": 1, "n": ' + "7" * 5000 + "}",  # past Python's int conversion limit
+    '{"step": "1"}',  # wrong types
+    '{"step": true}',
+    "[1, 2]",
+    '"text"',
+    "\xff\xfe not utf-8",
+]
+
+
+def test_hostile_rows_are_skipped_counted_and_never_stop_the_page(tmp_path):
+    good = {"step": 1, "prompt": "p", "completion": "ok", "group": "0"}
+    run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}', *HOSTILE_LINES], [good])
+    with (run / "completions.jsonl").open("a", encoding="utf-8", errors="surrogateescape") as f:
+        f.write("".join(line + "\n" for line in HOSTILE_LINES))
+        f.write(json.dumps({**good, "tokens": {"text": 5}, "messages": "x", "group": {"a": 1}}) + "\n")
+    data = report_data(run)
+    assert [r["step"] for r in data["logs"]] == [1]
+    assert data["skipped_rows"] == {"logging.jsonl": len(HOSTILE_LINES), "completions.jsonl": len(HOSTILE_LINES)}
+    assert len(data["completions"]["1"]) == 2  # the odd-shaped row is app.js's to type-check, row by row
+    assert write_report(run) == run / "report.html"
+    assert sorted(p.name for p in run.iterdir()) == ["args.json", "completions.jsonl", "logging.jsonl", "report.html"]
+    server = start(run, 0)
+    try:
+        for path in ("/", "/data.json", "/version"):
+            assert _get(server.url + path)[0] == 200, path
+    finally:
+        server.close()
+
+
+def test_a_page_that_cannot_be_built_is_an_http_error_and_no_temporary_file_is_left(tmp_path, monkeypatch):
+    run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], [])
+    server = start(run, 0)
+    try:
+        monkeypatch.setattr("grpokit.server.viewer_site.render_html", _broken)
+        with (run / "logging.jsonl").open("a") as f:
+            f.write('{"step": 2, "loss": 0.5}\n')  # a new version: the next request rebuilds, and the build fails
+        code, body = _get(server.url + "/data.json")
+        assert code == 500 and "could not be built" in json.loads(body)["error"]
+    finally:
+        server.close()
+    monkeypatch.setattr("grpokit.viewer.report.render_html", _broken)
+    with pytest.raises(RuntimeError):
+        write_report(run)
+    (run / "report.html").unlink(missing_ok=True)
+    monkeypatch.undo()
+    monkeypatch.setattr("pathlib.Path.replace", _broken)
+    with pytest.raises(RuntimeError):
+        write_report(run)
+    assert not list(run.glob("*.tmp"))
+
+
+def test_one_build_per_version_however_many_requests(tmp_path, monkeypatch):
+    run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], [])
+    server = start(run, 0)
+    builds, release = [], threading.Event()
+    original = ViewerSite.build
+
+    def slow_build(self):
+        builds.append(1)
+        release.wait(30)  # every request below arrives while this build runs
+        return original(self)
+
+    monkeypatch.setattr(ViewerSite, "build", slow_build)
+    try:
+        with (run / "logging.jsonl").open("a") as f:
+            f.write('{"step": 2, "loss": 0.5}\n')  # a new version
+        answers = []
+        fetch = lambda: answers.append(_get(server.url + "/data.json")[0])  # noqa: E731 - a thread's target
+        callers = [threading.Thread(target=fetch) for _ in range(8)]
+        for t in callers:
+            t.start()
+        threading.Event().wait(0.5)
+        release.set()
+        for t in callers:
+            t.join(30)
+        assert answers == [200] * 8 and len(builds) == 1  # joined, not repeated
+        assert _get(server.url + "/")[0] == 200 and len(builds) == 1  # cached until the files change
+    finally:
+        server.close()
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("broken on purpose")
+
+
+def test_the_page_holds_only_the_shown_steps_and_no_secret_or_local_path(tmp_path, monkeypatch):
+    rows = [{"step": s, "prompt": "p", "completion": "c" * 1000, "group": "0"} for s in range(1, 201)]
+    run = _run_dir(tmp_path, ['{"step": 1, "loss": 1.0}'], rows)
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-0123456789")
+    (run / "args.json").write_text(
+        json.dumps(
+            {
+                "model": "/home/someone/models/qwen",
+                "vllm_server_api_key": "sk-secret-key",
+                "vllm_server_base_url": "http://user:hunter22@10.0.0.1:8000",
+                "notes": "uses tok-0123456789",
+                "max_new_tokens": 64,
+            }
+        )
+    )
+    data = report_data(run, max_completion_steps=3)
+    assert sorted(map(int, data["completions"])) == [1, 101, 200]  # positions round(i * 199 / 2) = 0, 100, 199
+    html = render_html(data)
+    for leak in ("sk-secret-key", "hunter22", "tok-0123456789", "/home/someone", str(tmp_path)):
+        assert leak not in html, leak
+    assert data["args"]["max_new_tokens"] == 64 and data["args"]["model"] == ".../qwen"
 
 
 class _CharTokenizer:

@@ -3,7 +3,7 @@
    reloads ./data.json when the run has written more. No network beyond that server, nothing else fetched. */
 (function () {
   "use strict";
-  let DATA = JSON.parse(document.getElementById("grpokit-data").textContent);
+  let DATA = null; // the inlined data, type-checked (checked() below) before the first render
   const LIVE = document.body.dataset.live === "1";
   const state = { step: null, filter: "all", sort: "group", search: "", colour: "logprob", follow: true };
   const charts = [];
@@ -14,6 +14,49 @@
     else if (k === "filter" && ["all", "signal", "zero", "truncated"].includes(v)) state.filter = v;
     else if (k === "sort" && ["group", "high", "low"].includes(v)) state.sort = v;
     else if (k === "q") state.search = v.toLowerCase();
+  }
+
+  // -- the data, type-checked: every row is untrusted (a run's own completions can hold anything) ----------------
+  function checked(d) {
+    const obj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+    const out = {
+      run: typeof d.run === "string" ? d.run : "run", version: typeof d.version === "string" ? d.version : "",
+      args: obj(d.args) ? d.args : {}, logs: Array.isArray(d.logs) ? d.logs.filter(obj) : [],
+      completion_steps: obj(d.completion_steps) ? d.completion_steps : {}, completions: {},
+      skipped_rows: obj(d.skipped_rows) ? d.skipped_rows : {},
+    };
+    let dropped = 0;
+    for (const [step, rows] of Object.entries(obj(d.completions) ? d.completions : {})) {
+      if (!/^\d+$/.test(step) || !Array.isArray(rows)) continue;
+      out.completions[step] = [];
+      for (const r of rows) {
+        const row = obj(r) ? checkedRow(r) : null;
+        if (row) out.completions[step].push(row); else dropped += 1;
+      }
+    }
+    if (dropped) out.skipped_rows = Object.assign({}, out.skipped_rows, { "page (wrong shape)": dropped });
+    return out;
+  }
+
+  function checkedRow(r) {
+    const str = (v) => (typeof v === "string" ? v : undefined);
+    const nums = (v, n) => Array.isArray(v) && v.length === n && v.every((x) => x === null || typeof x === "number");
+    const row = Object.assign({}, r, {
+      prompt: str(r.prompt) || "", completion: str(r.completion) || "",
+      group: typeof r.group === "string" || typeof r.group === "number" ? String(r.group) : undefined,
+      truncated: r.truncated === true, tokens: null,
+      advantage: isNum(r.advantage) ? r.advantage : undefined, reward: isNum(r.reward) ? r.reward : undefined,
+      thumbnails: Array.isArray(r.thumbnails) ? r.thumbnails.filter((u) => typeof u === "string") : [],
+      messages: Array.isArray(r.messages) ? r.messages.filter((m) => m !== null && typeof m === "object" && typeof m.role === "string") : undefined,
+    });
+    const t = r.tokens;
+    if (t && typeof t === "object" && Array.isArray(t.text) && t.text.every((x) => typeof x === "string")) {
+      const n = t.text.length;
+      if (nums(t.logprob, n) && nums(t.mask, n) && (t.entropy === undefined || t.entropy === null || nums(t.entropy, n))) {
+        row.tokens = { text: t.text, logprob: t.logprob, mask: t.mask, entropy: t.entropy || null, cut: isNum(t.cut) ? t.cut : 0 };
+      }
+    }
+    return row;
   }
 
   // -- helpers ---------------------------------------------------------------------------------------------------
@@ -94,7 +137,8 @@
             points: { show: xs.length < 60 }, value: (u, v) => (v === null ? "–" : Number(v).toPrecision(4)) }))],
         axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000] }, { size: 60, values: (u, splits) => splits.map(tick) }],
       };
-      const u = new uPlot(opts, [xs, ...ys], div);
+      let u;
+      try { u = new uPlot(opts, [xs, ...ys], div); } catch (e) { div.append(el("p", { class: "empty", text: "this curve could not be drawn" })); continue; }
       charts.push(u);
       // the legend shows the last step's values (uPlot writes them at the cursor's index)
       u.setCursor({ left: u.valToPos(xs[xs.length - 1], "x"), top: 10 });
@@ -208,6 +252,12 @@
       "data-truncated": row.truncated ? "1" : "0" }, scores, thumbs, body, turns(row));
   }
 
+  function drawnAlone(row, names, scale) {
+    // one row that still cannot be drawn is shown as such; the step's other rows draw
+    try { return completionCard(row, names, scale); }
+    catch (e) { return el("div", { class: "completion unreadable", "data-index": String(row._index), text: "this row could not be drawn" }); }
+  }
+
   function renderStep() {
     const box = document.getElementById("groups");
     const summary = document.getElementById("step-summary");
@@ -225,7 +275,7 @@
     let groups = groupsOf(rows);
     const scale = { entropy: 1e-9, advantage: 1e-9 };
     for (const r of rows) {
-      if (r.tokens && r.tokens.entropy) for (const e of r.tokens.entropy) scale.entropy = Math.max(scale.entropy, e || 0);
+      if (r.tokens && r.tokens.entropy) for (const e of r.tokens.entropy) scale.entropy = Math.max(scale.entropy, isNum(e) ? e : 0);
       if (isNum(r.advantage)) scale.advantage = Math.max(scale.advantage, Math.abs(r.advantage));
     }
     if (state.filter === "zero") groups = groups.filter((g) => g.zero);
@@ -248,19 +298,25 @@
           el("span", { class: "badge", text: `mean reward ${fmt(g.mean)}` }),
           g.zero ? el("span", { class: "badge zero", text: "zero signal: equal rewards, no gradient" }) : null,
           el("div", { class: "prompt", text: g.prompt || "" })),
-        el("div", { class: "completions" }, ...visible.map((r) => completionCard(r, names, scale)))));
+        el("div", { class: "completions" }, ...visible.map((r) => drawnAlone(r, names, scale)))));
     }
     const zero = groupsOf(rows).filter((g) => g.zero).length;
     summary.textContent = `step ${state.step}: ${groupsOf(rows).length} groups (${zero} with zero signal), ${rows.length} completions, ${shown} shown`
-      + (info.logged > info.shown ? ` · completions of ${info.shown} of ${info.logged} logged steps are in this page` : "");
+      + (info.logged > info.shown ? ` · completions of ${info.shown} of ${info.logged} logged steps are in this page` : "")
+      + skippedNote();
     if (!shown) box.append(el("p", { class: "empty", text: "nothing matches the filter" }));
+  }
+
+  function skippedNote() {
+    const parts = Object.entries(DATA.skipped_rows).filter(([, n]) => isNum(n) && n > 0).map(([f, n]) => `${n} of ${f}`);
+    return parts.length ? ` · rows skipped as unreadable: ${parts.join(", ")}` : "";
   }
 
   // -- the page --------------------------------------------------------------------------------------------------
   function header() {
     const a = DATA.args || {};
     const run = DATA.run.split(/[\\/]/).filter(Boolean).pop() || DATA.run;
-    const meta = [a.model && `model ${a.model}`, a.dataset && `dataset ${[].concat(a.dataset).join(" ")}`,
+    const meta = [typeof a.model === "string" && `model ${a.model}`, a.dataset && `dataset ${[].concat(a.dataset).map(String).join(" ")}`,
       `${mergedSteps().length} logged steps`].filter(Boolean).join(" · ");
     return el("header", {}, el("h1", { text: `grpokit · ${run}` }), el("span", { class: "meta", text: meta }),
       el("span", { id: "live-status", "data-version": DATA.version, text: LIVE ? "live" : "" }));
@@ -277,6 +333,7 @@
     renderStep();
   }
 
+  DATA = checked(JSON.parse(document.getElementById("grpokit-data").textContent));
   document.body.append(el("div", { id: "page" }));
   render();
 
@@ -285,7 +342,7 @@
       try {
         const v = await (await fetch("version", { cache: "no-store" })).text();
         if (v === DATA.version) return;
-        DATA = await (await fetch("data.json", { cache: "no-store" })).json();
+        DATA = checked(await (await fetch("data.json", { cache: "no-store" })).json());
         const y = window.scrollY;
         render();
         window.scrollTo(0, y);
