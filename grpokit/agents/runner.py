@@ -3,7 +3,8 @@
 ``endpoint`` is anything with a ``recorder`` (an ``EpisodeRecorder``) and ``base_url(episode)``: the trainer's
 ``grpokit.server.openai_routes.LocalEndpoint``. An agent's exception or timeout ends its episode as ``failed`` or
 ``timeout`` (reward 0, nothing of it trained), never the run. An agent that blocks the event loop (a synchronous
-``time.sleep``, a blocking socket) cannot be cut off: agents must await their I/O.
+``time.sleep``, a blocking socket) cannot be cut off: agents must await their I/O. A watcher thread says so: a loop
+that has not turned for ``BLOCKED_S`` seconds while episodes run gets a warning naming the agent.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 import logging
 import math
 import numbers
+import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ from grpokit.agents.episodes import Episode
 
 logger = logging.getLogger(__name__)
 AgentFn = Callable[[Any, dict], Awaitable[float | None]]
+BLOCKED_S = 2.0  # a loop that has not turned for this long is blocked by an agent
 
 
 def episode_client(endpoint, episode: Episode, timeout: float | None = None):
@@ -84,4 +88,33 @@ async def run_episodes(
         async with gate:
             return await run_episode(agent_fn, row, endpoint, timeout=timeout, prompt_id=pid, request_id=rid)
 
-    return list(await asyncio.gather(*(one(r, p, q) for r, (p, q) in zip(rows, ids, strict=True))))
+    turned, done = [time.monotonic()], threading.Event()
+    name = getattr(agent_fn, "__name__", type(agent_fn).__name__)
+    threading.Thread(target=_warn_when_blocked, args=(turned, done, name), daemon=True).start()
+    ticker = asyncio.ensure_future(_tick(turned))
+    try:
+        return list(await asyncio.gather(*(one(r, p, q) for r, (p, q) in zip(rows, ids, strict=True))))
+    finally:
+        done.set()
+        ticker.cancel()
+
+
+async def _tick(turned: list[float]) -> None:
+    while True:
+        turned[0] = time.monotonic()
+        await asyncio.sleep(BLOCKED_S / 10)
+
+
+def _warn_when_blocked(turned: list[float], done: threading.Event, name: str) -> None:
+    """Warn once per stall while the loop has not turned for BLOCKED_S seconds (see the module docstring)."""
+    warned = 0.0
+    while not done.wait(BLOCKED_S / 4):
+        stalled = time.monotonic() - turned[0]
+        if stalled >= BLOCKED_S and turned[0] != warned:
+            warned = turned[0]
+            logger.warning(
+                "agent %r blocks the event loop (no await for %.1f s): every episode and the trainer's endpoint "
+                "wait on it; use await asyncio.sleep / async clients, or run blocking work in asyncio.to_thread",
+                name,
+                stalled,
+            )

@@ -1,0 +1,165 @@
+"""Limits user code cannot defeat: a reward under --reward_timeout runs in a process the runner kills (a reward
+stuck in C code that holds the GIL included), what rewards start dies with them or with the run, a failing batch
+is bisected instead of re-called per sample, return shapes are strict, paths are absolute from the start, and an
+agent that blocks the event loop is named. Processes are checked from outside (/proc), not by the reward's word."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from grpokit.agents.runner import run_episodes
+from grpokit.config.resolve import resolve
+from grpokit.errors import RewardError
+from grpokit.rewards import RewardRunner
+from grpokit.rewards.descendants import reap_descendants
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie), read from /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sleeps_in_c_holding_the_gil(completions, **kwargs):
+    ctypes.PyDLL(None).sleep(120)  # PyDLL keeps the GIL for the whole foreign call
+    return [1.0] * len(completions)
+
+
+def backtracking_regex(completions, **kwargs):
+    return [float(bool(re.match(r"(a*)*b", "a" * 40)))] * len(completions)  # one C call, hours long, with the GIL
+
+
+def starts_a_server_and_hangs(completions, pid_file, **kwargs):
+    for session in (False, True):  # in the worker's process group, and in a session of its own
+        proc = subprocess.Popen(["sleep", "300"], start_new_session=session)
+        with open(pid_file[0], "a") as f:
+            f.write(f"{proc.pid}\n")
+    threading.Event().wait(120)
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("reward", [sleeps_in_c_holding_the_gil, backtracking_regex])
+def test_a_reward_holding_the_gil_in_c_is_cut_off_and_the_trainer_keeps_running(reward):
+    ticks, stop = [0], threading.Event()
+
+    def trainer_thread():
+        while not stop.wait(0.01):
+            ticks[0] += 1
+
+    threading.Thread(target=trainer_thread, daemon=True).start()
+    with RewardRunner([reward], ["stuck"], timeout=1.0) as runner:
+        before = ticks[0]
+        with pytest.raises(RewardError, match=r"reward 'stuck' timed out after 1 s \(--reward_timeout 1\)"):
+            runner.compute(["a", "b"], {})
+        during = ticks[0] - before
+    stop.set()
+    assert during >= 10  # the GIL stayed free here (0 while a reward holds this process's)
+
+
+def test_what_a_timed_out_reward_started_dies_with_its_worker(tmp_path):
+    pid_file = tmp_path / "pids"
+    with RewardRunner([starts_a_server_and_hangs], ["server"], timeout=2.0) as runner:
+        with pytest.raises(RewardError, match="timed out"):
+            runner.compute(["a"], {"pid_file": [str(pid_file)]})
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2
+        assert not any(_alive(p) for p in pids)
+
+
+def test_processes_a_reward_or_agent_abandons_end_with_the_run(tmp_path):
+    pid_file = tmp_path / "pid"
+    with reap_descendants():  # an orphan of a shell (re-parented to the run) and a setsid daemon
+        subprocess.run(["sh", "-c", f"sleep 300 & echo $! > {pid_file}"], check=True)
+        subprocess.run(["setsid", "sh", "-c", f"sleep 301 & echo $! >> {pid_file}"], check=True)
+        time.sleep(0.2)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert all(_alive(p) for p in pids)
+    assert not any(_alive(p) for p in pids)
+
+
+def raises_on_bad(completions, calls, **kwargs):
+    with open(calls[0], "a") as f:
+        f.write(f"{len(completions)}\n")
+    if any(c == "bad" for c in completions):
+        raise ValueError("cannot score bad")
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_failing_batch_is_bisected_not_called_once_per_sample(tmp_path, timeout):
+    texts = [f"ok{i}" for i in range(32)]
+    texts[21] = texts[27] = "bad"
+    calls = tmp_path / "calls"
+    with RewardRunner([raises_on_bad], ["picky"], timeout=timeout) as runner:
+        with pytest.raises(RewardError, match=r"raised ValueError: cannot score bad \(first failing sample 21 'bad'\)"):
+            runner.compute(texts, {"calls": [str(calls)] * 32})
+    sizes = [int(n) for n in calls.read_text().split()]
+    assert len(sizes) <= 1 + 5 + 1  # the batch, log2(32) halvings, one check of the last
+    assert max(sizes[1:]) <= 16
+
+
+@pytest.mark.parametrize(
+    "out, shape",
+    [
+        (torch.ones(2, 2), "[2, 2]"),
+        (torch.ones(4, 1), "[4, 1]"),
+        (np.ones((1, 4)), "[1, 4]"),
+        (torch.tensor(1.0), "[]"),
+    ],
+)
+def test_a_return_that_is_not_n_scores_in_one_dimension_is_refused(out, shape):
+    with pytest.raises(RewardError, match=rf"reward 'shaped' returned a \w+ of shape {re.escape(shape)}; need a list"):
+        RewardRunner([lambda completions, **kw: out], ["shaped"]).compute(["a", "b", "c", "d"], {})
+
+
+@pytest.mark.parametrize("out", [torch.ones(4), np.ones(4), [1, 1.0, None, np.float32(1)], (1, 1, 1, 1)])
+def test_one_dimensional_scores_are_accepted(out):
+    scores = RewardRunner([lambda completions, **kw: out], ["flat"]).compute(["a", "b", "c", "d"], {})
+    assert scores.shape == (4, 1)
+
+
+def test_relative_paths_are_absolute_from_the_start(tmp_path, monkeypatch):
+    from grpokit.config.parse import parse_train_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a"}\n')
+    cfg = resolve(parse_train_args(["--output_dir", "out", "--dataset", "data.jsonl", "builtin:arithmetic"]))
+    assert cfg.training.output_dir == str(tmp_path / "out")
+    assert cfg.data.dataset == [str(tmp_path / "data.jsonl"), "builtin:arithmetic"]
+    monkeypatch.chdir("/")  # a reward that changes directory does not move the run's files
+    assert resolve(cfg).training.output_dir == str(tmp_path / "out")
+
+
+class _Episode(SimpleNamespace):
+    def finish(self, status, reward, error=None):
+        self.status, self.reward, self.error = status, reward, error
+
+
+def test_an_agent_that_blocks_the_event_loop_is_named(caplog):
+    recorder = SimpleNamespace(
+        open=lambda row, **kw: _Episode(id="e1", key="k", status=None, error=None), close=lambda e: None
+    )
+    endpoint = SimpleNamespace(recorder=recorder, base_url=lambda e: "http://127.0.0.1:9/v1")
+
+    async def sleepy_agent(client, row):
+        time.sleep(3)  # blocks the loop: no await
+        return 1.0
+
+    with caplog.at_level(logging.WARNING, logger="grpokit.agents.runner"):
+        episodes = asyncio.run(run_episodes(sleepy_agent, [{}], endpoint, concurrency=1, timeout=30))
+    assert episodes[0].status == "done"
+    assert "agent 'sleepy_agent' blocks the event loop" in caplog.text
