@@ -13,23 +13,18 @@ process group is killed (the reward's own subprocesses with it) and a fresh work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import multiprocessing
-import os
 import pickle
-import signal
 import sys
 import time
 from typing import Any
 
 from grpokit.errors import ConfigError
+from grpokit.rewards import processes
 from grpokit.rewards.calling import RewardLog
 from grpokit.rewards.deadline import DeadlinePassed, watch
-from grpokit.rewards.descendants import descendants
 
 HOOKS = ("log_extra", "log_metric")
-_PRELOAD = ["grpokit.rewards", "grpokit.rewards.worker"]  # imported once, by the forkserver
 _LOAD_S = 30.0  # a "still running" line this often while a worker loads its reward
 
 
@@ -73,16 +68,9 @@ class RewardWorker:
             self._start()
 
     def _start(self) -> None:
-        if self._payload is not None:
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(_PRELOAD + [m for m in ("torch", "numpy") if m in sys.modules])
-            target = (self._payload, list(sys.path))
-        else:
-            ctx, target = multiprocessing.get_context("fork"), (self.func, None)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, *target), name=f"grpokit-reward-{self.name}", daemon=True)
-        proc.start()
-        child.close()
+        fork = self._payload is None
+        args = (self.func, None) if fork else (self._payload, list(sys.path))
+        proc, parent = processes.start(_serve, args, f"grpokit-reward-{self.name}", fork=fork)
         self._proc, self._conn = proc, parent
         try:  # loading the function (its module's imports) is not part of any call's time
             watch(parent.poll, lambda: [self.name], time.monotonic(), _LOAD_S, None, parent.poll)
@@ -133,30 +121,16 @@ class RewardWorker:
         raise RemoteRaised(*rest)
 
     def kill(self) -> None:
-        """Kill the worker and every process in its group, and wait for it."""
-        proc, self._proc = self._proc, None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        if proc is None:
-            return
-        for pid in descendants(proc.pid):  # what the reward started, in a session of its own too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-            try:
-                kill()
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
-        proc.join(5)
+        """Kill the worker, its process group and what it started, and wait for it."""
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        processes.kill(proc, conn)
 
     close = kill
 
 
 def _serve(conn: Any, func: Any, path: list[str] | None) -> None:
     """The worker's loop: one batch in, its scores (or what was raised) out."""
-    os.setpgid(0, 0)  # its own process group, so that the runner can kill what the reward starts
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    processes.detach()
     if path is not None:
         sys.path[:] = path
         try:
@@ -168,7 +142,7 @@ def _serve(conn: Any, func: Any, path: list[str] | None) -> None:
     while True:
         try:
             args, kwargs, hooks, n, name = pickle.loads(conn.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):  # the runner closed its end
             return
         log = RewardLog(n)
         kwargs.update({k: v for k, v in log.hooks(name).items() if k in hooks})
