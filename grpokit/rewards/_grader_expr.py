@@ -20,6 +20,8 @@ from grpokit.rewards._grader_eval import (
 )  # fmt: skip
 from grpokit.rewards._sandbox_child import encode
 
+_ITERATORS = tuple({type(iter(x)) for x in ([], (), "", range(0))} | {type(reversed(x)) for x in ([], (), range(0))})
+
 _BUILTIN_FUNCS = {id(v): k for k, v in _SAFE_BUILTINS.items()}
 EXCEPTION_NAMES = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
 
@@ -54,6 +56,8 @@ class Expressions:
         answer = self.query_fn(src, sent)
         if answer is None:
             raise _Fail("no answer from the sandbox")
+        if type(answer.get("m")) is dict and answer["m"]:
+            self.copy_back(args, answer["m"])
         if "v" in answer:
             try:
                 self.budget.decoding(answer["v"])
@@ -76,8 +80,33 @@ class Expressions:
             return self.query(value.src, [])
         return value
 
+    def copy_back(self, args: list, mutated: dict) -> None:
+        """Arguments the program changed in place take its changes, as they would in one process."""
+        for key, enc in mutated.items():
+            i = int(key) if type(key) is str and key.isdigit() else -1
+            if not 0 <= i < len(args) or type(args[i]) not in (list, dict, set, bytearray):
+                continue
+            self.budget.decoding(enc)
+            try:
+                new = checked(decode(enc))
+            except (ValueError, TypeError, RecursionError) as exc:
+                raise _Fail(f"undecodable argument ({exc})") from None
+            if type(new) is not type(args[i]):
+                raise _Fail("an argument changed type in place")
+            if type(new) is dict or type(new) is set:
+                args[i].clear()
+                args[i].update(new)
+            else:
+                args[i][:] = new
+
     def truth(self, value: Any) -> bool:
-        return truth(self.val(value))
+        value = self.val(value)
+        if isinstance(value, Remote):  # a program object's truth is its own (__bool__, __len__), as in Python
+            answer = self.query(f"bool({value.src})", [])
+            if type(answer) is not bool:
+                raise _Fail("truth of a program object")
+            return answer
+        return truth(value)
 
     def remote_call(self, func_src: str, args: list, kwargs: dict) -> Any:
         parts, sent = [], []
@@ -300,7 +329,7 @@ class Expressions:
         if isinstance(value, Remote):
             value = self.query(f"list({value.src})", [])
         if isinstance(value, (Module, Approx)) or not isinstance(
-            value, _PLAIN + (range, map, filter, zip, enumerate, reversed)
+            value, _PLAIN + (range, map, filter, zip, enumerate, reversed) + _ITERATORS
         ):
             raise _Fail("iteration over a non-plain value")
         for item in value:

@@ -28,8 +28,9 @@ DATA_BUDGET = 1 << 30  # heap a grader process may add to what it holds at start
 class GraderPool:
     """Grader processes, started on demand, reused, and replaced when one is killed."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, serve: Any = None) -> None:
         self.size = size
+        self.serve = serve or _serve  # what a grader process runs (a module-level function: it is sent by name)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
 
     def grade(self, completion: str, cases: Any, limits: Any, runtime: Any, budget_s: float) -> tuple[float, Counter]:
@@ -38,7 +39,7 @@ class GraderPool:
         try:
             proc, conn = self._idle.get_nowait()
         except queue.Empty:
-            proc, conn = processes.start(_serve, (), "grpokit-grader")
+            proc, conn = processes.start(self.serve, (), "grpokit-grader")
         try:
             if conn.recv() != "ready":  # a new grader's start-up is no part of the sample's budget
                 raise EOFError

@@ -318,6 +318,10 @@ MEMORY = {  # kernel memory outside the address-space limit; each prints what it
     "            pass\n        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, "
     "array.array('i', [r, w]))])\n        os.close(r)\n        os.close(w)\n"
     "except OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
+    "unix_socket_buffers": "import socket, time\nheld, pairs = 0, []\ntry:\n    for _ in range(30):\n"
+    "        a, b = socket.socketpair()\n        pairs.append((a, b))\n        a.setblocking(False)\n        try:\n"
+    "            while True:\n                held += a.send(b'x' * 65536)\n        except BlockingIOError:\n"
+    "            pass\nexcept OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
     "message_queues": LIBC + "held = 0\nbuf = ctypes.create_string_buffer(8200)\nfor _ in range(30000):\n"
     "    q = libc.msgget(0, 0o1600)\n    if q < 0:\n        break\n"
     "    while libc.msgsnd(q, buf, 8192, 0o4000) == 0:\n        held += 8192\n"
