@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import re
 import subprocess
 import threading
@@ -163,3 +164,37 @@ def test_an_agent_that_blocks_the_event_loop_is_named(caplog):
         episodes = asyncio.run(run_episodes(sleepy_agent, [{}], endpoint, concurrency=1, timeout=30))
     assert episodes[0].status == "done"
     assert "agent 'sleepy_agent' blocks the event loop" in caplog.text
+
+
+def grader_that_hangs_in_c(conn):
+    """A grader process stuck in C holding its GIL, with a child of its own (stands for any grading that overruns:
+    hashing colliding values, big-integer math, a regex over a completion)."""
+    import pickle
+
+    from grpokit.rewards import processes
+
+    processes.detach()
+    conn.send("ready")
+    pid_file = pickle.loads(conn.recv_bytes())[0]
+    child = subprocess.Popen(["sleep", "300"])
+    Path(pid_file).write_text(f"{os.getpid()} {child.pid}")
+    ctypes.PyDLL(None).sleep(300)
+
+
+def test_a_grader_past_the_samples_deadline_is_killed_and_the_trainer_keeps_running(tmp_path):
+    from grpokit.rewards.grading_pool import GraderPool
+
+    ticks, stop = [0], threading.Event()
+    threading.Thread(target=lambda: [ticks.__setitem__(0, ticks[0] + 1) for _ in iter(lambda: stop.wait(0.01), True)],
+                     daemon=True).start()  # fmt: skip
+    pool = GraderPool(1, serve=grader_that_hangs_in_c)
+    pid_file = tmp_path / "pids"
+    before = ticks[0]
+    score, failures = pool.grade(str(pid_file), None, None, None, budget_s=0.5)
+    during = ticks[0] - before
+    stop.set()
+    assert (score, dict(failures)) == (0.0, {"timeout": 1})
+    assert during >= 10  # the trainer's threads ran while the grader was stuck
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert pids[0] != os.getpid() and not any(_alive(p) for p in pids)  # the grader and what it started: gone
+    pool.close()
