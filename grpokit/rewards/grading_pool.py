@@ -36,10 +36,7 @@ class GraderPool:
     def grade(self, completion: str, cases: Any, limits: Any, runtime: Any, budget_s: float) -> tuple[float, Counter]:
         """The sample's (score, failure counts), decided in a grader process within ``budget_s`` seconds from when
         that process is ready (+ GRACE_S)."""
-        try:
-            proc, conn = self._idle.get_nowait()
-        except queue.Empty:
-            proc, conn = processes.start(self.serve, (), "grpokit-grader")
+        proc, conn = self._take()
         try:
             if conn.recv() != "ready":  # a new grader's start-up is no part of the sample's budget
                 raise EOFError
@@ -57,6 +54,17 @@ class GraderPool:
             raise
         processes.kill(proc, conn)
         return 0.0, Counter({why: 1})
+
+    def _take(self) -> tuple[Any, Any]:
+        """An idle grader that is still alive (the run's end may have killed them), else a new one."""
+        while True:
+            try:
+                proc, conn = self._idle.get_nowait()
+            except queue.Empty:
+                return processes.start(self.serve, (), "grpokit-grader")
+            if proc.is_alive():
+                return proc, conn
+            processes.kill(proc, conn)
 
     def close(self) -> None:
         while True:
