@@ -296,3 +296,23 @@ class Budget:
             raise _Fail("too many operations")
         if self.ops % 512 == 0 and time.monotonic() > self.deadline:
             raise _Fail("out of time")
+
+
+def copy_back(args: list, mutated: dict, budget: Budget) -> None:
+    """Arguments the program changed in place (``{position: tagged value}``) take its changes, as in one process."""
+    for key, enc in mutated.items():
+        i = int(key) if type(key) is str and key.isdigit() else -1
+        if not 0 <= i < len(args) or type(args[i]) not in (list, dict, set, bytearray):
+            continue
+        budget.decoding(enc)
+        try:
+            new = checked(decode(enc))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise _Fail(f"undecodable argument ({exc})") from None
+        if type(new) is not type(args[i]):
+            raise _Fail("an argument changed type in place")
+        if type(new) in (dict, set):
+            args[i].clear()
+            args[i].update(new)
+        else:
+            args[i][:] = new

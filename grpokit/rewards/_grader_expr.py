@@ -15,8 +15,8 @@ from typing import Any
 
 from grpokit.rewards._grader_eval import (
     _BINOPS, _CMPOPS, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
-    Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, spread_hashes,
-    truth,
+    Remote, _Fail, _format_guard, call_guard, checked, copy_back, decode, guard, method_guard, plain_operands,
+    spread_hashes, truth,
 )  # fmt: skip
 from grpokit.rewards._sandbox_child import encode
 
@@ -57,7 +57,7 @@ class Expressions:
         if answer is None:
             raise _Fail("no answer from the sandbox")
         if type(answer.get("m")) is dict and answer["m"]:
-            self.copy_back(args, answer["m"])
+            copy_back(args, answer["m"], self.budget)
         if "v" in answer:
             try:
                 self.budget.decoding(answer["v"])
@@ -79,25 +79,6 @@ class Expressions:
         if isinstance(value, Remote) and not value.src.startswith("__R["):
             return self.query(value.src, [])
         return value
-
-    def copy_back(self, args: list, mutated: dict) -> None:
-        """Arguments the program changed in place take its changes, as they would in one process."""
-        for key, enc in mutated.items():
-            i = int(key) if type(key) is str and key.isdigit() else -1
-            if not 0 <= i < len(args) or type(args[i]) not in (list, dict, set, bytearray):
-                continue
-            self.budget.decoding(enc)
-            try:
-                new = checked(decode(enc))
-            except (ValueError, TypeError, RecursionError) as exc:
-                raise _Fail(f"undecodable argument ({exc})") from None
-            if type(new) is not type(args[i]):
-                raise _Fail("an argument changed type in place")
-            if type(new) is dict or type(new) is set:
-                args[i].clear()
-                args[i].update(new)
-            else:
-                args[i][:] = new
 
     def truth(self, value: Any) -> bool:
         value = self.val(value)

@@ -84,7 +84,8 @@ def _data_in_use() -> int:
 
 def _serve(conn: Any) -> None:
     """A grader process: one sample in, its score out, until the pipe closes."""
-    from grpokit.rewards.code_exec import score_sample  # noqa: PLC0415 - not at the top: code_exec imports this module
+    # not at the top: code_exec imports this module
+    from grpokit.rewards.code_exec import score_sample  # noqa: PLC0415
 
     processes.detach()
     limit = _data_in_use() + DATA_BUDGET
