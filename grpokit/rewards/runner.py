@@ -25,7 +25,6 @@ import inspect
 import logging
 import math
 import numbers
-import sys
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Future
@@ -35,16 +34,15 @@ from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
 from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs, trl_kwargs
-from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, watch
+from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
+from grpokit.rewards.scores import check_scores, preview
 from grpokit.rewards.worker import RemoteRaised, RewardWorker
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-_PREVIEW = 60
 _BLOCKED_GRACE_S = 2.0  # past --reward_timeout, how long the caller waits for an async reward blocking the loop
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def is_async_reward(func: Any) -> bool:
@@ -53,11 +51,6 @@ def is_async_reward(func: Any) -> bool:
         return True
     call = getattr(type(func), "__call__", None)
     return not inspect.isfunction(func) and inspect.iscoroutinefunction(call)
-
-
-def _preview(text: Any) -> str:
-    s = repr(text)
-    return s if len(s) <= _PREVIEW else s[: _PREVIEW - 3] + "..."
 
 
 class RewardRunner:
@@ -121,7 +114,7 @@ class RewardRunner:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - sys.exit(0) in a reward must not end the run quietly
                     raise self._raised_error(i, exc, completions, kwargs) from exc
-                scores[:, i] = self._check(i, out, completions)
+                scores[:, i] = check_scores(self.names[i], out, completions)
             results = self._wait_async(pending, started) if pending is not None else []
         except BaseException:
             if pending is not None:
@@ -134,7 +127,7 @@ class RewardRunner:
                 raise out
             if isinstance(out, BaseException):
                 raise self._raised_error(i, out, completions, kwargs) from out
-            scores[:, i] = self._check(i, out, completions)
+            scores[:, i] = check_scores(self.names[i], out, completions)
         self._warn_unscored(scores)
         return scores
 
@@ -207,8 +200,16 @@ class RewardRunner:
     def _call_sync(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Any:
         """Reward i (sync) on this thread, or with --reward_timeout in its worker process, killed at the deadline;
         "still running" lines while it is slow. A coroutine it returns is awaited."""
-        if self.timeout is None:
-            out = self._heartbeat.call(lambda: self._invoke(i, completions, kwargs, log), self.names[i])
+        if self.timeout is None or _in_process(self.funcs[i]):
+            call = lambda: self._invoke(i, completions, kwargs, log)  # noqa: E731
+            try:
+                out = (
+                    self._heartbeat.call(call, self.names[i])
+                    if self.timeout is None
+                    else call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
+                )
+            except DeadlinePassed:
+                raise self._timeout_error(i) from None
             return self._await(i, out) if inspect.isawaitable(out) else out
         worker = self._start_workers()[i]
         args, kw = self._arguments(i, completions, kwargs, log)
@@ -220,7 +221,7 @@ class RewardRunner:
     def _start_workers(self) -> dict[int, RewardWorker]:
         """A worker process per sync reward, started and loaded (before any call's deadline starts)."""
         for i, func in enumerate(self.funcs):
-            if not self._is_async[i]:
+            if not self._is_async[i] and not _in_process(func):
                 self._workers.setdefault(i, RewardWorker(func, self.names[i])).start()
         return self._workers
 
@@ -286,45 +287,11 @@ class RewardRunner:
 
     # -- checking ------------------------------------------------------------------------------------------------
 
-    def _check(self, i: int, out: Any, completions: list[str]) -> torch.Tensor:
-        import torch
-
-        name, n = self.names[i], len(completions)
-        if not isinstance(out, (list, tuple)) and hasattr(out, "tolist") and hasattr(out, "shape"):
-            shape = tuple(out.shape)
-            if len(shape) != 1:  # a [2, N/2] tensor is not N scores, whatever its size
-                raise RewardError(
-                    f"reward {name!r} returned a {type(out).__name__} of shape {list(shape)}; need a list or a 1-D "
-                    f"array/tensor of {n} scores (one per completion)"
-                )
-            out = out.detach().float().cpu().tolist() if isinstance(out, torch.Tensor) else out.tolist()
-        if not isinstance(out, (list, tuple)):
-            raise RewardError(
-                f"reward {name!r} returned {type(out).__name__}, not a list of {n} scores (one per completion)"
-            )
-        if len(out) != n:
-            first = min(len(out), n)
-            where = f"first sample without a score: {first} {_preview(completions[first])}" if n > first else ""
-            raise RewardError(
-                f"reward {name!r} returned {len(out)} scores for {n} completions; {where or 'too many scores'}"
-            )
-        values = []
-        for j, v in enumerate(out):
-            f = _as_score(v)
-            if f is _BAD or abs(f) > _FLOAT32_MAX:  # 1e39 is a float, and inf in float32 (the scores' dtype)
-                beyond = " (beyond float32's range, ±3.4e38, the training dtype of scores)" if f is not _BAD else ""
-                raise RewardError(
-                    f"reward {name!r}: sample {j} got score {_preview(v)}{beyond} (need a finite number or None); "
-                    f"completion {_preview(completions[j])}"
-                )
-            values.append(f)
-        return torch.tensor(values, dtype=torch.float32)
-
     def _raised_error(self, i: int, exc: BaseException, completions: list[str], kwargs: dict[str, Any]) -> RewardError:
         name = self.names[i]
         where = self._first_failing_sample(i, completions, kwargs)
         sample = (
-            f"first failing sample {where} {_preview(completions[where])}"
+            f"first failing sample {where} {preview(completions[where])}"
             if where is not None
             else "no single sample fails alone"
         )
@@ -372,19 +339,7 @@ class RewardRunner:
             )
 
 
-_BAD = object()
-
-
-def _as_score(v: Any) -> Any:
-    """float(v), NaN for None/NaN, or _BAD for anything else (strings, inf, containers)."""
-    if v is None:
-        return math.nan
-    torch = sys.modules.get("torch")  # a tensor can only come from an imported torch
-    if torch is not None and isinstance(v, torch.Tensor) and v.numel() == 1:
-        v = v.item()
-    elif hasattr(v, "item") and getattr(v, "shape", None) == ():
-        v = v.item()  # numpy scalar
-    if not isinstance(v, numbers.Real):  # bool is an int, so True/False pass as 1.0/0.0
-        return _BAD
-    f = float(v)
-    return _BAD if math.isinf(f) else f
+def _in_process(func: Any) -> bool:
+    """A reward whose state lives in the trainer (a reward model's weights, ``in_process = True``): under
+    --reward_timeout it runs in a daemon thread with the deadline, not in a worker process."""
+    return getattr(func, "in_process", False) is True
