@@ -6,7 +6,6 @@ agent that blocks the event loop is named. Processes are checked from outside (/
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import re
@@ -19,6 +18,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from light_rewards import (
+    backtracking_regex,
+    grader_that_hangs_in_c,
+    raises_on_bad,
+    sleeps_in_c_holding_the_gil,
+    starts_a_server_and_hangs,
+)
 
 from grpokit.agents.runner import run_episodes
 from grpokit.config.resolve import resolve
@@ -33,24 +39,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
-
-
-def sleeps_in_c_holding_the_gil(completions, **kwargs):
-    ctypes.PyDLL(None).sleep(120)  # PyDLL keeps the GIL for the whole foreign call
-    return [1.0] * len(completions)
-
-
-def backtracking_regex(completions, **kwargs):
-    return [float(bool(re.match(r"(a*)*b", "a" * 40)))] * len(completions)  # one C call, hours long, with the GIL
-
-
-def starts_a_server_and_hangs(completions, pid_file, **kwargs):
-    for session in (False, True):  # in the worker's process group, and in a session of its own
-        proc = subprocess.Popen(["sleep", "300"], start_new_session=session)
-        with open(pid_file[0], "a") as f:
-            f.write(f"{proc.pid}\n")
-    threading.Event().wait(120)
-    return [0.0] * len(completions)
 
 
 @pytest.mark.parametrize("reward", [sleeps_in_c_holding_the_gil, backtracking_regex])
@@ -90,14 +78,6 @@ def test_processes_a_reward_or_agent_abandons_end_with_the_run(tmp_path):
         pids = [int(p) for p in pid_file.read_text().split()]
         assert all(_alive(p) for p in pids)
     assert not any(_alive(p) for p in pids)
-
-
-def raises_on_bad(completions, calls, **kwargs):
-    with open(calls[0], "a") as f:
-        f.write(f"{len(completions)}\n")
-    if any(c == "bad" for c in completions):
-        raise ValueError("cannot score bad")
-    return [1.0] * len(completions)
 
 
 @pytest.mark.parametrize("timeout", [None, 30.0])
@@ -164,21 +144,6 @@ def test_an_agent_that_blocks_the_event_loop_is_named(caplog):
         episodes = asyncio.run(run_episodes(sleepy_agent, [{}], endpoint, concurrency=1, timeout=30))
     assert episodes[0].status == "done"
     assert "agent 'sleepy_agent' blocks the event loop" in caplog.text
-
-
-def grader_that_hangs_in_c(conn):
-    """A grader process stuck in C holding its GIL, with a child of its own (stands for any grading that overruns:
-    hashing colliding values, big-integer math, a regex over a completion)."""
-    import pickle
-
-    from grpokit.rewards import processes
-
-    processes.detach()
-    conn.send("ready")
-    pid_file = pickle.loads(conn.recv_bytes())[0]
-    child = subprocess.Popen(["sleep", "300"])
-    Path(pid_file).write_text(f"{os.getpid()} {child.pid}")
-    ctypes.PyDLL(None).sleep(300)
 
 
 def test_a_grader_past_the_samples_deadline_is_killed_and_the_trainer_keeps_running(tmp_path):

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from light_rewards import hanging_sync, length_reward, where_it_runs
 
 from grpokit.errors import ConfigError, RewardError
 from grpokit.rewards import (
@@ -32,10 +33,6 @@ class Sleepy(AsyncORM):
     async def __call__(self, completions, **kwargs):
         await asyncio.sleep(self.seconds)
         return [self.value] * len(completions)
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) for c in completions]
 
 
 # --- compute -------------------------------------------------------------------------------------------------------
@@ -273,11 +270,6 @@ def test_check_reward_columns():
 # --- timeouts, heartbeats, BaseException, float32 range (issue 27) ---------------------------------------------------
 
 
-def hanging_sync(completions, **kwargs):
-    threading.Event().wait(30)  # longer than any test waits: only the timeout ends the call
-    return [0.0] * len(completions)
-
-
 async def hanging_async(completions, **kwargs):
     await asyncio.sleep(30)
     return [0.0] * len(completions)
@@ -312,10 +304,6 @@ def test_reward_timeout_cuts_off_a_hanging_reward_and_names_it(func, blocks):
 def test_reward_within_the_timeout_is_scored_as_without_one():
     with RewardRunner([length_reward, Sleepy(0.05, 0.5)], ["len", "sleepy"], timeout=5) as runner:
         assert runner.compute(["ab", "c"], {}).tolist() == [[2.0, 0.5], [1.0, 0.5]]
-
-
-def where_it_runs(completions, **kwargs):
-    return [float(os.getpid() if threading.current_thread() is threading.main_thread() else -1)] * len(completions)
 
 
 def test_sync_reward_runs_on_the_callers_thread_without_a_timeout_and_in_a_worker_process_with_one():
