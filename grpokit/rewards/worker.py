@@ -5,8 +5,9 @@ math, a C library call) would stop the trainer's watcher thread as well. So ``Re
 process per reward: the function is sent once, by reference (its module and name: a plugin module is imported
 again there, its folder being on ``sys.path``), to a fresh interpreter (``processes.start``); a function that
 cannot be sent by reference (defined in ``__main__``, a closure, an instance that does not pickle) runs in a
-``fork`` of the trainer instead. Each call sends the batch and waits for the answer with the deadline; past it, the worker's whole
-process group is killed (the reward's own subprocesses with it) and a fresh worker starts on the next call.
+``fork`` of the trainer instead. Each call sends the batch and waits for the answer with the deadline; past it,
+the worker's whole process group is killed (the reward's own subprocesses with it) and a fresh worker starts on
+the next call.
 ``log_extra``/``log_metric`` are recorded in the worker and replayed into the caller's log.
 """
 
