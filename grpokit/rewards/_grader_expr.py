@@ -154,7 +154,7 @@ class Expressions:
     def _UnaryOp(self, node, scope):
         v = self.val(self.ev(node.operand, scope))
         if isinstance(node.op, ast.Not):
-            return not truth(v)
+            return not self.truth(v)
         plain_operands(v)
         return _UNOPS[type(node.op)](v)
 
@@ -168,7 +168,7 @@ class Expressions:
         is_and = isinstance(node.op, ast.And)
         for v in node.values:
             value = self.val(self.ev(v, scope))
-            if truth(value) != is_and:
+            if self.truth(value) != is_and:
                 return value
         return value
 

@@ -256,7 +256,8 @@ def build(xs):
     return head
 def to_list(node):
     out = []
-    while node:
+    assert not (node and not node)
+    while node and True:
         out.append(node.val)
         node = node.next
     return out
