@@ -215,6 +215,11 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
     bound = [n for names, _ in loops for n in names]
     if sorted(params) != sorted(bound):
         raise Unconvertible(f"{f.name}: arguments {params} that are pytest fixtures are not graded ({_where(f)})")
+    f.decorator_list = []
+    cases = _literal_cases(loops)
+    if cases is not None:  # one statement, so one test, per case, as pytest counts them
+        return [ast.Expr(ast.Call(ast.Name(f.name, ast.Load()), [], [ast.keyword(p, case[p]) for p in params]))
+                for case in cases]  # fmt: skip
     call: ast.stmt = ast.Expr(
         ast.Call(ast.Name(f.name, ast.Load()), [], [ast.keyword(p, ast.Name(f"p_{p}", ast.Load())) for p in params])
     )
@@ -222,8 +227,26 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
         target = ast.Name(f"p_{names[0]}", ast.Store()) if len(names) == 1 else \
             ast.Tuple([ast.Name(f"p_{n}", ast.Store()) for n in names], ast.Store())  # fmt: skip
         call = ast.For(target, values, [call], [])
-    f.decorator_list = []
     return [call]
+
+
+def _literal_cases(loops: list[tuple[list[str], ast.expr]]) -> list[dict[str, ast.expr]] | None:
+    """Every case of literal parametrize lists (the product of stacked ones) as {name: value}; None when a list
+    is not written out (a name, a call), which then stays one loop."""
+    cases: list[dict[str, ast.expr]] = [{}]
+    for names, values in loops:
+        if not isinstance(values, (ast.List, ast.Tuple)):
+            return None
+        rows = []
+        for elt in values.elts:
+            if len(names) == 1:
+                rows.append({names[0]: elt})
+            elif isinstance(elt, (ast.Tuple, ast.List)) and len(elt.elts) == len(names):
+                rows.append(dict(zip(names, elt.elts)))
+            else:
+                return None
+        cases = [{**c, **r} for c in cases for r in rows]
+    return cases
 
 
 def _check_import(node: ast.Import | ast.ImportFrom) -> None:

@@ -299,3 +299,9 @@ def test_right_programs_get_pythons_verdict_in_every_documented_style(tests, ns)
     assert passed == checks > 0
     broken = {k: (lambda *a, **kw: None) if k != "ListNode" else v for k, v in ns.items()}
     assert score(tests, broken)[0] < checks  # and a program that does nothing does not pass them
+
+
+def test_each_parametrize_case_is_a_test_as_pytest_counts_them():
+    tests = STYLES["pytest_uncalled_parametrize"]  # test_a, and test_b with two cases
+    assert score(tests, {"f": right}) == (3, 3)
+    assert score(tests, {"f": lambda n: 0 if n == 5 else right(n)}) == (2, 3)
