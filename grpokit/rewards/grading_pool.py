@@ -22,6 +22,7 @@ from typing import Any
 from grpokit.rewards import processes
 
 GRACE_S = 2.0  # past a sample's deadline, how long its grader may take to answer (the sandbox's reaping, a fork)
+START_S = 120.0  # a new grader that is not ready by then (an import that hangs) is killed; its sample scores 0
 DATA_BUDGET = 1 << 30  # heap a grader process may add to what it holds at start
 
 
@@ -38,7 +39,7 @@ class GraderPool:
         that process is ready (+ GRACE_S)."""
         proc, conn = self._take()
         try:
-            if conn.recv() != "ready":  # a new grader's start-up is no part of the sample's budget
+            if not conn.poll(START_S) or conn.recv() != "ready":  # start-up is no part of the sample's budget
                 raise EOFError
             deadline = time.monotonic() + budget_s
             conn.send_bytes(pickle.dumps((completion, cases, limits, runtime, deadline)))
