@@ -368,4 +368,30 @@ def convert(source: str) -> ast.Module:
             out.append(stmt)
     module = ast.fix_missing_locations(ast.Module(out + tail, []))
     _validate(module)
+    _check_excinfo(module)
     return module
+
+
+_EXCINFO = {"value", "exception", "type", "typename"}  # what the grader knows of a caught exception
+
+
+def _check_excinfo(module: ast.Module) -> None:
+    """Refuse what the grader cannot answer about a raises block's exception (``cm.exception.args``,
+    ``excinfo.match(...)``): it knows the type's name and the message only, and a test that asks for more would
+    fail a right program without a word."""
+    caught = {i.optional_vars.id for n in ast.walk(module) if isinstance(n, ast.With)
+              for i in n.items if isinstance(i.optional_vars, ast.Name)}  # fmt: skip
+    for n in ast.walk(module):
+        if not isinstance(n, ast.Attribute):
+            continue
+        base = n.value
+        if isinstance(base, ast.Name) and base.id in caught and n.attr not in _EXCINFO:
+            bad = ast.unparse(n)
+        elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in caught:
+            bad = ast.unparse(n)
+        else:
+            continue
+        raise Unconvertible(
+            f"{bad[:60]}: of a caught exception the grader knows its type and message only (str(e.value) or "
+            f"str(cm.exception), e.type) ({_where(n)})"
+        )

@@ -305,3 +305,9 @@ def test_each_parametrize_case_is_a_test_as_pytest_counts_them():
     tests = STYLES["pytest_uncalled_parametrize"]  # test_a, and test_b with two cases
     assert score(tests, {"f": right}) == (3, 3)
     assert score(tests, {"f": lambda n: 0 if n == 5 else right(n)}) == (2, 3)
+
+
+@pytest.mark.parametrize("use", ["e.value.args[0] == 'x'", "e.match('x')", "e.exception.errno == 2"])
+def test_what_the_grader_cannot_know_of_an_exception_is_refused_at_load(use):
+    with pytest.raises(Unconvertible, match="knows its type and message only"):
+        prepare(f"import pytest\nwith pytest.raises(ValueError) as e:\n    f(1)\nassert {use}")
