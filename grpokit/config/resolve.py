@@ -11,7 +11,10 @@ idempotent: ``resolve(resolve(cfg)) == resolve(cfg)``. What it fills:
 - ``--loss_type real`` → ``--scale_rewards none`` (REAL reads only the advantages' signs; said when it replaces a
   value given);
 - CHORD's unset warm-up and decay steps → 0;
-- ``--structured_outputs_json FILE.json`` → the schema's JSON text (a rollout server may not have the file).
+- ``--structured_outputs_json FILE.json`` → the schema's JSON text (a rollout server may not have the file);
+- relative paths → absolute, against the directory the run starts in (``--output_dir`` and
+  ``--resume_from_checkpoint`` always; models, datasets, plugin files and a DeepSpeed file when such a file or
+  folder exists), so a reward or agent that changes the working directory cannot move the run's files.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 
 from grpokit.config.args import TrainConfig
 from grpokit.config.swift_options import is_rank0
@@ -57,4 +61,22 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         a.chord_mu_decay_steps = a.chord_mu_decay_steps or 0
     if r.structured_outputs_json:
         r.structured_outputs_json = json.dumps(load_json_schema(r.structured_outputs_json))
+    _absolute_paths(out)
     return out
+
+
+def _absolute_paths(cfg: TrainConfig) -> None:
+    """Relative paths made absolute now (the module docstring); hub ids and ``builtin:`` names stay as given."""
+    t, m, d = cfg.training, cfg.model, cfg.data
+    t.output_dir = os.path.abspath(t.output_dir)
+    if t.resume_from_checkpoint and t.resume_from_checkpoint != "latest":
+        t.resume_from_checkpoint = os.path.abspath(t.resume_from_checkpoint)
+    m.model, m.ref_model, t.deepspeed = _if_exists(m.model), _if_exists(m.ref_model), _if_exists(t.deepspeed)
+    d.dataset, d.val_dataset = [_if_exists(p) for p in d.dataset], [_if_exists(p) for p in d.val_dataset]
+    cfg.algorithm.chord_sft_dataset = [_if_exists(p) for p in cfg.algorithm.chord_sft_dataset]
+    cfg.reward.reward_model = [_if_exists(p) for p in cfg.reward.reward_model]
+    cfg.reward.external_plugins = [_if_exists(p) for p in cfg.reward.external_plugins]
+
+
+def _if_exists(path: str | None) -> str | None:
+    return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.exists(path) else path

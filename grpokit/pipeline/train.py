@@ -52,6 +52,7 @@ from grpokit.pipeline.supplied import Supplied, padded, supplied_policy
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
+from grpokit.rewards.descendants import reap_descendants
 from grpokit.rewards.rm_plugin import RewardModelReward, make_rm_plugin, rm_plugins
 from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
@@ -207,7 +208,8 @@ def assembled(cfg: TrainConfig, supplied: Supplied | None = None):
         lock.acquire()
     try:
         preflight_resume(t.output_dir, t.resume_from_checkpoint, cfg.flat())
-        with stop_outside_the_loop():  # the loop itself saves on SIGTERM (trainers/signals.py)
+        # the loop itself saves on SIGTERM (trainers/signals.py); what rewards and agents start ends with the run
+        with stop_outside_the_loop(), reap_descendants():
             yield _build(cfg, plan, log, supplied)
     finally:
         lock.release()

@@ -21,6 +21,8 @@ import re
 import time
 from typing import Any
 
+from grpokit.rewards import _grader_numpy as _numpy
+
 _SAFE_BUILTINS = {n: getattr(builtins, n) for n in (
     "abs all any bin bool bytes callable chr complex dict divmod enumerate filter float format frozenset hash hex "
     "int isinstance issubclass iter len list map max min next oct ord pow range repr reversed round set sorted str "
@@ -110,19 +112,6 @@ class Approx:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _allclose(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False) -> bool:
-    """numpy.allclose on plain numbers and (nested) lists/tuples, scalars broadcast."""
-    if type(a) in (list, tuple) or type(b) in (list, tuple):
-        a_seq = a if type(a) in (list, tuple) else [a] * len(b)
-        b_seq = b if type(b) in (list, tuple) else [b] * len(a)
-        return len(a_seq) == len(b_seq) and all(_allclose(x, y, rtol, atol, equal_nan) for x, y in zip(a_seq, b_seq))
-    if not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
-        raise _Fail("allclose on a non-number")
-    if math.isnan(a) or math.isnan(b):
-        return equal_nan and math.isnan(a) and math.isnan(b)
-    return abs(a - b) <= atol + rtol * abs(b)
-
-
 class _NoArray:
     """numpy.ndarray and the numpy dtypes: no plain value is one."""
 
@@ -131,8 +120,8 @@ MODULES = {
     "math": _MATH,
     "collections": {"Counter": collections.Counter},
     "numpy": {
-        "allclose": _allclose,
-        "isclose": lambda a, b, rtol=1e-5, atol=1e-8: _allclose(a, b, rtol, atol),
+        "allclose": _numpy.allclose,
+        "isclose": _numpy.isclose,
         "ndarray": _NoArray,
         "float64": _NoArray,
         "float32": _NoArray,
@@ -307,3 +296,23 @@ class Budget:
             raise _Fail("too many operations")
         if self.ops % 512 == 0 and time.monotonic() > self.deadline:
             raise _Fail("out of time")
+
+
+def copy_back(args: list, mutated: dict, budget: Budget) -> None:
+    """Arguments the program changed in place (``{position: tagged value}``) take its changes, as in one process."""
+    for key, enc in mutated.items():
+        i = int(key) if type(key) is str and key.isdigit() else -1
+        if not 0 <= i < len(args) or type(args[i]) not in (list, dict, set, bytearray):
+            continue
+        budget.decoding(enc)
+        try:
+            new = checked(decode(enc))
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise _Fail(f"undecodable argument ({exc})") from None
+        if type(new) is not type(args[i]):
+            raise _Fail("an argument changed type in place")
+        if type(new) in (dict, set):
+            args[i].clear()
+            args[i].update(new)
+        else:
+            args[i][:] = new

@@ -15,10 +15,12 @@ from typing import Any
 
 from grpokit.rewards._grader_eval import (
     _BINOPS, _CMPOPS, _METHODS, _PLAIN, _SAFE_BUILTINS, _UNOPS, Approx, Budget, CandidateError, Module,
-    Remote, _Fail, _format_guard, call_guard, checked, decode, guard, method_guard, plain_operands, spread_hashes,
-    truth,
+    Remote, _Fail, _format_guard, call_guard, checked, copy_back, decode, guard, method_guard, plain_operands,
+    spread_hashes, truth,
 )  # fmt: skip
 from grpokit.rewards._sandbox_child import encode
+
+_ITERATORS = tuple({type(iter(x)) for x in ([], (), "", range(0))} | {type(reversed(x)) for x in ([], (), range(0))})
 
 _BUILTIN_FUNCS = {id(v): k for k, v in _SAFE_BUILTINS.items()}
 EXCEPTION_NAMES = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
@@ -54,6 +56,8 @@ class Expressions:
         answer = self.query_fn(src, sent)
         if answer is None:
             raise _Fail("no answer from the sandbox")
+        if type(answer.get("m")) is dict and answer["m"]:
+            copy_back(args, answer["m"], self.budget)
         if "v" in answer:
             try:
                 self.budget.decoding(answer["v"])
@@ -77,7 +81,13 @@ class Expressions:
         return value
 
     def truth(self, value: Any) -> bool:
-        return truth(self.val(value))
+        value = self.val(value)
+        if isinstance(value, Remote):  # a program object's truth is its own (__bool__, __len__), as in Python
+            answer = self.query(f"bool({value.src})", [])
+            if type(answer) is not bool:
+                raise _Fail("truth of a program object")
+            return answer
+        return truth(value)
 
     def remote_call(self, func_src: str, args: list, kwargs: dict) -> Any:
         parts, sent = [], []
@@ -144,7 +154,7 @@ class Expressions:
     def _UnaryOp(self, node, scope):
         v = self.val(self.ev(node.operand, scope))
         if isinstance(node.op, ast.Not):
-            return not truth(v)
+            return not self.truth(v)
         plain_operands(v)
         return _UNOPS[type(node.op)](v)
 
@@ -158,7 +168,7 @@ class Expressions:
         is_and = isinstance(node.op, ast.And)
         for v in node.values:
             value = self.val(self.ev(v, scope))
-            if truth(value) != is_and:
+            if self.truth(value) != is_and:
                 return value
         return value
 
@@ -300,7 +310,7 @@ class Expressions:
         if isinstance(value, Remote):
             value = self.query(f"list({value.src})", [])
         if isinstance(value, (Module, Approx)) or not isinstance(
-            value, _PLAIN + (range, map, filter, zip, enumerate, reversed)
+            value, _PLAIN + (range, map, filter, zip, enumerate, reversed) + _ITERATORS
         ):
             raise _Fail("iteration over a non-plain value")
         for item in value:

@@ -189,20 +189,37 @@ def _run_program(source: str, ns: dict) -> int:
 
 
 def _answer(q: int, src: str, args: list, ns: dict, results: dict) -> str:
+    given = [decode(a) for a in args]
     try:
-        value = eval(compile(src, "tests.py", "eval"), ns, {"__A": [decode(a) for a in args], "__R": results})
+        value = eval(compile(src, "tests.py", "eval"), ns, {"__A": given, "__R": results})
     except BaseException as exc:  # SystemExit too: a call must not end the run
         names = [c.__name__ for c in type(exc).__mro__][:MAX_ERR_NAMES]
         try:
-            msg = str(exc)[:200] if type(exc).__str__ is BaseException.__str__ else ""
+            msg = str(exc)[:200]  # the program's own text (KeyError's is the key's repr), as pytest's match reads
         except BaseException:
             msg = ""
         return json.dumps({"q": q, "err": type(exc).__name__, "mro": names, "msg": msg})
+    out = {"q": q, "m": _mutated(args, given)}
     try:
-        return json.dumps({"q": q, "v": encode(value)})
+        out["v"] = encode(value)
     except (TypeError, ValueError, RecursionError):
         results[q] = value
-        return json.dumps({"q": q, "ref": q})
+        out["ref"] = q
+    return json.dumps(out)
+
+
+def _mutated(sent: list, given: list) -> dict:
+    """The arguments the call changed in place (a list sorted, a dict filled), by position, to be copied back."""
+    changed = {}
+    for i, (before, obj) in enumerate(zip(sent, given)):
+        if type(obj) in (list, dict, set, bytearray):
+            try:
+                after = encode(obj)
+            except (TypeError, ValueError, RecursionError):
+                continue
+            if after != before:
+                changed[str(i)] = after
+    return changed
 
 
 def _serve(job_file, ns: dict) -> None:

@@ -8,12 +8,12 @@ The code is the completion's last fenced ``python`` block (``py``, ``python3`` o
 the whole text when it has none. The ``test_cases`` column holds, per row, either
 
 - a list of ``{"input": stdin, "output": expected stdout}`` (each case runs in its own process; outputs are
-  compared here, line by line, ignoring trailing whitespace and blank lines at the end), also accepted as
-  ``{"inputs": [...], "outputs": [...]}`` or as the JSON text of either; or
+  compared by the grader process, line by line, ignoring trailing whitespace and blank lines at the end), also
+  accepted as ``{"inputs": [...], "outputs": [...]}`` or as the JSON text of either; or
 - Python test code in any style ``test_convert`` knows (asserts, ``check(candidate)``, test functions, pytest,
-  unittest, EvalPlus helpers). It runs in this process (``grader.py``); the program runs once in the sandbox and
-  only answers the calls the tests make on it. A file the grader cannot run that way is refused when the rows
-  load (``check_rows``), never scored.
+  unittest, EvalPlus helpers). It runs in a grader process (``grading_pool``, ``grader.py``), never in the
+  trainer; the program runs once in the sandbox and only answers the calls the tests make on it. A file the
+  grader cannot run that way is refused when the rows load (``check_rows``), never scored.
 
 A sample has one time budget, ``code_exec_timeout`` (+ 0.5 s to start), across all its cases. A case that times
 out, runs out of memory, floods its output or fails scores 0; these are counted per call in ``last_failures``
@@ -35,6 +35,7 @@ from typing import Any
 from grpokit.errors import ConfigError
 from grpokit.rewards import grader, isolation
 from grpokit.rewards.base import ORM, orms
+from grpokit.rewards.grading_pool import GraderPool
 from grpokit.rewards.sandbox import STARTUP_ALLOWANCE_S, Session, ready, run_job
 from grpokit.rewards.sandbox_result import FAILURE_KINDS, SandboxLimits, log_safe
 
@@ -125,6 +126,7 @@ class CodeExecReward(ORM):
         self.sandbox = isolation.describe(self.runtime)  # which protections are active (for logs)
         self.limits = SandboxLimits(timeout_s=float(code_exec_timeout), memory_mb=int(code_exec_memory_mb))
         self.workers = workers
+        self.graders = GraderPool(workers)
         self.last_failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
 
     def check_rows(self, rows: Any) -> None:
@@ -137,42 +139,6 @@ class CodeExecReward(ORM):
             except ValueError as exc:
                 raise ConfigError(f"--reward_funcs code_exec: dataset row {i}: {exc}; fix or drop the row") from None
 
-    def _score(self, completion: str, cases: list[tuple[str, str]] | grader.Program) -> tuple[float, Counter]:
-        code = extract_code(completion)
-        failures: Counter = Counter()
-        deadline = time.monotonic() + self.limits.timeout_s + STARTUP_ALLOWANCE_S  # one budget per sample
-        if isinstance(cases, grader.Program):
-            with Session(code, self.limits, self.runtime, serve=True, deadline=deadline) as session:
-                served = session.ready  # the program ran to its end; else it failed (or exited) before the tests
-                result = grader.grade(cases, session.call, deadline) if served else grader.Grade(0, 1)
-            res = session.result()
-            if res.status != "ok" or not served:
-                failures[res.status if res.status != "ok" else "error"] += 1
-            return result.score, failures
-        passed = 0
-        for stdin, expected in cases:
-            if time.monotonic() >= deadline:
-                failures["timeout"] += 1
-                break
-            res = run_job(code, stdin=stdin, limits=self.limits, rt=self.runtime, deadline=deadline)
-            if res.status != "ok":
-                failures[res.status] += 1
-                if res.status == "timeout":
-                    break
-            elif same_output(res.stdout, expected):
-                passed += 1
-        return passed / len(cases), failures
-
-    def _score_safely(self, completion: str, cases: list[tuple[str, str]] | grader.Program) -> tuple[float, Counter]:
-        """A sample that breaks the grading (an OSError of the host, a bug) scores 0 and is counted; the run goes on."""
-        try:
-            return self._score(completion, cases)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning(
-                "code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__, log_safe(exc)
-            )
-            return 0.0, Counter(error=1)
-
     def __call__(self, completions: list[str], test_cases: list[Any], **kwargs: Any) -> list[float | None]:
         normalized = [normalize_test_cases(v, i) for i, v in enumerate(test_cases)]
         if len(normalized) != len(completions):
@@ -180,17 +146,68 @@ class CodeExecReward(ORM):
         jobs = [(i, c, t) for i, (c, t) in enumerate(zip(completions, normalized)) if t is not None]
         scores: list[float | None] = [None] * len(completions)
         total: Counter = Counter()
+
+        def grade(job: tuple) -> tuple[float, Counter]:  # one budget per sample, from when its grading starts
+            budget = self.limits.timeout_s + STARTUP_ALLOWANCE_S
+            return self.graders.grade(job[1], job[2], self.limits, self.runtime, budget)
+
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="code-exec") as pool:
-            for (i, _, _), (score, failures) in zip(jobs, pool.map(lambda j: self._score_safely(j[1], j[2]), jobs)):
+            for (i, _, _), (score, failures) in zip(jobs, pool.map(grade, jobs)):
                 scores[i] = score
                 total.update(failures)
         self.last_failures = {k: total.get(k, 0) for k in FAILURE_KINDS}
         return scores
 
+    def close(self) -> None:
+        """Stop the grader processes (the run's end kills them otherwise)."""
+        self.graders.close()
+
+    def __getstate__(self) -> dict:  # a copy (a reward worker's) starts graders of its own
+        return {**self.__dict__, "graders": GraderPool(self.workers)}
+
     @property
     def last_metrics(self) -> dict[str, int]:
         """Logged by the trainer as rewards/code_exec/sandbox_<kind> each step."""
         return {f"sandbox_{k}": v for k, v in self.last_failures.items()}
+
+
+def score_sample(completion: str, cases: list[tuple[str, str]] | grader.Program, limits: SandboxLimits,
+                 runtime: isolation.Runtime, deadline: float) -> tuple[float, Counter]:  # fmt: skip
+    """One sample's (score, failure counts), by the deadline (run in a grader process, ``grading_pool``). A
+    sample that breaks the grading (an OSError of the host, a bug) scores 0 and is counted."""
+    try:
+        return _score(extract_code(completion), cases, limits, runtime, deadline)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning(
+            "code_exec: a sample could not be graded (%s: %s); it scores 0", type(exc).__name__, log_safe(exc)
+        )
+        return 0.0, Counter(error=1)
+
+
+def _score(code: str, cases: list[tuple[str, str]] | grader.Program, limits: SandboxLimits, runtime: isolation.Runtime,
+           deadline: float) -> tuple[float, Counter]:  # fmt: skip
+    failures: Counter = Counter()
+    if isinstance(cases, grader.Program):
+        with Session(code, limits, runtime, serve=True, deadline=deadline) as session:
+            served = session.ready  # the program ran to its end; else it failed (or exited) before the tests
+            result = grader.grade(cases, session.call, deadline) if served else grader.Grade(0, 1)
+        res = session.result()
+        if res.status != "ok" or not served:
+            failures[res.status if res.status != "ok" else "error"] += 1
+        return result.score, failures
+    passed = 0
+    for stdin, expected in cases:
+        if time.monotonic() >= deadline:
+            failures["timeout"] += 1
+            break
+        res = run_job(code, stdin=stdin, limits=limits, rt=runtime, deadline=deadline)
+        if res.status != "ok":
+            failures[res.status] += 1
+            if res.status == "timeout":
+                break
+        elif same_output(res.stdout, expected):
+            passed += 1
+    return passed / len(cases), failures
 
 
 orms["code_exec"] = CodeExecReward

@@ -9,9 +9,12 @@ JSON decoded into fresh builtin values). The program never sees the tests, their
 and nothing it writes is a verdict: every ``assert`` is evaluated here, and fails when it involves anything but
 plain values.
 
-Scoring: each executed ``assert`` (or raises block) is one check. An error inside a test function, loop or other
-statement that holds checks fails that statement once; an error in set-up fails every check after it; a statement
-with checks that ran none fails once. The score is passed / checks, and 0 when there were none.
+Scoring follows the tests' structure, as pytest does, never the program's answers: each top-level statement that
+holds checks (an ``assert``, a raises block, or a call of a test function that holds them, such as ``check(f)``,
+``test_x()`` or a parametrize case) is one test, which passes as a whole when it runs to its end: a failed
+``assert`` ends it there, as does anything it raises and does not catch (an ``assert`` over 20 000 returned items in
+a loop is one test, and raising early fails it as answering wrong does). An error in set-up fails every test after
+it. The score is passed tests / tests, fixed by the file.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ _ERRORS = (_Fail, CandidateError, ArithmeticError, LookupError, TypeError, Value
 @dataclass
 class Program:
     module: ast.Module
-    source_checks: int  # assert statements and raises blocks in the file
+    source_checks: int  # tests in the file: top-level statements that hold checks (the module docstring)
     test_names: frozenset[str] = frozenset()  # names the tests bind: never the program's
 
 
@@ -59,9 +62,30 @@ def _static_checks(nodes: list[ast.AST]) -> int:
     return sum(isinstance(n, (ast.Assert, ast.With)) for s in nodes for n in ast.walk(s))
 
 
+def _holding_functions(body: list[ast.stmt]) -> set[str]:
+    """Top-level functions that hold checks, themselves or through the test functions they call."""
+    defs = {s.name: s for s in body if isinstance(s, ast.FunctionDef)}
+    holding = {name for name, d in defs.items() if _static_checks([d]) > 0}
+    while True:
+        more = {name for name, d in defs.items() if name not in holding and _calls(d) & holding}
+        if not more:
+            return holding
+        holding |= more
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def test_statements(body: list[ast.stmt]) -> list[bool]:
+    """Per top-level statement: whether it is a test (holds checks; function definitions are not)."""
+    holding = _holding_functions(body)
+    return [not isinstance(s, ast.FunctionDef) and (_static_checks([s]) > 0 or bool(_calls(s) & holding)) for s in body]
+
+
 def prepare(tests: str) -> Program:
     module = convert(tests)
-    return Program(module, _static_checks(module.body), frozenset(bound_names(module)))
+    return Program(module, sum(test_statements(module.body)), frozenset(bound_names(module)))
 
 
 class _Return(Exception):
@@ -75,6 +99,10 @@ class _Break(Exception):
 
 class _Continue(Exception):
     pass
+
+
+class _AssertFailed(AssertionError):
+    """An ``assert`` of the tests did not hold (or a raises block saw no matching error): the test ends here."""
 
 
 class _Raises:
@@ -128,29 +156,18 @@ class Interpreter(Expressions):
 
     # ---- the module, statement by statement, with the scoring rules of the module docstring
     def run_module(self, body: list[ast.stmt]) -> None:
+        tests = test_statements(body)
         for i, stmt in enumerate(body):
-            before = len(self.checks)
-            holds = not isinstance(stmt, ast.FunctionDef) and (_static_checks([stmt]) > 0 or self._calls_checks(stmt))
             try:
                 self.exec_block([stmt], self.globals)
             except Exception:  # noqa: BLE001 - anything that goes wrong evaluating a test fails it, never the run
-                if not holds:
-                    rest = [s for s in body[i + 1 :] if not isinstance(s, ast.FunctionDef)]
-                    self.checks += [False] * max(1, _static_checks(rest) + sum(map(self._calls_checks, rest)))
+                if not tests[i]:  # set-up: every test after it fails
+                    self.checks += [False] * sum(tests[i + 1 :])
                     return
                 self.checks.append(False)
                 continue
-            if holds and len(self.checks) == before:
-                self.checks.append(False)
-
-    def _calls_checks(self, stmt: ast.stmt) -> bool:
-        """A call of a test function that holds asserts (``check(f)``, ``test_x()``, EvalPlus ``assertion``)."""
-        for n in ast.walk(stmt):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
-                fn = self.globals.get(n.func.id)
-                if isinstance(fn, Closure) and _static_checks([fn.node]) > 0:
-                    return True
-        return False
+            if tests[i]:
+                self.checks.append(True)
 
     def exec_block(self, stmts: list[ast.stmt], scope: dict) -> None:
         for stmt in stmts:
@@ -164,7 +181,8 @@ class Interpreter(Expressions):
             raise
         except Exception:  # noqa: BLE001 - an assert that cannot be evaluated fails
             ok = False
-        self.checks.append(ok)
+        if not ok:
+            raise _AssertFailed
 
     def assign(self, target: ast.expr, value: Any, scope: dict) -> None:
         if isinstance(target, ast.Subscript):
@@ -288,19 +306,21 @@ class Interpreter(Expressions):
             msg = getattr(exc, "msg", "")
             if ok and ctx.match is not None:
                 ok = re.search(ctx.match, msg) is not None
-            if s.items[0].optional_vars is not None:
-                scope[s.items[0].optional_vars.id] = Module("excinfo", {"value": msg, "type": exc.name})
-            self.checks.append(ok)
+            if s.items[0].optional_vars is not None:  # pytest's excinfo.value, unittest's cm.exception
+                names = {"value": msg, "exception": msg, "type": exc.name, "typename": exc.name}
+                scope[s.items[0].optional_vars.id] = Module("excinfo", names)
+            if not ok:
+                raise _AssertFailed
             return
         except _ERRORS:
-            self.checks.append(False)
-            return
-        self.checks.append(False)  # nothing raised
+            raise _AssertFailed from None
+        raise _AssertFailed  # nothing raised
 
     def _s_Try(self, s, scope):
         try:
             self.exec_block(s.body, scope)
-        except (CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:
+        except (CandidateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                AssertionError) as exc:  # fmt: skip
             names = _error_names(exc)
             for h in s.handlers:
                 wanted = _handler_names(h)

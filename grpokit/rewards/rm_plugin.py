@@ -224,6 +224,8 @@ class RewardModelReward(ORM):
     """A reward-model plugin as a reward function: each sample becomes a row (its dataset columns and the whole
     conversation in ``messages``), and the plugin is called ``plugin(inputs=rows, trainer_state=...)``."""
 
+    in_process = True  # its model lives in the trainer: --reward_timeout watches it from a thread (runner.py)
+
     def __init__(self, plugin: Any, name: str = "reward_model") -> None:
         super().__init__()
         self.plugin = plugin

@@ -3,19 +3,19 @@
 Sync rewards run in order on the caller's thread. All async rewards of a batch are awaited together with
 ``asyncio.gather`` on one long-lived ``grpokit.aio.LoopThread`` (started once, on first need), and they run
 while the sync rewards do, so an I/O-bound judge overlaps with rule-based checks. A reward that breaks the
-contract stops training with a one-line ``RewardError``; to name the first bad sample of a reward that raised,
-the runner calls it again one sample at a time (only on that error path).
+contract stops training with a one-line ``RewardError``. To name the first bad sample of a reward that raised,
+the runner bisects the batch: at most ⌈log2 N⌉ + 1 more calls, on halves, never one call per sample.
 
 Slow and runaway rewards (``--reward_timeout``, ``heartbeat_s``): with a timeout, each sync reward runs in a
-daemon worker thread that the caller waits on with a deadline, and each async reward runs under
-``asyncio.wait_for``; an async reward that blocks the event loop (``time.sleep`` in an ``async def``) is caught
-by the caller's own deadline on the whole batch. A reward past its deadline is a ``RewardError`` that names it
-and the limit (a thread cannot be killed: the timed-out worker is left behind as a daemon, and training stops as
-for any reward error). Without a timeout sync rewards run on the caller's thread as before (math-verify's own
-signal-based limit needs the main thread). Either way, a line "reward X still running after N s" is logged every
-``heartbeat_s`` while a reward is slow. Anything a reward raises, ``BaseException`` included (``sys.exit(0)``,
-``SystemExit``, ``GeneratorExit``, a stray ``CancelledError``), is a reward error naming it; only
-``KeyboardInterrupt`` (the user's Ctrl-C) goes through as it is.
+process of its own (``worker.RewardWorker``), killed with its process group at the deadline, so a reward stuck in
+C code that holds the GIL is cut off too; each async reward runs under ``asyncio.wait_for``, and one that blocks
+the event loop (``time.sleep`` in an ``async def``) is caught by the caller's own deadline on the whole batch. A
+reward past its deadline is a ``RewardError`` that names it and the limit. Without a timeout sync rewards run on
+the caller's thread (math-verify's own signal-based limit needs the main thread). Either way, a line "reward X
+still running after N s" is logged every ``heartbeat_s`` while a reward is slow. Anything a reward raises,
+``BaseException`` included (``sys.exit(0)``, ``SystemExit``, ``GeneratorExit``, a stray ``CancelledError``), is a
+reward error naming it; only ``KeyboardInterrupt`` (the user's Ctrl-C) goes through as it is. A return value must
+be a list, tuple, 1-D array or 1-D tensor of exactly N numbers or None; any other shape is refused.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import inspect
 import logging
 import math
 import numbers
-import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +35,14 @@ from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
 from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs, trl_kwargs
 from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
+from grpokit.rewards.scores import check_scores, preview
+from grpokit.rewards.worker import RemoteRaised, RewardWorker
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-_PREVIEW = 60
 _BLOCKED_GRACE_S = 2.0  # past --reward_timeout, how long the caller waits for an async reward blocking the loop
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def is_async_reward(func: Any) -> bool:
@@ -52,11 +51,6 @@ def is_async_reward(func: Any) -> bool:
         return True
     call = getattr(type(func), "__call__", None)
     return not inspect.isfunction(func) and inspect.iscoroutinefunction(call)
-
-
-def _preview(text: Any) -> str:
-    s = repr(text)
-    return s if len(s) <= _PREVIEW else s[: _PREVIEW - 3] + "..."
 
 
 class RewardRunner:
@@ -77,6 +71,9 @@ class RewardRunner:
         self._accepts = [accepted_kwargs(f) for f in self.funcs]
         self._trl = [convention(f) == "trl" for f in self.funcs]
         self._loop: LoopThread | None = LoopThread("grpokit-reward-loop") if any(self._is_async) else None
+        self._workers: dict[int, RewardWorker] = {}  # sync rewards under --reward_timeout, by index
+        if self.timeout is not None:
+            self._start_workers()
 
     # -- public ------------------------------------------------------------------------------------------------
 
@@ -112,12 +109,12 @@ class RewardRunner:
                 if self._is_async[i]:
                     continue
                 try:
-                    out = self._call_sync(i, lambda i=i: self._invoke(i, completions, kwargs, log))
+                    out = self._call_sync(i, completions, kwargs, log)
                 except (GrpokitError, KeyboardInterrupt):
                     raise
                 except BaseException as exc:  # noqa: BLE001 - sys.exit(0) in a reward must not end the run quietly
                     raise self._raised_error(i, exc, completions, kwargs) from exc
-                scores[:, i] = self._check(i, out, completions)
+                scores[:, i] = check_scores(self.names[i], out, completions)
             results = self._wait_async(pending, started) if pending is not None else []
         except BaseException:
             if pending is not None:
@@ -130,13 +127,16 @@ class RewardRunner:
                 raise out
             if isinstance(out, BaseException):
                 raise self._raised_error(i, out, completions, kwargs) from out
-            scores[:, i] = self._check(i, out, completions)
+            scores[:, i] = check_scores(self.names[i], out, completions)
         self._warn_unscored(scores)
         return scores
 
     def close(self) -> None:
-        """Stop the event loop thread (if one was started) and the heartbeat's."""
+        """Stop the event loop thread (if one was started), the heartbeat's and the reward worker processes."""
         self._heartbeat.close()
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -155,14 +155,16 @@ class RewardRunner:
             return kwargs
         return {k: v for k, v in kwargs.items() if k in accepts}
 
-    def _invoke(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Any:
-        """Call function i in its convention: completions positionally (ms-swift), or all by keyword (TRL)."""
+    def _arguments(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> tuple:
+        """Function i's arguments in its convention: completions positionally (ms-swift), or all by keyword (TRL)."""
         kwargs = {**kwargs, **log.hooks(self.names[i])}
         if self._trl[i]:
-            return self.funcs[i](
-                **self._kwargs_for(i, trl_kwargs(completions, kwargs, is_conversational(self.funcs[i])))
-            )
-        return self.funcs[i](completions, **self._kwargs_for(i, swift_kwargs(kwargs)))
+            return (), self._kwargs_for(i, trl_kwargs(completions, kwargs, is_conversational(self.funcs[i])))
+        return (completions,), self._kwargs_for(i, swift_kwargs(kwargs))
+
+    def _invoke(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Any:
+        args, kw = self._arguments(i, completions, kwargs, log)
+        return self.funcs[i](*args, **kw)
 
     def _ensure_loop(self) -> LoopThread:
         if self._loop is None:
@@ -195,17 +197,33 @@ class RewardRunner:
             raise out.error
         return out
 
-    def _call_sync(self, i: int, call: Callable[[], Any]) -> Any:
-        """``call()`` (reward i, sync) on this thread, or with --reward_timeout in a daemon worker the caller
-        waits on with a deadline; "still running" lines while it is slow. A coroutine it returns is awaited."""
-        if self.timeout is None:
-            out = self._heartbeat.call(call, self.names[i])
-        else:
+    def _call_sync(self, i: int, completions: list[str], kwargs: dict[str, Any], log: RewardLog) -> Any:
+        """Reward i (sync) on this thread, or with --reward_timeout in its worker process, killed at the deadline;
+        "still running" lines while it is slow. A coroutine it returns is awaited."""
+        if self.timeout is None or _in_process(self.funcs[i]):
+            call = lambda: self._invoke(i, completions, kwargs, log)  # noqa: E731
             try:
-                out = call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
+                out = (
+                    self._heartbeat.call(call, self.names[i])
+                    if self.timeout is None
+                    else call_in_worker(call, self.names[i], self.timeout, self.heartbeat_s)
+                )
             except DeadlinePassed:
                 raise self._timeout_error(i) from None
-        return self._await(i, out) if inspect.isawaitable(out) else out
+            return self._await(i, out) if inspect.isawaitable(out) else out
+        worker = self._start_workers()[i]
+        args, kw = self._arguments(i, completions, kwargs, log)
+        try:
+            return worker.call(args, kw, log, self.timeout, self.heartbeat_s)
+        except DeadlinePassed:
+            raise self._timeout_error(i) from None
+
+    def _start_workers(self) -> dict[int, RewardWorker]:
+        """A worker process per sync reward, started and loaded (before any call's deadline starts)."""
+        for i, func in enumerate(self.funcs):
+            if not self._is_async[i] and not _in_process(func):
+                self._workers.setdefault(i, RewardWorker(func, self.names[i])).start()
+        return self._workers
 
     def _start_async(
         self, idx: list[int], completions: list[str], kwargs: dict[str, Any], log: RewardLog
@@ -265,64 +283,46 @@ class RewardRunner:
     def _call_one(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> Any:
         if self._is_async[i]:
             return self._await(i, self._invoke(i, completions, kwargs, RewardLog(len(completions))))
-        return self._call_sync(i, lambda: self._invoke(i, completions, kwargs, RewardLog(len(completions))))
+        return self._call_sync(i, completions, kwargs, RewardLog(len(completions)))
 
     # -- checking ------------------------------------------------------------------------------------------------
-
-    def _check(self, i: int, out: Any, completions: list[str]) -> torch.Tensor:
-        import torch
-
-        name, n = self.names[i], len(completions)
-        if isinstance(out, torch.Tensor):
-            out = out.detach().float().cpu().reshape(-1).tolist()
-        elif hasattr(out, "tolist") and not isinstance(out, (list, tuple)):
-            out = out.tolist()  # numpy array
-        if not isinstance(out, (list, tuple)):
-            raise RewardError(
-                f"reward {name!r} returned {type(out).__name__}, not a list of {n} scores (one per completion)"
-            )
-        if len(out) != n:
-            first = min(len(out), n)
-            where = f"first sample without a score: {first} {_preview(completions[first])}" if n > first else ""
-            raise RewardError(
-                f"reward {name!r} returned {len(out)} scores for {n} completions; {where or 'too many scores'}"
-            )
-        values = []
-        for j, v in enumerate(out):
-            f = _as_score(v)
-            if f is _BAD or abs(f) > _FLOAT32_MAX:  # 1e39 is a float, and inf in float32 (the scores' dtype)
-                beyond = " (beyond float32's range, ±3.4e38, the training dtype of scores)" if f is not _BAD else ""
-                raise RewardError(
-                    f"reward {name!r}: sample {j} got score {_preview(v)}{beyond} (need a finite number or None); "
-                    f"completion {_preview(completions[j])}"
-                )
-            values.append(f)
-        return torch.tensor(values, dtype=torch.float32)
 
     def _raised_error(self, i: int, exc: BaseException, completions: list[str], kwargs: dict[str, Any]) -> RewardError:
         name = self.names[i]
         where = self._first_failing_sample(i, completions, kwargs)
         sample = (
-            f"first failing sample {where} {_preview(completions[where])}"
+            f"first failing sample {where} {preview(completions[where])}"
             if where is not None
             else "no single sample fails alone"
         )
+        kind = exc.type_name if isinstance(exc, RemoteRaised) else type(exc).__name__
         msg = str(exc).splitlines()[0] if str(exc) else ""
-        if isinstance(exc, SystemExit):
-            msg = f"exit status {exc.code!r}; a reward must return scores, not end the process"
-        return RewardError(f"reward {name!r} raised {type(exc).__name__}: {msg} ({sample})")
+        code = exc.exit_code if isinstance(exc, RemoteRaised) else getattr(exc, "code", None)
+        if kind == "SystemExit":
+            msg = f"exit status {code!r}; a reward must return scores, not end the process"
+        return RewardError(f"reward {name!r} raised {kind}: {msg} ({sample})")
 
     def _first_failing_sample(self, i: int, completions: list[str], kwargs: dict[str, Any]) -> int | None:
+        """The first sample that fails alone, found by halving the failing range: at most ⌈log2 N⌉ + 1 calls
+        (the left half is tried; it fails, or the right half is where the failure is); None when that sample
+        passes alone (the failure needs several samples together)."""
+        lo, hi, seen = 0, len(completions), True  # [lo, hi) fails: seen failing, or inferred from its sibling
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            seen = self._fails(i, completions, kwargs, lo, mid)
+            lo, hi = (lo, mid) if seen else (mid, hi)
+        return lo if hi > lo and (seen or self._fails(i, completions, kwargs, lo, hi)) else None
+
+    def _fails(self, i: int, completions: list[str], kwargs: dict[str, Any], lo: int, hi: int) -> bool:
         n = len(completions)
-        for j in range(n):
-            row = {k: v[j : j + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in kwargs.items()}
-            try:
-                self._call_one(i, completions[j : j + 1], row)
-            except KeyboardInterrupt:
-                raise
-            except BaseException:  # noqa: BLE001 - a timeout (RewardError) or what the full call raised
-                return j
-        return None
+        part = {k: v[lo:hi] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in kwargs.items()}
+        try:
+            self._call_one(i, completions[lo:hi], part)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - a timeout (RewardError) or what the full call raised
+            return True
+        return False
 
     def _warn_unscored(self, scores: torch.Tensor) -> None:
         if scores.numel() == 0:
@@ -339,19 +339,7 @@ class RewardRunner:
             )
 
 
-_BAD = object()
-
-
-def _as_score(v: Any) -> Any:
-    """float(v), NaN for None/NaN, or _BAD for anything else (strings, inf, containers)."""
-    if v is None:
-        return math.nan
-    torch = sys.modules.get("torch")  # a tensor can only come from an imported torch
-    if torch is not None and isinstance(v, torch.Tensor) and v.numel() == 1:
-        v = v.item()
-    elif hasattr(v, "item") and getattr(v, "shape", None) == ():
-        v = v.item()  # numpy scalar
-    if not isinstance(v, numbers.Real):  # bool is an int, so True/False pass as 1.0/0.0
-        return _BAD
-    f = float(v)
-    return _BAD if math.isinf(f) else f
+def _in_process(func: Any) -> bool:
+    """A reward whose state lives in the trainer (a reward model's weights, ``in_process = True``): under
+    --reward_timeout it runs in a daemon thread with the deadline, not in a worker process."""
+    return getattr(func, "in_process", False) is True

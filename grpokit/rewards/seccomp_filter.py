@@ -3,7 +3,8 @@
 Two programs, both deny lists on top of the user/PID/mount/network namespaces that bubblewrap sets up:
 
 - ``main_filter()`` goes to ``bwrap --seccomp FD`` and holds from the interpreter's first instruction: no process
-  creation other than threads, no sockets but AF_UNIX, no ptrace/namespace/mount/kernel-module/BPF/io_uring calls.
+  creation other than threads, no sockets (AF_UNIX refused with EPERM, any other family kills), no
+  ptrace/namespace/mount/kernel-module/BPF/io_uring calls.
 - ``late_filter()`` refuses ``execve``/``execveat`` and the mount calls. It cannot go to bwrap (bwrap must still
   exec the interpreter, and the harness mounts the private ``/tmp`` with an inode bound, which bwrap cannot), so
   the sandbox harness loads it with ``prctl`` before the untrusted code is even read.
@@ -11,7 +12,8 @@ Two programs, both deny lists on top of the user/PID/mount/network namespaces th
 Refused calls kill the whole process (SIGSYS); ``clone3`` fails with ENOSYS instead, so that glibc falls back to
 ``clone``, whose flags the filter can inspect. Calls from another ABI (x32, i386) hit libseccomp's
 bad-architecture action, which kills too. Calls that would hold memory outside the address-space limit (SysV
-shared memory, message queues and semaphores, POSIX message queues, memfds), watch or lock files that other
+shared memory, message queues and semaphores, POSIX message queues, memfds, unix sockets, whose queued data the
+kernel holds outside every rlimit), watch or lock files that other
 processes share (inotify, fanotify, ``flock``, ``fcntl`` locks and leases), fail with EPERM instead: refused,
 without killing a program that merely tries.
 """
@@ -119,8 +121,9 @@ def main_filter() -> bytes:
         f.rule(KILL_PROCESS, name)
     f.rule(KILL_PROCESS, "clone", (0, _CMP_MASKED_EQ, _CLONE_THREAD, 0))  # a new process, not a thread
     f.rule(_errno_action(errno.ENOSYS), "clone3")
-    for call in ("socket", "socketpair"):
+    for call in ("socket", "socketpair"):  # other families kill; AF_UNIX is refused: its buffers are kernel memory
         f.rule(KILL_PROCESS, call, (0, _CMP_NE, _AF_UNIX, 0))
+        f.rule(_errno_action(errno.EPERM), call, (0, _CMP_EQ, _AF_UNIX, 0))
     for name in _REFUSED:
         f.rule(_errno_action(errno.EPERM), name)
     for cmd in _FCNTL_REFUSED:

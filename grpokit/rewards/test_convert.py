@@ -215,6 +215,11 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
     bound = [n for names, _ in loops for n in names]
     if sorted(params) != sorted(bound):
         raise Unconvertible(f"{f.name}: arguments {params} that are pytest fixtures are not graded ({_where(f)})")
+    f.decorator_list = []
+    cases = _literal_cases(loops)
+    if cases is not None:  # one statement, so one test, per case, as pytest counts them
+        return [ast.Expr(ast.Call(ast.Name(f.name, ast.Load()), [], [ast.keyword(p, case[p]) for p in params]))
+                for case in cases]  # fmt: skip
     call: ast.stmt = ast.Expr(
         ast.Call(ast.Name(f.name, ast.Load()), [], [ast.keyword(p, ast.Name(f"p_{p}", ast.Load())) for p in params])
     )
@@ -222,8 +227,26 @@ def _parametrize(f: ast.FunctionDef) -> list[ast.stmt]:
         target = ast.Name(f"p_{names[0]}", ast.Store()) if len(names) == 1 else \
             ast.Tuple([ast.Name(f"p_{n}", ast.Store()) for n in names], ast.Store())  # fmt: skip
         call = ast.For(target, values, [call], [])
-    f.decorator_list = []
     return [call]
+
+
+def _literal_cases(loops: list[tuple[list[str], ast.expr]]) -> list[dict[str, ast.expr]] | None:
+    """Every case of literal parametrize lists (the product of stacked ones) as {name: value}; None when a list
+    is not written out (a name, a call), which then stays one loop."""
+    cases: list[dict[str, ast.expr]] = [{}]
+    for names, values in loops:
+        if not isinstance(values, (ast.List, ast.Tuple)):
+            return None
+        rows = []
+        for elt in values.elts:
+            if len(names) == 1:
+                rows.append({names[0]: elt})
+            elif isinstance(elt, (ast.Tuple, ast.List)) and len(elt.elts) == len(names):
+                rows.append(dict(zip(names, elt.elts)))
+            else:
+                return None
+        cases = [{**c, **r} for c in cases for r in rows]
+    return cases
 
 
 def _check_import(node: ast.Import | ast.ImportFrom) -> None:
@@ -345,4 +368,30 @@ def convert(source: str) -> ast.Module:
             out.append(stmt)
     module = ast.fix_missing_locations(ast.Module(out + tail, []))
     _validate(module)
+    _check_excinfo(module)
     return module
+
+
+_EXCINFO = {"value", "exception", "type", "typename"}  # what the grader knows of a caught exception
+
+
+def _check_excinfo(module: ast.Module) -> None:
+    """Refuse what the grader cannot answer about a raises block's exception (``cm.exception.args``,
+    ``excinfo.match(...)``): it knows the type's name and the message only, and a test that asks for more would
+    fail a right program without a word."""
+    caught = {i.optional_vars.id for n in ast.walk(module) if isinstance(n, ast.With)
+              for i in n.items if isinstance(i.optional_vars, ast.Name)}  # fmt: skip
+    for n in ast.walk(module):
+        if not isinstance(n, ast.Attribute):
+            continue
+        base = n.value
+        if isinstance(base, ast.Name) and base.id in caught and n.attr not in _EXCINFO:
+            bad = ast.unparse(n)
+        elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in caught:
+            bad = ast.unparse(n)
+        else:
+            continue
+        raise Unconvertible(
+            f"{bad[:60]}: of a caught exception the grader knows its type and message only (str(e.value) or "
+            f"str(cm.exception), e.type) ({_where(n)})"
+        )

@@ -304,13 +304,13 @@ MEMORY = {  # kernel memory outside the address-space limit; each prints what it
     "        fds.append(os.memfd_create('x'))\n        for _ in range(16):\n"
     "            os.write(fds[-1], b'x' * (1 << 20))\n            held += 1 << 20\n"
     "except OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
-    "memfd_parked_in_socket": "import os, socket, array, time\nheld = 0\na, b = socket.socketpair()\ntry:\n"
+    "memfd_parked_in_socket": "import os, socket, array, time\nheld = 0\ntry:\n    a, b = socket.socketpair()\n"
     "    for _ in range(40):\n        fd = os.memfd_create('x')\n"
     "        os.write(fd, b'x' * (30 << 20))\n"
     "        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', [fd]))])\n"
     "        os.close(fd)\n        held += 30 << 20\nexcept OSError as e:\n    print(e)\n"
     "print('HELD', held)\ntime.sleep(1)",
-    "pipes_parked_in_socket": "import os, socket, array, fcntl, time\nheld = 0\na, b = socket.socketpair()\ntry:\n"
+    "pipes_parked_in_socket": "import os, socket, array, fcntl, time\nheld = 0\ntry:\n    a, b = socket.socketpair()\n"
     "    for _ in range(1000):\n        r, w = os.pipe()\n        try:\n"
     "            fcntl.fcntl(w, 1031, 1 << 20)\n        except OSError:\n            pass\n"
     "        os.set_blocking(w, False)\n        try:\n            while True:\n"
@@ -318,6 +318,10 @@ MEMORY = {  # kernel memory outside the address-space limit; each prints what it
     "            pass\n        a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, "
     "array.array('i', [r, w]))])\n        os.close(r)\n        os.close(w)\n"
     "except OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
+    "unix_socket_buffers": "import socket, time\nheld, pairs = 0, []\ntry:\n    for _ in range(30):\n"
+    "        a, b = socket.socketpair()\n        pairs.append((a, b))\n        a.setblocking(False)\n        try:\n"
+    "            while True:\n                held += a.send(b'x' * 65536)\n        except BlockingIOError:\n"
+    "            pass\nexcept OSError as e:\n    print(e)\nprint('HELD', held)\ntime.sleep(1)",
     "message_queues": LIBC + "held = 0\nbuf = ctypes.create_string_buffer(8200)\nfor _ in range(30000):\n"
     "    q = libc.msgget(0, 0o1600)\n    if q < 0:\n        break\n"
     "    while libc.msgsnd(q, buf, 8192, 0o4000) == 0:\n        held += 8192\n"

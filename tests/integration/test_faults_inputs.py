@@ -51,7 +51,16 @@ PLUGIN = textwrap.dedent("""
         return [1e39] * len(completions)
 
 
-    orms.update(spread=spread, hangs=hangs, hangs_async=hangs_async, exits=exits, huge=huge)
+    def wanders(completions, **kwargs):         # leaves servers behind and moves to another directory
+        import os, subprocess, tempfile
+        pids = os.environ["GRPOKIT_TEST_PIDS"]
+        subprocess.run(["sh", "-c", f"sleep 300 > /dev/null & echo $! >> {pids}"], check=True)
+        subprocess.run(["setsid", "sh", "-c", f"sleep 301 > /dev/null & echo $! >> {pids}"], check=True)
+        os.chdir(tempfile.mkdtemp())
+        return [0.0] * len(completions)
+
+
+    orms.update(spread=spread, hangs=hangs, hangs_async=hangs_async, exits=exits, huge=huge, wanders=wanders)
 """)
 
 GOOD_ROW = {"query": "What is 1 + 1?", "solution": "2"}
@@ -63,8 +72,9 @@ def visible_lines(stderr: str) -> list[str]:
 
 
 def train(
-    model: Path, out: Path, extra: list[str], *, prefix: list[str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
+    model: Path, out: Path, extra: list[str], *, prefix: list[str] | None = None, timeout: float = 300,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:  # fmt: skip
     args = [
         "--model",
         str(model),
@@ -92,7 +102,7 @@ def train(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not prefix:  # a process forked from the test process's zygote (cli_process.py): no interpreter start-up
-        return run_grpokit(["train", *args], env=env, timeout=timeout)
+        return run_grpokit(["train", *args], env=env, timeout=timeout, cwd=str(cwd) if cwd else None)
     return subprocess.run(
         [*prefix, sys.executable, "-m", "grpokit", "train", *args],
         capture_output=True,
@@ -133,6 +143,20 @@ def test_a_hanging_reward_is_cut_off_by_reward_timeout(reward, tiny_model_dir, p
     )
     assert_one_error_line(res, f"reward {reward!r} timed out after 2 s (--reward_timeout 2)")
     assert time.monotonic() - t0 < 200  # the reward would hang for an hour
+
+
+def test_what_a_reward_starts_ends_with_the_run_and_its_chdir_moves_no_run_file(
+    tiny_model_dir, plugin, tmp_path, monkeypatch
+):
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("GRPOKIT_TEST_PIDS", str(pids))
+    extra = ["--external_plugins", str(plugin), "--reward_funcs", "wanders"]
+    res = train(tiny_model_dir, Path("out"), extra, cwd=tmp_path)  # a relative --output_dir
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "out" / "logging.jsonl").is_file()
+    found = [int(p) for p in pids.read_text().split()]
+    assert len(found) >= 2
+    assert not [p for p in found if Path(f"/proc/{p}").exists()]  # killed and reaped by the run's end
 
 
 def test_sys_exit_in_a_reward_is_a_reward_error_not_a_clean_exit(tiny_model_dir, plugin, tmp_path):

@@ -292,3 +292,15 @@ def test_rows_with_tests_the_grader_cannot_run_are_refused(reward):
 def test_test_code_imports_the_program_so_its_main_guard_does_not_run(reward):
     program = fenced("def f(n):\n    return n + 1\nif __name__ == '__main__':\n    print(f(int(input())))")
     assert reward([program], test_cases=["from solution import f\nassert f(1) == 2"]) == [1.0]
+
+
+def test_graders_killed_at_the_end_of_a_run_are_replaced():
+    from grpokit.rewards.descendants import descendants, kill_new
+
+    before = descendants()
+    reward = orms["code_exec"](code_exec_timeout=5)
+    code = fenced("def f(n):\n    return 2 ** n - 1")
+    assert reward([code], test_cases=["assert f(13) == 8191"]) == [1.0]
+    assert kill_new(before) >= 1  # what the end of a run does to the processes it started: the grader goes too
+    assert reward([code], test_cases=["assert f(13) == 8191"]) == [1.0]  # a fresh grader takes its place
+    reward.close()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 
 import pytest
 import torch
+from light_rewards import hanging_sync, length_reward, where_it_runs
 
 from grpokit.errors import ConfigError, RewardError
 from grpokit.rewards import (
@@ -31,10 +33,6 @@ class Sleepy(AsyncORM):
     async def __call__(self, completions, **kwargs):
         await asyncio.sleep(self.seconds)
         return [self.value] * len(completions)
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c)) for c in completions]
 
 
 # --- compute -------------------------------------------------------------------------------------------------------
@@ -272,11 +270,6 @@ def test_check_reward_columns():
 # --- timeouts, heartbeats, BaseException, float32 range (issue 27) ---------------------------------------------------
 
 
-def hanging_sync(completions, **kwargs):
-    threading.Event().wait(30)  # longer than any test waits: only the timeout ends the call
-    return [0.0] * len(completions)
-
-
 async def hanging_async(completions, **kwargs):
     await asyncio.sleep(30)
     return [0.0] * len(completions)
@@ -313,16 +306,12 @@ def test_reward_within_the_timeout_is_scored_as_without_one():
         assert runner.compute(["ab", "c"], {}).tolist() == [[2.0, 0.5], [1.0, 0.5]]
 
 
-def test_sync_reward_runs_on_the_callers_thread_without_a_timeout_and_in_a_worker_with_one():
-    seen = []
-
-    def where(completions, **kwargs):
-        seen.append(threading.current_thread() is threading.main_thread())
-        return [0.0] * len(completions)
-
-    RewardRunner([where], ["where"]).compute(["a"], {})
-    RewardRunner([where], ["where"], timeout=5).compute(["a"], {})
-    assert seen == [True, False]  # math-verify's signal-based limit keeps working when no timeout is asked for
+def test_sync_reward_runs_on_the_callers_thread_without_a_timeout_and_in_a_worker_process_with_one():
+    here = RewardRunner([where_it_runs], ["where"]).compute(["a"], {})
+    with RewardRunner([where_it_runs], ["where"], timeout=5) as runner:
+        there = runner.compute(["a"], {})
+    assert here.item() == os.getpid()  # math-verify's signal-based limit keeps working when no timeout is asked for
+    assert there.item() not in (os.getpid(), -1)  # its own process, on that process's main thread
 
 
 @pytest.mark.parametrize("timeout", [None, 5.0])

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from grpokit.rewards._grader_eval import decode
-from grpokit.rewards._sandbox_child import encode
+from grpokit.rewards._sandbox_child import _answer, encode
 from grpokit.rewards.grader import Unconvertible, grade, prepare
 from grpokit.rewards.sandbox_result import log_safe, parse_report
 
@@ -22,16 +22,7 @@ class FakeSandbox:
 
     def __call__(self, src: str, args: list) -> dict:
         self.sent.append((src, args))
-        q = len(self.sent)
-        try:
-            value = eval(src, self.ns, {"__A": [decode(a) for a in args], "__R": self.results})
-        except Exception as exc:  # noqa: BLE001
-            return {"q": q, "err": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "msg": ""}
-        try:
-            return {"q": q, "v": json.loads(json.dumps(encode(value)))}
-        except TypeError:
-            self.results[q] = value
-            return {"q": q, "ref": q}
+        return json.loads(_answer(len(self.sent), src, json.loads(json.dumps(args)), self.ns, self.results))
 
 
 def score(tests: str, ns: dict) -> tuple[int, int]:
@@ -136,7 +127,7 @@ def test_set_up_failure_fails_what_follows():
     assert score(
         "def test_a():\n    assert f(1) == 2\n    x = 1 / f(0)\n    assert f(2) == 2\ntest_a()",
         {"f": lambda x: 2 if x else 0},
-    ) == (1, 2)  # the test function fails once where it stops
+    ) == (0, 1)  # one test: it fails as a whole where it stops
 
 
 def test_parent_side_work_is_bounded():
@@ -217,3 +208,106 @@ def test_answers_that_would_take_the_trainer_quadratic_time_fail():
     assert score("assert f(1) % f(2) == 0", {"f": lambda n: big + n}) == (0, 1)  # quadratic long division
     assert time.monotonic() - start < 10
     assert score("assert len(f(1)) == 5000", {"f": lambda n: set(range(5000))}) == (1, 1)  # plain sets are fine
+
+
+# --- a test passes or fails as a whole; right programs get Python's verdict (issue 53) -------------------------------
+
+
+def test_the_program_cannot_choose_how_many_checks_there_are():
+    tests = "assert f(3) == 7\nfor v in g():\n    assert v > 0"
+    many = {"f": wrong, "g": lambda: [1] * 20_000}
+    assert score(tests, many) == (1, 2)  # the looped assert is one test, whatever g returns
+    assert score(tests, {"f": right, "g": lambda: [1, 0] * 10_000}) == (1, 2)
+
+
+def test_raising_early_scores_no_better_than_answering_wrong():
+    tests = "def check(candidate):\n" + "".join(f"    assert candidate({n}) == {2**n - 1}\n" for n in range(10))
+    tests += "check(f)\nassert f(3) == 7"
+
+    def raises(n):
+        raise ValueError(n)
+
+    assert score(tests, {"f": raises}) == score(tests, {"f": wrong}) == (0, 2)
+    assert score(tests, {"f": lambda n: 2**n - 1 if n < 9 else 0}) == (1, 2)  # check() fails as a whole
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [("[]", "[[], [], []]"), ("[1, 2]", "[1, 2, 3]"), ("[[1, 2], [3]]", "[1, 2]"), ("[[1], [2]]", "[1, 2]"),
+     ("[1.0]", "1.0"), ("[0.1, 0.2]", "[0.1, 0.2]")],
+)  # fmt: skip
+@pytest.mark.parametrize("fn", ["isclose", "allclose"])
+def test_numpy_stand_ins_give_numpys_verdict(a, b, fn):
+    import numpy as np
+
+    try:
+        expected = 1 if bool(getattr(np, fn)(eval(a), eval(b))) else 0
+    except ValueError:  # numpy raises (shapes, ambiguous truth): the check fails
+        expected = 0
+    tests = f"import numpy as np\nassert np.{fn}(f({a}), {b})"
+    assert score(tests, {"f": lambda x: x}) == (expected, 1)
+
+
+LINKED = """
+def build(xs):
+    head = None
+    for x in reversed(xs):
+        head = ListNode(x, head)
+    return head
+def to_list(node):
+    out = []
+    assert not (node and not node)
+    while node and True:
+        out.append(node.val)
+        node = node.next
+    return out
+assert to_list(reverse(build([1, 2, 3]))) == [3, 2, 1]
+assert not reverse(None)
+"""
+
+
+class ListNode:
+    def __init__(self, val=0, next=None):
+        self.val, self.next = val, next
+
+
+def _reverse(head):
+    prev = None
+    while head:
+        head.next, prev, head = prev, head, head.next
+    return prev
+
+
+@pytest.mark.parametrize(
+    "tests, ns",
+    [
+        ("nums = [3, 1, 2]\nsort_in_place(nums)\nassert nums == [1, 2, 3]", {"sort_in_place": lambda a: a.sort()}),
+        ("d = {}\nfill(d)\nassert d == {'a': 1}", {"fill": lambda d: d.update(a=1)}),
+        (LINKED, {"ListNode": ListNode, "reverse": _reverse}),
+        ("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass", {"f": lambda n: math.sqrt(n)}),
+        ("try:\n    f(-1)\nexcept ValueError as e:\n    assert 'domain' in str(e)\nelse:\n    assert False",
+         {"f": lambda n: math.sqrt(n)}),
+        ("import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
+         "        with self.assertRaises(ValueError) as cm:\n            f(-1)\n"
+         "        self.assertIn('domain', str(cm.exception))", {"f": lambda n: math.sqrt(n)}),
+        ("import pytest\ndef test_k():\n    with pytest.raises(KeyError, match='missing'):\n        f('missing')",
+         {"f": lambda k: {}[k]}),
+    ],
+)  # fmt: skip
+def test_right_programs_get_pythons_verdict_in_every_documented_style(tests, ns):
+    passed, checks = score(tests, ns)
+    assert passed == checks > 0
+    broken = {k: (lambda *a, **kw: None) if k != "ListNode" else v for k, v in ns.items()}
+    assert score(tests, broken)[0] < checks  # and a program that does nothing does not pass them
+
+
+def test_each_parametrize_case_is_a_test_as_pytest_counts_them():
+    tests = STYLES["pytest_uncalled_parametrize"]  # test_a, and test_b with two cases
+    assert score(tests, {"f": right}) == (3, 3)
+    assert score(tests, {"f": lambda n: 0 if n == 5 else right(n)}) == (2, 3)
+
+
+@pytest.mark.parametrize("use", ["e.value.args[0] == 'x'", "e.match('x')", "e.exception.errno == 2"])
+def test_what_the_grader_cannot_know_of_an_exception_is_refused_at_load(use):
+    with pytest.raises(Unconvertible, match="knows its type and message only"):
+        prepare(f"import pytest\nwith pytest.raises(ValueError) as e:\n    f(1)\nassert {use}")

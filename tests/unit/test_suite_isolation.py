@@ -66,7 +66,7 @@ TESTS = textwrap.dedent("""
         assert AcceleratorState._shared_state == PartialState._shared_state == GradientState._shared_state == {}
         from grpokit.config.parse import parse_train_args
 
-        assert parse_train_args([]).training.output_dir == "output/demo"  # no earlier run's checkpoint here
+        assert parse_train_args([]).training.output_dir == os.path.abspath("output/demo")  # no earlier checkpoint
 """)
 
 
