@@ -130,14 +130,14 @@ def test_help_answers_before_torch_is_imported():
 
 
 def _train_help(*extra: str) -> tuple[str, bool]:
-    """`grpokit train [extra] --help` in a fresh interpreter: the text, and whether torch got imported."""
+    """`grpokit train [extra] --help-all` in a fresh interpreter: the text, and whether torch got imported."""
     code = (
         "import sys; from grpokit.cli.main import main\n"
-        f"try:\n    main(['train', *{list(extra)!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        f"try:\n    main(['train', *{list(extra)!r}, '--help-all'])\nexcept SystemExit:\n    pass\n"
         "print('torch imported:', 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    text = " ".join(out.stdout.split())  # argparse wraps lines
+    text = " ".join(out.stdout.split())  # the help wraps lines
     return text, "torch imported: True" in text
 
 
