@@ -128,7 +128,7 @@ class GRPOTrainer:
         self._call("on_train_begin")
         if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
             self.evaluate()
-        bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
+        bar = self._outputs.progress(self.state.max_steps, self.state.global_step, self._producer.hooks.phases)
         sync_s = 0.0  # the weight sync that ended the previous window, reported with the next one
         self._stop.install()
         try:
