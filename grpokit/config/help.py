@@ -21,73 +21,113 @@ from grpokit.errors import ConfigError
 HELP_FLAGS = ("-h", "--help", "--help-all")
 MAX_WIDTH = 100  # help lines wrap at the terminal's width, at most this
 
-# topic -> (what it covers, its options in the order shown). The first topic of each dataclass also takes the
-# options of that dataclass that no topic names.
-TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "model": ("the policy and reference models, dtype, attention, what trains", (
-        "model", "ref_model", "torch_dtype", "tuner_type", "attn_impl", "trust_remote_code", "gradient_checkpointing",
-        "gradient_checkpointing_kwargs", "freeze_vit", "freeze_aligner")),
-    "lora": ("LoRA adapters, and freezing parameters under full fine-tuning", (
-        "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_regex", "use_rslora", "use_dora",
-        "freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
-        "trainable_parameters_regex")),
-    "data": ("datasets, prompts, chat template", ()),
-    "rollout": ("sampling: group size, lengths, temperature, stop words", (
-        "num_generations", "max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k",
-        "repetition_penalty", "stop_words", "fast_decode", "structured_outputs_regex", "structured_outputs_json")),
-    "vllm": ("generating with vLLM in the training process (colocate)", (
-        "use_vllm", "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size",
-        "vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_max_num_seqs", "sleep_level", "offload_model",
-        "offload_optimizer")),
-    "server": ("rollout servers (--vllm_mode server) and weight sync", (
-        "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
-        "vllm_server_api_key", "vllm_server_pass_dataset", "weight_sync_bucket_mb", "check_weight_sync")),
-    "async": ("asynchronous training: rolling out ahead of the weights", (
-        "async_generate", "max_staleness", "partial_rollouts", "staleness_policy", "stream_groups")),
-    "multi-turn": ("multi-turn schedulers, environments and agents", (
-        "multi_turn_scheduler", "max_turns", "gym_env", "use_gym_env", "openenv_env", "agent", "verifiers_env",
-        "agent_concurrency", "agent_timeout", "completion_length_limit_scope", "loss_scale")),
-    "algorithm": ("advantages, the policy loss, clipping, KL", (
-        "advantage_estimator", "scale_rewards", "loss_type", "importance_sampling_level", "beta", "epsilon",
-        "epsilon_high", "delta", "tau_pos", "tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-        "vespo_lambda_neg", "real_tau", "kl_in_reward", "num_iterations")),
-    "filters": ("dynamic sampling, token filters, off-policy fixes, ref updates", (
-        "dynamic_sample", "max_resample_times", "overlong_filter", "top_entropy_quantile", "log_entropy",
-        "rollout_importance_sampling_mode", "rollout_importance_sampling_threshold", "use_rollout_logprobs",
-        "logps_support", "off_policy_sequence_mask_delta", "sync_ref_model", "ref_model_sync_steps",
-        "ref_model_mixup_alpha")),
-    "chord": ("CHORD: an SFT term mixed into the loss", (
-        "chord_sft_dataset", "chord_sft_per_device_train_batch_size", "chord_enable_phi_function",
-        "chord_mu_warmup_steps", "chord_mu_decay_steps", "chord_mu_peak", "chord_mu_valley")),
-    "reward": ("reward functions, reward models and their settings", ()),
-    "training": ("batch sizes, optimizer, learning rate, how long", (
-        "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-        "generation_batch_size", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",
-        "warmup_steps", "weight_decay", "optimizer", "optim", "adam_beta1", "adam_beta2", "adam_epsilon",
-        "max_grad_norm", "num_train_epochs", "max_steps", "seed", "max_nonfinite_steps")),
-    "hardware": ("devices, distributed training, memory and speed", (
-        "use_cpu", "deepspeed", "fsdp", "logps_chunk_size", "padding_free", "dataloader_num_workers",
-        "dataloader_prefetch_factor", "dataloader_multiprocessing_context")),
-    "output": ("the run folder, logging, progress, checkpoints, resuming", (
-        "output_dir", "overwrite_output_dir", "logging_steps", "logging_first_step", "report_to", "plots",
-        "disable_tqdm", "log_completions", "log_completions_max_tokens", "log_completions_max_rows", "write_report",
-        "save_strategy", "save_steps", "save_total_limit", "save_final_model", "resume_from_checkpoint",
-        "callbacks")),
-    "eval": ("evaluation on the held-out data during and around training", (
-        "eval_strategy", "eval_steps", "eval_on_start", "eval_on_end", "per_device_eval_batch_size",
-        "num_generations_eval", "eval_pass_threshold")),
+# topic -> (what it covers, its options in the order shown, separated by spaces). An option no topic names goes to
+# its dataclass's topic (GROUP_TOPIC).
+TOPICS: dict[str, tuple[str, str]] = {
+    "model": (
+        "the policy and reference models, dtype, attention, what trains",
+        "model ref_model torch_dtype tuner_type attn_impl trust_remote_code gradient_checkpointing "
+        "gradient_checkpointing_kwargs freeze_vit freeze_aligner",
+    ),
+    "lora": (
+        "LoRA adapters, and freezing parameters under full fine-tuning",
+        "lora_rank lora_alpha lora_dropout target_modules target_regex use_rslora use_dora freeze_parameters "
+        "freeze_parameters_regex freeze_parameters_ratio trainable_parameters trainable_parameters_regex",
+    ),
+    "data": ("datasets, prompts, chat template", ""),
+    "rollout": (
+        "sampling: group size, lengths, temperature, stop words",
+        "num_generations max_completion_length max_new_tokens temperature top_p top_k repetition_penalty "
+        "stop_words fast_decode structured_outputs_regex structured_outputs_json",
+    ),
+    "vllm": (
+        "generating with vLLM in the training process (colocate)",
+        "use_vllm vllm_gpu_memory_utilization vllm_max_model_len vllm_tensor_parallel_size "
+        "vllm_enable_prefix_caching vllm_enforce_eager vllm_max_num_seqs sleep_level offload_model "
+        "offload_optimizer",
+    ),
+    "server": (
+        "rollout servers (--vllm_mode server) and weight sync",
+        "vllm_mode vllm_server_host vllm_server_port vllm_server_base_url vllm_server_timeout "
+        "vllm_server_api_key vllm_server_pass_dataset weight_sync_bucket_mb check_weight_sync",
+    ),
+    "async": (
+        "asynchronous training: rolling out ahead of the weights",
+        "async_generate max_staleness partial_rollouts staleness_policy stream_groups",
+    ),
+    "multi-turn": (
+        "multi-turn schedulers, environments and agents",
+        "multi_turn_scheduler max_turns gym_env use_gym_env openenv_env agent verifiers_env agent_concurrency "
+        "agent_timeout completion_length_limit_scope loss_scale",
+    ),
+    "algorithm": (
+        "advantages, the policy loss, clipping, KL",
+        "advantage_estimator scale_rewards loss_type importance_sampling_level beta epsilon epsilon_high "
+        "delta tau_pos tau_neg vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg real_tau "
+        "kl_in_reward num_iterations",
+    ),
+    "filters": (
+        "dynamic sampling, token filters, off-policy fixes, ref updates",
+        "dynamic_sample max_resample_times overlong_filter top_entropy_quantile log_entropy "
+        "rollout_importance_sampling_mode rollout_importance_sampling_threshold use_rollout_logprobs "
+        "logps_support off_policy_sequence_mask_delta sync_ref_model ref_model_sync_steps "
+        "ref_model_mixup_alpha",
+    ),
+    "chord": (
+        "CHORD: an SFT term mixed into the loss",
+        "chord_sft_dataset chord_sft_per_device_train_batch_size chord_enable_phi_function "
+        "chord_mu_warmup_steps chord_mu_decay_steps chord_mu_peak chord_mu_valley",
+    ),
+    "reward": ("reward functions, reward models and their settings", ""),
+    "training": (
+        "batch sizes, optimizer, learning rate, how long",
+        "per_device_train_batch_size gradient_accumulation_steps steps_per_generation generation_batch_size "
+        "learning_rate lr_scheduler_type lr_scheduler_kwargs warmup_ratio warmup_steps weight_decay optimizer "
+        "optim adam_beta1 adam_beta2 adam_epsilon max_grad_norm num_train_epochs max_steps seed "
+        "max_nonfinite_steps",
+    ),
+    "hardware": (
+        "devices, distributed training, memory and speed",
+        "use_cpu deepspeed fsdp logps_chunk_size padding_free dataloader_num_workers "
+        "dataloader_prefetch_factor dataloader_multiprocessing_context",
+    ),
+    "output": (
+        "the run folder, logging, progress, checkpoints, resuming",
+        "output_dir overwrite_output_dir logging_steps logging_first_step report_to plots disable_tqdm "
+        "log_completions log_completions_max_tokens log_completions_max_rows write_report save_strategy "
+        "save_steps save_total_limit save_final_model resume_from_checkpoint callbacks",
+    ),
+    "eval": (
+        "evaluation on the held-out data during and around training",
+        "eval_strategy eval_steps eval_on_start eval_on_end per_device_eval_batch_size num_generations_eval "
+        "eval_pass_threshold",
+    ),
 }
 # each dataclass's unnamed options go to this topic
-GROUP_TOPIC = {"ModelArguments": "model", "DataArguments": "data", "RolloutArguments": "rollout",
-               "AlgorithmArguments": "algorithm", "RewardArguments": "reward", "TrainingArguments": "training"}
-FIRST_RUN = ("model", "dataset", "reward_funcs", "tuner_type", "num_generations", "max_completion_length",
-             "learning_rate", "max_steps")
+GROUP_TOPIC = {
+    "ModelArguments": "model",
+    "DataArguments": "data",
+    "RolloutArguments": "rollout",
+    "AlgorithmArguments": "algorithm",
+    "RewardArguments": "reward",
+    "TrainingArguments": "training",
+}
+FIRST_RUN = (
+    "model",
+    "dataset",
+    "reward_funcs",
+    "tuner_type",
+    "num_generations",
+    "max_completion_length",
+    "learning_rate",
+    "max_steps",
+)
 
 
 def topic_options() -> dict[str, list[str]]:
     """topic -> its options, every option of ``ALL_GROUPS`` in exactly one topic."""
     fields = option_fields(ALL_GROUPS)
-    out = {topic: [n for n in names if n in fields] for topic, (_, names) in TOPICS.items()}
+    out = {topic: [n for n in names.split() if n in fields] for topic, (_, names) in TOPICS.items()}
     named = {n for names in out.values() for n in names}
     for group in ALL_GROUPS:
         for f in dataclasses.fields(group):
@@ -163,10 +203,17 @@ def overview_text(prog: str, width: int | None = None) -> str:
     width = width or min(MAX_WIDTH, shutil.get_terminal_size().columns)
     counts = {t: len(names) for t, names in topic_options().items()}
     lines = [f"usage: {prog} [--config FILE] [--OPTION VALUE ...]", ""]
-    lines += textwrap.wrap("GRPO-family training. With neither --model nor --dataset: the built-in demo "
-                           "(grpokit/config/demo.yaml).", width=width)
-    lines += ["", *textwrap.wrap(f"Options by topic: `{prog} --help TOPIC` (or `grpokit options TOPIC`); all of "
-                                 "them: --help-all.", width=width)]
+    lines += textwrap.wrap(
+        "GRPO-family training. With neither --model nor --dataset: the built-in demo (grpokit/config/demo.yaml).",
+        width=width,
+    )
+    lines += [
+        "",
+        *textwrap.wrap(
+            f"Options by topic: `{prog} --help TOPIC` (or `grpokit options TOPIC`); all of them: --help-all.",
+            width=width,
+        ),
+    ]
     lines += [f"  {t:<11}{topic_summary(t)} ({n})" for t, n in counts.items()]
     lines += ["", "The options a first run sets:", "  --config FILE", "      a YAML file of options; flags override it"]
     fields = option_fields(ALL_GROUPS)
@@ -213,7 +260,7 @@ def unknown_option_line(message: str, flags: list[str], command: str) -> str | N
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return None
-    words = message[len(prefix):].split()
+    words = message[len(prefix) :].split()
     options = [w.split("=", 1)[0] for w in words if w.startswith("--")]
     if not options:
         return f"unexpected value(s) {' '.join(words)}: every value follows a --flag (see `{command} --help`)"
