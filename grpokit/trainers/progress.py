@@ -255,3 +255,65 @@ def progress_bar(*, main: bool, disable_tqdm: bool, total: int, initial: int, ph
     if main:
         bar.start_heartbeat()
     return bar
+
+
+class EvalProgress:
+    """An evaluation's progress (``grpokit eval``/``infer``, a run's evaluation before and after training): plain
+    lines to stderr, one when a pass starts, one when it ends, one after an engine call when ``interval_s`` has
+    passed, and from the heartbeat at least every ``interval_s`` while a call runs. The estimate leaves the first
+    engine call (the warm-up) out. Called as ``EvalSettings.progress``: ``(pass, prompts done, prompts)``."""
+
+    def __init__(
+        self,
+        what: str = "eval",
+        interval_s: float = PROGRESS_INTERVAL_S,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what, self.interval_s, self._clock = what, interval_s, clock
+        self._stream = stream if stream is not None else sys.stderr
+        self._pass: tuple[str, int, int] | None = None  # (label, done, total) of the pass running
+        self._start = self._last_line = clock()
+        self.rate = StepRate()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        with self._lock:
+            now = self._clock()
+            new = self._pass is None or self._pass[0] != label or done < self._pass[1]
+            if new:
+                self._start, self.rate = now, StepRate()
+            self._pass = (label, done, total)
+            if done > 0:
+                self.rate.mark(now, done)
+            if new or done >= total or now - self._last_line >= self.interval_s - 2 * TICK_S:
+                self._write(now)
+
+    def tick(self) -> None:
+        with self._lock:
+            now = self._clock()
+            if self._pass is not None and self._pass[1] < self._pass[2]:
+                if now - self._last_line >= self.interval_s - 2 * TICK_S:
+                    self._write(now)
+
+    def _write(self, now: float) -> None:
+        label, done, total = self._pass
+        self._last_line = now
+        line = f"{self.what}: {label} {done}/{total} prompts ({100 * done // max(total, 1)}%)"
+        line += f" | {duration(now - self._start)} elapsed"
+        per_prompt = self.rate.per_step()
+        if per_prompt is not None and done < total:
+            line += f", ETA {duration(per_prompt * (total - done))}"
+        print(line, file=self._stream, flush=True)
+
+    def __enter__(self) -> EvalProgress:
+        def beat() -> None:
+            while not self._stop.wait(TICK_S):
+                self.tick()
+
+        threading.Thread(target=beat, name="grpokit-eval-progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()

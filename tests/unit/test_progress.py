@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpokit.trainers.progress import Phases, PlainProgress, progress_line
+from grpokit.trainers.progress import EvalProgress, Phases, PlainProgress, progress_line
 
 
 class FakeClock:
@@ -136,6 +136,28 @@ def test_a_background_thread_does_not_move_the_phase():
     t.start()
     t.join()
     assert phases.name == "train"
+
+
+def test_an_evaluation_says_each_pass_and_beats_while_a_call_runs():
+    clock, out = FakeClock(), io.StringIO()
+    progress = EvalProgress(interval_s=30.0, stream=out, clock=clock)
+    progress("greedy", 0, 300)  # the pass starts: a line
+    for _ in range(50):  # the first call (warm-up) takes 50 s: the heartbeat speaks inside it
+        clock.now += 1.0
+        progress.tick()
+    progress("greedy", 100, 300)  # 100 prompts done
+    clock.now += 20.0
+    progress("greedy", 200, 300)  # 20 s per 100 prompts from here: ETA 20 s, the warm-up left out
+    clock.now += 20.0
+    progress("greedy", 300, 300)
+    progress("4 samples each", 0, 300)
+    assert out.getvalue().splitlines() == [
+        "eval: greedy 0/300 prompts (0%) | 0s elapsed",
+        "eval: greedy 0/300 prompts (0%) | 28s elapsed",
+        "eval: greedy 200/300 prompts (66%) | 1m10s elapsed, ETA 20s",  # 42 s after the last line
+        "eval: greedy 300/300 prompts (100%) | 1m30s elapsed",
+        "eval: 4 samples each 0/300 prompts (0%) | 0s elapsed",
+    ]
 
 
 def test_long_runs_show_minutes_and_hours():
