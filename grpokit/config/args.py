@@ -334,6 +334,8 @@ class TrainingArguments:
                                                               "needs validation data); unset: as --save_strategy")
     per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating", ge=1)
     eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
+    eval_on_end: bool = _opt(False, "evaluate once after the last step too; the summary then says the held-out "
+                                    "score before (--eval_on_start) and after")
     num_generations_eval: int | None = _opt(None, "evaluation also samples this many completions K per validation "
                                                   "prompt (at --temperature/--top_p/--top_k) and logs "
                                                   "eval/<reward>/pass@k for k = 1, 2, 4, … and K, mean@K and their "

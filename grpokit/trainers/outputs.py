@@ -206,7 +206,9 @@ def plot_curves(rows: list[dict], out_dir: Path) -> list[Path]:
     return written
 
 
-def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str]) -> str:
+def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str], evals: list[dict] = ()) -> str:
+    """The run's last lines: steps, reward first → last, where things are, then the held-out greedy score of each
+    reward at the first and the last evaluation (``evals``: the eval rows of logging.jsonl)."""
     lines = [f"done: {rows[-1]['step'] if rows else 0} optimizer steps; everything is in {output_dir}/"]
     rewards = [r["reward"] for r in rows if "reward" in r]
     if rewards:
@@ -215,4 +217,19 @@ def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str]) -> s
         lines.append(f"  reward: {first:.3f} (first {k} step(s)) → {last:.3f} (last {k} step(s))")
     for key, value in extra.items():
         lines.append(f"  {key}: {value}")
-    return "\n".join(lines)
+    return "\n".join(lines + held_out_lines(evals))
+
+
+def held_out_lines(evals: list[dict]) -> list[str]:
+    """``held-out accuracy (greedy): 0.400 at step 0 → 0.860 at step 24``, one per reward; one evaluation alone
+    gives its score."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    out = []
+    for key in (k for k in last if k.startswith("eval/") and k.endswith("/greedy")):
+        name = key[len("eval/") : -len("/greedy")]
+        after = f"{last[key]:.3f} at step {last['step']}"
+        before = f"{first[key]:.3f} at step {first['step']} → " if first is not last and key in first else ""
+        out.append(f"held-out {name} (greedy): {before}{after}")
+    return out

@@ -252,4 +252,5 @@ class RunOutputs:
             extra["completions"] = str(self.output_dir / "completions.jsonl")
         if self.args.write_report:  # the trajectory viewer; `grpokit view OUTPUT_DIR` rebuilds it
             extra["report"] = str(write_report(self.output_dir))
-        print(summary_text(rows, self.output_dir, extra), flush=True)
+        evals = [r for r in self._log.rows() if "loss" not in r and any(k.startswith("eval/") for k in r)]
+        print(summary_text(rows, self.output_dir, extra, evals), flush=True)
