@@ -33,7 +33,8 @@ class ModelArguments:
                                        "LoRA the base model with adapters disabled)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "weights/compute dtype; auto = bfloat16 where the device supports it well, else float32")
-    tuner_type: Literal["full", "lora"] = _opt("full", "full fine-tuning or LoRA adapters (peft)")
+    tuner_type: Literal["full", "lora"] = _opt("lora", "LoRA adapters (peft; --lora_rank, --lora_alpha, "
+                                                       "--target_modules), as in ms-swift, or full fine-tuning")
     lora_rank: int = _opt(8, "LoRA rank r", ge=1)
     lora_alpha: int = _opt(32, "LoRA alpha", ge=1)
     lora_dropout: float = _opt(0.05, "LoRA dropout", ge=0, lt=1)

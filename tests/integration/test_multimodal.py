@@ -56,6 +56,8 @@ def _train(model_dir, data, out, trainer_cls, extra=()):
                 [
                     "--model",
                     str(model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",
@@ -283,6 +285,8 @@ def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_pa
                 [
                     "--model",
                     str(tiny_model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",

@@ -96,6 +96,8 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
                 [
                     "--model",
                     str(model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",

@@ -33,7 +33,7 @@ def test_yaml_gives_defaults_and_flags_win(tmp_path):
     assert cfg.data.dataset == ["builtin:countdown"]
     assert cfg.rollout.num_generations == 2  # the flag
     assert cfg.training.learning_rate == 3e-6  # the file
-    assert cfg.model.tuner_type == "full"  # a dataset was given: not the demo
+    assert cfg.model.tuner_type == "lora"  # the default, as in ms-swift (a dataset was given: not the demo)
 
 
 def test_yaml_unknown_key_names_it_and_suggests(tmp_path):

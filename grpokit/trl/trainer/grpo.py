@@ -87,7 +87,9 @@ def build_trainer(spec: GRPOTrainer):
     from grpokit.template.prompts import PromptOptions, prepare_prompts
     from grpokit.trainers.factory import TrainerFactory
 
-    cfg = parse_train_args(["--model", spec.model_path, *spec.args.flags()], prog="grpokit.trl.GRPOTrainer")
+    # TRL trains the whole model unless given a LoRA config: full unless GRPOConfig(tuner_type='lora') says so
+    flags = ["--model", spec.model_path, "--tuner_type", "full", *spec.args.flags()]
+    cfg = parse_train_args(flags, prog="grpokit.trl.GRPOTrainer")
     train = normalize_rows(spec.train_dataset, cfg.data.system, source="train_dataset")
     val = (
         None if spec.eval_dataset is None else normalize_rows(spec.eval_dataset, cfg.data.system, source="eval_dataset")
