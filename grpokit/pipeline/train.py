@@ -38,6 +38,7 @@ from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.engines.vllm_partial import PausableVllmEngine
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import bound_prompt_length, load_policy, resolve_model_path, seeded_weights
+from grpokit.pipeline.plan_time import warn_if_slow
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
 from grpokit.rewards import build_reward_funcs, check_reward_columns
@@ -194,6 +195,7 @@ def _run_train(cfg: TrainConfig, plan, log):
                                       split_dataset_ratio=d.split_dataset_ratio, options=rows)
     with seeded_weights(cfg.training.seed):  # the LoRA init is the same on every rank and run
         model, tokenizer, ref = load_policy(cfg.model, cfg.algorithm.beta, log=log)
+    warn_if_slow(model, cfg, plan, log)  # a plan of minutes a step on this CPU is said before it starts
     bound = bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)
     # tools and template kwargs into the prompts, then the prompt bound (--max_length, or the context's room)
