@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
     # without torch (STYLE.md, thin entry point), and one command never loads another's stack
     try:
-        if command == "train":
+        if command in ("train", "options"):  # `grpokit options TOPIC` is `grpokit train --help TOPIC`
             from grpokit.config.parse import parse_train_args
 
-            cfg = parse_train_args(rest)
+            cfg = parse_train_args(rest if command == "train" else ["--help", *rest[:1]])
             from grpokit.pipeline.train import run_train
 
             run_train(cfg)
@@ -185,10 +185,6 @@ def main(argv: list[str] | None = None) -> None:
             run_infer(args)
         elif command == "view":
             run_view(rest)
-        elif command == "options":  # `grpokit options TOPIC` = `grpokit train --help TOPIC`
-            from grpokit.config.parse import parse_train_args
-
-            parse_train_args(["--help", *rest[:1]])
         elif command == "rollout":
             from grpokit.server.cli import run_rollout_cli
 

@@ -20,8 +20,7 @@ logger = logging.getLogger(__name__)
 
 def rollout_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="grpokit rollout",
-        allow_abbrev=False,  # `--por 8001` is a typo named below, not --port
+        prog="grpokit rollout", allow_abbrev=False,  # `--por 8001` is a typo named below, not --port
         description="Serve rollouts (single- or multi-turn) to a trainer started with --vllm_mode server; "
                     "receives new weights after each optimizer step. See docs/server_mode.md.")
     p.add_argument("--model", required=True, help="local Hugging Face model folder to serve")
@@ -74,8 +73,7 @@ def rollout_parser() -> argparse.ArgumentParser:
     _add_vllm_options(p)
 
     def error(message: str) -> None:
-        flags = [s for a in p._actions for s in a.option_strings]
-        line = unknown_option_line(message, flags, "grpokit rollout")
+        line = unknown_option_line(message, [s for a in p._actions for s in a.option_strings], "grpokit rollout")
         raise ConfigError(line or f"grpokit rollout: {message} (see `grpokit rollout --help`)")
 
     p.error = error
