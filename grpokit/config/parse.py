@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
+import os
 import re
 import shutil
 import sys
@@ -150,7 +151,10 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "grpokit train")
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in HELP_FLAGS for a in argv):
         _load_plugins_for_help(argv)  # the help lists the names the plugins register
-        print(help_text(argv, prog), flush=True)
+        try:
+            print(help_text(argv, prog), flush=True)
+        except BrokenPipeError:  # `grpokit train --help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
         raise SystemExit(0)
     parser = _make_parser(prog)
     pre, _ = parser.parse_known_args(argv)
