@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 
+from grpokit.config.help import unknown_option_line
 from grpokit.errors import GrpokitError
 from grpokit.redaction import install_log_redaction
 
@@ -18,6 +19,7 @@ USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
   infer     completions and reward scores of a model on a dataset
   eval      pass@k, mean@K and greedy scores of a model on a dataset (K samples per prompt)
   view      a run's trajectory viewer: OUTPUT_DIR/report.html (--serve: live while it trains)
+  options   train's options on one topic (`grpokit options` lists the topics)
 
 `grpokit COMMAND --help` lists a command's options."""
 
@@ -46,7 +48,7 @@ def infer_parser(command: str = "infer") -> argparse.ArgumentParser:
     evaluating = command == "eval"
     description = ("pass@k, mean@K and greedy scores per reward on a dataset, with 95% intervals over prompts."
                    if evaluating else "Completions and reward scores on a dataset.")
-    p = argparse.ArgumentParser(prog=f"grpokit {command}", description=description)
+    p = argparse.ArgumentParser(prog=f"grpokit {command}", description=description, allow_abbrev=False)
     p.add_argument("--model", default=None, help="model or checkpoint folder (full or LoRA adapter); "
                                                  "default: the built-in demo model")
     p.add_argument("--dataset", default="builtin:arithmetic:test", help="dataset spec, as for train")
@@ -74,17 +76,14 @@ def infer_parser(command: str = "infer") -> argparse.ArgumentParser:
     p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
                    help="grpokit's decode loop for Llama/Qwen2/Qwen3 models (false: HF generate)")
 
-    def error(message):
-        _fail(f"grpokit {command}: {message} (see `grpokit {command} --help`)")
-
-    p.error = error
+    _strict_errors(p, f"grpokit {command}")
     return p
 
 
 def view_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpokit view", description="The trajectory viewer of a run: one self-contained "
                                 "HTML file (curves, completions by step and group, per-token colouring); "
-                                "docs/viewer.md.")
+                                "docs/viewer.md.", allow_abbrev=False)
     p.add_argument("output_dir", help="the run's --output_dir (logging.jsonl, completions.jsonl)")
     p.add_argument("--output", default=None, help="where to write the page (default: OUTPUT_DIR/report.html)")
     p.add_argument("--serve", action="store_true", help="also serve the page live on 127.0.0.1 while the run "
@@ -93,11 +92,19 @@ def view_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_completion_steps", type=int, default=100,
                    help="steps whose completions the page holds: the first, the last and evenly spaced ones")
 
+    _strict_errors(p, "grpokit view")
+    return p
+
+
+def _strict_errors(p: argparse.ArgumentParser, prog: str) -> None:
+    """One line for a bad command line; an unknown option (no abbreviations: allow_abbrev=False) with the option
+    it is closest to."""
+
     def error(message):
-        _fail(f"grpokit view: {message} (see `grpokit view --help`)")
+        flags = [s for a in p._actions for s in a.option_strings]
+        _fail(unknown_option_line(message, flags, prog) or f"{prog}: {message} (see `{prog} --help`)")
 
     p.error = error
-    return p
 
 
 def run_view(rest: list[str]) -> None:
@@ -159,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
     # without torch (STYLE.md, thin entry point), and one command never loads another's stack
     try:
-        if command == "train":
+        if command in ("train", "options"):  # `grpokit options TOPIC` is `grpokit train --help TOPIC`
             from grpokit.config.parse import parse_train_args
 
-            cfg = parse_train_args(rest)
+            cfg = parse_train_args(rest if command == "train" else ["--help", *rest[:1]])
             from grpokit.pipeline.train import run_train
 
             run_train(cfg)
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
 
             run_rollout_cli(rest)
         else:
-            _fail(f"unknown command {command!r}; use train, rollout, infer, eval or view")
+            _fail(f"unknown command {command!r}; use train, rollout, infer, eval, view or options")
     except GrpokitError as e:
         code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
         if code is not None:

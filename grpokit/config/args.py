@@ -34,7 +34,8 @@ class ModelArguments:
                                        "LoRA the base model with adapters disabled)")
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
         "auto", "weights/compute dtype; auto = bfloat16 where the device supports it well, else float32")
-    tuner_type: Literal["full", "lora"] = _opt("full", "full fine-tuning or LoRA adapters (peft)")
+    tuner_type: Literal["full", "lora"] = _opt("lora", "LoRA adapters (peft; --lora_rank, --lora_alpha, "
+                                                       "--target_modules), as in ms-swift, or full fine-tuning")
     lora_rank: int = _opt(8, "LoRA rank r", ge=1)
     lora_alpha: int = _opt(32, "LoRA alpha", ge=1)
     lora_dropout: float = _opt(0.05, "LoRA dropout", ge=0, lt=1)
@@ -339,6 +340,8 @@ class TrainingArguments:
                                                               "needs validation data); unset: as --save_strategy")
     per_device_eval_batch_size: int = _opt(64, "prompts per engine call when evaluating", ge=1)
     eval_on_start: bool = _opt(False, "evaluate once before the first step too (a fresh run with validation data)")
+    eval_on_end: bool = _opt(False, "evaluate once after the last step too; the summary then says the held-out "
+                                    "score before (--eval_on_start) and after")
     num_generations_eval: int | None = _opt(None, "evaluation also samples this many completions K per validation "
                                                   "prompt (at --temperature/--top_p/--top_k) and logs "
                                                   "eval/<reward>/pass@k for k = 1, 2, 4, … and K, mean@K and their "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import logging
+import os
 import re
 import shutil
 import sys
@@ -23,7 +24,7 @@ import yaml
 
 from grpokit.config.args import ALL_GROUPS, TrainConfig
 from grpokit.config.fields import OWN_KEYS, check_fields, coerce_yaml, option_fields
-from grpokit.config.names import REGISTRIES, help_suffix
+from grpokit.config.help import HELP_FLAGS, did_you_mean, help_text
 from grpokit.config.swift_options import REFUSED, WARNED
 from grpokit.errors import ConfigError
 from grpokit.plugins.loader import load_plugins_once
@@ -62,19 +63,10 @@ def _make_parser(prog: str):
         def error(self, message: str):  # one line, no usage dump
             raise ConfigError(_argparse_line(message) or f"{self.prog}: {message} (see `{self.prog} --help`)")
 
-    parser = Parser(
-        ALL_GROUPS,
-        prog=prog,
-        epilog="ms-swift's other option names are accepted too: each one either "
-        "prints a line at start-up saying it has no effect here, or stops with the reason it is refused "
-        "(docs/porting.md lists them all)",
-    )
+    # no prefix abbreviations: `--learning_rat` is a typo to name, not `--learning_rate`; the help is help.py's
+    parser = Parser(ALL_GROUPS, prog=prog, allow_abbrev=False, add_help=False)
     parser.add_argument("--config", type=str, default=None, help="YAML file of options; flags override it")
     _add_swift_options(parser)
-    for action in parser._actions:
-        if action.dest in REGISTRIES:  # registry names: listed, checked after the plugins load
-            action.help += help_suffix(action.dest)
-            action.metavar = "NAME"
     return parser
 
 
@@ -128,8 +120,7 @@ def _check_unknown(parser, extra: list[str]) -> None:
     if not flags:
         raise ConfigError(f"unexpected value(s) {extra}: every value follows a --flag (see --help)")
     name = flags[0].split("=", 1)[0]
-    close = difflib.get_close_matches(name, _known_flags(parser), n=3)
-    hint = f"; did you mean {' or '.join(close)}?" if close else "; see `grpokit train --help`"
+    hint = did_you_mean(name, _known_flags(parser)) or "; see `grpokit train --help`"
     raise ConfigError(f"unknown option {name}{hint}")
 
 
@@ -162,8 +153,13 @@ def parse_train_args(
     """``supplied_rewards``, ``supplied_eval``: reward callables and evaluation rows a Python caller gives besides
     the options (TRL's API)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        _load_plugins_for_help(argv)
+    if any(a in HELP_FLAGS for a in argv):
+        _load_plugins_for_help(argv)  # the help lists the names the plugins register
+        try:
+            print(help_text(argv, prog), flush=True)
+        except BrokenPipeError:  # `grpokit train --help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit)
+        raise SystemExit(0)
     parser = _make_parser(prog)
     pre, _ = parser.parse_known_args(argv)
     defaults: dict = {}

@@ -16,6 +16,12 @@ from grpokit.protocol import MAX_N
 _CHECKPOINT_NAME = re.compile(r"checkpoint-\d+")
 
 
+def eval_due(training, step: int, max_steps: int) -> bool:
+    """Whether the run evaluates after optimizer step ``step``: every --eval_steps, and after the last step with
+    --eval_on_end (``training``: the TrainingArguments)."""
+    return bool(training.eval_steps and step % training.eval_steps == 0) or (training.eval_on_end and step == max_steps)
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How completions are split into rollouts, micro-steps and optimizer steps."""

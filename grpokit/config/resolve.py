@@ -47,7 +47,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if t.optim in OPTIM_NAMES:
         t.optimizer = OPTIM_NAMES[t.optim]
     if (t.eval_strategy or t.save_strategy) == "no":  # unset, it follows --save_strategy, as in ms-swift
-        t.eval_steps, t.eval_on_start = None, False
+        t.eval_steps, t.eval_on_start, t.eval_on_end = None, False, False
     if a.loss_type == "real" and a.scale_rewards != "none":
         if a.scale_rewards is not None and is_rank0():
             logger.warning(

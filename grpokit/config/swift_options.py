@@ -291,7 +291,6 @@ DEVIATIONS: dict[str, str] = {
     "temperature": "1.0: ms-swift's 0.9 is its shared RLHF default; GRPO's PPO ratio assumes the sampling "
     "distribution is the trained one (TRL's default is 1.0)",
     "torch_dtype": "auto: bfloat16 where the device supports it well, else float32 (ms-swift: the model's dtype)",
-    "tuner_type": "full (ms-swift: lora); the demo config sets lora",
     "per_device_train_batch_size": "8 (ms-swift: 1), so that a default run holds whole groups of 8 generations",
     "num_generations_eval": "None: evaluation is the greedy pass alone; given K, the greedy pass and K samples per "
     "prompt, reported as pass@k, mean@K and greedy (ms-swift: None samples "

@@ -195,11 +195,11 @@ def _check_scheduler_name(name: str) -> None:
 
 
 def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
-    """--eval_steps / --eval_on_start need validation data: without it nothing would ever be evaluated."""
+    """--eval_steps / --eval_on_start / --eval_on_end need validation data: without it nothing would be evaluated."""
     t, d = cfg.training, cfg.data
     val = d.val_dataset or d.split_dataset_ratio or supplied_eval
     asked = (f"--eval_steps {t.eval_steps}" if t.eval_steps else "--eval_on_start true" if t.eval_on_start
-             else None)
+             else "--eval_on_end true" if t.eval_on_end else None)
     if asked and not val:
         raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
                           "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
@@ -211,7 +211,7 @@ def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
         said = "--eval_strategy no" if t.eval_strategy else "--save_strategy no (which --eval_strategy follows)"
         raise ConfigError(f"--num_generations_eval {k} with {said} would never sample; use --eval_strategy steps "
                           "--eval_steps N, or drop it")
-    if k and not t.eval_steps and not t.eval_on_start and not t.callbacks:  # a callback may ask for evaluation
+    if k and not (t.eval_steps or t.eval_on_start or t.eval_on_end or t.callbacks):  # a callback may evaluate
         raise ConfigError(f"--num_generations_eval {k} without --eval_steps (or --eval_on_start true) would never "
                           "sample; add --eval_steps N, or drop it")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
 from grpokit.trainers.outputs import jsonl_line
+from grpokit.trainers.progress import EvalProgress
 
 
 def _settings(args) -> EvalSettings:
@@ -75,8 +77,14 @@ def table_lines(metrics: dict, reward_names: list[str], k: int) -> list[str]:
 
 
 def score_and_report(engine, template, rows: list[dict], runner, args, model: str) -> EvalResult:
-    """Score ``rows`` as ``args`` asks, print the result and write it to ``args.output`` if given."""
-    settings = _settings(args)
+    """Score ``rows`` as ``args`` asks, print the result and write it to ``args.output`` if given; progress lines
+    on stderr while it generates (trainers/progress.py)."""
+    with EvalProgress() as progress:
+        return _score_and_report(engine, template, rows, runner, args, model, progress)
+
+
+def _score_and_report(engine, template, rows: list[dict], runner, args, model: str, progress) -> EvalResult:
+    settings = replace(_settings(args), progress=progress)
     names = list(args.reward_funcs)
     if settings.num_generations:
         result = evaluate_policy(engine, template, rows, runner, names, settings)
@@ -97,6 +105,7 @@ def score_and_report(engine, template, rows: list[dict], runner, args, model: st
             args.max_new_tokens,
             temperature=args.temperature,
             batch_size=args.batch_size,
+            progress=progress,
         )
         scores = ", ".join(f"{k} {v:.3f}" for k, v in result.metrics.items())
         print(

@@ -48,6 +48,7 @@ from grpokit.pipeline.models import (
     resolve_model_path,
     seeded_weights,
 )
+from grpokit.pipeline.plan_time import warn_if_slow
 from grpokit.pipeline.supplied import Supplied, padded, supplied_policy
 from grpokit.pipeline.vlm_parts import check_model_takes_images
 from grpokit.plugins.loader import load_plugins_once
@@ -274,6 +275,7 @@ def _build(cfg: TrainConfig, plan, log, supplied: Supplied):  # long on purpose:
         verifiers = (env, env_tasks(env))
     train_ds, val_ds = _datasets(cfg, supplied, verifiers)
     model, tokenizer, ref = _policy(cfg, supplied, log)
+    warn_if_slow(model, cfg, plan, log)  # a plan of minutes a step on this CPU is said before it starts
     d = cfg.data
     bound = bound_prompt_length(model, d, cfg.rollout.max_completion_length, resolve_model_path(cfg.model), log)
     check_model_takes_images(train_ds, tokenizer, resolve_model_path(cfg.model, log=log), cfg.rollout)

@@ -10,6 +10,7 @@ A sample passes when its score ≥ ``pass_threshold`` (1.0: a correct answer of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ class EvalSettings:
     repetition_penalty: float = 1.0
     pass_threshold: float = 1.0
     seed: int | None = None  # the sampled pass's seed (the same samples at every evaluation of the same weights)
+    progress: Callable[[str, int, int], None] | None = None  # (pass, prompts done, prompts): after each engine call
 
     @classmethod
     def for_run(cls, cfg) -> EvalSettings:
@@ -57,11 +59,16 @@ class EvalSettings:
         )
 
 
-def _complete(engine, template, rows: list[dict], config: RequestConfig, batch_size: int) -> tuple[list, list]:
-    """``config.n`` completions per row, row after row: (texts, finish reasons), each of length len(rows)·n."""
+def _complete(
+    engine, template, rows: list[dict], config: RequestConfig, batch_size: int, progress=None, label: str = "greedy"
+) -> tuple[list, list]:
+    """``config.n`` completions per row, row after row: (texts, finish reasons), each of length len(rows)·n;
+    ``progress(label, prompts done, prompts)`` before the first engine call and after each."""
     completions: list[str] = []
     finish: list[str] = []
     for start in range(0, len(rows), batch_size):
+        if progress is not None:
+            progress(label, start, len(rows))
         chunk = rows[start : start + batch_size]
         reqs = [
             RolloutInferRequest(
@@ -74,6 +81,8 @@ def _complete(engine, template, rows: list[dict], config: RequestConfig, batch_s
         for resp in engine.infer(reqs, call):
             completions.extend(c.message["content"] for c in resp.choices)
             finish.extend(c.finish_reason for c in resp.choices)
+    if progress is not None:
+        progress(label, len(rows), len(rows))
     return completions, finish
 
 
@@ -119,11 +128,12 @@ def evaluate_rows(
     temperature: float = 0.0,
     batch_size: int = 64,
     trainer_state: dict | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> EvalResult:
     """Greedy (or sampled) completions for ``rows`` scored by the reward functions; mean score per function.
     ``trainer_state`` is what rewards read as ``trainer_state.global_step`` (the trainer's step; 0 outside one)."""
     config = RequestConfig(n=1, max_tokens=max_tokens, temperature=temperature)
-    completions, finish = _complete(engine, template, rows, config, batch_size)
+    completions, finish = _complete(engine, template, rows, config, batch_size, progress)
     scores = _score(rows, completions, finish, reward_runner, trainer_state)
     metrics = {}
     for j, name in enumerate(reward_names[: scores.shape[1]]):
@@ -158,6 +168,7 @@ def evaluate_policy(
         settings.max_tokens,
         batch_size=settings.batch_size,
         trainer_state=trainer_state,
+        progress=settings.progress,
     )
     metrics = {f"{name}/greedy": value for name, value in greedy.metrics.items()}
     k = settings.num_generations
@@ -173,7 +184,9 @@ def evaluate_policy(
         seed=settings.seed,
     )
     with _fork_rng():
-        completions, finish = _complete(engine, template, rows, config, settings.batch_size)
+        completions, finish = _complete(
+            engine, template, rows, config, settings.batch_size, settings.progress, f"{k} samples each"
+        )
     repeated = [r for r in rows for _ in range(k)]
     scores = _score(repeated, completions, finish, reward_runner, trainer_state)  # [P·K, F]
     for j, name in enumerate(reward_names[: scores.shape[1]]):

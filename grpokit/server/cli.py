@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 
+from grpokit.config.help import unknown_option_line
 from grpokit.errors import ConfigError
 from grpokit.server.media import DEFAULT_FORMATS
 from grpokit.server.options import ServerOptions
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def rollout_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="grpokit rollout",
+        prog="grpokit rollout", allow_abbrev=False,  # `--por 8001` is a typo named below, not --port
         description="Serve rollouts (single- or multi-turn) to a trainer started with --vllm_mode server; "
                     "receives new weights after each optimizer step. See docs/server_mode.md.")
     p.add_argument("--model", required=True, help="local Hugging Face model folder to serve")
@@ -72,7 +73,8 @@ def rollout_parser() -> argparse.ArgumentParser:
     _add_vllm_options(p)
 
     def error(message: str) -> None:
-        raise ConfigError(f"grpokit rollout: {message} (see `grpokit rollout --help`)")
+        line = unknown_option_line(message, [s for a in p._actions for s in a.option_strings], "grpokit rollout")
+        raise ConfigError(line or f"grpokit rollout: {message} (see `grpokit rollout --help`)")
 
     p.error = error
     return p

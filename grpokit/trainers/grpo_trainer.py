@@ -18,7 +18,7 @@ import torch
 from grpokit.aio import cancel_background_work
 from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
-from grpokit.config.plan import batch_plan
+from grpokit.config.plan import batch_plan, eval_due
 from grpokit.config.validate import loss_config
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
@@ -128,7 +128,7 @@ class GRPOTrainer:
         self._call("on_train_begin")
         if self.args.eval_on_start and self.eval_dataset is not None and self.state.global_step == 0:
             self.evaluate()
-        bar = self._outputs.progress(self.state.max_steps, self.state.global_step)
+        bar = self._outputs.progress(self.state.max_steps, self.state.global_step, self._producer.hooks.phases)
         sync_s = 0.0  # the weight sync that ended the previous window, reported with the next one
         self._stop.install()
         try:
@@ -317,7 +317,7 @@ class GRPOTrainer:
             self._outputs.log(logs)
             self._call("on_log", logs)
             bar.set_postfix(**progress_postfix(logs))
-        if self.eval_dataset is not None and ((self.args.eval_steps and step % self.args.eval_steps == 0)
+        if self.eval_dataset is not None and (eval_due(self.args, step, self.state.max_steps)
                                               or (control is not None and control.should_evaluate)):
             self.evaluate()
         every = self.args.save_strategy == "steps" and step % self.args.save_steps == 0

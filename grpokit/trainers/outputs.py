@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from grpokit.errors import ConfigError
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
@@ -208,7 +206,9 @@ def plot_curves(rows: list[dict], out_dir: Path) -> list[Path]:
     return written
 
 
-def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str]) -> str:
+def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str], evals: list[dict] = ()) -> str:
+    """The run's last lines: steps, reward first → last, where things are, then the held-out greedy score of each
+    reward at the first and the last evaluation (``evals``: the eval rows of logging.jsonl)."""
     lines = [f"done: {rows[-1]['step'] if rows else 0} optimizer steps; everything is in {output_dir}/"]
     rewards = [r["reward"] for r in rows if "reward" in r]
     if rewards:
@@ -217,83 +217,19 @@ def summary_text(rows: list[dict], output_dir: Path, extra: dict[str, str]) -> s
         lines.append(f"  reward: {first:.3f} (first {k} step(s)) → {last:.3f} (last {k} step(s))")
     for key, value in extra.items():
         lines.append(f"  {key}: {value}")
-    return "\n".join(lines)
+    return "\n".join(lines + held_out_lines(evals))
 
 
-class PlainProgress:
-    """The progress bar's stand-in where a bar cannot be drawn (stderr is a file or a pipe) or is not wanted
-    (``--disable_tqdm true``): one plain line per report, for the first step, the last step, and the first step
-    after each ``interval_s`` seconds without a line. Same calls as the tqdm bar the loop uses."""
-
-    def __init__(
-        self,
-        total: int,
-        initial: int = 0,
-        interval_s: float = 30.0,
-        stream: TextIO | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.total, self.n, self._start_n = total, initial, initial
-        self.interval_s = interval_s
-        self.leave = True  # the loop sets False on an error: no closing line then
-        self._stream = stream if stream is not None else sys.stderr
-        self._clock = clock
-        self._start = self._last_line = clock()
-        self._postfix: dict[str, str] = {}
-        self._reported = initial
-
-    def set_postfix(self, **values: str) -> None:
-        self._postfix = dict(values)
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        now = self._clock()
-        first = self._reported == self._start_n
-        if first or self.n >= self.total or now - self._last_line >= self.interval_s:
-            self._write(now)
-
-    def close(self) -> None:
-        if self.leave and self._reported != self.n:
-            self._write(self._clock())
-
-    def _write(self, now: float) -> None:
-        self._last_line, self._reported = now, self.n
-        print(
-            progress_line(self.n, self.total, self.n - self._start_n, now - self._start, self._postfix),
-            file=self._stream,
-            flush=True,
-        )
-
-
-def progress_line(step: int, total: int, done: int, elapsed: float, postfix: dict[str, str]) -> str:
-    """`train: step 40/200 (20%) | reward 0.412 | loss 0.0113 | 2m05s elapsed, 3.13 s/step, ETA 8m21s`."""
-    parts = [f"train: step {step}/{total} ({100 * step // max(total, 1)}%)"]
-    parts += [f"{key} {value}" for key, value in postfix.items()]
-    timing = f"{_duration(elapsed)} elapsed"
-    if done > 0 and elapsed > 0:
-        per_step = elapsed / done
-        rate = f"{per_step:.2f} s/step" if per_step >= 1 else f"{1 / per_step:.2f} steps/s"
-        timing += f", {rate}, ETA {_duration(per_step * max(total - step, 0))}"
-    return " | ".join(parts + [timing])
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    s = int(round(seconds))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}h{m:02d}m{sec:02d}s" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
-
-
-PROGRESS_INTERVAL_S = 30.0  # plain lines: a line for the first step that ends this long after the last line
-
-
-def progress_bar(*, main: bool, disable_tqdm: bool, total: int, initial: int):
-    """A tqdm bar on a terminal; plain lines (``PlainProgress``) when stderr is not one or with
-    --disable_tqdm true; nothing on the other processes."""
-    if main and (disable_tqdm or not sys.stderr.isatty()):
-        return PlainProgress(total, initial, PROGRESS_INTERVAL_S)
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not main, dynamic_ncols=True)
+def held_out_lines(evals: list[dict]) -> list[str]:
+    """``held-out accuracy (greedy): 0.400 at step 0 → 0.860 at step 24``, one per reward; one evaluation alone
+    gives its score."""
+    if not evals:
+        return []
+    first, last = evals[0], evals[-1]
+    out = []
+    for key in (k for k in last if k.startswith("eval/") and k.endswith("/greedy")):
+        name = key[len("eval/") : -len("/greedy")]
+        after = f"{last[key]:.3f} at step {last['step']}"
+        before = f"{first[key]:.3f} at step {first['step']} → " if first is not last and key in first else ""
+        out.append(f"held-out {name} (greedy): {before}{after}")
+    return out

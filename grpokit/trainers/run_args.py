@@ -39,6 +39,7 @@ HARMLESS = frozenset(
         "eval_steps",
         "eval_strategy",
         "eval_on_start",
+        "eval_on_end",
         "per_device_eval_batch_size",
         "val_dataset",
         # how the rows are read, not which

@@ -33,7 +33,8 @@ from grpokit.trainers.checkpoints import (
     temporary_dir,
 )
 from grpokit.trainers.distributed import full_state_dict
-from grpokit.trainers.outputs import JsonlLog, plot_curves, progress_bar, summary_text
+from grpokit.trainers.outputs import JsonlLog, plot_curves, summary_text
+from grpokit.trainers.progress import Phases, progress_bar
 from grpokit.trainers.run_args import check_resume_args, normalised, read_args
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
 from grpokit.trainers.window_progress import WindowProgress
@@ -76,9 +77,13 @@ class RunOutputs:
         for row in rows:
             self._completions.write(row)
 
-    def progress(self, total: int, initial: int):
+    def progress(self, total: int, initial: int, phases: Phases | None = None):
         return progress_bar(
-            main=self.accelerator.is_main_process, disable_tqdm=self.args.disable_tqdm, total=total, initial=initial
+            main=self.accelerator.is_main_process,
+            disable_tqdm=self.args.disable_tqdm,
+            total=total,
+            initial=initial,
+            phases=phases,
         )
 
     def close(self) -> None:
@@ -249,4 +254,5 @@ class RunOutputs:
             extra["completions"] = str(self.output_dir / "completions.jsonl")
         if self.args.write_report:  # the trajectory viewer; `grpokit view OUTPUT_DIR` rebuilds it
             extra["report"] = str(write_report(self.output_dir))
-        print(summary_text(rows, self.output_dir, extra), flush=True)
+        evals = [r for r in self._log.rows() if "loss" not in r and any(k.startswith("eval/") for k in r)]
+        print(summary_text(rows, self.output_dir, extra, evals), flush=True)

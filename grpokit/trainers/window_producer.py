@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.forward import sampler_support
 from grpokit.trainers.offload import Offloader
 from grpokit.trainers.outputs import CompletionLimits
+from grpokit.trainers.progress import Phases
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import (
     Window,
@@ -77,6 +78,7 @@ class WindowHooks:
     score: Callable | None = None  # (requests, outputs) -> [N, F]
     prepare_batches: Callable | None = None  # (rows) -> list of mini-batches (RolloutBatch)
     advantages: Callable | None = None  # (rows, rewards_per_func [N_global, F], mini-batches) -> [N_global]
+    phases: Phases = field(default_factory=Phases)  # what the progress bar says the loop is doing (progress.py)
 
 
 class WindowProducer:
@@ -121,9 +123,11 @@ class WindowProducer:
         now). Touches only the engine and the rewards, never the training model, so --max_staleness can run it
         in a background thread."""
         t0 = time.perf_counter()
+        self.hooks.phases.set("rollout")
         requests = self.requests(prompts)
         outputs = self._generate_tagged(requests, version)
         t1 = time.perf_counter()
+        self.hooks.phases.set("reward")
         rewards_per_func = self.rewards_of(requests, outputs)
         return WindowRollout(requests, outputs, rewards_per_func,
                              {"rollout": t1 - t0, "reward": time.perf_counter() - t1})
@@ -205,6 +209,7 @@ class WindowProducer:
                                                                                   rewards_per_func)
         rows = sample_rows(requests, outputs)  # the seed's `inputs`: one dict per trajectory
         t0 = time.perf_counter()
+        self.hooks.phases.set("logps")
         batches = None  # the mini-batches, where a hook needs them
         if self.hooks.prepare_batches is None:
             batch = self.encode_rows(rows, skip_first_step=True)
@@ -252,6 +257,7 @@ class WindowProducer:
             for row, extra in zip(log_rows, extras):  # log_extra columns (TRL's completions table)
                 row.update({k if k not in row else f"extra/{k}": v for k, v in extra.items()})
             log_rows = gather_objects(self.accelerator, log_rows)
+        self.hooks.phases.set("train")
         return Window(batch, requests, outputs, rewards_per_func, rewards, metrics, timing, num_items, log_rows)
 
     def _warn_without_signal(self, zero: float) -> None:
@@ -379,8 +385,7 @@ class WindowProducer:
 
 
 def _trajectory_images(output: RolloutOutput, by_id: dict) -> list:
-    """Every image of a trajectory: the row's, then those its observations added (``rollout_infos['images']``,
-    the multi-turn loop's record of them all, as ms-swift's override key)."""
+    """A trajectory's images: the row's, then its observations' (``rollout_infos['images']``, ms-swift's key)."""
     if "images" in output.rollout_infos:
         return list(output.rollout_infos["images"] or [])
     return row_images(by_id[output.request_id].data_dict)

@@ -155,6 +155,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path, spec: str):
         [
             "--model",
             str(model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--output_dir",
             str(out),
             "--max_steps",

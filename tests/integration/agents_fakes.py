@@ -72,6 +72,7 @@ def agent_run_argv(model_dir: Path, tmp_path: Path, plugin: str, agent: str, ste
     out = tmp_path / "out"
     flags = {
         "model": model_dir,
+        "tuner_type": "full",  # written for full fine-tuning (the default is lora)
         "dataset": data,
         "output_dir": out,
         "max_steps": steps,

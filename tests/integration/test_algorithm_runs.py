@@ -72,6 +72,8 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     args = [
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(math_jsonl),
         "--output_dir",
@@ -321,7 +323,7 @@ def test_invalid_combinations_fail_at_start(tiny_model_dir, math_jsonl, extra, n
     from grpokit.errors import ConfigError
 
     with pytest.raises(ConfigError, match=needle):
-        parse_train_args(["--model", str(tiny_model_dir), "--dataset", str(math_jsonl), *extra])
+        parse_train_args(["--model", str(tiny_model_dir), "--tuner_type", "full", "--dataset", str(math_jsonl), *extra])
 
 
 @pytest.mark.parametrize("fast", ["true", "false"])

@@ -173,6 +173,8 @@ def _args(s: SimpleNamespace, out: Path, k: int, extra: list[str]) -> list[str]:
         "train",
         "--model",
         str(s.model),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(s.data),
         "--output_dir",

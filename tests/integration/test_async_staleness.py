@@ -53,6 +53,8 @@ def _train(tiny, out, *extra: str, port: int | None = None):
         [
             "--model",
             str(tiny),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -48,6 +48,8 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
         "chord_short_is_good",
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(math_jsonl),
         "--output_dir",
@@ -244,6 +246,8 @@ def test_under_ddp_each_process_trains_on_its_own_sft_rows(tiny_model_dir, math_
     args = [
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(math_jsonl),
         "--output_dir",

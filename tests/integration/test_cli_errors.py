@@ -67,6 +67,8 @@ def run_train_cli(model_dir: Path, out: Path, extra: list[str]) -> subprocess.Co
     args = [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         "builtin:countdown#8",
         "--output_dir",

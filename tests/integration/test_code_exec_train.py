@@ -26,6 +26,8 @@ def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(data),
                 "--reward_funcs",
@@ -77,6 +79,8 @@ def test_rows_the_grader_cannot_run_are_refused_before_training(tiny_model_dir, 
                 [
                     "--model",
                     str(tiny_model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--reward_funcs",

@@ -41,6 +41,8 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
     args = [
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

@@ -166,6 +166,8 @@ def _args(model: Path, data: Path, out: Path, plugin: Path, batch: int, *extra: 
     return [
         "--model",
         str(model),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

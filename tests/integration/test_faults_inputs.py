@@ -78,6 +78,8 @@ def train(
     args = [
         "--model",
         str(model),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         "builtin:countdown#8",
         "--output_dir",

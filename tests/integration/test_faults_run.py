@@ -89,6 +89,8 @@ def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
     return [
         "--model",
         str(s.model),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(s.data),
         "--output_dir",

@@ -73,6 +73,8 @@ def test_every_documented_hook_takes_effect(tiny_model_dir, math_jsonl, tmp_path
                 [
                     "--model",
                     str(tiny_model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(math_jsonl),
                     "--output_dir",

@@ -66,6 +66,8 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
         "6",
         "--max_new_tokens",
         "6",
+        "--batch_size",
+        "4",
         "--output",
         str(out),
         "--torch_dtype",
@@ -94,6 +96,8 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
         f"(6 prompts, greedy): solution_value {means['solution_value']:.3f}, "
         f"completion_chars {means['completion_chars']:.3f}"
     ) in res.stdout
+    progress = [line.split(" | ")[0] for line in res.stderr.splitlines() if line.startswith("eval: ")]
+    assert progress == ["eval: greedy 0/6 prompts (0%)", "eval: greedy 6/6 prompts (100%)"], res.stderr
 
 
 def _direct_greedy(model_dir, prompts: list[str], max_new_tokens: int) -> list[str]:

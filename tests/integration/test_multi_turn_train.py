@@ -79,6 +79,8 @@ def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
         [
             "--model",
             str(model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             str(data),
             "--output_dir",

@@ -56,6 +56,8 @@ def _train(model_dir, data, out, trainer_cls, extra=()):
                 [
                     "--model",
                     str(model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",
@@ -133,7 +135,9 @@ def _next_token_logps(model_dir) -> torch.Tensor:
     from grpokit.pipeline.models import load_policy
     from grpokit.template.processor import ProcessorTemplate, collate_mm
 
-    model, processor, _ = load_policy(ModelArguments(model=str(model_dir), torch_dtype="float32"), 0.0)
+    model, processor, _ = load_policy(
+        ModelArguments(model=str(model_dir), torch_dtype="float32", tuner_type="full"), 0.0
+    )
     template = ProcessorTemplate(processor)
     messages = [{"role": "user", "content": "<image>What colour is this image?"}]
     prompts = [template.encode_mm(messages, [Image.new("RGB", (16, 16), c)]) for c in COLOURS.values()]
@@ -283,6 +287,8 @@ def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_pa
                 [
                     "--model",
                     str(tiny_model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",

@@ -169,6 +169,8 @@ def test_a_left_cut_prompt_trains_and_its_logps_equal_the_engine(vlm_dirs, tmp_p
                 [
                     "--model",
                     str(vlm_dirs["qwen2_vl"]),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",

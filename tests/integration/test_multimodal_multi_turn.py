@@ -96,6 +96,8 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
                 [
                     "--model",
                     str(model_dir),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",
@@ -259,7 +261,9 @@ def _engine_and_scheduler(model_dir):
     from grpokit.rollout.builtin_schedulers import GYMScheduler
     from grpokit.template.processor import make_template
 
-    model, processor, _ = load_policy(ModelArguments(model=str(model_dir), torch_dtype="float32"), 0.0)
+    model, processor, _ = load_policy(
+        ModelArguments(model=str(model_dir), torch_dtype="float32", tuner_type="full"), 0.0
+    )
     engine = TransformersEngine(model, make_template(processor))
     return GYMScheduler(infer_engine=engine, max_turns=2, tokenizer=engine.tokenizer)
 
@@ -303,7 +307,9 @@ def test_a_reply_that_writes_the_placeholder_text_is_not_an_image_slot(vlm_dirs)
     from grpokit.pipeline.models import load_policy
     from grpokit.template.processor import ProcessorTemplate
 
-    _, processor, _ = load_policy(ModelArguments(model=str(vlm_dirs["qwen2_vl"]), torch_dtype="float32"), 0.0)
+    _, processor, _ = load_policy(
+        ModelArguments(model=str(vlm_dirs["qwen2_vl"]), torch_dtype="float32", tuner_type="full"), 0.0
+    )
     template = ProcessorTemplate(processor)
     full = [
         {"role": "user", "content": "<image>What colour?"},

@@ -128,6 +128,8 @@ def test_training_with_padding_free(tiny_model_dir, math_jsonl, tmp_path):
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(math_jsonl),
                 "--output_dir",

@@ -130,6 +130,8 @@ def test_training_with_partial_rollouts_logs_mixed_trajectories(tiny, server, tm
         [
             "--model",
             str(tiny),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -67,6 +67,8 @@ def test_example_plugin_trains_with_its_own_components(tiny_model_dir, tmp_path,
         [
             "--model",
             str(tiny_model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:countdown#16",
             "--output_dir",
@@ -174,6 +176,8 @@ def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_
     args = [
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(math_jsonl),
         "--output_dir",

@@ -73,6 +73,8 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict
         [
             "--model",
             str(model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             str(data),
             "--output_dir",

@@ -131,6 +131,8 @@ def test_a_task_trains_three_steps_with_its_scorer(tiny_model_dir, tmp_path):
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 SPEC,
                 "--output_dir",

@@ -17,6 +17,8 @@ def _args(model_dir, data, out) -> list[str]:
     return [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

@@ -47,6 +47,8 @@ def run(tiny_model_dir, tmp_path_factory):
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(data),
                 "--val_dataset",

@@ -18,6 +18,8 @@ def _train(model_dir, data, out, extra):
     args = [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

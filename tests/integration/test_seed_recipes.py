@@ -207,6 +207,8 @@ def train(tiny_model_dir, math_jsonl, out, plugin: str, *extra: str):
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(math_jsonl),
                 "--output_dir",
@@ -465,6 +467,8 @@ def test_recipes_under_zero3_in_two_processes(tiny_model_dir, math_jsonl, tmp_pa
         [
             "--model",
             str(tiny_model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             str(math_jsonl),
             "--output_dir",

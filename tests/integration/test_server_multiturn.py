@@ -116,6 +116,8 @@ def _train_args(server, tmp_path, *extra):
     return [
         "--model",
         str(server.model),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

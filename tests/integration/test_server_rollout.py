@@ -115,6 +115,8 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path, one_tor
         [
             "--model",
             str(tiny),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",
@@ -163,6 +165,8 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
         [
             "--model",
             str(tiny),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",
@@ -223,6 +227,8 @@ def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
             [
                 "--model",
                 str(tiny),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 "builtin:arithmetic",
                 "--num_generations",

@@ -89,6 +89,8 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
                     [
                         "--model",
                         str(tiny_model_dir),
+                        "--tuner_type",
+                        "full",  # written for full fine-tuning (the default is lora)
                         "--dataset",
                         str(data),
                         "--output_dir",

@@ -75,7 +75,7 @@ def test_sharded_training_against_a_server_leaves_the_trained_weights_there(
     lora = (
         ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate", "1e-2"]
         if tuner == "lora"
-        else ["--learning_rate", "1e-3"]
+        else ["--tuner_type", "full", "--learning_rate", "1e-3"]
     )
     out, plugin = tmp_path / "out", tmp_path / "token_sum.py"
     plugin.write_text(REWARD_PLUGIN)
@@ -83,6 +83,8 @@ def test_sharded_training_against_a_server_leaves_the_trained_weights_there(
         [
             "--model",
             str(tiny),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -76,6 +76,8 @@ def test_a_group_that_is_done_trains_while_another_still_generates(tiny_model_di
                 "train",
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(data),
                 "--dataset_shuffle",

@@ -129,6 +129,8 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
         [
             "--model",
             str(tiny_model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -16,6 +16,8 @@ def _args(model_dir: Path, data: Path, out: Path) -> list[str]:
     return [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",

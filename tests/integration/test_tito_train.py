@@ -76,6 +76,8 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
                 [
                     "--model",
                     str(dropping_model),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     str(data),
                     "--output_dir",

@@ -45,6 +45,8 @@ def _base_args(model_dir: Path, data: Path, out: Path, plugin: Path) -> list[str
     return [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(data),
         "--output_dir",
@@ -339,6 +341,8 @@ def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, need
     args = [
         "--model",
         str(tiny_model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         str(math_jsonl),
         "--output_dir",
@@ -369,6 +373,8 @@ def test_dataset_without_prompt_column(tiny_model_dir, tmp_path):
         [
             "--model",
             str(tiny_model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             str(data),
             "--output_dir",

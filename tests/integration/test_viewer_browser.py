@@ -140,6 +140,8 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 str(data),
                 "--output_dir",

@@ -33,7 +33,7 @@ def test_yaml_gives_defaults_and_flags_win(tmp_path):
     assert cfg.data.dataset == ["builtin:countdown"]
     assert cfg.rollout.num_generations == 2  # the flag
     assert cfg.training.learning_rate == 3e-6  # the file
-    assert cfg.model.tuner_type == "full"  # a dataset was given: not the demo
+    assert cfg.model.tuner_type == "lora"  # the default, as in ms-swift (a dataset was given: not the demo)
 
 
 def test_yaml_unknown_key_names_it_and_suggests(tmp_path):
@@ -130,14 +130,14 @@ def test_help_answers_before_torch_is_imported():
 
 
 def _train_help(*extra: str) -> tuple[str, bool]:
-    """`grpokit train [extra] --help` in a fresh interpreter: the text, and whether torch got imported."""
+    """`grpokit train [extra] --help-all` in a fresh interpreter: the text, and whether torch got imported."""
     code = (
         "import sys; from grpokit.cli.main import main\n"
-        f"try:\n    main(['train', *{list(extra)!r}, '--help'])\nexcept SystemExit:\n    pass\n"
+        f"try:\n    main(['train', *{list(extra)!r}, '--help-all'])\nexcept SystemExit:\n    pass\n"
         "print('torch imported:', 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    text = " ".join(out.stdout.split())  # argparse wraps lines
+    text = " ".join(out.stdout.split())  # the help wraps lines
     return text, "torch imported: True" in text
 
 

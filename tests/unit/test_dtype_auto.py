@@ -64,6 +64,8 @@ def test_one_training_step_with_auto_takes_the_chosen_path(tiny_model_dir, math_
             [
                 "--model",
                 str(tiny_model_dir),
+                "--tuner_type",
+                "full",  # a reference model of its own, whose dtype is checked
                 "--dataset",
                 str(math_jsonl),
                 "--output_dir",

@@ -14,7 +14,7 @@ from grpokit.config.args import RolloutArguments
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError
 from grpokit.trainers.offload import Offloader, make_offloader
-from grpokit.trainers.window_producer import WindowProducer
+from grpokit.trainers.window_producer import WindowHooks, WindowProducer
 
 # numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
 # offloaded and restored tensors are compared value for value
@@ -200,6 +200,7 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
     producer._generate, producer._score = hooks._generate_completions, hooks._score_completions
     producer._around_generation = Offload().offloaded
     producer._engine_lock, producer.weights_at = threading.Lock(), 0
+    producer.hooks = WindowHooks(logps=None, progress=dict)  # its phases (the progress bar's) are set
     producer.requests = lambda prompts: []
     producer.rollout([])
     assert events == ["out", "generate", "back", "score"]

@@ -1,7 +1,8 @@
 """Limits user code cannot defeat: a reward under --reward_timeout runs in a process the runner kills (a reward
 stuck in C code that holds the GIL included), what rewards start dies with them or with the run, a failing batch
 is bisected instead of re-called per sample, return shapes are strict, and paths are absolute from the start (an
-agent that blocks the event loop: tests/integration/test_agents_budgets.py). Processes are checked from outside (/proc), not by the reward's word."""
+agent that blocks the event loop: tests/integration/test_agents_budgets.py). Processes are checked from outside
+(/proc), not by the reward's word."""
 
 from __future__ import annotations
 

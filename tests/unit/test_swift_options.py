@@ -208,7 +208,7 @@ def test_ms_swift_spellings_of_grpokit_options():
         (["--vllm_max_num_seqs", "0"], "--vllm_max_num_seqs 0: must be ≥ 1"),
         (["--tuner_type", "lora", "--freeze_parameters", "x"], "--freeze_parameters acts with --tuner_type full"),
         (["--freeze_parameters_ratio", "1.5"], "must be in \\[0, 1\\]"),
-        (["--freeze_parameters_regex", "("], "not a valid regex"),
+        (["--tuner_type", "full", "--freeze_parameters_regex", "("], "not a valid regex"),
     ],
 )
 def test_bad_values_of_implemented_options(flag, match):
@@ -296,7 +296,7 @@ def test_freezing_a_name_the_model_lacks_is_an_error(flags, match):
     from grpokit.pipeline.models import freeze_parameters
 
     with pytest.raises(ConfigError, match=match):
-        freeze_parameters(_three_layer_model(), parse_train_args(BASE + flags).model)
+        freeze_parameters(_three_layer_model(), parse_train_args(BASE + ["--tuner_type", "full", *flags]).model)
 
 
 def test_porting_worked_example_parses(tmp_path):

@@ -101,7 +101,8 @@ def test_colocate_training_with_partial_rollouts(tiny128, tmp_path):
 
     out = tmp_path / "colocate"
     cfg = parse_train_args(
-        ["--model", str(tiny128), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
+        ["--model", str(tiny128), "--tuner_type", "full", "--dataset", "builtin:arithmetic",
+         "--reward_funcs", "accuracy",
          "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_enforce_eager", "true",
          "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
          "--max_staleness", "2", "--partial_rollouts", "true", "--max_steps", "5",

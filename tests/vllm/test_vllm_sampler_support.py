@@ -35,6 +35,8 @@ def test_vllm_weights_stay_at_one_under_truncated_sampling(tiny128, tmp_path, tr
         [
             "--model",
             str(tiny128),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

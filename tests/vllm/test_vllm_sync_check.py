@@ -25,6 +25,8 @@ def _run(model_dir, out, steps: int):
         [
             "--model",
             str(model_dir),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -53,6 +53,8 @@ def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_
             [
                 "--model",
                 str(model),
+                "--tuner_type",
+                "full",  # written for full fine-tuning (the default is lora)
                 "--dataset",
                 "builtin:arithmetic",
                 "--reward_funcs",

@@ -45,6 +45,8 @@ def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--model",
         str(model_dir),
+        "--tuner_type",
+        "full",  # written for full fine-tuning (the default is lora)
         "--dataset",
         "builtin:arithmetic",
         "--reward_funcs",
@@ -170,6 +172,8 @@ def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkey
         [
             "--model",
             str(tiny128),
+            "--tuner_type",
+            "full",  # written for full fine-tuning (the default is lora)
             "--dataset",
             "builtin:arithmetic",
             "--reward_funcs",

@@ -128,6 +128,8 @@ def test_colocate_training_adds_an_image_in_turn_two(tmp_path):
                 [
                     "--model",
                     str(folder),
+                    "--tuner_type",
+                    "full",  # written for full fine-tuning (the default is lora)
                     "--dataset",
                     "builtin:colours",
                     "--reward_funcs",
