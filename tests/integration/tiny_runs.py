@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 TINY_RUN = {
+    "--tuner_type": "full",  # the tests' runs train the whole tiny model (grpokit's default is lora, as ms-swift's)
     "--num_generations": "4",
     "--per_device_train_batch_size": "4",
     "--max_completion_length": "8",
