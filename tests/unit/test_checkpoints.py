@@ -274,28 +274,67 @@ def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["args.json"]
 
 
-def test_the_lock_refuses_a_live_owner_and_takes_over_a_dead_or_torn_one(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+_LOCK_RACER = """
+import sys, time
+from grpokit.trainers.run_dir import OutputDirError, RunLock
+root, start, trials = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+for k in range(trials):  # trial k: every racer tries folder k at the same moment, the winner holds it a while
+    time.sleep(max(0.0, start + 0.25 * k - time.time()))
+    lock = RunLock(f"{root}/t{k}")
     try:
-        lock_path = tmp_path / LOCK_FILE
-        lock_path.write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename}))
-        with pytest.raises(OutputDirError, match=rf"in use by pid {other.pid}: wait"):
-            RunLock(tmp_path).acquire()
-    finally:
-        other.kill()
-        other.wait()
-    lock = RunLock(tmp_path)
-    lock.acquire()  # its owner is gone: taken over
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+        lock.acquire()
+    except OutputDirError as e:
+        print(k, "refused", e, flush=True)
+        continue
+    print(k, "held", flush=True)
+    time.sleep(max(0.0, start + 0.25 * k + 0.15 - time.time()))
     lock.release()
-    assert not lock_path.exists()
-    lock_path.write_text('{"pid": 12')  # a lock whose writer died mid-write
-    RunLock(tmp_path).acquire()
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
-    # a live pid that started after the lock was written is another process (the pid was reused)
-    lock_path.write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "start": -5}))
-    RunLock(tmp_path).acquire()
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+"""
+
+
+def test_racing_processes_take_the_lock_one_at_a_time_and_a_dead_one_frees_it(tmp_path):
+    """The kernel's lock: in every synchronised trial exactly one of four processes holds it, the others get
+    the in-use line (half the folders start with the lock file of a run that died); after a holder is killed
+    (SIGKILL, no clean-up) the next run takes the lock without a word."""
+    import time
+
+    trials = 16
+    for k in range(trials):
+        (tmp_path / f"t{k}").mkdir()
+        if k % 2:
+            (tmp_path / f"t{k}" / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": os.uname().nodename}))
+    start = time.time() + 3  # the racers' imports are done by then
+    cmd = [sys.executable, "-c", _LOCK_RACER, str(tmp_path), str(start), str(trials)]
+    racers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    lines = [line.split(" ", 2) for r in racers for line in r.communicate(timeout=120)[0].splitlines()]
+    for k in range(trials):
+        verdicts = sorted(v for t, v, *_ in lines if t == str(k))
+        assert verdicts == ["held", "refused", "refused", "refused"], (k, lines)
+    assert all("is in use by" in rest[0] for _, v, *rest in lines if v == "refused")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_RACER.replace("0.15", "60"), str(tmp_path), str(time.time()), "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "0 held"
+        with pytest.raises(OutputDirError, match=rf"in use by pid {holder.pid}: wait"):
+            RunLock(tmp_path / "t0").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(tmp_path / "t0")
+    lock.acquire()  # its holder was killed: the kernel released the lock
+    assert json.loads((tmp_path / "t0" / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    lock.acquire()  # released and taken again by the same process
+    lock.release()
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / LOCK_FILE)
+    with pytest.raises(OutputDirError, match="not a regular file"):
+        RunLock(tmp_path).acquire()
 
 
 # ----------------------------------------------------------------------------------------------------------
