@@ -4,7 +4,7 @@ with ``--dataloader_num_workers N`` the rows of the next windows are read ahead 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -103,6 +103,16 @@ class PromptStream:
             self.position = loop["prompts_consumed"]
             self.replay = pending
         return self.position
+
+    def first_drawn(self, held: Iterable[int]) -> int | None:
+        """The window (a position) drawn first among those not trained: the ones handed back and ``held`` (those
+        a buffer has drawn and holds). A buffer trains it before any other, so that windows train in draw order."""
+        with self._lock:
+            return min([*self.replay, *held], default=None)
+
+    def epoch(self, position: int) -> int:
+        """The epoch a stream position belongs to (each epoch is one pass over the dataset)."""
+        return position // len(self.dataset)
 
     def requeue(self, starts: list[int]) -> None:
         """Windows drawn and not trained: drawn again, in order, before any new window."""
