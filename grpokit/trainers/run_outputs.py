@@ -14,6 +14,7 @@ from pathlib import Path
 
 from grpokit.config.plan import earlier_run_checkpoints
 from grpokit.errors import GrpokitError
+from grpokit.trainers.checkpoint_files import check_rng_restored, rng_path, rng_state
 from grpokit.trainers.checkpoints import (
     ARGS_FILE,
     TMP_SUFFIX,
@@ -189,12 +190,14 @@ class RunOutputs:
                 ckpt,
                 ", ".join(changes),
             )
+        rng = rng_state(ckpt / "state", acc.process_index)  # read as data first: accelerate would skip it silently
         try:
             acc.load_state(str(ckpt / "state"))
         except GrpokitError:
             raise
-        except Exception as e:  # torch, safetensors and pickle each raise their own type
+        except Exception as e:  # torch, safetensors and the unpickler each raise their own type
             raise load_error(ckpt, e) from e
+        check_rng_restored(rng, rng_path(ckpt / "state", acc.process_index))
         step = loop["global_step"]
         if main:
             if ckpt.parent.resolve() == self.output_dir.resolve():

@@ -354,7 +354,49 @@ def test_corrupt_optimizer_file_is_one_line_naming_it(setup, reference):
     optimizer.write_bytes(b"\x00garbage" * (optimizer.stat().st_size // 8) + b"\0" * (optimizer.stat().st_size % 8))
     res = _cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", "latest", "--max_steps", "8"))
     assert res.returncode == 2
-    _one_error_line(res.stderr, "optimizer.bin", "unreadable")
+    line = _one_error_line(res.stderr, "optimizer.bin", "unreadable")
+    assert "random_states" not in line
+
+
+def test_a_checkpoint_folder_is_data_not_code(setup, reference):
+    """From outside the process: a FIFO in a checkpoint is refused in one line before the model loads (no hang);
+    a corrupt optimizer file beside planted payloads names each file and runs no payload; a deeply nested
+    args.json is one line; an RNG file that does not load stops the resume instead of being skipped."""
+    out = _copy_reference(reference, setup, "hostile")
+    ckpt, marker = out / "checkpoint-6", setup.root / "payload_ran"
+    resume = _args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", str(ckpt), "--max_steps", "8")
+    os.mkfifo(ckpt / "state" / "notes.bin")
+    res = _cli(resume, timeout=60)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "notes.bin is a FIFO, not a regular file")
+    (ckpt / "state" / "notes.bin").unlink()
+
+    payload = f"import os; os.system('touch {marker}')"
+    planted = b"cbuiltins\nexec\n(V" + payload.encode() + b"\ntR."  # a protocol-0 pickle that runs `payload`
+    (ckpt / "state" / "custom_checkpoint_0.pkl").write_bytes(planted)
+    (ckpt / "evil.bin").write_bytes(planted)
+    optimizer = ckpt / "state" / "optimizer.bin"
+    good = optimizer.read_bytes()
+    optimizer.write_bytes(b"\0" * len(good))
+    res = _cli(resume)
+    assert res.returncode == 2 and not marker.exists()
+    line = _one_error_line(res.stderr, "optimizer.bin is unreadable", "evil.bin is unreadable", "refused")
+    assert "random_states" not in line  # accelerate's RNG file reads as data: never blamed
+    optimizer.write_bytes(good)
+
+    rng = ckpt / "state" / "random_states_0.pkl"
+    rng.write_bytes(b"\0" * rng.stat().st_size)  # the same size: the file list does not catch it
+    res = _cli(resume)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "random_states_0.pkl (the RNG states) does not load")
+
+    nested = '{"seed": ' + "[" * 2000 + "]" * 2000 + "}"  # beyond Python's recursion limit, at the same size
+    args_json = ckpt / "args.json"
+    args_json.write_text(nested.ljust(args_json.stat().st_size))
+    res = _cli(resume, timeout=60)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "args.json nests deeper than 32 levels")
+    assert _log(out) == reference.log  # nothing trained, nothing truncated
 
 
 def test_resume_with_other_options_is_refused_or_warned(setup, reference):

@@ -72,8 +72,20 @@ def test_a_sealed_checkpoint_lists_its_files_and_checks_them(tmp_path):
         (None, "no trainer_state.json"),
         ("", "is empty"),
         ('{"global_step": 3, "pro', "not valid JSON"),
-        ('["x"]', "lacks global_step"),
-        ('{"global_step": "3", "prompts_consumed": 1}', "lacks global_step"),
+        ('["x"]', "holds a JSON list, not a grpokit trainer state"),
+        ('{"prompts_consumed": 1}', "lacks global_step"),
+        ('{"global_step": "3", "prompts_consumed": 1}', 'global_step is "3", not a step count'),
+        ('{"global_step": -1, "prompts_consumed": 1}', "global_step is -1, not a step count"),
+        ('{"global_step": true, "prompts_consumed": 1}', "global_step is true, not a step count"),
+        ('{"global_step": 1e400, "prompts_consumed": 1}', "global_step is Infinity, not a step count"),
+        ('{"global_step": 2, "prompts_consumed": 4, "files": {"../../etc/passwd": 1}}', "files is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "files": {"/etc/passwd": 1}}', "files is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "prompts_pending": [9]}', "not yet drawn"),
+        ('{"global_step": 2, "prompts_consumed": 4, "prompts_pending": "x"}', "prompts_pending is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "window_processes": 0}', "window_processes is 0"),
+        ('{"global_step": 2, "prompts_consumed": 4, "x": ' + "[" * 5000 + "]" * 5000 + "}", "nests deeper"),
+        ('{"global_step": 2, "prompts_consumed": 4, "x": ' + "[" * 40 + "]" * 40 + "}", "nests deeper"),
+        (b'{"global_step": 2, "prompts_consumed": 4, "x": "\xff"}', "not UTF-8"),
     ],
 )
 def test_latest_skips_unusable_checkpoints_and_says_why(tmp_path, content, why):
@@ -82,7 +94,7 @@ def test_latest_skips_unusable_checkpoints_and_says_why(tmp_path, content, why):
     if content is None:
         (bad / ck.STATE_FILE).unlink()
     else:
-        (bad / ck.STATE_FILE).write_text(content)
+        (bad / ck.STATE_FILE).write_bytes(content if isinstance(content, bytes) else content.encode())
     found, skipped = ck.latest_checkpoint(tmp_path)
     assert found == tmp_path / "checkpoint-2"
     assert [(p.name, why in reason) for p, reason in skipped] == [("checkpoint-4", True)]
