@@ -48,6 +48,7 @@ class RunOutputs:
     def __init__(self, accelerator, args, flat_config: dict, tokenizer) -> None:
         self.accelerator, self.args, self.tokenizer = accelerator, args, tokenizer
         self.output_dir = Path(args.output_dir)
+        self.saved_step: int | None = None  # the step of the last checkpoint this run saved or resumed from
         main = accelerator.is_main_process
         if main:
             with output_errors(self.output_dir, "creating"):
@@ -137,6 +138,7 @@ class RunOutputs:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         acc.wait_for_everyone()
+        self.saved_step = step
         return ckpt
 
     def _clear_earlier_run(self) -> None:
@@ -198,7 +200,7 @@ class RunOutputs:
         except Exception as e:  # torch, safetensors and the unpickler each raise their own type
             raise load_error(ckpt, e) from e
         check_rng_restored(rng, rng_path(ckpt / "state", acc.process_index))
-        step = loop["global_step"]
+        step = self.saved_step = loop["global_step"]
         if main:
             if ckpt.parent.resolve() == self.output_dir.resolve():
                 set_aside_newer(self.output_dir, step)

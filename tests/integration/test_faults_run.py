@@ -40,8 +40,14 @@ PLUGIN = textwrap.dedent('''
 
 
     class LengthReward(ORM):
-        """Varied scores from a random model: shorter completions score higher."""
+        """Varied scores from a random model: shorter completions score higher. From its call FAULTS_FAIL_CALL on
+        it fails (a judge that went away)."""
+        calls = 0
+
         def __call__(self, completions, **kwargs):
+            LengthReward.calls += 1
+            if LengthReward.calls >= int(os.environ.get("FAULTS_FAIL_CALL") or 1 << 30):
+                raise ConnectionError("the judge went away")
             return [1.0 / (1 + len(c)) for c in completions]
 
 
@@ -397,6 +403,27 @@ def test_a_checkpoint_folder_is_data_not_code(setup, reference):
     assert res.returncode == 2
     _one_error_line(res.stderr, "args.json nests deeper than 32 levels")
     assert _log(out) == reference.log  # nothing trained, nothing truncated
+
+
+def test_an_error_after_a_step_saves_it_and_the_resume_trains_each_prompt_once(setup, reference):
+    """The reward fails from the third window on (after step 4): the run saves checkpoint-4 with the failed
+    window pending, ends with one line saying so, and the resumed run trains steps 5 and 6 on the same prompts
+    as the uninterrupted run."""
+    out = setup.root / "error_save"
+    args = _args(setup, out, "--save_steps", "3")
+    res = _cli(args, FAULTS_FAIL_CALL="3")
+    assert res.returncode != 0
+    saved = [line for line in res.stderr.splitlines() if "checkpoint saved in" in line]
+    assert len(saved) == 1 and "after step 4" in saved[0] and "--resume_from_checkpoint latest" in saved[0], res.stderr
+    assert _ckpts(out) == ["checkpoint-3", "checkpoint-4"]
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["prompts_pending"] == [4] and state["prompts_consumed"] == 6  # the failed window, drawn again
+    _ok(_cli(args + ["--resume_from_checkpoint", "latest"]))
+    rows = _log(out, "completions.jsonl")
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
+    assert sorted((r["step"], r["prompt"]) for r in rows) == sorted(
+        (r["step"], r["prompt"]) for r in reference.completions
+    )
 
 
 def test_resume_with_other_options_is_refused_or_warned(setup, reference):
