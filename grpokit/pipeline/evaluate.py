@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from pydantic import ValidationError
 
 from grpokit.algorithms.pass_at_k import ks_up_to
 from grpokit.errors import ConfigError
+from grpokit.pipeline.infer_checks import OutputFile
 from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
 from grpokit.trainers.outputs import jsonl_line
 
 
-def _settings(args) -> EvalSettings:
+def eval_settings(args) -> EvalSettings:
     k = args.num_generations_eval
     if k is not None and k < 1:
         raise ConfigError(f"--num_generations_eval {k}: must be at least 1 (samples per prompt), e.g. 4")
@@ -74,9 +74,10 @@ def table_lines(metrics: dict, reward_names: list[str], k: int) -> list[str]:
     ]
 
 
-def score_and_report(engine, template, rows: list[dict], runner, args, model: str) -> EvalResult:
-    """Score ``rows`` as ``args`` asks, print the result and write it to ``args.output`` if given."""
-    settings = _settings(args)
+def score_and_report(engine, template, rows: list[dict], runner, args, model: str, output: OutputFile) -> EvalResult:
+    """Score ``rows`` as ``args`` asks, print the result and write it to ``output`` (``--output``, probed at the
+    start) if given."""
+    settings = eval_settings(args)
     names = list(args.reward_funcs)
     if settings.num_generations:
         result = evaluate_policy(engine, template, rows, runner, names, settings)
@@ -104,12 +105,9 @@ def score_and_report(engine, template, rows: list[dict], runner, args, model: st
             f"{scores}",
             flush=True,
         )
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            f.write(json.dumps({"model": model, "dataset": args.dataset, **result.metrics}) + "\n")
-            for row in [*result.rows, *result.sampled_rows]:
-                f.write(jsonl_line(row))
+    if output.path is not None:
+        head = json.dumps({"model": model, "dataset": args.dataset, **result.metrics}) + "\n"
+        output.write([head, *(jsonl_line(row) for row in [*result.rows, *result.sampled_rows])])
         if settings.num_generations:
             print(f"wrote {args.output}", flush=True)
     return result
