@@ -34,6 +34,7 @@ from grpokit.trainers.checkpoints import (
 )
 from grpokit.trainers.distributed import full_state_dict
 from grpokit.trainers.outputs import JsonlLog, plot_curves, progress_bar, summary_text
+from grpokit.trainers.pickle_scan import check_pickles
 from grpokit.trainers.run_args import check_resume_args, normalised, read_args
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
 from grpokit.trainers.window_progress import WindowProgress
@@ -192,6 +193,7 @@ class RunOutputs:
                 ckpt,
                 ", ".join(changes),
             )
+        check_pickles(ckpt)  # DeepSpeed and torch.distributed.checkpoint unpickle: only allowed names (pickle_scan.py)
         rng = rng_state(ckpt / "state", acc.process_index)  # read as data first: accelerate would skip it silently
         try:
             acc.load_state(str(ckpt / "state"))

@@ -17,6 +17,7 @@ import torch
 from grpokit.errors import ConfigError
 from grpokit.trainers import checkpoints as ck
 from grpokit.trainers.checkpoint_files import check_rng_restored, rng_state
+from grpokit.trainers.pickle_scan import check_pickles
 from grpokit.trainers.run_args import read_args
 
 
@@ -156,3 +157,36 @@ def test_state_fields_keep_a_checkpoint_inside_its_folder(tmp_path):
     (ckpt / ck.STATE_FILE).write_text(json.dumps(state))
     with pytest.raises(ConfigError, match="files is .*not relative paths inside the checkpoint"):
         ck.check_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("proto", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_the_pickle_scan_refuses_a_payload_in_any_protocol_without_running_it(tmp_path, proto):
+    """What DeepSpeed (torch.load(weights_only=False)) and torch.distributed.checkpoint (pickle.load) would run:
+    refused before they are called, in any pickle protocol, inside a torch zip file, after other pickles."""
+    ckpt, marker = _checkpoint(tmp_path), tmp_path / "ran"
+    check_pickles(ckpt)  # accelerate's own files (optimizer, RNG states with numpy) pass
+    target = ckpt / "state" / "deepspeed" / "mp_rank_00_model_states.pt"
+    target.parent.mkdir()
+    for payload in (
+        pickle.dumps({"w": [_Payload(marker)]}, protocol=proto),
+        pickle.dumps(1, protocol=proto) + pickle.dumps(_Payload(marker), protocol=proto),  # a later pickle
+    ):
+        target.write_bytes(payload)
+        with pytest.raises(ConfigError, match=r"mp_rank_00_model_states.pt would import posix.system to load"):
+            check_pickles(ckpt)
+    torch.save({"w": _Payload(marker)}, target)
+    with pytest.raises(ConfigError, match=r"\(mp_rank_00_model_states/data.pkl\) would import posix.system"):
+        check_pickles(ckpt)
+    assert not marker.exists()
+
+
+def test_the_pickle_scan_lets_tensors_numpy_and_checkpoint_metadata_through(tmp_path):
+    import torch.distributed.checkpoint as dcp  # noqa: F401 - its metadata classes are the ones a .metadata holds
+
+    ckpt = _checkpoint(tmp_path)
+    torch.save({"w": torch.zeros(2, dtype=torch.bfloat16), "n": np.arange(3), "s": torch.Size([2])}, ckpt / "a.pt")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(ckpt / "state" / "sharded"), no_dist=True)
+    check_pickles(ckpt)
+    (ckpt / "evil.bin").write_bytes(b"cbuiltins\neval\n(Vprint(1)\ntR.")  # protocol 0, no header
+    with pytest.raises(ConfigError, match="evil.bin would import builtins.eval"):
+        check_pickles(ckpt)
