@@ -41,7 +41,7 @@ _KINDS = {
 _ADVICE = "resume from another checkpoint, or start afresh with --overwrite_output_dir true"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
@@ -112,7 +112,7 @@ def parse_json(raw: bytes, path: Path) -> object:
         value = None
         depth = MAX_JSON_DEPTH + 1
     except ValueError as e:
-        raise ConfigError(f"{path} is not valid JSON ({_first_line(e)}); the save that wrote it did not finish") from e
+        raise ConfigError(f"{path} is not valid JSON ({first_line(e)}); the save that wrote it did not finish") from e
     else:
         depth = _depth(value)
     if depth > MAX_JSON_DEPTH:
@@ -210,37 +210,6 @@ def _refusal(text: str) -> str:
     return f"holds more than tensors and plain values, refused without running it{': ' + why if why else ''}"
 
 
-def _read_safetensors(path: Path) -> None:
-    from safetensors import safe_open  # not at the top: as torch above
-
-    with open_regular(path):  # regular, not a symlink: checked before safetensors opens it by name
-        pass
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-            f.get_tensor(key)
-
-
-_READERS = {".bin": load_tensors, ".pt": load_tensors, ".pth": load_tensors, ".pkl": load_tensors}
-
-
-def unreadable_parts(folder: Path, most: int = 3) -> list[tuple[Path, str]]:
-    """The files under ``folder`` (up to ``most``) that do not read as data, each with its reader's complaint.
-    Run after a load failed, to name the files in the error. The ``.pkl`` files are accelerate's (``torch.save``
-    output), read as torch files with ``weights_only=True`` like every other: a payload is refused, never run."""
-    bad = []
-    for p in sorted(folder.rglob("*")):
-        reader = _READERS.get(p.suffix, _read_safetensors if p.suffix == ".safetensors" else None)
-        if reader is None or p.is_symlink() or not p.is_file():
-            continue
-        try:
-            reader(p)
-        except Exception as e:  # noqa: BLE001 - each reader raises its own type; its text is the cause
-            bad.append((p, _first_line(e)))
-            if len(bad) == most:
-                break
-    return bad
-
-
 def rng_path(state_dir: Path, process_index: int) -> Path:
     return state_dir / RNG_FILE.format(index=process_index)
 
@@ -262,7 +231,7 @@ def rng_state(state_dir: Path, process_index: int) -> dict:
         raise
     except Exception as e:  # noqa: BLE001 - the unpickler's and the zip reader's own types
         raise ConfigError(
-            f"--resume_from_checkpoint: {path} (the RNG states) does not load ({_first_line(e)}); {_ADVICE}"
+            f"--resume_from_checkpoint: {path} (the RNG states) does not load ({first_line(e)}); {_ADVICE}"
         ) from e
     py, torch_state = (
         (states.get("random_state"), states.get("torch_manual_seed")) if isinstance(states, dict) else (None, None)

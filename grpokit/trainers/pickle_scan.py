@@ -1,4 +1,5 @@
-"""Every pickle in a checkpoint checked without unpickling it, before any loader reads the checkpoint.
+"""Every pickle in a checkpoint checked without unpickling it, before any loader reads the checkpoint; and, after
+a load failed, the files that are not whole (``unreadable_parts``), found the same way.
 
 accelerate reads its files with ``torch.load(weights_only=True)``, but a resume with ``--deepspeed`` hands the
 folder to DeepSpeed (``torch.load(weights_only=False)``) and one with ``--fsdp`` to ``torch.distributed.checkpoint``
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from grpokit.errors import ConfigError
-from grpokit.trainers.checkpoint_files import open_regular
+from grpokit.trainers.checkpoint_files import NotData, first_line, open_regular
 
 _MARK = object()
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -172,3 +173,83 @@ def _names_in(path: Path) -> Iterator[tuple[str, str, str]]:
                 yield where, module, name
     except (ValueError, zipfile.BadZipFile, EOFError):
         return
+
+
+def structure_problem(path: Path) -> str | None:
+    """What is wrong with a torch or pickle file, found without unpickling it (whichever loader would read it:
+    accelerate's, DeepSpeed's, torch.distributed.checkpoint's): a zip member whose bytes fail their CRC, a pickle
+    that ends before its STOP, or a callable it may not name; None when the file is whole."""
+    try:
+        with open_regular(path) as f:
+            if f.read(2) == b"PK":
+                f.seek(0)
+                with zipfile.ZipFile(f) as z:
+                    bad = z.testzip()
+                    if bad is not None:
+                        return f"its member {bad} is corrupt (CRC mismatch)"
+                    for member in [n for n in z.namelist() if n.endswith(".pkl")][:MAX_MEMBERS]:
+                        problem = _pickle_problem(z.read(member))
+                        if problem is not None:
+                            return f"{member}: {problem}"
+                return None
+            f.seek(0)
+            return _pickle_problem(f.read())
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _pickle_problem(data: bytes) -> str | None:
+    try:
+        for module, name in pickle_names(data[: _first_stop(data)]):
+            if not allowed(module, name):
+                return f"it would import {module}.{name}, refused without running it"
+    except ValueError as e:
+        return f"not a whole pickle ({e})"
+    return None
+
+
+def _first_stop(data: bytes) -> int:
+    """The length of the first pickle in ``data``; ValueError when it never reaches its STOP."""
+    for op, _, pos in pickletools.genops(data):
+        if op.name == "STOP":
+            return pos + 1
+    raise ValueError("it ends before its STOP opcode")
+
+
+def _read_safetensors(path: Path) -> None:
+    from safetensors import safe_open  # not at the top: as torch above
+
+    with open_regular(path):  # regular, not a symlink: checked before safetensors opens it by name
+        pass
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            f.get_tensor(key)
+
+
+def _check_torch_file(path: Path) -> None:
+    problem = structure_problem(path)
+    if problem is not None:
+        raise NotData(problem)
+
+
+_READERS = {".bin": _check_torch_file, ".pt": _check_torch_file, ".pth": _check_torch_file, ".pkl": _check_torch_file}
+
+
+def unreadable_parts(folder: Path, most: int = 3) -> list[tuple[Path, str]]:
+    """The files under ``folder`` (up to ``most``) that are not whole, each with the reason. Run after a load
+    failed, to name the files in the error. Torch and pickle files (accelerate's ``.pkl`` are ``torch.save``
+    output) are checked without unpickling (pickle_scan.structure_problem): a corrupt zip member, a torn pickle
+    or a refused callable is named; a payload is never run, and a file another loader reads (DeepSpeed's) is not
+    blamed for holding that loader's types."""
+    bad = []
+    for p in sorted(folder.rglob("*")):
+        reader = _READERS.get(p.suffix, _read_safetensors if p.suffix == ".safetensors" else None)
+        if reader is None or p.is_symlink() or not p.is_file():
+            continue
+        try:
+            reader(p)
+        except Exception as e:  # noqa: BLE001 - each reader raises its own type; its text is the cause
+            bad.append((p, first_line(e)))
+            if len(bad) == most:
+                break
+    return bad
