@@ -19,6 +19,9 @@ MAX_COMPLETION_STEPS = 100  # steps whose completions the page holds (first, las
 STATIC = ("uPlot.iife.min.js", "uPlot.min.css", "app.js", "app.css")
 
 
+MAX_ARGS_BYTES = 4 << 20
+
+
 def read_rows(path: Path) -> list[dict]:
     """Every JSON-object line of a JSON-lines file; a line that does not parse (the torn last line of a file
     being written) is skipped. A missing file has no rows."""
@@ -79,9 +82,11 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
         if isinstance(step, int):
             by_step.setdefault(step, []).append(row)
     kept = chosen_steps(sorted(by_step), max_completion_steps)
-    try:
-        args = json.loads((output_dir / "args.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    args_path = output_dir / "args.json"
+    try:  # a regular file of a few KiB: a FIFO is not waited on, a huge or deeply nested file not shown
+        small = args_path.is_file() and args_path.stat().st_size <= MAX_ARGS_BYTES
+        args = json.loads(args_path.read_text(encoding="utf-8")) if small else {}
+    except (OSError, ValueError, RecursionError):
         args = {}
     return _finite(
         {
