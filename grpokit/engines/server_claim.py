@@ -83,8 +83,11 @@ class TrainerClaim:
             pid, host, idle = int(holder["pid"]), str(holder["host"]), float(holder["idle_s"])
         except (ValueError, KeyError, TypeError):
             return resp
-        if host == socket.gethostname() and pid > 0 and not _alive(pid):
-            logger.warning("rollout server %s: taking over the claim of pid %d, which is gone", ep.label, pid)
+        if host == socket.gethostname() and pid > 0 and (pid == os.getpid() or not _alive(pid)):
+            # a trainer of this very process that ended without closing its client (a run that raised, in a
+            # notebook or a test), or a process that is gone: nobody else is using the server
+            why = "an earlier trainer of this process" if pid == os.getpid() else f"pid {pid}, which is gone"
+            logger.warning("rollout server %s: taking over the claim of %s", ep.label, why)
             return self._post(ep, {**body, "replaces": holder["trainer"]})
         if idle > 2 * RENEW_S:
             wait = max(0.0, lease - idle) + 1.0
@@ -107,8 +110,9 @@ class TrainerClaim:
                     resp = self._http.post(url + "/claim/", json=body)
                 except httpx.HTTPError:
                     continue  # the server is down: the run's own calls say so
-                if resp.status_code == 409:
-                    logger.warning("rollout server %s: %s", url, _error_of(resp))
+                if resp.status_code == 409:  # taken over (this trainer was found gone): no longer ours to renew
+                    logger.warning("rollout server %s: this trainer's claim was taken: %s", url, _error_of(resp))
+                    self._urls = [u for u in self._urls if u != url]
 
     def release(self) -> None:
         """Give the servers back (idempotent: at the client's close, and at exit)."""
