@@ -28,10 +28,6 @@ from grpokit.trainers.signals import RunStopped
 logger = logging.getLogger(__name__)
 
 
-class StoppedOnError(GrpokitError):
-    """The run ended on an error after saving the steps done; the message is the error's, then the checkpoint."""
-
-
 def at_step_boundary(method):
     """A method of the loop's work between optimizer steps (the next window, the weight sync): an error in it
     saves a checkpoint of the last optimizer step (when none holds it yet) before it ends the run; its success
@@ -63,8 +59,9 @@ def saved_on_error(trainer) -> Iterator[None]:
             raise
         note = f"the run stopped after step {step}; checkpoint saved in {ckpt}: fix the cause, then continue with "
         note += "the same command and --resume_from_checkpoint latest"
-        if isinstance(e, GrpokitError):
-            raise StoppedOnError(f"{e}; {note}") from e
+        if isinstance(e, GrpokitError):  # the same error (its type kept for callers), its line one sentence longer
+            e.args = (f"{e}; {note}",)
+            raise
         print(f"grpokit: {type(e).__name__} ended the run; {note}", file=sys.stderr, flush=True)
         raise
 
