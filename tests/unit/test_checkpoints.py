@@ -287,57 +287,64 @@ def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
 
 
 _LOCK_RACER = """
-import sys, time
+import os, sys, time
 from grpokit.trainers.run_dir import OutputDirError, RunLock
-root, start, trials = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-for k in range(trials):  # trial k: every racer tries folder k at the same moment, the winner holds it a while
-    time.sleep(max(0.0, start + 0.25 * k - time.time()))
-    lock = RunLock(f"{root}/t{k}")
+root, start, trials, racers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+for k in range(trials):  # trial k: every racer tries folder k at the same moment
+    folder = f"{root}/t{k}"
+    time.sleep(max(0.0, start + 0.2 * k - time.time()))
+    lock = RunLock(folder)
     try:
         lock.acquire()
     except OutputDirError as e:
         print(k, "refused", e, flush=True)
+        open(f"{folder}/tried-{os.getpid()}", "w").close()
         continue
     print(k, "held", flush=True)
-    time.sleep(max(0.0, start + 0.25 * k + 0.15 - time.time()))
+    open(f"{folder}/tried-{os.getpid()}", "w").close()
+    deadline = time.time() + 30  # the winner holds the lock until every racer has tried
+    while sum(n.startswith("tried-") for n in os.listdir(folder)) < racers and time.time() < deadline:
+        time.sleep(0.01)
     lock.release()
 """
 
 
 def test_racing_processes_take_the_lock_one_at_a_time_and_a_dead_one_frees_it(tmp_path):
     """The kernel's lock: in every synchronised trial exactly one of four processes holds it, the others get
-    the in-use line (half the folders start with the lock file of a run that died); after a holder is killed
+    the in-use line (most folders start with the lock file of a run that died); after a holder is killed
     (SIGKILL, no clean-up) the next run takes the lock without a word."""
     import time
 
     trials = 16
     for k in range(trials):
         (tmp_path / f"t{k}").mkdir()
-        if k % 2:
+        if k % 4:  # a dead run's lock file, where the old pid-file lock's takeover raced
             (tmp_path / f"t{k}" / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": os.uname().nodename}))
-    start = time.time() + 3  # the racers' imports are done by then
-    cmd = [sys.executable, "-c", _LOCK_RACER, str(tmp_path), str(start), str(trials)]
+    start = time.time() + 1.5  # the racers' start-up (a torch-free import) is done by then
+    cmd = [sys.executable, "-c", _LOCK_RACER, str(tmp_path), str(start), str(trials), "4"]
     racers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(4)]
     lines = [line.split(" ", 2) for r in racers for line in r.communicate(timeout=120)[0].splitlines()]
     for k in range(trials):
         verdicts = sorted(v for t, v, *_ in lines if t == str(k))
         assert verdicts == ["held", "refused", "refused", "refused"], (k, lines)
     assert all("is in use by" in rest[0] for _, v, *rest in lines if v == "refused")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _LOCK_RACER.replace("0.15", "60"), str(tmp_path), str(time.time()), "1"],
+    (tmp_path / "again" / "t0").mkdir(parents=True)
+    holder = subprocess.Popen(  # holds until a second racer tries, which none does: until it is killed
+        [sys.executable, "-c", _LOCK_RACER, str(tmp_path / "again"), str(time.time()), "1", "2"],
         stdout=subprocess.PIPE,
         text=True,
     )
+    folder = tmp_path / "again" / "t0"
     try:
         assert holder.stdout.readline().strip() == "0 held"
         with pytest.raises(OutputDirError, match=rf"in use by pid {holder.pid}: wait"):
-            RunLock(tmp_path / "t0").acquire()
+            RunLock(folder).acquire()
     finally:
         holder.kill()
         holder.wait()
-    lock = RunLock(tmp_path / "t0")
+    lock = RunLock(folder)
     lock.acquire()  # its holder was killed: the kernel released the lock
-    assert json.loads((tmp_path / "t0" / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     lock.acquire()  # released and taken again by the same process
     lock.release()
