@@ -3,9 +3,11 @@ with its line number and the innermost cause, and no single row can take the mac
 
 ``scan_text_file`` runs on every ``.jsonl``/``.json``/``.csv`` file: each line is read with a bound
 (``--max_row_bytes``) before anything parses it, checked to be UTF-8, and (JSON Lines) parsed on its own with
-duplicate keys refused; a CSV header with a column twice is refused. A ``.json`` file holding one document (an
-array or an object) cannot be bounded per row without parsing it; it is checked for UTF-8 in chunks (the error
-names the line), and the JSON loader's own error is made readable by ``json_problem`` when it fails.
+duplicate keys refused, and a lone UTF-16 surrogate escape (``"\\ud800"``, which parses into a string no file or
+Arrow column holds) named with its column; a CSV header with a column twice is refused. A ``.json`` file holding
+one document (an array or an object) cannot be bounded per row without parsing it; it is checked for UTF-8 in
+chunks (the error names the line) and, when its bytes hold a surrogate escape, parsed to find a lone one; the
+JSON loader's own error is made readable by ``json_problem`` when it fails.
 
 ``innermost`` digs the real cause out of an exception chain (``datasets`` wraps pyarrow's message in
 ``DatasetGenerationError: An error occurred while generating the dataset``).
@@ -17,6 +19,7 @@ import csv
 import io
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ from grpokit.errors import DataError
 
 MAX_ROW_BYTES = 8 << 20  # --max_row_bytes default
 _PREVIEW = 60
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # a UTF-16 surrogate escape: half of a pair
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def innermost(exc: BaseException) -> BaseException:
@@ -92,14 +97,14 @@ def scan_text_file(path: Path, builder: str, where: str, max_row_bytes: int = MA
         _scan_csv(path, where, max_row_bytes)
         return
     if path.suffix.lower() == ".json" and _first_char(path) == b"[":
-        _scan_utf8(path, where)  # one document: the bound does not apply to its lines, UTF-8 does
+        _scan_document(path, where)  # one document: the bound does not apply to its lines, UTF-8 does
         return
     lines = _lines(path, max_row_bytes, where)
     first = next(((n, t) for n, t in lines if t.strip()), None)
     if first is None:
         return
     if path.suffix.lower() == ".json" and not _is_json_lines(first[1]):
-        _scan_utf8(path, where)  # a pretty-printed object: one document too
+        _scan_document(path, where)  # a pretty-printed object: one document too
         return
     row = 0
     for number, text in itertools.chain([first], lines):  # one line in memory at a time
@@ -142,6 +147,21 @@ def _scan_utf8(path: Path, where: str) -> None:
         ) from None
 
 
+def _scan_document(path: Path, where: str) -> None:
+    """A one-document ``.json`` file: UTF-8 throughout, and (only when its bytes hold a surrogate escape, which
+    pyarrow reads as an empty string) no lone surrogate."""
+    _scan_utf8(path, where)
+    tail = b""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            if _SURROGATE_BYTES.search(tail + chunk):
+                problem = json_problem(path, where)
+                if problem is not None:
+                    raise DataError(f"{where}: {problem}")
+                return
+            tail = chunk[-5:]
+
+
 def _is_json_lines(first_line: str) -> bool:
     """A ``.json`` file may hold JSON Lines (``datasets`` reads both): true when its first line is a whole object."""
     try:
@@ -166,6 +186,36 @@ def _json_line(text: str, line: str, where: str) -> None:
             f"{where}: {line} is a JSON {type(row).__name__}, not an object; each line of a "
             '.jsonl file must be one object {{"column": value, ...}}'
         )
+    if "\\u" in text and _SURROGATE.search(text):
+        _check_surrogates(row, text, line, where)
+
+
+def _check_surrogates(row: dict, text: str, line: str, where: str) -> None:
+    """A ``\\ud800``-style escape that is half of a UTF-16 pair parses into a string no file or Arrow column
+    can hold (``datasets`` then fails on the whole file with an unrelated message): named here with its column."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        return  # every escape was half of a pair, or an escaped backslash
+    matches = list(_SURROGATE.finditer(text))
+    column, k = matches[0].start() + 1, 0
+    while k < len(matches):  # the first escape without its other half
+        m = matches[k]
+        high = m.group()[3].lower() in "89ab"
+        after = matches[k + 1] if k + 1 < len(matches) else None
+        if high and after is not None and after.start() == m.end() and after.group()[3].lower() in "cdef":
+            k += 2
+            continue
+        column = m.start() + 1
+        break
+    escape = text[column - 1 : column + 5]
+    raise DataError(
+        f"{where}: {line} column {column} holds {escape}, a lone UTF-16 surrogate (half of a pair, not a "
+        "character); fix the escape: a character beyond U+FFFF is written as a pair (\\ud83d\\ude00) or as "
+        "itself"
+    )
 
 
 def _scan_csv(path: Path, where: str, max_row_bytes: int) -> None:
@@ -190,9 +240,14 @@ def json_problem(path: Path, where: str) -> str | None:
     """For a ``.json`` document the loader refused: the parser's own line/column and message, or None."""
     try:
         with path.open(encoding="utf-8") as f:
-            json.load(f, object_pairs_hook=_unique_keys)
+            doc = json.load(f, object_pairs_hook=_unique_keys)
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as exc:
         return f"line {exc.lineno} column {exc.colno}: {exc.msg}"
+    except UnicodeEncodeError:
+        match = _SURROGATE.search(path.read_text(encoding="utf-8"))
+        escape = f" ({match.group()})" if match else ""
+        return f"it holds a lone UTF-16 surrogate escape{escape}, half of a pair and not a character; fix the escape"
     except ValueError as exc:
         return str(exc)
     except OSError:

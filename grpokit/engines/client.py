@@ -32,6 +32,7 @@ from grpokit.aio import run_sync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.client_calls import check_partial_rollouts, output_positions, split_by_size, split_requests
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
+from grpokit.engines.server_claim import TrainerClaim
 from grpokit.engines.sync_check import SyncReport, check_body, check_servers
 from grpokit.engines.weight_sender import WeightSender, sends_here
 from grpokit.errors import ConfigError, ServerError
@@ -165,12 +166,14 @@ class RolloutClient(InferEngine):
     def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
                  timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
                  backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False,
-                 partial_rollouts: bool = False) -> None:
+                 partial_rollouts: bool = False, claim: bool = False) -> None:
         super().__init__(infer_on_loop_thread)
         self.endpoints = endpoints_from(base_urls, hosts, ports)
         self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
         api_key = api_key or os.environ.get("GRPOKIT_API_KEY") or None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._claim = TrainerClaim(self._headers, self.timeout) if claim else None  # a trainer's: one per server
+        self._headers.update(self._claim.header if self._claim else {})
         self._http = httpx.Client(headers=self._headers, timeout=self.timeout)
         self._infos: list[dict] | None = None
 
@@ -179,14 +182,16 @@ class RolloutClient(InferEngine):
                                     interrupt=partial_rollouts)
         if wait:
             self.wait_for_server()
+        if self._claim is not None and os.environ.get("RANK", "0") == "0":  # the launch's main process claims
+            self._claim.take(self.endpoints)
 
     @classmethod
     def from_args(cls, r, infer_on_loop_thread: bool = False) -> RolloutClient:
-        """From ``RolloutArguments`` (``vllm_server_*``, ``weight_sync_bucket_mb``, ``partial_rollouts``); waits for
-        the servers."""
+        """A training run's client, from ``RolloutArguments`` (``vllm_server_*``, ``weight_sync_bucket_mb``,
+        ``partial_rollouts``): waits for the servers and claims them (one trainer per server)."""
         return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
                    timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb,
-                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts)
+                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts, claim=True)
 
     # -- HTTP ----------------------------------------------------------------------------------------------
     def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,
@@ -355,6 +360,8 @@ class RolloutClient(InferEngine):
             self._sender.close(notify=True)
         finally:
             self._http.close()
+            if self._claim is not None:
+                self._claim.release()
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _all_infos(self) -> list[dict]:

@@ -8,19 +8,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 from pydantic import ValidationError
 
 from grpokit.algorithms.pass_at_k import ks_up_to
 from grpokit.errors import ConfigError
+from grpokit.pipeline.infer_checks import OutputFile
 from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
 from grpokit.trainers.outputs import jsonl_line
 from grpokit.trainers.progress import EvalProgress
 
 
-def _settings(args) -> EvalSettings:
+def eval_settings(args) -> EvalSettings:
     k = args.num_generations_eval
     if k is not None and k < 1:
         raise ConfigError(f"--num_generations_eval {k}: must be at least 1 (samples per prompt), e.g. 4")
@@ -76,15 +76,15 @@ def table_lines(metrics: dict, reward_names: list[str], k: int) -> list[str]:
     ]
 
 
-def score_and_report(engine, template, rows: list[dict], runner, args, model: str) -> EvalResult:
-    """Score ``rows`` as ``args`` asks, print the result and write it to ``args.output`` if given; progress lines
-    on stderr while it generates (trainers/progress.py)."""
+def score_and_report(engine, template, rows: list[dict], runner, args, model: str, output: OutputFile) -> EvalResult:
+    """Score ``rows`` as ``args`` asks, print the result and write it to ``output`` (``--output``, probed at the
+    start) if given; progress lines on stderr while it generates (trainers/progress.py)."""
     with EvalProgress() as progress:
-        return _score_and_report(engine, template, rows, runner, args, model, progress)
+        return _score_and_report(engine, template, rows, runner, args, model, output, progress)
 
 
-def _score_and_report(engine, template, rows: list[dict], runner, args, model: str, progress) -> EvalResult:
-    settings = replace(_settings(args), progress=progress)
+def _score_and_report(engine, template, rows, runner, args, model: str, output: OutputFile, progress) -> EvalResult:
+    settings = replace(eval_settings(args), progress=progress)
     names = list(args.reward_funcs)
     if settings.num_generations:
         result = evaluate_policy(engine, template, rows, runner, names, settings)
@@ -113,12 +113,9 @@ def _score_and_report(engine, template, rows: list[dict], runner, args, model: s
             f"{scores}",
             flush=True,
         )
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            f.write(json.dumps({"model": model, "dataset": args.dataset, **result.metrics}) + "\n")
-            for row in [*result.rows, *result.sampled_rows]:
-                f.write(jsonl_line(row))
+    if output.path is not None:
+        head = json.dumps({"model": model, "dataset": args.dataset, **result.metrics}) + "\n"
+        output.write([head, *(jsonl_line(row) for row in [*result.rows, *result.sampled_rows])])
         if settings.num_generations:
             print(f"wrote {args.output}", flush=True)
     return result

@@ -43,6 +43,11 @@ def _lookup(name: str) -> Any:
     raise _unknown(name)
 
 
+def reward_entry(name: str) -> Any:
+    """What the --reward_funcs name ``name`` names (registered, or importable); ConfigError naming it otherwise."""
+    return _lookup(name)
+
+
 def _unknown(name: str, why: str = "") -> ConfigError:
     known = ", ".join(sorted(set(orms) | set(prms))) or "(none)"
     return ConfigError(

@@ -2,9 +2,10 @@
 
 ``GET /health/``, ``GET /get_engine_type/``, ``POST /infer/`` (trajectories through the server's scheduler),
 ``POST /init_communicator/``, ``POST /update_weights/``, ``POST /check_weights/``, ``POST /probe/`` (the check's
-greedy probe), ``POST /close_communicator/``,
-``POST /reset_prefix_cache/``; ``GET /openapi.json`` describes them. Every error answer is JSON
-``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request stops the server, and
+greedy probe), ``POST /close_communicator/``, ``POST /reset_prefix_cache/``, ``POST /claim/`` and
+``POST /release/`` (one trainer per server: server/claim.py); ``GET /openapi.json`` describes them. Every error
+answer is JSON ``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request
+stops the server, and
 an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the next token).
 """
 
@@ -23,6 +24,7 @@ from grpokit.errors import GrpokitError
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.bodies import InferBody, ProbeBody
 from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
+from grpokit.server.claim import ClaimMiddleware, Claims, add_claim_routes
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardPolicy
 from grpokit.server.hosts import HostPolicy
@@ -71,6 +73,9 @@ def create_app(state: ServerState) -> ErrorMiddleware:
         )
     _add_check_route(app, state)
     add_score_route(app, state)  # a distillation teacher's scores (server/score_route.py)
+    claims = Claims()  # one trainer per server (server/claim.py): its routes, and its check inside the guard
+    add_claim_routes(app, claims)
+    app.add_middleware(ClaimMiddleware, claims=claims)
     return hardened(app, guard_policy(state), OpenAIErrors)  # every surface's layers (/v1: OpenAI's error shape)
 
 

@@ -25,6 +25,7 @@ from grpokit.template.agent import add_tools, check_agent_template, parse_tools
 from grpokit.template.carry import attach
 from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate
 from grpokit.template.processor import ProcessorTemplate
+from grpokit.template.prompt_bounds import lengths_over_bound
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,14 @@ def _prompt_lengths(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
 
 
 def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
+    """--max_length by --truncation_strategy. Text rows are tokenized only when a cheap bound says they may be
+    over it (prompt_bounds.py); image rows are expanded through the processor."""
     limit = opts.max_length
-    lengths = _prompt_lengths(ds, template, opts, source)
-    over = [i for i, n in enumerate(lengths) if n > limit]
+    if getattr(template, "multimodal", False) and "images" in ds.column_names:
+        lengths = dict(enumerate(_prompt_lengths(ds, template, opts, source)))
+    else:
+        lengths = lengths_over_bound(ds, template, limit)
+    over = [i for i, n in sorted(lengths.items()) if n > limit]
     if not over:
         return ds
     if opts.truncation_strategy == "raise":
@@ -184,7 +190,7 @@ def _apply_max_length(ds: Dataset, template: ChatTemplate, opts: PromptOptions, 
         if len(over) == len(ds):
             raise DataError(
                 f"{source}: every prompt is longer than --max_length {limit} (the shortest has "
-                f"{min(lengths)} tokens); raise --max_length"
+                f"{min(lengths.values())} tokens); raise --max_length"
             )
         logger.warning(
             "%s: dropped %d of %d rows whose prompt is longer than --max_length %d tokens "

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from grpokit.config.plan import checkpoint_dirs
 from grpokit.errors import ConfigError
+from grpokit.trainers.checkpoint_files import check_tree, checked_state, parse_json, read_regular
+from grpokit.trainers.pickle_scan import unreadable_parts
 from grpokit.trainers.run_dir import atomic_write_text, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -73,37 +75,27 @@ def finish_checkpoint(tmp: Path, ckpt: Path, loop: dict) -> None:
 
 
 def read_state(ckpt: Path) -> dict:
-    """The checkpoint's trainer_state.json, checked; ConfigError saying what is wrong with it otherwise."""
+    """The checkpoint's trainer_state.json, read as data and every field checked; ConfigError saying what is
+    wrong with it otherwise."""
     path = ckpt / STATE_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ConfigError(f"{ckpt}: not a complete grpokit checkpoint (no {STATE_FILE})")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from e
+    raw = read_regular(path, MAX_STATE_BYTES)
     if not raw.strip():
         raise ConfigError(f"{path} is empty (the save that wrote it did not finish)")
-    if len(raw) > MAX_STATE_BYTES:
-        raise ConfigError(f"{path} is {len(raw)} bytes, not a grpokit trainer state")
-    try:
-        state = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); the save that wrote it did not finish") from e
-    if (
-        not isinstance(state, dict)
-        or not isinstance(state.get("global_step"), int)
-        or not isinstance(state.get("prompts_consumed"), int)
-    ):
-        raise ConfigError(f"{path} lacks global_step/prompts_consumed: not a grpokit trainer state")
-    return state
+    return checked_state(parse_json(raw, path), path)
 
 
 def check_checkpoint(ckpt: Path) -> dict:
-    """``read_state`` plus the files it lists (present, with the sizes written). Older checkpoints without a file
-    list need their accelerate state folder."""
+    """``read_state`` plus the folder as data (folders and regular files only, nothing followed) and the files
+    the state lists (present, with the sizes written). Older checkpoints without a file list need their
+    accelerate state folder."""
+    if not ckpt.is_dir():
+        raise ConfigError(f"{ckpt}: not a folder")
+    check_tree(ckpt)
     state = read_state(ckpt)
     files = state.get("files")
-    if isinstance(files, dict):
+    if files is not None:
         for rel, size in files.items():
             p = ckpt / rel
             if not p.is_file():
@@ -210,45 +202,15 @@ def rotate(output_dir: Path, limit: int | None, keep: Path) -> list[Path]:
     return removed
 
 
-_LOADERS = {".bin": "torch", ".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".pkl": "pickle"}
-
-
-def unreadable_part(folder: Path) -> tuple[Path, str] | None:
-    """The first file under ``folder`` that its loader cannot read, with the loader's complaint; None when every
-    file reads. Run only after a load failed, to name the file in the error."""
-    import pickle
-
-    import torch
-
-    for p in sorted(folder.rglob("*")):
-        kind = _LOADERS.get(p.suffix)
-        if not p.is_file() or kind is None:
-            continue
-        try:
-            if kind == "torch":
-                torch.load(p, map_location="cpu", weights_only=False)
-            elif kind == "safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(p), framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                        f.get_tensor(key)
-            else:
-                with p.open("rb") as f:
-                    pickle.load(f)  # our own RNG state, read again to find the part load_state failed on
-        except Exception as e:  # noqa: BLE001 - each loader raises its own type; its text is the cause
-            return p, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return None
-
-
 def load_error(ckpt: Path, exc: BaseException) -> ConfigError:
-    """One line for a checkpoint that failed to load: the unreadable file when one is found, else the cause."""
-    bad = unreadable_part(ckpt)
-    if bad is not None:
-        path, why = bad
+    """One line for a checkpoint that failed to load: every file that does not read as data (up to three), else
+    the cause. Each file is named with its own reader's complaint, so the line never blames a file that reads."""
+    bad = unreadable_parts(ckpt)
+    if bad:
+        parts = "; ".join(f"{path} is unreadable ({why})" for path, why in bad)
         return ConfigError(
-            f"--resume_from_checkpoint {ckpt}: {path} is unreadable ({why}); resume from an "
-            "earlier checkpoint, or start afresh with --overwrite_output_dir true"
+            f"--resume_from_checkpoint {ckpt}: {parts}; resume from an earlier checkpoint, or start afresh with "
+            "--overwrite_output_dir true"
         )
     cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     return ConfigError(

@@ -20,6 +20,8 @@ Staleness (a group's version is the engine's weight version when its call began;
   every deadline bucket holds no more groups than the windows before it can train).
 - ``drop``: one window's groups more may be outstanding, nothing is waited for; a ready group more than K steps
   old is dropped and its prompt drawn again before any new one.
+Under either policy groups overtake each other only within an epoch: no group of epoch e + 1 trains while one of
+epoch e (a dropped one drawn again included) is untrained, so an epoch's steps train its prompts, each once.
 Dynamic sampling refills from the stream: a ready group without signal is skipped (its prompt consumed, as the
 windowed DAPO loop consumes a resampled window's), at most ``max_resample_times`` windows' worth per window; after
 that, signal-free groups fill the window.
@@ -194,11 +196,18 @@ class GroupBuffer:
                 del self._outstanding[g.position]
                 self._producer.prompts.requeue([g.position])  # drawn again before any new prompt
                 self._counts["dropped"] += len(g.outputs)
+        # groups overtake each other within an epoch, never across its end: a group drawn and not trained (a
+        # dropped one drawn again included) trains before any group of a later epoch, so each epoch's steps
+        # train that epoch's prompts, each once
+        stream = self._producer.prompts
+        first = stream.first_drawn(self._outstanding)
+        epoch = None if first is None else stream.epoch(first)
+        ready = [g for g in self._ready if stream.epoch(g.position) == epoch]
         if self.policy == "wait" and self._must_take(step) > 0:  # earliest deadline first: the oldest group
             first = min(self._outstanding, key=lambda pos: (self._outstanding[pos], pos))
-            group = next((g for g in self._ready if g.position == first), None)
+            group = next((g for g in ready if g.position == first), None)
         else:
-            group = min(self._ready, key=lambda g: (g.version, g.position), default=None)
+            group = min(ready, key=lambda g: (g.version, g.position), default=None)
         if group is not None:
             self._ready.remove(group)
             del self._outstanding[group.position]

@@ -26,6 +26,7 @@ from grpokit.trainers import hooks, sync_check
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
 from grpokit.trainers.distributed import mean_over_processes, scalar
+from grpokit.trainers.error_save import at_step_boundary
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.group_buffer import buffer_for_run, loop_position
 from grpokit.trainers.hf_callbacks import RunCallbacks
@@ -62,8 +63,8 @@ class GRPOTrainer:
         hooks.check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
         # template, plan: built once by the pipeline's set-up; made here for a trainer built in code
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, plan or batch_plan(cfg), loss_config(cfg)
-        self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
-        self._num_prompts, self.state = len(train_dataset), TrainerState()
+        self.tokenizer, self.eval_dataset, self._num_prompts = tokenizer, eval_dataset, len(train_dataset)
+        self.state = TrainerState()
         # the seed's names (ms-swift's meanings), read by ported trainer code
         self.temperature, self.num_generations = cfg.rollout.temperature, cfg.rollout.num_generations
         self.beta, self.loss_type = self.loss_cfg.beta, self.loss_cfg.loss_type
@@ -159,6 +160,7 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
+    @at_step_boundary  # an error here saves the last optimizer step first (error_save.py)
     def _next_window(self) -> Window:
         """The next window; with --max_staleness, the buffer's (rolled out ahead), its async metrics added."""
         if self._async is None:
@@ -271,10 +273,9 @@ class GRPOTrainer:
         return model_kwargs(inputs, self._pixel_dtype)
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
-        """The one entry for old, ref and current logps: forward, and from the positions that predict the
-        completion tokens, logits divided by the sampling temperature, the sampled tokens' logprobs (chunked in
-        the output head's place, or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C]
-        entropies or None)."""
+        """The one entry for old, ref and current logps: forward, then from the positions that predict the
+        completion, logits / temperature and the sampled tokens' logprobs (chunked in the output head's place,
+        or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C] entropies or None)."""
         opts = ForwardOptions(temperature=self.temperature, chunk_size=self.args.logps_chunk_size,
                               padding_free=self.args.padding_free, share_prompts=self._sharing.get(id(model), False))
         return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
@@ -331,6 +332,7 @@ class GRPOTrainer:
         if step < self.state.max_steps and (signum := self._stop.agreed(self.accelerator)):
             raise self._stop.stopped(signum, step, saved or self._save_checkpoint(values))
 
+    @at_step_boundary
     def _sync_weights(self) -> float:
         """The engine's weights from the policy; returns the seconds it took."""
         t0 = time.perf_counter()
@@ -375,8 +377,7 @@ class GRPOTrainer:
         return WindowProgress.load(loop["checkpoint"], self.accelerator.process_index, step_metrics)
 
     def evaluate(self) -> dict:
-        """Greedy (and with --num_generations_eval, sampled: pass@k) completions on the validation set, scored
-        with the reward functions (rollout/evaluate.py)."""
+        """Greedy and (--num_generations_eval) sampled completions of the validation set, scored (evaluate.py)."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
         with offload_context(self._offloader):  # evaluation generates too
             result = evaluate_policy(self.engine, self.template, rows, self.reward_runner, self.reward_names,

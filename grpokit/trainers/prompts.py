@@ -4,7 +4,7 @@ with ``--dataloader_num_workers N`` the rows of the next windows are read ahead 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -65,6 +65,7 @@ class PromptStream:
         self.process_index = process_index
         self.position = 0
         self.replay: list[int] = []  # starts of windows handed back, drawn again (oldest first) before new ones
+        self.unsettled: list[int] = []  # starts drawn since the loop last took a window whole (``settle``)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) of the latest epoch read
         self._lock = threading.Lock()
 
@@ -83,6 +84,7 @@ class PromptStream:
                 start, positions = self.position, self._positions(self.position)
                 rows = self._read_ahead() if self.num_workers else read_rows(self.dataset, self._indices(positions))
                 self.position += self.prompts_per_window
+            self.unsettled.append(start)
         return start, [{"_prompt_index": pos, **row} for pos, row in zip(positions, rows, strict=True)]
 
     def restore(self, loop: dict) -> int:
@@ -103,6 +105,22 @@ class PromptStream:
             self.position = loop["prompts_consumed"]
             self.replay = pending
         return self.position
+
+    def first_drawn(self, held: Iterable[int]) -> int | None:
+        """The window (a position) drawn first among those not trained: the ones handed back and ``held`` (those
+        a buffer has drawn and holds). A buffer trains it before any other, so that windows train in draw order."""
+        with self._lock:
+            return min([*self.replay, *held], default=None)
+
+    def epoch(self, position: int) -> int:
+        """The epoch a stream position belongs to (each epoch is one pass over the dataset)."""
+        return position // len(self.dataset)
+
+    def settle(self) -> None:
+        """The loop holds the window it drew for (its rollout done, its rows encoded): from here it is trained
+        or saved with a checkpoint's window, and no longer at risk of being lost."""
+        with self._lock:
+            self.unsettled = []
 
     def requeue(self, starts: list[int]) -> None:
         """Windows drawn and not trained: drawn again, in order, before any new window."""

@@ -12,7 +12,9 @@ yet trained, ``depth = K // steps_per_window`` (the optimizer steps one window t
 is the bound: window j starts only once window j - depth is trained, so it is at most depth × steps_per_window
 ≤ K steps old when its turn comes, and the producer idles meanwhile (counted). With ``drop`` the producer runs
 one window further ahead and never waits on versions; a window found more than K steps old when its turn comes
-is dropped, its prompts handed back to the stream (drawn again first: nothing is skipped), and counted.
+is dropped, its prompts handed back to the stream and counted; it is rolled out again before any new window, and
+the windows drawn after it wait for it (and may be dropped in turn): windows train in the order they were drawn,
+so a run of N windows trains the stream's first N, whatever was dropped.
 
 Every window taken and not trained is ``pending``: a checkpoint stores their start positions and a resume draws
 them again before new ones (trainers/prompts.py), so each prompt is trained exactly once across restarts.
@@ -31,7 +33,7 @@ if TYPE_CHECKING:  # types only: the producer is handed in
     from grpokit.trainers.window_producer import WindowProducer
 
 
-@dataclass
+@dataclass(eq=False)  # taken out of the queue by identity
 class _Ready:
     start: int  # the window's stream position
     prompts: list[dict]
@@ -77,15 +79,16 @@ class RolloutBuffer:
         with self._cond:
             fill = len(self._ready)
             while True:
-                while not self._ready and self._error is None:
+                while (item := self._first_drawn()) is None and self._error is None:
                     self._cond.wait()
                 if self._error is not None:
                     raise self._error
-                item = self._ready.popleft()
+                self._ready.remove(item)
                 if step - item.version <= self.max_staleness:
                     break
-                dropped += len(item.rollout.outputs)  # too old: drawn again, before any new window
+                dropped += len(item.rollout.outputs)  # too old: drawn again, and trained before any later window
                 self._producer.prompts.requeue([item.start])
+                self._cond.notify_all()  # the producer rolls it out again first, even with the buffer full
             self._cond.notify_all()  # room for the producer
             counts, self._counts = self._counts, {k: 0.0 for k in self._counts}
         wait = time.perf_counter() - t0
@@ -98,6 +101,20 @@ class RolloutBuffer:
             **{f"async/{k}": v for k, v in counts.items()},
         }
         return item.prompts, item.rollout, metrics
+
+    def _first_drawn(self) -> _Ready | None:
+        """Under the lock: the ready window drawn first of all those not trained, or None while that one is still
+        to be rolled out (again). Windows train in draw order, whatever was dropped."""
+        first = self._producer.prompts.first_drawn(r.start for r in self._ready)
+        if self._running is not None and first is not None:
+            first = min(first, self._running)
+        return next((r for r in self._ready if r.start == first), None)
+
+    def _behind_a_replay(self) -> bool:
+        """Under the lock: a dropped window waits to be rolled out again and every ready one was drawn after it
+        (the loop waits for it: the producer takes it whatever the buffer holds)."""
+        replay = self._producer.prompts.replay
+        return bool(replay) and all(r.start > min(replay) for r in self._ready)
 
     def pending(self) -> list[int]:
         """Start positions of the windows taken from the stream and not trained (ready or being rolled out)."""
@@ -132,7 +149,11 @@ class RolloutBuffer:
             while True:
                 with self._cond:
                     t0, waited = time.perf_counter(), False
-                    while len(self._ready) + (self._running is not None) >= self._capacity and not self._stopping:
+                    while (
+                        len(self._ready) + (self._running is not None) >= self._capacity
+                        and not self._behind_a_replay()
+                        and not self._stopping
+                    ):
                         waited = True
                         self._cond.wait()
                     if self._stopping:

@@ -14,7 +14,10 @@ from pathlib import Path
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
 from grpokit.redaction import redacted
+from grpokit.trainers.checkpoint_files import read_json
 from grpokit.trainers.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
+
+MAX_ARGS_BYTES = 4 << 20  # an args.json is a few KiB; a file of MiBs is not a run's
 
 HARMLESS = frozenset(
     {
@@ -75,13 +78,14 @@ HARMLESS = frozenset(
 
 
 def read_args(path: Path) -> dict | None:
-    """A run's args.json, or None when there is none; a torn or foreign one is a ConfigError."""
-    if not path.is_file():
+    """A run's args.json, or None when there is none; a torn, foreign or oversized one (or one that is not a
+    regular file) is a ConfigError."""
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        args = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); restore it or delete it to resume without the check") from e
+        args = read_json(path, MAX_ARGS_BYTES)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; restore it or delete it to resume without the check") from None
     if not isinstance(args, dict):
         raise ConfigError(f"{path}: not an object of options; restore it or delete it to resume without the check")
     return args

@@ -1,6 +1,6 @@
 """The run folder (--output_dir) as a place to write: created and probed before any model loads, held by one run
-at a time (a lock file naming the pid), written atomically where a torn file would mislead a resume, and every
-OS error on it turned into one line that names the path, the errno text and what to do.
+at a time (a kernel lock on a file that names the pid), written atomically where a torn file would mislead a
+resume, and every OS error on it turned into one line that names the path, the errno text and what to do.
 
 Torch-free: the pipeline probes and locks the folder before anything heavy loads.
 """
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,118 +154,63 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
 
 
 class RunLock:
-    """``output_dir/.grpokit.lock``: one run per folder. The file holds the owner's pid and host; a lock whose
-    pid is gone (on this host) is stale and taken over, a live one refuses the second run. A lock file naming this
-    very pid is a dead run's (a restarted container reuses pids) unless this process holds it now: a second run
-    in one process (two TRL-API trainers, a callback starting another) is refused too."""
-
-    _held_here: set[Path] = set()  # lock files this process holds
+    """``output_dir/.grpokit.lock``: one run per folder. The lock is the kernel's (``fcntl.flock`` on the file,
+    held through an open descriptor for the life of the process), so it is taken atomically and dies with its
+    process (exit, kill -9): there is no stale lock to take over and no race in taking one. The file also holds
+    the owner's pid and host, only to name the owner when a second run is refused. The file is never removed:
+    a removal between another process's open and its flock would hand out two locks on two files."""
 
     def __init__(self, output_dir: str | Path) -> None:
         self.path = Path(output_dir) / LOCK_FILE
-        self.held = False
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def acquire(self) -> None:
-        if self.path.resolve() in RunLock._held_here:
-            raise OutputDirError(
-                _in_use_line(
-                    self.path.parent,
-                    {"pid": os.getpid(), "host": socket.gethostname()},
-                    " (this process: another run in it)",
-                )
-            )
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": round(time.time()),
-            "start": _start_ticks(os.getpid()),
-        }
-        for _ in range(3):  # a stale lock removed under us by another taker: try again
-            with output_errors(self.path, "creating the lock file"):
-                try:
-                    fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                except FileExistsError:
-                    owner = self._owner()
-                    if owner is not None and _alive(owner):
-                        raise OutputDirError(_in_use_line(self.path.parent, owner)) from None
-                    if owner is not None:
-                        logger.warning(
-                            "--output_dir %s: taking over the lock of pid %s, which is gone",
-                            self.path.parent,
-                            owner.get("pid"),
-                        )
-                    with contextlib.suppress(FileNotFoundError):
-                        self.path.unlink()
-                    continue
-                with os.fdopen(fd, "w") as f:
-                    json.dump(me, f)
-            self.held = True
-            RunLock._held_here.add(self.path.resolve())
+        if self._fd is not None:
             return
-        raise OutputDirError(
-            f"--output_dir {self.path.parent}: could not take {self.path} (another run keeps "
-            "taking it); stop the other run or choose another --output_dir"
-        )
-
-    def _owner(self) -> dict | None:
-        """The lock's owner, or None when the file is unreadable or torn (a lock whose writer died at once)."""
-        try:
-            owner = json.loads(self.path.read_text(encoding="utf-8")[:1000])
-        except (OSError, ValueError):
-            return None
-        return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+        with output_errors(self.path, "creating the lock file"):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OutputDirError(f"--output_dir: {self.path} is not a regular file; move it away")
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise OutputDirError(_in_use_line(self.path.parent, _owner(fd))) from None
+                me = {"pid": os.getpid(), "host": socket.gethostname(), "since": round(time.time())}
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(me).encode(), 0)
+            except BaseException:
+                os.close(fd)
+                raise
+        self._fd = fd
 
     def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        RunLock._held_here.discard(self.path.resolve())
-        owner = self._owner()
-        if owner is not None and owner.get("pid") == os.getpid():
+        """Unlock and close (the kernel does the same when the process dies)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
             with contextlib.suppress(OSError):
-                self.path.unlink()
+                os.ftruncate(fd, 0)
+            os.close(fd)
 
 
-def _alive(owner: dict) -> bool:
-    """The owner still runs: on this host, its pid exists (our own pid counts as re-entry, not as another
-    run); on another host we cannot tell, so it counts as alive."""
-    if owner.get("host") != socket.gethostname():
-        return True
-    pid = owner["pid"]
-    if pid == os.getpid():
-        return False
-    if pid <= 0:
-        return False
+def _owner(fd: int) -> dict:
+    """What the lock holder wrote (pid, host); {} while it has not written yet or the text is not ours."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if _proc_stat(pid)[:1] == ["Z"]:  # exited, not reaped yet
-        return False
-    started = owner.get("start")  # the pid taken by another process since (a restarted container)
-    return started is None or _start_ticks(pid) in (None, started)
+        owner = json.loads(os.pread(fd, 1000, 0).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
 
 
-def _proc_stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command name (state first); [] where there is no /proc."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return []
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
-    fields = _proc_stat(pid)
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
-
-
-def _in_use_line(output_dir: Path, owner: dict, where: str = "") -> str:
-    host = owner.get("host")
-    where = where if host == socket.gethostname() else f" on host {host}"
+def _in_use_line(output_dir: Path, owner: dict) -> str:
+    pid, host = owner.get("pid"), owner.get("host")
+    who = f"pid {pid}" if isinstance(pid, int) else "another process"
+    where = f" on host {host}" if isinstance(host, str) and host != socket.gethostname() else ""
     return (
-        f"--output_dir {output_dir} is in use by pid {owner['pid']}{where}: wait for that run to end, stop it, "
-        f"or choose another --output_dir (if it is gone, delete {output_dir / LOCK_FILE})"
+        f"--output_dir {output_dir} is in use by {who}{where}: wait for that run to end, stop it, "
+        "or choose another --output_dir"
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 from grpokit.config.plan import earlier_run_checkpoints
 from grpokit.errors import GrpokitError
 from grpokit.redaction import remember_secrets
+from grpokit.trainers.checkpoint_files import check_rng_restored, rng_path, rng_state
 from grpokit.trainers.checkpoints import (
     ARGS_FILE,
     TMP_SUFFIX,
@@ -34,6 +35,7 @@ from grpokit.trainers.checkpoints import (
 )
 from grpokit.trainers.distributed import full_state_dict
 from grpokit.trainers.outputs import JsonlLog, plot_curves, summary_text
+from grpokit.trainers.pickle_scan import check_pickles
 from grpokit.trainers.progress import Phases, progress_bar
 from grpokit.trainers.run_args import check_resume_args, normalised, read_args
 from grpokit.trainers.run_dir import atomic_write_text, output_errors
@@ -49,6 +51,7 @@ class RunOutputs:
     def __init__(self, accelerator, args, flat_config: dict, tokenizer) -> None:
         self.accelerator, self.args, self.tokenizer = accelerator, args, tokenizer
         self.output_dir = Path(args.output_dir)
+        self.saved_step: int | None = None  # the step of the last checkpoint this run saved or resumed from
         main = accelerator.is_main_process
         if main:
             with output_errors(self.output_dir, "creating"):
@@ -143,6 +146,7 @@ class RunOutputs:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         acc.wait_for_everyone()
+        self.saved_step = step
         return ckpt
 
     def _clear_earlier_run(self) -> None:
@@ -196,13 +200,16 @@ class RunOutputs:
                 ckpt,
                 ", ".join(changes),
             )
+        check_pickles(ckpt)  # DeepSpeed and torch.distributed.checkpoint unpickle: only allowed names (pickle_scan.py)
+        rng = rng_state(ckpt / "state", acc.process_index)  # read as data first: accelerate would skip it silently
         try:
             acc.load_state(str(ckpt / "state"))
         except GrpokitError:
             raise
-        except Exception as e:  # torch, safetensors and pickle each raise their own type
+        except Exception as e:  # torch, safetensors and the unpickler each raise their own type
             raise load_error(ckpt, e) from e
-        step = loop["global_step"]
+        check_rng_restored(rng, rng_path(ckpt / "state", acc.process_index))
+        step = self.saved_step = loop["global_step"]
         if main:
             if ckpt.parent.resolve() == self.output_dir.resolve():
                 set_aside_newer(self.output_dir, step)

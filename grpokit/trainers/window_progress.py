@@ -77,7 +77,9 @@ class WindowProgress:
             saved = torch.load(path, map_location="cpu", weights_only=True)
             batches = [_batch(b) for b in saved["micro_batches"]]
             done, iterations = int(saved["done"]), int(saved["num_iterations"])
-        except Exception as e:  # the unpickler and the constructor raise their own types
+            unlogged, metrics = dict(saved["step_metrics"]), dict(saved["metrics"])
+            MetricsAccumulator().load_state(unlogged)  # typed before the run's own accumulator takes it
+        except Exception as e:  # the unpickler, the constructors and the conversions raise their own types
             raise ConfigError(
                 f"--resume_from_checkpoint: {path} is unreadable "
                 f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); resume from an "
@@ -88,8 +90,8 @@ class WindowProgress:
                 f"--resume_from_checkpoint: {path} holds no unfinished window (done {done} of "
                 f"{len(batches) * iterations}); resume from an earlier checkpoint"
             )
-        step_metrics.load_state(dict(saved["step_metrics"]))
-        return cls(batches, iterations, dict(saved["metrics"]), done)
+        step_metrics.load_state(unlogged)
+        return cls(batches, iterations, metrics, done)
 
 
 def _batch_dict(batch: RolloutBatch) -> dict:

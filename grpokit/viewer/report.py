@@ -12,6 +12,7 @@ Standard library only: `grpokit view` never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -164,9 +165,10 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
         )
     stamp = version(output_dir)
     by_step, logged = completions_by_step(output_dir / "completions.jsonl", max_completion_steps, skipped)
-    try:
-        with (output_dir / "args.json").open("rb") as f:
-            args = _row(f.read(MAX_LINE_BYTES))
+    args_path = output_dir / "args.json"
+    try:  # a regular file only (a FIFO is not waited on); _row bounds its size and depth
+        with args_path.open("rb") if args_path.is_file() else contextlib.nullcontext() as f:
+            args = None if f is None else _row(f.read(MAX_LINE_BYTES))
     except OSError:
         args = None
     return _finite(

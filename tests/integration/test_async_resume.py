@@ -261,6 +261,27 @@ def test_killed_at_every_point_trains_each_prompt_once(setup, mode):
         assert where in note, (kill, note)
         if k and kill.split(":")[0] in ("full", "saved"):  # killed with windows rolled out ahead, pending
             assert _pending(out), (kill, note)
+    _assert_each_prompt_once(setup, out, k, mode, extra)
+
+
+# --staleness_policy drop, uninterrupted: a dropped window (group) is rolled out again and trained before any
+# window drawn after it, so the epoch's steps train the epoch's prompts, each once
+DROP_MODES = {
+    "drop_k1": (1, ["--staleness_policy", "drop"]),
+    "drop_k1_groups": (1, ["--staleness_policy", "drop", "--stream_groups", "true"]),
+}
+
+
+@pytest.mark.parametrize("mode", list(DROP_MODES))
+def test_dropped_windows_train_before_later_ones(setup, mode):
+    k, extra = DROP_MODES[mode]
+    logs = _assert_each_prompt_once(setup, setup.root / mode, k, mode, extra)
+    assert sum(r["async/dropped"] for r in logs if "loss" in r) > 0  # windows were dropped and drawn again
+
+
+def _assert_each_prompt_once(setup, out: Path, k: int, mode: str, extra: list[str]) -> list[dict]:
+    """A last launch that finishes the epoch: steps 1..12 each trained 2 whole groups, every stream position and
+    every dataset prompt in exactly one step; with K ≥ 1 no row older than K steps. Returns logging.jsonl."""
     res, note = _launch(setup, out, k, "none:0", mode, extra)
     assert res.returncode == 0 and note is None, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
@@ -282,8 +303,14 @@ def test_killed_at_every_point_trains_each_prompt_once(setup, mode):
         twice = {key: steps for key, steps in table.items() if len(steps) != GENERATIONS or len(set(steps)) != 1}
         assert not twice, twice
     assert sorted(prompts_of) == sorted(setup.queries)
+    if "--stream_groups" not in extra:  # windows train in the order they were drawn: step s trains window s - 1
+        order = {
+            step: sorted(int(g) for g, steps in steps_of.items() if steps[0] == step) for step in range(1, STEPS + 1)
+        }
+        assert all(order[s] == [PER_STEP * (s - 1) + i for i in range(PER_STEP)] for s in order), order
     if k:
         ages = [r["step"] - 1 - r["weight_version"] for r in rows]
         assert 0 <= min(ages) and max(ages) <= k, ages
     if "--partial_rollouts" in extra:  # weight updates did interrupt rows, which then trained
         assert sum(r.get("async/partial_trajectories", 0) for r in logs) > 0, logs
+    return logs

@@ -248,6 +248,11 @@ DATA = {
         json.dumps(GOOD_ROW).encode() + b'\n{"query": "caf\xe9", "solution": "1"}\n',
         ["line 2 is not UTF-8"],
     ),
+    "lone surrogate escape": (
+        "d.jsonl",
+        (json.dumps(GOOD_ROW) + '\n{"query": "1 + \\ud800?", "solution": "2"}\n').encode(),
+        ["line 2 (row 1) column 16 holds \\ud800, a lone UTF-16 surrogate"],
+    ),
     "unknown role": (
         "d.jsonl",
         json.dumps({"messages": [{"role": "usr", "content": "1 + 1?"}], "solution": "2"}).encode() + b"\n",

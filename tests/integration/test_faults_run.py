@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import pytest
 from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
 
+from grpokit.trainers.run_dir import RunLock
+
 pytestmark = pytest.mark.slow
 
 PLUGIN = textwrap.dedent('''
@@ -40,8 +42,14 @@ PLUGIN = textwrap.dedent('''
 
 
     class LengthReward(ORM):
-        """Varied scores from a random model: shorter completions score higher."""
+        """Varied scores from a random model: shorter completions score higher. From its call FAULTS_FAIL_CALL on
+        it fails (a judge that went away)."""
+        calls = 0
+
         def __call__(self, completions, **kwargs):
+            LengthReward.calls += 1
+            if LengthReward.calls >= int(os.environ.get("FAULTS_FAIL_CALL") or 1 << 30):
+                raise ConnectionError("the judge went away")
             return [1.0 / (1 + len(c)) for c in completions]
 
 
@@ -235,7 +243,10 @@ def test_sigterm_saves_then_resume_equals_uninterrupted(setup, reference):
     stopped = [line for line in err.splitlines() if line.startswith("grpokit: stopped:")]
     assert len(stopped) == 1 and "after step 3" in stopped[0] and "--resume_from_checkpoint latest" in stopped[0]
     assert _ckpts(out) == ["checkpoint-3"] and (out / "checkpoint-3" / "window_rank0.pt").is_file()
-    assert not (out / ".grpokit.lock").exists()  # released on the way out
+    lock = RunLock(out)
+    lock.acquire()  # released on the way out: the kernel lock is free (the file stays, emptied)
+    lock.release()
+    assert (out / ".grpokit.lock").read_text() == ""
     (out / "go").unlink()
     _ok(_cli(args + ["--resume_from_checkpoint", "latest"]))
     _assert_same_as_reference(out, reference)
@@ -356,7 +367,73 @@ def test_corrupt_optimizer_file_is_one_line_naming_it(setup, reference):
     optimizer.write_bytes(b"\x00garbage" * (optimizer.stat().st_size // 8) + b"\0" * (optimizer.stat().st_size % 8))
     res = _cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", "latest", "--max_steps", "8"))
     assert res.returncode == 2
-    _one_error_line(res.stderr, "optimizer.bin", "unreadable")
+    line = _one_error_line(res.stderr, "optimizer.bin", "unreadable")
+    assert "random_states" not in line
+
+
+def test_a_checkpoint_folder_is_data_not_code(setup, reference):
+    """From outside the process: a FIFO in a checkpoint is refused in one line before the model loads (no hang);
+    a planted pickle payload is refused without running; a corrupt optimizer file is named (not the RNG file); an
+    RNG file that does not load stops the resume instead of being skipped; a deeply nested args.json is one line."""
+    out = _copy_reference(reference, setup, "hostile")
+    ckpt, marker = out / "checkpoint-6", setup.root / "payload_ran"
+    resume = _args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", str(ckpt), "--max_steps", "8")
+    os.mkfifo(ckpt / "state" / "notes.bin")
+    res = _cli(resume, timeout=60)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "notes.bin is a FIFO, not a regular file")
+    (ckpt / "state" / "notes.bin").unlink()
+
+    payload = f"import os; os.system('touch {marker}')"
+    planted = b"cbuiltins\nexec\n(V" + payload.encode() + b"\ntR."  # a protocol-0 pickle that runs `payload`
+    (ckpt / "state" / "custom_checkpoint_0.pkl").write_bytes(planted)
+    res = _cli(resume)
+    assert res.returncode == 2 and not marker.exists()
+    _one_error_line(res.stderr, "custom_checkpoint_0.pkl would import builtins.exec", "refused without running it")
+    (ckpt / "state" / "custom_checkpoint_0.pkl").unlink()
+    optimizer = ckpt / "state" / "optimizer.bin"
+    good = optimizer.read_bytes()
+    optimizer.write_bytes(b"\0" * len(good))
+    res = _cli(resume)
+    assert res.returncode == 2
+    line = _one_error_line(res.stderr, "optimizer.bin is unreadable")
+    assert "random_states" not in line  # accelerate's RNG file reads as data: never blamed
+    optimizer.write_bytes(good)
+
+    rng = ckpt / "state" / "random_states_0.pkl"
+    rng.write_bytes(b"\0" * rng.stat().st_size)  # the same size: the file list does not catch it
+    res = _cli(resume)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "random_states_0.pkl (the RNG states) does not load")
+
+    nested = '{"seed": ' + "[" * 2000 + "]" * 2000 + "}"  # beyond Python's recursion limit, at the same size
+    args_json = ckpt / "args.json"
+    args_json.write_text(nested.ljust(args_json.stat().st_size))
+    res = _cli(resume, timeout=60)
+    assert res.returncode == 2
+    _one_error_line(res.stderr, "args.json nests deeper than 32 levels")
+    assert _log(out) == reference.log  # nothing trained, nothing truncated
+
+
+def test_an_error_after_a_step_saves_it_and_the_resume_trains_each_prompt_once(setup, reference):
+    """The reward fails from the third window on (after step 4): the run saves checkpoint-4 with the failed
+    window pending, ends with one line saying so, and the resumed run trains steps 5 and 6 on the same prompts
+    as the uninterrupted run."""
+    out = setup.root / "error_save"
+    args = _args(setup, out, "--save_steps", "3")
+    res = _cli(args, FAULTS_FAIL_CALL="3")
+    assert res.returncode != 0
+    saved = [line for line in res.stderr.splitlines() if "checkpoint saved in" in line]
+    assert len(saved) == 1 and "after step 4" in saved[0] and "--resume_from_checkpoint latest" in saved[0], res.stderr
+    assert _ckpts(out) == ["checkpoint-3", "checkpoint-4"]
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["prompts_pending"] == [4] and state["prompts_consumed"] == 6  # the failed window, drawn again
+    _ok(_cli(args + ["--resume_from_checkpoint", "latest"]))
+    rows = _log(out, "completions.jsonl")
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4, 5, 6]
+    assert sorted((r["step"], r["prompt"]) for r in rows) == sorted(
+        (r["step"], r["prompt"]) for r in reference.completions
+    )
 
 
 def test_resume_with_other_options_is_refused_or_warned(setup, reference):

@@ -199,3 +199,24 @@ def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path)
 def test_infer_missing_model_is_one_line(tmp_path):
     res = _infer("--model", str(tmp_path / "nope"))
     assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1 and "nope" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--limit", "-3"], "--limit -3: must be 0 (every prompt) or a positive number"),
+        (["--max_new_tokens", "0"], "--max_new_tokens 0: must be at least 1"),
+        (["--output", "{tmp}"], "is a folder; give a file path"),
+        (["--output", "{tmp}/a_file/results.jsonl"], "cannot write"),
+        (["--reward_funcs", "no_such_reward"], "unknown reward function"),
+        (["--top_p", "1.5"], "--top_p"),
+    ],
+)
+def test_bad_options_and_outputs_are_one_line_before_the_model_loads(tmp_path, args, said):
+    """Checked before any work: the model named does not exist, so an error about it would mean the check came
+    after loading; and no output file is left behind."""
+    (tmp_path / "a_file").write_text("x")
+    res = _infer("--model", str(tmp_path / "nope"), *[a.format(tmp=tmp_path) for a in args])
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and said in lines[0] and "nope" not in lines[0], res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -129,6 +129,41 @@ def _in_thread(fn) -> tuple[threading.Event, dict]:
     return done, caught
 
 
+_CLAIMER = """
+import sys
+from grpokit.engines.client import RolloutClient
+from grpokit.errors import ServerError
+try:
+    client = RolloutClient(base_urls=[sys.argv[1]], api_key=sys.argv[2], timeout=30, claim=True)
+except ServerError as e:
+    print("refused", e, flush=True)
+    sys.exit(3)
+print("claimed", flush=True)
+sys.stdin.readline()  # held until the test says go; then exits without closing the client (atexit releases)
+"""
+
+
+def test_one_trainer_per_server_from_outside(guarded):
+    """Trainer processes: the first claims the server; a second is refused up front with one line naming the
+    first's pid; an unclaimed client cannot sample meanwhile; once the first exits, the next claims at once."""
+    cmd = [sys.executable, "-c", _CLAIMER, guarded.url, KEY]
+    first = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "claimed"
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, input="")
+        assert second.returncode == 3, second.stderr[-2000:]
+        assert f"claimed by another trainer (pid {first.pid}" in second.stdout and "Traceback" not in second.stderr
+        r = httpx.post(guarded.url + "/infer/", json={"requests": [_msg("x")]}, headers=AUTH, timeout=30)
+        assert r.status_code == 409 and "belongs to another trainer" in r.json()["error"]
+        first.communicate("go\n", timeout=60)
+    finally:
+        first.kill()
+        first.wait()
+    r = httpx.post(guarded.url + "/claim/", json={"trainer": "run-next-trainer"}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text  # released at the first's exit: claimed at once
+    httpx.post(guarded.url + "/release/", json={"trainer": "run-next-trainer"}, headers=AUTH, timeout=30)
+
+
 def test_server_killed_mid_use_raises_server_error_without_hanging(tiny, tmp_path):
     with rollout_server(tiny, tmp_path) as server:
         client = RolloutClient(base_urls=[server.url], timeout=CLIENT_TIMEOUT_S, backoff_s=0.2)

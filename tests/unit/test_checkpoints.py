@@ -72,8 +72,20 @@ def test_a_sealed_checkpoint_lists_its_files_and_checks_them(tmp_path):
         (None, "no trainer_state.json"),
         ("", "is empty"),
         ('{"global_step": 3, "pro', "not valid JSON"),
-        ('["x"]', "lacks global_step"),
-        ('{"global_step": "3", "prompts_consumed": 1}', "lacks global_step"),
+        ('["x"]', "holds a JSON list, not a grpokit trainer state"),
+        ('{"prompts_consumed": 1}', "lacks global_step"),
+        ('{"global_step": "3", "prompts_consumed": 1}', 'global_step is "3", not a step count'),
+        ('{"global_step": -1, "prompts_consumed": 1}', "global_step is -1, not a step count"),
+        ('{"global_step": true, "prompts_consumed": 1}', "global_step is true, not a step count"),
+        ('{"global_step": 1e400, "prompts_consumed": 1}', "global_step is Infinity, not a step count"),
+        ('{"global_step": 2, "prompts_consumed": 4, "files": {"../../etc/passwd": 1}}', "files is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "files": {"/etc/passwd": 1}}', "files is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "prompts_pending": [9]}', "not yet drawn"),
+        ('{"global_step": 2, "prompts_consumed": 4, "prompts_pending": "x"}', "prompts_pending is"),
+        ('{"global_step": 2, "prompts_consumed": 4, "window_processes": 0}', "window_processes is 0"),
+        ('{"global_step": 2, "prompts_consumed": 4, "x": ' + "[" * 5000 + "]" * 5000 + "}", "nests deeper"),
+        ('{"global_step": 2, "prompts_consumed": 4, "x": ' + "[" * 40 + "]" * 40 + "}", "nests deeper"),
+        (b'{"global_step": 2, "prompts_consumed": 4, "x": "\xff"}', "not UTF-8"),
     ],
 )
 def test_latest_skips_unusable_checkpoints_and_says_why(tmp_path, content, why):
@@ -82,7 +94,7 @@ def test_latest_skips_unusable_checkpoints_and_says_why(tmp_path, content, why):
     if content is None:
         (bad / ck.STATE_FILE).unlink()
     else:
-        (bad / ck.STATE_FILE).write_text(content)
+        (bad / ck.STATE_FILE).write_bytes(content if isinstance(content, bytes) else content.encode())
     found, skipped = ck.latest_checkpoint(tmp_path)
     assert found == tmp_path / "checkpoint-2"
     assert [(p.name, why in reason) for p, reason in skipped] == [("checkpoint-4", True)]
@@ -274,37 +286,76 @@ def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
     assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["args.json"]
 
 
-def test_the_lock_refuses_a_live_owner_and_takes_over_a_dead_or_torn_one(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+_LOCK_RACER = """
+import os, sys, time
+from grpokit.trainers.run_dir import OutputDirError, RunLock
+root, start, trials, racers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+for k in range(trials):  # trial k: every racer tries folder k at the same moment
+    folder = f"{root}/t{k}"
+    time.sleep(max(0.0, start + 0.2 * k - time.time()))
+    lock = RunLock(folder)
     try:
-        lock_path = tmp_path / LOCK_FILE
-        lock_path.write_text(json.dumps({"pid": other.pid, "host": os.uname().nodename}))
-        with pytest.raises(OutputDirError, match=rf"in use by pid {other.pid}: wait"):
-            RunLock(tmp_path).acquire()
+        lock.acquire()
+    except OutputDirError as e:
+        print(k, "refused", e, flush=True)
+        open(f"{folder}/tried-{os.getpid()}", "w").close()
+        continue
+    print(k, "held", flush=True)
+    open(f"{folder}/tried-{os.getpid()}", "w").close()
+    deadline = time.time() + 30  # the winner holds the lock until every racer has tried
+    while sum(n.startswith("tried-") for n in os.listdir(folder)) < racers and time.time() < deadline:
+        time.sleep(0.01)
+    lock.release()
+"""
+
+
+def test_racing_processes_take_the_lock_one_at_a_time_and_a_dead_one_frees_it(tmp_path):
+    """The kernel's lock: in every synchronised trial exactly one of four processes holds it, the others get
+    the in-use line (most folders start with the lock file of a run that died); after a holder is killed
+    (SIGKILL, no clean-up) the next run takes the lock without a word."""
+    import time
+
+    trials = 16
+    for k in range(trials):
+        (tmp_path / f"t{k}").mkdir()
+        if k % 4:  # a dead run's lock file, where the old pid-file lock's takeover raced
+            (tmp_path / f"t{k}" / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": os.uname().nodename}))
+    start = time.time() + 1.5  # the racers' start-up (a torch-free import) is done by then
+    cmd = [sys.executable, "-c", _LOCK_RACER, str(tmp_path), str(start), str(trials), "4"]
+    racers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    lines = [line.split(" ", 2) for r in racers for line in r.communicate(timeout=120)[0].splitlines()]
+    for k in range(trials):
+        verdicts = sorted(v for t, v, *_ in lines if t == str(k))
+        assert verdicts == ["held", "refused", "refused", "refused"], (k, lines)
+    assert all("is in use by" in rest[0] for _, v, *rest in lines if v == "refused")
+    (tmp_path / "again" / "t0").mkdir(parents=True)
+    holder = subprocess.Popen(  # holds until a second racer tries, which none does: until it is killed
+        [sys.executable, "-c", _LOCK_RACER, str(tmp_path / "again"), str(time.time()), "1", "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    folder = tmp_path / "again" / "t0"
+    try:
+        assert holder.stdout.readline().strip() == "0 held"
+        with pytest.raises(OutputDirError, match=rf"in use by pid {holder.pid}: wait"):
+            RunLock(folder).acquire()
     finally:
-        other.kill()
-        other.wait()
-    lock = RunLock(tmp_path)
-    lock.acquire()  # its owner is gone: taken over
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+        holder.kill()
+        holder.wait()
+    lock = RunLock(folder)
+    lock.acquire()  # its holder was killed: the kernel released the lock
+    with pytest.raises(OutputDirError, match=rf"in use by pid {os.getpid()}"):
+        RunLock(folder).acquire()  # a second run in this very process (two TRL-API trainers) is refused too
+    assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
-    assert not lock_path.exists()
-    lock_path.write_text('{"pid": 12')  # a lock whose writer died mid-write
-    lock.acquire()
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    lock.acquire()  # released and taken again by the same process
     lock.release()
-    # a live pid that started after the lock was written is another process (the pid was reused)
-    lock_path.write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename, "start": -5}))
-    lock.acquire()
-    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
-    # held by this process: a second run in it is refused too (two TRL-API trainers on one folder)
-    with pytest.raises(OutputDirError, match=rf"in use by pid {os.getpid()} \(this process: another run in it\)"):
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / LOCK_FILE)
+    with pytest.raises(OutputDirError, match="not a regular file"):
         RunLock(tmp_path).acquire()
-    lock.release()
-    # a lock file naming this pid that no run here holds is a dead run's (a restarted container reuses pids)
-    lock_path.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
-    lock.acquire()
-    lock.release()
 
 
 # ----------------------------------------------------------------------------------------------------------

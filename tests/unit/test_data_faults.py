@@ -74,6 +74,21 @@ CASES = {
         json.dumps({"messages": [{"role": "usr", "content": "hi"}], "solution": "1"}).encode() + b"\n",
         ["row 0: column 'messages': unknown role 'usr'; use one of system, user, assistant, tool"],
     ),
+    "a lone surrogate escape in jsonl": (
+        "data.jsonl",
+        (GOOD + '{"query": "ok \\ud83d\\ude00 then \\ud800 here", "solution": "4"}\n' + GOOD).encode(),
+        ["line 2 (row 1) column 33 holds \\ud800, a lone UTF-16 surrogate", "fix the escape"],
+    ),
+    "a low surrogate alone in jsonl": (
+        "data.jsonl",
+        (GOOD + '{"query": "x", "solution": "\\uDC00"}\n').encode(),
+        ["line 2 (row 1) column 29 holds \\uDC00, a lone UTF-16 surrogate"],
+    ),
+    "a lone surrogate escape in a json document": (
+        "data.json",
+        b'[{"query": "1 + 1?", "solution": "2"},\n {"query": "\\udbff", "solution": "3"}]\n',
+        ["lone UTF-16 surrogate escape (\\udbff)"],
+    ),
     "a row longer than --max_row_bytes": (
         "data.jsonl",
         (GOOD + json.dumps({"query": "x" * 5000, "solution": "1"}) + "\n").encode(),
@@ -97,7 +112,9 @@ def test_good_files_still_load(tmp_path):
     (tmp_path / "b.csv").write_text("query,solution\n1 + 1?,2\n")
     (tmp_path / "c.json").write_text(json.dumps([json.loads(GOOD)] * 2))
     (tmp_path / "d.json").write_text(GOOD * 2)  # JSON Lines in a .json file, as datasets reads it
-    for name, rows in (("a.jsonl", 3), ("b.csv", 1), ("c.json", 2), ("d.json", 2)):
+    # a pair of surrogate escapes is one character; an escaped backslash before "ud800" is no escape at all
+    (tmp_path / "e.jsonl").write_text('{"query": "1 + 1?", "solution": "\\ud83d\\ude00 \\\\ud800"}\n')
+    for name, rows in (("a.jsonl", 3), ("b.csv", 1), ("c.json", 2), ("d.json", 2), ("e.jsonl", 1)):
         ds = load(tmp_path / name)
         assert len(ds) == rows and ds[0]["messages"][-1]["content"] == "1 + 1?"
 

@@ -177,7 +177,7 @@ def test_num_generations_eval_that_would_never_sample_is_refused(extra, said):
 )
 def test_eval_command_settings_are_checked_in_one_line(bad, said):
     from grpokit.errors import ConfigError
-    from grpokit.pipeline.evaluate import _settings
+    from grpokit.pipeline.evaluate import eval_settings
 
     args = {
         "num_generations_eval": 4,
@@ -190,5 +190,5 @@ def test_eval_command_settings_are_checked_in_one_line(bad, said):
         "seed": 0,
     }
     with pytest.raises(ConfigError, match="^" + re.escape(said)) as err:
-        _settings(SimpleNamespace(**{**args, **bad}))
+        eval_settings(SimpleNamespace(**{**args, **bad}))
     assert "\n" not in str(err.value)

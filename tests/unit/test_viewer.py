@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -340,3 +341,15 @@ def test_thumbnail_is_bounded():
 
     uri = thumbnail(Image.new("RGB", (50, 400)), 100)
     assert Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).size == (12, 100)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "nested", "huge"])
+def test_a_hostile_args_json_is_left_out_of_the_page(tmp_path, kind):
+    """The run folder is data: a FIFO is not waited on, a deeply nested or huge args.json is not shown."""
+    (tmp_path / "logging.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    path = tmp_path / "args.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("[" * 100_000 + "]" * 100_000 if kind == "nested" else '{"a": "' + "x" * (5 << 20) + '"}')
+    assert report_data(tmp_path, 10)["args"] == {}
