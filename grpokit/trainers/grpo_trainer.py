@@ -156,6 +156,7 @@ class GRPOTrainer:
             bar.close()
             if self._async is not None:
                 self._async.drain()
+            self._producer.prompts.close()  # its read-ahead workers end with the loop, not with the process
             self._outputs.close()
         self._finish()
         return self.state
@@ -321,9 +322,8 @@ class GRPOTrainer:
         if self.eval_dataset is not None and (eval_due(self.args, step, self.state.max_steps)
                                               or (control is not None and control.should_evaluate)):
             self.evaluate()
-        every = self.args.save_strategy == "steps" and step % self.args.save_steps == 0
+        every, saved = self.args.save_strategy == "steps" and step % self.args.save_steps == 0, None
         asked = control is not None and control.should_save
-        saved = None
         if (every or asked) and step < self.state.max_steps and not self._callbacks.stop_requested():
             saved = self._save_checkpoint(values)  # (the last step's checkpoint is the final one, saved by _finish)
         bar.update(1)

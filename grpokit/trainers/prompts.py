@@ -136,6 +136,10 @@ class PromptStream:
         n = len(self.dataset)
         return [int(self._epoch_order(epoch)[idx]) for epoch, idx in (divmod(pos, n) for pos in positions)]
 
+    def close(self) -> None:
+        """Stop the read-ahead worker processes (--dataloader_num_workers), if any; a later draw starts new ones."""
+        self._ahead = self._loader = None  # their last references: the iterator's finaliser shuts the workers down
+
     def _window_indices(self, start: int) -> Iterator[list[int]]:
         """The row indices of the windows from stream position ``start`` on, for the workers (endless)."""
         while True:
