@@ -189,24 +189,14 @@ def test_weight_routes_refuse_before_any_broadcast(client, path, body, status, s
     assert answer.status_code == status and said in answer.json()["error"], answer.text
 
 
-def _trainer_side(port: int, out: dict) -> None:
-    try:
-        out["comm"] = open_group("127.0.0.1", port, 1, 2, "gloo", 30.0)
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        out["error"] = e
-
-
 def test_weights_pushed_over_gloo_arrive_equal():
     """ms-swift's order: init_communicator, then per tensor or bucket a POST and the trainer's broadcast (as the
     last rank), then process_weights_after_loading; a wrong shape is refused with 422 and breaks nothing."""
     client, state = make_client()
     port = free_port()
-    assert (
-        client.post("/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2}).status_code == 200
-    )
-    joined: dict = {}
-    _trainer_side(port, joined)
-    comm = joined["comm"]
+    init = client.post("/init_communicator/", json={"host": "0.0.0.0", "port": port, "world_size": 2})
+    assert init.status_code == 200
+    comm = open_group("127.0.0.1", port, 1, 2, "gloo", 30.0)  # the trainer joins as the last rank
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert client.post("/update_named_param/", json={"name": "w", "dtype": "torch.float32", "shape": [3, 4]}).json()
     broadcast(comm, w.clone(), src=1)
