@@ -5,7 +5,6 @@ drives them (the trainer joins the group the server hosts, as the last rank)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -15,6 +14,7 @@ from test_server_app import KEY, EchoEngine
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.server.app import create_app
 from grpokit.server.state import ServerOptions, ServerState
+from grpokit.testing import free_port
 from grpokit.wire.swift_group import broadcast, open_group
 
 # ms-swift's RequestConfig() as asdict sends it: every field, unset ones null
@@ -78,12 +78,6 @@ def make_client(**overrides):
 @pytest.fixture()
 def client():
     return make_client()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ms_swift_status_routes(client):
