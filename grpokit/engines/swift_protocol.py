@@ -84,10 +84,12 @@ def _usage(prompt: list[int] | None, completion: list[int]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def swift_answer(wire: dict, model: str) -> dict:
+def swift_answer(wire: dict, model: str, multi_turn: bool) -> dict:
     """One trajectory (grpokit's answer, ``server.media.output_to_wire``) in the shape ms-swift's
     ``RolloutOutput.model_validate`` reads: ``response.id`` is the request's uuid, ``usage`` counts the prompt and
-    the last turn's tokens, the messages lose the keys that carried tools and template arguments."""
+    the last turn's tokens. ``messages`` is null from a single-turn server (ms-swift's trainer then appends the
+    reply itself) and the whole conversation from a multi-turn one, less the keys that carried tools and template
+    arguments."""
     response = wire["response"]
     choice = response["choices"][-1]
     message = {
@@ -111,7 +113,7 @@ def swift_answer(wire: dict, model: str) -> dict:
             "usage": _usage(response.get("prompt_token_ids"), choice["token_ids"]),
             "prompt_token_ids": response.get("prompt_token_ids"),
         },
-        "messages": detach(wire["messages"])[0],
+        "messages": detach(wire["messages"])[0] if multi_turn else None,
         "response_token_ids": wire["response_token_ids"],
         "response_loss_mask": wire["response_loss_mask"],
         "rollout_infos": wire["rollout_infos"],

@@ -132,7 +132,8 @@ def add_swift_routes(app: FastAPI, state, serve_infer) -> SwiftWeightGroup:
         except SwiftRefused as e:
             raise HTTPException(400, str(e)) from e
         inner = InferBody(requests=requests, request_config=config)
-        return await serve_infer(state, inner, request, lambda o: swift_answer(output_to_wire(o), model))
+        multi_turn = bool(state.options.multi_turn_scheduler)
+        return await serve_infer(state, inner, request, lambda o: swift_answer(output_to_wire(o), model, multi_turn))
 
     _add_weight_routes(app, state, group)
     return group
