@@ -3,9 +3,10 @@ the rollout server reads ms-swift's requests and answers in ms-swift's ``Rollout
 of a ``swift rollout`` server sends ms-swift's requests and reads its answers.
 
 What grpokit cannot do is refused by name (``SwiftRefused``, a 400 on the server): audio, video and ``objects``
-inputs, beam search, streaming, top/prompt logprobs, min_p and the presence, frequency and length penalties at
-values other than their neutral ones, and more than one completion per request (``n``; a GRPO group is sent as
-repeated requests, as ms-swift's trainer does). ``null`` is unset: grpokit's default.
+inputs, ``add_eos`` (scoring a finished response), beam search, streaming, top/prompt logprobs, min_p and the
+presence, frequency and length penalties at values other than their neutral ones, and more than one completion per
+request (``n``; a GRPO group is sent as repeated requests, as ms-swift's trainer does). ``null`` is unset: grpokit's
+default.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def grpokit_request(request: SwiftInferRequest, where: str) -> RolloutInferReque
             raise SwiftRefused(f"{where}.{name}: grpokit rollout serves text and images; send no {name}")
     if request.objects:
         raise SwiftRefused(f"{where}.objects: multimodal objects are not implemented; send images in 'images'")
+    if request.add_eos is not None:
+        raise SwiftRefused(
+            f"{where}.add_eos {request.add_eos!r}: scoring a finished response is not implemented; "
+            "leave it null to sample"
+        )
     messages = attach(request.messages, tools=request.tools, kwargs=request.chat_template_kwargs)
     fields: dict[str, Any] = {"messages": messages, "data_dict": request.data_dict or {}}
     if request.images:

@@ -10,7 +10,7 @@ and these models read ``null`` as "unset" everywhere. Unknown fields are refused
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -85,6 +85,7 @@ class SwiftInferRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     data_dict: dict[str, Any] | None = None
     uuid: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    add_eos: bool | Literal["auto"] | None = None  # 4.6: for scoring a finished response, not for sampling
 
 
 class SwiftInferBody(BaseModel):

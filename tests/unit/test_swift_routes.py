@@ -27,10 +27,10 @@ SWIFT_CONFIG = {
 
 
 def swift_request(text: str, uuid: str | None = None, **extra) -> dict:
-    """ms-swift's RolloutInferRequest(messages=...) through asdict."""
+    """ms-swift 4.6's RolloutInferRequest(messages=...) through asdict."""
     return {
         "messages": [{"role": "user", "content": text}], "images": [], "audios": [], "videos": [], "tools": None,
-        "objects": {}, "chat_template_kwargs": {}, "data_dict": {}, "uuid": uuid, **extra,
+        "objects": {}, "chat_template_kwargs": {}, "data_dict": {}, "uuid": uuid, "add_eos": None, **extra,
     }  # fmt: skip
 
 
@@ -142,6 +142,7 @@ def test_infer_refuses_what_grpokit_lacks_naming_the_field(client, change, named
         ({"audios": ["a.wav"]}, "infer_requests[0].audios"),
         ({"videos": ["v.mp4"]}, "infer_requests[0].videos"),
         ({"objects": {"bbox": [1]}}, "infer_requests[0].objects"),
+        ({"add_eos": "auto"}, "infer_requests[0].add_eos 'auto'"),
     ],
 )
 def test_infer_refuses_inputs_grpokit_lacks(client, extra, named):
