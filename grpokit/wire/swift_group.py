@@ -10,6 +10,7 @@ message flow over gloo: it has ``PyNcclCommunicator``'s interface (``broadcast(t
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,12 @@ class GlooCommunicator:
         import torch.distributed as dist
 
         store = group.store
-        if local_host is None:
-            host = getattr(store, "host", "127.0.0.1")
-            local_host = local_address_towards(host, int(getattr(store, "port", 1))) if host not in WILDCARDS else host
+        if local_host is None:  # towards the store's host; on the store's own rank, bound to every interface,
+            host = getattr(store, "host", "127.0.0.1")  # this machine's address
+            wildcard = host in WILDCARDS
+            local_host = socket.gethostbyname(socket.gethostname()) if wildcard else local_address_towards(host, 1)
         opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host or "127.0.0.1")]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.device = group.rank, group.world_size, torch.device("cpu")
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), group.rank, group.world_size, opts)
@@ -108,7 +110,8 @@ def open_group(
                 listen_host or host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
             )
         else:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+            # counted as a worker: a store hosted by vLLM's StatelessProcessGroup waits for every rank to register
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         return GlooCommunicator(StoreGroup(rank, world_size, store), timeout_s=timeout_s, local_host=local_host)
     except Exception as e:  # noqa: BLE001 - c10d and vLLM raise several types; all mean the group did not form
         raise RuntimeError(
