@@ -302,8 +302,7 @@ DEVIATIONS: dict[str, str] = {
     "weight_decay": "0.0 (ms-swift: 0.1), TRL's GRPO default",
     "adam_beta2": "0.999 (ms-swift: 0.95), torch's and TRL's default",
     "lr_scheduler_type": "linear (ms-swift: cosine), TRL's default",
-    "report_to": "none (ms-swift: tensorboard, which it installs): logging.jsonl and the plots need no tracker; a "
-    "tracker that is not installed is one start-up warning and the run goes on",
+    "report_to": "none (ms-swift: tensorboard): logging.jsonl has every metric; a tracker not installed is a warning",
     "optim": "None = --optimizer decides (its adamw is the fused kernel of ms-swift's default adamw_torch_fused)",
     "optimizer": "adamw (ms-swift: None = --optim, whose default adamw_torch_fused is the same kernel)",
     "output_dir": "output (ms-swift: None, resolved to output/<model>/v<N>-<time>)",

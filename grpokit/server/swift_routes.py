@@ -135,6 +135,7 @@ def add_swift_routes(app: FastAPI, state, serve_infer) -> SwiftWeightGroup:
         multi_turn = bool(state.options.multi_turn_scheduler)
         return await serve_infer(state, inner, request, lambda o: swift_answer(output_to_wire(o), model, multi_turn))
 
+    _add_group_routes(app, state, group)
     _add_weight_routes(app, state, group)
     return group
 
@@ -161,25 +162,6 @@ def _reset(cache: str):
 
 def _add_weight_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
     opts = state.options
-
-    @app.post("/swift/init_communicator/")
-    async def init_communicator(body: SwiftInitCommunicatorBody, request: Request) -> dict:
-        if body.world_size != 2:
-            raise HTTPException(
-                400,
-                f"world_size {body.world_size}: this server is one rank (GET /get_world_size/ answers 1), so its "
-                "group with the trainer has 2",
-            )
-        if body.host not in WILDCARDS and body.host != opts.host:
-            raise HTTPException(
-                400,
-                f"host {body.host[:64]}: the group's store listens where this server listens ({opts.host}); send "
-                f"{opts.host} or 0.0.0.0",
-            )
-        device = getattr(state.engine, "device", None)
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        group.open(opts.host, body.port, body.world_size, backend, device, request.scope["server"][0])
-        return {"message": "Request received, initializing communicator"}
 
     def check(metas, nbytes: int | None = None) -> None:
         if not group.opened:
@@ -210,6 +192,30 @@ def _add_weight_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
 
     for path in ("/update_adapter_flattened_param/", "/update_adapter_param/"):
         app.post(path)(_no_adapters(path))
+
+
+def _add_group_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
+    """ms-swift's group routes: the server hosts the group (init), waits for what was queued (process), closes."""
+    opts = state.options
+
+    @app.post("/swift/init_communicator/")
+    async def init_communicator(body: SwiftInitCommunicatorBody, request: Request) -> dict:
+        if body.world_size != 2:
+            raise HTTPException(
+                400,
+                f"world_size {body.world_size}: this server is one rank (GET /get_world_size/ answers 1), so its "
+                "group with the trainer has 2",
+            )
+        if body.host not in WILDCARDS and body.host != opts.host:
+            raise HTTPException(
+                400,
+                f"host {body.host[:64]}: the group's store listens where this server listens ({opts.host}); send "
+                f"{opts.host} or 0.0.0.0",
+            )
+        device = getattr(state.engine, "device", None)
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        group.open(opts.host, body.port, body.world_size, backend, device, request.scope["server"][0])
+        return {"message": "Request received, initializing communicator"}
 
     @app.post("/process_weights_after_loading/")
     async def process_weights_after_loading() -> dict:
