@@ -67,9 +67,9 @@ class SwiftRolloutClient(RolloutClient):
 
     engine_type = "server"
 
-    def __init__(self, *args, trainer_options: dict | None = None, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._trainer_options = trainer_options or {}
+        self._trainer_options: dict = {}  # the trainer's values of what ms-swift's server does not report
         self._comms: list = []
 
     @classmethod
@@ -79,16 +79,9 @@ class SwiftRolloutClient(RolloutClient):
                 "--partial_rollouts true: a swift rollout server cannot pause generation for a weight "
                 "update; use --partial_rollouts false"
             )
-        return cls(
-            base_urls=r.vllm_server_base_url,
-            hosts=r.vllm_server_host,
-            ports=r.vllm_server_port,
-            timeout=r.vllm_server_timeout,
-            api_key=r.vllm_server_api_key,
-            bucket_mb=r.weight_sync_bucket_mb,
-            infer_on_loop_thread=infer_on_loop_thread,
-            trainer_options={k: getattr(r, k, None) for k in UNREPORTED},
-        )
+        client = super().from_args(r, infer_on_loop_thread=infer_on_loop_thread)
+        client._trainer_options = {k: getattr(r, k, None) for k in UNREPORTED}
+        return client
 
     # -- what the server reports ---------------------------------------------------------------------------
     def engine_info(self, refresh: bool = False) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpokit.wire.group import first_line, local_address_towards
+from grpokit.wire.group import first_line, local_address_towards, shut_down
 
 WILDCARDS = ("0.0.0.0", "::", "")
 STORE_PREFIX = "grpokit-swift-gloo"
@@ -67,14 +67,7 @@ class GlooCommunicator:
         self.pg.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        for name in ("shutdown", "abort"):
-            fn = getattr(self.pg, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                    return
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    continue
+        shut_down(self.pg)
 
 
 def open_group(
