@@ -30,6 +30,7 @@ from grpokit.server.state import ServerOptions, ServerState, build_state
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 200
+NOT_IMPLEMENTED = {"/update_adapter_flattened_param/", "/update_adapter_param/"}  # ms-swift's LoRA routes: 501
 COUNTS: Counter = Counter()
 
 
@@ -83,7 +84,8 @@ def _send(client: TestClient, case):
 def test_every_endpoint_answers_below_500_with_json_errors(case, server):
     COUNTS[case.operation.label] += 1
     response = _send(server, case)
-    assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+    not_implemented = response.status_code == 501 and case.path in NOT_IMPLEMENTED  # said so, not a failure
+    assert response.status_code < 500 or not_implemented, (case.method, case.path, case.body, response.text[:300])
     if response.status_code >= 400:
         assert _error_line(response, case.path), response.text[:300]
     assert server.get("/health/").json() == {"status": "ok"}
