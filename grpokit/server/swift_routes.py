@@ -30,7 +30,7 @@ from grpokit.engines.swift_protocol import SwiftRefused, grpokit_config, grpokit
 from grpokit.errors import ServerError
 from grpokit.server.bodies import InferBody
 from grpokit.server.media import output_to_wire
-from grpokit.server.swift_weights import SwiftWeightGroup, tensor_metas
+from grpokit.server.swift_weights import QueueFull, SwiftWeightGroup, tensor_metas
 from grpokit.wire.swift import (
     SwiftAdapterBody,
     SwiftFlattenedBody,
@@ -178,16 +178,22 @@ def _add_weight_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise HTTPException(422, f"cannot load the weights: {problems[0]}{more}")
 
+    def queue(body) -> None:
+        try:
+            group.receive(body)
+        except QueueFull as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "5"}) from e
+
     @app.post("/update_named_param/")
     async def update_named_param(body: SwiftNamedParamBody) -> dict:
         check(tensor_metas(body))
-        group.receive(body)
+        queue(body)
         return {"message": "Request received, updating named parameter"}
 
     @app.post("/update_flattened_params/")
     async def update_flattened_params(body: SwiftFlattenedBody) -> dict:
         check(tensor_metas(body), body.metadatas[-1].end_idx)
-        group.receive(body)
+        queue(body)
         return {"message": "Request received, updating flattened parameters"}
 
     for path in ("/update_adapter_flattened_param/", "/update_adapter_param/"):

@@ -25,6 +25,10 @@ from grpokit.wire.weights import unpack
 logger = logging.getLogger(__name__)
 
 
+class QueueFull(ServerError):
+    """Too many weight-sync steps wait on the worker (answered 429)."""
+
+
 def tensor_metas(body: SwiftFlattenedBody | SwiftNamedParamBody) -> list[TensorMeta]:
     """ms-swift's weight metadata as grpokit's (what the served engine's ``check_weights`` reads)."""
     if isinstance(body, SwiftNamedParamBody):
@@ -46,6 +50,8 @@ class SwiftWeightGroup:
 
     def __init__(self, state) -> None:
         self.state = state
+        count = getattr(state.engine, "tensor_count", None)  # ms-swift may send every tensor on its own
+        self.max_queued = max(1024, 2 * count()) if callable(count) else 1024
         self.comm = None
         self.world_size = 0
         self.error: str | None = None
@@ -71,6 +77,11 @@ class SwiftWeightGroup:
 
         with self._lock:
             self._queued = [f for f in self._queued if not f.done()]
+            if len(self._queued) >= self.max_queued:
+                raise QueueFull(
+                    f"{len(self._queued)} weight-sync steps are waiting for the trainer's broadcasts; retry once "
+                    "they are done (POST /process_weights_after_loading/ waits for them)"
+                )
             self._queued.append(self._worker.submit(run))
 
     def open(self, host: str, port: int, world_size: int, backend: str, device, local_host: str) -> None:

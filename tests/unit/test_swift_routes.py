@@ -222,3 +222,17 @@ def test_a_trainer_that_never_joins_is_reported_by_process_weights_after_loading
     answer = client.post("/process_weights_after_loading/")
     assert answer.status_code == 424 and "POST /init_communicator/ again" in answer.json()["error"], answer.text
     assert threading.active_count() < 50  # the worker is one thread, not one per call
+
+
+def test_weight_steps_queued_past_the_bound_are_answered_429():
+    """A client that announces tensors and never broadcasts cannot grow the server's queue without bound."""
+    client, _ = make_client(max_sync_timeout_s=1.0)
+    layer = client.app
+    while not hasattr(layer, "group"):  # the ASGI layers down to SwiftDispatch, which holds the weight group
+        layer = layer.app
+    layer.group.max_queued = 3
+    client.post("/init_communicator/", json={"host": "127.0.0.1", "port": free_port(), "world_size": 2})
+    body = {"name": "w", "dtype": "torch.float32", "shape": [3, 4]}
+    answers = [client.post("/update_named_param/", json=body) for _ in range(6)]
+    assert {a.status_code for a in answers} == {200, 429}
+    assert "waiting for the trainer's broadcasts" in answers[-1].json()["error"]
