@@ -19,6 +19,7 @@ same error shape, same limits as grpokit's routes.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -220,6 +221,12 @@ def _add_group_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
             )
         device = getattr(state.engine, "device", None)
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        if backend == "nccl" and importlib.util.find_spec("vllm") is None:
+            raise HTTPException(
+                501,
+                "ms-swift's weight group on a GPU is vLLM's PyNcclCommunicator, and vLLM is not installed beside "
+                "this server; pip install vllm, or use grpokit's own weight routes (grpokit train)",
+            )
         group.open(opts.host, body.port, body.world_size, backend, device, request.scope["server"][0])
         return {"message": "Request received, initializing communicator"}
 
