@@ -113,7 +113,7 @@ class SwiftRolloutClient(RolloutClient):
         requests = list(requests)
         if not requests:
             return []
-        max_batch, max_bytes = self._limits()
+        max_batch, max_bytes = await asyncio.to_thread(self._limits)
         conf = swift_config(config)
         dumped = [swift_request(RolloutInferRequest.model_validate(request_to_wire(r))) for r in requests]
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]
