@@ -11,6 +11,11 @@
 # real-sized model on this GPU: a random Qwen3 with Qwen3-0.6B's body (bench/gpu_check_plugin.py model; no hub),
 # bfloat16, the rollout server (transformers engine, grpokit's decode loop) and the trainer sharing the GPU; about
 # 4 minutes. Its table also goes to $OUT/bench_async_gpu.txt when $OUT is set.
+#
+# Optional, SWIFT_CHECK=1 (after the tests) or SWIFT_CHECK=only (instead of them): ms-swift's rollout protocol on
+# this GPU (bench/gpu_swift_check.py; needs ms-swift 4.6 in the same Python): ms-swift's own VLLMClient against
+# `grpokit rollout --engine vllm`, grpokit's trainer client against a real `swift rollout`, and with two GPUs the
+# NCCL weight push both ways. A few minutes (four vLLM servers start, one after the other).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -18,13 +23,18 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: torch sees no CUDA device from $PY" >&2; exit 2
 fi
 bench="${BENCH_ASYNC:-0}"
+swift="${SWIFT_CHECK:-0}"
+if [ "$swift" != 0 ] && ! "$PY" -c "import swift.rlhf_trainers.vllm_client" 2>/dev/null; then
+    echo "gpu_check: $PY cannot import ms-swift; pip install ms-swift==4.6.0 (or set PYTHON=...)" >&2; exit 2
+fi
+if [ "$swift" = only ]; then bench=skip; fi
 if [ "$bench" != only ] && ! "$PY" -c "import vllm" 2>/dev/null; then
     echo "gpu_check: $PY cannot import vllm; pip install 'grpokit[vllm]' (or set PYTHON=...)" >&2; exit 2
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
-if [ "$bench" != only ]; then
+if [ "$bench" != only ] && [ "$swift" != only ]; then
     timeout 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_fast_decode.py  # grpokit's decode loop
     timeout 470 "$PY" -m pytest -q -m vllm -p no:cacheprovider -s --durations=10 tests/vllm "$@"
     echo "gpu_check: passed in $(( $(date +%s) - start )) s"
@@ -39,4 +49,10 @@ if [ "$bench" = 1 ] || [ "$bench" = only ]; then
         --trainer_threads 4 --server_threads 4 --steps 10 --rounds 1 --batch 64 --max_completion_length 256 \
         | tee "${OUT:-$work}/bench_async_gpu.txt"
     echo "gpu_check: bench_async done in $(( $(date +%s) - start )) s"
+fi
+if [ "$swift" = 1 ] || [ "$swift" = only ]; then
+    swift_work=$(mktemp -d)
+    timeout 900 "$PY" bench/gpu_swift_check.py "$swift_work"
+    rm -rf "$swift_work"
+    echo "gpu_check: ms-swift protocol checked in $(( $(date +%s) - start )) s"
 fi

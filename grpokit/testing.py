@@ -1,4 +1,4 @@
-"""Tiny offline models for tests and benchmarks.
+"""Tiny offline models for tests and benchmarks, and a server in a thread for the tests that serve one.
 
 ``build_tiny_model(dir)`` trains a byte-level BPE tokenizer with ``tokenizers`` on generated text, wraps it as a
 ``PreTrainedTokenizerFast`` with a ChatML template, builds a random-init Qwen3 model from its config, and saves
@@ -7,7 +7,10 @@ both with ``save_pretrained`` so that they load through the same path as a user'
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
+import time
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -123,3 +126,34 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, start_timeout_s: float = 30.0):
+    """uvicorn serving the ASGI ``app`` on a free loopback port in a daemon thread; yields (url, port) and stops
+    it on exit."""
+    import uvicorn  # the server's dependency; loaded only by the tests that serve
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start within {start_timeout_s:g}s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", port
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -4,7 +4,6 @@
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x7 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables (--vllm_server_port added with ms-swift's default 8000).
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 # WANDB_API_KEY=xxx \
 
@@ -25,6 +24,7 @@ grpokit train \
     --max_length 512 \
     --per_device_train_batch_size 49 \
     --per_device_eval_batch_size 7 \
+    --eval_steps 2000 \
     --save_steps 2000 \
     --learning_rate 1e-6 \
     --save_total_limit 2 \

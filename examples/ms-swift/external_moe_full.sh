@@ -4,7 +4,6 @@
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x7 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen3-30B-A3B-Instruct-2507}" \
@@ -30,6 +29,7 @@ grpokit train \
     --gradient_accumulation_steps 4 \
     --save_strategy 'steps' \
     --eval_strategy 'steps' \
+    --eval_steps 1000 \
     --save_steps 1000 \
     --save_total_limit 10 \
     --logging_steps 1 \

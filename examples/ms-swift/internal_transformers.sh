@@ -4,7 +4,6 @@
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-7B}" \
@@ -22,6 +21,7 @@ grpokit train \
     --per_device_eval_batch_size 4 \
     --learning_rate 1e-5 \
     --gradient_accumulation_steps 1 \
+    --eval_steps 100 \
     --save_steps 100 \
     --save_total_limit 2 \
     --logging_steps 1 \

@@ -4,7 +4,6 @@
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x8 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-3B-Instruct}" \
@@ -23,6 +22,7 @@ grpokit train \
     --per_device_train_batch_size 32 \
     --per_device_eval_batch_size 4 \
     --gradient_accumulation_steps 1 \
+    --eval_steps 1000 \
     --save_steps 1000 \
     --learning_rate 1e-6 \
     --save_total_limit 2 \

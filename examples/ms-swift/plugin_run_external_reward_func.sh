@@ -5,7 +5,6 @@
 # PYTORCH_CUDA_ALLOC_CONF dropped (CUDA only); MAX_PIXELS dropped (the processor's own max_pixels applies);
 # lengths and steps shrunk (max_completion_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 grpokit train \
     --model "${MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}" \
@@ -29,6 +28,7 @@ grpokit train \
     --learning_rate 1e-6 \
     --gradient_accumulation_steps 4 \
     --steps_per_generation 4 \
+    --eval_steps 1000 \
     --save_steps 1000 \
     --save_total_limit 10 \
     --sleep_level 1 \

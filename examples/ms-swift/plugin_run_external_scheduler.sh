@@ -4,7 +4,6 @@
 # CUDA_VISIBLE_DEVICES/NPROC_PER_NODE dropped: one CPU process, so --per_device_train_batch_size is x3 to keep the global batch;
 # lengths and steps shrunk (max_completion_length, max_length, vllm_max_model_len, logging_steps, --max_steps 2);
 # the server host and port (HOST, PORT), plugin (PLUGIN) and system-prompt file (EXAMPLES) paths are variables.
-# --eval_steps dropped: the script gives no validation data, so ms-swift never evaluates; grpokit refuses it.
 
 # grpokit rollout \
 #     --model "${MODEL:-Qwen/Qwen2.5-7B-Instruct}" \
@@ -53,6 +52,7 @@ grpokit train \
     --per_device_train_batch_size 3 \
     --learning_rate 1e-5 \
     --gradient_accumulation_steps 4 \
+    --eval_steps 100 \
     --save_steps 100 \
     --save_total_limit 2 \
     --logging_steps 1 \

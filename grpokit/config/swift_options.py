@@ -301,7 +301,7 @@ DEVIATIONS: dict[str, str] = {
     "weight_decay": "0.0 (ms-swift: 0.1), TRL's GRPO default",
     "adam_beta2": "0.999 (ms-swift: 0.95), torch's and TRL's default",
     "lr_scheduler_type": "linear (ms-swift: cosine), TRL's default",
-    "report_to": "none (ms-swift: tensorboard): logging.jsonl and the plots need no tracker",
+    "report_to": "none (ms-swift: tensorboard): logging.jsonl has every metric; a tracker not installed is a warning",
     "optim": "None = --optimizer decides (its adamw is the fused kernel of ms-swift's default adamw_torch_fused)",
     "optimizer": "adamw (ms-swift: None = --optim, whose default adamw_torch_fused is the same kernel)",
     "output_dir": "output (ms-swift: None, resolved to output/<model>/v<N>-<time>)",
@@ -315,7 +315,7 @@ DEVIATIONS: dict[str, str] = {
     "per_device_eval_batch_size": "64 (ms-swift: 1): evaluation is one greedy completion per prompt (and "
     "--num_generations_eval samples), and one engine call per 64 prompts keeps it fast",
     "eval_steps": "None = no evaluation (ms-swift: None = every --save_steps when a validation set exists); set it "
-    "to evaluate",
+    "to evaluate; without validation data it is one start-up warning and no evaluation, as in ms-swift",
 }
 
 # deviations that do not change a run: ms-swift resolves its unset value to grpokit's default, or (workers) only

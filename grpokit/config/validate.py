@@ -37,6 +37,7 @@ from grpokit.config.args import TrainConfig
 from grpokit.config.async_rules import async_option, check_partial_rollouts, check_staleness
 from grpokit.config.context import check_context
 from grpokit.config.fields import check_fields
+from grpokit.config.moot import warn_moot_options
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
 from grpokit.config.resolve import OPTIM_NAMES
 from grpokit.config.swift_options import check_swift_options, is_rank0
@@ -56,6 +57,7 @@ def validate(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = 
     callables besides --reward_funcs (counted by --reward_weights), ``supplied_eval`` evaluation rows."""
     check_fields(cfg)
     check_swift_options(cfg.swift_options, log=logger.warning)
+    warn_moot_options(cfg, supplied_eval)  # ms-swift's options that it accepts and makes moot: one warning each
     _check_swift_names(cfg)
     _check_evaluation(cfg, supplied_eval)
     _check_ref_sync(cfg)
@@ -147,7 +149,6 @@ def _check_swift_names(cfg: TrainConfig) -> None:
                           "or --optimizer NAME from the optimizers registry (a plugin may add one)")
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     _check_scheduler_name(t.lr_scheduler_type)
-    _check_trackers(t.report_to)
     if cfg.reward.code_exec_isolation not in ISOLATION_MODES:
         raise ConfigError(f"--code_exec_isolation {cfg.reward.code_exec_isolation}: unknown; use one of "
                           f"{', '.join(ISOLATION_MODES)}")
@@ -162,29 +163,6 @@ def _check_swift_names(cfg: TrainConfig) -> None:
     _check_freezing(m)
 
 
-def _check_trackers(names: list[str]) -> None:
-    """--report_to: accelerate's tracker names, each installed (accelerate drops a missing one without a word)."""
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    known = [t.value for t in LoggerType]
-    if "none" in names and len(names) > 1:
-        raise ConfigError(f"--report_to {' '.join(names)}: none means no tracker; give none alone or only trackers")
-    for name in names:
-        if name == "none":
-            continue
-        if name not in known:
-            raise ConfigError(f"--report_to {name}: unknown tracker; use none or one of {', '.join(known)}")
-        available = [str(getattr(t, "value", t)) for t in get_available_trackers()]
-        if name == "all" and not available:
-            raise ConfigError("--report_to all: no tracker package is installed, so nothing would be reported; "
-                              "install one (e.g. pip install tensorboard), or use --report_to none")
-        if name != "all" and name not in available:
-            raise ConfigError(f"--report_to {name}: the {name} package is not installed, so nothing would be "
-                              f"reported; pip install {name}, or use --report_to none (logging.jsonl has every "
-                              "metric)")
-
-
 def _check_scheduler_name(name: str) -> None:
     from transformers import SchedulerType
 
@@ -195,14 +173,10 @@ def _check_scheduler_name(name: str) -> None:
 
 
 def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
-    """--eval_steps / --eval_on_start / --eval_on_end need validation data: without it nothing would be evaluated."""
+    """--num_generations_eval needs evaluation to run (``--eval_steps``, ``--eval_on_start`` or ``--eval_on_end``
+    without validation data is one of ``config.moot``'s warnings: ms-swift turns evaluation off there)."""
     t, d = cfg.training, cfg.data
     val = d.val_dataset or d.split_dataset_ratio or supplied_eval
-    asked = (f"--eval_steps {t.eval_steps}" if t.eval_steps else "--eval_on_start true" if t.eval_on_start
-             else "--eval_on_end true" if t.eval_on_end else None)
-    if asked and not val:
-        raise ConfigError(f"{asked} without validation data would never evaluate; add --val_dataset FILE (or "
-                          "--split_dataset_ratio 0.1 to hold out part of --dataset), or drop it")
     k = t.num_generations_eval
     if k and not val:
         raise ConfigError(f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "

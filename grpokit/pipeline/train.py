@@ -35,7 +35,7 @@ from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.data.rows import normalize_rows
-from grpokit.engines.client import RolloutClient
+from grpokit.engines.swift_client import connect
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.engines.vllm_partial import PausableVllmEngine
@@ -164,7 +164,7 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
     sample on the trainer's loop thread (``infer_on_loop_thread``: the trainer owns its rollout loop)."""
     r = cfg.rollout
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
-        return RolloutClient.from_args(r, infer_on_loop_thread=True)
+        return connect(r, infer_on_loop_thread=True)  # grpokit's protocol, or ms-swift's (engines/swift_client.py)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
         engine = PausableVllmEngine if r.partial_rollouts else VllmEngine  # a sync pauses and continues its batch
         return engine.from_rollout_args(

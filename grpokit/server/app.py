@@ -3,9 +3,9 @@
 ``GET /health/``, ``GET /get_engine_type/``, ``POST /infer/`` (trajectories through the server's scheduler),
 ``POST /init_communicator/``, ``POST /update_weights/``, ``POST /check_weights/``, ``POST /probe/`` (the check's
 greedy probe), ``POST /close_communicator/``, ``POST /reset_prefix_cache/``, ``POST /claim/`` and
-``POST /release/`` (one trainer per server: server/claim.py); ``GET /openapi.json`` describes them. Every error
-answer is JSON ``{"error": one line, ...}`` with a 4xx/5xx status (grpokit/server/errors.py), no bad request
-stops the server, and
+``POST /release/`` (one trainer per server: server/claim.py); ``GET /openapi.json`` describes them; ms-swift's
+route set and bodies beside them (server/swift_routes.py). Every error answer is JSON ``{"error": one line, ...}``
+with a 4xx/5xx status (grpokit/server/errors.py), no bad request stops the server, and
 an ``/infer/`` call whose client disconnects is cancelled (its rows stop at the next token).
 """
 
@@ -33,6 +33,7 @@ from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.score_route import add_score_route
 from grpokit.server.state import ServerState
 from grpokit.server.surface import hardened
+from grpokit.server.swift_routes import SwiftDispatch, add_swift_routes
 from grpokit.server.weight_sync import RendezvousBusy, check_held
 from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.bodies import CheckWeightsBody, InitCommunicatorBody, UpdateWeightsBody, check_bucket_sizes
@@ -76,7 +77,10 @@ def create_app(state: ServerState) -> ErrorMiddleware:
     claims = Claims()  # one trainer per server (server/claim.py): its routes, and its check inside the guard
     add_claim_routes(app, claims)
     app.add_middleware(ClaimMiddleware, claims=claims)
-    return hardened(app, guard_policy(state), OpenAIErrors)  # every surface's layers (/v1: OpenAI's error shape)
+    swift = add_swift_routes(app, state, serve_infer)  # ms-swift's route set and bodies beside grpokit's
+    # every surface's layers (/v1: OpenAI's error shape); SwiftDispatch sends ms-swift-shaped bodies of shared
+    # paths to their /swift routes
+    return hardened(SwiftDispatch(app, swift), guard_policy(state), OpenAIErrors)
 
 
 def guard_policy(state: ServerState) -> GuardPolicy:
@@ -105,8 +109,6 @@ def guard_policy(state: ServerState) -> GuardPolicy:
 
 
 def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
-    opts = state.options
-
     @app.get("/health/")
     async def health() -> dict:
         return {"status": "ok"}
@@ -117,25 +119,29 @@ def _add_infer_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/infer/")
     async def infer(body: InferBody, request: Request) -> JSONResponse:
-        n = len(body.requests)
-        check_infer_body(body, opts.max_batch_requests)
-        with admitted(state, n):  # 429 past --max_inflight_requests, before any work
-            if n == 0:
-                return JSONResponse([])
-            _refuse_images_of_text_model(state, body)
-            await _take_images(state, body)
-            try:
-                work = state.scheduler.async_infer(body.requests, body.request_config)
-                outputs = await until_disconnect(request, work)
-            except ValueError as e:  # includes ConfigError: the request asks for something this server cannot do
-                raise HTTPException(400, f"{type(e).__name__}: {e}") from e
-            except GrpokitError as e:  # a scheduler, environment or engine broke the rollout
-                raise HTTPException(500, f"{type(e).__name__}: {e}") from e
-        if outputs is None:
-            return JSONResponse(
-                error_body("the client disconnected; its requests were cancelled"), status_code=CLIENT_GONE
-            )
-        return JSONResponse([output_to_wire(o) for o in outputs])
+        return await serve_infer(state, body, request, output_to_wire)
+
+
+async def serve_infer(state: ServerState, body: InferBody, request: Request, answer) -> JSONResponse:
+    """One /infer/ call through the server's limits and scheduler; ``answer`` writes each trajectory's JSON (grpokit's
+    shape, or ms-swift's: server/swift_routes.py)."""
+    n = len(body.requests)
+    check_infer_body(body, state.options.max_batch_requests)
+    with admitted(state, n):  # 429 past --max_inflight_requests, before any work
+        if n == 0:
+            return JSONResponse([])
+        _refuse_images_of_text_model(state, body)
+        await _take_images(state, body)
+        try:
+            work = state.scheduler.async_infer(body.requests, body.request_config)
+            outputs = await until_disconnect(request, work)
+        except ValueError as e:  # includes ConfigError: the request asks for something this server cannot do
+            raise HTTPException(400, f"{type(e).__name__}: {e}") from e
+        except GrpokitError as e:  # a scheduler, environment or engine broke the rollout
+            raise HTTPException(500, f"{type(e).__name__}: {e}") from e
+    if outputs is None:
+        return JSONResponse(error_body("the client disconnected; its requests were cancelled"), status_code=CLIENT_GONE)
+    return JSONResponse([answer(o) for o in outputs])
 
 
 def _refuse_images_of_text_model(state: ServerState, body: InferBody) -> None:

@@ -128,6 +128,10 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
         """Parameters a weight sync may name (tied weights under each of their names)."""
         return len(self._params)
 
+    def state_keys(self) -> list[str]:
+        """The names a weight sync may send (ms-swift's GET /get_model_state_keys/)."""
+        return list(self._params)
+
     def check_weights(self, metas: list[TensorMeta]) -> list[str]:
         """Problems with loading these tensors (other shape, dtype that cannot cast); [] if none. An unknown name
         ends the check at once: it is the only problem reported."""

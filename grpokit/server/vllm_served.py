@@ -69,6 +69,10 @@ class ServedVllmEngine(CancellableRequests, VllmPartialRollouts, VllmEngine):
         """Parameters a weight sync may name (the Hugging Face names of the served model)."""
         return len(self._hf_shapes())
 
+    def state_keys(self) -> list[str]:
+        """The names a weight sync may send (ms-swift's GET /get_model_state_keys/)."""
+        return list(self._hf_shapes())
+
     def check_weights(self, metas) -> list[str]:
         """As the vLLM engine's, but an unknown name ends the check at once (the only problem reported)."""
         known = self._hf_shapes()

@@ -12,6 +12,7 @@ import random
 import shutil
 from pathlib import Path
 
+from grpokit.config.moot import installed_trackers
 from grpokit.config.plan import earlier_run_checkpoints
 from grpokit.errors import GrpokitError
 from grpokit.redaction import remember_secrets
@@ -62,7 +63,7 @@ class RunOutputs:
         self._args_text = json.dumps(self._flat, indent=2)
         self._log = JsonlLog(self.output_dir / "logging.jsonl", enabled=main)
         self._completions = JsonlLog(self.output_dir / "completions.jsonl", enabled=main and args.log_completions)
-        if [r for r in args.report_to if r != "none"]:
+        if installed_trackers(args.report_to):
             accelerator.init_trackers("grpokit", config={k: str(v) for k, v in self._flat.items()})
 
     # -- logs ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from grpokit.config.args import TrainConfig
+from grpokit.config.moot import installed_trackers
 from grpokit.config.plan import BatchPlan
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
@@ -147,7 +148,7 @@ def _accelerator(cfg: TrainConfig, model, plan: BatchPlan):
     from accelerate.utils import set_seed
 
     t = cfg.training
-    report = [r for r in t.report_to if r != "none"]
+    report = installed_trackers(t.report_to)  # a missing one was warned about at start-up (config.moot)
     wants_bf16 = resolve_dtype_name(cfg.model.torch_dtype) == "bfloat16"
     mixed = "bf16" if (wants_bf16 and next(model.parameters()).dtype == torch.float32) else "no"
     accelerator = Accelerator(

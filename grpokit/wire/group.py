@@ -87,15 +87,20 @@ class Communicator:
             ) from e
 
     def close(self) -> None:
-        for name in ("shutdown", "abort"):
-            fn = getattr(self.pg, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    continue
+        shut_down(self.pg)
         self.pg = self.store = None
+
+
+def shut_down(pg) -> None:
+    """End a process group built here (``shutdown``, else ``abort``): best effort, on the way out."""
+    for name in ("shutdown", "abort"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                continue
 
 
 def first_line(e: BaseException) -> str:

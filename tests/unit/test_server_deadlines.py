@@ -13,43 +13,19 @@ import time
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 from transformers import LogitsProcessorList
 
 from grpokit.server.app import create_app
 from grpokit.server.errors import ErrorMiddleware, install_error_handlers
 from grpokit.server.state import ServerOptions, build_state
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(app):
-    """uvicorn on a free loopback port in a daemon thread; stopped on exit."""
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+from grpokit.testing import serve_in_thread
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     state = build_state(ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", max_sync_timeout_s=1.5))
-    with serve(create_app(state)) as (url, port):
+    with serve_in_thread(create_app(state)) as (url, port):
         yield state, url, port
 
 
@@ -188,7 +164,7 @@ def test_an_unexpected_error_is_json_and_the_connection_stays_usable():
     async def ok():
         return {"ok": True}
 
-    with serve(ErrorMiddleware(app)) as (url, port), httpx.Client(base_url=url, timeout=10) as client:
+    with serve_in_thread(ErrorMiddleware(app)) as (url, port), httpx.Client(base_url=url, timeout=10) as client:
         bad = client.get("/boom")
         assert bad.status_code == 500 and "RuntimeError" in bad.json()["error"]
         assert "secret detail" not in bad.text
