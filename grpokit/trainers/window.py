@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
+from grpokit.data.images import row_images
 from grpokit.errors import ConfigError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
@@ -187,3 +188,23 @@ def completion_rows(
 def _num(x: torch.Tensor) -> float | None:
     v = float(x)
     return None if v != v else v
+
+
+def trajectory_images(output: RolloutOutput, by_id: dict) -> list:
+    """A trajectory's images: the row's, then its observations' (``rollout_infos['images']``, ms-swift's key)."""
+    if "images" in output.rollout_infos:
+        return list(output.rollout_infos["images"] or [])
+    return row_images(by_id[output.request_id].data_dict)
+
+
+def token_versions(output: RolloutOutput, start: int) -> list[list[int]]:
+    """Per segment, per token: the server's tags where its answer carries them for the one segment (single-turn),
+    else ``start``, the version the rollout began with (the oldest any token can be). A trajectory without tokens
+    (an end-of-text token alone, stripped) keeps one entry: ``[[start]]``."""
+    segments = output.response_token_ids
+    if not any(segments):
+        return [[start]]
+    tagged = output.response.choices[-1].weight_versions if output.response.choices else None
+    if len(segments) == 1 and tagged is not None and len(tagged) == len(segments[0]):
+        return [list(tagged)]
+    return [[start] * len(seg) for seg in segments]

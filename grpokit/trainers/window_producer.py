@@ -16,7 +16,6 @@ import torch
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
-from grpokit.data.images import row_images
 from grpokit.errors import PluginError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
@@ -36,6 +35,8 @@ from grpokit.trainers.window import (
     advantage_stats,
     engine_old_logps,
     sample_rows,
+    token_versions,
+    trajectory_images,
     window_metrics,
     window_num_items,
 )
@@ -142,7 +143,7 @@ class WindowProducer:
     def tag(outputs: list[RolloutOutput], version: int) -> list[RolloutOutput]:
         """Each token's weight version: the server's tags, else ``version`` (the one its rollout began with)."""
         for o in outputs:
-            o.weight_versions = _versions(o, version)
+            o.weight_versions = token_versions(o, version)
         return outputs
 
     def rewards_of(self, requests: list[RolloutInferRequest], outputs: list[RolloutOutput]) -> torch.Tensor:
@@ -171,7 +172,7 @@ class WindowProducer:
         kwargs: dict[str, Any] = {}
         for col in {k for r in requests for k in r.data_dict}:
             kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
-        images = [_trajectory_images(o, by_id) if self.images else [] for o in outputs]  # the row's, then later turns'
+        images = [trajectory_images(o, by_id) if self.images else [] for o in outputs]  # the row's, then later turns'
         if any(images):  # as ms-swift: a trajectory's images replace the row's column
             kwargs["images"] = images
         token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
@@ -336,7 +337,7 @@ class WindowProducer:
         by_id = {r.request_id: r for r in requests}
         mm = bool(getattr(self.template, "multimodal", False))  # the processor template also takes the images
         samples = [self.template.encode_output(o.prompt_messages or by_id[o.request_id].messages, o,
-                                               **({"images": _trajectory_images(o, by_id)} if mm else {}))
+                                               **({"images": trajectory_images(o, by_id)} if mm else {}))
                    for o in outputs]
         truncated = [o.response.choices[0].finish_reason == "length" for o in outputs]
         r = self.rollout_args
@@ -383,22 +384,3 @@ class WindowProducer:
             out[start:start + b, : lp.shape[1]] = lp.float().cpu()
         return out
 
-
-def _trajectory_images(output: RolloutOutput, by_id: dict) -> list:
-    """A trajectory's images: the row's, then its observations' (``rollout_infos['images']``, ms-swift's key)."""
-    if "images" in output.rollout_infos:
-        return list(output.rollout_infos["images"] or [])
-    return row_images(by_id[output.request_id].data_dict)
-
-
-def _versions(output: RolloutOutput, start: int) -> list[list[int]]:
-    """Per segment, per token: the server's tags where its answer carries them for the one segment (single-turn),
-    else ``start``, the version the rollout began with (the oldest any token can be). A trajectory without tokens
-    (an end-of-text token alone, stripped) keeps one entry: ``[[start]]``."""
-    segments = output.response_token_ids
-    if not any(segments):
-        return [[start]]
-    tagged = output.response.choices[-1].weight_versions if output.response.choices else None
-    if len(segments) == 1 and tagged is not None and len(tagged) == len(segments[0]):
-        return [list(tagged)]
-    return [[start] * len(seg) for seg in segments]
