@@ -34,6 +34,13 @@ class InferEngine(ABC):
         client sends it with the weights) reads it; others ignore it."""
         self.policy_version = version
 
+    weights_incomplete: bool = False  # a rollout server's update failed halfway: no version describes its weights
+
+    def mark_weights_incomplete(self, incomplete: bool) -> None:
+        """A rollout server's record of its last weight update: failed halfway (True: its generation routes answer
+        503 until a whole one loads, server/calls.py) or loaded whole (False)."""
+        self.weights_incomplete = incomplete
+
     def __init__(self, infer_on_loop_thread: bool = False) -> None:
         self._pending: list[tuple[RolloutInferRequest, RequestConfig, asyncio.Future]] = []
         self._flush_scheduled = False

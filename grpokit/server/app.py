@@ -298,9 +298,9 @@ def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
             try:
                 loaded = state.receiver.receive(body, state.engine.load_weights)
             except BaseException:  # some tensors may be new: no version describes them (server/calls.py: 503)
-                state.engine.weights_incomplete = True
+                state.engine.mark_weights_incomplete(True)
                 raise
-            state.engine.weights_incomplete = False
+            state.engine.mark_weights_incomplete(False)
             state.engine.reset_prefix_cache()
             state.engine.set_policy_version(body.version)  # the samples' tag from now on; None: unknown
             return loaded

@@ -54,8 +54,8 @@ class GRPOTrainer:
     (read by plugins and callbacks): ``cfg``, ``args``, ``plan``, ``loss_cfg``, ``state``, ``accelerator``,
     ``model``, ``policy``, ``optimizer``, ``lr_scheduler``, ``ref_model``, ``tokenizer``, ``template``, ``engine``,
     ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, ``process_group`` (the
-    one-process group's lease, trainers/zero.py), and those ms-swift's code
-    reads: ``temperature``, ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
+    one-process group's lease, trainers/zero.py), and those ms-swift's code reads: ``temperature``,
+    ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
                  reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
@@ -354,11 +354,10 @@ class GRPOTrainer:
         consumed, pending = loop_position(self._async, self._producer.prompts)  # pending: drawn first on resume
         chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
         window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
+        extra = {**chord, "prompts_pending": pending, "prompts_per_draw": self._producer.prompts.prompts_per_window}
         ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=consumed,
-                                             extra={**chord, "prompts_pending": pending,
-                                                    "prompts_per_draw": self._producer.prompts.prompts_per_window},
-                                             window=window, step_metrics=unlogged)
+                                             prompts_consumed=consumed, extra=extra, window=window,
+                                             step_metrics=unlogged)
         self._call("on_save", str(ckpt))
         return ckpt
 
