@@ -102,6 +102,10 @@ TOPICS: dict[str, tuple[str, str]] = {
         "eval_strategy eval_steps eval_on_start eval_on_end per_device_eval_batch_size num_generations_eval "
         "eval_pass_threshold",
     ),
+    "teacher": (
+        "on-policy distillation: teachers, their term in the advantage",
+        "teacher_model teacher_model_server teacher_kl_coef teacher_tag_key",
+    ),
 }
 # each dataclass's unnamed options go to this topic
 GROUP_TOPIC = {
@@ -204,7 +208,7 @@ def overview_text(prog: str, width: int | None = None) -> str:
     counts = {t: len(names) for t, names in topic_options().items()}
     lines = [f"usage: {prog} [--config FILE] [--OPTION VALUE ...]", ""]
     lines += textwrap.wrap(
-        "GRPO-family training. With neither --model nor --dataset: the built-in demo (grpokit/config/demo.yaml).",
+        "GRPO-family training. With neither --model nor --dataset: the built-in demo.",
         width=width,
     )
     lines += [

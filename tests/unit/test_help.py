@@ -4,6 +4,7 @@ ones; a mistyped option (no prefix abbreviations) is one line naming the closest
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -55,7 +56,10 @@ def test_defaults_are_printed_once_and_are_what_a_run_gets():
     helps = {f.name: f.metadata["help"] for g in ALL_GROUPS for f in dataclasses.fields(g)}
     for name, value in printed.items():
         if "default" not in helps[name].lower():  # (a help that words its own default is prose, not a value)
-            assert shown_value(cfg[name]) == value, name
+            got = shown_value(cfg[name])
+            if os.path.isabs(got) and not os.path.isabs(value):  # a relative path is the working directory's
+                value = os.path.abspath(value)
+            assert got == value, name
     for block in re.split(r"\n(?=  --)", text):  # "(default" at most once per option
         assert " ".join(block.split()).lower().count("(default:") <= 1, block[:60]
 

@@ -149,7 +149,7 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
         (["--model", "m", "--gym_env", "e"], "needs --multi_turn_scheduler gym_scheduler"),
         (["--model", "m", "--port", "70000"], "--port 70000"),
         (["--model", "m", "--max_batch_requests", "0"], "--max_batch_requests 0"),
-        (["--model", "m", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--model", "m", "--bogus"], "unknown option --bogus; did you mean"),
         (["--model", "m", "--vllm_tensor_parallel_size", "2"], "tensor parallelism is not implemented yet"),
         (
             ["--model", "m", "--vllm_data_parallel_size", "2"],
