@@ -20,7 +20,12 @@ SECRET_WORDS = frozenset(
     {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials", "auth"}
 )
 _WORD = re.compile(r"[_\-.\s]+")
-_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.\-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]+)@", re.I)
+# a scheme starts a word and is short: each position is tried in bounded time (a long run of letters is no scheme;
+# an unbounded ``[a-z0-9+.-]*`` made a 5 MB string quadratic)
+_URL_PASSWORD = re.compile(
+    r"(?<![a-z0-9+.\-])(?P<scheme>[a-z][a-z0-9+.\-]{0,31}://)(?P<user>[^/@:\s]{0,256}):(?P<password>[^/@\s]+)@",
+    re.I,
+)
 MIN_ENV_SECRET = 8
 
 

@@ -12,7 +12,6 @@ Standard library only: `grpokit view` never imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -28,6 +27,7 @@ REPORT_NAME = "report.html"
 MAX_COMPLETION_STEPS = 100  # steps whose completions the page holds (first, last and evenly spaced between)
 STATIC = ("uPlot.iife.min.js", "uPlot.min.css", "app.js", "app.css")
 MAX_ROW_DEPTH = 32  # the rows grpokit writes nest a few levels; a deeper one is not a row of its own
+MAX_ARGS_BYTES = 4 << 20  # an args.json is a few KiB: a file of MiBs is not a run's options
 MAX_LINE_BYTES = 16 << 20  # one completion row (its token data is bounded by --log_completions_max_tokens)
 MAX_SHOWN_BYTES = 64 << 20  # completion rows the page holds, all steps together; the rest are skipped, counted
 
@@ -166,9 +166,10 @@ def report_data(output_dir: Path, max_completion_steps: int = MAX_COMPLETION_STE
     stamp = version(output_dir)
     by_step, logged = completions_by_step(output_dir / "completions.jsonl", max_completion_steps, skipped)
     args_path = output_dir / "args.json"
-    try:  # a regular file only (a FIFO is not waited on); _row bounds its size and depth
-        with args_path.open("rb") if args_path.is_file() else contextlib.nullcontext() as f:
-            args = None if f is None else _row(f.read(MAX_LINE_BYTES))
+    try:  # a regular file of at most MAX_ARGS_BYTES (a FIFO is not waited on, a huge file not shown); _row bounds
+        # its depth
+        small = args_path.is_file() and args_path.stat().st_size <= MAX_ARGS_BYTES
+        args = _row(args_path.read_bytes()) if small else None
     except OSError:
         args = None
     return _finite(
