@@ -31,6 +31,7 @@ _NAMES = {
     ("collections", "OrderedDict"),
     ("torch", "Size"),
     ("torch", "device"),
+    ("torch", "Tensor"),  # the type _rebuild_from_type_v2 rebuilds a plain tensor as (ZeRO-3's optimizer states)
     ("torch._tensor", "_rebuild_from_type_v2"),
     ("torch.nn.parameter", "Parameter"),
     ("torch.serialization", "_get_layout"),

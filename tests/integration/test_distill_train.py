@@ -8,17 +8,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import tiny_run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_server_deadlines import serve  # noqa: E402 (uvicorn in a thread, one module-scoped server)
-from tiny_runs import tiny_run  # noqa: E402
-
-from grpokit.modeling import load_causal_lm  # noqa: E402
+from grpokit.modeling import load_causal_lm
+from grpokit.testing import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +40,7 @@ def teacher_url(teacher_dir):
     from grpokit.server.state import ServerOptions, build_state
 
     state = build_state(ServerOptions(model=str(teacher_dir), torch_dtype="float32"))
-    with serve(create_app(state)) as (url, _port):
+    with serve_in_thread(create_app(state)) as (url, _port):
         yield url
 
 

@@ -136,7 +136,7 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     assert not hasattr(policy.base_model.model.model.layers[0].self_attn.k_proj, "lora_A")  # outside target_regex
     assert trainer.optimizer.optimizer.defaults["eps"] == 1e-6
     assert policy.is_gradient_checkpointing
-    assert trainer._producer.prompts._loader.num_workers == 1  # the rows came through the worker
+    assert trainer._producer.prompts.num_workers == 1  # the rows came through a worker (stopped with the loop)
 
 
 def test_prompt_rows_read_by_workers_equal_in_process_rows(tmp_path):

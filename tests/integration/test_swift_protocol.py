@@ -126,7 +126,8 @@ def test_two_training_steps_over_ms_swift_routes_keep_the_server_on_the_trainers
         return out
 
     monkeypatch.setattr(SwiftRolloutClient, "_push", push_and_compare)
-    argv = ["--model", str(tiny_model_dir), "--dataset", "builtin:arithmetic", "--reward_funcs", "accuracy",
+    argv = ["--model", str(tiny_model_dir), "--tuner_type", "full", "--dataset", "builtin:arithmetic",
+            "--reward_funcs", "accuracy",
             "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(swift_port),
             "--max_steps", "2", "--num_generations", "4", "--per_device_train_batch_size", "8",
             "--max_completion_length", "8", "--torch_dtype", "float32", "--learning_rate", "1e-2",

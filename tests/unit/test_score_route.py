@@ -7,13 +7,13 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from test_server_deadlines import serve
 
 from grpokit.engines.teacher_client import TeacherServer
 from grpokit.errors import ServerError
 from grpokit.modeling import load_causal_lm
 from grpokit.server.app import create_app
 from grpokit.server.state import ServerOptions, build_state
+from grpokit.testing import serve_in_thread
 
 PROMPTS = [[5, 17, 33, 2], [9, 40]]
 COMPLETIONS = [[60, 61, 7], [100, 3, 44, 45, 46]]
@@ -22,7 +22,7 @@ COMPLETIONS = [[60, 61, 7], [100, 3, 44, 45, 46]]
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     state = build_state(ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", max_batch_requests=8))
-    with serve(create_app(state)) as (url, _port):
+    with serve_in_thread(create_app(state)) as (url, _port):
         yield url
 
 
