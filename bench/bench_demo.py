@@ -55,7 +55,8 @@ def run_seed(seed: int, out: Path, extra: list[str], dataset: str) -> dict:
     log = _grpokit("train", "--seed", str(seed), "--output_dir", str(folder), *extra)
     wall = time.perf_counter() - t0
     minutes, seconds = ELAPSED.findall(log)[-1]  # the progress bar's last reading: the training loop alone
-    rewards = [json.loads(line)["reward"] for line in (folder / "logging.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (folder / "logging.jsonl").read_text().splitlines()]
+    rewards = [row["reward"] for row in rows if "reward" in row]  # (the demo's evaluation rows have none)
     return {
         "seed": seed,
         "train_s": 60 * int(minutes or 0) + int(seconds),

@@ -1,7 +1,7 @@
 """Secrets kept out of what a run writes and shows: args.json, the trackers' config, the logs, report.html.
 
 An option is secret when a word of its name (split at ``_``, ``-`` and ``.``) is one of ``SECRET_WORDS`` (``api_key``,
-``hub_token``, ``wandb_password``, ``client_secret``; not ``max_tokens``), wherever its value came from (a flag, a
+``hub_token``, ``wandb_password``, ``client_secret``; not ``max_tokens``, nor a lookup key like ``teacher_tag_key``), wherever its value came from (a flag, a
 YAML file, the environment). Its value becomes ``REDACTED``, as does the password of a URL (``http://u:pw@host``)
 in any value, and any value that equals a secret environment variable's (``*_KEY``, ``*_TOKEN``, ... of 8 or more
 characters). Nested dicts and lists are walked. The command line's log handlers get ``RedactingFilter``, which does
@@ -29,9 +29,17 @@ _URL_PASSWORD = re.compile(
 MIN_ENV_SECRET = 8
 
 
+# "key" after one of these words names a lookup key, not a secret (--teacher_tag_key holds a column's name)
+LOOKUP_KEY_WORDS = frozenset({"tag", "column", "sort", "group", "label", "data", "dataset", "prompt", "cache", "dict"})
+
+
 def is_secret_name(name: str) -> bool:
     """Whether an option or variable named ``name`` holds a secret (module docstring)."""
-    return any(word in SECRET_WORDS for word in _WORD.split(str(name).lower()) if word)
+    words = [word for word in _WORD.split(str(name).lower()) if word]
+    return any(
+        word in SECRET_WORDS and not (word == "key" and i > 0 and words[i - 1] in LOOKUP_KEY_WORDS)
+        for i, word in enumerate(words)
+    )
 
 
 def env_secrets(environ: dict | None = None) -> frozenset[str]:

@@ -18,6 +18,7 @@ SECRET_OPTIONS = {
 def test_secret_names_are_words_not_substrings():
     assert all(is_secret_name(k) for k in ("api_key", "HUB_TOKEN", "client-secret", "db.password", "OPENAI_API_KEY"))
     assert not any(is_secret_name(k) for k in ("max_tokens", "max_new_tokens", "keyword", "tokenizer", "monkey"))
+    assert not is_secret_name("teacher_tag_key") and is_secret_name("teacher_api_key")  # a lookup key is no secret
 
 
 def test_args_json_holds_no_secret_from_flags_yaml_or_the_environment(monkeypatch, tmp_path):
