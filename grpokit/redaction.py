@@ -1,11 +1,12 @@
 """Secrets kept out of what a run writes and shows: args.json, the trackers' config, the logs, report.html.
 
-An option is secret when a word of its name (split at ``_``, ``-`` and ``.``) is one of ``SECRET_WORDS`` (``api_key``,
-``hub_token``, ``wandb_password``, ``client_secret``; not ``max_tokens``, nor a lookup key like ``teacher_tag_key``), wherever its value came from (a flag, a
-YAML file, the environment). Its value becomes ``REDACTED``, as does the password of a URL (``http://u:pw@host``)
-in any value, and any value that equals a secret environment variable's (``*_KEY``, ``*_TOKEN``, ... of 8 or more
-characters). Nested dicts and lists are walked. The command line's log handlers get ``RedactingFilter``, which does
-the same to every log line, the run's secret option values included.
+An option is secret when a word of its name (split at ``_``, ``-`` and ``.``) is one of ``SECRET_WORDS``
+(``api_key``, ``hub_token``, ``wandb_password``, ``client_secret``; not ``max_tokens``, nor a lookup key like
+``teacher_tag_key``), wherever its value came from (a flag, a YAML file, the environment). Its value becomes
+``REDACTED``, as does the password of a URL (``http://u:pw@host``) in any value, and any value that equals a secret
+environment variable's (``*_KEY``, ``*_TOKEN``, ... of 8 or more characters). Nested dicts and lists are walked. The
+command line's log handlers get ``RedactingFilter``, which does the same to every log line, the run's secret option
+values included.
 """
 
 from __future__ import annotations
