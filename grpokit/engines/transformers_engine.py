@@ -135,7 +135,7 @@ class TransformersEngine(InferEngine):
     def _generate(
         self, prompts: list[list[int]], config: RequestConfig, events: list | None = None, uniform=None
     ) -> list[ChatCompletionResponseChoice]:
-        """``uniform``: the fast decoder's draws to sample with (a paused row's continuation, server/partial.py)."""
+        """``uniform``: the fast decoder's draws to sample with (a paused row's continuation: partial/served.py)."""
         if events is not None and all(e is not None and e.is_set() for e in events):
             return [self._choice([], "stop", "", None, config) for _ in prompts]  # every caller is gone
         model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)

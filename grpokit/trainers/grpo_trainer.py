@@ -20,30 +20,30 @@ from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, eval_due
 from grpokit.config.validate import loss_config
+from grpokit.distributed.offload import make_offloader, offload_context
+from grpokit.distributed.processes import mean_over_processes, scalar
+from grpokit.distributed.zero import backward, grad_norm, is_engine, released_on_error, synced_models
+from grpokit.engines.sync_check import probe as sync_check
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
-from grpokit.trainers import hooks, sync_check
+from grpokit.runs.outputs import MetricsAccumulator, completion_limits, progress_postfix
+from grpokit.runs.run_outputs import RunOutputs
+from grpokit.runs.stops import StopRequest, at_step_boundary
+from grpokit.trainers import hooks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
-from grpokit.trainers.distributed import mean_over_processes, scalar
-from grpokit.trainers.error_save import at_step_boundary
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.group_buffer import buffer_for_run, loop_position
 from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.run_outputs import RunOutputs
-from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
 from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import Models, WindowProducer
 from grpokit.trainers.window_progress import WindowProgress
-from grpokit.trainers.zero import backward, grad_norm, is_engine, released_on_error, synced_models
 
 
 class GRPOTrainer:
@@ -54,7 +54,7 @@ class GRPOTrainer:
     (read by plugins and callbacks): ``cfg``, ``args``, ``plan``, ``loss_cfg``, ``state``, ``accelerator``,
     ``model``, ``policy``, ``optimizer``, ``lr_scheduler``, ``ref_model``, ``tokenizer``, ``template``, ``engine``,
     ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, ``process_group`` (the
-    one-process group's lease, trainers/zero.py), and those ms-swift's code reads: ``temperature``,
+    one-process group's lease, distributed/zero.py), and those ms-swift's code reads: ``temperature``,
     ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
@@ -114,7 +114,7 @@ class GRPOTrainer:
             self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
             self.callbacks = self._callbacks.all
             self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
-            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
+            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (runs/stops.py)
             self._hf_event("on_init_end")
 
     def _progress(self) -> dict:
@@ -161,7 +161,7 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
-    @at_step_boundary  # an error here saves the last optimizer step first (error_save.py)
+    @at_step_boundary  # an error here saves the last optimizer step first (runs/stops.py)
     def _next_window(self) -> Window:
         """The next window; with --max_staleness, the buffer's (rolled out ahead), its async metrics added."""
         if self._async is None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import inspect
 import logging
 
+from grpokit.distributed.processes import deepspeed_stage
 from grpokit.errors import ConfigError, PluginError
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import deepspeed_stage
 from grpokit.trainers.window_producer import WindowHooks
 
 logger = logging.getLogger(__name__)

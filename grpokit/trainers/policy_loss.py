@@ -20,8 +20,8 @@ from grpokit.algorithms import (
     rollout_importance_weights,
 )
 from grpokit.config.args import AlgorithmArguments
+from grpokit.distributed.processes import gather_cat
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import gather_cat
 
 
 def needs_entropy(a: AlgorithmArguments) -> bool:

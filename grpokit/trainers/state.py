@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grpokit.trainers.outputs import MetricsAccumulator, round_significant
+from grpokit.runs.outputs import MetricsAccumulator, round_significant
 from grpokit.trainers.window_progress import WindowProgress
 
 

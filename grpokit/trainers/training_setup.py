@@ -12,19 +12,9 @@ import torch
 from grpokit.config.args import TrainConfig
 from grpokit.config.moot import installed_trackers
 from grpokit.config.plan import BatchPlan
-from grpokit.engines.transformers_engine import TransformersEngine
-from grpokit.errors import ConfigError
-from grpokit.modeling import resolve_dtype_name
-from grpokit.rewards.runner import RewardRunner
-from grpokit.rollout.scheduler import RolloutScheduler
-from grpokit.template.encode import ChatTemplate
-from grpokit.template.prompts import PromptOptions
-from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
-from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
-from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
-from grpokit.trainers.teachers import Teachers
-from grpokit.trainers.window_producer import Rewards
-from grpokit.trainers.zero import (
+from grpokit.distributed.processes import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
+from grpokit.distributed.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.distributed.zero import (
     EngineStep,
     ProcessGroupLease,
     deepspeed_config,
@@ -32,8 +22,18 @@ from grpokit.trainers.zero import (
     is_zero3,
     released_on_error,
 )
-from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
-from grpokit.trainers.zero import initialize as zero_initialize
+from grpokit.distributed.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
+from grpokit.distributed.zero import initialize as zero_initialize
+from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.errors import ConfigError
+from grpokit.modeling import resolve_dtype_name
+from grpokit.rewards.runner import RewardRunner
+from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.encode import ChatTemplate
+from grpokit.template.prompts import PromptOptions
+from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
+from grpokit.trainers.teachers import Teachers
+from grpokit.trainers.window_producer import Rewards
 
 
 @dataclass

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from grpokit.errors import ConfigError
+from grpokit.runs.outputs import MetricsAccumulator
 from grpokit.template.processor import MMRow
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.outputs import MetricsAccumulator
 
 WINDOW_FILE = "window_rank{rank}.pt"
 
