@@ -81,8 +81,10 @@ class GRPOTrainer:
             self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
             if self.accelerator.is_main_process:
                 hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
+            columns = getattr(train_dataset, "column_names", ())
+            images = getattr(self.template, "multimodal", False) or "images" in columns
             self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                        self.accelerator, parts.generation_model)
+                                                        self.accelerator, parts.generation_model, images)
             # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
             self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
                                              self.accelerator.device, self.accelerator.is_main_process)
@@ -91,8 +93,6 @@ class GRPOTrainer:
             self.reward_names, self.reward_runner = rewards.names, rewards.runner
             prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
                                            cfg.data.dataset_shuffle, self.accelerator, cfg.rollout.stream_groups)
-            columns = getattr(train_dataset, "column_names", ())
-            images = getattr(self.template, "multimodal", False) or "images" in columns
             self._producer = WindowProducer(
                 hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
                 rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,

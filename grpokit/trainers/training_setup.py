@@ -223,7 +223,9 @@ def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
     return max(1, windows * plan.optimizer_steps_per_window)
 
 
-def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None):
+def setup_rollout(
+    engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None, images: bool = True
+):
     """The engine (the in-process transformers engine over the policy unless one is given; over
     ``generation_model``, a whole copy, when the policy is sharded) and the scheduler that drives it; refuses
     --async_generate with an engine that samples from the live weights.
@@ -231,8 +233,11 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     Nothing is set on a part after it is built. The engine built here samples on the loop's thread
     (``infer_on_loop_thread``); one given is used as its builder made it (the pipeline builds its engines so).
     ``scheduler``: None (single-turn), a scheduler holding its engine, or a callable ``engine -> scheduler``
-    for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``)."""
-    own = {"fast_decode": cfg.rollout.fast_decode, "infer_on_loop_thread": True}  # the engine built here
+    for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``). ``images``: whether the
+    rows may carry images; the single-turn scheduler built here for a run without them is text-only."""
+    # the engine built here; its requests carry a constraint only when the run sets one (decided once, here)
+    constrained = cfg.rollout.structured_outputs_regex is not None or cfg.rollout.structured_outputs_json is not None
+    own = {"fast_decode": cfg.rollout.fast_decode, "infer_on_loop_thread": True, "structured_outputs": constrained}
     if engine is None and generation_model is not None:
         engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **own)
     elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
@@ -245,7 +250,7 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     engine = engine or TransformersEngine(policy, template, **own)  # loop thread: our own loop (engines/base.py)
     check_engine(accelerator, engine)
     if scheduler is None:
-        scheduler = RolloutScheduler(engine)
+        scheduler = RolloutScheduler(engine, text_only=not images)
     elif not isinstance(scheduler, RolloutScheduler) and callable(scheduler):
         scheduler = scheduler(engine)
     if getattr(scheduler, "infer_engine", None) is None:
