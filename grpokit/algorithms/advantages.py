@@ -163,9 +163,10 @@ def compute_advantages(
     ``reward_names`` (optional, F names): adds ``rewards/<name>/mean`` and ``/std`` to the metrics.
     """
     scale = DEFAULT_SCALE.get(estimator, "group") if scale is None else scale
-    validate_advantage_options(estimator, scale, kl_in_reward=reward_penalty is not None)
-    estimate: Estimator = ADVANTAGE_ESTIMATORS[estimator]
-    rescale: ScaleMode = SCALE_MODES[scale]
+    estimate: Estimator | None = ADVANTAGE_ESTIMATORS.get(estimator)
+    rescale: ScaleMode | None = SCALE_MODES.get(scale)
+    if estimate is None or rescale is None or scale == "gdpo":  # else the options have nothing to refuse
+        validate_advantage_options(estimator, scale, kl_in_reward=reward_penalty is not None)
 
     rpf, weights = _check_inputs(rewards_per_func, weights, group_ids, request_ids, reward_penalty, reward_names)
     group_ids = group_ids.to(rpf.device)

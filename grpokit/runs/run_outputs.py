@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class UnfinishedWindow(Protocol):
-    """What a checkpoint saves of the window in training (trainers/window_progress.py's ``WindowProgress``)."""
+    """What a checkpoint saves of the window in training (trainers/state.py's ``WindowProgress``)."""
 
     unfinished: bool
 

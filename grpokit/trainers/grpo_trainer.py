@@ -38,12 +38,11 @@ from grpokit.trainers.hf_callbacks import RunCallbacks
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.state import StepValues, TrainerState
+from grpokit.trainers.state import StepValues, TrainerState, WindowProgress
 from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import Models, WindowProducer
-from grpokit.trainers.window_progress import WindowProgress
 
 
 class GRPOTrainer:

@@ -34,7 +34,7 @@ from grpokit.runs.run_dir import (
 )
 from grpokit.runs.stops import RunStopped, StopRequest, stop_outside_the_loop
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.window_progress import WindowProgress
+from grpokit.trainers.state import WindowProgress
 
 
 def _checkpoint(out, step: int, **extra):
