@@ -22,7 +22,7 @@ from grpokit.config.plan import batch_plan, eval_due
 from grpokit.config.validate import loss_config
 from grpokit.distributed.offload import make_offloader, offload_context
 from grpokit.distributed.processes import mean_over_processes, scalar
-from grpokit.distributed.zero import backward, grad_norm, is_engine, released_on_error, synced_models
+from grpokit.distributed.zero import grad_norm, is_engine, released_on_error
 from grpokit.engines.sync_check import probe as sync_check
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
@@ -77,7 +77,7 @@ class GRPOTrainer:
             self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
             self.template, self.state.max_steps = parts.template, parts.max_steps
             self._trainable_params = parts.trainable_params
-            self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
+            self._engine_steps = is_engine(self.model)  # DeepSpeed steps, accumulates, backward, norm: its own
             if self.accelerator.is_main_process:
                 hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
             columns = getattr(train_dataset, "column_names", ())
@@ -104,7 +104,7 @@ class GRPOTrainer:
                 process_index=self.accelerator.process_index)
             self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
             self.output_dir = self._outputs.output_dir
-            self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
+            self._loss_call = hooks.loss_caller(self._compute_loss_and_metrics, type(self), GRPOTrainer)
             self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # False: a 2-argument override
             # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
             distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
@@ -182,7 +182,7 @@ class GRPOTrainer:
         for micro in values.window.remaining():
             t0 = time.perf_counter()
             micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
-            with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
+            with self.accelerator.accumulate(*(() if self._engine_steps else (self.model,))):  # DeepSpeed: itself
                 if step_begins:
                     self._hf_event("on_step_begin")
                 self.training_step(self.model, micro, *([micro.num_items] if self._step_takes_num_items else []))
@@ -208,8 +208,8 @@ class GRPOTrainer:
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
         with self.accelerator.autocast():
-            loss, metrics = hooks.call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
-        backward(self.accelerator, model, loss)
+            loss, metrics = self._loss_call(model, inputs)
+        (model.backward if self._engine_steps else self.accelerator.backward)(loss)  # DeepSpeed: engine.backward
         inputs.step_metrics.update(metrics)
         inputs.step_metrics["loss"] = loss.detach()
         return loss.detach()
@@ -234,7 +234,7 @@ class GRPOTrainer:
             self.optimizer.step()
         self._hf_event("on_optimizer_step")
         self.lr_scheduler.step()
-        if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
+        if self._engine_steps and (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
             metrics["grad_norm"] = engine_norm
         self.optimizer.zero_grad()
         return metrics
@@ -287,7 +287,7 @@ class GRPOTrainer:
         ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
         (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
         come from ``_prepare_model_inputs``."""
-        inputs = hooks.loss_batch(inputs, grpo_batch).to(self.accelerator.device)
+        inputs = (inputs if grpo_batch is None else hooks.loss_batch(inputs, grpo_batch)).to(self.accelerator.device)
         need = needs_entropy(self.cfg.algorithm)
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need)
         loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)

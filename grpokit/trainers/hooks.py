@@ -4,6 +4,7 @@ calls (a subclass defining one is refused, naming the grpokit hook that does tha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -106,6 +107,14 @@ def warn_sharded_grad_edit(cls: type, base: type, args) -> None:
             cls.__qualname__,
             how,
         )
+
+
+def loss_caller(method, cls: type, base: type):
+    """How the loop calls ``_compute_loss_and_metrics``, decided once: the method itself when ``cls`` keeps the
+    base's; an override through ``call_loss``, in its convention, its result checked."""
+    if not overrides(cls, base, "_compute_loss_and_metrics"):
+        return method
+    return functools.partial(call_loss, method, loss_convention(method))
 
 
 def call_loss(method, convention: str, model, inputs):
