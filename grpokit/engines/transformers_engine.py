@@ -11,10 +11,10 @@ from transformers import LogitsProcessorList, StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.grammar import StructuredOutputs
 from grpokit.engines.mm_generate import infer_mm
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.sampling import FiniteLogitsCheck, sampling_processors
-from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate

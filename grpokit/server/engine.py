@@ -12,8 +12,9 @@ from contextvars import ContextVar
 
 import torch
 
+from grpokit.engines.grammar import GrammarLogitsProcessor, StructuredOutputs
 from grpokit.engines.partial.served import PartialRollouts
-from grpokit.engines.structured import GrammarLogitsProcessor, StructuredOutputs, request_limits
+from grpokit.engines.structured import request_limits
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
