@@ -235,11 +235,8 @@ def setup_rollout(
     ``scheduler``: None (single-turn), a scheduler holding its engine, or a callable ``engine -> scheduler``
     for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``). ``images``: whether the
     rows may carry images; the single-turn scheduler built here for a run without them is text-only."""
-    # the engine built here; its requests carry a constraint only when the run sets one (decided once, here)
-    constrained = cfg.rollout.structured_outputs_regex is not None or cfg.rollout.structured_outputs_json is not None
-    own = {"fast_decode": cfg.rollout.fast_decode, "infer_on_loop_thread": True, "structured_outputs": constrained}
     if engine is None and generation_model is not None:
-        engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **own)
+        engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **_own_engine(cfg.rollout))
     elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
         # grpokit's engines gather ZeRO-3 partitions in their weight sync (engines/weights.py); another one would
         # be handed empty partitions
@@ -247,7 +244,7 @@ def setup_rollout(
             f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
             "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode"
         )
-    engine = engine or TransformersEngine(policy, template, **own)  # loop thread: our own loop (engines/base.py)
+    engine = engine or TransformersEngine(policy, template, **_own_engine(cfg.rollout))
     check_engine(accelerator, engine)
     if scheduler is None:
         scheduler = RolloutScheduler(engine, text_only=not images)
@@ -266,6 +263,13 @@ def setup_rollout(
             "live training weights, which change while the next window would be generating"
         )
     return engine, scheduler
+
+
+def _own_engine(r) -> dict:
+    """The options of the engine set-up builds: it samples on the loop's thread (our own loop, engines/base.py), and
+    its requests carry a constraint only when the run sets one, decided here once."""
+    constrained = r.structured_outputs_regex is not None or r.structured_outputs_json is not None
+    return {"fast_decode": r.fast_decode, "infer_on_loop_thread": True, "structured_outputs": constrained}
 
 
 def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None, distill: bool = False) -> Rewards:
