@@ -31,9 +31,9 @@ def main() -> None:
     a = p.parse_args()
 
     from grpokit.engines.client import RolloutClient
+    from grpokit.engines.sync_check.probe import run_probe
     from grpokit.modeling import load_causal_lm
     from grpokit.testing import build_tiny_model
-    from grpokit.trainers.sync_check import run_probe
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_check_"))
     model_dir = build_tiny_model(tmp / "model", hidden_size=a.hidden, num_layers=a.layers, vocab_size=a.vocab)

@@ -3,7 +3,8 @@
 A tiny model trains one step (one window: rollout, rewards, advantages, old logps, the training step, the
 optimizer step and its logging); ``sys.setprofile`` records every Python function called between the callbacks
 ``on_train_begin`` and ``on_step_end``, and the script prints how many distinct grpokit source files and functions
-that is (and, with ``--list``, which). docs/plugins.md ("Design notes: one window's trip") quotes the figures.
+that is (and, with ``--list``, which), and how many attributes the trainer holds at the step's end
+(``vars(trainer)``). docs/design.md ("One window's path") quotes the figures.
 
     PYTHONPATH=$PWD python bench/bench_trip.py [--list]
 """
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 
-def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
+def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]], int]:
     import grpokit
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
@@ -26,6 +27,7 @@ def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
     root = str(Path(grpokit.__file__).resolve().parent)
     files: set[str] = set()
     funcs: set[tuple[str, str]] = set()
+    attributes: list[int] = []
 
     def profile(frame, event, _arg):
         if event == "call":
@@ -36,11 +38,23 @@ def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
                 funcs.add((rel, getattr(code, "co_qualname", code.co_name)))
 
     class Trip(TrainerCallback):
+        """Every hook defined here, so that the measurement does not enter the base class's no-op hooks."""
+
         def on_train_begin(self, trainer):
             sys.setprofile(profile)
 
         def on_step_end(self, trainer):
             sys.setprofile(None)
+            attributes.append(len(vars(trainer)))
+
+        def on_log(self, trainer, logs):
+            pass
+
+        def on_save(self, trainer, checkpoint_dir):
+            pass
+
+        def on_train_end(self, trainer):
+            pass
 
     callbacks_map["bench_trip"] = Trip
     model = build_tiny_model(workdir / "tiny")
@@ -83,18 +97,21 @@ def measure(workdir: Path) -> tuple[set[str], set[tuple[str, str]]]:
         )
     )
     sys.setprofile(None)
-    return files, funcs
+    return files, funcs, attributes[0]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--list", action="store_true", help="print every file and function")
     a = p.parse_args()
-    files, funcs = measure(Path(tempfile.mkdtemp(prefix="grpokit-trip-")))
+    files, funcs, attributes = measure(Path(tempfile.mkdtemp(prefix="grpokit-trip-")))
     if a.list:
         for f in sorted(funcs):
             print(f"{f[0]}: {f[1]}")
-    print(f"one text-only single-turn window: {len(files)} grpokit files, {len(funcs)} functions")
+    print(
+        f"one text-only single-turn window: {len(files)} grpokit files, {len(funcs)} functions; "
+        f"the trainer holds {attributes} attributes"
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from grpokit.agents.chat import ChatError
-from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
+from grpokit.template.encode import KWARGS_KEY, TOOLS_KEY
 
 MAX_EXTRA_CHARS = 65536  # a message's fields beside role and content, as the rollout server bounds them
 

@@ -7,7 +7,7 @@ taken out of its ``content``. A block whose JSON does not parse within the bound
 (nesting, number length), or has no string ``name``, stays in the content as text; a message's
 ``tool_calls[].function.arguments`` that are not such JSON reach the template as text. ``tools`` reach the prompt
 as the tokenizer's chat template renders them (its ``tools=`` argument, carried on the first message:
-``grpokit.template.carry``), as ``--agent_template`` unset does for datasets.
+``grpokit.template.encode``), as ``--agent_template`` unset does for datasets.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from grpokit.protocol import (
     check_utf8,
     new_id,
 )
-from grpokit.template.carry import attach
+from grpokit.template.encode import attach
 from grpokit.wire.json_text import JsonTextError, loads
 
 MAX_CHOICES = 64  # n of one call: every choice is a trajectory the trainer may keep

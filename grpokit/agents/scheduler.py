@@ -24,7 +24,7 @@ from grpokit.agents.service import ChatService
 from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rollout.scheduler import RolloutScheduler
-from grpokit.template.carry import detach
+from grpokit.template.encode import detach
 
 logger = logging.getLogger(__name__)
 SERVED_MODEL_NAME = "policy"  # what /v1/models lists; any model= of a call is served by the policy alike

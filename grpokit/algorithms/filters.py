@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from grpokit.algorithms._groups import Groups, group_stats
+from grpokit.algorithms.advantages import Groups, group_stats
 from grpokit.errors import ConfigError
 
 

@@ -243,10 +243,11 @@ for _name, _fn in (
 
 
 def compute_policy_loss(inp: LossInputs, cfg: LossConfig) -> LossOut:
-    """The scalar loss and detached metrics ("is_ratio/mean", the loss type's clip ratios, "kl") of a micro-batch."""
-    token_loss: TokenLossFn = POLICY_LOSSES.get_or_raise(cfg.loss_type)
-    normalize: NormalizerFn = LOSS_NORMALIZERS.get_or_raise(cfg.loss_type)
-    log_weights: LogWeightFn = IS_LEVELS.get_or_raise(cfg.importance_sampling_level)
+    """The scalar loss and detached metrics ("is_ratio/mean", the loss type's clip ratios, "kl") of a micro-batch.
+    Its names were checked at set-up, with the other options (``validate_loss_config``)."""
+    token_loss: TokenLossFn = POLICY_LOSSES[cfg.loss_type]
+    normalize: NormalizerFn = LOSS_NORMALIZERS[cfg.loss_type]
+    log_weights: LogWeightFn = IS_LEVELS[cfg.importance_sampling_level]
 
     dtype = inp.logps.dtype
     mask = inp.mask.to(dtype)  # [B, T]

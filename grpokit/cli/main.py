@@ -35,10 +35,10 @@ _process_entry = False  # main() runs as the process's entry point (argv from sy
 
 def _exit_if_groups_linger(code: int) -> None:
     """As the process's entry, after a run that formed a process group: leave without finalizing the interpreter
-    while torch's backend threads linger (trainers/distributed.py, exit_if_groups_linger)."""
+    while torch's backend threads linger (distributed/processes.py, exit_if_groups_linger)."""
     if _process_entry and "torch.distributed" in sys.modules:
         # not at the top: it loads torch, and `grpokit --help` answers without it
-        from grpokit.trainers.distributed import exit_if_groups_linger
+        from grpokit.distributed.processes import exit_if_groups_linger
 
         exit_if_groups_linger(code)
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             _fail(f"unknown command {command!r}; use train, rollout, infer, eval, view or options")
     except GrpokitError as e:
-        code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (trainers/signals.py)
+        code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (runs/stops.py)
         if code is not None:
             if os.environ.get("RANK", "0") == "0":  # every process of a launch stopped at the same step
                 print(f"grpokit: stopped: {e}", file=sys.stderr, flush=True)

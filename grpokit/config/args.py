@@ -139,7 +139,7 @@ class RolloutArguments:
     vllm_enforce_eager: bool = _opt(False, "vLLM: no CUDA graphs")
     vllm_max_num_seqs: int = _opt(256, "vLLM colocate: most sequences in one engine step", ge=1)
     sleep_level: int = _opt(0, "vLLM colocate: 0 keep, 1 offload weights, 2 drop weights while training", ge=0, le=2)
-    # ms-swift's offload while vLLM colocate generates (trainers/offload.py); no effect with other engines
+    # ms-swift's offload while vLLM colocate generates (distributed/offload.py); no effect with other engines
     offload_model: bool = _opt(False, "vLLM colocate: move the training (and reference) model's weights to CPU "
                                       "memory while vLLM generates, back before training")
     offload_optimizer: bool = _opt(False, "vLLM colocate: move the optimizer state to CPU memory while vLLM "

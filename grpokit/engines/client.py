@@ -33,7 +33,7 @@ from grpokit.engines.base import InferEngine
 from grpokit.engines.client_calls import check_partial_rollouts, output_positions, split_by_size, split_requests
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
 from grpokit.engines.server_claim import TrainerClaim
-from grpokit.engines.sync_check import SyncReport, check_body, check_servers
+from grpokit.engines.sync_check.checksums import SyncReport, check_body, check_servers
 from grpokit.engines.weight_sender import WeightSender, sends_here
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
@@ -326,7 +326,7 @@ class RolloutClient(InferEngine):
 
     def sync_weights_checked(self, model) -> SyncReport:
         """``sync_weights``, then each server compares what its engine holds with the sums of the bytes sent
-        (``POST /check_weights/``, engines/sync_check.py); WeightSyncError naming server, bucket and tensor."""
+        (``POST /check_weights/``, engines/sync_check/checksums.py); WeightSyncError naming server, bucket, tensor."""
         sums = SumsOf()
         sent = self._push(model, sums)
         if sent is None:  # not rank 0: rank 0 sent, and checks

@@ -16,7 +16,7 @@ from typing import Any
 
 from grpokit.errors import ServerError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput, new_id
-from grpokit.template.carry import attach, detach
+from grpokit.template.encode import attach, detach
 from grpokit.wire.swift import SwiftInferRequest, SwiftRequestConfig
 
 # ms-swift's sampling fields at the value that asks for nothing grpokit lacks: (neutral values, what to do instead)
@@ -62,7 +62,7 @@ def grpokit_config(config: SwiftRequestConfig | None, where: str = "request_conf
 
 def grpokit_request(request: SwiftInferRequest, where: str) -> RolloutInferRequest:
     """ms-swift's ``RolloutInferRequest`` as grpokit's: ``uuid`` becomes the request id (the answer's
-    ``response.id``), ``tools`` and ``chat_template_kwargs`` travel on the first message (template/carry.py)."""
+    ``response.id``), ``tools`` and ``chat_template_kwargs`` travel on the first message (template/encode.py)."""
     for name in ("audios", "videos"):
         if getattr(request, name):
             raise SwiftRefused(f"{where}.{name}: grpokit rollout serves text and images; send no {name}")

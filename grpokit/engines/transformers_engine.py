@@ -11,10 +11,10 @@ from transformers import LogitsProcessorList, StoppingCriteria
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.fast_decode import FastDecoder, Unsupported
+from grpokit.engines.grammar import StructuredOutputs
 from grpokit.engines.mm_generate import infer_mm
 from grpokit.engines.prefix import cache_kwarg, prefill_shared_prompts, worth_sharing
 from grpokit.engines.sampling import FiniteLogitsCheck, sampling_processors
-from grpokit.engines.structured import StructuredOutputs
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
@@ -34,6 +34,7 @@ class TransformersEngine(InferEngine):
         *,
         fast_decode: bool = True,
         infer_on_loop_thread: bool = False,
+        structured_outputs: bool = True,
     ) -> None:
         super().__init__(infer_on_loop_thread)
         self.model = model
@@ -42,8 +43,10 @@ class TransformersEngine(InferEngine):
         self.max_batch_size = max_batch_size
         self.share_prompts: bool | None = None  # on HF generate: prefill each distinct prompt once; None: when the
         # model is big enough for it to pay off (engines/prefix.py). The fast loop always shares.
-        # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py)
-        self.logits_processor_factory = StructuredOutputs(self.tokenizer, template.eos_token_id, template.pad_token_id)
+        # factory(config, prompt_width) -> LogitsProcessorList | None: structured outputs (engines/structured.py);
+        # None for an engine whose requests never carry a constraint (a trainer's, without --structured_outputs_*)
+        factory = StructuredOutputs(self.tokenizer, template.eos_token_id, template.pad_token_id)
+        self.logits_processor_factory = factory if structured_outputs else None
         self.fast_decode = fast_decode  # grpokit's decode loop for Llama/Qwen2/Qwen3 models (engines/fast_decode.py)
         self._fallback_reasons: set[str] = set()
         self._stop_criteria: OrderedDict[tuple[str, ...], object] = OrderedDict()
@@ -135,7 +138,7 @@ class TransformersEngine(InferEngine):
     def _generate(
         self, prompts: list[list[int]], config: RequestConfig, events: list | None = None, uniform=None
     ) -> list[ChatCompletionResponseChoice]:
-        """``uniform``: the fast decoder's draws to sample with (a paused row's continuation, server/partial.py)."""
+        """``uniform``: the fast decoder's draws to sample with (a paused row's continuation: partial/served.py)."""
         if events is not None and all(e is not None and e.is_set() for e in events):
             return [self._choice([], "stop", "", None, config) for _ in prompts]  # every caller is gone
         model = self.model  # the policy itself (the trainer passes it unwrapped from DDP/DeepSpeed)

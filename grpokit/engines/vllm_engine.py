@@ -27,7 +27,7 @@ import torch
 
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
-from grpokit.engines.sync_check import StreamTap, SyncReport, check_stream
+from grpokit.engines.sync_check.checksums import StreamTap, SyncReport, check_stream
 from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
 from grpokit.engines.vllm_load import held_in_worker, reload_in_worker
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
@@ -228,7 +228,7 @@ class VllmEngine(InferEngine):
 
     def sync_weights_checked(self, model) -> SyncReport:
         """``sync_weights``, summing each tensor as it streams in; then vLLM's parameters are read back and
-        compared, and every name must have reached the loader (WeightSyncError otherwise; engines/sync_check.py)."""
+        compared, and every name must have reached the loader (WeightSyncError otherwise; sync_check/checksums.py)."""
         weights = iter_sync_weights(model, stable=True)
         tap = StreamTap(weights, parse_dtype(self.dtype_name))
         with self.lock:  # read back before anything can sleep or load again

@@ -1,6 +1,6 @@
 """Code that runs inside vLLM's worker (through ``collective_rpc``) to load a sync's weights in place and to read
-them back for the weight-sync check (grpokit/engines/sync_check.py). vllm is imported inside the functions: they
-only run where vLLM does."""
+them back for the weight-sync check (grpokit/engines/sync_check/checksums.py). vllm is imported inside the
+functions: they only run where vLLM does."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from grpokit.errors import ConfigError
 from grpokit.pipeline.infer_checks import OutputFile
 from grpokit.protocol import RequestConfig
 from grpokit.rollout.evaluate import EvalResult, EvalSettings, evaluate_policy, evaluate_rows
-from grpokit.trainers.outputs import jsonl_line
-from grpokit.trainers.progress import EvalProgress
+from grpokit.runs.outputs import jsonl_line
+from grpokit.runs.progress import EvalProgress
 
 
 def eval_settings(args) -> EvalSettings:
@@ -78,7 +78,7 @@ def table_lines(metrics: dict, reward_names: list[str], k: int) -> list[str]:
 
 def score_and_report(engine, template, rows: list[dict], runner, args, model: str, output: OutputFile) -> EvalResult:
     """Score ``rows`` as ``args`` asks, print the result and write it to ``output`` (``--output``, probed at the
-    start) if given; progress lines on stderr while it generates (trainers/progress.py)."""
+    start) if given; progress lines on stderr while it generates (runs/progress.py)."""
     with EvalProgress() as progress:
         return _score_and_report(engine, template, rows, runner, args, model, output, progress)
 

@@ -35,10 +35,10 @@ from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.data.rows import normalize_rows
+from grpokit.engines.partial.vllm_steps import PausableVllmEngine
 from grpokit.engines.swift_client import connect
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.engines.vllm_engine import VllmEngine
-from grpokit.engines.vllm_partial import PausableVllmEngine
 from grpokit.errors import ConfigError
 from grpokit.modeling import load_causal_lm, load_tokenizer, torch_dtype
 from grpokit.pipeline.models import (
@@ -59,6 +59,9 @@ from grpokit.rollout.multi_turn import build_scheduler as build_multi_turn
 from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.remote import RemoteScheduler, check_server_template, trainer_plays_turns
 from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.runs.run_args import preflight_resume
+from grpokit.runs.run_dir import RunLock, prepare_output_dir
+from grpokit.runs.stops import stop_outside_the_loop
 from grpokit.server.openai_routes import LocalEndpoint
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions, prepare_prompts
@@ -66,9 +69,6 @@ from grpokit.trainers.callbacks import callbacks_map
 from grpokit.trainers.chord_sft import load_chord_sft_dataset
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.optimizers import optimizers_map
-from grpokit.trainers.run_args import preflight_resume
-from grpokit.trainers.run_dir import RunLock, prepare_output_dir
-from grpokit.trainers.signals import stop_outside_the_loop
 
 logger = logging.getLogger("grpokit")
 
@@ -209,7 +209,7 @@ def assembled(cfg: TrainConfig, supplied: Supplied | None = None):
         lock.acquire()
     try:
         preflight_resume(t.output_dir, t.resume_from_checkpoint, cfg.flat())
-        # the loop itself saves on SIGTERM (trainers/signals.py); what rewards and agents start ends with the run
+        # the loop itself saves on SIGTERM (runs/stops.py); what rewards and agents start ends with the run
         with stop_outside_the_loop(), reap_descendants():
             yield _build(cfg, plan, log, supplied)
     finally:

@@ -33,9 +33,17 @@ from typing import TYPE_CHECKING, Any
 from grpokit.aio import LoopThread
 from grpokit.errors import ConfigError, GrpokitError, RewardError
 from grpokit.rewards.base import AsyncORM, accepted_kwargs
-from grpokit.rewards.calling import RewardLog, as_trainer_state, convention, is_conversational, swift_kwargs, trl_kwargs
+from grpokit.rewards.calling import (
+    RewardLog,
+    as_trainer_state,
+    check_scores,
+    convention,
+    is_conversational,
+    preview,
+    swift_kwargs,
+    trl_kwargs,
+)
 from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
-from grpokit.rewards.scores import check_scores, preview
 from grpokit.rewards.worker import RemoteRaised, RewardWorker
 
 if TYPE_CHECKING:

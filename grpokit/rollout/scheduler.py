@@ -26,11 +26,18 @@ class RolloutScheduler:
     uses_env_reward = False  # True: rollout_infos['total_reward'] becomes the extra reward column 'gym_reward'
 
     def __init__(
-        self, infer_engine=None, max_turns: int | None = None, uses_env_reward: bool | None = None, **kwargs
+        self,
+        infer_engine=None,
+        max_turns: int | None = None,
+        uses_env_reward: bool | None = None,
+        text_only: bool = False,
+        **kwargs,
     ) -> None:
-        """``uses_env_reward``: --use_gym_env, an explicit choice over the class's default (None: the class's)."""
+        """``uses_env_reward``: --use_gym_env, an explicit choice over the class's default (None: the class's).
+        ``text_only``: the rows carry no images, decided once at set-up; ``run`` then never looks for them."""
         self.infer_engine = infer_engine
         self.max_turns = max_turns
+        self.text_only = text_only
         if uses_env_reward is not None:
             self.uses_env_reward = uses_env_reward
         self.options = kwargs  # the rest of the rollout options, for subclasses
@@ -49,18 +56,25 @@ class RolloutScheduler:
     async def run(
         self, infer_request: RolloutInferRequest, request_config: RequestConfig, **kwargs
     ) -> RolloutOutput | list[RolloutOutput]:
-        name = type(self).__name__
-        take_entry_images(infer_request, name)
-        known = row_images(infer_request.data_dict)
-        infer_request.images = list(known)  # ms-swift's field while the hook runs (turn_images.py)
-        await self.on_trajectory_start([infer_request])
-        changed = take_start_images(infer_request, known, f"{name}.on_trajectory_start")
+        changed = await self._start(infer_request)
         response = await self.infer_engine.infer_async(infer_request, request_config)
         turn = await self.on_turn_end(infer_request, response.choices[0], 1)
         infos = dict(turn.get("rollout_infos", {}))
         if changed:
             infos["images"] = row_images(infer_request.data_dict)
         return _single_turn_output(infer_request, response, infos)
+
+    async def _start(self, infer_request: RolloutInferRequest) -> bool:
+        """``on_trajectory_start``; True when it changed the row's images (a text-only run has none to look at)."""
+        if self.text_only:
+            await self.on_trajectory_start([infer_request])
+            return False
+        name = type(self).__name__
+        take_entry_images(infer_request, name)
+        known = row_images(infer_request.data_dict)
+        infer_request.images = list(known)  # ms-swift's field while the hook runs (turn_images.py)
+        await self.on_trajectory_start([infer_request])
+        return take_start_images(infer_request, known, f"{name}.on_trajectory_start")
 
     async def async_infer(
         self, requests: Sequence[RolloutInferRequest], request_config: RequestConfig

@@ -19,7 +19,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from grpokit.agents.service import ChatService
-from grpokit.engines.pause import PROBING, paused
+from grpokit.engines.partial.pause import PROBING, paused
 from grpokit.errors import GrpokitError
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.server.bodies import InferBody, ProbeBody

@@ -21,7 +21,7 @@ class InferBody(BaseModel):
 
 class ProbeBody(BaseModel):
     """``POST /probe/``: a few greedy tokens with their logprobs for one short user prompt (the weight-sync
-    check's probe, grpokit/trainers/sync_check.py)."""
+    check's probe, grpokit/engines/sync_check/probe.py)."""
 
     model_config = _STRICT
 

@@ -12,11 +12,12 @@ from contextvars import ContextVar
 
 import torch
 
-from grpokit.engines.structured import GrammarLogitsProcessor, StructuredOutputs, request_limits
+from grpokit.engines.grammar import GrammarLogitsProcessor, StructuredOutputs
+from grpokit.engines.partial.served import PartialRollouts
+from grpokit.engines.structured import request_limits
 from grpokit.engines.transformers_engine import TransformersEngine, context_message
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
-from grpokit.server.partial import PartialRollouts
 from grpokit.wire.bodies import TensorMeta
 from grpokit.wire.checksum import SumsOf
 from grpokit.wire.weights import dtype_name, parse_dtype

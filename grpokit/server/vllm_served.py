@@ -2,14 +2,14 @@
 
 A disconnected client's requests are dropped only while they wait for the engine (not once their batch is
 generating), and the context check runs here, before vLLM sees the batch. The batch is stepped so that a weight
-update can pause it and continue it on the new weights (vllm_partial.py).
+update can pause it and continue it on the new weights (engines/partial/vllm_steps.py).
 """
 
 from __future__ import annotations
 
+from grpokit.engines.partial.vllm_steps import VllmPartialRollouts
 from grpokit.engines.transformers_engine import context_message
 from grpokit.engines.vllm_engine import VllmEngine, VllmSettings
-from grpokit.engines.vllm_partial import VllmPartialRollouts
 from grpokit.errors import ConfigError, DataError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RequestConfig
 from grpokit.server.engine import CancellableRequests

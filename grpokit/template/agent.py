@@ -1,7 +1,7 @@
 """Agent templates: how a row's ``tools`` column (a list of function schemas) reaches the prompt.
 
 - unset (the default): the tools go to the tokenizer's chat template as its ``tools=`` argument, so the model sees
-  them in the format it was trained on. They travel with the prompt (``grpokit.template.carry``), so every engine
+  them in the format it was trained on. They travel with the prompt (``grpokit.template.encode``), so every engine
   and a rollout server render the same.
 - ``hermes``: the tools are written into the system message in the Hermes / Qwen2.5 function-calling format
   (``<tools>`` … ``</tools>``; calls come back as ``<tool_call>{"name": …, "arguments": …}</tool_call>``).
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpokit.errors import ConfigError, DataError
-from grpokit.template.carry import attach
+from grpokit.template.encode import attach
 
 
 def parse_tools(value: Any, where: str) -> list[dict]:

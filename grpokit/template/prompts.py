@@ -4,7 +4,7 @@ applies them once a tokenizer is loaded.
 ``PromptOptions.from_args`` reads them off ``DataArguments`` and checks them (no model needed);
 ``PromptOptions.template`` builds the ``ChatTemplate`` that renders prompts with them, the same for the trainer
 and its engine; ``prepare_prompts`` puts each row's tools and chat-template kwargs into its prompt (they travel
-with it: ``grpokit.template.carry``) and applies ``--max_length`` with ``--truncation_strategy`` delete (drop the
+with it: ``grpokit.template.encode``) and applies ``--max_length`` with ``--truncation_strategy`` delete (drop the
 row) or raise (stop); left/right cut the prompt ids when they are encoded (``ChatTemplate``). An image row's
 length is counted after the processor expanded its images; left/right must not cut through image tokens (checked
 here, per row).
@@ -22,8 +22,7 @@ from grpokit.data.columns import parse_columns
 from grpokit.data.loading import resolve_system
 from grpokit.errors import ConfigError, DataError
 from grpokit.template.agent import add_tools, check_agent_template, parse_tools
-from grpokit.template.carry import attach
-from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate
+from grpokit.template.encode import TRUNCATION_STRATEGIES, ChatTemplate, attach
 from grpokit.template.processor import ProcessorTemplate
 from grpokit.template.prompt_bounds import lengths_over_bound
 
@@ -237,7 +236,7 @@ def _check_renders_tools(template: ChatTemplate, source: str) -> None:
 
 
 def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, source: str) -> Dataset:
-    """Tools and chat-template kwargs into the prompts (they travel with them, ``grpokit.template.carry``), then
+    """Tools and chat-template kwargs into the prompts (they travel with them, ``grpokit.template.encode``), then
     ``--max_length``; ``template`` renders the prompts as the engine will."""
     if opts.chat_template_kwargs or {"tools", "chat_template_kwargs"} & set(ds.column_names):
         ds = _carry(ds, opts, source)

@@ -18,8 +18,8 @@ import torch
 
 from grpokit.data.images import load_image, row_images
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
+from grpokit.runs.outputs import CompletionLimits
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.outputs import CompletionLimits
 from grpokit.trainers.window import completion_rows
 
 DIGITS = 4  # per-token floats are rounded: the file stays small and the colours do not need more

@@ -20,30 +20,29 @@ from grpokit.algorithms import ema_update_
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, eval_due
 from grpokit.config.validate import loss_config
+from grpokit.distributed.offload import make_offloader, offload_context
+from grpokit.distributed.processes import mean_over_processes, scalar
+from grpokit.distributed.zero import grad_norm, is_engine, released_on_error
+from grpokit.engines.sync_check import probe as sync_check
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
-from grpokit.trainers import hooks, sync_check
+from grpokit.runs.outputs import MetricsAccumulator, completion_limits, progress_postfix
+from grpokit.runs.run_outputs import RunOutputs
+from grpokit.runs.stops import StopRequest, at_step_boundary
+from grpokit.trainers import hooks
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.chord_sft import ChordSFT, sft_logps
-from grpokit.trainers.distributed import mean_over_processes, scalar
-from grpokit.trainers.error_save import at_step_boundary
 from grpokit.trainers.forward import model_kwargs, prompt_sharing
 from grpokit.trainers.group_buffer import buffer_for_run, loop_position
 from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.offload import make_offloader, offload_context
-from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, progress_postfix
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.run_outputs import RunOutputs
-from grpokit.trainers.signals import StopRequest
-from grpokit.trainers.state import StepValues, TrainerState
+from grpokit.trainers.state import StepValues, TrainerState, WindowProgress
 from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import Models, WindowProducer
-from grpokit.trainers.window_progress import WindowProgress
-from grpokit.trainers.zero import backward, grad_norm, is_engine, released_on_error, synced_models
 
 
 class GRPOTrainer:
@@ -54,7 +53,7 @@ class GRPOTrainer:
     (read by plugins and callbacks): ``cfg``, ``args``, ``plan``, ``loss_cfg``, ``state``, ``accelerator``,
     ``model``, ``policy``, ``optimizer``, ``lr_scheduler``, ``ref_model``, ``tokenizer``, ``template``, ``engine``,
     ``scheduler``, ``reward_names``, ``reward_runner``, ``callbacks``, ``output_dir``, ``process_group`` (the
-    one-process group's lease, trainers/zero.py), and those ms-swift's code reads: ``temperature``,
+    one-process group's lease, distributed/zero.py), and those ms-swift's code reads: ``temperature``,
     ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
@@ -78,11 +77,13 @@ class GRPOTrainer:
             self.optimizer, self.lr_scheduler, self.ref_model = parts.optimizer, parts.lr_scheduler, parts.ref_model
             self.template, self.state.max_steps = parts.template, parts.max_steps
             self._trainable_params = parts.trainable_params
-            self._engine_steps = is_engine(self.model)  # a DeepSpeed engine counts micro-steps: step it on each
+            self._engine_steps = is_engine(self.model)  # DeepSpeed steps, accumulates, backward, norm: its own
             if self.accelerator.is_main_process:
                 hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
+            columns = getattr(train_dataset, "column_names", ())
+            images = getattr(self.template, "multimodal", False) or "images" in columns
             self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                        self.accelerator, parts.generation_model)
+                                                        self.accelerator, parts.generation_model, images)
             # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
             self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
                                              self.accelerator.device, self.accelerator.is_main_process)
@@ -91,8 +92,6 @@ class GRPOTrainer:
             self.reward_names, self.reward_runner = rewards.names, rewards.runner
             prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
                                            cfg.data.dataset_shuffle, self.accelerator, cfg.rollout.stream_groups)
-            columns = getattr(train_dataset, "column_names", ())
-            images = getattr(self.template, "multimodal", False) or "images" in columns
             self._producer = WindowProducer(
                 hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
                 rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
@@ -105,7 +104,7 @@ class GRPOTrainer:
                 process_index=self.accelerator.process_index)
             self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
             self.output_dir = self._outputs.output_dir
-            self._loss_convention = hooks.loss_convention(self._compute_loss_and_metrics)
+            self._loss_call = hooks.loss_caller(self._compute_loss_and_metrics, type(self), GRPOTrainer)
             self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # False: a 2-argument override
             # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
             distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
@@ -114,7 +113,7 @@ class GRPOTrainer:
             self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
             self.callbacks = self._callbacks.all
             self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
-            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (signals.py)
+            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (runs/stops.py)
             self._hf_event("on_init_end")
 
     def _progress(self) -> dict:
@@ -161,7 +160,7 @@ class GRPOTrainer:
         self._finish()
         return self.state
 
-    @at_step_boundary  # an error here saves the last optimizer step first (error_save.py)
+    @at_step_boundary  # an error here saves the last optimizer step first (runs/stops.py)
     def _next_window(self) -> Window:
         """The next window; with --max_staleness, the buffer's (rolled out ahead), its async metrics added."""
         if self._async is None:
@@ -183,7 +182,7 @@ class GRPOTrainer:
         for micro in values.window.remaining():
             t0 = time.perf_counter()
             micro = replace(micro, step_metrics={})  # this micro-step's loss metrics come back in it
-            with self.accelerator.accumulate(*synced_models(self.model)):  # DeepSpeed accumulates itself
+            with self.accelerator.accumulate(*(() if self._engine_steps else (self.model,))):  # DeepSpeed: itself
                 if step_begins:
                     self._hf_event("on_step_begin")
                 self.training_step(self.model, micro, *([micro.num_items] if self._step_takes_num_items else []))
@@ -209,8 +208,8 @@ class GRPOTrainer:
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
         with self.accelerator.autocast():
-            loss, metrics = hooks.call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
-        backward(self.accelerator, model, loss)
+            loss, metrics = self._loss_call(model, inputs)
+        (model.backward if self._engine_steps else self.accelerator.backward)(loss)  # DeepSpeed: engine.backward
         inputs.step_metrics.update(metrics)
         inputs.step_metrics["loss"] = loss.detach()
         return loss.detach()
@@ -235,7 +234,7 @@ class GRPOTrainer:
             self.optimizer.step()
         self._hf_event("on_optimizer_step")
         self.lr_scheduler.step()
-        if (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
+        if self._engine_steps and (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
             metrics["grad_norm"] = engine_norm
         self.optimizer.zero_grad()
         return metrics
@@ -288,7 +287,7 @@ class GRPOTrainer:
         ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
         (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
         come from ``_prepare_model_inputs``."""
-        inputs = hooks.loss_batch(inputs, grpo_batch).to(self.accelerator.device)
+        inputs = (inputs if grpo_batch is None else hooks.loss_batch(inputs, grpo_batch)).to(self.accelerator.device)
         need = needs_entropy(self.cfg.algorithm)
         logps, entropies = self._get_per_token_logps_and_entropies(model, inputs, compute_entropy=need)
         loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)

@@ -4,12 +4,13 @@ calls (a subclass defining one is refused, naming the grpokit hook that does tha
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
+from grpokit.distributed.processes import deepspeed_stage
 from grpokit.errors import ConfigError, PluginError
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import deepspeed_stage
 from grpokit.trainers.window_producer import WindowHooks
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,14 @@ def warn_sharded_grad_edit(cls: type, base: type, args) -> None:
             cls.__qualname__,
             how,
         )
+
+
+def loss_caller(method, cls: type, base: type):
+    """How the loop calls ``_compute_loss_and_metrics``, decided once: the method itself when ``cls`` keeps the
+    base's; an override through ``call_loss``, in its convention, its result checked."""
+    if not overrides(cls, base, "_compute_loss_and_metrics"):
+        return method
+    return functools.partial(call_loss, method, loss_convention(method))
 
 
 def call_loss(method, convention: str, model, inputs):

@@ -14,14 +14,14 @@ from grpokit.algorithms import (
     compute_policy_loss,
     entropy_mask,
     entropy_threshold,
-    loss_mask,
     mismatch_metrics,
     off_policy_sequence_mask,
+    overlong_mask,
     rollout_importance_weights,
 )
 from grpokit.config.args import AlgorithmArguments
+from grpokit.distributed.processes import gather_cat
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import gather_cat
 
 
 def needs_entropy(a: AlgorithmArguments) -> bool:
@@ -38,7 +38,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) of one micro-batch: ``logps`` [B, C] carry the gradient, ``entropies`` [B, C] or None;
     ``inputs`` on the training device (advantages, old/ref/rollout logps, masks, the loss denominator)."""
-    mask = loss_mask(inputs.completion_mask, inputs.truncated, a.overlong_filter)  # as window_num_items counts
+    # the loss mask (algorithms.loss_mask, as window_num_items counts): truncated rows out under --overlong_filter
+    mask = overlong_mask(inputs.completion_mask, inputs.truncated) if a.overlong_filter else inputs.completion_mask
     metrics: dict = {}
     ent_mask = None
     if entropies is not None:

@@ -1,12 +1,26 @@
-"""The loop's values: ``TrainerState`` (the run's position, with HF's ``epoch`` and ``log_history``) and
-``StepValues`` (what one window hands to each of its optimizer steps' logs)."""
+"""The loop's values: ``TrainerState`` (the run's position, with HF's ``epoch`` and ``log_history``),
+``StepValues`` (what one window hands to each of its optimizer steps' logs) and ``WindowProgress``.
+
+``WindowProgress``: where the loop is inside the current window, so that a checkpoint taken inside one resumes exactly.
+A window is ``num_iterations`` passes over its micro-batches. ``WindowProgress.remaining`` yields the micro-steps not
+trained yet and counts each one as it hands it out; a checkpoint saved inside a window (--save_steps that falls inside
+one, or a SIGTERM) stores this process's micro-batches, the count, the window's logged metrics and the step metrics
+gathered since the last log row (``window_rank<R>.pt``). A resume trains the rest of that window first, from the same
+tensors, then draws the next prompts: every prompt trains exactly once and the log equals an uninterrupted run's.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from grpokit.trainers.outputs import MetricsAccumulator, round_significant
-from grpokit.trainers.window_progress import WindowProgress
+import torch
+
+from grpokit.errors import ConfigError
+from grpokit.runs.outputs import MetricsAccumulator, round_significant
+from grpokit.template.processor import MMRow
+from grpokit.trainers.batch import RolloutBatch
 
 
 @dataclass
@@ -42,3 +56,90 @@ class TrainerState:
     last_logs: dict = field(default_factory=dict)
     epoch: float = 0.0  # passes over the training prompts so far (HF's meaning)
     log_history: list[dict] = field(default_factory=list)  # every logged dict, in order (HF's meaning)
+
+
+WINDOW_FILE = "window_rank{rank}.pt"
+
+
+class WindowProgress:
+    def __init__(self, micro_batches: list[RolloutBatch], num_iterations: int, metrics: dict, done: int = 0) -> None:
+        self.micro_batches, self.num_iterations = micro_batches, num_iterations
+        self.done = done  # micro-steps of this window handed out (the one training now included)
+        self.metrics = metrics  # the window's values, logged with each of its optimizer steps
+
+    @classmethod
+    def of(cls, micro_batches: list[RolloutBatch], num_iterations: int, metrics: dict) -> WindowProgress:
+        """A new window, nothing of it trained yet."""
+        return cls(micro_batches, num_iterations, metrics)
+
+    @property
+    def total(self) -> int:
+        return len(self.micro_batches) * self.num_iterations
+
+    @property
+    def unfinished(self) -> bool:
+        return 0 < self.done < self.total
+
+    def remaining(self) -> Iterator[RolloutBatch]:
+        """The micro-steps still to train, in order (iteration by iteration)."""
+        while self.done < self.total:
+            micro = self.micro_batches[self.done % len(self.micro_batches)]
+            self.done += 1
+            yield micro
+
+    # -- checkpoint ------------------------------------------------------------------------------------------
+    def save(self, folder: Path, rank: int, step_metrics: dict) -> None:
+        """This process's share of an unfinished window (nothing when the window ended at this step)."""
+        if not self.unfinished:
+            return
+        torch.save(
+            {
+                "done": self.done,
+                "num_iterations": self.num_iterations,
+                "metrics": self.metrics,
+                "step_metrics": step_metrics,
+                "micro_batches": [_batch_dict(b) for b in self.micro_batches],
+            },
+            folder / WINDOW_FILE.format(rank=rank),
+        )
+
+    @classmethod
+    def load(cls, folder: str | Path, rank: int, step_metrics: MetricsAccumulator) -> WindowProgress | None:
+        """The saved rest of a window, when the checkpoint was taken inside one (None otherwise), with the step
+        metrics gathered since the last log row put back into ``step_metrics``."""
+        path = Path(folder) / WINDOW_FILE.format(rank=rank)
+        if not path.is_file():
+            return None
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            batches = [_batch(b) for b in saved["micro_batches"]]
+            done, iterations = int(saved["done"]), int(saved["num_iterations"])
+            unlogged, metrics = dict(saved["step_metrics"]), dict(saved["metrics"])
+            MetricsAccumulator().load_state(unlogged)  # typed before the run's own accumulator takes it
+        except Exception as e:  # the unpickler, the constructors and the conversions raise their own types
+            raise ConfigError(
+                f"--resume_from_checkpoint: {path} is unreadable "
+                f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}); resume from an "
+                "earlier checkpoint"
+            ) from e
+        if not batches or not 0 < done < len(batches) * iterations:
+            raise ConfigError(
+                f"--resume_from_checkpoint: {path} holds no unfinished window (done {done} of "
+                f"{len(batches) * iterations}); resume from an earlier checkpoint"
+            )
+        step_metrics.load_state(unlogged)
+        return cls(batches, iterations, metrics, done)
+
+
+def _batch_dict(batch: RolloutBatch) -> dict:
+    """A micro-batch as plain values (tensors, numbers, lists, dicts): loadable with ``weights_only=True``."""
+    out = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    if out["mm_inputs"] is not None:
+        out["mm_inputs"] = [{"tensors": r.tensors, "completion": r.completion} for r in out["mm_inputs"]]
+    return out
+
+
+def _batch(saved: dict) -> RolloutBatch:
+    if saved.get("mm_inputs") is not None:
+        saved = {**saved, "mm_inputs": [MMRow(dict(r["tensors"]), dict(r["completion"])) for r in saved["mm_inputs"]]}
+    return RolloutBatch(**saved)

@@ -21,11 +21,11 @@ import torch
 
 from grpokit.algorithms.distill import distill_advantages, teacher_kl_per_token
 from grpokit.config.teacher_args import TEACHER_PROMPT, TeacherSpec, teacher_specs
+from grpokit.distributed.processes import gather_rows
 from grpokit.engines.teacher_client import TeacherServer
 from grpokit.errors import ConfigError, DataError
 from grpokit.modeling import load_trained, torch_dtype
 from grpokit.trainers.batch import RolloutBatch, collate
-from grpokit.trainers.distributed import gather_rows
 
 logger = logging.getLogger(__name__)
 

@@ -12,19 +12,9 @@ import torch
 from grpokit.config.args import TrainConfig
 from grpokit.config.moot import installed_trackers
 from grpokit.config.plan import BatchPlan
-from grpokit.engines.transformers_engine import TransformersEngine
-from grpokit.errors import ConfigError
-from grpokit.modeling import resolve_dtype_name
-from grpokit.rewards.runner import RewardRunner
-from grpokit.rollout.scheduler import RolloutScheduler
-from grpokit.template.encode import ChatTemplate
-from grpokit.template.prompts import PromptOptions
-from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
-from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
-from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
-from grpokit.trainers.teachers import Teachers
-from grpokit.trainers.window_producer import Rewards
-from grpokit.trainers.zero import (
+from grpokit.distributed.processes import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
+from grpokit.distributed.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
+from grpokit.distributed.zero import (
     EngineStep,
     ProcessGroupLease,
     deepspeed_config,
@@ -32,8 +22,18 @@ from grpokit.trainers.zero import (
     is_zero3,
     released_on_error,
 )
-from grpokit.trainers.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
-from grpokit.trainers.zero import initialize as zero_initialize
+from grpokit.distributed.zero import checkpoint_hooks as checkpoint_hooks_deepspeed
+from grpokit.distributed.zero import initialize as zero_initialize
+from grpokit.engines.transformers_engine import TransformersEngine
+from grpokit.errors import ConfigError
+from grpokit.modeling import resolve_dtype_name
+from grpokit.rewards.runner import RewardRunner
+from grpokit.rollout.scheduler import RolloutScheduler
+from grpokit.template.encode import ChatTemplate
+from grpokit.template.prompts import PromptOptions
+from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
+from grpokit.trainers.teachers import Teachers
+from grpokit.trainers.window_producer import Rewards
 
 
 @dataclass
@@ -223,7 +223,9 @@ def total_steps(t, plan: BatchPlan, num_prompts: int) -> int:
     return max(1, windows * plan.optimizer_steps_per_window)
 
 
-def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None):
+def setup_rollout(
+    engine, scheduler, policy, template, cfg: TrainConfig, accelerator, generation_model=None, images: bool = True
+):
     """The engine (the in-process transformers engine over the policy unless one is given; over
     ``generation_model``, a whole copy, when the policy is sharded) and the scheduler that drives it; refuses
     --async_generate with an engine that samples from the live weights.
@@ -231,10 +233,10 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
     Nothing is set on a part after it is built. The engine built here samples on the loop's thread
     (``infer_on_loop_thread``); one given is used as its builder made it (the pipeline builds its engines so).
     ``scheduler``: None (single-turn), a scheduler holding its engine, or a callable ``engine -> scheduler``
-    for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``)."""
-    own = {"fast_decode": cfg.rollout.fast_decode, "infer_on_loop_thread": True}  # the engine built here
+    for a scheduler that needs the engine built here (``pipeline.train.scheduler_recipe``). ``images``: whether the
+    rows may carry images; the single-turn scheduler built here for a run without them is text-only."""
     if engine is None and generation_model is not None:
-        engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **own)
+        engine = GatheredWeightsEngine(generation_model, template, accelerator.device, **_own_engine(cfg.rollout))
     elif is_zero3(policy) and getattr(engine, "engine_type", "?") not in ("transformers", "server", "vllm"):
         # grpokit's engines gather ZeRO-3 partitions in their weight sync (engines/weights.py); another one would
         # be handed empty partitions
@@ -242,10 +244,10 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
             f"--deepspeed {cfg.training.deepspeed}: ZeRO-3 with a {engine.engine_type} engine is not "
             "implemented; use the in-process engine, vLLM (--use_vllm true) or server mode"
         )
-    engine = engine or TransformersEngine(policy, template, **own)  # loop thread: our own loop (engines/base.py)
+    engine = engine or TransformersEngine(policy, template, **_own_engine(cfg.rollout))
     check_engine(accelerator, engine)
     if scheduler is None:
-        scheduler = RolloutScheduler(engine)
+        scheduler = RolloutScheduler(engine, text_only=not images)
     elif not isinstance(scheduler, RolloutScheduler) and callable(scheduler):
         scheduler = scheduler(engine)
     if getattr(scheduler, "infer_engine", None) is None:
@@ -261,6 +263,13 @@ def setup_rollout(engine, scheduler, policy, template, cfg: TrainConfig, acceler
             "live training weights, which change while the next window would be generating"
         )
     return engine, scheduler
+
+
+def _own_engine(r) -> dict:
+    """The options of the engine set-up builds: it samples on the loop's thread (our own loop, engines/base.py), and
+    its requests carry a constraint only when the run sets one, decided here once."""
+    constrained = r.structured_outputs_regex is not None or r.structured_outputs_json is not None
+    return {"fast_decode": r.fast_decode, "infer_on_loop_thread": True, "structured_outputs": constrained}
 
 
 def setup_rewards(funcs, names, weights, scheduler, timeout: float | None = None, distill: bool = False) -> Rewards:

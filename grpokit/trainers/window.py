@@ -12,10 +12,10 @@ import torch
 
 from grpokit.algorithms import loss_mask, num_items_per_micro_batch, step_token_counts, uses_global_token_count
 from grpokit.data.images import row_images
+from grpokit.distributed.processes import gather_rows
 from grpokit.errors import ConfigError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.distributed import gather_rows
 
 
 @dataclass

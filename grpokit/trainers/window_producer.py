@@ -16,18 +16,18 @@ import torch
 from grpokit.algorithms import compute_advantages, groups_with_signal, kl_reward_penalty
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
+from grpokit.distributed.offload import Offloader
+from grpokit.distributed.processes import gather_objects, gather_rows, row_offset
 from grpokit.errors import PluginError
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
 from grpokit.rollout.tito import tito_metrics
+from grpokit.runs.outputs import CompletionLimits
+from grpokit.runs.progress import Phases
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows
-from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.forward import sampler_support
-from grpokit.trainers.offload import Offloader
-from grpokit.trainers.outputs import CompletionLimits
-from grpokit.trainers.progress import Phases
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import (
     Window,

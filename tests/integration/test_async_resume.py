@@ -54,7 +54,7 @@ PLUGIN = textwrap.dedent('''
 
     from transformers import TrainerCallback as HFCallback
 
-    import grpokit.trainers.run_outputs as run_outputs
+    import grpokit.runs.run_outputs as run_outputs
     from grpokit.rewards import ORM, orms
     from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
 

@@ -3,7 +3,7 @@ exception" (SIGABRT) after it printed "done".
 
 torch keeps a destroyed gloo group's worker threads alive while DDP or FSDP2's device mesh still reference the
 group; a worker that drops a Python-owned tensor while the interpreter is being finalized aborts the process
-(grpokit/trainers/distributed.py, exit_if_groups_linger; docs/distributed.md, "A clean exit"). The race is rare in
+(grpokit/distributed/processes.py, exit_if_groups_linger; docs/distributed.md, "A clean exit"). The race is rare in
 a whole run, so the first test provokes it: 2 gloo processes on one CPU run collectives on Python tensors right up
 to their exit, with the group still formed (as when a run stops on an error). Ended by a plain interpreter exit,
 5 of 10 such launches aborted on this machine; ended by grpokit's exit, none may. Whole training runs are checked
@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
 
-    from grpokit.trainers.distributed import c10d_threads, exit_if_groups_linger
+    from grpokit.distributed.processes import c10d_threads, exit_if_groups_linger
 
     marker = sys.argv[1]
     atexit.register(lambda: open(f"{marker}.{os.environ['RANK']}", "w").write("atexit ran"))
@@ -90,7 +90,7 @@ def test_no_backend_threads_means_a_normal_exit(tmp_path):
     """Without a process group the function returns, and the interpreter exits as usual (its finalization runs)."""
     code = textwrap.dedent("""
         import torch.distributed  # loaded, but no group formed
-        from grpokit.trainers.distributed import c10d_threads, exit_if_groups_linger
+        from grpokit.distributed.processes import c10d_threads, exit_if_groups_linger
 
         class Flag:
             def __del__(self):

@@ -1,4 +1,4 @@
-"""--deepspeed for every stage (DeepSpeed driven directly, grpokit/trainers/zero.py): a single process started with
+"""--deepspeed for every stage (DeepSpeed driven directly, grpokit/distributed/zero.py): a single process started with
 no launcher (`python -m grpokit train`, no MPI) and 2 gloo processes give what a plain one-process run gives.
 
 The deterministic-completion plugin of test_distributed.py makes runs differ only by how the work is split, so

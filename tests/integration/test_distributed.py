@@ -386,7 +386,7 @@ def _targs(**kw) -> SimpleNamespace:
 def test_missing_deepspeed_package_and_flag_clash_are_clear(monkeypatch):
     import importlib.util
 
-    from grpokit.trainers.distributed import accelerate_plugins
+    from grpokit.distributed.processes import accelerate_plugins
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
@@ -403,7 +403,7 @@ def test_fsdp_and_deepspeed_pass_in_one_process():
     on CPU (the runs: test_fsdp_one_process.py, test_deepspeed_stages.py)."""
     from accelerate.utils import DistributedType
 
-    from grpokit.trainers.distributed import check_backend, check_engine
+    from grpokit.distributed.processes import check_backend, check_engine
 
     acc = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("cpu"))
     check_backend(acc, _targs(fsdp=True))  # a one-process group: the same code path as under a launcher
@@ -416,10 +416,11 @@ def test_fsdp_and_deepspeed_pass_in_one_process():
 
 
 def test_deepspeed_from_an_accelerate_config_is_refused():
-    """grpokit drives DeepSpeed itself (trainers/zero.py); accelerate's DeepSpeed set-up would wrap the model twice."""
+    """grpokit drives DeepSpeed itself (distributed/zero.py); accelerate's DeepSpeed set-up would wrap the model
+    twice."""
     from accelerate.utils import DistributedType
 
-    from grpokit.trainers.distributed import check_backend
+    from grpokit.distributed.processes import check_backend
 
     acc = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, device=torch.device("cuda"))
     with pytest.raises(ConfigError, match="An accelerate config that turns on DeepSpeed: .* pass --deepspeed"):

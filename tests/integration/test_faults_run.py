@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
 
-from grpokit.trainers.run_dir import RunLock
+from grpokit.runs.run_dir import RunLock
 
 pytestmark = pytest.mark.slow
 

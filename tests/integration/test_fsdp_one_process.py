@@ -1,5 +1,5 @@
 """--fsdp in a single process started without a launcher (`python -m grpokit train --fsdp true`): grpokit forms a
-one-process group (trainers/zero.py's, as for --deepspeed) and shards over it. Nothing is split, but the run takes
+one-process group (distributed/zero.py's, as for --deepspeed) and shards over it. Nothing is split, but the run takes
 FSDP2's code path (DTensor parameters, the whole generation copy, torch.distributed.checkpoint shards), so one GPU
 can check it (bench/gpu_shard_check.sh). It must give what the plain one-process run gives: rewards, advantages
 and losses to 1e-5, parameters to 1e-4, the same grad_norm, a checkpoint of FSDP shards."""

@@ -95,7 +95,7 @@ def test_a_checked_sync_does_not_wait_for_the_rollout_in_flight(tiny, server, on
     checked sync returns while the rollout it interrupted is still generating."""
     from types import SimpleNamespace
 
-    from grpokit.trainers.sync_check import sync
+    from grpokit.engines.sync_check.probe import sync
 
     new = load_causal_lm(str(tiny), torch.float32)
     client = RolloutClient(base_urls=[server.url], timeout=60, partial_rollouts=True)

@@ -217,7 +217,7 @@ def test_one_process_runs_repeat(setup, tuner):
 def test_processes_left_out_of_a_group_are_refused(monkeypatch):
     from accelerate.utils import DistributedType
 
-    from grpokit.trainers.distributed import check_backend
+    from grpokit.distributed.processes import check_backend
 
     args = SimpleNamespace(deepspeed=None, fsdp=False)
     alone = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1, device=torch.device("mps"))
@@ -231,7 +231,7 @@ def test_processes_left_out_of_a_group_are_refused(monkeypatch):
 
 
 def test_cpu_is_chosen_for_a_launch_without_accelerators(monkeypatch):
-    from grpokit.trainers import distributed
+    from grpokit.distributed import processes as distributed
 
     monkeypatch.setattr(distributed, "has_accelerator", lambda: False)
     flag, no_flag = SimpleNamespace(use_cpu=True), SimpleNamespace(use_cpu=False)

@@ -17,7 +17,7 @@ from grpokit.testing import build_tiny_model
 pytestmark = pytest.mark.slow
 
 PLUGIN = Path(__file__).with_name("sync_fault_plugin.py")
-CHECK_LOGGER = "grpokit.trainers.sync_check"
+CHECK_LOGGER = "grpokit.engines.sync_check.probe"
 
 
 @pytest.fixture(scope="module")

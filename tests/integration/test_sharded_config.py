@@ -1,4 +1,4 @@
-"""The DeepSpeed config grpokit builds for every stage (trainers/zero.py) and the refusals around --fsdp /
+"""The DeepSpeed config grpokit builds for every stage (distributed/zero.py) and the refusals around --fsdp /
 --deepspeed, without a launch (the runs are in test_sharded_fsdp.py, test_sharded_zero3.py and
 test_deepspeed_stages.py)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from grpokit.distributed.zero import PRESETS, deepspeed_config
 from grpokit.errors import ConfigError
-from grpokit.trainers.zero import PRESETS, deepspeed_config
 
 
 def _targs(**kw) -> SimpleNamespace:
@@ -66,7 +66,7 @@ def test_every_stage_counts_gradient_accumulation_and_runs_in_one_process():
     import torch
     from accelerate.utils import DistributedType
 
-    from grpokit.trainers.distributed import accelerate_plugins, check_backend
+    from grpokit.distributed.processes import accelerate_plugins, check_backend
 
     ds = deepspeed_config(_targs(gradient_accumulation_steps=2), 64, 2)  # DeepSpeed counts the micro-steps
     assert ds["gradient_accumulation_steps"] == 2 and ds["train_batch_size"] == 4 * 2 * 2

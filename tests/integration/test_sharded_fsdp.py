@@ -1,4 +1,4 @@
-"""--fsdp (FSDP2, grpokit/trainers/sharding.py): 2 gloo processes on CPU give what one process gives.
+"""--fsdp (FSDP2, grpokit/distributed/sharding.py): 2 gloo processes on CPU give what one process gives.
 
 The deterministic-completion plugin of test_distributed.py makes runs differ only by how the work is split, so
 rewards, advantages, losses and parameters after 3 steps are compared with one process (and DDP) for full weights

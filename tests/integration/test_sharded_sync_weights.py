@@ -34,14 +34,14 @@ reference = copy.deepcopy(model)
 reference.merge_adapter()
 want = {plain_name(n): p.detach() for n, p in reference.named_parameters() if plain_name(n) is not None}
 if mode == "zero3":
-    from grpokit.trainers.zero import ensure_process_group, initialize
+    from grpokit.distributed.zero import ensure_process_group, initialize
     ensure_process_group(torch.device("cpu"))  # (its lease ends with this process)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     sharded = initialize(model, None, ds).module
 else:
     import torch.distributed as dist
-    from grpokit.trainers.sharding import shard_model
+    from grpokit.distributed.sharding import shard_model
     dist.init_process_group("gloo")
     sharded = shard_model(model, torch.device("cpu"))
 shard_shapes = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
@@ -57,7 +57,7 @@ result = {"names_in_order": [n for n, _ in got] == [n for n, _ in named_sync_ten
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(result, f)
 import torch.distributed as dist
-from grpokit.trainers.distributed import exit_if_groups_linger
+from grpokit.distributed.processes import exit_if_groups_linger
 dist.barrier()
 dist.destroy_process_group()
 exit_if_groups_linger(0)  # a gloo group torch still holds would abort the exit (docs/distributed.md, "A clean exit")

@@ -1,4 +1,4 @@
-"""--deepspeed zero3 (DeepSpeed ZeRO-3 driven directly, grpokit/trainers/zero.py): 2 gloo processes on CPU give
+"""--deepspeed zero3 (DeepSpeed ZeRO-3 driven directly, grpokit/distributed/zero.py): 2 gloo processes on CPU give
 what one process gives, with the checks of test_sharded_fsdp.py (3 steps, full weights with a reference model,
 LoRA, the engine's whole copy, the final model, a checkpoint resumed in 2 processes)."""
 

@@ -355,7 +355,7 @@ def test_usual_layout_matches_loop(seed):
 
 
 def test_group_statistics_exact_for_equal_values_and_nan_aware():
-    from grpokit.algorithms._groups import Groups, group_stats
+    from grpokit.algorithms.advantages import Groups, group_stats
 
     x = torch.tensor([[0.1, 1.0], [0.1, 2.0], [0.1, 4.0], [0.3, 0.0], [0.7, 1.0], [0.2, 5.0]], dtype=torch.float64)
     groups = Groups.from_ids(ids([5, 5, 5, 2, 2, 2]))  # ids need not be dense or sorted

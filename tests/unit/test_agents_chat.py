@@ -11,8 +11,7 @@ from grpokit.agents.chat import ChatBody, ChatError, check_body, parse_tool_call
 from grpokit.agents.episodes import ChoiceRecord, Episode, episode_outputs
 from grpokit.agents.runner import checked_reward
 from grpokit.protocol import RequestConfig
-from grpokit.template.carry import detach
-from grpokit.template.encode import ChatTemplate
+from grpokit.template.encode import ChatTemplate, detach
 
 
 def _body(**kw) -> ChatBody:

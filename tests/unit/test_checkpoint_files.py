@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.trainers import checkpoints as ck
-from grpokit.trainers.checkpoint_files import check_rng_restored, rng_state
-from grpokit.trainers.pickle_scan import check_pickles
-from grpokit.trainers.run_args import read_args
+from grpokit.runs import checkpoints as ck
+from grpokit.runs.checkpoint_files import check_rng_restored, rng_state
+from grpokit.runs.pickle_scan import check_pickles
+from grpokit.runs.run_args import read_args
 
 
 def _checkpoint(out, step: int = 2):

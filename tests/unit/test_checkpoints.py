@@ -20,11 +20,10 @@ from safetensors.torch import save_file
 
 from grpokit import aio
 from grpokit.errors import ConfigError
-from grpokit.trainers import checkpoints as ck
-from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.outputs import JsonlLog, MetricsAccumulator, round_significant
-from grpokit.trainers.run_args import check_resume_args
-from grpokit.trainers.run_dir import (
+from grpokit.runs import checkpoints as ck
+from grpokit.runs.outputs import JsonlLog, MetricsAccumulator, round_significant
+from grpokit.runs.run_args import check_resume_args
+from grpokit.runs.run_dir import (
     LOCK_FILE,
     OutputDirError,
     RunLock,
@@ -33,8 +32,9 @@ from grpokit.trainers.run_dir import (
     output_errors,
     prepare_output_dir,
 )
-from grpokit.trainers.signals import RunStopped, StopRequest, stop_outside_the_loop
-from grpokit.trainers.window_progress import WindowProgress
+from grpokit.runs.stops import RunStopped, StopRequest, stop_outside_the_loop
+from grpokit.trainers.batch import RolloutBatch
+from grpokit.trainers.state import WindowProgress
 
 
 def _checkpoint(out, step: int, **extra):
@@ -288,7 +288,7 @@ def test_atomic_write_leaves_the_old_file_when_the_write_fails(tmp_path, monkeyp
 
 _LOCK_RACER = """
 import os, sys, time
-from grpokit.trainers.run_dir import OutputDirError, RunLock
+from grpokit.runs.run_dir import OutputDirError, RunLock
 root, start, trials, racers = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 for k in range(trials):  # trial k: every racer tries folder k at the same moment
     folder = f"{root}/t{k}"

@@ -171,7 +171,7 @@ def test_chunked_head_matches_reference(entropy):
 
 def test_mismatch_metrics_by_hand_and_reduced_by_max():
     from grpokit.algorithms import mismatch_metrics
-    from grpokit.trainers.outputs import MetricsAccumulator
+    from grpokit.runs.outputs import MetricsAccumulator
 
     # d = trainer − sampler on the masked tokens with a sampler logprob: [0.1, −0.3] (the NaN and the masked token
     # are left out) → max |d| 0.3, mean |d| 0.2, mean exp(d) = (e^0.1 + e^−0.3)/2 = 0.92304

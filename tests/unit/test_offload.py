@@ -1,4 +1,4 @@
-"""--offload_model / --offload_optimizer (trainers/offload.py): what is moved while the engine generates, that
+"""--offload_model / --offload_optimizer (distributed/offload.py): what is moved while the engine generates, that
 it comes back with the same values to where it was, and where the options have no effect or are refused."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from grpokit.config.args import RolloutArguments
 from grpokit.config.parse import parse_train_args
+from grpokit.distributed.offload import Offloader, make_offloader
 from grpokit.errors import ConfigError
-from grpokit.trainers.offload import Offloader, make_offloader
 from grpokit.trainers.window_producer import WindowHooks, WindowProducer
 
 # numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
@@ -138,7 +138,7 @@ def _fake_engine(kind):
 def test_no_effect_is_one_warning_line(kind, device, why, caplog):
     model, opt = _model_and_optimizer()
     args = RolloutArguments(offload_model=True, offload_optimizer=True)
-    with caplog.at_level(logging.WARNING, logger="grpokit.trainers.offload"):
+    with caplog.at_level(logging.WARNING, logger="grpokit.distributed.offload"):
         assert make_offloader(args, _fake_engine(kind), [model], opt, torch.device(device)) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "--offload_model and --offload_optimizer have no effect" in lines[0] and why in lines[0]
@@ -146,7 +146,7 @@ def test_no_effect_is_one_warning_line(kind, device, why, caplog):
 
 def test_only_the_main_process_warns(caplog):
     model, opt = _model_and_optimizer()
-    with caplog.at_level(logging.WARNING, logger="grpokit.trainers.offload"):
+    with caplog.at_level(logging.WARNING, logger="grpokit.distributed.offload"):
         assert (
             make_offloader(
                 RolloutArguments(offload_model=True),

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpokit.trainers.progress import EvalProgress, Phases, PlainProgress, progress_line
+from grpokit.runs.progress import EvalProgress, Phases, PlainProgress, progress_line
 
 
 class FakeClock:
@@ -177,7 +177,7 @@ def test_long_runs_show_minutes_and_hours():
     ],
 )
 def test_progress_kind_by_terminal_flag_and_process(monkeypatch, main, tty, disable_tqdm, expected):
-    from grpokit.trainers.progress import progress_bar
+    from grpokit.runs.progress import progress_bar
 
     monkeypatch.setattr("sys.stderr", SimpleNamespace(isatty=lambda: tty, write=lambda s: len(s), flush=lambda: None))
     bar = progress_bar(main=main, disable_tqdm=disable_tqdm, total=5, initial=0)

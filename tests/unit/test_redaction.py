@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from grpokit.redaction import REDACTED, RedactingFilter, is_secret_name, redacted, remember_secrets
-from grpokit.trainers.run_args import check_resume_args, normalised
+from grpokit.runs.run_args import check_resume_args, normalised
 
 SECRET_OPTIONS = {
     "vllm_server_api_key": "sk-live-0123456789",

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from grpokit.engines.structured import GrammarLogitsProcessor, row_error
+from grpokit.engines.grammar import GrammarLogitsProcessor
+from grpokit.engines.structured import row_error
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest
 from grpokit.server.app import create_app

@@ -235,7 +235,7 @@ def test_rollout_enable_thinking_sets_the_servers_template_and_is_reported(monke
     )
     msgs = [{"role": "user", "content": "hi"}]
     assert state.engine.template.render_prompt(msgs).endswith("assistant: <think></think>")
-    # ... unless the trainer's own value travels with the prompt (grpokit.template.carry): it wins
+    # ... unless the trainer's own value travels with the prompt (grpokit.template.encode): it wins
     carried = [{**msgs[0], "chat_template_kwargs": '{"enable_thinking": true}'}]
     assert state.engine.template.render_prompt(carried).endswith("assistant: ")
 

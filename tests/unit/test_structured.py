@@ -7,11 +7,9 @@ import json
 import pytest
 import torch
 
+from grpokit.engines.grammar import GrammarLogitsProcessor, StructuredOutputs, allowed_from_bitmask
 from grpokit.engines.structured import (
     Constraint,
-    GrammarLogitsProcessor,
-    StructuredOutputs,
-    allowed_from_bitmask,
     check_structured_options,
     constraint_from_config,
     constraint_of,

@@ -9,13 +9,13 @@ import torch
 from pydantic import ValidationError
 from test_server_weight_sync import _loopback_post, _tiny_net
 
-from grpokit.engines.sync_check import StreamTap, check_body, check_stream
+from grpokit.engines.sync_check.checksums import StreamTap, check_body, check_stream
+from grpokit.engines.sync_check.probe import least_precise, run_probe, trainer_logprobs
 from grpokit.engines.vllm_load import _read_back
 from grpokit.engines.weight_sender import WeightSender
 from grpokit.errors import WeightSyncError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
 from grpokit.server.weight_sync import WeightReceiver, check_held
-from grpokit.trainers.sync_check import least_precise, run_probe, trainer_logprobs
 from grpokit.wire import checksum
 from grpokit.wire.bodies import CheckWeightsBody
 from grpokit.wire.checksum import SumsOf, compare_sums, rtol_for, sums_agree, tensor_sums
@@ -221,7 +221,7 @@ def test_the_tolerance_is_the_less_precise_dtype_s():
 
 
 def test_an_overridden_sync_is_run_as_it_is_and_not_checked(caplog):
-    from grpokit.trainers.sync_check import overrides_sync, sync
+    from grpokit.engines.sync_check.probe import overrides_sync, sync
 
     calls = []
 
@@ -301,7 +301,7 @@ def test_check_weights_route_answers_matches_mismatches_and_refusals():
 
 
 def test_probe_route_answers_the_prompt_greedily_and_bounds_its_body():
-    from grpokit.engines.pause import PROBING
+    from grpokit.engines.partial.pause import PROBING
 
     client, state = _check_client(None)
     seen = []

@@ -13,7 +13,7 @@ from grpokit.errors import ConfigError, DataError
 from grpokit.rewards.shape_rewards import ReActFormat
 from grpokit.rewards.toolbench import ReactORM
 from grpokit.template.agent import add_tools
-from grpokit.template.carry import KWARGS_KEY, TOOLS_KEY
+from grpokit.template.encode import KWARGS_KEY, TOOLS_KEY
 from grpokit.template.prompts import PromptOptions, check_data_options, prepare_prompts
 from grpokit.testing import CHATML_TEMPLATE, build_tiny_tokenizer
 

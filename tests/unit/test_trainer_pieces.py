@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 
 from grpokit.protocol import RolloutInferRequest
+from grpokit.runs.outputs import JsonlLog
 from grpokit.trainers.optimizers import build_adamw
-from grpokit.trainers.outputs import JsonlLog
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.window import Window, completion_rows, window_metrics
 

@@ -21,10 +21,10 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice, RolloutInferRequest, RolloutOutput
+from grpokit.runs.outputs import CompletionLimits
 from grpokit.server.viewer_site import ViewerSite, start
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows, thumbnail, token_pieces
-from grpokit.trainers.outputs import CompletionLimits
 from grpokit.viewer.report import chosen_steps, render_html, report_data, write_report
 
 

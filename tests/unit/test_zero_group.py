@@ -1,4 +1,4 @@
-"""The one-process group that --deepspeed forms without a launcher (trainers/zero.py): released at the end of a run
+"""The one-process group that --deepspeed forms without a launcher (distributed/zero.py): released at the end of a run
 with the launcher variables it set, so a caller can run again in the same process; a launcher's group is left
 alone. The DeepSpeed runs themselves, and a trainer's failing set-up: tests/integration/test_deepspeed_stages.py."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpokit.trainers import zero
+from grpokit.distributed import zero
 
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

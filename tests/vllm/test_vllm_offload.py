@@ -37,9 +37,10 @@ def _storage(model, optimizer) -> list[torch.Tensor]:
 def test_colocate_with_offload_trains_in_step_and_generates_without_the_training_storage(
     tiny128, tmp_path, monkeypatch
 ):
+    from grpokit.distributed import offload
     from grpokit.engines.vllm_engine import VllmEngine
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers import grpo_trainer, offload
+    from grpokit.trainers import grpo_trainer
 
     made: list[offload.Offloader] = []
 

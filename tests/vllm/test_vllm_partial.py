@@ -96,7 +96,7 @@ def test_colocate_training_with_partial_rollouts(tiny128, tmp_path):
     import json
 
     from grpokit.config.parse import parse_train_args
-    from grpokit.engines.vllm_partial import PausableVllmEngine
+    from grpokit.engines.partial.vllm_steps import PausableVllmEngine
     from grpokit.pipeline.train import run_train
 
     out = tmp_path / "colocate"

@@ -14,7 +14,7 @@ from grpokit.errors import WeightSyncError
 
 pytestmark = pytest.mark.vllm
 
-CHECK_LOGGER = "grpokit.trainers.sync_check"
+CHECK_LOGGER = "grpokit.engines.sync_check.probe"
 
 
 def _run(model_dir, out, steps: int):
@@ -122,7 +122,7 @@ def test_a_broken_sync_stops_the_colocate_run_at_that_step_naming_the_tensor(tin
     assert "\n" not in message and "[sync after step 1; --check_weight_sync false turns the check off]; " in message
     assert message.endswith(
         "checkpoint-1: fix the cause, then continue with the same command and --resume_from_checkpoint latest"
-    )  # step 1 was saved first (trainers/error_save.py)
+    )  # step 1 was saved first (runs/stops.py)
     if fault == "corrupt":
         assert message.startswith(
             "weight sync check: vLLM does not hold the weights just synced: model.embed_tokens.weight ("

@@ -9,10 +9,10 @@ from typing import Any
 
 from grpokit.config.parse import parse_train_args
 from grpokit.config.plan import checkpoint_dirs
+from grpokit.distributed.processes import full_state_dict
 from grpokit.errors import ConfigError
 from grpokit.pipeline.supplied import Supplied, model_folder
 from grpokit.pipeline.train import assembled
-from grpokit.trainers.distributed import full_state_dict
 from grpokit.trl.agent import rollout_parts, with_tools
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.reward_setup import reward_list

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from grpokit.config.plan import checkpoint_dirs
 from grpokit.errors import ConfigError
-from grpokit.trainers.checkpoint_files import check_tree, checked_state, parse_json, read_regular
-from grpokit.trainers.pickle_scan import unreadable_parts
-from grpokit.trainers.run_dir import atomic_write_text, fsync_dir
+from grpokit.runs.checkpoint_files import check_tree, checked_state, parse_json, read_regular
+from grpokit.runs.pickle_scan import unreadable_parts
+from grpokit.runs.run_dir import atomic_write_text, fsync_dir
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from grpokit.config.plan import world_size
+from grpokit.distributed.zero import full_state_dict as zero_full_state_dict
+from grpokit.distributed.zero import is_zero3, load_spec, stage_of
 from grpokit.errors import ConfigError
-from grpokit.trainers.outputs import MAX_METRICS
-from grpokit.trainers.zero import full_state_dict as zero_full_state_dict
-from grpokit.trainers.zero import is_zero3, load_spec, stage_of
 
 logger = logging.getLogger(__name__)
+
+# metrics that are a maximum: reduced by max over micro-steps and processes, not averaged
+MAX_METRICS = frozenset({"mismatch/max_abs"})
 _SHARDED_HINT = (
     "use plain DDP (drop the flag) or --deepspeed zero2 with the in-process engine, or run the "
     "rollouts on a `grpokit rollout` server (--vllm_mode server, see docs/distributed.md)"
@@ -44,7 +46,7 @@ def accelerate_plugins(args) -> dict:
                 f"--deepspeed {args.deepspeed}: the deepspeed package is not installed "
                 "(pip install 'grpokit[deepspeed]'), or drop --deepspeed to train with plain DDP"
             )
-    # --deepspeed (every stage): trainers/zero.py drives DeepSpeed itself; --fsdp: sharding.py shards the model;
+    # --deepspeed (every stage): distributed/zero.py drives DeepSpeed itself; --fsdp: sharding.py shards the model;
     # accelerate runs plain (multi-)process in both cases, the same on CPU and GPU
     return {}
 
@@ -158,7 +160,7 @@ def gather_objects(accelerator, items: list) -> list:
 
 def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     """Each metric averaged over the ranks that report it (a rank's value is already its micro-step mean); a
-    maximum (outputs.MAX_METRICS) is the ranks' maximum."""
+    maximum (``MAX_METRICS``) is the ranks' maximum."""
     if accelerator.num_processes == 1:
         return metrics
     per_rank: list[dict[str, Any]] = gather_objects(accelerator, [metrics])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from grpokit.engines.pause import PROBING, PauseGate
+from grpokit.engines.partial.pause import PROBING, PauseGate
 from grpokit.protocol import ChatCompletionResponseChoice, RequestConfig
 
 

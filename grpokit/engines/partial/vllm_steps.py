@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from grpokit.engines.pause import PROBING, PauseGate
+from grpokit.engines.partial.pause import PROBING, PauseGate
 from grpokit.engines.vllm_engine import VllmEngine
 from grpokit.protocol import ChatCompletionResponse, RequestConfig
 

@@ -11,13 +11,15 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Protocol
 
 from grpokit.config.moot import installed_trackers
 from grpokit.config.plan import earlier_run_checkpoints
+from grpokit.distributed.processes import full_state_dict
 from grpokit.errors import GrpokitError
 from grpokit.redaction import remember_secrets
-from grpokit.trainers.checkpoint_files import check_rng_restored, rng_path, rng_state
-from grpokit.trainers.checkpoints import (
+from grpokit.runs.checkpoint_files import check_rng_restored, rng_path, rng_state
+from grpokit.runs.checkpoints import (
     ARGS_FILE,
     TMP_SUFFIX,
     UNUSABLE,
@@ -34,16 +36,22 @@ from grpokit.trainers.checkpoints import (
     skipped_line,
     temporary_dir,
 )
-from grpokit.trainers.distributed import full_state_dict
-from grpokit.trainers.outputs import JsonlLog, plot_curves, summary_text
-from grpokit.trainers.pickle_scan import check_pickles
-from grpokit.trainers.progress import Phases, progress_bar
-from grpokit.trainers.run_args import check_resume_args, normalised, read_args
-from grpokit.trainers.run_dir import atomic_write_text, output_errors
-from grpokit.trainers.window_progress import WindowProgress
+from grpokit.runs.outputs import JsonlLog, plot_curves, summary_text
+from grpokit.runs.pickle_scan import check_pickles
+from grpokit.runs.progress import Phases, progress_bar
+from grpokit.runs.run_args import check_resume_args, normalised, read_args
+from grpokit.runs.run_dir import atomic_write_text, output_errors
 from grpokit.viewer import write_report
 
 logger = logging.getLogger(__name__)
+
+
+class UnfinishedWindow(Protocol):
+    """What a checkpoint saves of the window in training (trainers/state.py's ``WindowProgress``)."""
+
+    unfinished: bool
+
+    def save(self, folder: Path, rank: int, step_metrics: dict) -> None: ...
 
 
 class RunOutputs:
@@ -103,7 +111,7 @@ class RunOutputs:
         prompts_consumed: int,
         max_steps: int,
         extra: dict | None = None,
-        window: WindowProgress | None = None,
+        window: UnfinishedWindow | None = None,
         step_metrics: dict | None = None,
     ) -> Path:
         """accelerate's state (optimizer, schedule, RNGs), the model as ``save_pretrained`` writes it, the

@@ -14,8 +14,8 @@ from pathlib import Path
 from grpokit.config.plan import world_size
 from grpokit.errors import ConfigError
 from grpokit.redaction import redacted
-from grpokit.trainers.checkpoint_files import read_json
-from grpokit.trainers.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
+from grpokit.runs.checkpoint_files import read_json
+from grpokit.runs.checkpoints import ARGS_FILE, check_window_processes, read_state, resolve_resume
 
 MAX_ARGS_BYTES = 4 << 20  # an args.json is a few KiB; a file of MiBs is not a run's
 

@@ -10,11 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpokit.distributed.processes import MAX_METRICS
 from grpokit.errors import ConfigError
-from grpokit.trainers.run_dir import atomic_write_text, output_errors
-
-# metrics that are a maximum: reduced by max over micro-steps and processes, not averaged
-MAX_METRICS = frozenset({"mismatch/max_abs"})
+from grpokit.runs.run_dir import atomic_write_text, output_errors
 
 
 class MetricsAccumulator:

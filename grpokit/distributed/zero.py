@@ -7,7 +7,8 @@ stage 3, the full-weight reference model) in DeepSpeed engines over the same pro
 started without a launcher gets a one-process group of its own (``ensure_process_group``), so DeepSpeed never
 looks for MPI; the run holds its lease and releases it.
 
-- The loop's backward is the engine's (``backward``: it scales by the accumulation steps as accelerate would) and
+- The loop's backward is the engine's (the trainer asks ``is_engine`` once; ``engine.backward`` scales by the
+  accumulation steps as accelerate would, and ZeRO 2-3 refuse accelerate's ``no_sync``) and
   its ``optimizer.step()`` is the engine's step on every micro-step (``EngineStep``); DeepSpeed counts the
   micro-steps (its ``gradient_accumulation_steps`` is --gradient_accumulation_steps), reduces and steps at the
   boundary, and clips the gradient by the config's ``gradient_clipping`` (set from --max_grad_norm; DeepSpeed's own
@@ -177,21 +178,6 @@ def is_zero3(model) -> bool:
 def is_engine(model) -> bool:
     """True for a DeepSpeed engine (what --deepspeed wraps the policy in)."""
     return hasattr(model, "zero_optimization_stage") and hasattr(model, "save_checkpoint")
-
-
-def synced_models(model) -> tuple:
-    """The models for ``accelerator.accumulate``: none for a DeepSpeed engine, which counts the micro-steps and
-    reduces at the boundary itself (its ``no_sync`` is refused by ZeRO 2-3), else the model."""
-    return () if is_engine(model) else (model,)
-
-
-def backward(accelerator, model, loss) -> None:
-    """``engine.backward`` for a DeepSpeed engine (every stage; stage 0 supports no plain ``loss.backward()``), which
-    divides by the accumulation steps as accelerate does; else ``accelerator.backward``."""
-    if is_engine(model):
-        model.backward(loss)
-    else:
-        accelerator.backward(loss)
 
 
 class ProcessGroupLease:

@@ -2,7 +2,7 @@
 logprob probe.
 
 An engine with weights of its own (a rollout server, colocated vLLM) syncs through ``sync_weights_checked``,
-which compares checksums of what was sent with what the engine holds afterwards (grpokit/engines/sync_check.py).
+which compares checksums of what was sent with what the engine holds afterwards (checksums.py beside this one).
 Then the probe: a fixed short prompt, ``PROBE_TOKENS`` greedy tokens with their logprobs from the engine, and the
 same tokens' logprobs from the trainer's policy on the same ids; a difference above ``PROBE_TOLERANCE`` of the
 less precise of the two dtypes stops the run. The probe catches what checksums cannot see: a backend that repacked

@@ -1,6 +1,6 @@
 """The pause a weight update sets so that a running generation hands it the engine's lock and continues after
-it on the new weights (partial rollouts): shared by the served transformers engine (server/partial.py) and the
-vLLM engines (vllm_partial.py)."""
+it on the new weights (partial rollouts): shared by the served transformers engine (engines/partial/served.py) and the
+vLLM engines (vllm_steps.py)."""
 
 from __future__ import annotations
 
