@@ -60,6 +60,9 @@ from grpokit.algorithms.rollout_is import (
     validate_rollout_is_options,
 )
 
+# isort: split
+from grpokit.algorithms.option_checks import check_registry_names, loss_config  # the option gate's "names" rules
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DEFAULT_SCALE",
@@ -75,9 +78,11 @@ __all__ = [
     "Centered",
     "chord_mix",
     "chord_mu",
+    "check_registry_names",
     "chord_sft_loss",
     "LossConfig",
     "LossInputs",
+    "loss_config",
     "LossOut",
     "PolicyTerms",
     "RolloutISOut",

@@ -9,8 +9,9 @@ last, the batch plan (its divisibility rules). Names that an ``--external_plugin
 given, else by the pipeline right after it loads the plugins. A check that needs a loaded model (reward columns
 against the dataset, the demo model's or a hub model's context) stays with the code that loads it.
 
-This module imports torch (through ``grpokit.algorithms``); ``grpokit.config.parse`` imports it only when it
-parses for a run, so that ``grpokit train --help`` stays torch-free.
+Rules that need a component's knowledge (the algorithm registries, the chat template's options, the grammars of
+structured outputs) are registered by that component (``config/checks.py``) and run here at their slots: config
+imports no runtime package, and ``grpokit train --help`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -21,32 +22,21 @@ import multiprocessing
 import re
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 
-from grpokit.algorithms import (
-    LOSS_NORMALIZERS,
-    POLICY_LOSSES,
-    LossConfig,
-    validate_advantage_options,
-    validate_entropy_quantile,
-    validate_loss_config,
-    validate_rollout_is_options,
-)
 from grpokit.config.args import TrainConfig
 from grpokit.config.async_rules import async_option, check_partial_rollouts, check_staleness
+from grpokit.config.checks import run_checks
 from grpokit.config.context import check_context
 from grpokit.config.fields import check_fields
 from grpokit.config.moot import warn_moot_options
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
 from grpokit.config.resolve import OPTIM_NAMES
+from grpokit.config.reward_args import ISOLATION_MODES
 from grpokit.config.swift_options import check_swift_options, is_rank0
 from grpokit.config.teacher_args import check_teacher_options
-from grpokit.engines.structured import check_structured_options
 from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
-from grpokit.rewards.isolation import ISOLATION_MODES
-from grpokit.template.prompts import check_data_options
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +54,7 @@ def validate(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = 
     _real_loss_rules(cfg)
     check_chord_options(cfg)
     check_teacher_options(cfg)  # on-policy distillation (config/teacher_args.py)
-    check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
+    run_checks("data", cfg)  # --columns, --system FILE, --max_length, --agent_template, ... (grpokit.template)
     _check_rollout_modes(cfg)
     _check_rewards(cfg, supplied_rewards)
     _check_paths(cfg)
@@ -79,31 +69,7 @@ def check_registry_names(cfg: TrainConfig) -> None:
     """The options whose values are names in registries a plugin may extend (``config/names.py``), with the rules
     that look those names up. They are checked as soon as the registries are final: in ``validate`` when no
     ``--external_plugins`` are given, else by the pipeline right after it loads them (still before any model)."""
-    a = cfg.algorithm
-    check_loss_type_pair(a.loss_type)
-    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
-    validate_loss_config(loss_config(cfg))
-    validate_entropy_quantile(a.top_entropy_quantile)
-    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold,
-                                a.use_rollout_logprobs)
-
-
-def loss_config(cfg: TrainConfig) -> LossConfig:
-    """The loss slice of the configuration. cispo's default cap 5.0 is grpokit's: the value the docs of ms-swift
-    (CISPO page) and TRL (epsilon_high) recommend after ScaleRL; the code of both falls back to --epsilon."""
-    a = cfg.algorithm
-    high = a.epsilon_high
-    if high is None:
-        high = 5.0 if a.loss_type == "cispo" else a.epsilon
-    return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
-                      epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
-                      beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
-                      max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
-                      vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
-                      vespo_lambda_neg=a.vespo_lambda_neg,
-                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode,
-                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations,
-                      kl_bias_correction=a.kl_bias_correction)
+    run_checks("names", cfg)  # grpokit/algorithms/option_checks.py
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
@@ -156,11 +122,17 @@ def _check_swift_names(cfg: TrainConfig) -> None:
     if gc_kwargs and not m.gradient_checkpointing and is_rank0():
         logger.warning("--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
                        "default is true, grpokit's false)")
-    if m.attn_impl is not None and m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
+    if m.attn_impl is not None and m.attn_impl.startswith("flash") and (t.use_cpu or not _cuda()):
         raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
                           "CPU; use --attn_impl sdpa (or eager)")
     _check_dataloader(t)
     _check_freezing(m)
+
+
+def _cuda() -> bool:
+    import torch  # asked only of a flash --attn_impl: importing config stays torch-free
+
+    return torch.cuda.is_available()
 
 
 def _check_scheduler_name(name: str) -> None:
@@ -327,22 +299,7 @@ def _check_sampling(cfg: TrainConfig) -> None:
         err = e.errors()[0]
         field = {"max_tokens": "max_completion_length", "stop": "stop_words"}.get(str(err["loc"][0]), err["loc"][0])
         raise ConfigError(f"--{field} {err.get('input')!r}: {err['msg']}") from None
-    if r.structured_outputs_regex or r.structured_outputs_json:
-        check_structured_options(r.structured_outputs_regex, r.structured_outputs_json)
-
-
-def check_loss_type_pair(loss_type: str) -> None:
-    """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
-    half instead of reporting the name as unknown. ms-swift's fipo is refused as not implemented (unless a plugin
-    registers it)."""
-    if loss_type == "fipo" and loss_type not in POLICY_LOSSES:
-        raise ConfigError("--loss_type fipo: ms-swift's FIPO (future-KL influence weights on the PPO-clip loss) is not "
-                          "implemented in grpokit; use another --loss_type (e.g. grpo, dapo or real)")
-    POLICY_LOSSES.get_or_raise(loss_type)
-    if loss_type not in LOSS_NORMALIZERS:
-        raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "
-                          f"loss type needs both: add LOSS_NORMALIZERS[{loss_type!r}] = <normaliser> in the plugin "
-                          "(e.g. grpokit.algorithms.losses.token_mean; docs/plugins.md)")
+    run_checks("sampling", cfg)  # a regex or schema that does not compile (grpokit/engines/option_checks.py)
 
 
 def _looks_like_hub_id(name: str) -> bool:
