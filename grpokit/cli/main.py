@@ -9,8 +9,11 @@ import sys
 import warnings
 
 from grpokit.config.help import unknown_option_line
+from grpokit.config.parse import parse_train_args
 from grpokit.errors import GrpokitError
 from grpokit.redaction import install_log_redaction
+from grpokit.server.cli import run_rollout_cli
+from grpokit.viewer import write_report
 
 USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
@@ -118,12 +121,10 @@ def run_view(rest: list[str]) -> None:
     if args.max_completion_steps < 1:
         _fail(f"grpokit view: --max_completion_steps {args.max_completion_steps} must be at least 1; use 1 or "
               "more (default 100)")
-    # here, not at the top: the other commands never load the viewer
-    from grpokit.viewer import write_report
-
     print(write_report(args.output_dir, args.output, args.max_completion_steps), flush=True)
     if args.serve:
-        from grpokit.server.viewer_site import serve_viewer  # on the transport every grpokit surface has
+        # not at the top: the live page is served on the web stack every grpokit surface has (fastapi)
+        from grpokit.server.viewer_site import serve_viewer
 
         serve_viewer(args.output_dir, port, args.max_completion_steps)
 
@@ -163,12 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
         _quiet_third_party()
 
-    # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
-    # without torch (STYLE.md, thin entry point), and one command never loads another's stack
+    # the options of every command are parsed by torch-free modules imported at the top; the stack that runs a
+    # command is imported here, not at the top: `grpokit --help` and `grpokit train --help` answer without torch
+    # (STYLE.md, thin entry point), and one command never loads another's stack
     try:
         if command in ("train", "options"):  # `grpokit options TOPIC` is `grpokit train --help TOPIC`
-            from grpokit.config.parse import parse_train_args
-
             cfg = parse_train_args(rest if command == "train" else ["--help", *rest[:1]])
             from grpokit.pipeline.train import run_train
 
@@ -188,8 +188,6 @@ def main(argv: list[str] | None = None) -> None:
         elif command == "view":
             run_view(rest)
         elif command == "rollout":
-            from grpokit.server.cli import run_rollout_cli
-
             run_rollout_cli(rest)
         else:
             _fail(f"unknown command {command!r}; use train, rollout, infer, eval, view or options")

@@ -8,7 +8,6 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 
 from grpokit.config.help import unknown_option_line
 from grpokit.errors import ConfigError
@@ -226,14 +225,6 @@ def run_rollout_cli(argv: list[str]) -> None:
     check_port_free(options.host, options.port)
     # imported here, not at the top: serving loads torch, transformers and the web stack, and parsing the options
     # (and `grpokit rollout --help`) should not
-    from grpokit.server.app import create_app
-    from grpokit.server.state import build_state
-    from grpokit.server.transport import connection_cap, serve
+    from grpokit.server.serving import serve_rollouts
 
-    state = build_state(options)
-    app = create_app(state)
-    auth = "API key required" if options.api_key else "no API key"
-    turns = f", multi-turn: {options.multi_turn_scheduler}" if options.multi_turn_scheduler else ""
-    print(f"grpokit rollout: serving {options.model} ({options.engine}{turns}) on "
-          f"http://{options.host}:{options.port} ({auth})", file=sys.stderr, flush=True)
-    serve(app, options.host, options.port, options.transport_limits(connection_cap(options.max_connections)))
+    serve_rollouts(options)
