@@ -2,7 +2,8 @@
 
 The variant names of each option live in registries (``ADVANTAGE_ESTIMATORS``, ``SCALE_MODES``,
 ``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``LOSS_CHECKS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may
-extend. See docs/algorithms.md for the formulas next to their flags.
+extend. See docs/algorithms.md for the formulas next to their flags. The rules that check an option against these
+registries (``option_checks.py``) register with config's option gate when the package is imported.
 """
 
 from __future__ import annotations

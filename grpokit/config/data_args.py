@@ -32,7 +32,7 @@ class DataArguments:
         0.0, "hold out this fraction of --dataset as validation when --val_dataset is not given", ge=0, lt=1
     )
     dataset_shuffle: bool = _opt(True, "shuffle the training prompts each epoch")
-    # issue 19: ms-swift's dataset and template options (grpokit/data, grpokit/template; docs/datasets.md)
+    # ms-swift's dataset and template options (grpokit/data, grpokit/template; docs/datasets.md)
     truncation_strategy: str | None = _opt(
         None,
         "prompts longer than --max_length: left (keep the last max_length tokens), right (keep the first), "

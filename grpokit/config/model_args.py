@@ -37,7 +37,7 @@ class ModelArguments:
     gradient_checkpointing: bool = _opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = _opt(False, "allow custom model code from the model folder")
     disable_dropout: bool = _opt(False, "every dropout of the policy and reference at p = 0 (TRL's disable_dropout)")
-    # ms-swift names (issue 19)
+    # ms-swift names
     attn_impl: str | None = _opt(
         None,
         "attention implementation: sdpa, eager, flash_attn (= flash_attention_2, "

@@ -109,7 +109,7 @@ class TrainingArguments:
         "no progress bar: plain progress lines on stderr instead, as when stderr is "
         "not a terminal (first and last step, then a step 30 s after the last line)",
     )
-    # ms-swift / transformers names (issue 19)
+    # ms-swift / transformers names
     optim: str | None = _opt(
         None,
         "transformers' optimizer name: adamw_torch, adamw_torch_fused (= --optimizer adamw) or sgd (= --optimizer sgd)",
