@@ -9,7 +9,7 @@ order of checks, so errors come in the same order as when config called them its
 The components that register are named in ``COMPONENTS`` and imported the first time a rule is needed
 (``load_components``), as Django's system checks find theirs through ``INSTALLED_APPS``: importing config stays
 light (``grpokit train --help`` answers without torch) and no config module imports a runtime one.
-``tests/unit/test_option_checks.py`` keeps ``COMPONENTS`` equal to the modules that register.
+``tests/unit/test_config_leaf.py`` keeps ``COMPONENTS`` equal to the modules that register.
 """
 
 from __future__ import annotations
