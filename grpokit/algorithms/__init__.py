@@ -2,7 +2,8 @@
 
 The variant names of each option live in registries (``ADVANTAGE_ESTIMATORS``, ``SCALE_MODES``,
 ``POLICY_LOSSES``, ``LOSS_NORMALIZERS``, ``LOSS_CHECKS``, ``IS_LEVELS``, ``ROLLOUT_IS_MODES``) that a plugin may
-extend. See docs/algorithms.md for the formulas next to their flags.
+extend. See docs/algorithms.md for the formulas next to their flags. The rules that check an option against these
+registries (``option_checks.py``) register with config's option gate when the package is imported.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ from grpokit.algorithms.rollout_is import (
     validate_rollout_is_options,
 )
 
+# isort: split
+from grpokit.algorithms.option_checks import check_registry_names, loss_config  # the option gate's "names" rules
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DEFAULT_SCALE",
@@ -75,9 +79,11 @@ __all__ = [
     "Centered",
     "chord_mix",
     "chord_mu",
+    "check_registry_names",
     "chord_sft_loss",
     "LossConfig",
     "LossInputs",
+    "loss_config",
     "LossOut",
     "PolicyTerms",
     "RolloutISOut",

@@ -18,7 +18,7 @@ Per-token losses (``--loss_type``; the registry maps each name to its family):
   ratio exploded.
 - ``cispo`` — CISPO (MiniMax-M1, arXiv 2506.13585): −sg[min(r, ε_high)]·A·log π_θ. The paper clips the weight
   to [1−ε_low, 1+ε_high]; ms-swift and TRL (followed here) cap it from above only and read ``epsilon_high`` as the
-  absolute cap. grpokit's default cap 5.0 (``parse.loss_config``) is the value ms-swift's CISPO docs page and TRL's
+  absolute cap. grpokit's default cap 5.0 (``loss_config``) is the value ms-swift's CISPO docs page and TRL's
   ``epsilon_high`` help give, after ScaleRL (arXiv 2510.13786); the code of both falls back to ``epsilon``.
 - ``sapo`` — SAPO (arXiv 2511.20347): −σ(τ·(r−1))·(4/τ)·A with τ = τ_pos for A > 0 and τ_neg otherwise
   (defaults 1.0 and 1.05, the paper's). The 4/τ factor makes the gradient at r = 1 equal to the plain

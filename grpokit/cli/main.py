@@ -9,8 +9,11 @@ import sys
 import warnings
 
 from grpokit.config.help import unknown_option_line
+from grpokit.config.parse import parse_train_args
 from grpokit.errors import GrpokitError
 from grpokit.redaction import install_log_redaction
+from grpokit.server.cli import run_rollout_cli
+from grpokit.viewer import write_report
 
 USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
@@ -46,51 +49,93 @@ def _exit_if_groups_linger(code: int) -> None:
 def infer_parser(command: str = "infer") -> argparse.ArgumentParser:
     """`grpokit infer`, or `grpokit eval`: the same options, with eval's defaults sampling K = 4 per prompt."""
     evaluating = command == "eval"
-    description = ("pass@k, mean@K and greedy scores per reward on a dataset, with 95% intervals over prompts."
-                   if evaluating else "Completions and reward scores on a dataset.")
+    description = (
+        "pass@k, mean@K and greedy scores per reward on a dataset, with 95% intervals over prompts."
+        if evaluating
+        else "Completions and reward scores on a dataset."
+    )
     p = argparse.ArgumentParser(prog=f"grpokit {command}", description=description, allow_abbrev=False)
-    p.add_argument("--model", default=None, help="model or checkpoint folder (full or LoRA adapter); "
-                                                 "default: the built-in demo model")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model or checkpoint folder (full or LoRA adapter); default: the built-in demo model",
+    )
     p.add_argument("--dataset", default="builtin:arithmetic:test", help="dataset spec, as for train")
     p.add_argument("--reward_funcs", nargs="+", default=["accuracy"], help="reward functions that score")
     p.add_argument("--max_new_tokens", type=int, default=20)
-    p.add_argument("--temperature", type=float, default=1.0 if evaluating else 0.0,
-                   help="0 = greedy; with --num_generations_eval, the samples' temperature (the greedy pass is apart)")
-    p.add_argument("--top_p", type=float, default=1.0, help="the samples' nucleus sampling")
-    p.add_argument("--top_k", type=int, default=-1, help="the samples' top-k (-1: off)")
-    p.add_argument("--num_generations_eval", type=int, default=4 if evaluating else None,
-                   help="also sample K completions per prompt and report pass@k (k = 1, 2, 4, ... and K), mean@K and "
-                        "greedy per reward" + ("" if evaluating else " (as `grpokit eval`)"))
-    p.add_argument("--eval_pass_threshold", type=float, default=1.0,
-                   help="a sample passes (pass@k) when its reward is at least this")
+    _add_sampling_options(p, evaluating)
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--limit", type=int, default=0, help="first N prompts only")
     p.add_argument("--system", default=None)
     p.add_argument("--torch_dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--external_plugins", nargs="*", default=[])
-    p.add_argument("--output", default="eval_results.jsonl" if evaluating else None,
-                   help="write the scores (first line) and the completions (greedy, then the samples, with `sample`) "
-                        "as JSON lines here")
+    p.add_argument(
+        "--output",
+        default="eval_results.jsonl" if evaluating else None,
+        help="write the scores (first line) and the completions (greedy, then the samples, with `sample`) "
+        "as JSON lines here",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    p.add_argument("--fast_decode", type=str.lower, default="true", choices=["true", "false"],
-                   help="grpokit's decode loop for Llama/Qwen2/Qwen3 models (false: HF generate)")
+    p.add_argument(
+        "--fast_decode",
+        type=str.lower,
+        default="true",
+        choices=["true", "false"],
+        help="grpokit's decode loop for Llama/Qwen2/Qwen3 models (false: HF generate)",
+    )
 
     _strict_errors(p, f"grpokit {command}")
     return p
 
 
+def _add_sampling_options(p: argparse.ArgumentParser, evaluating: bool) -> None:
+    """The greedy pass and the K samples per prompt, with their pass threshold (eval samples by default)."""
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0 if evaluating else 0.0,
+        help="0 = greedy; with --num_generations_eval, the samples' temperature (the greedy pass is apart)",
+    )
+    p.add_argument("--top_p", type=float, default=1.0, help="the samples' nucleus sampling")
+    p.add_argument("--top_k", type=int, default=-1, help="the samples' top-k (-1: off)")
+    p.add_argument(
+        "--num_generations_eval",
+        type=int,
+        default=4 if evaluating else None,
+        help="also sample K completions per prompt and report pass@k (k = 1, 2, 4, ... and K), mean@K and "
+        "greedy per reward" + ("" if evaluating else " (as `grpokit eval`)"),
+    )
+    p.add_argument(
+        "--eval_pass_threshold",
+        type=float,
+        default=1.0,
+        help="a sample passes (pass@k) when its reward is at least this",
+    )
+
+
 def view_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grpokit view", description="The trajectory viewer of a run: one self-contained "
-                                "HTML file (curves, completions by step and group, per-token colouring); "
-                                "docs/viewer.md.", allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="grpokit view",
+        description="The trajectory viewer of a run: one self-contained "
+        "HTML file (curves, completions by step and group, per-token colouring); "
+        "docs/viewer.md.",
+        allow_abbrev=False,
+    )
     p.add_argument("output_dir", help="the run's --output_dir (logging.jsonl, completions.jsonl)")
     p.add_argument("--output", default=None, help="where to write the page (default: OUTPUT_DIR/report.html)")
-    p.add_argument("--serve", action="store_true", help="also serve the page live on 127.0.0.1 while the run "
-                                                        "writes (it redraws when the logs grow)")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="also serve the page live on 127.0.0.1 while the run writes (it redraws when the logs grow)",
+    )
     p.add_argument("--port", type=int, default=None, help="port for --serve (default 8765; 0: a free one)")
-    p.add_argument("--max_completion_steps", type=int, default=100,
-                   help="steps whose completions the page holds: the first, the last and evenly spaced ones")
+    p.add_argument(
+        "--max_completion_steps",
+        type=int,
+        default=100,
+        help="steps whose completions the page holds: the first, the last and evenly spaced ones",
+    )
 
     _strict_errors(p, "grpokit view")
     return p
@@ -116,16 +161,34 @@ def run_view(rest: list[str]) -> None:
     if not 0 <= port <= 65535:
         _fail(f"grpokit view: --port {port} is not a port; use 0-65535 (0: a free one)")
     if args.max_completion_steps < 1:
-        _fail(f"grpokit view: --max_completion_steps {args.max_completion_steps} must be at least 1; use 1 or "
-              "more (default 100)")
-    # here, not at the top: the other commands never load the viewer
-    from grpokit.viewer import write_report
-
+        _fail(
+            f"grpokit view: --max_completion_steps {args.max_completion_steps} must be at least 1; use 1 or "
+            "more (default 100)"
+        )
     print(write_report(args.output_dir, args.output, args.max_completion_steps), flush=True)
     if args.serve:
-        from grpokit.server.viewer_site import serve_viewer  # on the transport every grpokit surface has
+        # not at the top: the live page is served on the web stack every grpokit surface has (fastapi)
+        from grpokit.server.viewer_site import serve_viewer
 
         serve_viewer(args.output_dir, port, args.max_completion_steps)
+
+
+def run_infer_cli(command: str, rest: list[str]) -> None:
+    """`grpokit infer` and `grpokit eval`: parse, check what needs no model, then run."""
+    parser = infer_parser(command)
+    args = parser.parse_args(rest)
+    k = args.num_generations_eval
+    if k is not None and (k < 1 or args.temperature == 0):  # said before the model loads
+        parser.error(
+            f"--num_generations_eval {k}: must be at least 1, e.g. 4"
+            if k < 1
+            else f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
+            "pass); give --temperature 1.0 (or the training run's)"
+        )
+    # not at the top: inference loads torch and the model's stack, which parsing must not
+    from grpokit.pipeline.infer import run_infer
+
+    run_infer(args)
 
 
 def _quiet_third_party() -> None:
@@ -156,40 +219,29 @@ def main(argv: list[str] | None = None) -> None:
             print(USAGE)
             return
     command, rest = argv[0], argv[1:]
-    logging.basicConfig(level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("GRPOKIT_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("grpokit").setLevel(os.environ.get("GRPOKIT_LOG_LEVEL", "INFO").upper())
     install_log_redaction()  # no key or token in a log line (grpokit/redaction.py)
     if command != "view":  # the viewer loads no third-party library to quieten (and answers at once)
         _quiet_third_party()
 
-    # each command imports its own layer here, not at the top: `grpokit --help` and `grpokit train --help` answer
-    # without torch (STYLE.md, thin entry point), and one command never loads another's stack
+    # the options of every command are parsed by torch-free modules imported at the top; the stack that runs a
+    # command is imported here, not at the top: `grpokit --help` and `grpokit train --help` answer without torch
+    # (STYLE.md, thin entry point), and one command never loads another's stack
     try:
         if command in ("train", "options"):  # `grpokit options TOPIC` is `grpokit train --help TOPIC`
-            from grpokit.config.parse import parse_train_args
-
             cfg = parse_train_args(rest if command == "train" else ["--help", *rest[:1]])
             from grpokit.pipeline.train import run_train
 
             run_train(cfg)
             _exit_if_groups_linger(0)
         elif command in ("infer", "eval"):
-            parser = infer_parser(command)
-            args = parser.parse_args(rest)
-            k = args.num_generations_eval
-            if k is not None and (k < 1 or args.temperature == 0):  # said before the model loads
-                parser.error(f"--num_generations_eval {k}: must be at least 1, e.g. 4" if k < 1 else
-                             f"--num_generations_eval {k} samples at --temperature, which is 0 (greedy, the separate "
-                             "pass); give --temperature 1.0 (or the training run's)")
-            from grpokit.pipeline.infer import run_infer
-
-            run_infer(args)
+            run_infer_cli(command, rest)
         elif command == "view":
             run_view(rest)
         elif command == "rollout":
-            from grpokit.server.cli import run_rollout_cli
-
             run_rollout_cli(rest)
         else:
             _fail(f"unknown command {command!r}; use train, rollout, infer, eval, view or options")
@@ -201,8 +253,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(code)
         _fail(str(e))
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was saved since the last checkpoint (continue with --resume_from_checkpoint "
-              "latest)", 130)
+        _fail(
+            "interrupted; nothing was saved since the last checkpoint (continue with --resume_from_checkpoint latest)",
+            130,
+        )
 
 
 if __name__ == "__main__":

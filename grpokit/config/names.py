@@ -7,16 +7,14 @@ plugins have loaded (``grpokit.config.validate``), against the live registries, 
 ``grpokit train --help`` lists the names too. The registries live in ``grpokit.algorithms``, which imports torch,
 and plain ``--help`` must not (it answers in under a second): until that package is imported, the help shows
 ``BUILTIN_NAMES`` below, a torch-free copy of what grpokit itself registers (a unit test keeps it equal to the
-registries). Once the package is imported — ``grpokit train --external_plugins p.py --help`` loads the plugins
-first — the help lists the live registries, plugin names included.
+registries). Importing the package hands its registries to ``LIVE`` (config imports no runtime package; see
+``config/checks.py``) — ``grpokit train --external_plugins p.py --help`` loads the plugins first — and from then
+on the help lists the live registries, plugin names included.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-
-ALGORITHMS = "grpokit.algorithms"
+from grpokit.config.checks import load_components
 
 # option -> the registries (attributes of grpokit.algorithms) a name must be in
 REGISTRIES: dict[str, tuple[str, ...]] = {
@@ -37,18 +35,26 @@ BUILTIN_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
+# option -> its live registries, in REGISTRIES' order: filled when grpokit.algorithms is imported
+LIVE: dict[str, tuple[dict, ...]] = {}
+
+
 def registered_names(option: str) -> list[str]:
     """The names usable for ``--option`` now, in registration order (imports grpokit.algorithms, so torch)."""
-    algorithms = importlib.import_module(ALGORITHMS)
-    first, *others = (getattr(algorithms, attr) for attr in REGISTRIES[option])
-    return [name for name in first if all(name in other for other in others)]
+    load_components()
+    return _live_names(option)
 
 
 def help_names(option: str) -> list[str]:
     """For ``--help``: the live registry once grpokit.algorithms is imported, else the built-in names."""
-    if ALGORITHMS in sys.modules:
-        return registered_names(option)
+    if option in LIVE:
+        return _live_names(option)
     return list(BUILTIN_NAMES[option])
+
+
+def _live_names(option: str) -> list[str]:
+    first, *others = LIVE[option]
+    return [name for name in first if all(name in other for other in others)]
 
 
 def help_suffix(option: str) -> str:

@@ -23,11 +23,12 @@ from types import MappingProxyType
 import yaml
 
 from grpokit.config.args import ALL_GROUPS, TrainConfig
-from grpokit.config.fields import OWN_KEYS, check_fields, coerce_yaml, option_fields
+from grpokit.config.checked import checked_config
+from grpokit.config.checks import provided
+from grpokit.config.fields import OWN_KEYS, coerce_yaml, option_fields
 from grpokit.config.help import HELP_FLAGS, did_you_mean, help_text
 from grpokit.config.swift_options import REFUSED, WARNED
 from grpokit.errors import ConfigError
-from grpokit.plugins.loader import load_plugins_once
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def _load_plugins_for_help(argv: list[str]) -> None:
     pre.add_argument("--external_plugins", "--external-plugins", nargs="*", default=[])
     known, _ = pre.parse_known_args(argv)
     if known.external_plugins:
-        load_plugins_once(known.external_plugins)
+        provided("load_plugins")(known.external_plugins)  # grpokit/plugins/loader.py
 
 
 def _known_flags(parser) -> list[str]:
@@ -183,9 +184,4 @@ def parse_train_args(
     }
     groups = [g for g in groups if type(g) in ALL_GROUPS]
     cfg = TrainConfig(*groups, swift_options=swift)
-    check_fields(cfg)  # before the import below: a bad value answers without torch
-    # imported here, not at the top: validation imports torch (through grpokit.algorithms), and `--help` above
-    # must answer without it
-    from grpokit.config.checked import checked_config
-
     return checked_config(cfg, supplied_rewards, supplied_eval)

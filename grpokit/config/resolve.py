@@ -25,8 +25,8 @@ import logging
 import os
 
 from grpokit.config.args import TrainConfig
+from grpokit.config.schema import load_json_schema
 from grpokit.config.swift_options import is_rank0
-from grpokit.engines.structured import load_json_schema
 
 logger = logging.getLogger(__name__)
 

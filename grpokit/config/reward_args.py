@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from grpokit.config.fields import opt as _opt
 
+ISOLATION_MODES = ("bwrap", "none")  # --code_exec_isolation's choices (grpokit/rewards/isolation.py runs them)
+
 
 @dataclass
 class RewardArguments:

@@ -9,8 +9,9 @@ last, the batch plan (its divisibility rules). Names that an ``--external_plugin
 given, else by the pipeline right after it loads the plugins. A check that needs a loaded model (reward columns
 against the dataset, the demo model's or a hub model's context) stays with the code that loads it.
 
-This module imports torch (through ``grpokit.algorithms``); ``grpokit.config.parse`` imports it only when it
-parses for a run, so that ``grpokit train --help`` stays torch-free.
+Rules that need a component's knowledge (the algorithm registries, the chat template's options, the grammars of
+structured outputs) are registered by that component (``config/checks.py``) and run here at their slots: config
+imports no runtime package, and ``grpokit train --help`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -21,32 +22,22 @@ import multiprocessing
 import re
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 
-from grpokit.algorithms import (
-    LOSS_NORMALIZERS,
-    POLICY_LOSSES,
-    LossConfig,
-    validate_advantage_options,
-    validate_entropy_quantile,
-    validate_loss_config,
-    validate_rollout_is_options,
-)
 from grpokit.config.args import TrainConfig
-from grpokit.config.async_rules import async_option, check_partial_rollouts, check_staleness
+from grpokit.config.async_rules import check_staleness
+from grpokit.config.checks import run_checks
 from grpokit.config.context import check_context
 from grpokit.config.fields import check_fields
 from grpokit.config.moot import warn_moot_options
 from grpokit.config.plan import batch_plan, earlier_run_checkpoints
 from grpokit.config.resolve import OPTIM_NAMES
+from grpokit.config.reward_args import ISOLATION_MODES
+from grpokit.config.rollout_rules import check_rollout_modes
 from grpokit.config.swift_options import check_swift_options, is_rank0
 from grpokit.config.teacher_args import check_teacher_options
-from grpokit.engines.structured import check_structured_options
 from grpokit.errors import ConfigError
 from grpokit.protocol import RequestConfig
-from grpokit.rewards.isolation import ISOLATION_MODES
-from grpokit.template.prompts import check_data_options
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +55,8 @@ def validate(cfg: TrainConfig, supplied_rewards: int = 0, supplied_eval: bool = 
     _real_loss_rules(cfg)
     check_chord_options(cfg)
     check_teacher_options(cfg)  # on-policy distillation (config/teacher_args.py)
-    check_data_options(cfg.data, cfg.rollout)  # --columns, --system FILE, --max_length, --agent_template, ...
-    _check_rollout_modes(cfg)
+    run_checks("data", cfg)  # --columns, --system FILE, --max_length, --agent_template, ... (grpokit.template)
+    check_rollout_modes(cfg)  # server mode, multi-turn, vLLM colocate, async generation (config/rollout_rules.py)
     _check_rewards(cfg, supplied_rewards)
     _check_paths(cfg)
     check_context(cfg)
@@ -79,31 +70,7 @@ def check_registry_names(cfg: TrainConfig) -> None:
     """The options whose values are names in registries a plugin may extend (``config/names.py``), with the rules
     that look those names up. They are checked as soon as the registries are final: in ``validate`` when no
     ``--external_plugins`` are given, else by the pipeline right after it loads them (still before any model)."""
-    a = cfg.algorithm
-    check_loss_type_pair(a.loss_type)
-    validate_advantage_options(a.advantage_estimator, a.scale_rewards, a.kl_in_reward and a.beta != 0)
-    validate_loss_config(loss_config(cfg))
-    validate_entropy_quantile(a.top_entropy_quantile)
-    validate_rollout_is_options(a.rollout_importance_sampling_mode, a.rollout_importance_sampling_threshold,
-                                a.use_rollout_logprobs)
-
-
-def loss_config(cfg: TrainConfig) -> LossConfig:
-    """The loss slice of the configuration. cispo's default cap 5.0 is grpokit's: the value the docs of ms-swift
-    (CISPO page) and TRL (epsilon_high) recommend after ScaleRL; the code of both falls back to --epsilon."""
-    a = cfg.algorithm
-    high = a.epsilon_high
-    if high is None:
-        high = 5.0 if a.loss_type == "cispo" else a.epsilon
-    return LossConfig(loss_type=a.loss_type, importance_sampling_level=a.importance_sampling_level,
-                      epsilon_low=a.epsilon, epsilon_high=high, delta=a.delta,
-                      beta=0.0 if a.kl_in_reward else a.beta, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
-                      max_completion_length=cfg.rollout.max_completion_length, vespo_k_pos=a.vespo_k_pos,
-                      vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg,
-                      vespo_lambda_neg=a.vespo_lambda_neg,
-                      rollout_importance_sampling_mode=a.rollout_importance_sampling_mode,
-                      real_tau=a.real_tau, num_generations=cfg.rollout.num_generations,
-                      kl_bias_correction=a.kl_bias_correction)
+    run_checks("names", cfg)  # grpokit/algorithms/option_checks.py
 
 
 def _real_loss_rules(cfg: TrainConfig) -> None:
@@ -114,16 +81,22 @@ def _real_loss_rules(cfg: TrainConfig) -> None:
     if a.loss_type != "real":
         return
     if t.per_device_train_batch_size % g:
-        raise ConfigError(f"--loss_type real classifies whole groups inside each micro-batch, but "
-                          f"per_device_train_batch_size {t.per_device_train_batch_size} is not a multiple of "
-                          f"num_generations {g}; use a multiple of {g}")
+        raise ConfigError(
+            f"--loss_type real classifies whole groups inside each micro-batch, but "
+            f"per_device_train_batch_size {t.per_device_train_batch_size} is not a multiple of "
+            f"num_generations {g}; use a multiple of {g}"
+        )
     if a.top_entropy_quantile < 1.0:
-        raise ConfigError(f"--top_entropy_quantile {a.top_entropy_quantile} masks a per-token policy term, which "
-                          "--loss_type real does not have, so it would do nothing; remove it")
+        raise ConfigError(
+            f"--top_entropy_quantile {a.top_entropy_quantile} masks a per-token policy term, which "
+            "--loss_type real does not have, so it would do nothing; remove it"
+        )
     if a.off_policy_sequence_mask_delta is not None:
-        raise ConfigError(f"--off_policy_sequence_mask_delta {a.off_policy_sequence_mask_delta} masks sequences "
-                          "out of a per-token policy term, which --loss_type real does not have, so it would do "
-                          "nothing; remove it")
+        raise ConfigError(
+            f"--off_policy_sequence_mask_delta {a.off_policy_sequence_mask_delta} masks sequences "
+            "out of a per-token policy term, which --loss_type real does not have, so it would do "
+            "nothing; remove it"
+        )
 
 
 def json_object(option: str, value) -> dict | None:
@@ -133,8 +106,9 @@ def json_object(option: str, value) -> dict | None:
     try:
         out = json.loads(value)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--{option} {value!r}: not valid JSON ({e.msg}); pass an object such as "
-                          "'{\"key\": value}'") from None
+        raise ConfigError(
+            f"--{option} {value!r}: not valid JSON ({e.msg}); pass an object such as '{{\"key\": value}}'"
+        ) from None
     if not isinstance(out, dict):
         raise ConfigError(f"--{option} {value!r}: expected a JSON object such as '{{\"key\": value}}'")
     return out
@@ -145,22 +119,35 @@ def _check_swift_names(cfg: TrainConfig) -> None:
     of choices that another library (transformers, multiprocessing) or another layer keeps."""
     m, t = cfg.model, cfg.training
     if t.optim is not None and t.optim not in OPTIM_NAMES:
-        raise ConfigError(f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
-                          "or --optimizer NAME from the optimizers registry (a plugin may add one)")
+        raise ConfigError(
+            f"--optim {t.optim}: not implemented in grpokit; use one of {', '.join(OPTIM_NAMES)}, "
+            "or --optimizer NAME from the optimizers registry (a plugin may add one)"
+        )
     json_object("lr_scheduler_kwargs", t.lr_scheduler_kwargs)
     _check_scheduler_name(t.lr_scheduler_type)
     if cfg.reward.code_exec_isolation not in ISOLATION_MODES:
-        raise ConfigError(f"--code_exec_isolation {cfg.reward.code_exec_isolation}: unknown; use one of "
-                          f"{', '.join(ISOLATION_MODES)}")
+        raise ConfigError(
+            f"--code_exec_isolation {cfg.reward.code_exec_isolation}: unknown; use one of {', '.join(ISOLATION_MODES)}"
+        )
     gc_kwargs = json_object("gradient_checkpointing_kwargs", m.gradient_checkpointing_kwargs)
     if gc_kwargs and not m.gradient_checkpointing and is_rank0():
-        logger.warning("--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
-                       "default is true, grpokit's false)")
-    if m.attn_impl is not None and m.attn_impl.startswith("flash") and (t.use_cpu or not torch.cuda.is_available()):
-        raise ConfigError(f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
-                          "CPU; use --attn_impl sdpa (or eager)")
+        logger.warning(
+            "--gradient_checkpointing_kwargs: no effect without --gradient_checkpointing true (ms-swift's "
+            "default is true, grpokit's false)"
+        )
+    if m.attn_impl is not None and m.attn_impl.startswith("flash") and (t.use_cpu or not _cuda()):
+        raise ConfigError(
+            f"--attn_impl {m.attn_impl}: flash attention needs a CUDA GPU and this run is on the "
+            "CPU; use --attn_impl sdpa (or eager)"
+        )
     _check_dataloader(t)
     _check_freezing(m)
+
+
+def _cuda() -> bool:
+    import torch  # asked only of a flash --attn_impl: importing config stays torch-free
+
+    return torch.cuda.is_available()
 
 
 def _check_scheduler_name(name: str) -> None:
@@ -168,8 +155,9 @@ def _check_scheduler_name(name: str) -> None:
 
     names = [s.value for s in SchedulerType]
     if name not in names:
-        raise ConfigError(f"--lr_scheduler_type {name}: unknown; use one of transformers' schedules: "
-                          f"{', '.join(names)}")
+        raise ConfigError(
+            f"--lr_scheduler_type {name}: unknown; use one of transformers' schedules: {', '.join(names)}"
+        )
 
 
 def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
@@ -179,15 +167,21 @@ def _check_evaluation(cfg: TrainConfig, supplied_eval: bool = False) -> None:
     val = d.val_dataset or d.split_dataset_ratio or supplied_eval
     k = t.num_generations_eval
     if k and not val:
-        raise ConfigError(f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "
-                          "FILE and --eval_steps N, or drop it")
+        raise ConfigError(
+            f"--num_generations_eval {k} without validation data would never sample; add --val_dataset "
+            "FILE and --eval_steps N, or drop it"
+        )
     if k and (t.eval_strategy or t.save_strategy) == "no":  # unset, --eval_strategy follows --save_strategy
         said = "--eval_strategy no" if t.eval_strategy else "--save_strategy no (which --eval_strategy follows)"
-        raise ConfigError(f"--num_generations_eval {k} with {said} would never sample; use --eval_strategy steps "
-                          "--eval_steps N, or drop it")
+        raise ConfigError(
+            f"--num_generations_eval {k} with {said} would never sample; use --eval_strategy steps "
+            "--eval_steps N, or drop it"
+        )
     if k and not (t.eval_steps or t.eval_on_start or t.eval_on_end or t.callbacks):  # a callback may evaluate
-        raise ConfigError(f"--num_generations_eval {k} without --eval_steps (or --eval_on_start true) would never "
-                          "sample; add --eval_steps N, or drop it")
+        raise ConfigError(
+            f"--num_generations_eval {k} without --eval_steps (or --eval_on_start true) would never "
+            "sample; add --eval_steps N, or drop it"
+        )
 
 
 def _check_ref_sync(cfg: TrainConfig) -> None:
@@ -196,22 +190,32 @@ def _check_ref_sync(cfg: TrainConfig) -> None:
     if not a.sync_ref_model:
         return
     if a.beta == 0:
-        raise ConfigError("--sync_ref_model true with --beta 0: no reference model is loaded (the KL term is off), so "
-                          "there is nothing to sync; drop --sync_ref_model or set --beta > 0")
+        raise ConfigError(
+            "--sync_ref_model true with --beta 0: no reference model is loaded (the KL term is off), so "
+            "there is nothing to sync; drop --sync_ref_model or set --beta > 0"
+        )
     if m.tuner_type == "lora":
-        raise ConfigError("--sync_ref_model true with --tuner_type lora: the reference is the base model with the "
-                          "adapters disabled, which mixing cannot change; drop --sync_ref_model or use --tuner_type "
-                          "full")
+        raise ConfigError(
+            "--sync_ref_model true with --tuner_type lora: the reference is the base model with the "
+            "adapters disabled, which mixing cannot change; drop --sync_ref_model or use --tuner_type "
+            "full"
+        )
 
 
 def _check_freezing(m) -> None:
-    options = {"freeze_parameters": m.freeze_parameters, "freeze_parameters_regex": m.freeze_parameters_regex,
-               "freeze_parameters_ratio": m.freeze_parameters_ratio, "trainable_parameters": m.trainable_parameters,
-               "trainable_parameters_regex": m.trainable_parameters_regex}
+    options = {
+        "freeze_parameters": m.freeze_parameters,
+        "freeze_parameters_regex": m.freeze_parameters_regex,
+        "freeze_parameters_ratio": m.freeze_parameters_ratio,
+        "trainable_parameters": m.trainable_parameters,
+        "trainable_parameters_regex": m.trainable_parameters_regex,
+    }
     given = [name for name, value in options.items() if value]
     if given and m.tuner_type != "full":
-        raise ConfigError(f"--{given[0]} acts with --tuner_type full (as in ms-swift); with LoRA only the adapters "
-                          "train: choose them with --target_modules / --target_regex")
+        raise ConfigError(
+            f"--{given[0]} acts with --tuner_type full (as in ms-swift); with LoRA only the adapters "
+            "train: choose them with --target_modules / --target_regex"
+        )
     for name in ("freeze_parameters_regex", "trainable_parameters_regex"):
         if options[name] is not None:
             try:
@@ -226,62 +230,10 @@ def _check_dataloader(t) -> None:
             raise ConfigError(f"--{name} {getattr(t, name)}: acts only with --dataloader_num_workers > 0")
     context = t.dataloader_multiprocessing_context
     if context is not None and context not in multiprocessing.get_all_start_methods():
-        raise ConfigError(f"--dataloader_multiprocessing_context {context}: not a start method here; use one of "
-                          f"{', '.join(multiprocessing.get_all_start_methods())}")
-
-
-def _check_rollout_modes(cfg: TrainConfig) -> None:
-    """Server mode, multi-turn, vLLM colocate and async generation: combinations that cannot work."""
-    r = cfg.rollout
-    server = r.vllm_mode == "server"
-    check_partial_rollouts(r, server)
-    # server mode: the server runs the trajectories; the trainer's multi-turn options are checked against the
-    # server's at start-up (grpokit.rollout.remote.check_server_rollout), as ms-swift takes them on either side
-    used = [f for f, on in (("--gym_env", r.gym_env), ("--openenv_env", r.openenv_env),
-                            ("--loss_scale", r.loss_scale != "default"),
-                            ("--max_turns", r.max_turns), ("--use_gym_env", r.use_gym_env is not None)) if on]
-    if not server and r.multi_turn_scheduler is None and used:
-        raise ConfigError(f"{used[0]} acts on multi-turn rollouts; add --multi_turn_scheduler NAME (e.g. "
-                          "gym_scheduler, thinking_tips_scheduler)")
-    if r.openenv_env and server:
-        raise ConfigError(f"--openenv_env {r.openenv_env}: in server mode the rollout server's scheduler makes the "
-                          "environments; name it in each row's env_config.env (module:Class) instead")
-    if r.vllm_server_pass_dataset and not server:
-        raise ConfigError("--vllm_server_pass_dataset true sends the rows' columns to a rollout server; it needs "
-                          "--vllm_mode server (in colocate mode the scheduler reads them anyway)")
-    if server and not (r.vllm_server_host or r.vllm_server_base_url):
-        raise ConfigError("--vllm_mode server needs --vllm_server_host H --vllm_server_port P "
-                          "(or --vllm_server_base_url URL)")
-    if r.vllm_server_host and len(r.vllm_server_port) not in (1, len(r.vllm_server_host)):
-        raise ConfigError(f"{len(r.vllm_server_host)} --vllm_server_host value(s) but {len(r.vllm_server_port)} "
-                          "--vllm_server_port value(s); give one port, or one per host")
-    if r.async_generate and not (server or r.use_vllm):
-        raise ConfigError(f"{async_option(r)} needs an engine with its own copy of the weights (--vllm_mode "
-                          "server, or --use_vllm true): the in-process transformers engine samples from the "
-                          "live training weights, which change while the next window would be generating")
-    if r.use_vllm and not server:
-        _check_vllm_colocate(cfg)
-
-
-def _check_vllm_colocate(cfg: TrainConfig) -> None:
-    r = cfg.rollout
-    if r.sleep_level == 2 and cfg.training.eval_steps:
-        raise ConfigError(f"--sleep_level 2 with --eval_steps {cfg.training.eval_steps}: evaluation runs between "
-                          "an optimizer step and the weight sync, when sleep level 2 has dropped vLLM's weights; "
-                          "use --sleep_level 1")
-    if r.sleep_level and r.async_generate:
-        raise ConfigError(f"--sleep_level {r.sleep_level} with {async_option(r)}: the engine cannot sleep "
-                          "while it generates the next window during training; use --sleep_level 0")
-    offload = [f"--{n} true" for n in ("offload_model", "offload_optimizer") if getattr(r, n)]
-    if offload and r.async_generate:
-        raise ConfigError(f"{offload[0]} with {async_option(r)}: the next window generates while this one "
-                          "trains, so the training model cannot wait in CPU memory; drop one of the two")
-    sharded = "--deepspeed" if cfg.training.deepspeed else "--fsdp" if cfg.training.fsdp else None
-    if offload and sharded:
-        instead = ("--deepspeed zero3_offload (DeepSpeed keeps the partitions and optimizer state in CPU memory)"
-                   if sharded == "--deepspeed" else "plain DDP (drop --fsdp), or --deepspeed zero3_offload")
-        raise ConfigError(f"{offload[0]} with {sharded} and vLLM colocate is not implemented (those engines "
-                          f"partition the weights and optimizer state themselves); drop it and use {instead}")
+        raise ConfigError(
+            f"--dataloader_multiprocessing_context {context}: not a start method here; use one of "
+            f"{', '.join(multiprocessing.get_all_start_methods())}"
+        )
 
 
 def _check_rewards(cfg: TrainConfig, supplied: int = 0) -> None:
@@ -292,11 +244,15 @@ def _check_rewards(cfg: TrainConfig, supplied: int = 0) -> None:
         n = len(funcs) + supplied + len(w.reward_model) + int(gym)
         if len(w.reward_weights) != n:
             order = "functions first, then models" + (", then gym_reward" if gym else "")
-            raise ConfigError(f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "
-                              f"function(s) and model(s); give one weight each ({order})")
+            raise ConfigError(
+                f"--reward_weights has {len(w.reward_weights)} value(s) but there are {n} reward "
+                f"function(s) and model(s); give one weight each ({order})"
+            )
     if w.reward_model_plugin and len(w.reward_model_plugin) != len(w.reward_model):
-        raise ConfigError(f"--reward_model_plugin has {len(w.reward_model_plugin)} name(s) for "
-                          f"{len(w.reward_model)} --reward_model(s); give one each")
+        raise ConfigError(
+            f"--reward_model_plugin has {len(w.reward_model_plugin)} name(s) for "
+            f"{len(w.reward_model)} --reward_model(s); give one each"
+        )
 
 
 def _check_paths(cfg: TrainConfig) -> None:
@@ -310,8 +266,7 @@ def _check_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"--reward_model {path}: not found; pass a local sequence-classification model folder")
     resume = t.resume_from_checkpoint
     if resume and resume != "latest" and not Path(resume).is_dir():
-        raise ConfigError(f"--resume_from_checkpoint {resume}: no such folder; pass a checkpoint-N folder or "
-                          "'latest'")
+        raise ConfigError(f"--resume_from_checkpoint {resume}: no such folder; pass a checkpoint-N folder or 'latest'")
     if not resume:
         earlier_run_checkpoints(t.output_dir, t.overwrite_output_dir)
 
@@ -321,28 +276,19 @@ def _check_sampling(cfg: TrainConfig) -> None:
     bad regex/schema, fail here rather than at the first rollout (``resolve`` has read a schema file into its text)."""
     r = cfg.rollout
     try:
-        RequestConfig(max_tokens=r.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                      repetition_penalty=r.repetition_penalty, stop=list(r.stop_words))
+        RequestConfig(
+            max_tokens=r.max_completion_length,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            repetition_penalty=r.repetition_penalty,
+            stop=list(r.stop_words),
+        )
     except ValidationError as e:
         err = e.errors()[0]
         field = {"max_tokens": "max_completion_length", "stop": "stop_words"}.get(str(err["loc"][0]), err["loc"][0])
         raise ConfigError(f"--{field} {err.get('input')!r}: {err['msg']}") from None
-    if r.structured_outputs_regex or r.structured_outputs_json:
-        check_structured_options(r.structured_outputs_regex, r.structured_outputs_json)
-
-
-def check_loss_type_pair(loss_type: str) -> None:
-    """A loss type is a per-token loss (POLICY_LOSSES) plus its normaliser (LOSS_NORMALIZERS): name the missing
-    half instead of reporting the name as unknown. ms-swift's fipo is refused as not implemented (unless a plugin
-    registers it)."""
-    if loss_type == "fipo" and loss_type not in POLICY_LOSSES:
-        raise ConfigError("--loss_type fipo: ms-swift's FIPO (future-KL influence weights on the PPO-clip loss) is not "
-                          "implemented in grpokit; use another --loss_type (e.g. grpo, dapo or real)")
-    POLICY_LOSSES.get_or_raise(loss_type)
-    if loss_type not in LOSS_NORMALIZERS:
-        raise ConfigError(f"--loss_type {loss_type!r} is registered in POLICY_LOSSES but not in LOSS_NORMALIZERS; a "
-                          f"loss type needs both: add LOSS_NORMALIZERS[{loss_type!r}] = <normaliser> in the plugin "
-                          "(e.g. grpokit.algorithms.losses.token_mean; docs/plugins.md)")
+    run_checks("sampling", cfg)  # a regex or schema that does not compile (grpokit/engines/option_checks.py)
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -351,8 +297,13 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 # ---- CHORD (algorithms/chord.py, trainers/chord_sft.py) ----------------------------------------------------------
-_CHORD_SETTINGS = ("chord_sft_per_device_train_batch_size", "chord_mu_warmup_steps", "chord_mu_decay_steps",
-                   "chord_mu_peak", "chord_mu_valley")
+_CHORD_SETTINGS = (
+    "chord_sft_per_device_train_batch_size",
+    "chord_mu_warmup_steps",
+    "chord_mu_decay_steps",
+    "chord_mu_peak",
+    "chord_mu_valley",
+)
 
 
 def check_chord_options(cfg: TrainConfig) -> None:
@@ -363,13 +314,19 @@ def check_chord_options(cfg: TrainConfig) -> None:
         given = [n for n in _CHORD_SETTINGS if getattr(a, n) is not None]
         given += ["chord_enable_phi_function"] if a.chord_enable_phi_function else []
         if given:
-            raise ConfigError(f"--{given[0]} {getattr(a, given[0])}: acts only with CHORD; add --chord_sft_dataset "
-                              "(expert rows for the SFT term), or drop it")
+            raise ConfigError(
+                f"--{given[0]} {getattr(a, given[0])}: acts only with CHORD; add --chord_sft_dataset "
+                "(expert rows for the SFT term), or drop it"
+            )
         return
     for name in ("chord_sft_per_device_train_batch_size", "chord_mu_peak", "chord_mu_valley"):
         if getattr(a, name) is None:
-            raise ConfigError(f"--chord_sft_dataset needs --{name}; e.g. --chord_sft_per_device_train_batch_size 1 "
-                              "--chord_mu_peak 0.9 --chord_mu_valley 0.05 (peak = valley: a constant mu)")
+            raise ConfigError(
+                f"--chord_sft_dataset needs --{name}; e.g. --chord_sft_per_device_train_batch_size 1 "
+                "--chord_mu_peak 0.9 --chord_mu_valley 0.05 (peak = valley: a constant mu)"
+            )
     if a.chord_mu_peak < a.chord_mu_valley:
-        raise ConfigError(f"--chord_mu_peak {a.chord_mu_peak} is below --chord_mu_valley {a.chord_mu_valley}: mu "
-                          "decays from the peak to the valley; swap them, or set both equal for a constant mu")
+        raise ConfigError(
+            f"--chord_mu_peak {a.chord_mu_peak} is below --chord_mu_valley {a.chord_mu_valley}: mu "
+            "decays from the peak to the valley; swap them, or set both equal for a constant mu"
+        )

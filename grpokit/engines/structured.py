@@ -9,8 +9,9 @@ whitespace between tokens), as with vLLM's ``disable_any_whitespace``.
 This module holds the constraints and their checks; grammar.py applies one while the transformers engine samples.
 
 A constraint is checked before any sampling: an invalid regex or schema raises ``ConfigError`` (``grpokit train``
-fails at start-up; the rollout server answers 400). A schema is read from a file only by ``load_json_schema``, which
-``grpokit train`` calls on its own option; a request carries the schema itself, and errors never repeat it.
+fails at start-up; the rollout server answers 400). A schema is read from a file only by ``load_json_schema``
+(``grpokit.config.schema``), which ``grpokit train`` calls on its own option; a request carries the schema itself,
+and errors never repeat it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
+from grpokit.config.schema import load_json_schema as load_json_schema  # reading the option's file is config's
+from grpokit.config.schema import parse_schema_text
 from grpokit.errors import ConfigError
-from grpokit.protocol import MAX_JSON_DEPTH
-from grpokit.wire.json_text import JsonTextError, loads
 
 logger = logging.getLogger(__name__)
 
@@ -63,37 +63,6 @@ class Constraint:
         return json.loads(self.text)
 
 
-def load_json_schema(value: dict | str) -> dict[str, Any]:
-    """A JSON schema from a dict, JSON text, or the path of a ``.json`` file; ConfigError if it is none of these."""
-    if isinstance(value, dict):
-        return value
-    text = value.strip()
-    if not text.startswith(("{", "[")) and Path(text).is_file():
-        try:
-            text = Path(text).read_text()
-        except OSError as e:
-            raise ConfigError(f"structured_outputs_json {value}: cannot read the file ({e.strerror})") from e
-    elif not text.startswith(("{", "[")) and text.endswith(".json"):
-        raise ConfigError(
-            f"structured_outputs_json {value}: no such file; pass a JSON schema as JSON text or "
-            "the path of a .json file"
-        )
-    schema = _parse_schema_text(text)
-    if not isinstance(schema, dict):
-        raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
-    return schema
-
-
-def _parse_schema_text(text: str) -> Any:
-    """``json.loads`` of a schema's text within grpokit.wire.json_text's bounds (nesting ``MAX_JSON_DEPTH``, as
-    schemas given as objects; number length): a ConfigError naming the bound or where the JSON fails, never
-    Python's RecursionError or its integer-size ValueError."""
-    try:
-        return loads(text, max_depth=MAX_JSON_DEPTH, what="structured_outputs_json")
-    except JsonTextError as e:
-        raise ConfigError(f"{e}; pass a JSON schema as JSON text or the path of a .json file") from None
-
-
 def constraint_of(regex: str | None, schema: dict | str | None) -> Constraint | None:
     """The constraint given by the two options (at most one may be set), or None; not yet compiled."""
     if regex is not None and schema is not None:
@@ -119,7 +88,7 @@ def _schema_object(value: dict | str) -> dict[str, Any]:
             "structured_outputs_json: a request carries the JSON schema itself, as a JSON object or "
             "JSON text; a file path is read only from grpokit train's --structured_outputs_json"
         )
-    schema = _parse_schema_text(value)
+    schema = parse_schema_text(value)
     if not isinstance(schema, dict):
         raise ConfigError(f"structured_outputs_json: a JSON schema is a JSON object, got {type(schema).__name__}")
     return schema

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpokit.config.checks import provide
 from grpokit.errors import PluginError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ def load_plugins_once(paths: list[str]) -> list[str]:
     todo = [raw for raw in paths if not _already_loaded(Path(raw).resolve())]
     load_plugins(todo)
     return [Path(raw).resolve().stem for raw in paths]
+
+
+provide("load_plugins", load_plugins_once)  # `grpokit train --external_plugins p.py --help` (config/parse.py)
 
 
 def _already_loaded(path: Path) -> bool:

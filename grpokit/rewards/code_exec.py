@@ -126,7 +126,7 @@ class CodeExecReward(ORM):
         self.sandbox = isolation.describe(self.runtime)  # which protections are active (for logs)
         self.limits = SandboxLimits(timeout_s=float(code_exec_timeout), memory_mb=int(code_exec_memory_mb))
         self.workers = workers
-        self.graders = GraderPool(workers)
+        self.graders = GraderPool(workers, score_sample)
         self.last_failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
 
     def check_rows(self, rows: Any) -> None:
@@ -163,7 +163,7 @@ class CodeExecReward(ORM):
         self.graders.close()
 
     def __getstate__(self) -> dict:  # a copy (a reward worker's) starts graders of its own
-        return {**self.__dict__, "graders": GraderPool(self.workers)}
+        return {**self.__dict__, "graders": GraderPool(self.workers, score_sample)}
 
     @property
     def last_metrics(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ program sizes fails its test with a MemoryError there instead of taking the trai
 
 from __future__ import annotations
 
+import functools
 import pickle
 import queue
 import resource
@@ -29,9 +30,12 @@ DATA_BUDGET = 1 << 30  # heap a grader process may add to what it holds at start
 class GraderPool:
     """Grader processes, started on demand, reused, and replaced when one is killed."""
 
-    def __init__(self, size: int, serve: Any = None) -> None:
+    def __init__(self, size: int, score: Any = None, serve: Any = None) -> None:
+        """``score(completion, cases, limits, runtime, deadline)`` grades one sample in a grader process (code_exec's
+        ``score_sample``); ``serve(conn)`` replaces the whole process loop (tests). Both module-level functions: a
+        grader process is sent them by name."""
         self.size = size
-        self.serve = serve or _serve  # what a grader process runs (a module-level function: it is sent by name)
+        self.serve = serve or functools.partial(_serve, score=score)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
 
     def grade(self, completion: str, cases: Any, limits: Any, runtime: Any, budget_s: float) -> tuple[float, Counter]:
@@ -83,11 +87,8 @@ def _data_in_use() -> int:
     return 0
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, score: Any) -> None:
     """A grader process: one sample in, its score out, until the pipe closes."""
-    # not at the top: code_exec imports this module
-    from grpokit.rewards.code_exec import score_sample  # noqa: PLC0415
-
     processes.detach()
     limit = _data_in_use() + DATA_BUDGET
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
@@ -97,5 +98,5 @@ def _serve(conn: Any) -> None:
             completion, cases, limits, runtime, deadline = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the pool closed its end
             return
-        score, failures = score_sample(completion, cases, limits, runtime, deadline)
-        conn.send((score, dict(failures)))
+        value, failures = score(completion, cases, limits, runtime, deadline)
+        conn.send((value, dict(failures)))

@@ -29,11 +29,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpokit.config.reward_args import ISOLATION_MODES
 from grpokit.rewards import seccomp_filter
 
 logger = logging.getLogger(__name__)
 
-ISOLATION_MODES = ("bwrap", "none")
 SETUP_HINT = "scripts/setup_system.sh installs it"
 _PROBE = "import os, sys; print(os.path.realpath(sys.base_prefix)); print(os.path.dirname(os.__file__))"
 _LIB_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")

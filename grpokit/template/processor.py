@@ -4,8 +4,8 @@ A multimodal prompt is rendered by the chat template and tokenized by the model'
 image slot into the model's image tokens and returns the model-specific tensors (``pixel_values``,
 ``image_grid_thw``, ``mm_token_type_ids``, ``pixel_attention_mask``, ``token_type_ids``). The engine samples from
 those ids and tensors, and the trainer's batch carries the very same ids and, per row, the same tensors
-(``MMRow``); ``collate_mm`` turns a list of rows into model inputs for both, so a micro-batch or a process's share
-is always a list of whole rows and splitting can never separate an image from its tokens.
+(``MMRow``, in ``mm_rows.py``); ``collate_mm`` turns a list of rows into model inputs for both, so a micro-batch or
+a process's share is always a list of whole rows and splitting can never separate an image from its tokens.
 
 Multi-turn trajectories (``encode_turns``): the template's text between assistant turns goes through the processor
 too, so an observation's ``<image>`` placeholders become image tokens, and the trajectory's row holds every image in
@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,91 +34,10 @@ from grpokit.data.images import (
 from grpokit.errors import ConfigError, DataError, RolloutError
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.template.encode import ChatTemplate, EncodedSample, _memo_key, segment_masks
+from grpokit.template.mm_rows import TOKEN_KEYS, MMRow, join_rows
+from grpokit.template.mm_rows import collate_mm as collate_mm  # importable from here too, as before
 
-# per-token tensors: left-padded like the prompt, zeros over the completion
-TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 _MEMO_SIZE = 1024
-
-
-@dataclass
-class MMRow:
-    """One prompt's processor outputs besides its ids: name → tensor with the processor's batch layout for one
-    row (``[1, L]`` per-token tensors; ``pixel_values`` as the processor stacks one row's images)."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # per-token tensors over the completion ([1, C]; a trajectory whose observations hold images), else zeros
-    completion: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def has_images(self) -> bool:
-        return "pixel_values" in self.tensors
-
-    def split(self, prompt_len: int) -> MMRow:
-        """This row (covering prompt and completion tokens) with its per-token tensors cut at ``prompt_len``."""
-        tensors = {k: (v.reshape(1, -1)[:, :prompt_len] if k in TOKEN_KEYS else v) for k, v in self.tensors.items()}
-        completion = {k: v.reshape(1, -1)[:, prompt_len:] for k, v in self.tensors.items() if k in TOKEN_KEYS}
-        return MMRow(tensors, completion)
-
-
-def join_rows(a: MMRow, a_len: int, b: MMRow, b_len: int) -> MMRow:
-    """The row of ``a_len`` tokens (``a``) followed by ``b_len`` tokens (``b``): per-token tensors end to end
-    (zeros where a side has none), images in sequence order (Idefics3's per-row image axis is dim 1)."""
-    out: dict[str, torch.Tensor] = {}
-    slots = _row_slots([a, b])
-    for key in {**a.tensors, **b.tensors}:
-        x, y = a.tensors.get(key), b.tensors.get(key)
-        if key in TOKEN_KEYS:
-            like = x if x is not None else y
-            x = like.new_zeros((1, a_len)) if x is None else x.reshape(1, -1)
-            y = like.new_zeros((1, b_len)) if y is None else y.reshape(1, -1)
-            out[key] = torch.cat([x, y], dim=1)
-        elif x is None or y is None:
-            out[key] = x if y is None else y
-        else:
-            out[key] = torch.cat([x, y], dim=1 if slots and key in ("pixel_values", "pixel_attention_mask") else 0)
-    return MMRow(out)
-
-
-def collate_mm(rows: list[MMRow], prompt_width: int, completion_width: int = 0) -> dict[str, torch.Tensor]:
-    """Model inputs of a batch of rows whose prompts are left-padded to ``prompt_width`` and followed by
-    ``completion_width`` completion columns. Per-token tensors are padded with zeros; ``pixel_values`` are
-    concatenated image by image (Qwen-VL's patches, Gemma3's images) or, where the processor gives each row its
-    own slot ([1, N, C, H, W], Idefics3), padded to the row with the most images (all-zero images are padding
-    to the model) together with ``pixel_attention_mask``; ``image_grid_thw`` is concatenated."""
-    keys = {k for r in rows for k in (*r.tensors, *r.completion)}
-    out: dict[str, torch.Tensor] = {}
-    for key in sorted(keys):
-        present = [r.tensors[key] for r in rows if key in r.tensors]
-        if key in TOKEN_KEYS:
-            cols = []
-            for r in rows:
-                t, c = (torch.zeros(0, dtype=torch.long) if x is None else x.reshape(-1)
-                        for x in (r.tensors.get(key), r.completion.get(key)))
-                c = c[:completion_width].to(t.dtype)
-                cols.append(torch.cat([t.new_zeros(prompt_width - len(t)), t, c,
-                                       t.new_zeros(completion_width - len(c))]))
-            out[key] = torch.stack(cols)
-        elif present[0].dim() in (4, 5) and key in ("pixel_values", "pixel_attention_mask") and _row_slots(rows):
-            most = max(r.tensors[key].shape[1] if key in r.tensors else 0 for r in rows)
-            like = present[0][0, :1]
-            out[key] = torch.stack([_pad_images(r.tensors.get(key), most, like) for r in rows])
-        else:
-            out[key] = torch.cat(present)
-    if "pixel_values" not in out:  # no image in this batch: the model runs its text-only path
-        out = {k: v for k, v in out.items() if k in TOKEN_KEYS}
-    return out
-
-
-def _row_slots(rows: list[MMRow]) -> bool:
-    """The processor keeps a per-row image axis (Idefics3: pixel_values [1, N, C, H, W])."""
-    pv = next((r.tensors["pixel_values"] for r in rows if r.has_images), None)
-    return pv is not None and pv.dim() == 5
-
-
-def _pad_images(t: torch.Tensor | None, most: int, like: torch.Tensor) -> torch.Tensor:
-    have = 0 if t is None else t.shape[1]
-    pad = like.new_zeros((most - have, *like.shape[1:]))
-    return pad if t is None else torch.cat([t[0], pad])
 
 
 class ProcessorTemplate(ChatTemplate):
@@ -127,14 +45,26 @@ class ProcessorTemplate(ChatTemplate):
 
     multimodal = True
 
-    def __init__(self, processor, system: str | None = None, *, chat_template_kwargs: dict | None = None,
-                 max_length: int | None = None, truncation_strategy: str = "left") -> None:
+    def __init__(
+        self,
+        processor,
+        system: str | None = None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        max_length: int | None = None,
+        truncation_strategy: str = "left",
+    ) -> None:
         self.processor = processor
         tokenizer = processor.tokenizer
         if getattr(tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template
-        super().__init__(tokenizer, system, chat_template_kwargs=chat_template_kwargs, max_length=max_length,
-                         truncation_strategy=truncation_strategy)
+        super().__init__(
+            tokenizer,
+            system,
+            chat_template_kwargs=chat_template_kwargs,
+            max_length=max_length,
+            truncation_strategy=truncation_strategy,
+        )
         self._mm: OrderedDict[tuple, tuple[list[int], MMRow]] = OrderedDict()  # ids, row
         self._expansions: OrderedDict[str, list[int]] = OrderedDict()  # image fingerprint → its expanded ids
         self._pinned: dict[str, tuple[tuple, list[int], MMRow]] = {}  # request_id → a later turn's prompt
@@ -148,8 +78,10 @@ class ProcessorTemplate(ChatTemplate):
 
     def render_prompt(self, messages: list[dict]) -> str:
         if count_placeholders(messages):  # a reply's own text "<image>" is text, never an image slot
-            messages = [m if m["role"] == "assistant" and isinstance(m.get("content"), str) else p
-                        for m, p in zip(messages, to_parts(messages))]
+            messages = [
+                m if m["role"] == "assistant" and isinstance(m.get("content"), str) else p
+                for m, p in zip(messages, to_parts(messages))
+            ]
         return super().render_prompt(messages)
 
     def render_mm(self, messages: list[dict], n_images: int) -> str:
@@ -162,8 +94,10 @@ class ProcessorTemplate(ChatTemplate):
         num_generations requests of a group share them)."""
         if not images:
             if count_placeholders(messages):
-                raise DataError(f"{count_placeholders(messages)} image placeholder(s) but no image in the row; "
-                                "add an images column or remove the placeholders")
+                raise DataError(
+                    f"{count_placeholders(messages)} image placeholder(s) but no image in the row; "
+                    "add an images column or remove the placeholders"
+                )
             return self.encode_prompt(messages), MMRow()
         key = (_memo_key(messages), tuple(_fingerprint(i) for i in images))
         if key not in self._mm:
@@ -179,8 +113,12 @@ class ProcessorTemplate(ChatTemplate):
         """The ids the processor expands one image's slot into, for that image alone (memoised by its contents)."""
         key = _fingerprint(image)
         if key not in self._expansions:
-            one = self.processor(text=[self.processor.image_token], images=[[load_image(image)]],
-                                 return_tensors="pt", add_special_tokens=False)
+            one = self.processor(
+                text=[self.processor.image_token],
+                images=[[load_image(image)]],
+                return_tensors="pt",
+                add_special_tokens=False,
+            )
             self._expansions[key] = one["input_ids"][0].tolist()
             while len(self._expansions) > _MEMO_SIZE:
                 self._expansions.popitem(last=False)
@@ -189,8 +127,9 @@ class ProcessorTemplate(ChatTemplate):
     def expand(self, messages: list[dict], images: list) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The processor's prompt ids (image slots expanded into image tokens) and tensors, before --max_length."""
         text = self.render_mm(messages, len(images))
-        out = self.processor(text=[text], images=[[load_image(i) for i in images]], return_tensors="pt",
-                             add_special_tokens=False)
+        out = self.processor(
+            text=[text], images=[[load_image(i) for i in images]], return_tensors="pt", add_special_tokens=False
+        )
         return out["input_ids"][0].tolist(), {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
 
     def image_spans(self, ids: list[int]) -> list[tuple[int, int]]:
@@ -230,9 +169,11 @@ class ProcessorTemplate(ChatTemplate):
         if n <= 0 or self.truncation_strategy not in ("left", "right"):
             return ids, tensors
         if self.cut_crosses_images(ids):
-            raise DataError(f"--max_length {self.max_length} --truncation_strategy {self.truncation_strategy}: a "
-                            f"{len(ids)}-token prompt would be cut through its image tokens; use "
-                            "--truncation_strategy delete")
+            raise DataError(
+                f"--max_length {self.max_length} --truncation_strategy {self.truncation_strategy}: a "
+                f"{len(ids)}-token prompt would be cut through its image tokens; use "
+                "--truncation_strategy delete"
+            )
         keep = slice(n, None) if self.truncation_strategy == "left" else slice(0, self.max_length)
         tensors = {k: (v.reshape(1, -1)[:, keep] if k in TOKEN_KEYS else v) for k, v in tensors.items()}
         return ids[keep], tensors
@@ -258,37 +199,45 @@ class ProcessorTemplate(ChatTemplate):
         """Each request's prompt ids as ``encode_request`` gives them (a later turn's pinned ids included)."""
         return [self.encode_request(r)[0] for r in requests]
 
-    def encode_between_mm(self, full: list[dict], i: int, j: int, seg: list[int], images: list
-                          ) -> tuple[list[int], MMRow]:
+    def encode_between_mm(
+        self, full: list[dict], i: int, j: int, seg: list[int], images: list
+    ) -> tuple[list[int], MMRow]:
         """``encode_between`` with the images of the messages in between (one per placeholder, in order)
         expanded by the processor into image tokens; their tensors in the returned row."""
-        slots = count_placeholders(full[i + 1:j])
+        slots = count_placeholders(full[i + 1 : j])
         if slots != len(images):
-            raise RolloutError(f"messages {i + 1}..{j - 1}: {slots} image placeholder(s) but {len(images)} image(s); "
-                               f"give one image per {IMAGE_PLACEHOLDER} of an observation")
+            raise RolloutError(
+                f"messages {i + 1}..{j - 1}: {slots} image placeholder(s) but {len(images)} image(s); "
+                f"give one image per {IMAGE_PLACEHOLDER} of an observation"
+            )
         text = self.between_text(full, i, j, seg)
         if not images:
             return self.tokenize(text), MMRow()
-        out = self.processor(text=[text], images=[[load_image(x) for x in images]], return_tensors="pt",
-                             add_special_tokens=False)
-        return out["input_ids"][0].tolist(), MMRow({k: v for k, v in out.items()
-                                                    if k not in ("input_ids", "attention_mask")})
+        out = self.processor(
+            text=[text], images=[[load_image(x) for x in images]], return_tensors="pt", add_special_tokens=False
+        )
+        return out["input_ids"][0].tolist(), MMRow(
+            {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        )
 
-    def encode_turns(self, prompt_messages: list[dict], messages: list[dict], segments: list[list[int]],
-                     images: list, rid: str = "") -> tuple[list[int], MMRow, list[tuple[list[int], MMRow]]]:
+    def encode_turns(
+        self, prompt_messages: list[dict], messages: list[dict], segments: list[list[int]], images: list, rid: str = ""
+    ) -> tuple[list[int], MMRow, list[tuple[list[int], MMRow]]]:
         """(prompt ids, prompt row, per gap between segments the template's ids and row up to the next assistant
         message). Placeholders after the prompt take the trajectory's last images in order; the prompt the rest."""
-        later = count_placeholders([m for m in messages[len(prompt_messages):] if m["role"] != "assistant"])
+        later = count_placeholders([m for m in messages[len(prompt_messages) :] if m["role"] != "assistant"])
         if later > len(images):
-            raise RolloutError(f"request {rid}: {later} image placeholder(s) after the prompt but {len(images)} "
-                               "image(s) in the trajectory; give one image per placeholder of an observation")
+            raise RolloutError(
+                f"request {rid}: {later} image placeholder(s) after the prompt but {len(images)} "
+                "image(s) in the trajectory; give one image per placeholder of an observation"
+            )
         used = len(images) - later
         prompt_ids, row = self.encode_mm(prompt_messages, images[:used])
         turns = self._assistant_turns(prompt_messages, messages, len(segments), rid)
         gaps = []
         for k, end in enumerate(turns[1:]):
-            n = count_placeholders(messages[turns[k] + 1:end])
-            gaps.append(self.encode_between_mm(messages, turns[k], end, segments[k], images[used:used + n]))
+            n = count_placeholders(messages[turns[k] + 1 : end])
+            gaps.append(self.encode_between_mm(messages, turns[k], end, segments[k], images[used : used + n]))
             used += n
         return prompt_ids, row, gaps
 
@@ -304,8 +253,7 @@ class ProcessorTemplate(ChatTemplate):
             return sample
         segments = output.response_token_ids
         masks, lp_segs = segment_masks(output)
-        prompt_ids, row, gaps = self.encode_turns(prompt_messages, output.messages, segments, images,
-                                                  output.request_id)
+        prompt_ids, row, gaps = self.encode_turns(prompt_messages, output.messages, segments, images, output.request_id)
         ids: list[int] = []
         mask: list[int] = []
         lps: list[float] = []
@@ -374,8 +322,9 @@ def load_processor(path: str, tokenizer):
     if cls is None:
         raise ConfigError(f"--model {path}: cannot load its processor ({reason})")
     image_processor = transformers.AutoImageProcessor.from_pretrained(path)
-    return image_only(cls)(image_processor=image_processor, tokenizer=tokenizer,
-                           chat_template=getattr(tokenizer, "chat_template", None))
+    return image_only(cls)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=getattr(tokenizer, "chat_template", None)
+    )
 
 
 def image_only(cls):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
+from grpokit.config.checks import option_check
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import resolve_system
 from grpokit.errors import ConfigError, DataError
@@ -253,7 +254,7 @@ def prepare_prompts(ds: Dataset, template: ChatTemplate, opts: PromptOptions, so
 
 
 def check_data_options(data, rollout) -> PromptOptions:
-    """Every check of ``DataArguments`` that needs no model (``grpokit.config.validate`` calls it, once)."""
+    """Every check of ``DataArguments`` that needs no model (the option gate runs it once: ``_gate_data``)."""
     resolve_system(data.system)
     parse_columns(data.columns)
     opts = PromptOptions.from_args(data, rollout)
@@ -272,3 +273,9 @@ def check_data_options(data, rollout) -> PromptOptions:
             where,
         )
     return opts
+
+
+@option_check("data")
+def _gate_data(cfg) -> None:
+    """The data options in the option gate (``grpokit.config.checks``): config imports no template code."""
+    check_data_options(cfg.data, cfg.rollout)

@@ -16,10 +16,9 @@ from functools import partial
 import torch
 
 from grpokit.aio import cancel_background_work
-from grpokit.algorithms import ema_update_
+from grpokit.algorithms import ema_update_, loss_config
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, eval_due
-from grpokit.config.validate import loss_config
 from grpokit.distributed.offload import make_offloader, offload_context
 from grpokit.distributed.processes import mean_over_processes, scalar
 from grpokit.distributed.zero import grad_norm, is_engine, released_on_error

@@ -83,3 +83,20 @@ def test_functions_stay_short_unless_a_comment_says_why():
         f"functions over {MAX_FUNCTION_LINES} lines: split them, or say why in a comment containing "
         f"'{LONG_REASON}': {long}"
     )
+
+
+MAX_LAZY_IMPORTS = 10  # function-level grpokit imports in the whole package: each one an optional or heavy package
+
+
+def test_function_level_grpokit_imports_stay_rare():
+    lazy = sorted(
+        {
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for path in _modules()
+            for _, node in _lazy_imports(ast.parse(path.read_text()))
+        }
+    )
+    assert len(lazy) <= MAX_LAZY_IMPORTS, (
+        f"{len(lazy)} function-level grpokit imports (at most {MAX_LAZY_IMPORTS}): move the ones that load no optional "
+        f"or heavy package to the top, fixing a cycle by putting the code in the right layer: {lazy}"
+    )

@@ -108,8 +108,8 @@ def micro_step(seed: int, off_policy: bool) -> dict:
 
 
 def loss_config_from_cli(tiny_model_dir, loss_type: str, level: str):
+    from grpokit.algorithms.option_checks import loss_config
     from grpokit.config.parse import parse_train_args
-    from grpokit.config.validate import loss_config
 
     cfg = parse_train_args(
         [

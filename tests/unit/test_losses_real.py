@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from grpokit.algorithms import LossConfig, LossInputs, compute_policy_loss, real_group_loss, real_scores
+from grpokit.algorithms.option_checks import loss_config
 from grpokit.config.parse import parse_train_args
-from grpokit.config.validate import loss_config
 from grpokit.errors import ConfigError
 
 LN, E = math.log, math.exp
