@@ -159,8 +159,8 @@ _warn(
 )
 _warn(
     "the weight sync to vLLM / the rollout server always sends flattened buckets of --weight_sync_bucket_mb (the "
-    "merged weights with LoRA), which bounds the memory these options bound in ms-swift",
-    "move_model_batches enable_flattened_weight_sync vllm_enable_lora vllm_max_lora_rank vllm_server_group_port",
+    "adapter alone, or the merged weights, with LoRA), which bounds the memory these options bound in ms-swift",
+    "move_model_batches enable_flattened_weight_sync vllm_server_group_port",
 )
 _warn(
     "grpokit's prompt reader keeps its workers for the whole run and the windows wrap around epochs, so there is "

