@@ -349,8 +349,9 @@ class RolloutClient(InferEngine):
         t0 = time.perf_counter()
         sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums,
                                         version=self.policy_version, adapter=self._adapter_update(model, infos))
-        logger.debug("weight sync: %d buckets to %d server(s) in %.2fs", len(sent[0]), len(self.endpoints),
-                     time.perf_counter() - t0)
+        self.last_sync_bytes = sum(b.nbytes for b in sent[0])  # bench/bench_lora_sync.py reads it
+        logger.debug("weight sync: %d bytes in %d buckets to %d server(s) in %.2fs", self.last_sync_bytes,
+                     len(sent[0]), len(self.endpoints), time.perf_counter() - t0)
         return sent
 
     def _adapter_update(self, model, infos: list[dict]):
