@@ -20,6 +20,8 @@ import torch
 from grpokit.engines.adapters import adapter_module, is_adapter_name
 from grpokit.errors import ServerError
 
+LOADED_BASE = "served-model"  # the base an engine starts with: the model it loaded (ms-swift's adapters apply to it)
+
 
 @dataclass
 class AdapterVersion:
@@ -36,7 +38,7 @@ class AdapterVersions:
         self.params = params
         self.max_rank = max_rank
         self.base: dict[str, torch.Tensor] = {}  # module -> pristine base weight of each LoRA layer
-        self.base_id: str | None = None  # the trainer's name for the base held (None: none, or merged weights)
+        self.base_id: str | None = LOADED_BASE  # the trainer's name for the base held; None: merged weights came
         self.versions: OrderedDict[int, AdapterVersion] = OrderedDict()
         self.active: int | None = None
         self.keep = 1

@@ -21,8 +21,8 @@ def held_base(engine) -> dict:
     return {"adapter_base": None if adapters is None else adapters.base_id}
 
 
-def begin(engine, body: UpdateWeightsBody, next_version: int) -> None:
-    """Before the buckets arrive (the engine's lock held)."""
+def begin(engine, body: UpdateWeightsBody, next_version: int, names: list[str] | None = None) -> None:
+    """Before the buckets arrive (the engine's lock held); ``names``: the tensors coming (default: the body's)."""
     adapters = getattr(engine, "adapters", None)
     if body.adapter is None:
         if adapters is not None:
@@ -31,7 +31,7 @@ def begin(engine, body: UpdateWeightsBody, next_version: int) -> None:
     if adapters is None:
         raise AdapterUpdateError("an adapter-only update, but this server runs with --vllm_enable_lora false")
     a = body.adapter
-    names = [m.name for b in body.buckets for m in b.tensors]
+    names = [m.name for b in body.buckets for m in b.tensors] if names is None else names
     version = body.version if body.version is not None else next_version
     adapters.begin(version, lora_scale(a.r, a.lora_alpha, a.use_rslora), a.base_id, a.keep, names)
 
