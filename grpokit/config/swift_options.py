@@ -284,8 +284,7 @@ DEVIATIONS: dict[str, str] = {
     "vllm_gpu_memory_utilization": "0.3: colocate mode shares the GPU with training (ms-swift's 0.9 leaves "
     "training no room unless sleep_level is set)",
     "vllm_enable_prefix_caching": "True (ms-swift: None = vLLM's own default, which is on)",
-    "vllm_enable_lora": "True: with --tuner_type lora each sync sends the adapter alone where the engine serves it "
-    "unmerged (merged weights otherwise, saying why once)",
+    "vllm_enable_lora": "True: with --tuner_type lora a sync sends the adapter alone where the engine serves it",
     "vllm_mode": "colocate (ms-swift: None, resolved to colocate unless a server host is given)",
     "beta": "0.04 (ms-swift: None, resolved to 0.04 for GRPO)",
     "loss_scale": "default (ms-swift: None, resolved to its default loss scale)",

@@ -12,6 +12,7 @@ why once (``AdapterSync.plan``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -137,15 +138,7 @@ class AdapterUpdate:
 
     def body(self) -> dict:
         """``UpdateWeightsBody.adapter`` (grpokit/wire/bodies.py)."""
-        s = self.spec
-        return dict(
-            r=s.r,
-            lora_alpha=s.lora_alpha,
-            use_rslora=s.use_rslora,
-            base_id=self.base_id,
-            base=self.base,
-            keep=self.keep,
-        )
+        return {**dataclasses.asdict(self.spec), "base_id": self.base_id, "base": self.base, "keep": self.keep}
 
 
 class AdapterSync:

@@ -46,8 +46,9 @@ def add_adapter_routes(app: FastAPI, state, group: SwiftWeightGroup, check) -> N
     async def update_adapter_flattened_param(body: SwiftAdapterBody) -> dict:
         if getattr(state.engine, "adapters", None) is None:
             raise HTTPException(
-                501, "/update_adapter_flattened_param/: this server runs with --vllm_enable_lora false (LoRA adapters "
-                "are not served); restart it with --vllm_enable_lora true"
+                501,
+                "/update_adapter_flattened_param/: this server runs with --vllm_enable_lora false (LoRA adapters "
+                "are not served); restart it with --vllm_enable_lora true",
             )
         spec = adapter_spec(body.peft_config)
         try:

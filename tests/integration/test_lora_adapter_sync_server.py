@@ -16,6 +16,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from test_server_support import rollout_server
+from test_server_sync_check import PLUGIN
 from tiny_runs import tiny_run_args
 
 from grpokit.engines.adapters import AdapterSync
@@ -26,7 +27,6 @@ from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
 pytestmark = pytest.mark.slow
-PLUGIN = Path(__file__).with_name("sync_fault_plugin.py")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def fault_file(tmp_path_factory) -> Path:
+def fault_file(tmp_path_factory) -> Path:  # what sync_fault_plugin.py breaks, set by each test
     path = tmp_path_factory.mktemp("fault") / "fault.txt"
     path.write_text("none")
     return path
