@@ -1,7 +1,7 @@
 """Adapter-only weight sync against a real rollout server (tiny model, transformers engine, float32): a rollout
 that spans a sync carries each token's version and samples every token from its own version's weights over the
-whole prefix; a 6-step LoRA run with --max_staleness 2 keeps the rollout IS weight at 1 and trains exactly as the
-merged-sync run does; a corrupted or dropped adapter bucket stops the run at that step with one line."""
+whole prefix; a 6-step LoRA run with --max_staleness 2 keeps the rollout IS weight at 1; a synchronous run trains
+exactly as a merged-sync run does; a corrupted or dropped adapter bucket stops the run at that step with one line."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from test_server_support import rollout_server
 from test_server_sync_check import PLUGIN
 from tiny_runs import tiny_run_args
 
-from grpokit.engines.adapters import AdapterSync
+from grpokit.engines.adapters import AdapterSync, adapter_tensors
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import GrpokitError
 from grpokit.modeling import load_causal_lm, load_tokenizer
@@ -124,18 +124,31 @@ def _run(tiny, server, out: Path, *extra: str):
     return trainer, [r for r in rows if "loss" in r]
 
 
-def test_six_staleness_two_steps_equal_the_merged_run(tiny, server, fault_file, tmp_path):
+def test_six_steps_at_staleness_two_keep_the_is_weight_at_one(tiny, server, fault_file, tmp_path):
     fault_file.write_text("none")
     six = ("--max_steps", "6", "--max_staleness", "2", "--learning_rate", "1e-2")
-    trainer, adapter_rows = _run(tiny, server, tmp_path / "adapter", *six)
-    adapter_bytes = trainer.engine.last_sync_bytes
-    trainer, merged_rows = _run(tiny, server, tmp_path / "merged", *six, "--vllm_enable_lora", "false")
-    assert adapter_bytes * 10 < trainer.engine.last_sync_bytes
-    assert len(adapter_rows) == len(merged_rows) == 6
-    for a, m in zip(adapter_rows, merged_rows, strict=True):
-        assert abs(a["rollout_correction/is_weight_mean"] - 1) <= 0.002, a
+    trainer, rows = _run(tiny, server, tmp_path / "adapter", *six)
+    assert len(rows) == 6
+    for row in rows:  # the engine samples exactly the version each window is tagged with
+        assert abs(row["rollout_correction/is_weight_mean"] - 1) <= 0.002, row
+    adapter = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trainer.policy))
+    assert trainer.engine.last_sync_bytes == adapter  # the last sync carried the adapter alone
+
+
+def test_adapter_sync_trains_as_the_merged_sync(tiny, tmp_path):
+    """Each run on a fresh server (the server's sampling stream then starts alike) and synchronous (both runs sync
+    at the same points): same completions, same losses."""
+    runs = {}
+    for name, extra in (("adapter", ()), ("merged", ("--vllm_enable_lora", "false"))):
+        with rollout_server(tiny, tmp_path, "--torch_dtype", "float32") as fresh:
+            trainer, rows = _run(tiny, fresh, tmp_path / name, "--max_steps", "2", "--learning_rate", "1e-2", *extra)
+            runs[name] = (trainer.engine.last_sync_bytes, rows)
+    assert runs["adapter"][0] * 5 < runs["merged"][0]
+    assert len(runs["adapter"][1]) == len(runs["merged"][1]) == 2
+    for a, m in zip(runs["adapter"][1], runs["merged"][1], strict=True):
         assert a["loss"] == pytest.approx(m["loss"], abs=1e-5)
         assert a["completions/mean_length"] == m["completions/mean_length"]
+        assert a["reward"] == m["reward"]
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop"])
