@@ -16,9 +16,9 @@ class AdapterUpdateError(ServerError):
 
 
 def held_base(engine) -> dict:
-    """What the dry-run answer tells the trainer: the base its adapters apply to (None: send it)."""
+    """What the dry-run answer tells the trainer: the base its adapters apply to (absent or None: send it)."""
     adapters = getattr(engine, "adapters", None)
-    return {"adapter_base": None if adapters is None else adapters.base_id}
+    return {} if adapters is None else {"adapter_base": adapters.base_id}
 
 
 def begin(engine, body: UpdateWeightsBody, next_version: int, names: list[str] | None = None) -> None:
