@@ -104,10 +104,15 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             with self.lock:
                 inner = self.logits_processor_factory
                 recorder = self.logits_processor_factory = _Recorder(inner) if inner is not None else None
+                held = self.adapters.active if self.adapters is not None else None
+                if self.adapters is not None:  # the version this call began on stays loaded until it ends
+                    self.adapters.hold(held)
                 try:
                     out = super().infer(requests, config)
                 finally:
                     self.logits_processor_factory = inner
+                    if self.adapters is not None:
+                        self.adapters.release(held)
             if recorder is not None:
                 events = self.cancel_events(requests) or [None] * len(requests)
                 for i, message in recorder.failed_rows(config.n).items():
