@@ -49,7 +49,8 @@ TOPICS: dict[str, tuple[str, str]] = {
     "server": (
         "rollout servers (--vllm_mode server) and weight sync",
         "vllm_mode vllm_server_host vllm_server_port vllm_server_base_url vllm_server_timeout "
-        "vllm_server_api_key vllm_server_pass_dataset weight_sync_bucket_mb check_weight_sync",
+        "vllm_server_api_key vllm_server_pass_dataset weight_sync_bucket_mb check_weight_sync vllm_enable_lora "
+        "vllm_max_lora_rank",
     ),
     "async": (
         "asynchronous training: rolling out ahead of the weights",

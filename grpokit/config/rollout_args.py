@@ -84,6 +84,12 @@ class RolloutArguments:
     offload_optimizer: bool = _opt(
         False, "vLLM colocate: move the optimizer state to CPU memory while vLLM generates, back before training"
     )
+    vllm_enable_lora: bool = _opt(
+        True,
+        "--tuner_type lora: each weight sync sends only the LoRA adapter (and the base once); merged weights where "
+        "the adapter cannot be served unmerged",
+    )
+    vllm_max_lora_rank: int = _opt(16, "largest LoRA rank the engine serves unmerged (above it: merged sync)", ge=1)
     weight_sync_bucket_mb: int = _opt(256, "server mode: max size of one flattened weight bucket", ge=1)
     check_weight_sync: bool = _opt(
         True,

@@ -159,8 +159,8 @@ _warn(
 )
 _warn(
     "the weight sync to vLLM / the rollout server always sends flattened buckets of --weight_sync_bucket_mb (the "
-    "merged weights with LoRA), which bounds the memory these options bound in ms-swift",
-    "move_model_batches enable_flattened_weight_sync vllm_enable_lora vllm_max_lora_rank vllm_server_group_port",
+    "adapter alone, or the merged weights, with LoRA), which bounds the memory these options bound in ms-swift",
+    "move_model_batches enable_flattened_weight_sync vllm_server_group_port",
 )
 _warn(
     "grpokit's prompt reader keeps its workers for the whole run and the windows wrap around epochs, so there is "
@@ -284,6 +284,7 @@ DEVIATIONS: dict[str, str] = {
     "vllm_gpu_memory_utilization": "0.3: colocate mode shares the GPU with training (ms-swift's 0.9 leaves "
     "training no room unless sleep_level is set)",
     "vllm_enable_prefix_caching": "True (ms-swift: None = vLLM's own default, which is on)",
+    "vllm_enable_lora": "True: with --tuner_type lora a sync sends the adapter alone where the engine serves it",
     "vllm_mode": "colocate (ms-swift: None, resolved to colocate unless a server host is given)",
     "beta": "0.04 (ms-swift: None, resolved to 0.04 for GRPO)",
     "loss_scale": "default (ms-swift: None, resolved to its default loss scale)",

@@ -29,6 +29,7 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
 
 from grpokit.aio import run_sync
+from grpokit.engines.adapters import AdapterSync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.client_calls import check_partial_rollouts, output_positions, split_by_size, split_requests
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
@@ -166,8 +167,9 @@ class RolloutClient(InferEngine):
     def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
                  timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
                  backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False,
-                 partial_rollouts: bool = False, claim: bool = False) -> None:
+                 partial_rollouts: bool = False, claim: bool = False, lora: AdapterSync | None = None) -> None:
         super().__init__(infer_on_loop_thread)
+        self._adapters = lora  # adapter-only weight sync (--vllm_enable_lora, engines/adapters.py); None: merged
         self.endpoints = endpoints_from(base_urls, hosts, ports)
         self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
         api_key = api_key or os.environ.get("GRPOKIT_API_KEY") or None
@@ -191,7 +193,9 @@ class RolloutClient(InferEngine):
         ``partial_rollouts``): waits for the servers and claims them (one trainer per server)."""
         return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
                    timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb,
-                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts, claim=True)
+                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts, claim=True,
+                   lora=AdapterSync(r.vllm_enable_lora, r.vllm_max_lora_rank, "the rollout server",
+                                    keep=1 + (r.max_staleness or 0)))
 
     # -- HTTP ----------------------------------------------------------------------------------------------
     def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,
@@ -344,10 +348,22 @@ class RolloutClient(InferEngine):
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
         t0 = time.perf_counter()
         sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums,
-                                        version=self.policy_version)
-        logger.debug("weight sync: %d buckets to %d server(s) in %.2fs", len(sent[0]), len(self.endpoints),
-                     time.perf_counter() - t0)
+                                        version=self.policy_version, adapter=self._adapter_update(model, infos))
+        self.last_sync_bytes = sum(b.nbytes for b in sent[0])  # bench/bench_lora_sync.py reads it
+        logger.debug("weight sync: %d bytes in %d buckets to %d server(s) in %.2fs", self.last_sync_bytes,
+                     len(sent[0]), len(self.endpoints), time.perf_counter() - t0)
         return sent
+
+    def _adapter_update(self, model, infos: list[dict]):
+        """This sync's adapter-only update, or None (merged): every server must serve LoRA at the adapter's rank."""
+        if self._adapters is None:
+            return None
+        ranks = [info.get("max_lora_rank") for info in infos]
+        if not all(ranks):
+            return self._adapters.update(model, "a rollout server runs without LoRA (--vllm_enable_lora false)")
+        if min(ranks) < self._adapters.max_rank:
+            self._adapters.max_rank = min(ranks)  # the servers' own --vllm_max_lora_rank bounds it
+        return self._adapters.update(model)
 
     def reset_prefix_cache(self) -> None:
         for i in range(len(self.endpoints)):

@@ -8,6 +8,7 @@ raises ``ServerError``; nothing waits longer than the timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from grpokit.engines.adapters import AdapterUpdate
 from grpokit.engines.weights import gathers_on_every_rank, iter_sync_weights, named_sync_tensors, sync_shape
 from grpokit.errors import ServerError
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S, InitCommunicatorBody, UpdateWeightsBody, WeightBucket
@@ -102,14 +104,18 @@ class WeightSender:
         backend: str = "gloo",
         sums: SumsOf | None = None,
         version: int | None = None,
+        adapter: AdapterUpdate | None = None,
     ) -> tuple[list[WeightBucket], dict[int, Any]]:
         """``sync``, returning the buckets sent and each server's answer; with ``sums``, every tensor's checksums
         are taken over the bytes as packed for the broadcast (on the bucket's device), in bucket order;
-        ``version``: the trainer's weight version, which the servers tag their samples with."""
-        specs = [(name, sync_shape(t), _wire(t.dtype, wire_dtype)) for name, t in named_sync_tensors(model)]
-        buckets = plan_buckets(specs, self.bucket_bytes)
+        ``version``: the trainer's weight version, which the servers tag their samples with; ``adapter``: an
+        adapter-only sync (engines/adapters.py), the base left out where every server holds it already."""
+        buckets = self._plan(adapter.tensors(model) if adapter else named_sync_tensors(model), wire_dtype)
         check = UpdateWeightsBody(buckets=buckets, dry_run=True).model_dump()
         groups = self._each_server("/update_weights/", lambda i: check, "checking the weight names")
+        if adapter is not None and all(g.get("adapter_base") == adapter.base_id for g in groups.values()):
+            adapter = dataclasses.replace(adapter, base=False)
+            buckets = self._plan(adapter.tensors(model), wire_dtype)
         if (
             self.comm is None
             or self.comm.backend != backend
@@ -117,7 +123,7 @@ class WeightSender:
         ):
             self._open(backend)
         try:
-            return buckets, self._send(model, buckets, sums, version)
+            return buckets, self._send(model, buckets, sums, version, adapter)
         except BaseException:
             self.close(notify=False)  # the servers' receive fails once our end is gone; they drop their groups
             raise
@@ -135,6 +141,10 @@ class WeightSender:
         self.comm = self.group = None
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _plan(self, named, wire_dtype: torch.dtype | None) -> list[WeightBucket]:
+        specs = [(name, sync_shape(t), _wire(t.dtype, wire_dtype)) for name, t in named]
+        return plan_buckets(specs, self.bucket_bytes)
+
     def _each_server(self, path: str, body: Callable[[int], dict], what: str) -> dict[int, Any]:
         calls = _Background()
         for i in range(len(self.endpoints)):
@@ -191,15 +201,17 @@ class WeightSender:
         self.comm, self.group = results["trainer"], group
         logger.info("weight sync: %s group of %d ranks at %s:%d", backend, world, host, port)
 
-    def _send(self, model, buckets: list[WeightBucket], sums: SumsOf | None, version: int | None) -> dict[int, Any]:
+    def _send(self, model, buckets: list[WeightBucket], sums: SumsOf | None, version: int | None, adapter=None):
         comm = self.comm
-        body = UpdateWeightsBody(buckets=buckets, version=version, interrupt=self.interrupt).model_dump()
+        body = UpdateWeightsBody(
+            buckets=buckets, version=version, interrupt=self.interrupt, adapter=adapter.body() if adapter else None
+        ).model_dump()
         calls = _Background()
         for i in range(len(self.endpoints)):
             calls.start(i, lambda i=i: self.post(i, "/update_weights/", body, self.timeout_s))
         size = max((b.nbytes for b in buckets), default=0)
         buf_B = torch.empty(size, dtype=torch.uint8, device=comm.device)  # reused by every bucket
-        weights = iter_sync_weights(model)
+        weights = adapter.tensors(model) if adapter is not None else iter_sync_weights(model)
         try:
             for bucket in buckets:
                 view_B = buf_B[: bucket.nbytes]

@@ -166,6 +166,11 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
         return connect(r, infer_on_loop_thread=True)  # grpokit's protocol, or ms-swift's (engines/swift_client.py)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
+        if r.vllm_enable_lora and cfg.model.tuner_type == "lora":  # engines/adapters.py serves the rollout server
+            logger.warning(
+                "--vllm_enable_lora: vLLM colocate syncs merged weights (adapter-only sync into vLLM is "
+                "not implemented yet)"
+            )
         engine = PausableVllmEngine if r.partial_rollouts else VllmEngine  # a sync pauses and continues its batch
         return engine.from_rollout_args(
             r,

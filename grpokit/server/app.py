@@ -22,6 +22,7 @@ from grpokit.agents.service import ChatService
 from grpokit.engines.partial.pause import PROBING, paused
 from grpokit.errors import GrpokitError
 from grpokit.protocol import RequestConfig, RolloutInferRequest
+from grpokit.server import adapter_updates
 from grpokit.server.bodies import InferBody, ProbeBody
 from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
 from grpokit.server.claim import ClaimMiddleware, Claims, add_claim_routes
@@ -265,12 +266,14 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise HTTPException(422, f"cannot load the weights: {problems[0]}{more}")
         if body.dry_run:
-            return {"ok": True, "group": state.receiver.group}
+            return {"ok": True, "group": state.receiver.group, **adapter_updates.held_base(state.engine)}
         if not state.receiver.is_open:
             raise HTTPException(409, "no weight-sync group: POST /init_communicator/ first")
 
         try:
             loaded = await asyncio.to_thread(_receive, state, body)
+        except adapter_updates.AdapterUpdateError as e:  # the version in service stays; the group stays open
+            raise HTTPException(422, f"cannot load the adapter: {e}") from e
         except GrpokitError as e:  # the trainer's end of the group failed or went away
             raise HTTPException(PEER_FAILED, f"{e}; the weight-sync group is closed, the trainer re-creates it") from e
         state.weight_version += 1
@@ -295,11 +298,14 @@ def _receive(state: ServerState, body: UpdateWeightsBody) -> int:
         state.engine.pause_for_update()
     try:
         with state.engine.lock:  # sampling waits until every bucket is in
+            adapter_updates.begin(state.engine, body, state.weight_version + 1)
             try:
                 loaded = state.receiver.receive(body, state.engine.load_weights)
             except BaseException:  # some tensors may be new: no version describes them (server/calls.py: 503)
-                state.engine.mark_weights_incomplete(True)
+                adapter_updates.end(state.engine, body, ok=False)
+                state.engine.mark_weights_incomplete(body.adapter is None or body.adapter.base)
                 raise
+            adapter_updates.end(state.engine, body, ok=True)
             state.engine.mark_weights_incomplete(False)
             state.engine.reset_prefix_cache()
             state.engine.set_policy_version(body.version)  # the samples' tag from now on; None: unknown

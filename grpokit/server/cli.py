@@ -120,14 +120,17 @@ def _vllm_options(a: argparse.Namespace) -> dict:
             "vllm_gpu_memory_utilization",
             "vllm_tensor_parallel_size",
             "vllm_data_parallel_size",
+            "vllm_max_lora_rank",
         )
     }
     out.update(
         {
             k: getattr(a, k) == "true"
-            for k in ("vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_enable_lora", "vllm_use_async_engine")
+            for k in ("vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_use_async_engine")
         }
     )
+    # unset: the engine decides (ServerOptions: true with transformers, false with vllm)
+    out["vllm_enable_lora"] = None if a.vllm_enable_lora is None else a.vllm_enable_lora == "true"
     return out
 
 

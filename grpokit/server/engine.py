@@ -12,6 +12,8 @@ from contextvars import ContextVar
 
 import torch
 
+from grpokit.engines.adapter_store import AdapterVersions
+from grpokit.engines.adapters import is_adapter_name
 from grpokit.engines.grammar import GrammarLogitsProcessor, StructuredOutputs
 from grpokit.engines.partial.served import PartialRollouts
 from grpokit.engines.structured import request_limits
@@ -89,6 +91,12 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
         first = next(iter(self._params.values()))
         self.dtype, self.device = first.dtype, first.device
         self.max_model_len = model_context(model, max_model_len)
+        self.adapters: AdapterVersions | None = None  # LoRA versions (adapter-only syncs), once serve_adapters ran
+
+    def serve_adapters(self, max_rank: int) -> None:
+        """Accept adapter-only weight syncs (``--vllm_enable_lora``): LoRA factors up to rank ``max_rank``, each
+        sync a version of its own (engines/adapter_store.py)."""
+        self.adapters = AdapterVersions(self._params, max_rank)
 
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
         try:
@@ -97,10 +105,15 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             with self.lock:
                 inner = self.logits_processor_factory
                 recorder = self.logits_processor_factory = _Recorder(inner) if inner is not None else None
+                held = self.adapters.active if self.adapters is not None else None
+                if self.adapters is not None:  # the version this call began on stays loaded until it ends
+                    self.adapters.hold(held)
                 try:
                     out = super().infer(requests, config)
                 finally:
                     self.logits_processor_factory = inner
+                    if self.adapters is not None:
+                        self.adapters.release(held)
             if recorder is not None:
                 events = self.cancel_events(requests) or [None] * len(requests)
                 for i, message in recorder.failed_rows(config.n).items():
@@ -126,8 +139,10 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
                 raise ConfigError(context_message(i, len(ids), max_tokens, self.max_model_len))
 
     def tensor_count(self) -> int:
-        """Parameters a weight sync may name (tied weights under each of their names)."""
-        return len(self._params)
+        """Tensors a weight sync may name (tied weights under each of their names; with adapters, two LoRA factors
+        per matrix)."""
+        factors = 2 * sum(p.dim() == 2 for p in self._params.values()) if self.adapters is not None else 0
+        return len(self._params) + factors
 
     def state_keys(self) -> list[str]:
         """The names a weight sync may send (ms-swift's GET /get_model_state_keys/)."""
@@ -138,6 +153,12 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
         ends the check at once: it is the only problem reported."""
         problems = []
         for m in metas:
+            if is_adapter_name(m.name):
+                if self.adapters is None:
+                    return [f"{m.name}: this server was started with --vllm_enable_lora false"]
+                problem = self.adapters.check(m.name, list(m.shape))
+                problems += [problem] if problem else []
+                continue
             param = self._params.get(m.name)
             if param is None:
                 return [f"{m.name}: no such parameter in the served model"]
@@ -154,7 +175,11 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the model's parameters in place (casting dtype, moving device). Caller holds ``lock``."""
+        """Copy tensors into the model's parameters in place (casting dtype, moving device); during an adapter-only
+        update, into the version being staged. Caller holds ``lock``."""
+        if self.adapters is not None and self.adapters.staging:
+            self.adapters.load(named)
+            return
         for name, tensor in named:
             self._params[name].data.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
@@ -164,13 +189,21 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
     def weight_sums(self, names: list[str]) -> dict:
         """The weight-sync check: name → (checksums, dtype) of each parameter as the model holds it now, read
         back from the parameters (grpokit/wire/checksum.py); names it does not hold are left out."""
-        sums, names = SumsOf(), [n for n in names if n in self._params]
+        held = {n: self.adapters.held(n) if self.adapters is not None else None for n in names}
+        held = {n: self._params[n] if t is None and n in self._params else t for n, t in held.items()}
+        sums, names = SumsOf(), [n for n, t in held.items() if t is not None]
         for name in names:
-            sums.add(self._params[name])
-        return {n: (v, self._params[n].dtype) for n, v in zip(names, sums.values(), strict=True)}
+            sums.add(held[name])
+        return {n: (v, held[n].dtype) for n, v in zip(names, sums.values(), strict=True)}
 
     def info(self) -> dict:
-        return {"torch_dtype": dtype_name(self.dtype), "device": str(self.device), "max_model_len": self.max_model_len}
+        lora = None if self.adapters is None else self.adapters.max_rank
+        return {
+            "torch_dtype": dtype_name(self.dtype),
+            "device": str(self.device),
+            "max_model_len": self.max_model_len,
+            "max_lora_rank": lora,  # None: adapter-only syncs refused (--vllm_enable_lora false)
+        }
 
 
 class _Recorder:

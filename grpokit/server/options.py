@@ -74,7 +74,8 @@ class ServerOptions:
     vllm_enforce_eager: bool = False  # no CUDA graphs and no torch.compile of the model
     vllm_tensor_parallel_size: int = 1
     vllm_data_parallel_size: int = 1
-    vllm_enable_lora: bool = False
+    vllm_enable_lora: bool | None = None  # adapter-only syncs accepted (engines/adapter_store.py); None: transformers
+    vllm_max_lora_rank: int = 16
     vllm_use_async_engine: bool = False
     # swift rollout's template option: the default enable_thinking of the server's chat template (prompts that carry
     # the trainer's chat-template kwargs keep theirs); None: the template's own default
@@ -195,11 +196,15 @@ class ServerOptions:
                 f"--vllm_data_parallel_size {self.vllm_data_parallel_size}: data parallelism inside "
                 f"one server {later}; {one_each}"
             )
-        if self.vllm_enable_lora:
+        if self.vllm_enable_lora is None:
+            self.vllm_enable_lora = self.engine == "transformers"
+        if self.vllm_enable_lora and self.engine == "vllm":
             raise ConfigError(
-                f"--vllm_enable_lora true: sending LoRA adapters instead of merged weights {later}; "
-                "the trainer sends merged full weights after each step (docs/server_mode.md)"
+                f"--vllm_enable_lora true: LoRA adapters in a vLLM rollout server {later}; use --engine "
+                "transformers, or --vllm_enable_lora false (the trainer then sends merged weights)"
             )
+        if self.vllm_max_lora_rank < 1:
+            raise ConfigError(f"--vllm_max_lora_rank {self.vllm_max_lora_rank}: must be at least 1")
         if self.vllm_use_async_engine:  # swift rollout needs it for multi-turn; here trajectories always overlap
             logger.warning(
                 "--vllm_use_async_engine true: no effect in grpokit rollout; its trajectories always run "

@@ -233,7 +233,14 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
         default=1,
         help="vllm: only 1 (not implemented yet; start one server per device)",
     )
-    p.add_argument("--vllm_enable_lora", default="false", **flag, help="only false (not implemented yet)")
+    p.add_argument(
+        "--vllm_enable_lora",
+        default=None,
+        **flag,
+        help="accept adapter-only weight syncs (LoRA served unmerged, one version per sync); default: "
+        "true with --engine transformers, false with vllm",
+    )
+    p.add_argument("--vllm_max_lora_rank", type=int, default=16, help="largest LoRA rank served unmerged")
     p.add_argument(
         "--vllm_use_async_engine",
         default="false",

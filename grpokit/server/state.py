@@ -155,4 +155,6 @@ def build_state(options: ServerOptions) -> ServerState:
         options.max_prefill_mb,
     )
     engine.template.chat_template_kwargs.update(options.chat_template_kwargs())  # --enable_thinking
+    if options.vllm_enable_lora and hasattr(engine, "serve_adapters"):  # adapter-only weight syncs accepted
+        engine.serve_adapters(options.vllm_max_lora_rank)
     return ServerState(options, engine, build_scheduler(options, engine))

@@ -11,9 +11,8 @@ same error shape, same limits as grpokit's routes.
   bodies: ``SwiftDispatch`` sends a body of ms-swift's shape to ``/swift/infer/`` or ``/swift/init_communicator/``
   (which may also be called directly), and ``POST /close_communicator/`` closes both kinds of group;
 - ``POST /update_named_param/``, ``/update_flattened_params/`` (ms-swift's bucket metadata),
-  ``/process_weights_after_loading/``; ``/update_adapter_flattened_param/`` and ``/update_adapter_param/`` answer
-  501: grpokit's engines load full weights, and ms-swift's trainer sends merged weights to a server whose
-  ``get_engine_type`` says ``enable_lora: false``, as this one does.
+  ``/process_weights_after_loading/``; ``/update_adapter_flattened_param/`` (a LoRA adapter, server/swift_adapter.py;
+  ``get_engine_type`` says ``enable_lora: true`` where the engine serves adapters, --vllm_enable_lora).
 """
 
 from __future__ import annotations
@@ -31,14 +30,9 @@ from grpokit.engines.swift_protocol import SwiftRefused, grpokit_config, grpokit
 from grpokit.errors import ServerError
 from grpokit.server.bodies import InferBody
 from grpokit.server.media import output_to_wire
+from grpokit.server.swift_adapter import add_adapter_routes
 from grpokit.server.swift_weights import QueueFull, SwiftWeightGroup, tensor_metas
-from grpokit.wire.swift import (
-    SwiftAdapterBody,
-    SwiftFlattenedBody,
-    SwiftInferBody,
-    SwiftInitCommunicatorBody,
-    SwiftNamedParamBody,
-)
+from grpokit.wire.swift import SwiftFlattenedBody, SwiftInferBody, SwiftInitCommunicatorBody, SwiftNamedParamBody
 from grpokit.wire.swift_group import WILDCARDS
 
 PEER_FAILED = 424  # as grpokit's weight routes: the trainer's side of the group failed, not this server
@@ -110,7 +104,7 @@ def add_swift_routes(app: FastAPI, state, serve_infer) -> SwiftWeightGroup:
             "engine_type": "AsyncLLMEngine" if multi_turn else "LLMEngine",  # ms-swift's multi-turn runs async
             "enable_multi_turn": multi_turn,
             "use_gym_env": bool(state.options.gym_env),
-            "enable_lora": False,
+            "enable_lora": getattr(state.engine, "adapters", None) is not None,  # server/swift_adapter.py
         }
 
     @app.get("/get_world_size/")
@@ -139,18 +133,6 @@ def add_swift_routes(app: FastAPI, state, serve_infer) -> SwiftWeightGroup:
     _add_group_routes(app, state, group)
     _add_weight_routes(app, state, group)
     return group
-
-
-def _no_adapters(path: str):
-    async def refuse(body: SwiftAdapterBody) -> dict:
-        raise HTTPException(
-            501,
-            f"{path}: LoRA adapter sync is not implemented in grpokit rollout; it loads full weights (its "
-            "get_engine_type says enable_lora false, and ms-swift's trainer then sends merged weights)",
-        )
-
-    refuse.__name__ = path.strip("/")
-    return refuse
 
 
 def _reset(cache: str):
@@ -197,8 +179,7 @@ def _add_weight_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:
         queue(body)
         return {"message": "Request received, updating flattened parameters"}
 
-    for path in ("/update_adapter_flattened_param/", "/update_adapter_param/"):
-        app.post(path)(_no_adapters(path))
+    add_adapter_routes(app, state, group, check)
 
 
 def _add_group_routes(app: FastAPI, state, group: SwiftWeightGroup) -> None:

@@ -17,7 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from grpokit.errors import ServerError
-from grpokit.wire.bodies import TensorMeta
+from grpokit.server import adapter_updates
+from grpokit.wire.bodies import AdapterBody, TensorMeta, UpdateWeightsBody
 from grpokit.wire.swift import SwiftFlattenedBody, SwiftNamedParamBody, swift_dtype
 from grpokit.wire.swift_group import broadcast, open_group
 from grpokit.wire.weights import unpack
@@ -41,6 +42,17 @@ def tensor_metas(body: SwiftFlattenedBody | SwiftNamedParamBody) -> list[TensorM
         TensorMeta(name=m.name, dtype=swift_dtype(m.dtype), shape=m.shape, offset=m.start_idx, nbytes=m.numel)
         for m in body.metadatas
     ]
+
+
+def swift_adapter_name(name: str) -> str:
+    """ms-swift's adapter tensor name (peft's state-dict key, ``base_model.model.`` first, maybe the adapter's name
+    after ``lora_A``) as grpokit's wire name."""
+    name = name.removeprefix("base_model.model.")
+    for factor in ("lora_A", "lora_B"):
+        head, sep, tail = name.partition(f".{factor}.")
+        if sep and tail != "weight" and tail.endswith(".weight"):
+            name = f"{head}.{factor}.weight"  # lora_A.default.weight
+    return name
 
 
 class SwiftWeightGroup:
@@ -110,6 +122,30 @@ class SwiftWeightGroup:
             broadcast(self.comm, buf_B, src=self.world_size - 1)
             with self.state.engine.lock:
                 self.state.engine.load_weights([(m.name, unpack(buf_B, m)) for m in metas])
+
+        self._submit(run)
+
+    def receive_adapter(self, body: SwiftFlattenedBody, spec: AdapterBody) -> None:
+        """Queue ms-swift's ``/update_adapter_flattened_param/``: one broadcast of the adapter's factors, loaded
+        as a new LoRA version over the model as the server loaded it (server/adapter_updates.py)."""
+        metas = [m.model_copy(update={"name": swift_adapter_name(m.name)}) for m in tensor_metas(body)]
+        nbytes = max(m.offset + m.nbytes for m in metas)
+        update = UpdateWeightsBody(buckets=[], adapter=spec)
+
+        def run() -> None:
+            if self.comm is None:
+                raise ServerError("no weight-sync group: POST /init_communicator/ first")
+            buf_B = torch.empty(nbytes, dtype=torch.uint8, device=self.comm.device)
+            broadcast(self.comm, buf_B, src=self.world_size - 1)
+            engine = self.state.engine
+            with engine.lock:
+                adapter_updates.begin(engine, update, self.state.weight_version + 1, [m.name for m in metas])
+                try:
+                    engine.load_weights([(m.name, unpack(buf_B, m)) for m in metas])
+                except BaseException:
+                    adapter_updates.end(engine, update, ok=False)
+                    raise
+                adapter_updates.end(engine, update, ok=True)
 
         self._submit(run)
 

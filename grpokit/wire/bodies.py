@@ -112,6 +112,20 @@ class WeightBucket(BaseModel):
         return self
 
 
+class AdapterBody(BaseModel):
+    """An adapter-only update (engines/adapters.py): the LoRA factors in the buckets are served unmerged, as a new
+    version, over the base named ``base_id`` (sent in the same update when ``base`` is true)."""
+
+    model_config = _STRICT
+
+    r: int = Field(ge=1, le=4096)
+    lora_alpha: float = Field(gt=0, le=1e6)
+    use_rslora: bool = False
+    base_id: str = Field(pattern=GROUP_PATTERN)
+    base: bool = Field(False, description="the update carries the base weights too")
+    keep: int = Field(1, ge=1, le=64, description="versions kept loaded (--max_staleness + 1)")
+
+
 class UpdateWeightsBody(BaseModel):
     """``POST /update_weights/``: metadata of every bucket; the bytes follow by broadcast, one bucket at a time."""
 
@@ -131,6 +145,7 @@ class UpdateWeightsBody(BaseModel):
         description="partial rollouts: generation running now pauses at its next token "
         "and continues on the new weights",
     )
+    adapter: AdapterBody | None = Field(None, description="LoRA factors served unmerged (adapter-only sync)")
 
     @model_validator(mode="after")
     def _unique(self) -> UpdateWeightsBody:

@@ -155,7 +155,7 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
             ["--model", "m", "--vllm_data_parallel_size", "2"],
             "not implemented yet in grpokit rollout; start one grpokit rollout per device",
         ),
-        (["--model", "m", "--vllm_enable_lora", "true"], "--vllm_enable_lora true: sending LoRA adapters"),
+        (["--model", "m", "--vllm_max_lora_rank", "0"], "--vllm_max_lora_rank 0: must be at least 1"),
         (
             ["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
             "applies to --engine vllm only",

@@ -79,7 +79,6 @@ def _groups(cfg):
     [
         ["--use_liger_kernel", "true"],
         ["--swanlab_project", "p"],
-        ["--vllm_enable_lora"],
         ["--lora_ga_iters", "3"],
         ["--ddp_backend", "gloo"],
     ],
