@@ -35,6 +35,7 @@ from grpokit.trainers.outputs import MetricsAccumulator, completion_limits, prog
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.row_pieces import train_in_pieces
 from grpokit.trainers.run_outputs import RunOutputs
 from grpokit.trainers.signals import StopRequest
 from grpokit.trainers.state import StepValues, TrainerState
@@ -43,7 +44,7 @@ from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_
 from grpokit.trainers.window import Window, WindowRollout
 from grpokit.trainers.window_producer import Models, WindowProducer
 from grpokit.trainers.window_progress import WindowProgress
-from grpokit.trainers.zero import backward, grad_norm, is_engine, released_on_error, synced_models
+from grpokit.trainers.zero import grad_norm, is_engine, released_on_error, synced_models
 
 
 class GRPOTrainer:
@@ -208,12 +209,10 @@ class GRPOTrainer:
         model.train()
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
-        with self.accelerator.autocast():
-            loss, metrics = hooks.call_loss(self._compute_loss_and_metrics, self._loss_convention, model, inputs)
-        backward(self.accelerator, model, loss)
+        loss, metrics = train_in_pieces(self, model, inputs)  # pieces of per_device_train_batch_size rows
         inputs.step_metrics.update(metrics)
-        inputs.step_metrics["loss"] = loss.detach()
-        return loss.detach()
+        inputs.step_metrics["loss"] = loss
+        return loss
 
     def _optimizer_step(self, loss: torch.Tensor | None) -> dict:
         """After ``training_step`` returned, on the synchronising micro-step: clip (grad_norm), step (skipped on a
