@@ -12,6 +12,7 @@ from grpokit.config.plan import checkpoint_dirs
 from grpokit.errors import ConfigError
 from grpokit.pipeline.supplied import Supplied, model_folder
 from grpokit.pipeline.train import assembled
+from grpokit.redaction import redacting_logs, remember_secrets
 from grpokit.trainers.distributed import full_state_dict
 from grpokit.trl.agent import rollout_parts, with_tools
 from grpokit.trl.config import GRPOConfig
@@ -48,12 +49,14 @@ class GRPOTrainer:
         rewards = reward_list(reward_funcs, reward_processing_classes, self.args.reward_model_dtype())
         # checkpoints of an earlier run are fine until train() says whether it resumes them: checked there
         later = ["--resume_from_checkpoint", "latest"] if checkpoint_dirs(self.args.output_dir) else []
-        cfg = parse_train_args(
-            ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later],
-            prog="GRPOTrainer",
-            supplied_rewards=len(rewards),
-            supplied_eval=eval_dataset is not None,
-        )
+        remember_secrets(self.args.to_dict())  # its keys and tokens stay out of every log line
+        with redacting_logs():
+            cfg = parse_train_args(
+                ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later],
+                prog="GRPOTrainer",
+                supplied_rewards=len(rewards),
+                supplied_eval=eval_dataset is not None,
+            )
         cfg.training.resume_from_checkpoint = None  # train(resume_from_checkpoint=...) decides
         given = len(rewards)
         scheduler, rewards, schemas = rollout_parts(
@@ -97,7 +100,7 @@ class GRPOTrainer:
             cfg.training.resume_from_checkpoint = (
                 "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             )
-        with assembled(cfg, self.supplied) as trainer:
+        with redacting_logs(), assembled(cfg, self.supplied) as trainer:  # no key or token in a log line
             self.trainer = trainer
             state = trainer.train()
         from transformers.trainer_utils import TrainOutput  # not at the top: transformers loads with the run
