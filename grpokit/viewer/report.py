@@ -46,7 +46,7 @@ class Skipped:
 def _row(line: bytes) -> dict | None:
     """A line as a JSON object whose every string can be written back as UTF-8, or None."""
     try:
-        row = loads(line, max_depth=MAX_ROW_DEPTH)
+        row = loads(line, max_depth=MAX_ROW_DEPTH, finite=False)  # a logged NaN loss is shown as none
         if not isinstance(row, dict):
             return None
         json.dumps(row, ensure_ascii=False, allow_nan=True).encode("utf-8")  # a lone surrogate fails here
