@@ -89,6 +89,12 @@ def remember_secrets(options: dict) -> None:
             _known.add(v)
 
 
+def redact_line(text: str) -> str:
+    """A line the process prints itself (an error, a stop) with URL passwords, secret environment values and the
+    run's secret option values replaced, as ``RedactingFilter`` does to log lines."""
+    return redact_text(text, env_secrets() | frozenset(_known))
+
+
 class RedactingFilter(logging.Filter):
     """A log handler's filter: every record's message with URL passwords, secret environment values and the run's
     secret option values replaced."""
