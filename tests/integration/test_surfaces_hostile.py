@@ -1,9 +1,9 @@
 """Hostile requests to two HTTP surfaces at once, the rollout server (``/infer/`` and ``/v1``, the tiny model) and
 the trainer's ``--agent`` endpoint (a fresh episode per case, a fake fast engine), both on the hardened transport in
 a thread: bodies that are JSON only to a lax parser (a key twice, a 5,000-digit number, bytes that are no UTF-8),
-pages of another port or site (Origin, Referer), headers sent twice, compressed or oversized chunked bodies, and
-model-written tool calls nested 100,000 deep. Each gets one clear 4xx in its surface's error shape, never a 500;
-each surface answers a plain call afterwards."""
+pages of another port or site (Origin, Referer), headers sent twice, compressed or oversized chunked bodies,
+model-written tool calls nested 100,000 deep, and a /v1 call of more choices than --max_inflight_requests. Each
+gets one clear 4xx in its surface's error shape, never a 500; each surface answers a plain call afterwards."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def surfaces(tiny_model_dir):
     from grpokit.server.app import create_app
     from grpokit.server.state import ServerOptions, build_state
 
-    options = ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", api_key=KEY, max_body_mb=1)
+    options = ServerOptions(
+        model=str(tiny_model_dir), torch_dtype="float32", api_key=KEY, max_body_mb=1, max_inflight_requests=3
+    )
     rollout = BackgroundServer(create_app(build_state(options)), TransportLimits(), name="sweep rollout server")
     engine = EchoEngine(tiny_template(tiny_model_dir))
     recorder = EpisodeRecorder()
@@ -133,3 +135,13 @@ def test_a_models_unparseable_tool_call_reaches_the_agent_as_text(surfaces, repl
     assert r.status_code == 200, r.text[:300]
     message = r.json()["choices"][0]["message"]
     assert not message.get("tool_calls") and message["content"].startswith("<tool_call>")
+
+
+def test_v1_counts_its_choices_against_the_inflight_limit(surfaces):
+    client, rollout = surfaces[0], surfaces[1]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "m", "messages": HI, "max_tokens": 2}
+    r = client.post(rollout.url + "/v1/chat/completions", json={**body, "n": 4}, headers=headers)
+    assert r.status_code == 429 and r.headers.get("retry-after") and "max_inflight_requests" in _error(r)
+    r = client.post(rollout.url + "/v1/chat/completions", json={**body, "n": 3}, headers=headers)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
