@@ -37,7 +37,8 @@ def surfaces(tiny_model_dir):
     rollout = BackgroundServer(create_app(build_state(options)), TransportLimits(), name="sweep rollout server")
     engine = EchoEngine(tiny_template(tiny_model_dir))
     recorder = EpisodeRecorder()
-    endpoint = LocalEndpoint(ChatService(engine, "policy", RequestConfig(max_tokens=8)), recorder)
+    service = ChatService(engine, "policy", RequestConfig(max_tokens=8), context=1024, max_prompt=512)  # as a run's
+    endpoint = LocalEndpoint(service, recorder)
     with httpx.Client(timeout=60) as client:
         yield client, rollout, endpoint, recorder, engine
     endpoint.close()
@@ -145,3 +146,50 @@ def test_v1_counts_its_choices_against_the_inflight_limit(surfaces):
     assert r.status_code == 429 and r.headers.get("retry-after") and "max_inflight_requests" in _error(r)
     r = client.post(rollout.url + "/v1/chat/completions", json={**body, "n": 3}, headers=headers)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+CALL = [
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+]
+EPISODE_CASES = {  # messages past an episode's bounds, refused before any token is sampled
+    "a tool_call_id of 300,000 characters": (
+        HI + [{"role": "tool", "tool_call_id": "i" * 300_000, "content": "r"}],
+        413,
+    ),
+    "an unrendered field in a tool call": (
+        HI + [{**CALL[0], "tool_calls": [{**CALL[0]["tool_calls"][0], "zzz": "q" * 300_000}]}],
+        413,
+    ),
+    "200,000 messages": ([{"role": "user", "content": "a"}] * 200_000, 422),
+    "100,000 text parts": ([{"role": "user", "content": [{"type": "text", "text": "ab"}] * 100_000}], 400),
+}
+
+
+@pytest.mark.parametrize("case", list(EPISODE_CASES))
+def test_an_episodes_call_past_its_bounds_samples_nothing(surfaces, case):
+    client, engine = surfaces[0], surfaces[4]
+    messages, status = EPISODE_CASES[case]
+    url, headers, _ = _target(surfaces, "episode")
+    calls = engine.calls
+    r = client.post(url, json={"model": "m", "messages": messages}, headers=headers)
+    assert r.status_code == status, r.text[:300]
+    assert _error(r) and engine.calls == calls
+
+
+def test_chained_calls_with_n_stop_at_the_trajectory_budget(surfaces):
+    from grpokit.agents.episodes import episode_outputs  # not at the top: this test only
+
+    client, endpoint, recorder = surfaces[0], surfaces[2], surfaces[3]
+    episode = recorder.open({"messages": HI})
+    url, headers = endpoint.base_url(episode) + "/chat/completions", {"Authorization": f"Bearer {episode.key}"}
+    first = client.post(url, json={"model": "m", "messages": HI, "n": 4}, headers=headers).json()
+    codes = []
+    for choice in first["choices"]:  # each extends one reply, asking for 2 more: 4 + 2 + 2 = 8, then refused
+        more = HI + [choice["message"], {"role": "user", "content": "more"}]
+        codes.append(client.post(url, json={"model": "m", "messages": more, "n": 2}, headers=headers).status_code)
+    assert codes == [200, 200, 400, 400]
+    assert len(episode_outputs(episode)) == 8
