@@ -15,14 +15,14 @@ from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
 
-WIDE_AGENT = textwrap.dedent('''
+WIDE_AGENT = textwrap.dedent("""
     from grpokit.agents import agents
 
     @agents.register("wide_agent")
     async def wide_agent(client, row):
         r = await client.chat.completions.create(model="any", messages=row["messages"], n=4, max_tokens=6)
         return sum(len(c.message.content or "") for c in r.choices) % 4 / 3
-''')
+""")
 
 
 class PieceRecorder(GRPOTrainer):

@@ -45,7 +45,7 @@ def loss_of(b: RolloutBatch, logps: torch.Tensor, cfg: LossConfig, overlong: boo
 @pytest.mark.parametrize("overlong", [False, True])
 def test_pieces_of_the_configured_size_give_the_whole_micro_batchs_gradient(loss_type, overlong):
     b, cfg = batch(), LossConfig(loss_type=loss_type, max_completion_length=4)
-    current = (b.old_logps + 0.1 * torch.randn(b.old_logps.shape, generator=torch.Generator().manual_seed(1)))
+    current = b.old_logps + 0.1 * torch.randn(b.old_logps.shape, generator=torch.Generator().manual_seed(1))
     whole = current.clone().requires_grad_(True)
     loss_of(b, whole, cfg, overlong).backward()
 
