@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from agents_fakes import EchoEngine, tiny_template
+from test_server_transport import _read_all
 
 from grpokit.agents.episodes import EpisodeRecorder
 from grpokit.agents.service import ChatService
@@ -47,20 +48,6 @@ def surface(request, tiny_model_dir, tmp_path_factory):
         site.close()
 
 
-def _cut(sock: socket.socket) -> tuple[bytes, float]:
-    """What the server sent until it closed the connection, and how long that took."""
-    sock.settimeout(DEADLINE_S + 2)
-    t0, data = time.monotonic(), b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except TimeoutError:
-        data += b"<still open>"
-    except ConnectionResetError:
-        pass
-    return data, time.monotonic() - t0
-
-
 def _answers_at_once(server, path: str) -> None:
     t0 = time.monotonic()
     r = httpx.get(server.url + path, timeout=10)
@@ -81,7 +68,7 @@ def test_a_stalled_client_is_cut_at_its_deadline(surface, sent):
     server, path = surface
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(sent)
-        data, took = _cut(sock)
+        data, took = _read_all(sock, DEADLINE_S + 2)
     assert took < DEADLINE_S and b"<still open>" not in data
     if data:  # a 408 in the one error shape (a body never started may be closed without an answer)
         head, _, body = data.partition(b"\r\n\r\n")
@@ -102,7 +89,7 @@ def test_headers_dripped_a_byte_at_a_time_are_cut_at_the_header_deadline(surface
                     break
         except (BrokenPipeError, ConnectionResetError):
             pass
-        data, _ = _cut(sock)
+        data, _ = _read_all(sock, DEADLINE_S + 2)
     assert time.monotonic() - t0 < 2 * DEADLINE_S and b"<still open>" not in data
     _answers_at_once(server, path)
 

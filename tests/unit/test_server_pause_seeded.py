@@ -8,7 +8,7 @@ import threading
 
 import httpx
 import pytest
-import torch
+from test_server_deadlines import _Probe
 from transformers import LogitsProcessorList
 
 from grpokit.server.app import create_app
@@ -22,19 +22,6 @@ def served(tiny_model_dir):
     state = build_state(ServerOptions(model=str(tiny_model_dir), torch_dtype="float32", fast_decode=False))
     with serve_in_thread(create_app(state)) as (url, _port):
         yield state.engine, url
-
-
-class NoEos:
-    """Forbids EOS (rows run to max_tokens) and says when decoding is under way."""
-
-    def __init__(self, eos: int) -> None:
-        self.eos, self.steps, self.decoding = eos, 0, threading.Event()
-
-    def __call__(self, input_ids, scores):
-        self.steps += 1
-        if self.steps >= 3:
-            self.decoding.set()
-        return scores.index_fill(1, torch.tensor([self.eos], device=scores.device), float("-inf"))
 
 
 def pause_body(route: str, engine) -> dict:
@@ -60,7 +47,7 @@ def test_a_seeded_call_on_hf_generate_samples_the_same_tokens_across_a_pause(ser
     monkeypatch.setattr(engine, "_hf_generate", _counting(engine._hf_generate, generated))
 
     def sampled(pause: bool) -> list[list[int]]:
-        probe = NoEos(engine.template.eos_token_id)
+        probe = _Probe(engine.template.eos_token_id)
         monkeypatch.setattr(engine, "logits_processor_factory", lambda config, width: LogitsProcessorList([probe]))
         answer = {}
         call = threading.Thread(target=lambda: answer.update(r=httpx.post(url + "/infer/", json=body, timeout=120)))
