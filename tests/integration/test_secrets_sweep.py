@@ -28,6 +28,8 @@ def test_a_runs_outputs_and_lines_hold_no_secret_and_no_local_path(
         tiny_model_dir,
         math_jsonl,
         out,
+        "--max_steps",
+        "1",
         "--config",
         str(config),
         "--hub_token",
