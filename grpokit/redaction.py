@@ -6,14 +6,17 @@ An option is secret when a word of its name (split at ``_``, ``-`` and ``.``) is
 ``REDACTED``, as does the password of a URL (``http://u:pw@host``) in any value, and any value that equals a secret
 environment variable's (``*_KEY``, ``*_TOKEN``, ... of 8 or more characters). Nested dicts and lists are walked. The
 command line's log handlers get ``RedactingFilter``, which does the same to every log line, the run's secret option
-values included.
+values included. The Python API (grpokit.trl), whose caller owns the handlers, redacts every log record made while
+it works instead (``redacting_logs``), whatever handler later receives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 REDACTED = "<redacted>"
@@ -86,6 +89,12 @@ def remember_secrets(options: dict) -> None:
             _known.add(v)
 
 
+def redact_line(text: str) -> str:
+    """A line the process prints itself (an error, a stop) with URL passwords, secret environment values and the
+    run's secret option values replaced, as ``RedactingFilter`` does to log lines."""
+    return redact_text(text, env_secrets() | frozenset(_known))
+
+
 class RedactingFilter(logging.Filter):
     """A log handler's filter: every record's message with URL passwords, secret environment values and the run's
     secret option values replaced."""
@@ -95,7 +104,10 @@ class RedactingFilter(logging.Filter):
         self.env = env_secrets()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format: its handler reports it
+            return True
         shown = redact_text(message, self.env | frozenset(_known))
         if shown != message:
             record.msg, record.args = shown, None
@@ -107,3 +119,24 @@ def install_log_redaction() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+
+
+@contextlib.contextmanager
+def redacting_logs() -> Iterator[None]:
+    """Every log record made in the block, by any logger and thread, has its message redacted as
+    ``RedactingFilter`` does, before any handler sees it (handlers added later and a library's own included); the
+    record factory that was in place is used and put back."""
+    previous = logging.getLogRecordFactory()
+    redact = RedactingFilter()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        redact.filter(record)
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        if logging.getLogRecordFactory() is factory:
+            logging.setLogRecordFactory(previous)

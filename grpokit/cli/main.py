@@ -11,7 +11,7 @@ import warnings
 from grpokit.config.help import unknown_option_line
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import GrpokitError
-from grpokit.redaction import install_log_redaction
+from grpokit.redaction import install_log_redaction, redact_line
 from grpokit.server.cli import run_rollout_cli
 from grpokit.viewer import write_report
 
@@ -28,7 +28,7 @@ USAGE = """usage: grpokit {train,rollout,infer,eval,view} [options]
 
 
 def _fail(message: str, code: int = 2) -> None:
-    print(f"grpokit: error: {message}", file=sys.stderr, flush=True)
+    print(f"grpokit: error: {redact_line(message)}", file=sys.stderr, flush=True)  # no key in an error line
     _exit_if_groups_linger(code)
     sys.exit(code)
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         code = getattr(e, "exit_code", None)  # a run stopped by a signal after saving (runs/stops.py)
         if code is not None:
             if os.environ.get("RANK", "0") == "0":  # every process of a launch stopped at the same step
-                print(f"grpokit: stopped: {e}", file=sys.stderr, flush=True)
+                print(f"grpokit: stopped: {redact_line(str(e))}", file=sys.stderr, flush=True)
             sys.exit(code)
         _fail(str(e))
     except KeyboardInterrupt:

@@ -15,11 +15,11 @@ signal) and computes ROUGE-L by hand (longest common subsequence of lower-cased 
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, NamedTuple
 
 from grpokit.rewards.base import ORM, orms
+from grpokit.wire.json_text import loads
 
 _MAX_TOKENS = 1000  # ROUGE-L is O(n·m); longer texts are cut to their first 1000 tokens
 _SPECIAL = ("<|endoftext|>", "<|im_end|>")
@@ -72,7 +72,7 @@ def rouge_l(candidate: str, reference: str) -> float:
 
 def _json(text: str) -> tuple[bool, Any]:
     try:
-        return True, json.loads(text)
+        return True, loads(text)  # model-written: bounded (wire/json_text.py)
     except (ValueError, TypeError):
         return False, text
 

@@ -29,6 +29,7 @@ from grpokit.protocol import RolloutInferRequest
 from grpokit.rollout.builtin_schedulers import GYMScheduler
 from grpokit.rollout.env import Env
 from grpokit.rollout.multi_turn import multi_turns
+from grpokit.wire.json_text import loads
 
 OPENENV_NAMES = ("OpenEnvScheduler", "openenv_scheduler")
 _OBS_BOOKKEEPING = ("done", "reward", "metadata")  # Observation's base fields; the rest is what the model reads
@@ -135,7 +136,7 @@ class OpenEnvScheduler(GYMScheduler):
         stripped = text.strip()
         if stripped.startswith("{"):
             try:
-                value = json.loads(stripped)
+                value = loads(stripped, what="action")  # model-written: bounded (wire/json_text.py)
             except ValueError:
                 return text
             return value if isinstance(value, dict) else text

@@ -29,6 +29,7 @@ from grpokit.server.claim import ClaimMiddleware, Claims, add_claim_routes
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardPolicy
 from grpokit.server.hosts import HostPolicy
+from grpokit.server.json_route import BoundedJsonRoute
 from grpokit.server.media import ImageRefused, output_to_wire, take_images
 from grpokit.server.openai_routes import OpenAIErrors, add_openai_routes
 from grpokit.server.score_route import add_score_route
@@ -57,6 +58,7 @@ def create_app(state: ServerState) -> ErrorMiddleware:
         openapi_url="/openapi.json",
         redirect_slashes=False,
     )
+    app.router.route_class = BoundedJsonRoute  # bodies parsed within bounds (server/json_route.py)
     app.state.server = state
     install_error_handlers(app)
     _add_infer_routes(app, state)

@@ -1,9 +1,10 @@
 """ASGI middleware in front of every endpoint: Host/Origin, framing, the API key, and the body's size and shape.
 
 Everything here answers before the application sees the request, so a bad request costs no JSON parsing and cannot
-reach the engine. Every HTTP surface has it (server/surface.py). In order: a ``Host`` (or ``Origin``) the server is
-not reached by gets 421 (server/hosts.py); a browser's ``Sec-Fetch-Site: cross-site`` or ``same-site`` (a page of
-another site, which sends no ``Origin`` with a GET) 403; a compressed body (``Content-Encoding``) 415;
+reach the engine. Every HTTP surface has it (server/surface.py). In order: a header sent twice that must be sent
+once 400; a ``Host`` (or ``Origin``) the server is not reached by, or an ``Origin`` on another port, gets 421
+(server/hosts.py); a ``Referer`` of such a page 403; a browser's ``Sec-Fetch-Site: cross-site`` or ``same-site`` (a
+page of another site, which sends no ``Origin`` with a GET) 403; a compressed body (``Content-Encoding``) 415;
 ``Content-Length`` together with ``Transfer-Encoding`` (ambiguous framing) gets 400 and the connection is closed;
 a missing or wrong API key 401; a body over ``max_body_bytes`` 413; a body whose JSON would parse into more items
 than its endpoint's budget, hold a longer string than ``max_json_string``, or nest deeper than ``MAX_BODY_DEPTH``,
@@ -24,7 +25,16 @@ from grpokit.server.json_bounds import MAX_BODY_DEPTH, json_size
 
 CLOSE = (b"connection", b"close")
 MISDIRECTED = 421
-ONCE = (b"host", b"content-length", b"transfer-encoding", b"origin", b"sec-fetch-site")  # refused twice
+ONCE = (  # refused twice
+    b"host",
+    b"content-length",
+    b"transfer-encoding",
+    b"origin",
+    b"referer",
+    b"sec-fetch-site",
+    b"authorization",
+    b"content-encoding",
+)
 SCAN_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are measured in a thread, off the event loop
 
 
@@ -67,16 +77,20 @@ class GuardPolicy:
 
 
 def _cross_site(headers: dict[bytes, bytes], hosts: HostPolicy) -> tuple[int, str, list] | None:
-    """A refusal of a request a web page of another site sent: its ``Origin`` (421), or, for a plain GET that
-    carries none, the browser's ``Sec-Fetch-Site`` (403)."""
+    """A refusal of a request a web page of another site (or of another port of this machine) sent: its ``Origin``
+    (421), its ``Referer`` (403), or, for a plain GET that carries neither, the browser's ``Sec-Fetch-Site`` (403)."""
     origin = headers.get(b"origin")
-    if origin is not None and not hosts.allows_origin(origin):
+    host = headers.get(b"host")
+    if origin is not None and not (hosts.allows_origin(origin) and hosts.same_port(origin, host)):
         return (
             MISDIRECTED,
             f"Origin {origin[:64].decode('latin-1')!r} is not allowed: the server takes no requests from web "
             "pages of other sites",
             [CLOSE],
         )
+    referer = headers.get(b"referer")
+    if referer is not None and not (hosts.allows_origin(referer) and hosts.same_port(referer, host)):
+        return 403, f"Referer {referer[:64].decode('latin-1')!r}: no requests from web pages of other sites", [CLOSE]
     site = headers.get(b"sec-fetch-site", b"").strip().lower()
     if site in (b"cross-site", b"same-site"):
         return 403, f"Sec-Fetch-Site {site.decode('latin-1')}: no requests from web pages of other sites", [CLOSE]

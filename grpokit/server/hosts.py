@@ -4,8 +4,10 @@ A web page on ``rebind.attacker.example`` can make its name resolve to 127.0.0.1
 on this machine with the page's own name in ``Host``; the browser also sends an ``Origin``. The server answers only
 requests whose ``Host`` is a name it is actually reached by: a loopback name or address, the address it is bound
 to, the names given with ``--allowed_hosts``, and, when bound to every interface (0.0.0.0 or ::), any IP literal
-and this machine's host name. The port in ``Host`` is not compared (port forwarding changes it). An ``Origin``, when
-present, must name an allowed host too (``null`` is refused). ``--allowed_hosts '*'`` turns the check off.
+and this machine's host name. The port in ``Host`` is not compared (port forwarding changes it). An ``Origin`` or
+``Referer``, when present, must name an allowed host too (``null`` is refused) and the port the ``Host`` names:
+a page served on another port of this machine is another origin (``same_port``). ``--allowed_hosts '*'`` turns
+the check off.
 """
 
 from __future__ import annotations
@@ -97,6 +99,20 @@ class HostPolicy:
         if parts.scheme not in ("http", "https") or not parts.netloc or "@" in parts.netloc:
             return False
         return self.allows_name(host_name(parts.netloc))
+
+    def same_port(self, page: bytes, host: bytes | None) -> bool:
+        """Whether the page ``page`` (an Origin or Referer URL) is on the port the ``host`` header names (a missing
+        port is the page's scheme's default)."""
+        if self.any_host:
+            return True
+        try:
+            parts = urlsplit(page.decode("latin-1").strip())
+            default = 443 if parts.scheme == "https" else 80
+            page_port = parts.port or default
+            host_port = urlsplit("//" + (host or b"").decode("latin-1").strip()).port or default
+        except ValueError:
+            return False
+        return page_port == host_port
 
     def describe(self) -> str:
         return ", ".join(self.shown[:8]) + (" ..." if len(self.shown) > 8 else "")

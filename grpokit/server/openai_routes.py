@@ -26,6 +26,7 @@ from grpokit.errors import RolloutError
 from grpokit.server.calls import CLIENT_GONE, admitted, until_disconnect
 from grpokit.server.errors import ErrorMiddleware, error_body, install_error_handlers
 from grpokit.server.guard import GuardPolicy
+from grpokit.server.json_route import BoundedJsonRoute
 from grpokit.server.surface import BackgroundServer, hardened, shared_limits
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ def episode_app(service: ChatService, recorder: EpisodeRecorder) -> ErrorMiddlew
     app = FastAPI(
         title="grpokit episodes", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False
     )
+    app.router.route_class = BoundedJsonRoute  # bodies parsed within bounds (server/json_route.py)
     install_error_handlers(app)
     add_episode_routes(app, service, recorder)
     policy = GuardPolicy(api_key=None, max_body_bytes=LOCAL_BODY_BYTES, host_hint=" (the endpoint is local only)")

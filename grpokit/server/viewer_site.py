@@ -61,6 +61,9 @@ class ViewerSite:
         """The page of the files as they are now: cached, or built by the one worker (a build already running is
         joined, not repeated); TimeoutError past ``build_timeout_s``."""
         stamp = version(self.output_dir)
+        done = self._building is not None and self._building.done() and not self._building.cancelled()
+        if done and self._building.exception() is None and self._building.result().stamp == stamp:
+            self._built = self._building.result()  # built for this version while its callers were not yet back
         if self._built is not None and self._built.stamp == stamp:
             return self._built
         if self._building is None or self._building.done():

@@ -37,6 +37,7 @@ from grpokit.trainers.hf_callbacks import RunCallbacks
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
 from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.row_pieces import train_in_pieces
 from grpokit.trainers.state import StepValues, TrainerState, WindowProgress
 from grpokit.trainers.step_guard import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
@@ -206,12 +207,16 @@ class GRPOTrainer:
         model.train()
         if num_items_in_batch is not None:
             inputs.num_items = num_items_in_batch
-        with self.accelerator.autocast():
-            loss, metrics = self._loss_call(model, inputs)
-        (model.backward if self._engine_steps else self.accelerator.backward)(loss)  # DeepSpeed: engine.backward
+        if len(inputs) > self.args.per_device_train_batch_size and not self._engine_steps:
+            loss, metrics = train_in_pieces(self, model, inputs)  # an oversized window: pieces of the configured size
+        else:
+            with self.accelerator.autocast():
+                loss, metrics = self._loss_call(model, inputs)
+            (model.backward if self._engine_steps else self.accelerator.backward)(loss)  # DeepSpeed: engine.backward
+            loss = loss.detach()
         inputs.step_metrics.update(metrics)
-        inputs.step_metrics["loss"] = loss.detach()
-        return loss.detach()
+        inputs.step_metrics["loss"] = loss
+        return loss
 
     def _optimizer_step(self, loss: torch.Tensor | None) -> dict:
         """After ``training_step`` returned, on the synchronising micro-step: clip (grad_norm), step (skipped on a

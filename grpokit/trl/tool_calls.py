@@ -5,11 +5,11 @@ its failure given back to the model as ``{"error": ...}``, as TRL's loop does.""
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from typing import Any
 
 from grpokit.errors import ConfigError
+from grpokit.wire.json_text import loads
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -45,7 +45,7 @@ def parse_tool_calls(text: str) -> list[dict] | None:
     calls = []
     for block in _TOOL_CALL.findall(text):
         try:
-            call = json.loads(block)
+            call = loads(block, what="tool call")  # model-written: bounded (wire/json_text.py)
         except ValueError:
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -54,7 +54,7 @@ def parse_tool_calls(text: str) -> list[dict] | None:
         args = call.get("arguments") or {}
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = loads(args, what="arguments")
             except ValueError:
                 args = {"__unparsed__": args}
         calls.append({"name": call["name"], "arguments": args if isinstance(args, dict) else {}})

@@ -30,6 +30,8 @@ MAX_ROW_DEPTH = 32  # the rows grpokit writes nest a few levels; a deeper one is
 MAX_ARGS_BYTES = 4 << 20  # an args.json is a few KiB: a file of MiBs is not a run's options
 MAX_LINE_BYTES = 16 << 20  # one completion row (its token data is bounded by --log_completions_max_tokens)
 MAX_SHOWN_BYTES = 64 << 20  # completion rows the page holds, all steps together; the rest are skipped, counted
+MAX_STEPS = 200_000  # distinct steps of completion rows a page chooses from (a run logs one per optimizer step)
+MAX_LOG_ROWS = 100_000  # logging.jsonl rows the charts draw; later rows are skipped, counted
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Skipped:
 def _row(line: bytes) -> dict | None:
     """A line as a JSON object whose every string can be written back as UTF-8, or None."""
     try:
-        row = loads(line, max_depth=MAX_ROW_DEPTH)
+        row = loads(line, max_depth=MAX_ROW_DEPTH, finite=False)  # a logged NaN loss is shown as none
         if not isinstance(row, dict):
             return None
         json.dumps(row, ensure_ascii=False, allow_nan=True).encode("utf-8")  # a lone surrogate fails here
@@ -83,7 +85,7 @@ def read_rows(path: Path, skipped: Skipped | None = None) -> list[dict]:
     rows = []
     for _, line in _lines(path):
         row = _row(line) if line else None
-        if row is None or _step(row) is None:
+        if row is None or _step(row) is None or len(rows) >= MAX_LOG_ROWS:
             if skipped is not None:
                 skipped.add(path.name)
             continue
@@ -98,33 +100,33 @@ def _step(row: dict) -> int | None:
 
 def completions_by_step(path: Path, limit: int, skipped: Skipped) -> tuple[dict[int, list[dict]], int]:
     """The completion rows of at most ``limit`` steps (``chosen_steps``) and the number of steps logged, in two
-    streamed passes: the steps and each row's offset first, then only the chosen rows, up to ``MAX_SHOWN_BYTES``
-    of them. Memory is bounded by what the page shows, not by the file."""
+    streamed passes: the distinct steps first (at most ``MAX_STEPS``; rows of further steps are skipped), then the
+    rows of the chosen steps, up to ``MAX_SHOWN_BYTES`` of them. Memory is bounded by what the page shows and the
+    count of steps, not by the file's lines."""
     if not path.is_file():
         return {}, 0
-    offsets: dict[int, list[int]] = {}
-    for offset, line in _lines(path):
+    steps: set[int] = set()
+    for _, line in _lines(path):
         row = _row(line) if line else None
         step = None if row is None else _step(row)
-        if step is None:
+        if step is None or (step not in steps and len(steps) >= MAX_STEPS):
             skipped.add(path.name)
             continue
-        offsets.setdefault(step, []).append(offset)
-    kept = chosen_steps(sorted(offsets), limit)
+        steps.add(step)
+    kept = chosen_steps(sorted(steps), limit)
     by_step: dict[int, list[dict]] = {s: [] for s in kept}
     budget = MAX_SHOWN_BYTES
-    with path.open("rb") as f:
-        for step in kept:
-            for offset in offsets[step]:
-                f.seek(offset)
-                line = f.readline(MAX_LINE_BYTES + 1)
-                row = _row(line) if len(line) <= budget else None  # the file may have changed since: check again
-                if row is None or _step(row) != step:
-                    skipped.add(path.name)
-                    continue
-                budget -= len(line)
-                by_step[step].append(row)
-    return by_step, len(offsets)
+    for _, line in _lines(path):  # the file may have grown since: rows of other steps are left out, not counted
+        row = _row(line) if line else None
+        step = None if row is None else _step(row)
+        if step not in by_step:
+            continue
+        if len(line) > budget:
+            skipped.add(path.name)  # past the page's byte budget
+            continue
+        budget -= len(line)
+        by_step[step].append(row)
+    return by_step, len(steps)
 
 
 def version(output_dir: Path) -> str:

@@ -44,14 +44,16 @@ class PartialRollouts(PauseGate):
 
     def _generate(self, prompts: list[list[int]], config: RequestConfig, events: list | None = None, uniform=None):
         """Called with ``lock`` held; tags each token with the weight version; continues paused rows, a seeded
-        row with the rest of its random stream (``_seeded_draws``: a pause that loads no weights, the sync check's,
-        leaves its samples as they would have been); rows paused by an update that failed halfway stop where they
-        are (the weights they would continue on are no version at all)."""
+        call with the rest of its random stream (a pause that loads no weights, the sync check's, leaves its
+        samples as they would have been, see ``_continue_seeded``); rows paused by an update that failed halfway
+        stop where they are (the weights they would continue on are no version at all)."""
         version = self.policy_version
         pausable = not (config.structured_outputs_regex or config.structured_outputs_json or PROBING.get())
+        seeded = config.seed is not None and config.temperature != 0
         self._pausable = pausable
         try:
             choices = super()._generate(prompts, config, events, uniform)
+            stream = _rng_state(self.model) if seeded else None  # where the call's random stream stopped
         finally:
             self._pausable = True
         for c in choices:
@@ -66,15 +68,22 @@ class PartialRollouts(PauseGate):
             version = self.policy_version
             done = len(choices[paused[0]].token_ids)  # rows paused together have the same count of new tokens
             rest = config.model_copy(update={"max_tokens": config.max_tokens - done, "seed": None})
+            rows = list(range(len(prompts))) if seeded else paused  # seeded: the whole batch draws again
+            draws = None
+            if seeded:
+                draws = _seeded_draws(self.model, config, len(prompts), done, rows)
+                _set_rng_state(self.model, stream)
             more = super()._generate(
-                [prompts[i] + choices[i].token_ids for i in paused],
+                [prompts[i] + choices[i].token_ids for i in rows],
                 rest,
-                None if events is None else [events[i] for i in paused],
-                _seeded_draws(self.model, config, len(prompts), done, paused),
+                None if events is None else [events[i] for i in rows],
+                draws,
             )
+            stream = _rng_state(self.model) if seeded else None
             self.partial_resumes += len(paused)
-            for i, m in zip(paused, more, strict=True):
-                choices[i] = self._joined(choices[i], m, version, config)
+            for i, m in zip(rows, more, strict=True):
+                if i in paused:
+                    choices[i] = self._joined(choices[i], m, version, config)
         return choices
 
     def _was_paused(self, c: ChatCompletionResponseChoice, config: RequestConfig, events, i: int) -> bool:
@@ -97,14 +106,32 @@ class PartialRollouts(PauseGate):
         return joined
 
 
-def _seeded_draws(model, config: RequestConfig, rows: int, done: int, paused: list[int]) -> torch.Tensor | None:
-    """The rest of a seeded call's random stream for its paused rows: the fast decoder draws every token's uniform
-    number up front from the seed (one per row and token), so the continuation samples token ``done`` on with the
-    numbers the uninterrupted call would have used. None for an unseeded or greedy call (fresh draws sample the
-    same distribution)."""
-    if config.seed is None or config.temperature == 0:
-        return None
+def _seeded_draws(model, config: RequestConfig, rows: int, done: int, kept: list[int]) -> torch.Tensor:
+    """The rest of a seeded call's random stream on the fast decoder, for its rows ``kept``: it draws every token's
+    uniform number up front from the seed (one per row and token), so the continuation samples token ``done`` on
+    with the numbers the uninterrupted call would have used. (The global generator's state is left as it was.)"""
     device = next(model.parameters()).device
+    saved = _rng_state(model)
     torch.manual_seed(config.seed)
     draws = torch.rand(config.max_tokens, rows, 1, device=device, dtype=torch.float64)
-    return draws[done:, paused]
+    _set_rng_state(model, saved)
+    return draws[done:, kept]
+
+
+def _rng_state(model) -> torch.Tensor:
+    """The state of the generator HF ``generate`` samples with on the model's device.
+
+    ``generate`` draws for every row of its batch at every step (finished rows too), so a continuation of the
+    whole batch from this state samples the paused rows' next tokens exactly as the uninterrupted call would
+    have: the HF-generate fallback keeps a seeded call's stream across a pause this way, whatever ran meanwhile
+    (the sync check's probe samples too)."""
+    device = next(model.parameters()).device
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(model, state: torch.Tensor) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

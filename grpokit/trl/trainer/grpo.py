@@ -13,6 +13,7 @@ from grpokit.distributed.processes import full_state_dict
 from grpokit.errors import ConfigError
 from grpokit.pipeline.supplied import Supplied, model_folder
 from grpokit.pipeline.train import assembled
+from grpokit.redaction import redacting_logs, remember_secrets
 from grpokit.trl.agent import rollout_parts, with_tools
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.reward_setup import reward_list
@@ -48,12 +49,8 @@ class GRPOTrainer:
         rewards = reward_list(reward_funcs, reward_processing_classes, self.args.reward_model_dtype())
         # checkpoints of an earlier run are fine until train() says whether it resumes them: checked there
         later = ["--resume_from_checkpoint", "latest"] if checkpoint_dirs(self.args.output_dir) else []
-        cfg = parse_train_args(
-            ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later],
-            prog="GRPOTrainer",
-            supplied_rewards=len(rewards),
-            supplied_eval=eval_dataset is not None,
-        )
+        flags = ["--model", str(path), *self.args.flags(lora=lora), *_lora_flags(peft_config), *later]
+        cfg = _parsed(flags, self.args, len(rewards), eval_dataset is not None)
         cfg.training.resume_from_checkpoint = None  # train(resume_from_checkpoint=...) decides
         given = len(rewards)
         scheduler, rewards, schemas = rollout_parts(
@@ -97,7 +94,7 @@ class GRPOTrainer:
             cfg.training.resume_from_checkpoint = (
                 "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             )
-        with assembled(cfg, self.supplied) as trainer:
+        with redacting_logs(), assembled(cfg, self.supplied) as trainer:  # no key or token in a log line
             self.trainer = trainer
             state = trainer.train()
         from transformers.trainer_utils import TrainOutput  # not at the top: transformers loads with the run
@@ -152,6 +149,13 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer.evaluate(): no eval_dataset was given")
         logs = trainer.evaluate()
         return {("eval_" + k.removeprefix("eval/")): v for k, v in logs.items() if k.startswith("eval/")}
+
+
+def _parsed(flags: list[str], args: GRPOConfig, rewards: int, has_eval: bool):
+    """The run's checked configuration; its keys and tokens stay out of every log line, parsing's included."""
+    remember_secrets(args.to_dict())
+    with redacting_logs():
+        return parse_train_args(flags, prog="GRPOTrainer", supplied_rewards=rewards, supplied_eval=has_eval)
 
 
 def _check_arguments(optimizers: Any, quantization_config: Any, train_dataset: Any, eval_dataset: Any) -> None:
