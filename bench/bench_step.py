@@ -29,7 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_profile  # noqa: E402  (bench/ is no package)
+
 PROMPTS = "builtin:arithmetic"
+TRL_FOLDER = Path.home() / ".cache" / "grpokit" / "trl-1.16.0"  # where the dev set-up installs TRL (--no-deps)
+PROFILE = step_profile.StepProfile()
 
 
 def resolve_model(name: str, workdir: Path) -> str:
@@ -57,6 +62,7 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
 
         def on_step_end(self, trainer):
             stamps.append(time.perf_counter())
+            PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.grpokit_phases)
 
     callbacks_map["bench_stamp"] = Stamp
     args = [
@@ -137,6 +143,7 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
 
         def on_step_end(self, *args, **kwargs):
             stamps.append(time.perf_counter())
+            PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.trl_phases)
 
     cfg = GRPOConfig(
         output_dir=str(out / "trl"),
@@ -208,9 +215,12 @@ def child(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     out = Path(a.workdir)
     generate_s, engine_s = time_generate()
-    result = (run_grpokit if a.framework.startswith("grpokit") else run_trl)(a, out)
+    grpokit = a.framework.startswith("grpokit")
+    (step_profile.profile_grpokit if grpokit else step_profile.profile_trl)(PROFILE)
+    result = (run_grpokit if grpokit else run_trl)(a, out)
     result["generate_s"] = generate_s
     result["engine_s"] = engine_s
+    result["profile"] = PROFILE.steps
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"{a.framework}.json").write_text(json.dumps(result))
 
@@ -240,14 +250,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="grpokit-bench-"))
     a.model_path = resolve_model(a.model, work)
     frameworks = list(a.frameworks)
+    env = {**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"}
+    envs = {fw: env for fw in frameworks}
     if "trl" in frameworks:
         import importlib.util
 
-        if importlib.util.find_spec("trl") is None:
-            print("trl is not installed: skipping the side-by-side run (pip install trl)")
+        if importlib.util.find_spec("trl") is not None:
+            pass
+        elif (TRL_FOLDER / "trl").is_dir():  # TRL installed without its dependencies beside the venv
+            envs["trl"] = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(TRL_FOLDER)]))}
+        else:
+            print(f"trl is not installed: skipping the side-by-side run (pip install trl, or into {TRL_FOLDER})")
             frameworks.remove("trl")
-    env = {**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"}
-    envs = {fw: env for fw in frameworks}
     if a.baseline:
         frameworks.append(f"grpokit@{a.baseline}")
         envs[frameworks[-1]] = {**env, "PYTHONPATH": checkout(a.baseline, work)}
@@ -323,6 +337,9 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
                 f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
                 f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)"
             )
+    splits = {fw: [s for r in runs for s in r.get("profile", [])[1:]] for fw, runs in results.items()}
+    print("\nwhere a step's time goes (median seconds per step, first step of each run dropped):\n")
+    print(step_profile.format_table(splits, med))
     base = f"grpokit@{a.baseline}"
     if "grpokit" in med and base in med:
         ratios = [g / b for g, b in zip(per_round["grpokit"], per_round[base])]
