@@ -17,6 +17,10 @@ Each chunk's logits live in one float32 buffer that is shifted, exponentiated an
 entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak. With the sampler's kept set
 (``support``, algorithms/kept_set.py) a chunk adds its [n, V] bool mask and a ``topk`` (top-p on a flat row: a
 sort, 128 rows at a time); forward saves the [B·C] thresholds, from which backward rebuilds each chunk's mask.
+
+When every row fits in one chunk and a gradient is needed, forward keeps that chunk's logits for backward, which
+then skips the recomputation (one [N, H]·[H, V] matmul of three) and reads the same numbers: a second chunk-sized
+buffer in forward, held until backward, none extra in backward.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ def _accumulate(grad: Tensor, gz: Tensor, gz_l: Tensor, x: Tensor) -> None:
 
 class _ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy, support):
+    def forward(
+        ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy, support, keep_logits
+    ):
         cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         n = hidden.shape[0]  # hidden [N, H], weight [V, H], u [N, r] and lr_weight [V, r] or None, targets [N]
         lse = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
@@ -64,16 +70,20 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         tau = torch.empty(n, dtype=cdt, device=hidden.device) if support is not None else None  # [N] kept-set τ
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
+        ctx.logits = None  # one chunk's logits, kept for backward (``keep_logits``)
+        keep_logits = keep_logits and n <= chunk_size
         for s in _row_chunks(n, chunk_size):
             low_rank = (u[s], lr_weight) if u is not None else None
             z, ctx.logits_dtype = _chunk_logits(hidden[s], weight, bias, low_rank, temperature, cdt)
+            if keep_logits:  # backward reads them instead of recomputing; the shifted copy below is a new buffer
+                ctx.logits = z
             picked[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1)
             keep = None
             if support is not None:  # the sampler's kept set (algorithms/kept_set.py): a [n, V] mask, this chunk's
                 tau[s] = kept_threshold(z, support)
                 keep = kept_mask(z, tau[s], targets[s], support)
             top = z.amax(-1, keepdim=True)  # [n, 1]
-            z.sub_(top)  # in place from here on: the chunk's logits minus their max
+            z = z - top if keep_logits else z.sub_(top)  # from here on in place: the logits minus their max
             if entropy is None:
                 e = z.exp_()
                 lse[s] = top.squeeze(-1) + (e if keep is None else e.mul_(keep)).sum(-1).log()
@@ -105,9 +115,11 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         grad_h, grad_w, grad_b, grad_u, grad_lr = grads
         enabled, ac_dtype, device = ctx.autocast
         for s in _row_chunks(hidden.shape[0], ctx.chunk_size):
-            with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
-                low_rank = (u[s], lr_weight) if u is not None else None
-                z, _ = _chunk_logits(hidden[s], weight, bias, low_rank, ctx.temperature, lse.dtype)
+            z, ctx.logits = ctx.logits, None  # kept by forward (one chunk: the same numbers), else recomputed
+            if z is None:
+                with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
+                    low_rank = (u[s], lr_weight) if u is not None else None
+                    z, _ = _chunk_logits(hidden[s], weight, bias, low_rank, ctx.temperature, lse.dtype)
             g = grad_logps[s].to(lse.dtype).unsqueeze(-1)  # [n, 1]
             keep = kept_mask(z, tau[s], targets[s], ctx.support) if ctx.support is not None else None
             gz = z.sub_(lse[s].unsqueeze(-1)).exp_()  # in place: d logp / d z = onehot − softmax (over K), × g
@@ -129,7 +141,7 @@ class _ChunkedHeadLogps(torch.autograd.Function):
             del z, gz, gz_l, keep  # before the next chunk's logits exist: one chunk at a time
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None
+        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None, None
 
 
 def chunked_lm_head_logps(
@@ -170,6 +182,8 @@ def chunked_lm_head_logps(
             )
         u = u.reshape(-1, u.shape[-1])
     lead = targets.shape
+    trained = (hidden, weight, bias, u, lr_weight)
+    keep_logits = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in trained)
     logps, entropy = _ChunkedHeadLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -181,5 +195,6 @@ def chunked_lm_head_logps(
         int(chunk_size),
         bool(compute_entropy),
         support,
+        keep_logits,
     )
     return logps.view(lead), (entropy.view(lead) if entropy is not None else None)
