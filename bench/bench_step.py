@@ -107,6 +107,8 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
     ]
     if a.lora:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
+    else:  # grpokit's default is LoRA (ms-swift's); TRL trains every weight unless given a peft config
+        args += ["--tuner_type", "full"]
     if a.top_p != 1.0 or a.top_k > 0:  # given only when set: a --baseline revision may predate an option
         args += ["--top_p", str(a.top_p), "--top_k", str(a.top_k)]
     run_train(parse_train_args(args))
