@@ -109,6 +109,8 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
     else:  # grpokit's default is LoRA (ms-swift's); TRL trains every weight unless given a peft config
         args += ["--tuner_type", "full"]
+    if a.device == "cpu":
+        args += ["--use_cpu", "true"]
     if a.top_p != 1.0 or a.top_k > 0:  # given only when set: a --baseline revision may predate an option
         args += ["--top_p", str(a.top_p), "--top_k", str(a.top_k)]
     run_train(parse_train_args(args))
@@ -156,7 +158,7 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
         learning_rate=a.lr,
         beta=0.0,
         loss_type="grpo",
-        use_cpu=True,
+        use_cpu=a.device == "cpu",
         bf16=False,
         logging_steps=1,
         report_to=[],
@@ -219,6 +221,8 @@ def child(a: argparse.Namespace) -> None:
     generate_s, engine_s = time_generate()
     grpokit = a.framework.startswith("grpokit")
     (step_profile.profile_grpokit if grpokit else step_profile.profile_trl)(PROFILE)
+    if a.device == "cuda":
+        PROFILE.sync = torch.cuda.synchronize
     result = (run_grpokit if grpokit else run_trl)(a, out)
     result["generate_s"] = generate_s
     result["engine_s"] = engine_s
@@ -239,6 +243,8 @@ def main() -> None:
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1: off)")
     p.add_argument("--top_k", type=int, default=-1, help="top-k sampling (-1: off)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: both trainers on the GPU")
+    p.add_argument("--trl_path", default=str(TRL_FOLDER), help="a folder holding trl, when it is not installed")
     p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
     p.add_argument("--rounds", type=int, default=1, help="alternate the frameworks this many times")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -259,10 +265,10 @@ def main() -> None:
 
         if importlib.util.find_spec("trl") is not None:
             pass
-        elif (TRL_FOLDER / "trl").is_dir():  # TRL installed without its dependencies beside the venv
-            envs["trl"] = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(TRL_FOLDER)]))}
+        elif (Path(a.trl_path) / "trl").is_dir():  # TRL installed without its dependencies, beside the venv
+            envs["trl"] = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), a.trl_path]))}
         else:
-            print(f"trl is not installed: skipping the side-by-side run (pip install trl, or into {TRL_FOLDER})")
+            print("trl is not installed: skipping the side-by-side run (pip install trl, or --trl_path)")
             frameworks.remove("trl")
     if a.baseline:
         frameworks.append(f"grpokit@{a.baseline}")
@@ -301,7 +307,7 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     print(
         f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
         f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps × "
-        f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads"
+        f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads, {a.device}"
     )
     med, per_round, rss = {}, {}, {}
     for fw, runs in results.items():

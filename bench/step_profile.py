@@ -39,6 +39,7 @@ class StepProfile:
         self.current: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self.depth: dict[str, int] = defaultdict(int)
+        self.sync = None  # on a GPU: torch.cuda.synchronize, so that a phase's kernels count in its own time
 
     def wrap(self, owner, name: str, timer: str, method=None) -> None:
         """Replace ``owner.name`` with a wrapper adding each call's seconds to ``timer`` (outermost calls only:
@@ -48,15 +49,21 @@ class StepProfile:
 
         def wrapper(*args, **kwargs):
             profile.depth[timer] += 1
+            profile.wait()
             t0 = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
                 profile.depth[timer] -= 1
                 if profile.depth[timer] == 0:
+                    profile.wait()
                     profile.current[timer] += time.perf_counter() - t0
 
         setattr(owner, name, wrapper)
+
+    def wait(self) -> None:
+        if self.sync is not None:
+            self.sync()
 
     def inside(self, timer: str) -> bool:
         return self.depth[timer] > 0
@@ -89,10 +96,12 @@ def _common(profile: StepProfile) -> None:
 
         def pre(*_):
             if not t0:
+                profile.wait()
                 t0.append(time.perf_counter())
 
         def post(*_):
             if len(t0) == 1:
+                profile.wait()
                 t0.append(time.perf_counter())
                 profile.add("prefill", t0[1] - t0[0])
 
@@ -149,10 +158,12 @@ def profile_trl(profile: StepProfile) -> None:
     def logps(self, *args, **kwargs):  # counted before training only: the loss's own forward calls it too
         if not profile.inside("prepare"):
             return original(self, *args, **kwargs)
+        profile.wait()
         t0 = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
+            profile.wait()
             profile.add("logps", time.perf_counter() - t0)
 
     GRPOTrainer._get_per_token_logps_and_entropies = logps
