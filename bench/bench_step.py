@@ -35,6 +35,7 @@ import step_profile  # noqa: E402  (bench/ is no package)
 PROMPTS = "builtin:arithmetic"
 TRL_FOLDER = Path.home() / ".cache" / "grpokit" / "trl-1.16.0"  # where the dev set-up installs TRL (--no-deps)
 PROFILE = step_profile.StepProfile()
+CPU_STAMPS: list[float] = []  # the process's CPU seconds at the same moments as the step stamps
 
 
 def resolve_model(name: str, workdir: Path) -> str:
@@ -59,9 +60,11 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
     class Stamp(TrainerCallback):
         def on_train_begin(self, trainer):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
 
         def on_step_end(self, trainer):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
             PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.grpokit_phases)
 
     callbacks_map["bench_stamp"] = Stamp
@@ -144,9 +147,11 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
     class Stamp(TrainerCallback):
         def on_train_begin(self, *args, **kwargs):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
 
         def on_step_end(self, *args, **kwargs):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
             PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.trl_phases)
 
     cfg = GRPOConfig(
@@ -227,6 +232,7 @@ def child(a: argparse.Namespace) -> None:
     result["generate_s"] = generate_s
     result["engine_s"] = engine_s
     result["profile"] = PROFILE.steps
+    result["cpu_s"] = [b - a_ for a_, b in zip(CPU_STAMPS, CPU_STAMPS[1:])]
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"{a.framework}.json").write_text(json.dumps(result))
 
@@ -356,6 +362,14 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             f"  ratio grpokit/{base}: time {med['grpokit'] / med[base]:.3f}×{spread}, memory "
             f"{rss['grpokit'] / rss[base]:.2f}×"
         )
+    cpu = {fw: [s for r in runs for s in r.get("cpu_s", [])[1:]] for fw, runs in results.items()}
+    if all(cpu.values()):  # CPU seconds: less moved than wall time by other jobs on a shared machine
+        print(
+            "  CPU seconds per step (median): " + ", ".join(f"{fw} {statistics.median(v):.3f}" for fw, v in cpu.items())
+        )
+        if "grpokit" in cpu and "trl" in cpu:
+            ratio = statistics.median(cpu["grpokit"]) / statistics.median(cpu["trl"])
+            print(f"  ratio grpokit/trl in CPU seconds: {ratio:.2f}×")
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
