@@ -5,7 +5,9 @@ prompts, reward, batch, num_generations, max_completion_length, loss and step co
 frameworks alternate R times (grpokit, trl, grpokit, trl, ...), so that slow spells of a noisy machine hit both.
 Reported: median seconds per step over all rounds (the first step of each run is warm-up and excluded),
 grpokit's split into rollout / reward / logps / train / other, peak resident memory, the ratio grpokit / TRL
-and its spread over rounds.
+and its spread over rounds, the CPU seconds per step, and for every framework where its step's time goes
+(prefill, decode, reward, old/ref logps, forward, backward, optimizer, sync, bookkeeping: bench/step_profile.py,
+which times TRL by wrapping its methods from outside).
 
     python bench/bench_step.py --model tiny --steps 12 --rounds 3
     python bench/bench_step.py --model smollm --steps 5 --lora --lr 2e-4
