@@ -49,12 +49,13 @@ def _chunk_logits(
     return zc.div_(temperature), z.dtype  # in place: one [n, V] buffer, not two
 
 
-def _accumulate(grad: Tensor, gz: Tensor, gz_l: Tensor, x: Tensor) -> None:
-    """grad [V, K] += gzᵀ·x over one chunk, in grad's dtype (gz_l is gz in the matmul's dtype)."""
-    if grad.dtype == gz_l.dtype:
-        grad.addmm_(gz_l.t(), x.to(grad.dtype))
-    else:  # autocast with full-precision weights: accumulate in the weight's dtype
-        grad.addmm_(gz.to(grad.dtype).t(), x.to(grad.dtype))
+def _accumulate(grad: Tensor | None, gz: Tensor, gz_l: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad [V, K] + gzᵀ·x over one chunk, in ``dtype`` (the weight's; gz_l is gz in the matmul's dtype). The first
+    chunk's product starts the sum: no zero-filled weight-sized buffer to add it to."""
+    gz = gz_l if gz_l.dtype == dtype else gz.to(dtype)  # autocast with full-precision weights: the weight's dtype
+    if grad is None:  # out=: in ``dtype`` also when the caller's autocast is on (it casts no out= call)
+        return torch.mm(gz.t(), x.to(dtype), out=x.new_empty((gz.shape[1], x.shape[1]), dtype=dtype))
+    return grad.addmm_(gz.t(), x.to(dtype))
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
@@ -107,10 +108,10 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         hidden, weight, bias, u, lr_weight, targets, lse, tau = ctx.saved_tensors
         grads = [
             torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
-            torch.zeros_like(weight) if ctx.needs_input_grad[1] else None,
+            None,  # the weight's and lr_weight's gradients start with the first chunk's product
             torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None,
             torch.empty_like(u) if ctx.needs_input_grad[3] else None,
-            torch.zeros_like(lr_weight) if ctx.needs_input_grad[4] else None,
+            None,
         ]
         grad_h, grad_w, grad_b, grad_u, grad_lr = grads
         enabled, ac_dtype, device = ctx.autocast
@@ -134,10 +135,10 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                     grad_h[s] = torch.mm(gz_l, weight).to(hidden.dtype)
             if grad_u is not None:
                 grad_u[s] = torch.mm(gz_l, lr_weight.to(gz_l.dtype)).to(u.dtype)
-            if grad_w is not None:
-                _accumulate(grad_w, gz, gz_l, hidden[s])
-            if grad_lr is not None:
-                _accumulate(grad_lr, gz, gz_l, u[s])
+            if ctx.needs_input_grad[1]:
+                grad_w = _accumulate(grad_w, gz, gz_l, hidden[s], weight.dtype)
+            if ctx.needs_input_grad[4]:
+                grad_lr = _accumulate(grad_lr, gz, gz_l, u[s], lr_weight.dtype)
             del z, gz, gz_l, keep  # before the next chunk's logits exist: one chunk at a time
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
