@@ -5,7 +5,9 @@ prompts, reward, batch, num_generations, max_completion_length, loss and step co
 frameworks alternate R times (grpokit, trl, grpokit, trl, ...), so that slow spells of a noisy machine hit both.
 Reported: median seconds per step over all rounds (the first step of each run is warm-up and excluded),
 grpokit's split into rollout / reward / logps / train / other, peak resident memory, the ratio grpokit / TRL
-and its spread over rounds.
+and its spread over rounds, the CPU seconds per step, and for every framework where its step's time goes
+(prefill, decode, reward, old/ref logps, forward, backward, optimizer, sync, bookkeeping: bench/step_profile.py,
+which times TRL by wrapping its methods from outside).
 
     python bench/bench_step.py --model tiny --steps 12 --rounds 3
     python bench/bench_step.py --model smollm --steps 5 --lora --lr 2e-4
@@ -29,7 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_profile  # noqa: E402  (bench/ is no package)
+
 PROMPTS = "builtin:arithmetic"
+TRL_FOLDER = Path.home() / ".cache" / "grpokit" / "trl-1.16.0"  # where the dev set-up installs TRL (--no-deps)
+PROFILE = step_profile.StepProfile()
+CPU_STAMPS: list[float] = []  # the process's CPU seconds at the same moments as the step stamps
 
 
 def resolve_model(name: str, workdir: Path) -> str:
@@ -54,9 +62,12 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
     class Stamp(TrainerCallback):
         def on_train_begin(self, trainer):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
 
         def on_step_end(self, trainer):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
+            PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.grpokit_phases)
 
     callbacks_map["bench_stamp"] = Stamp
     args = [
@@ -101,6 +112,10 @@ def run_grpokit(a: argparse.Namespace, out: Path) -> dict:
     ]
     if a.lora:
         args += ["--tuner_type", "lora", "--lora_rank", "16", "--lora_alpha", "32", "--lora_dropout", "0"]
+    else:  # grpokit's default is LoRA (ms-swift's); TRL trains every weight unless given a peft config
+        args += ["--tuner_type", "full"]
+    if a.device == "cpu":
+        args += ["--use_cpu", "true"]
     if a.top_p != 1.0 or a.top_k > 0:  # given only when set: a --baseline revision may predate an option
         args += ["--top_p", str(a.top_p), "--top_k", str(a.top_k)]
     run_train(parse_train_args(args))
@@ -134,9 +149,12 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
     class Stamp(TrainerCallback):
         def on_train_begin(self, *args, **kwargs):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
 
         def on_step_end(self, *args, **kwargs):
             stamps.append(time.perf_counter())
+            CPU_STAMPS.append(time.process_time())
+            PROFILE.close_step(stamps[-1] - stamps[-2], step_profile.trl_phases)
 
     cfg = GRPOConfig(
         output_dir=str(out / "trl"),
@@ -147,7 +165,7 @@ def run_trl(a: argparse.Namespace, out: Path) -> dict:
         learning_rate=a.lr,
         beta=0.0,
         loss_type="grpo",
-        use_cpu=True,
+        use_cpu=a.device == "cpu",
         bf16=False,
         logging_steps=1,
         report_to=[],
@@ -208,9 +226,15 @@ def child(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     out = Path(a.workdir)
     generate_s, engine_s = time_generate()
-    result = (run_grpokit if a.framework.startswith("grpokit") else run_trl)(a, out)
+    grpokit = a.framework.startswith("grpokit")
+    (step_profile.profile_grpokit if grpokit else step_profile.profile_trl)(PROFILE)
+    if a.device == "cuda":
+        PROFILE.sync = torch.cuda.synchronize
+    result = (run_grpokit if grpokit else run_trl)(a, out)
     result["generate_s"] = generate_s
     result["engine_s"] = engine_s
+    result["profile"] = PROFILE.steps
+    result["cpu_s"] = [b - a_ for a_, b in zip(CPU_STAMPS, CPU_STAMPS[1:])]
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / f"{a.framework}.json").write_text(json.dumps(result))
 
@@ -227,6 +251,8 @@ def main() -> None:
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (1: off)")
     p.add_argument("--top_k", type=int, default=-1, help="top-k sampling (-1: off)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: both trainers on the GPU")
+    p.add_argument("--trl_path", default=str(TRL_FOLDER), help="a folder holding trl, when it is not installed")
     p.add_argument("--frameworks", nargs="+", default=["grpokit", "trl"])
     p.add_argument("--rounds", type=int, default=1, help="alternate the frameworks this many times")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -240,14 +266,18 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="grpokit-bench-"))
     a.model_path = resolve_model(a.model, work)
     frameworks = list(a.frameworks)
+    env = {**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"}
+    envs = {fw: env for fw in frameworks}
     if "trl" in frameworks:
         import importlib.util
 
-        if importlib.util.find_spec("trl") is None:
-            print("trl is not installed: skipping the side-by-side run (pip install trl)")
+        if importlib.util.find_spec("trl") is not None:
+            pass
+        elif (Path(a.trl_path) / "trl").is_dir():  # TRL installed without its dependencies, beside the venv
+            envs["trl"] = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), a.trl_path]))}
+        else:
+            print("trl is not installed: skipping the side-by-side run (pip install trl, or --trl_path)")
             frameworks.remove("trl")
-    env = {**os.environ, "GRPOKIT_LOG_LEVEL": "WARNING"}
-    envs = {fw: env for fw in frameworks}
     if a.baseline:
         frameworks.append(f"grpokit@{a.baseline}")
         envs[frameworks[-1]] = {**env, "PYTHONPATH": checkout(a.baseline, work)}
@@ -285,7 +315,7 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
     print(
         f"\nmodel {a.model}, {a.batch} completions/step ({a.batch // a.num_generations} prompts × "
         f"{a.num_generations}), max_completion_length {a.max_completion_length}, {a.steps} steps × "
-        f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads"
+        f"{a.rounds} round(s), {'LoRA r16' if a.lora else 'full'}, {a.threads} threads, {a.device}"
     )
     med, per_round, rss = {}, {}, {}
     for fw, runs in results.items():
@@ -323,6 +353,9 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
                 f"           outside the engine call and the train phase: {statistics.median(around):.4f} s/step "
                 f"({100 * statistics.median(around) / med[fw]:.1f}% of the step)"
             )
+    splits = {fw: [s for r in runs for s in r.get("profile", [])[1:]] for fw, runs in results.items()}
+    print("\nwhere a step's time goes (median seconds per step, first step of each run dropped):\n")
+    print(step_profile.format_table(splits, med))
     base = f"grpokit@{a.baseline}"
     if "grpokit" in med and base in med:
         ratios = [g / b for g, b in zip(per_round["grpokit"], per_round[base])]
@@ -331,6 +364,14 @@ def report(a: argparse.Namespace, results: dict[str, list[dict]]) -> None:
             f"  ratio grpokit/{base}: time {med['grpokit'] / med[base]:.3f}×{spread}, memory "
             f"{rss['grpokit'] / rss[base]:.2f}×"
         )
+    cpu = {fw: [s for r in runs for s in r.get("cpu_s", [])[1:]] for fw, runs in results.items()}
+    if all(cpu.values()):  # CPU seconds: less moved than wall time by other jobs on a shared machine
+        print(
+            "  CPU seconds per step (median): " + ", ".join(f"{fw} {statistics.median(v):.3f}" for fw, v in cpu.items())
+        )
+        if "grpokit" in cpu and "trl" in cpu:
+            ratio = statistics.median(cpu["grpokit"]) / statistics.median(cpu["trl"])
+            print(f"  ratio grpokit/trl in CPU seconds: {ratio:.2f}×")
     if "grpokit" in med and "trl" in med:
         ratios = [g / t for g, t in zip(per_round["grpokit"], per_round["trl"])]
         spread = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""

@@ -17,6 +17,10 @@ Each chunk's logits live in one float32 buffer that is shifted, exponentiated an
 entropies), so a chunk costs about chunk_size × V × 4 bytes at its peak. With the sampler's kept set
 (``support``, algorithms/kept_set.py) a chunk adds its [n, V] bool mask and a ``topk`` (top-p on a flat row: a
 sort, 128 rows at a time); forward saves the [B·C] thresholds, from which backward rebuilds each chunk's mask.
+
+When every row fits in one chunk and a gradient is needed, forward keeps that chunk's logits for backward, which
+then skips the recomputation (one [N, H]·[H, V] matmul of three) and reads the same numbers: a second chunk-sized
+buffer in forward, held until backward, none extra in backward.
 """
 
 from __future__ import annotations
@@ -45,17 +49,20 @@ def _chunk_logits(
     return zc.div_(temperature), z.dtype  # in place: one [n, V] buffer, not two
 
 
-def _accumulate(grad: Tensor, gz: Tensor, gz_l: Tensor, x: Tensor) -> None:
-    """grad [V, K] += gzᵀ·x over one chunk, in grad's dtype (gz_l is gz in the matmul's dtype)."""
-    if grad.dtype == gz_l.dtype:
-        grad.addmm_(gz_l.t(), x.to(grad.dtype))
-    else:  # autocast with full-precision weights: accumulate in the weight's dtype
-        grad.addmm_(gz.to(grad.dtype).t(), x.to(grad.dtype))
+def _accumulate(grad: Tensor | None, gz: Tensor, gz_l: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """grad [V, K] + gzᵀ·x over one chunk, in ``dtype`` (the weight's; gz_l is gz in the matmul's dtype). The first
+    chunk's product starts the sum: no zero-filled weight-sized buffer to add it to."""
+    gz = gz_l if gz_l.dtype == dtype else gz.to(dtype)  # autocast with full-precision weights: the weight's dtype
+    if grad is None:  # out=: in ``dtype`` also when the caller's autocast is on (it casts no out= call)
+        return torch.mm(gz.t(), x.to(dtype), out=x.new_empty((gz.shape[1], x.shape[1]), dtype=dtype))
+    return grad.addmm_(gz.t(), x.to(dtype))
 
 
 class _ChunkedHeadLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy, support):
+    def forward(
+        ctx, hidden, weight, bias, u, lr_weight, targets, temperature, chunk_size, compute_entropy, support, keep_logits
+    ):
         cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
         n = hidden.shape[0]  # hidden [N, H], weight [V, H], u [N, r] and lr_weight [V, r] or None, targets [N]
         lse = torch.empty(n, dtype=cdt, device=hidden.device)  # [N]
@@ -64,16 +71,20 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         tau = torch.empty(n, dtype=cdt, device=hidden.device) if support is not None else None  # [N] kept-set τ
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
+        ctx.logits = None  # one chunk's logits, kept for backward (``keep_logits``)
+        keep_logits = keep_logits and n <= chunk_size
         for s in _row_chunks(n, chunk_size):
             low_rank = (u[s], lr_weight) if u is not None else None
             z, ctx.logits_dtype = _chunk_logits(hidden[s], weight, bias, low_rank, temperature, cdt)
+            if keep_logits:  # backward reads them instead of recomputing; the shifted copy below is a new buffer
+                ctx.logits = z
             picked[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1)
             keep = None
             if support is not None:  # the sampler's kept set (algorithms/kept_set.py): a [n, V] mask, this chunk's
                 tau[s] = kept_threshold(z, support)
                 keep = kept_mask(z, tau[s], targets[s], support)
             top = z.amax(-1, keepdim=True)  # [n, 1]
-            z.sub_(top)  # in place from here on: the chunk's logits minus their max
+            z = z - top if keep_logits else z.sub_(top)  # from here on in place: the logits minus their max
             if entropy is None:
                 e = z.exp_()
                 lse[s] = top.squeeze(-1) + (e if keep is None else e.mul_(keep)).sum(-1).log()
@@ -97,17 +108,19 @@ class _ChunkedHeadLogps(torch.autograd.Function):
         hidden, weight, bias, u, lr_weight, targets, lse, tau = ctx.saved_tensors
         grads = [
             torch.empty_like(hidden) if ctx.needs_input_grad[0] else None,
-            torch.zeros_like(weight) if ctx.needs_input_grad[1] else None,
+            None,  # the weight's and lr_weight's gradients start with the first chunk's product
             torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None,
             torch.empty_like(u) if ctx.needs_input_grad[3] else None,
-            torch.zeros_like(lr_weight) if ctx.needs_input_grad[4] else None,
+            None,
         ]
         grad_h, grad_w, grad_b, grad_u, grad_lr = grads
         enabled, ac_dtype, device = ctx.autocast
         for s in _row_chunks(hidden.shape[0], ctx.chunk_size):
-            with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
-                low_rank = (u[s], lr_weight) if u is not None else None
-                z, _ = _chunk_logits(hidden[s], weight, bias, low_rank, ctx.temperature, lse.dtype)
+            z, ctx.logits = ctx.logits, None  # kept by forward (one chunk: the same numbers), else recomputed
+            if z is None:
+                with torch.autocast(device, dtype=ac_dtype, enabled=enabled):
+                    low_rank = (u[s], lr_weight) if u is not None else None
+                    z, _ = _chunk_logits(hidden[s], weight, bias, low_rank, ctx.temperature, lse.dtype)
             g = grad_logps[s].to(lse.dtype).unsqueeze(-1)  # [n, 1]
             keep = kept_mask(z, tau[s], targets[s], ctx.support) if ctx.support is not None else None
             gz = z.sub_(lse[s].unsqueeze(-1)).exp_()  # in place: d logp / d z = onehot − softmax (over K), × g
@@ -122,14 +135,14 @@ class _ChunkedHeadLogps(torch.autograd.Function):
                     grad_h[s] = torch.mm(gz_l, weight).to(hidden.dtype)
             if grad_u is not None:
                 grad_u[s] = torch.mm(gz_l, lr_weight.to(gz_l.dtype)).to(u.dtype)
-            if grad_w is not None:
-                _accumulate(grad_w, gz, gz_l, hidden[s])
-            if grad_lr is not None:
-                _accumulate(grad_lr, gz, gz_l, u[s])
+            if ctx.needs_input_grad[1]:
+                grad_w = _accumulate(grad_w, gz, gz_l, hidden[s], weight.dtype)
+            if ctx.needs_input_grad[4]:
+                grad_lr = _accumulate(grad_lr, gz, gz_l, u[s], lr_weight.dtype)
             del z, gz, gz_l, keep  # before the next chunk's logits exist: one chunk at a time
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None
+        return grad_h, grad_w, grad_b, grad_u, grad_lr, None, None, None, None, None, None
 
 
 def chunked_lm_head_logps(
@@ -170,6 +183,8 @@ def chunked_lm_head_logps(
             )
         u = u.reshape(-1, u.shape[-1])
     lead = targets.shape
+    trained = (hidden, weight, bias, u, lr_weight)
+    keep_logits = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in trained)
     logps, entropy = _ChunkedHeadLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -181,5 +196,6 @@ def chunked_lm_head_logps(
         int(chunk_size),
         bool(compute_entropy),
         support,
+        keep_logits,
     )
     return logps.view(lead), (entropy.view(lead) if entropy is not None else None)
