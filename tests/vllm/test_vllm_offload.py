@@ -39,7 +39,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
 ):
     from grpokit.engines.vllm_engine import VllmEngine
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers import grpo_trainer, offload
+    from grpokit.trainers import offload, trainer_setup
 
     made: list[offload.Offloader] = []
 
@@ -55,7 +55,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
         )
         return made[-1]
 
-    monkeypatch.setattr(grpo_trainer, "make_offloader", gpu_offloader)
+    monkeypatch.setattr(trainer_setup, "make_offloader", gpu_offloader)
     checks: list[dict] = []
     training_storage: list[list[torch.Tensor]] = []  # after each sync: the trainer's tensors (kept alive)
     overlaps: list[int] = []  # during each rollout: how many of them are still in that storage
