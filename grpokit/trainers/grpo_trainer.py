@@ -2,9 +2,11 @@
 
 One rollout per window; the window's batch is reused for ``steps_per_generation × num_iterations`` micro-steps,
 then thrown away (the seed's buffered ``_prepare_inputs``, here visible in ``train()``). The math lives in
-``grpokit.algorithms``; the window comes from a ``WindowProducer`` (window_producer.py), output_dir belongs to
-``RunOutputs`` (run_outputs.py), the set-up is ``setup_training`` (training_setup.py). This class keeps the loop,
-the training step, the loss and the optimizer step.
+``grpokit.algorithms``; the window comes from the buffer (group_buffer.py) and a ``WindowProducer``
+(window_producer.py), output_dir belongs to ``RunOutputs`` (run_outputs.py). The set-up is ``setup_training``
+(training_setup.py: the models) and ``TrainerSetup`` (trainer_setup.py: the rest), checkpoints and resume are
+``TrainerCheckpoints`` (trainer_checkpoints.py). This class keeps the loop, the training step, the loss and the
+optimizer step.
 """
 
 from __future__ import annotations

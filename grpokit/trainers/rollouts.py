@@ -47,7 +47,9 @@ class WindowHooks:
     the hooks a subclass overrides, None for the others (the producer then runs its own default directly; the
     trainer's default methods are thin entries into the same functions, for ``super()`` calls)."""
 
-    logps: Callable  # (model, batch, compute_entropy=False) -> ([B, C] logps, entropies or None)
+    # (model, batch, compute_entropy=False) -> ([B, C] logps, entropies or None): logps.py's plain function unless
+    # a subclass overrides _get_per_token_logps_and_entropies or _prepare_model_inputs
+    logps: Callable
     progress: Callable[[], dict]  # {"global_step", "max_steps"}: what reward functions get as trainer_state
     generate: Callable | None = None  # (requests) -> outputs
     score: Callable | None = None  # (requests, outputs) -> [N, F]
