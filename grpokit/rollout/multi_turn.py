@@ -293,7 +293,7 @@ class MultiTurnScheduler(RolloutScheduler):
             for k in range(len(traj.loss_mask) - 1):
                 traj.loss_mask[k] = [0] * len(traj.loss_mask[k])
                 traj.logprobs[k] = []
-        logprobs, dropped = traj.checked_logprobs()
+        _, dropped = traj.checked_logprobs()
         infos = {
             **traj.infos,
             **(record.infos() if record is not None else {}),
@@ -306,14 +306,7 @@ class MultiTurnScheduler(RolloutScheduler):
         if reason == "length_budget" and response.choices[0].finish_reason != "length":
             choice = response.choices[0].model_copy(update={"finish_reason": "length"})
             response = response.model_copy(update={"choices": [choice, *response.choices[1:]]})
-        return RolloutOutput(
-            response=response,
-            messages=messages,
-            response_token_ids=traj.token_ids,
-            response_loss_mask=traj.loss_mask,
-            rollout_infos=infos,
-            rollout_logprobs=logprobs,
-        )
+        return traj.output(response, messages, infos)
 
 
 def build_scheduler(

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpokit.errors import RolloutError
-from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest, choice_logprobs
+from grpokit.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    RolloutInferRequest,
+    RolloutOutput,
+    choice_logprobs,
+)
 from grpokit.rollout.turn_images import same_images, step_images, take_appended
 
 
@@ -36,6 +42,19 @@ class Trajectory:
     def completion_length(self) -> int:
         """Tokens the trainer will see after the prompt so far (model, inserted and template tokens)."""
         return sum(len(s) for s in self.token_ids) + self.between_tokens
+
+    def output(self, response: ChatCompletionResponse, messages: list[dict], infos: dict) -> RolloutOutput:
+        """The trajectory packed as the trainer takes it, its logprobs kept only when they match (checked_logprobs;
+        a caller that counts the dropped ones checks first)."""
+        logprobs, _ = self.checked_logprobs()
+        return RolloutOutput(
+            response=response,
+            messages=messages,
+            response_token_ids=self.token_ids,
+            response_loss_mask=self.loss_mask,
+            rollout_infos=infos,
+            rollout_logprobs=logprobs,
+        )
 
     def checked_logprobs(self) -> tuple[list[list[float]], bool]:
         """(logprobs, dropped): usable only when each segment has one logprob per mask-1 token."""

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from grpokit.algorithms import compute_advantages, kl_reward_penalty
-from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.config.plan import BatchPlan
 from grpokit.errors import PluginError
 from grpokit.rollout.tito import tito_metrics
@@ -22,10 +21,9 @@ from grpokit.trainers.distributed import gather_objects, gather_rows, row_offset
 from grpokit.trainers.dynamic_sampling import dynamic_sampling
 from grpokit.trainers.forward import sampler_support
 from grpokit.trainers.logps import batched_logps
-from grpokit.trainers.offload import Offloader
 from grpokit.trainers.outputs import CompletionLimits
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollouts import Rewards, Rollouts, WindowHooks
+from grpokit.trainers.rollouts import Rollouts, WindowHooks
 from grpokit.trainers.window import (
     Window,
     WindowRollout,
@@ -61,31 +59,19 @@ class WindowProducer(Rollouts):
         hooks: WindowHooks,
         prompts: PromptStream,
         *,
-        scheduler,
-        template,
-        rewards: Rewards,
         models: Models,
         accelerator,
-        rollout_args: RolloutArguments,
-        algorithm: AlgorithmArguments,
         plan: BatchPlan,
         log_completions: CompletionLimits | None,
-        offloader: Offloader | None = None,
-        images: bool | None = None,
+        **rollout_parts,
     ) -> None:
-        super().__init__(
-            hooks,
-            prompts,
-            scheduler=scheduler,
-            template=template,
-            rewards=rewards,
-            rollout_args=rollout_args,
-            algorithm=algorithm,
-            offloader=offloader,
-            images=images,
-        )
+        """``rollout_parts``: ``Rollouts``' (scheduler, template, rewards, rollout_args, algorithm, offloader,
+        images)."""
+        super().__init__(hooks, prompts, **rollout_parts)
         self.models, self.accelerator, self.plan, self.log_completions = models, accelerator, plan, log_completions
-        self.support = sampler_support(rollout_args, algorithm, template)  # every batch's kept set (or None)
+        self.support = sampler_support(
+            self.rollout_args, self.algorithm, self.template
+        )  # every batch's kept set (or None)
         self._warned_no_signal = False
 
     # -- the window: uses the training model, on the loop's thread ------------------------------------------
