@@ -10,7 +10,7 @@ import logging
 from grpokit.errors import ConfigError, PluginError
 from grpokit.trainers.batch import RolloutBatch
 from grpokit.trainers.distributed import deepspeed_stage
-from grpokit.trainers.window_producer import WindowHooks
+from grpokit.trainers.rollouts import WindowHooks
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.distributed import accelerate_plugins, check_backend, check_engine, deepspeed_stage, use_cpu
 from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
+from grpokit.trainers.rollouts import Rewards
 from grpokit.trainers.sharding import GatheredWeightsEngine, checkpoint_hooks, generation_copy, shard_model
 from grpokit.trainers.teachers import Teachers
-from grpokit.trainers.window_producer import Rewards
 from grpokit.trainers.zero import (
     EngineStep,
     ProcessGroupLease,
