@@ -83,13 +83,9 @@ def test_the_loops_rollout_and_the_buffers_call_are_one_call_taking_turns_on_the
     producer = _rollouts(scheduler)
     producer.weights_at = 3
     scheduler.held = True
-    background = threading.Thread(
-        target=lambda: run_sync(
-            producer.rollout_groups(
-                [{"messages": USER, "who": "buffer", "_prompt_index": 0}], 2, beside=ThreadPoolExecutor(1)
-            )
-        ),
-    )
+    scorer = ThreadPoolExecutor(1)  # the buffer scores beside its event loop
+    buffer_prompts = [{"messages": USER, "who": "buffer", "_prompt_index": 0}]
+    background = threading.Thread(target=lambda: run_sync(producer.rollout_groups(buffer_prompts, 2, beside=scorer)))
     background.start()
     while "buffer starts" not in scheduler.log:
         assert background.is_alive(), "the buffer's call ended before reaching the engine"
@@ -104,6 +100,7 @@ def test_the_loops_rollout_and_the_buffers_call_are_one_call_taking_turns_on_the
     scheduler.gate.set()
     background.join(5)
     loop_call.join(5)
+    scorer.shutdown()
     assert scheduler.log == ["buffer starts", "buffer ends", "loop starts", "loop ends"]
     (rollout,) = done
     assert [o.weight_versions for o in rollout.outputs] == [[[3]], [[3]]]  # the engine's version now
