@@ -1,16 +1,17 @@
 """The rollout half of training: prompts -> requests -> trajectories (each token tagged with its weight version)
 -> rewards, through one call, ``Rollouts.rollout_groups``, that the synchronous loop and the buffer of
-asynchronous training (group_buffer.py) both use. It touches only the engine and the reward functions, never the
-training model."""
+asynchronous training (group_buffer.py) both use, taking the engine in turns (``EngineTurns``); what reward
+functions receive is ``reward_inputs``. It touches only the engine and the reward functions, never the training
+model."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from contextlib import nullcontext
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -20,14 +21,14 @@ import torch
 from grpokit.aio import run_sync
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
-from grpokit.rewards.calling import RewardLog, RewardLogBook
+from grpokit.rewards.calling import RewardLog, RewardLogBook, as_trainer_state, swift_kwargs
 from grpokit.rollout.scheduler import run_trajectories
-from grpokit.trainers.engine_turns import EngineTurns
 from grpokit.trainers.offload import Offloader
 from grpokit.trainers.progress import Phases
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.reward_inputs import reward_inputs
-from grpokit.trainers.window import WindowRollout, token_versions
+from grpokit.trainers.window import WindowRollout, token_versions, trajectory_images
+
+TURN_POLL_S = 0.005  # how often a rollout call waiting for its turn on the engine looks again
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Rollouts:
         """Roll out these groups (one per prompt) at weight version ``version`` (default: the engine's now) and
         score them: the one rollout call, of the synchronous loop and of the buffer of asynchronous training
         (group_buffer.py). Touches only the engine and the rewards, never the training model. ``beside``: the
-        buffer's calls share the engine (engine_turns.py) and score in that executor, so that the calls still in
+        buffer's calls share the engine (``EngineTurns`` below) and score in that executor, so that the calls still in
         flight go on; ``server``: a --stream_groups producer's own rollout server."""
         t0 = time.perf_counter()
         self.hooks.phases.set("rollout")  # the loop's phase: a background call is ignored
@@ -206,3 +207,90 @@ class Rollouts:
             env = torch.tensor([float(o.rollout_infos.get("total_reward", float("nan"))) for o in outputs])
             scores = torch.cat([scores, env.unsqueeze(1)], dim=1)
         return scores
+
+
+class EngineTurns:
+    """Who drives the rollout engine. The loop's own rollout (the synchronous loop's window, a dynamic-sampling
+    round) has the engine to itself; the calls of the buffer of asynchronous training share it, any number at once
+    (one engine batches the requests that arrive together). A rollout of the loop waits for the buffer's calls
+    running to end, and holds back new ones meanwhile, so that the two never drive the engine at the same time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shared = 0  # the buffer's calls driving the engine now
+        self._exclusive = False
+        self._waiting = 0  # the loop's rollouts waiting: no new shared call starts before them
+
+    @asynccontextmanager
+    async def hold(self, *, exclusive: bool) -> AsyncIterator[None]:
+        """The engine for one rollout call: to itself (``exclusive``, the loop's) or shared (the buffer's)."""
+        if exclusive:
+            with self._lock:
+                self._waiting += 1
+        try:
+            while not self._try(exclusive):
+                await asyncio.sleep(TURN_POLL_S)
+        finally:
+            if exclusive:
+                with self._lock:
+                    self._waiting -= 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                if exclusive:
+                    self._exclusive = False
+                else:
+                    self._shared -= 1
+
+    def _try(self, exclusive: bool) -> bool:
+        with self._lock:
+            if self._exclusive or (exclusive and self._shared) or (not exclusive and self._waiting):
+                return False
+            if exclusive:
+                self._exclusive = True
+            else:
+                self._shared += 1
+            return True
+
+
+def reward_inputs(
+    requests: list[RolloutInferRequest], outputs: list[RolloutOutput], trainer_state: Any, *, images: bool
+) -> tuple[list[str], dict[str, Any]]:
+    """The completions (each trajectory's last assistant message) and the reward functions' keyword arguments;
+    ``images``: whether trajectories may carry images (decided once per run)."""
+    by_id = {r.request_id: r for r in requests}
+    completions = [
+        o.messages[-1]["content"]
+        if o.messages and o.messages[-1]["role"] == "assistant"
+        else o.response.choices[0].message["content"]
+        for o in outputs
+    ]
+    kwargs: dict[str, Any] = {}
+    for col in {k for r in requests for k in r.data_dict}:
+        kwargs[col] = [by_id[o.request_id].data_dict.get(col) for o in outputs]
+    # the row's images, then later turns'
+    imgs_of = [trajectory_images(o, by_id) if images else [] for o in outputs]
+    if any(imgs_of):  # as ms-swift: a trajectory's images replace the row's column
+        kwargs["images"] = imgs_of
+    token_ids = [[t for seg in o.response_token_ids for t in seg] for o in outputs]
+    trajectories: dict[str, list[dict]] = {}  # ms-swift's trajectory_inputs: every output (round) of a request
+    for o, imgs in zip(outputs, imgs_of):
+        row = swift_kwargs(by_id[o.request_id].data_dict)  # the dataset columns, no hidden ones
+        trajectories.setdefault(o.request_id, []).append(
+            {**row, **({"images": imgs} if imgs else {}), "messages": o.messages, "rollout_infos": o.rollout_infos}
+        )
+    kwargs.update(
+        messages=[o.messages for o in outputs],
+        response_token_ids=token_ids,
+        completion_ids=token_ids,
+        rollout_infos=[o.rollout_infos for o in outputs],
+        finish_reason=[o.response.choices[0].finish_reason for o in outputs],
+        is_truncated=[o.response.choices[0].finish_reason == "length" for o in outputs],
+        num_turns=[o.rollout_infos.get("num_turns", 1) for o in outputs],
+        trainer_state=as_trainer_state(trainer_state),
+        prompts=[o.prompt_messages or by_id[o.request_id].messages for o in outputs],
+        request_id=[o.request_id for o in outputs],
+        trajectory_inputs=trajectories,
+    )
+    return completions, kwargs

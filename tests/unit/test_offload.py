@@ -13,8 +13,8 @@ import torch
 from grpokit.config.args import RolloutArguments
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError
-from grpokit.trainers.engine_turns import EngineTurns
 from grpokit.trainers.offload import Offloader, make_offloader
+from grpokit.trainers.rollouts import EngineTurns
 from grpokit.trainers.window_producer import WindowHooks, WindowProducer
 
 # numerics: run again by .ci/run under the other dtype choice and torch's default thread count;

@@ -16,11 +16,10 @@ from grpokit.aio import run_sync
 from grpokit.config.args import AlgorithmArguments, RolloutArguments
 from grpokit.protocol import ChatCompletionResponse, RolloutOutput
 from grpokit.trainers import hooks
-from grpokit.trainers.engine_turns import EngineTurns
 from grpokit.trainers.group_buffer import GroupBuffer
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollouts import Rewards, Rollouts, WindowHooks
+from grpokit.trainers.rollouts import EngineTurns, Rewards, Rollouts, WindowHooks
 
 USER = [{"role": "user", "content": "hi"}]
 
