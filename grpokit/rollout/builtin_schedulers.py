@@ -192,7 +192,7 @@ class ThinkingTipsScheduler(MultiTurnScheduler):
             choice_logprobs(choice) if trains else [],
             continuation=False,
         )
-        logprobs, dropped = traj.checked_logprobs()
+        _, dropped = traj.checked_logprobs()
         info = {
             **traj.infos,
             "num_turns": turn,
@@ -202,14 +202,7 @@ class ThinkingTipsScheduler(MultiTurnScheduler):
         }
         if dropped:
             info["logprobs_dropped"] = 1
-        return RolloutOutput(
-            response=response,
-            messages=messages,
-            response_token_ids=traj.token_ids,
-            response_loss_mask=traj.loss_mask,
-            rollout_infos=info,
-            rollout_logprobs=logprobs,
-        )
+        return traj.output(response, messages, info)
 
     def _history_length(self, prompt: list[dict], history: list[dict], hist_ids: list[list[int]]) -> int:
         """Completion tokens before this round's reply: history replies plus the template text around them."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from grpokit.data.images import row_images
@@ -41,15 +40,8 @@ from grpokit.protocol import (
 from grpokit.registry import Registry
 from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.rollout.tito import TurnRecord
-from grpokit.rollout.turn_images import (
-    TrajectoryImages,
-    same_images,
-    step_images,
-    take_appended,
-    take_entry_images,
-    take_start_images,
-    warn_unheld,
-)
+from grpokit.rollout.turn_images import TrajectoryImages, take_entry_images, take_start_images, warn_unheld
+from grpokit.rollout.turns import StepResult, Trajectory, append_completion, check_step
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prefix_audit import PrefixAudit, audit_prefix
 
@@ -60,52 +52,6 @@ LENGTH_SCOPES = ("total", "per_round")
 LOSS_SCALES = ("default", "last_round")
 
 multi_turns = Registry("multi-turn scheduler", "--multi_turn_scheduler")
-
-
-@dataclass
-class Trajectory:
-    """Token bookkeeping of one trajectory: one segment per assistant message after the prompt."""
-
-    token_ids: list[list[int]] = field(default_factory=list)
-    loss_mask: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    infos: dict[str, Any] = field(default_factory=dict)
-    between_tokens: int = 0  # template tokens between assistant messages (tool results, headers); mask 0
-
-    def add_turn(self, ids: list[int], mask: list[int], lps: list[float], continuation: bool) -> None:
-        """Extend the last segment when the turn continued an assistant message, else open a new one."""
-        if continuation and self.token_ids:
-            self.token_ids[-1].extend(ids)
-            self.loss_mask[-1].extend(mask)
-            self.logprobs[-1].extend(lps)
-        else:
-            self.token_ids.append(list(ids))
-            self.loss_mask.append(list(mask))
-            self.logprobs.append(list(lps))
-
-    def completion_length(self) -> int:
-        """Tokens the trainer will see after the prompt so far (model, inserted and template tokens)."""
-        return sum(len(s) for s in self.token_ids) + self.between_tokens
-
-    def checked_logprobs(self) -> tuple[list[list[float]], bool]:
-        """(logprobs, dropped): usable only when each segment has one logprob per mask-1 token."""
-        if not any(self.logprobs):
-            return [], False
-        if all(len(lp) == sum(m) for lp, m in zip(self.logprobs, self.loss_mask, strict=True)):
-            return self.logprobs, False
-        return [], True
-
-
-@dataclass
-class StepResult:
-    """``step()``'s dict, validated: the next request and this turn's tokens as they will be trained."""
-
-    infer_request: RolloutInferRequest
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    rollout_infos: dict[str, Any]
-    images: list = field(default_factory=list)  # images of the placeholders in the messages step() appended
 
 
 class MultiTurnScheduler(RolloutScheduler):
@@ -120,8 +66,15 @@ class MultiTurnScheduler(RolloutScheduler):
     multi_turn = True  # the trainer audits its trajectories token in, token out (rollout/tito.py)
     _audit: PrefixAudit | None = None  # the template's prefix audit, made before the first trajectory
 
-    def __init__(self, infer_engine=None, max_turns: int | None = None, tokenizer=None, rollout_args=None,
-                 template: ChatTemplate | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        infer_engine=None,
+        max_turns: int | None = None,
+        tokenizer=None,
+        rollout_args=None,
+        template: ChatTemplate | None = None,
+        **kwargs,
+    ) -> None:
         scope = kwargs.pop("completion_length_limit_scope", None)
         loss_scale = kwargs.pop("loss_scale", None)
         max_turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
@@ -130,12 +83,15 @@ class MultiTurnScheduler(RolloutScheduler):
         super().__init__(infer_engine, max_turns, **kwargs)
         self._tokenizer = tokenizer
         self.rollout_args = rollout_args
-        self.completion_length_limit_scope = scope or getattr(rollout_args, "completion_length_limit_scope",
-                                                              None) or "per_round"
+        self.completion_length_limit_scope = (
+            scope or getattr(rollout_args, "completion_length_limit_scope", None) or "per_round"
+        )
         self.loss_scale = loss_scale or getattr(rollout_args, "loss_scale", None) or "default"
         if self.completion_length_limit_scope not in LENGTH_SCOPES:
-            raise ConfigError(f"--completion_length_limit_scope {self.completion_length_limit_scope!r}: use one of "
-                              f"{', '.join(LENGTH_SCOPES)}")
+            raise ConfigError(
+                f"--completion_length_limit_scope {self.completion_length_limit_scope!r}: use one of "
+                f"{', '.join(LENGTH_SCOPES)}"
+            )
         if self.loss_scale not in LOSS_SCALES:
             raise ConfigError(f"--loss_scale {self.loss_scale!r}: use one of {', '.join(LOSS_SCALES)}")
         self._template = template  # the run's (the trainer's); None: built from the tokenizer when first needed
@@ -154,8 +110,10 @@ class MultiTurnScheduler(RolloutScheduler):
     def encode_text(self, text: str) -> list[int]:
         """Token ids of inserted text (tips, tool output inside an assistant message), no special tokens added."""
         if self.tokenizer is None:
-            raise RolloutError(f"{type(self).__name__}: inserting text into a completion needs a tokenizer; pass "
-                               "tokenizer= to the scheduler or use an engine that has one")
+            raise RolloutError(
+                f"{type(self).__name__}: inserting text into a completion needs a tokenizer; pass "
+                "tokenizer= to the scheduler or use an engine that has one"
+            )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def chat_template(self):
@@ -185,17 +143,20 @@ class MultiTurnScheduler(RolloutScheduler):
         return self._audit
 
     # -- the contract --------------------------------------------------------------------------------------
-    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-             current_turn: int) -> dict:
+    def step(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> dict:
         """The next turn's request. Returns ``{'infer_request': ...}`` plus optionally ``response_token_ids``
         and ``response_loss_mask`` (same length; they replace this turn's tokens, e.g. cut + inserted text with
         mask 0), ``rollout_logprobs`` (one per mask-1 token) and ``rollout_infos`` (merged into the output's)."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement step(infer_request, response_choice, current_turn) -> "
-            "{'infer_request': next_request, ...} (or override run())")
+            "{'infer_request': next_request, ...} (or override run())"
+        )
 
-    def check_finished(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-                       current_turn: int) -> bool:
+    def check_finished(
+        self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice, current_turn: int
+    ) -> bool:
         """Stop when the model ran out of tokens or ``max_turns`` turns were played."""
         return response_choice.finish_reason == "length" or current_turn >= self.max_turns
 
@@ -203,8 +164,9 @@ class MultiTurnScheduler(RolloutScheduler):
         """Hook after the last turn, also when the trajectory failed (release per-trajectory resources)."""
 
     # -- the loop ------------------------------------------------------------------------------------------
-    async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
-                  **kwargs) -> RolloutOutput | list[RolloutOutput]:
+    async def run(
+        self, infer_request: RolloutInferRequest, request_config: RequestConfig, **kwargs
+    ) -> RolloutOutput | list[RolloutOutput]:
         """Play one trajectory: infer → append/continue → on_turn_end → stop? → step() → next turn."""
         name = type(self).__name__
         request, traj, images, record = await self._start(infer_request)
@@ -218,7 +180,7 @@ class MultiTurnScheduler(RolloutScheduler):
                 choice = response.choices[0]
                 record.sampled(response.prompt_token_ids, choice.token_ids)
                 continuation = request.messages[-1]["role"] == "assistant"
-                _append_completion(request.messages, choice, continuation)
+                append_completion(request.messages, choice, continuation)
                 turn_result = await self.on_turn_end(request, choice, turn) or {}
                 traj.infos.update(turn_result.get("rollout_infos") or {})
                 if turn_result.get("done") is not None:
@@ -239,8 +201,11 @@ class MultiTurnScheduler(RolloutScheduler):
                 result = self._check_step(self.step(request, choice, turn), choice, turn, images.images)
                 seg = (traj.token_ids[-1] if continuation and traj.token_ids else []) + result.token_ids
                 gap = images.between(f"{type(self).__name__}.step() at turn {turn}", result, seg)
-                gap_ids = gap[0] if gap is not None else (
-                    self._between_ids(result.infer_request.messages, seg) if total or record.template else [])
+                gap_ids = (
+                    gap[0]
+                    if gap is not None
+                    else (self._between_ids(result.infer_request.messages, seg) if total or record.template else [])
+                )
                 between = len(gap_ids) if total else 0
                 if total and budget - traj.completion_length() - len(result.token_ids) - between <= 0:
                     traj.add_turn(*model_turn, continuation)  # no room for another turn: end as the model left it
@@ -260,8 +225,9 @@ class MultiTurnScheduler(RolloutScheduler):
             record.close()
             await self.on_trajectory_end(request)
 
-    async def _start(self, infer_request: RolloutInferRequest
-                     ) -> tuple[RolloutInferRequest, Trajectory, TrajectoryImages, TurnRecord]:
+    async def _start(
+        self, infer_request: RolloutInferRequest
+    ) -> tuple[RolloutInferRequest, Trajectory, TrajectoryImages, TurnRecord]:
         """Before the first turn: the audit (once), ``on_trajectory_start``, the first request, the bookkeeping."""
         name = type(self).__name__
         self.audit_template()
@@ -278,8 +244,9 @@ class MultiTurnScheduler(RolloutScheduler):
         request.images = list(images.images)
         return request, traj, images, TurnRecord(self.chat_template(), self.infer_engine)
 
-    async def _infer_turn(self, request: RolloutInferRequest, request_config: RequestConfig,
-                          remaining: int | None) -> ChatCompletionResponse:
+    async def _infer_turn(
+        self, request: RolloutInferRequest, request_config: RequestConfig, remaining: int | None
+    ) -> ChatCompletionResponse:
         """One engine call with this turn's max_tokens (what is left of the budget) and stop strings."""
         own = request.request_config
         base = own or request_config
@@ -297,47 +264,11 @@ class MultiTurnScheduler(RolloutScheduler):
         finally:
             request.request_config, request.images = own, shown
 
-    def _check_step(self, ret: Any, choice: ChatCompletionResponseChoice, turn: int,
-                    known: list | tuple = ()) -> StepResult:
-        """Validate ``step()``'s dict; RolloutError naming the scheduler and the turn otherwise. ``known``: the
-        trajectory's images, which the request's ``images`` showed to the hooks (what follows them is new)."""
-        where = f"{type(self).__name__}.step() at turn {turn}"
-        if not isinstance(ret, dict) or ret.get("infer_request") is None:
-            raise RolloutError(f"{where} returned {type(ret).__name__} without 'infer_request'; return "
-                               "{'infer_request': next_request, ...}")
-        req = ret["infer_request"]
-        if isinstance(req, dict):
-            req = RolloutInferRequest.model_validate(req)
-        if not isinstance(req, RolloutInferRequest):
-            raise RolloutError(f"{where}: 'infer_request' is a {type(req).__name__}, not a RolloutInferRequest")
-        ids, mask = ret.get("response_token_ids"), ret.get("response_loss_mask")
-        if ids is not None and mask is None:
-            raise RolloutError(f"{where} returned response_token_ids without response_loss_mask; return both, "
-                               "same length (1 = trained, 0 = inserted text)")
-        ids = list(choice.token_ids) if ids is None else list(ids)
-        mask = [1] * len(ids) if mask is None else list(mask)
-        if len(mask) != len(ids):
-            raise RolloutError(f"{where}: response_loss_mask has {len(mask)} entries for {len(ids)} "
-                               "response_token_ids; they must have the same length")
-        if any(m not in (0, 1) for m in mask):
-            raise RolloutError(f"{where}: response_loss_mask must hold only 0 and 1")
-        lps = ret.get("rollout_logprobs")
-        lps = choice_logprobs(choice) if lps is None else [float(x) for x in lps]
-        infos = ret.get("rollout_infos") or {}
-        if not isinstance(infos, dict):
-            raise RolloutError(f"{where}: rollout_infos must be a dict, got {type(infos).__name__}")
-        appended = take_appended(req, list(known), where)
-        if "images" in infos:  # ms-swift's override: accepted when it is the request's own list (DeepEyes)
-            if not same_images(infos["images"], req.images):
-                raise RolloutError(f"{where}: rollout_infos['images'] is kept by the loop (every image so far); "
-                                   "append the new message's images to infer_request.images or return them as "
-                                   "'images' in step()'s dict")
-            infos = {k: v for k, v in infos.items() if k != "images"}
-        images = step_images(ret.get("images"), where)
-        if appended and images and not same_images(images, appended):
-            raise RolloutError(f"{where}: {len(appended)} image(s) appended to infer_request.images and "
-                               f"{len(images)} other(s) returned as 'images'; give the new images in one of them")
-        return StepResult(req, ids, mask, lps, infos, appended or images)
+    def _check_step(
+        self, ret: Any, choice: ChatCompletionResponseChoice, turn: int, known: list | tuple = ()
+    ) -> StepResult:
+        """Validate ``step()``'s dict (turns.check_step), errors naming the scheduler and the turn."""
+        return check_step(ret, choice, f"{type(self).__name__}.step() at turn {turn}", known)
 
     def _between_ids(self, messages: list[dict], seg: list[int]) -> list[int]:
         """Template tokens from the end of the last assistant message (whose ids are ``seg``) to the next turn's
@@ -348,52 +279,67 @@ class MultiTurnScheduler(RolloutScheduler):
             return []
         return template.encode_between(messages, last, len(messages), seg)
 
-    def _output(self, traj: Trajectory, messages: list[dict], response: ChatCompletionResponse, turn: int,
-                reason: str, record: TurnRecord | None = None) -> RolloutOutput:
+    def _output(
+        self,
+        traj: Trajectory,
+        messages: list[dict],
+        response: ChatCompletionResponse,
+        turn: int,
+        reason: str,
+        record: TurnRecord | None = None,
+    ) -> RolloutOutput:
         """Pack the trajectory; apply loss_scale and the logprob-count check."""
         if self.loss_scale == "last_round":
             for k in range(len(traj.loss_mask) - 1):
                 traj.loss_mask[k] = [0] * len(traj.loss_mask[k])
                 traj.logprobs[k] = []
-        logprobs, dropped = traj.checked_logprobs()
-        infos = {**traj.infos, **(record.infos() if record is not None else {}), "num_turns": turn,
-                 "stop_reason": reason}
+        _, dropped = traj.checked_logprobs()
+        infos = {
+            **traj.infos,
+            **(record.infos() if record is not None else {}),
+            "num_turns": turn,
+            "stop_reason": reason,
+        }
         if dropped:
             infos["logprobs_dropped"] = infos.get("logprobs_dropped", 0) + 1
             logger.debug("%s: rollout logprobs do not match the trained tokens; dropped", type(self).__name__)
         if reason == "length_budget" and response.choices[0].finish_reason != "length":
             choice = response.choices[0].model_copy(update={"finish_reason": "length"})
             response = response.model_copy(update={"choices": [choice, *response.choices[1:]]})
-        return RolloutOutput(response=response, messages=messages, response_token_ids=traj.token_ids,
-                             response_loss_mask=traj.loss_mask, rollout_infos=infos, rollout_logprobs=logprobs)
+        return traj.output(response, messages, infos)
 
 
-def _append_completion(messages: list[dict], choice: ChatCompletionResponseChoice, continuation: bool) -> None:
-    """Add the turn's text: extend the open assistant message, or append a new one."""
-    text = choice.message.get("content") or ""
-    if continuation:
-        messages[-1] = {**messages[-1], "content": (messages[-1].get("content") or "") + text}
-    else:
-        messages.append({"role": "assistant", "content": text})
-
-
-def build_scheduler(rollout_args, tokenizer, infer_engine=None, template: ChatTemplate | None = None,
-                    uses_env_reward: bool | None = None) -> MultiTurnScheduler:
+def build_scheduler(
+    rollout_args,
+    tokenizer,
+    infer_engine=None,
+    template: ChatTemplate | None = None,
+    uses_env_reward: bool | None = None,
+) -> MultiTurnScheduler:
     """The scheduler named by ``--multi_turn_scheduler`` around ``infer_engine``, rendering with ``template`` (the
     run's). ``uses_env_reward`` (--use_gym_env) is passed only when set, so that a plugin's constructor written
     for ms-swift's arguments keeps working without it; a scheduler that drops it is refused."""
     cls = multi_turns.get_or_raise(rollout_args.multi_turn_scheduler)
     extra = {} if uses_env_reward is None else {"uses_env_reward": uses_env_reward}
-    scheduler = cls(infer_engine=infer_engine, max_turns=rollout_args.max_turns, tokenizer=tokenizer,
-                    rollout_args=rollout_args, template=template, **extra)
+    scheduler = cls(
+        infer_engine=infer_engine,
+        max_turns=rollout_args.max_turns,
+        tokenizer=tokenizer,
+        rollout_args=rollout_args,
+        template=template,
+        **extra,
+    )
     if uses_env_reward is not None and bool(getattr(scheduler, "uses_env_reward", False)) != uses_env_reward:
-        raise ConfigError(f"--use_gym_env {str(uses_env_reward).lower()}: the scheduler "
-                          f"{rollout_args.multi_turn_scheduler!r} ({type(scheduler).__name__}) did not take it; pass "
-                          "its constructor's keyword arguments on to MultiTurnScheduler.__init__")
+        raise ConfigError(
+            f"--use_gym_env {str(uses_env_reward).lower()}: the scheduler "
+            f"{rollout_args.multi_turn_scheduler!r} ({type(scheduler).__name__}) did not take it; pass "
+            "its constructor's keyword arguments on to MultiTurnScheduler.__init__"
+        )
     if infer_engine is not None and getattr(scheduler, "infer_engine", None) is None:
-        raise ConfigError(f"--multi_turn_scheduler {rollout_args.multi_turn_scheduler}: {type(scheduler).__name__} "
-                          "dropped its infer_engine argument; pass the constructor's arguments on to "
-                          "MultiTurnScheduler.__init__ (ms-swift's signature: infer_engine=None, max_turns=None, "
-                          "*args, **kwargs)")
+        raise ConfigError(
+            f"--multi_turn_scheduler {rollout_args.multi_turn_scheduler}: {type(scheduler).__name__} "
+            "dropped its infer_engine argument; pass the constructor's arguments on to "
+            "MultiTurnScheduler.__init__ (ms-swift's signature: infer_engine=None, max_turns=None, "
+            "*args, **kwargs)"
+        )
     return scheduler
-

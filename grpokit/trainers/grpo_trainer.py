@@ -2,9 +2,11 @@
 
 One rollout per window; the window's batch is reused for ``steps_per_generation × num_iterations`` micro-steps,
 then thrown away (the seed's buffered ``_prepare_inputs``, here visible in ``train()``). The math lives in
-``grpokit.algorithms``; the window comes from a ``WindowProducer`` (window_producer.py), output_dir belongs to
-``RunOutputs`` (run_outputs.py), the set-up is ``setup_training`` (training_setup.py). This class keeps the loop,
-the training step, the loss and the optimizer step.
+``grpokit.algorithms``; the window comes from the buffer (group_buffer.py) and a ``WindowProducer``
+(window_producer.py), output_dir belongs to ``RunOutputs`` (run_outputs.py). The set-up is ``setup_training``
+(training_setup.py: the models) and ``TrainerSetup`` (trainer_setup.py: the rest), checkpoints and resume are
+``TrainerCheckpoints`` (trainer_checkpoints.py). This class keeps the loop, the training step, the loss and the
+optimizer step.
 """
 
 from __future__ import annotations
@@ -19,33 +21,28 @@ from grpokit.aio import cancel_background_work
 from grpokit.algorithms import ema_update_, loss_config
 from grpokit.config.args import TrainConfig
 from grpokit.config.plan import batch_plan, eval_due
-from grpokit.distributed.offload import make_offloader, offload_context
+from grpokit.distributed.offload import offload_context
 from grpokit.distributed.processes import mean_over_processes, scalar
 from grpokit.distributed.zero import grad_norm, is_engine, released_on_error
 from grpokit.engines.sync_check import probe as sync_check
 from grpokit.protocol import RolloutInferRequest, RolloutOutput
 from grpokit.rollout.evaluate import EvalSettings, evaluate_policy
-from grpokit.runs.outputs import MetricsAccumulator, completion_limits, progress_postfix
-from grpokit.runs.run_outputs import RunOutputs
-from grpokit.runs.stops import StopRequest, at_step_boundary
+from grpokit.runs.outputs import MetricsAccumulator, progress_postfix
+from grpokit.runs.stops import at_step_boundary
 from grpokit.trainers import hooks
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.chord_sft import ChordSFT, sft_logps
-from grpokit.trainers.forward import model_kwargs, prompt_sharing
-from grpokit.trainers.group_buffer import buffer_for_run, loop_position
-from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.packing import ForwardOptions, completion_logps
+from grpokit.trainers.chord_sft import sft_logps
+from grpokit.trainers.forward import model_kwargs
 from grpokit.trainers.policy_loss import needs_entropy, policy_loss
-from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.row_pieces import train_in_pieces
 from grpokit.trainers.state import StepValues, TrainerState, WindowProgress
-from grpokit.trainers.step_guard import StepGuard
-from grpokit.trainers.training_setup import setup_rewards, setup_rollout, setup_training
+from grpokit.trainers.trainer_checkpoints import TrainerCheckpoints
+from grpokit.trainers.trainer_setup import TrainerSetup
+from grpokit.trainers.training_setup import setup_training
 from grpokit.trainers.window import Window, WindowRollout
-from grpokit.trainers.window_producer import Models, WindowProducer
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerSetup, TrainerCheckpoints):
     """The GRPO training loop. A subclass may override the hooks of docs/plugins.md ("The hooks"), with the seed's
     signatures: ``_prepare_inputs``, ``_generate_completions``, ``_score_completions``, ``_prepare_batch_inputs``,
     ``_compute_advantages``, ``_prepare_model_inputs``, ``_get_per_token_logps_and_entropies``,
@@ -56,21 +53,45 @@ class GRPOTrainer:
     one-process group's lease, distributed/zero.py), and those ms-swift's code reads: ``temperature``,
     ``num_generations``, ``beta``, ``epsilon_low``, ``epsilon_high``, ``loss_type``."""
 
-    def __init__(self, model, tokenizer, cfg: TrainConfig, train_dataset, eval_dataset=None, reward_funcs=None,
-                 reward_names=None, reward_weights=None, ref_model=None, scheduler=None, engine=None,
-                 callbacks=None, chord_sft_dataset=None, template=None, plan=None) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cfg: TrainConfig,
+        train_dataset,
+        eval_dataset=None,
+        reward_funcs=None,
+        reward_names=None,
+        reward_weights=None,
+        ref_model=None,
+        scheduler=None,
+        engine=None,
+        callbacks=None,
+        chord_sft_dataset=None,
+        template=None,
+        plan=None,
+    ) -> None:
         hooks.check_subclass(type(self), GRPOTrainer)  # before anything loads: an ignored override is refused
         # template, plan: built once by the pipeline's set-up; made here for a trainer built in code
         self.cfg, self.args, self.plan, self.loss_cfg = cfg, cfg.training, plan or batch_plan(cfg), loss_config(cfg)
-        self.tokenizer, self.eval_dataset, self._num_prompts = tokenizer, eval_dataset, len(train_dataset)
+        self.tokenizer, self.eval_dataset = tokenizer, eval_dataset
         self.state = TrainerState()
         # the seed's names (ms-swift's meanings), read by ported trainer code
         self.temperature, self.num_generations = cfg.rollout.temperature, cfg.rollout.num_generations
         self.beta, self.loss_type = self.loss_cfg.beta, self.loss_cfg.loss_type
         self.epsilon_low, self.epsilon_high = self.loss_cfg.epsilon_low, self.loss_cfg.epsilon_high
         self.model = model  # until set-up wraps it: what an OptimizerCallback's create_optimizer reads
-        parts = setup_training(model, ref_model, tokenizer, cfg, self.plan, len(train_dataset), engine is not None,
-                               owner=self, template=template)
+        parts = setup_training(
+            model,
+            ref_model,
+            tokenizer,
+            cfg,
+            self.plan,
+            len(train_dataset),
+            engine is not None,
+            owner=self,
+            template=template,
+        )
         self.process_group = parts.process_group  # released at the end of the run, or here if the set-up fails
         with released_on_error(self.process_group):
             self.accelerator, self.model, self.policy = parts.accelerator, parts.model, parts.policy
@@ -80,40 +101,9 @@ class GRPOTrainer:
             self._engine_steps = is_engine(self.model)  # DeepSpeed steps, accumulates, backward, norm: its own
             if self.accelerator.is_main_process:
                 hooks.warn_sharded_grad_edit(type(self), GRPOTrainer, self.args)
-            columns = getattr(train_dataset, "column_names", ())
-            images = getattr(self.template, "multimodal", False) or "images" in columns
-            self.engine, self.scheduler = setup_rollout(engine, scheduler, self.policy, self.template, cfg,
-                                                        self.accelerator, parts.generation_model, images)
-            # --offload_model/--offload_optimizer: out to CPU memory while an engine with its own weights generates
-            self._offloader = make_offloader(cfg.rollout, self.engine, [self.policy, self.ref_model], self.optimizer,
-                                             self.accelerator.device, self.accelerator.is_main_process)
-            rewards = setup_rewards(reward_funcs, reward_names, reward_weights, self.scheduler,
-                                    timeout=cfg.reward.reward_timeout, distill=parts.teachers is not None)
-            self.reward_names, self.reward_runner = rewards.names, rewards.runner
-            prompts = PromptStream.for_run(train_dataset, self.plan.prompts_per_rollout, self.args,
-                                           cfg.data.dataset_shuffle, self.accelerator, cfg.rollout.stream_groups)
-            self._producer = WindowProducer(
-                hooks.window_hooks(self, GRPOTrainer), prompts, scheduler=self.scheduler, template=self.template,
-                rewards=rewards, accelerator=self.accelerator, rollout_args=cfg.rollout, algorithm=cfg.algorithm,
-                models=Models(self.model, self.policy, self.ref_model, self.args.per_device_train_batch_size,
-                              parts.teachers),  # teachers: on-policy distillation (trainers/teachers.py)
-                plan=self.plan, log_completions=completion_limits(self.args), offloader=self._offloader, images=images)
-            self._async = buffer_for_run(self._producer, cfg.rollout, self.plan)  # --max_staleness, --stream_groups
-            self._chord = None if chord_sft_dataset is None else ChordSFT(  # CHORD: an SFT term mixed into the loss
-                chord_sft_dataset, self.template, cfg, num_processes=self.accelerator.num_processes,
-                process_index=self.accelerator.process_index)
-            self._outputs = RunOutputs(self.accelerator, self.args, cfg.flat(), tokenizer)
-            self.output_dir = self._outputs.output_dir
-            self._loss_call = hooks.loss_caller(self._compute_loss_and_metrics, type(self), GRPOTrainer)
-            self._step_takes_num_items = hooks.positional_count(self.training_step) >= 3  # False: a 2-argument override
-            # decided once: which models' forwards share prompts (forward.py); the pixel dtype of image inputs
-            distributed = self.accelerator.num_processes > 1 or bool(self.args.deepspeed or self.args.fsdp)
-            self._sharing = prompt_sharing([self.model, self.ref_model], distributed=distributed)
-            self._pixel_dtype = next(self.policy.parameters()).dtype
-            self._callbacks = RunCallbacks(callbacks or [], self, cfg, self.accelerator)
-            self.callbacks = self._callbacks.all
-            self._step_guard = StepGuard(self.args.max_nonfinite_steps)  # NaN/inf steps skipped, N in a row stop
-            self._stop = StopRequest()  # SIGTERM / first Ctrl-C: save after the current optimizer step (runs/stops.py)
+            rewards = (reward_funcs, reward_names, reward_weights)
+            self._set_up_rollout(GRPOTrainer, parts, train_dataset, engine, scheduler, rewards)
+            self._set_up_run(GRPOTrainer, tokenizer, callbacks, chord_sft_dataset)
             self._hf_event("on_init_end")
 
     def _progress(self) -> dict:
@@ -136,8 +126,11 @@ class GRPOTrainer:
                 if resumed is None:
                     window = self._next_window()  # rollout → rewards → advantages → logps
                     self.state.windows += 1
-                    progress = WindowProgress.of(window.micro_batches(self.plan.steps_per_generation),
-                                                 self.cfg.algorithm.num_iterations, window.metrics)
+                    progress = WindowProgress.of(
+                        window.micro_batches(self.plan.steps_per_generation),
+                        self.cfg.algorithm.num_iterations,
+                        window.metrics,
+                    )
                     timing = {**window.timing, "train": 0.0, "sync": sync_s}
                 else:  # the saved micro-batches train first, then the next prompts are drawn
                     progress, resumed = resumed, None
@@ -153,8 +146,7 @@ class GRPOTrainer:
         finally:
             self._stop.restore()
             bar.close()
-            if self._async is not None:
-                self._async.drain()
+            self._async.drain()
             self._producer.prompts.close()  # its read-ahead workers end with the loop, not with the process
             self._outputs.close()
         self._finish()
@@ -162,15 +154,13 @@ class GRPOTrainer:
 
     @at_step_boundary  # an error here saves the last optimizer step first (runs/stops.py)
     def _next_window(self) -> Window:
-        """The next window; with --max_staleness, the buffer's (rolled out ahead), its async metrics added."""
-        if self._async is None:
-            window = self._prepare_inputs(self._producer.prompts.next())
-        else:
-            prompts, rollout, async_metrics = self._async.next(self.state.global_step)
-            window = self._prepare_inputs(prompts, rollout)
-            window.metrics = {**window.metrics, **async_metrics}
+        """The next window from the buffer: rolled out ahead with --max_staleness (its async metrics added), or
+        drawn here and rolled out by ``_prepare_inputs`` (K = 0)."""
+        prompts, rollout, async_metrics = self._async.next(self.state.global_step)
+        window = self._prepare_inputs(prompts, rollout)
+        window.metrics = {**window.metrics, **async_metrics}
         self.state.prompts_consumed = self._producer.prompts.position
-        self.state.epoch = self.state.prompts_consumed / max(1, self._num_prompts)
+        self.state.epoch = self.state.prompts_consumed / max(1, len(self._producer.prompts.dataset))
         self._outputs.write_completions(window.completion_rows)
         return window
 
@@ -233,12 +223,13 @@ class GRPOTrainer:
         norm = self.accelerator.clip_grad_norm_(self._trainable_params, self.args.max_grad_norm) if clip else None
         if norm is not None:
             metrics["grad_norm"] = scalar(norm)
-        if self._step_guard.allow_step(self.accelerator, loss, norm, step=self.state.global_step + 1,
-                                       params=self._trainable_params):
+        if self._step_guard.allow_step(
+            self.accelerator, loss, norm, step=self.state.global_step + 1, params=self._trainable_params
+        ):
             self.optimizer.step()
         self._hf_event("on_optimizer_step")
         self.lr_scheduler.step()
-        if self._engine_steps and (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, from its step
+        if self._engine_steps and (engine_norm := grad_norm(self.optimizer)) is not None:  # DeepSpeed's, its step
             metrics["grad_norm"] = engine_norm
         self.optimizer.zero_grad()
         return metrics
@@ -263,8 +254,9 @@ class GRPOTrainer:
         window's width). Override to add keys: ``batch['my_key'] = tensor`` (one row each) reaches the loss."""
         return self._producer.encode_rows(inputs).chunks(self.plan.steps_per_generation)
 
-    def _compute_advantages(self, inputs: list[dict], rewards_per_func: torch.Tensor,
-                            batch_encoded_inputs: list[RolloutBatch]) -> torch.Tensor:
+    def _compute_advantages(
+        self, inputs: list[dict], rewards_per_func: torch.Tensor, batch_encoded_inputs: list[RolloutBatch]
+    ) -> torch.Tensor:
         """[N_global] advantages from ``rewards_per_func`` [N_global, F] (every process's rows, gathered) with the
         --advantage_estimator and --scale_rewards registries; ``inputs`` are this process's rows,
         ``batch_encoded_inputs`` its mini-batches (their old/ref logps give the --kl_in_reward penalty)."""
@@ -274,19 +266,17 @@ class GRPOTrainer:
     # -- forward and loss (hooks) --------------------------------------------------------------------------------------
     def _prepare_model_inputs(self, inputs: RolloutBatch) -> dict:
         """Keyword arguments of ``model(**kwargs)``; override to feed extra inputs (forward.model_kwargs)."""
-        return model_kwargs(inputs, self._pixel_dtype)
+        return model_kwargs(inputs, self._logps.pixel_dtype)
 
     def _get_per_token_logps_and_entropies(self, model, inputs: RolloutBatch, compute_entropy: bool = False):
         """The one entry for old, ref and current logps: forward, then from the positions that predict the
         completion, logits / temperature and the sampled tokens' logprobs (chunked in the output head's place,
         or from full logits: trainers/packing.py). Returns ([B, C] logps, [B, C] entropies or None)."""
-        opts = ForwardOptions(temperature=self.temperature, chunk_size=self.args.logps_chunk_size,
-                              padding_free=self.args.padding_free, share_prompts=self._sharing.get(id(model), False))
-        return completion_logps(model, self._prepare_model_inputs(inputs), inputs.logits_to_keep, opts,
-                                compute_entropy, inputs.support)  # the sampler's kept set, or None (full)
+        return self._logps(model, inputs, compute_entropy, self._prepare_model_inputs(inputs))
 
-    def _compute_loss_and_metrics(self, model, inputs: RolloutBatch, grpo_batch: RolloutBatch | None = None
-                                  ) -> tuple[torch.Tensor, dict]:
+    def _compute_loss_and_metrics(
+        self, model, inputs: RolloutBatch, grpo_batch: RolloutBatch | None = None
+    ) -> tuple[torch.Tensor, dict]:
         """The policy loss of one micro-batch and its metrics. Called ``(model, inputs)`` (the seed's), or
         ``(model, model_inputs, grpo_batch)`` by an override in ms-swift 4.6's shape: there both are the batch
         (``model_inputs['input_ids']``, ``grpo_batch.completion_mask`` ...), and the forward's keyword arguments
@@ -297,9 +287,18 @@ class GRPOTrainer:
         loss, metrics = policy_loss(logps, entropies, inputs, self.cfg.algorithm, self.loss_cfg, self.accelerator)
         if self._chord is None:
             return loss, metrics
-        loss, chord_metrics = self._chord.mix(loss, self.state.global_step, partial(
-            sft_logps, model, device=self.accelerator.device, model_kwargs=self._prepare_model_inputs,
-            chunk_size=self.args.logps_chunk_size, padding_free=self.args.padding_free))
+        loss, chord_metrics = self._chord.mix(
+            loss,
+            self.state.global_step,
+            partial(
+                sft_logps,
+                model,
+                device=self.accelerator.device,
+                model_kwargs=self._prepare_model_inputs,
+                chunk_size=self.args.logps_chunk_size,
+                padding_free=self.args.padding_free,
+            ),
+        )
         return loss, {**metrics, **chord_metrics}
 
     # -- step bookkeeping ----------------------------------------------------------------------------------------------
@@ -313,8 +312,12 @@ class GRPOTrainer:
         self._hf_event("on_step_end")
         control = self._callbacks.control
         first = step == 1 and self.args.logging_first_step
-        if (step % self.args.logging_steps == 0 or step == self.state.max_steps or first
-                or (control is not None and (control.should_log or control.should_training_stop))):
+        if (
+            step % self.args.logging_steps == 0
+            or step == self.state.max_steps
+            or first
+            or (control is not None and (control.should_log or control.should_training_stop))
+        ):
             step_metrics = mean_over_processes(self.accelerator, values.step_metrics.pop())  # a collective
             logs = values.log_row(step, step_metrics, self.lr_scheduler.get_last_lr()[0])
             self.state.last_logs = logs
@@ -322,8 +325,9 @@ class GRPOTrainer:
             self._outputs.log(logs)
             self._call("on_log", logs)
             bar.set_postfix(**progress_postfix(logs))
-        if self.eval_dataset is not None and (eval_due(self.args, step, self.state.max_steps)
-                                              or (control is not None and control.should_evaluate)):
+        if self.eval_dataset is not None and (
+            eval_due(self.args, step, self.state.max_steps) or (control is not None and control.should_evaluate)
+        ):
             self.evaluate()
         every, saved = self.args.save_strategy == "steps" and step % self.args.save_steps == 0, None
         asked = control is not None and control.should_save
@@ -351,39 +355,20 @@ class GRPOTrainer:
     def _hf_event(self, event: str, **kwargs) -> None:
         self._callbacks.hf_event(event, self, **kwargs)
 
-    # -- checkpoints, evaluation, the end ------------------------------------------------------------------------------
-    def _save_checkpoint(self, values: StepValues | None = None):
-        """A checkpoint at this step; inside a window (``values``) it holds the window's untrained rest too."""
-        consumed, pending = loop_position(self._async, self._producer.prompts)  # pending: drawn first on resume
-        chord = {} if self._chord is None else {"chord_sft_consumed": self._chord.position}
-        window, unlogged = (values.window, values.step_metrics.state()) if values else (None, None)
-        extra = {**chord, "prompts_pending": pending, "prompts_per_draw": self._producer.prompts.prompts_per_window}
-        ckpt = self._outputs.save_checkpoint(self.model, step=self.state.global_step, max_steps=self.state.max_steps,
-                                             prompts_consumed=consumed, extra=extra, window=window,
-                                             step_metrics=unlogged)
-        self._call("on_save", str(ckpt))
-        return ckpt
-
-    def _resume(self, step_metrics: MetricsAccumulator) -> WindowProgress | None:
-        """The loop's position from the checkpoint; returns the rest of the window it was taken inside (its
-        unlogged step metrics put back into ``step_metrics``), or None."""
-        loop = self._outputs.resume()
-        if loop is None:
-            return None
-        self.state.global_step = loop["global_step"]
-        self.state.prompts_consumed = self._producer.prompts.restore(loop)  # the frontier, and the pending windows
-        if self._chord is not None:  # mu follows global_step; the SFT rows continue where the checkpoint left
-            self._chord.position = loop.get("chord_sft_consumed", 0)
-        self.engine.sync_weights(self.policy)
-        self._producer.weights_at = self.state.global_step
-        return WindowProgress.load(loop["checkpoint"], self.accelerator.process_index, step_metrics)
-
+    # -- evaluation, the end (checkpoints: trainer_checkpoints.py) ------------------------------------------------
     def evaluate(self) -> dict:
         """Greedy and (--num_generations_eval) sampled completions of the validation set, scored (evaluate.py)."""
         rows = [self.eval_dataset[i] for i in range(len(self.eval_dataset))]
-        with offload_context(self._offloader):  # evaluation generates too
-            result = evaluate_policy(self.engine, self.template, rows, self.reward_runner, self.reward_names,
-                                     EvalSettings.for_run(self.cfg), trainer_state=self._progress())
+        with offload_context(self._producer.offloader):  # evaluation generates too
+            result = evaluate_policy(
+                self.engine,
+                self.template,
+                rows,
+                self.reward_runner,
+                self.reward_names,
+                EvalSettings.for_run(self.cfg),
+                trainer_state=self._progress(),
+            )
         logs = {"step": self.state.global_step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
         self._outputs.log_eval(logs)
         self._hf_event("on_evaluate", metrics=logs)
@@ -400,4 +385,3 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
         self.process_group.release()  # the one-process group of --deepspeed without a launcher, and its variables
         self.accelerator.end_training()
-

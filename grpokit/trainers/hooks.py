@@ -11,7 +11,7 @@ import logging
 from grpokit.distributed.processes import deepspeed_stage
 from grpokit.errors import ConfigError, PluginError
 from grpokit.trainers.batch import RolloutBatch
-from grpokit.trainers.window_producer import WindowHooks
+from grpokit.trainers.rollouts import WindowHooks
 
 logger = logging.getLogger(__name__)
 
@@ -140,15 +140,18 @@ def loss_batch(inputs, grpo_batch):
     return grpo_batch
 
 
-def window_hooks(trainer, base: type):
+def window_hooks(trainer, base: type, plain_logps):
     """A WindowProducer's callables: the trainer's bound methods for the hooks its class overrides (so they apply),
-    None for the rest (the producer then runs its own defaults, without a detour through the trainer)."""
+    None for the rest (the producer then runs its own defaults, without a detour through the trainer); for logps,
+    ``plain_logps`` (trainers/logps.py) unless the forward's hooks are overridden."""
 
     def mine(name: str):
         return getattr(trainer, name) if overrides(type(trainer), base, name) else None
 
+    forward = ("_get_per_token_logps_and_entropies", "_prepare_model_inputs")
+    custom = any(overrides(type(trainer), base, name) for name in forward)
     return WindowHooks(
-        logps=trainer._get_per_token_logps_and_entropies,
+        logps=trainer._get_per_token_logps_and_entropies if custom else plain_logps,
         progress=trainer._progress,
         generate=mine("_generate_completions"),
         score=mine("_score_completions"),

@@ -32,8 +32,8 @@ from grpokit.rollout.scheduler import RolloutScheduler
 from grpokit.template.encode import ChatTemplate
 from grpokit.template.prompts import PromptOptions
 from grpokit.trainers.optimizers import build_optimizer, lr_schedule, num_warmup_steps, optimizers_map  # noqa: F401
+from grpokit.trainers.rollouts import Rewards
 from grpokit.trainers.teachers import Teachers
-from grpokit.trainers.window_producer import Rewards
 
 
 @dataclass

@@ -20,6 +20,7 @@ from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, RolloutInferRequest, RolloutOutput
 from grpokit.trainers.group_buffer import GroupBuffer, loop_position
 from grpokit.trainers.prompts import PromptStream
+from grpokit.trainers.window import WindowRollout
 from grpokit.trainers.window_producer import WindowProducer
 
 G = 2  # completions per group
@@ -69,7 +70,21 @@ def call(delay=lambda pos: 0.0, gate: dict | None = None, fail_at: int | None = 
     return run
 
 
+def _rollout_call(producer, call):
+    """The producer's one rollout call (rollout_groups) around a fake engine ``call``: requests, tag, score."""
+
+    async def run(prompts, version, *, beside=None):
+        requests = producer.requests(prompts)
+        t0 = time.perf_counter()
+        outputs = producer.tag(await call(requests), version)
+        rewards = producer.rewards_of(requests, outputs)
+        return WindowRollout(requests, outputs, rewards, {"rollout": time.perf_counter() - t0, "reward": 0.0})
+
+    return run
+
+
 def _buffer(producer, calls, k, policy="wait", spw=1, per_window=2, **kw) -> GroupBuffer:
+    calls = [_rollout_call(producer, c) for c in calls]
     return GroupBuffer(
         producer, calls, max_staleness=k, steps_per_window=spw, groups_per_window=per_window, policy=policy, **kw
     )

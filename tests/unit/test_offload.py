@@ -14,6 +14,7 @@ from grpokit.config.args import RolloutArguments
 from grpokit.config.parse import parse_train_args
 from grpokit.distributed.offload import Offloader, make_offloader
 from grpokit.errors import ConfigError
+from grpokit.trainers.rollouts import EngineTurns
 from grpokit.trainers.window_producer import WindowHooks, WindowProducer
 
 # numerics: run again by .ci/run under the other dtype choice and torch's default thread count;
@@ -197,10 +198,12 @@ def test_the_rollout_generates_inside_the_offload_and_scores_after():
 
     producer = WindowProducer.__new__(WindowProducer)
     hooks = Hooks()  # the callables the producer is given (window_producer.WindowHooks)
-    producer._generate, producer._score = hooks._generate_completions, hooks._score_completions
+    producer._score = hooks._score_completions
     producer._around_generation = Offload().offloaded
-    producer._engine_lock, producer.weights_at = threading.Lock(), 0
-    producer.hooks = WindowHooks(logps=None, progress=dict)  # its phases (the progress bar's) are set
+    producer._turns, producer.weights_at = EngineTurns(), 0
+    producer._score_lock, producer._hook_lock = threading.Lock(), threading.Lock()
+    # its phases (the progress bar's) are set
+    producer.hooks = WindowHooks(logps=None, progress=dict, generate=hooks._generate_completions)
     producer.requests = lambda prompts: []
     producer.rollout([])
     assert events == ["out", "generate", "back", "score"]

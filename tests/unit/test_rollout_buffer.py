@@ -1,9 +1,10 @@
-"""RolloutBuffer (--max_staleness) against a fake producer whose speed the test sets: the staleness bound under
-``wait`` and ``drop``, what each counts, and that every window drawn is trained once or pending (never lost, never
-twice), across a checkpoint's pending list and the stream's restore."""
+"""The buffer of --max_staleness drawing whole windows, against a fake producer whose speed the test sets: the
+staleness bound under ``wait`` and ``drop``, what each counts, and that every window drawn is trained once or
+pending (never lost, never twice), across a checkpoint's pending list and the stream's restore."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -15,9 +16,8 @@ from grpokit.config.async_rules import check_staleness
 from grpokit.config.plan import BatchPlan
 from grpokit.errors import ConfigError
 from grpokit.protocol import ChatCompletionResponse, RolloutOutput
-from grpokit.trainers.group_buffer import loop_position
+from grpokit.trainers.group_buffer import GroupBuffer, loop_position
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.rollout_buffer import RolloutBuffer
 from grpokit.trainers.window import WindowRollout
 
 PER_WINDOW = 2
@@ -47,8 +47,25 @@ class FakeProducer:
         ]
         return WindowRollout([], outputs, torch.zeros(len(outputs), 1), {"rollout": self.delay_s, "reward": 0.0})
 
+    async def rollout_groups(self, prompts, version, *, beside=None):
+        return await asyncio.to_thread(self.rollout, prompts, version)
 
-def _train(buffer: RolloutBuffer, producer: FakeProducer, steps: int, train_s: float) -> tuple[list, list[dict]]:
+
+def _buffer(producer: FakeProducer, k: int, policy: str = "wait") -> GroupBuffer:
+    """The buffer as a run without --stream_groups makes it: each draw a whole window, one optimizer step each."""
+    calls = [producer.rollout_groups]
+    return GroupBuffer(
+        producer,
+        calls,
+        max_staleness=k,
+        steps_per_window=1,
+        groups_per_window=PER_WINDOW,
+        groups_per_draw=PER_WINDOW,
+        policy=policy,
+    )
+
+
+def _train(buffer: GroupBuffer, producer: FakeProducer, steps: int, train_s: float) -> tuple[list, list[dict]]:
     """The loop's side: take a window, 'train' it (one optimizer step), publish the new weights."""
     trained, metrics = [], []
     for step in range(steps):
@@ -64,7 +81,7 @@ def _train(buffer: RolloutBuffer, producer: FakeProducer, steps: int, train_s: f
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_wait_never_drops_and_the_producer_waits_when_it_is_faster(k):
     producer = FakeProducer(delay_s=0.0)
-    buffer = RolloutBuffer(producer, max_staleness=k, steps_per_window=1, policy="wait")
+    buffer = _buffer(producer, k)
     try:
         trained, metrics = _train(buffer, producer, 12, train_s=0.01)
     finally:
@@ -79,7 +96,7 @@ def test_wait_never_drops_and_the_producer_waits_when_it_is_faster(k):
 
 def test_drop_discards_windows_too_old_and_trains_their_prompts_later():
     producer = FakeProducer(delay_s=0.0)
-    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="drop")
+    buffer = _buffer(producer, 1, "drop")
     try:
         trained, metrics = _train(buffer, producer, 12, train_s=0.01)
         frontier, pending = loop_position(buffer, producer.prompts)
@@ -95,7 +112,7 @@ def test_drop_discards_windows_too_old_and_trains_their_prompts_later():
 
 def test_a_slow_producer_makes_the_loop_wait_and_says_so():
     producer = FakeProducer(delay_s=0.05)
-    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="wait")
+    buffer = _buffer(producer, 1)
     try:
         _, metrics = _train(buffer, producer, 4, train_s=0.0)
     finally:
@@ -106,7 +123,7 @@ def test_a_slow_producer_makes_the_loop_wait_and_says_so():
 
 def test_pending_windows_are_drawn_again_first_after_a_restore():
     producer = FakeProducer(delay_s=0.0)
-    buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
+    buffer = _buffer(producer, 2)
     try:
         trained, _ = _train(buffer, producer, 5, train_s=0.01)
         loop = dict(zip(("prompts_consumed", "prompts_pending"), loop_position(buffer, producer.prompts), strict=True))
@@ -115,7 +132,7 @@ def test_pending_windows_are_drawn_again_first_after_a_restore():
     assert loop["prompts_pending"], "a fast producer has windows ahead"
     resumed = FakeProducer()
     assert resumed.prompts.restore(loop) == loop["prompts_consumed"]
-    again = RolloutBuffer(resumed, max_staleness=2, steps_per_window=1, policy="wait")
+    again = _buffer(resumed, 2)
     try:
         after, _ = _train(again, resumed, 4, train_s=0.0)
     finally:
@@ -171,7 +188,7 @@ def test_a_checkpoint_reads_frontier_and_pending_at_one_instant():
     the frontier; never behind it and not pending (a resume would skip it: read one after the other, the pending
     list said [2] and the frontier 6, and window 4 was in neither)."""
     producer = _HeldProducer()
-    buffer = RolloutBuffer(producer, max_staleness=2, steps_per_window=1, policy="wait")
+    buffer = _buffer(producer, 2)
     try:
         trained = [buffer.next(0)[0][0]["_prompt_index"]]  # window 0; the producer then rolls out window 2
         assert producer.held.wait(10)
@@ -186,7 +203,7 @@ def test_a_checkpoint_reads_frontier_and_pending_at_one_instant():
 
 def test_a_producer_error_reaches_the_loop_and_drain_returns():
     producer = FakeProducer(fail_at=2)
-    buffer = RolloutBuffer(producer, max_staleness=1, steps_per_window=1, policy="wait")
+    buffer = _buffer(producer, 1)
     buffer.next(0)
     with pytest.raises(RuntimeError, match="went away"):
         buffer.next(1)

@@ -40,7 +40,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
     from grpokit.distributed import offload
     from grpokit.engines.vllm_engine import VllmEngine
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers import grpo_trainer
+    from grpokit.trainers import trainer_setup
 
     made: list[offload.Offloader] = []
 
@@ -56,7 +56,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
         )
         return made[-1]
 
-    monkeypatch.setattr(grpo_trainer, "make_offloader", gpu_offloader)
+    monkeypatch.setattr(trainer_setup, "make_offloader", gpu_offloader)
     checks: list[dict] = []
     training_storage: list[list[torch.Tensor]] = []  # after each sync: the trainer's tensors (kept alive)
     overlaps: list[int] = []  # during each rollout: how many of them are still in that storage
