@@ -3,9 +3,9 @@
 ``watch`` blocks until something is done, logging "reward X still running after N s" every ``heartbeat_s`` and
 raising ``DeadlinePassed`` past a deadline. ``call_in_worker`` runs a sync call in a daemon thread and waits on it
 that way (a thread cannot be killed: one past its deadline is left behind, and the caller stops training);
-``Heartbeat`` runs it on the caller's thread, with one long-lived watcher thread that only logs. ``Raised`` carries
-what a coroutine raised back to the caller as a value (a ``SystemExit`` raised inside a task would otherwise stop
-the event loop's thread itself).
+without a deadline the runner's ``Heartbeat`` runs it on the caller's thread, with one long-lived watcher thread
+that only logs. ``Raised`` carries what a coroutine raised back to the caller as a value (a ``SystemExit`` raised
+inside a task would otherwise stop the event loop's thread itself).
 """
 
 from __future__ import annotations
@@ -96,40 +96,3 @@ def call_in_worker(call: Callable[[], Any], name: str, timeout: float, heartbeat
     threading.Thread(target=box.run, args=(call,), name=f"grpokit-reward-{name}", daemon=True).start()
     watch(box.done.is_set, lambda: [name], started, heartbeat_s, started + timeout, box.done.wait)
     return box.result()
-
-
-class Heartbeat:
-    """One daemon thread (started on first use) that logs the heartbeat of the reward call in progress on the
-    caller's thread. It polls ten times per ``every`` instead of being woken for each call: a thread started or
-    notified per call costs the caller a GIL hand-over (up to the 5 ms switch interval) on every call."""
-
-    def __init__(self, every: float) -> None:
-        self.every = every
-        self._current: list | None = None  # [name, started, beats logged]; swapped whole, read by the thread
-        self._thread: threading.Thread | None = None
-        self._closed = threading.Event()
-
-    def call(self, call: Callable[[], Any], name: str) -> Any:
-        """``call()`` on this thread, with "still running" lines while it runs."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="grpokit-reward-heartbeat", daemon=True)
-            self._thread.start()
-        self._current = [name, time.monotonic(), 0]
-        try:
-            return call()
-        finally:
-            self._current = None
-
-    def close(self) -> None:
-        self._closed.set()
-
-    def _run(self) -> None:
-        while not self._closed.wait(self.every / 10):
-            current = self._current
-            if current is None:
-                continue
-            name, started, beats = current
-            elapsed = time.monotonic() - started
-            if elapsed >= (beats + 1) * self.every:
-                logger.warning("reward %r still running after %.1f s", name, elapsed)
-                current[2] = int(elapsed // self.every)

@@ -25,8 +25,9 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from grpokit.rewards.calling import (
     swift_kwargs,
     trl_kwargs,
 )
-from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Heartbeat, Raised, call_in_worker, watch
+from grpokit.rewards.deadline import HEARTBEAT_S, DeadlinePassed, Raised, call_in_worker, watch
 from grpokit.rewards.worker import RemoteRaised, RewardWorker
 
 if TYPE_CHECKING:
@@ -351,3 +352,40 @@ def _in_process(func: Any) -> bool:
     """A reward whose state lives in the trainer (a reward model's weights, ``in_process = True``): under
     --reward_timeout it runs in a daemon thread with the deadline, not in a worker process."""
     return getattr(func, "in_process", False) is True
+
+
+class Heartbeat:
+    """One daemon thread (started on first use) that logs the heartbeat of the reward call in progress on the
+    caller's thread. It polls ten times per ``every`` instead of being woken for each call: a thread started or
+    notified per call costs the caller a GIL hand-over (up to the 5 ms switch interval) on every call."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._current: list | None = None  # [name, started, beats logged]; swapped whole, read by the thread
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def call(self, call: Callable[[], Any], name: str) -> Any:
+        """``call()`` on this thread, with "still running" lines while it runs."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="grpokit-reward-heartbeat", daemon=True)
+            self._thread.start()
+        self._current = [name, time.monotonic(), 0]
+        try:
+            return call()
+        finally:
+            self._current = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.every / 10):
+            current = self._current
+            if current is None:
+                continue
+            name, started, beats = current
+            elapsed = time.monotonic() - started
+            if elapsed >= (beats + 1) * self.every:
+                logger.warning("reward %r still running after %.1f s", name, elapsed)
+                current[2] = int(elapsed // self.every)

@@ -210,7 +210,7 @@ class GRPOTrainer(TrainerSetup, TrainerCheckpoints):
 
     def _optimizer_step(self, loss: torch.Tensor | None) -> dict:
         """After ``training_step`` returned, on the synchronising micro-step: clip (grad_norm), step (skipped on a
-        NaN/inf ``loss`` or grad norm: step_guard.py), advance the schedule, zero the gradients. A DeepSpeed engine
+        NaN/inf ``loss`` or grad norm: trainers/state.py), advance the schedule, zero the gradients. A DeepSpeed engine
         steps on every micro-step (it counts them, and reduces, clips and steps at its boundary)."""
         metrics: dict = {}
         if not self.accelerator.sync_gradients:

@@ -143,7 +143,7 @@ def loss_batch(inputs, grpo_batch):
 def window_hooks(trainer, base: type, plain_logps):
     """A WindowProducer's callables: the trainer's bound methods for the hooks its class overrides (so they apply),
     None for the rest (the producer then runs its own defaults, without a detour through the trainer); for logps,
-    ``plain_logps`` (trainers/logps.py) unless the forward's hooks are overridden."""
+    ``plain_logps`` (trainers/forward.py) unless the forward's hooks are overridden."""
 
     def mine(name: str):
         return getattr(trainer, name) if overrides(type(trainer), base, name) else None

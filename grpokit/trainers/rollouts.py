@@ -48,7 +48,7 @@ class WindowHooks:
     the hooks a subclass overrides, None for the others (the producer then runs its own default directly; the
     trainer's default methods are thin entries into the same functions, for ``super()`` calls)."""
 
-    # (model, batch, compute_entropy=False) -> ([B, C] logps, entropies or None): logps.py's plain function unless
+    # (model, batch, compute_entropy=False) -> ([B, C] logps, entropies or None): forward.py's plain function unless
     # a subclass overrides _get_per_token_logps_and_entropies or _prepare_model_inputs
     logps: Callable
     progress: Callable[[], dict]  # {"global_step", "max_steps"}: what reward functions get as trainer_state

@@ -11,12 +11,11 @@ from grpokit.runs.run_outputs import RunOutputs
 from grpokit.runs.stops import StopRequest
 from grpokit.trainers import hooks
 from grpokit.trainers.chord_sft import ChordSFT
-from grpokit.trainers.forward import prompt_sharing
+from grpokit.trainers.forward import Logps, prompt_sharing
 from grpokit.trainers.group_buffer import buffer_for_run
 from grpokit.trainers.hf_callbacks import RunCallbacks
-from grpokit.trainers.logps import Logps
 from grpokit.trainers.prompts import PromptStream
-from grpokit.trainers.step_guard import StepGuard
+from grpokit.trainers.state import StepGuard
 from grpokit.trainers.training_setup import setup_rewards, setup_rollout
 from grpokit.trainers.window_producer import Models, WindowProducer
 

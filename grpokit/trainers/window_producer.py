@@ -20,8 +20,7 @@ from grpokit.runs.outputs import CompletionLimits
 from grpokit.trainers.batch import RolloutBatch, collate
 from grpokit.trainers.completion_log import TokenForward, completion_log_rows
 from grpokit.trainers.dynamic_sampling import dynamic_sampling
-from grpokit.trainers.forward import sampler_support
-from grpokit.trainers.logps import batched_logps
+from grpokit.trainers.forward import batched_logps, sampler_support
 from grpokit.trainers.prompts import PromptStream
 from grpokit.trainers.rollouts import Rollouts, WindowHooks
 from grpokit.trainers.window import (

@@ -10,14 +10,14 @@ import torch
 from accelerate import Accelerator
 
 from grpokit.errors import ConfigError, GrpokitError
-from grpokit.trainers.step_guard import NonFiniteStepsError, StepGuard, grads_finite
+from grpokit.trainers.state import NonFiniteStepsError, StepGuard, grads_finite
 
 NAN, INF = float("nan"), float("inf")
 
 
 def test_finite_steps_pass_and_reset_the_count(caplog):
     guard = StepGuard(3)
-    with caplog.at_level(logging.WARNING, logger="grpokit.trainers.step_guard"):
+    with caplog.at_level(logging.WARNING, logger="grpokit.trainers.state"):
         assert guard.check(torch.tensor(0.5), torch.tensor(1.0), step=1)
         assert not guard.check(torch.tensor(NAN), torch.tensor(NAN), step=2)
         assert not guard.check(torch.tensor(0.1), torch.tensor(INF), step=3)
