@@ -15,148 +15,34 @@ in parallel; the outputs come back in request order. Every call has a timeout; c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
+from tenacity import AsyncRetrying, Retrying
 
 from grpokit.aio import run_sync
 from grpokit.engines.adapters import AdapterSync
 from grpokit.engines.base import InferEngine
 from grpokit.engines.client_calls import check_partial_rollouts, output_positions, split_by_size, split_requests
+from grpokit.engines.client_transport import Attempts, describe, endpoints_from
 from grpokit.engines.media_wire import images_from_wire, request_to_wire
 from grpokit.engines.server_claim import TrainerClaim
 from grpokit.engines.sync_check.checksums import SyncReport, check_body, check_servers
 from grpokit.engines.weight_sender import WeightSender, sends_here
-from grpokit.errors import ConfigError, ServerError
+from grpokit.errors import ServerError
 from grpokit.protocol import ChatCompletionResponse, RequestConfig, RolloutInferRequest, RolloutOutput
 from grpokit.wire.checksum import SumsOf
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
 
-RETRY_STATUS = {429, 502, 503, 504}
 BODY_ENVELOPE_BYTES = 64  # '{"requests": [', '], "request_config": ' and '}' around the parts that are measured
-RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                httpx.WriteError, httpx.PoolTimeout)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    base_url: str
-
-    @property
-    def host(self) -> str:
-        return httpx.URL(self.base_url).host
-
-    @property
-    def port(self) -> int:
-        url = httpx.URL(self.base_url)
-        return url.port or (443 if url.scheme == "https" else 80)
-
-    @property
-    def label(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def endpoints_from(base_urls: Sequence[str] = (), hosts: Sequence[str] = (),
-                   ports: Sequence[int] = ()) -> list[Endpoint]:
-    """Base URLs, or hosts with one port each (or one port for all)."""
-    if base_urls:
-        return [Endpoint(u.rstrip("/")) for u in base_urls]
-    if not hosts:
-        raise ConfigError("no rollout server: give --vllm_server_host H --vllm_server_port P or --vllm_server_base_url")
-    ports = list(ports) or [8000]
-    if len(ports) == 1:
-        ports = ports * len(hosts)
-    if len(ports) != len(hosts):
-        raise ConfigError(f"{len(hosts)} --vllm_server_host value(s) but {len(ports)} --vllm_server_port value(s); "
-                          "give one port, or one per host")
-    return [Endpoint(f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}") for h, p in zip(hosts, ports)]
-
-
-class _Transient(Exception):
-    """A failure worth another attempt: a busy or unavailable status, or a dropped connection."""
-
-    def __init__(self, problem: Any) -> None:
-        super().__init__(_describe(problem))
-        self.problem = problem
-
-
-class _Attempts:
-    """Retry policy of one call: bounded attempts with exponential backoff, all inside ``timeout_s``; tenacity
-    runs the attempts (``Retrying(**att.policy())``), this class decides what is transient and what to say."""
-
-    def __init__(self, ep: Endpoint, what: str, timeout_s: float, retries: int, backoff_s: float) -> None:
-        self.ep, self.what, self.timeout_s, self.retries, self.backoff_s = ep, what, timeout_s, retries, backoff_s
-        self.start = time.monotonic()
-        self.deadline = self.start + timeout_s
-
-    def remaining(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.5)
-
-    def policy(self) -> dict[str, Any]:
-        """Keyword arguments of ``tenacity.Retrying``/``AsyncRetrying``."""
-        return {"retry": retry_if_exception_type(_Transient), "stop": self._stop, "wait": self._wait,
-                "retry_error_callback": self._give_up}
-
-    def _wait(self, rs: RetryCallState) -> float:
-        return self.backoff_s * 2 ** (rs.attempt_number - 1)
-
-    def _stop(self, rs: RetryCallState) -> bool:
-        problem = rs.outcome.exception().problem
-        busy = isinstance(problem, httpx.Response) and problem.status_code == 429  # busy: retry until the deadline
-        return (rs.attempt_number > self.retries and not busy) or time.monotonic() + self._wait(rs) >= self.deadline
-
-    def _give_up(self, rs: RetryCallState) -> Any:
-        error = rs.outcome.exception()
-        raise ServerError(f"rollout server {self.ep.label} did not answer {self.what} after {rs.attempt_number} "
-                          f"attempt(s) in {time.monotonic() - self.start:.1f}s ({_describe(error.problem)}); check "
-                          f"that `grpokit rollout` is running there and reachable") from error
-
-    @contextlib.contextmanager
-    def translating(self) -> Iterator[None]:
-        """httpx's errors as grpokit's: transient ones to retry, a timeout or a refusal as ServerError."""
-        try:
-            yield
-        except RETRY_ERRORS as e:
-            raise _Transient(e) from e
-        except httpx.TimeoutException as e:
-            raise ServerError(f"rollout server {self.ep.label} did not finish {self.what} within "
-                              f"{self.timeout_s:g}s ({_describe(e)}); raise --vllm_server_timeout or send smaller "
-                              "batches") from e
-        except httpx.HTTPError as e:
-            raise ServerError(f"rollout server {self.ep.label}: {self.what} failed ({_describe(e)})") from e
-
-    def answer(self, resp: httpx.Response) -> Any:
-        """The JSON answer; ``_Transient`` for a transient status; ServerError for a refusal."""
-        if resp.status_code in RETRY_STATUS:
-            raise _Transient(resp)
-        if resp.status_code >= 400:
-            raise ServerError(f"rollout server {self.ep.label} refused {self.what}: {_describe(resp)}")
-        try:
-            return resp.json()
-        except ValueError as e:
-            raise ServerError(f"rollout server {self.ep.label} answered {self.what} with non-JSON "
-                              f"({resp.text[:80]!r})") from e
-
-
-def _describe(problem: Any) -> str:
-    if isinstance(problem, httpx.Response):
-        try:
-            message = problem.json().get("error") or problem.text
-        except (ValueError, AttributeError):
-            message = problem.text
-        return f"HTTP {problem.status_code}: {str(message)[:300]}"
-    return f"{type(problem).__name__}: {problem}"
 
 
 class RolloutClient(InferEngine):
@@ -164,10 +50,22 @@ class RolloutClient(InferEngine):
 
     engine_type = "server"
 
-    def __init__(self, base_urls: Sequence[str] = (), hosts: Sequence[str] = (), ports: Sequence[int] = (),
-                 timeout: float = 240.0, api_key: str | None = None, bucket_mb: int = 256, max_retries: int = 3,
-                 backoff_s: float = 0.5, wait: bool = True, infer_on_loop_thread: bool = False,
-                 partial_rollouts: bool = False, claim: bool = False, lora: AdapterSync | None = None) -> None:
+    def __init__(
+        self,
+        base_urls: Sequence[str] = (),
+        hosts: Sequence[str] = (),
+        ports: Sequence[int] = (),
+        timeout: float = 240.0,
+        api_key: str | None = None,
+        bucket_mb: int = 256,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        wait: bool = True,
+        infer_on_loop_thread: bool = False,
+        partial_rollouts: bool = False,
+        claim: bool = False,
+        lora: AdapterSync | None = None,
+    ) -> None:
         super().__init__(infer_on_loop_thread)
         self._adapters = lora  # adapter-only weight sync (--vllm_enable_lora, engines/adapters.py); None: merged
         self.endpoints = endpoints_from(base_urls, hosts, ports)
@@ -180,8 +78,9 @@ class RolloutClient(InferEngine):
         self._infos: list[dict] | None = None
 
         post = lambda i, path, body, t: self._request(i, "POST", path, body, timeout=t, retries=0)  # noqa: E731
-        self._sender = WeightSender([(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout,
-                                    interrupt=partial_rollouts)
+        self._sender = WeightSender(
+            [(e.host, e.port) for e in self.endpoints], post, bucket_mb, self.timeout, interrupt=partial_rollouts
+        )
         if wait:
             self.wait_for_server()
         if self._claim is not None and os.environ.get("RANK", "0") == "0":  # the launch's main process claims
@@ -191,25 +90,40 @@ class RolloutClient(InferEngine):
     def from_args(cls, r, infer_on_loop_thread: bool = False) -> RolloutClient:
         """A training run's client, from ``RolloutArguments`` (``vllm_server_*``, ``weight_sync_bucket_mb``,
         ``partial_rollouts``): waits for the servers and claims them (one trainer per server)."""
-        return cls(base_urls=r.vllm_server_base_url, hosts=r.vllm_server_host, ports=r.vllm_server_port,
-                   timeout=r.vllm_server_timeout, api_key=r.vllm_server_api_key, bucket_mb=r.weight_sync_bucket_mb,
-                   infer_on_loop_thread=infer_on_loop_thread, partial_rollouts=r.partial_rollouts, claim=True,
-                   lora=AdapterSync(r.vllm_enable_lora, r.vllm_max_lora_rank, "the rollout server",
-                                    keep=1 + (r.max_staleness or 0)))
+        return cls(
+            base_urls=r.vllm_server_base_url,
+            hosts=r.vllm_server_host,
+            ports=r.vllm_server_port,
+            timeout=r.vllm_server_timeout,
+            api_key=r.vllm_server_api_key,
+            bucket_mb=r.weight_sync_bucket_mb,
+            infer_on_loop_thread=infer_on_loop_thread,
+            partial_rollouts=r.partial_rollouts,
+            claim=True,
+            lora=AdapterSync(
+                r.vllm_enable_lora, r.vllm_max_lora_rank, "the rollout server", keep=1 + (r.max_staleness or 0)
+            ),
+        )
 
     # -- HTTP ----------------------------------------------------------------------------------------------
-    def _request(self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None,
-                 retries: int | None = None) -> Any:
+    def _request(
+        self, i: int, method: str, path: str, body: Any = None, timeout: float | None = None, retries: int | None = None
+    ) -> Any:
         ep = self.endpoints[i]
-        att = _Attempts(ep, f"{method} {path}", self.timeout if timeout is None else timeout,
-                        self.max_retries if retries is None else retries, self.backoff_s)
+        att = Attempts(
+            ep,
+            f"{method} {path}",
+            self.timeout if timeout is None else timeout,
+            self.max_retries if retries is None else retries,
+            self.backoff_s,
+        )
         for attempt in Retrying(**att.policy()):
             with attempt, att.translating():
                 return att.answer(self._http.request(method, ep.base_url + path, json=body, timeout=att.remaining()))
 
     async def _request_async(self, http: httpx.AsyncClient, i: int, path: str, body: Any) -> Any:
         ep = self.endpoints[i]
-        att = _Attempts(ep, f"POST {path}", self.timeout, self.max_retries, self.backoff_s)
+        att = Attempts(ep, f"POST {path}", self.timeout, self.max_retries, self.backoff_s)
         async for attempt in AsyncRetrying(**att.policy()):
             with attempt, att.translating():
                 return att.answer(await http.post(ep.base_url + path, json=body, timeout=att.remaining()))
@@ -226,16 +140,19 @@ class RolloutClient(InferEngine):
                     if resp.status_code == 200:
                         break
                     if resp.status_code == 401:
-                        raise ServerError(f"rollout server {ep.label} rejected the API key; give the key of "
-                                          "`grpokit rollout --api_key` as --vllm_server_api_key (or GRPOKIT_API_KEY)")
+                        raise ServerError(
+                            f"rollout server {ep.label} rejected the API key; give the key of "
+                            "`grpokit rollout --api_key` as --vllm_server_api_key (or GRPOKIT_API_KEY)"
+                        )
                     last = resp
                 except httpx.HTTPError as e:
                     last = e
                 if time.monotonic() + 0.5 >= deadline:
                     raise ServerError(
-                        f"rollout server {ep.label} is not reachable after {timeout:g}s ({_describe(last)}); start it "
+                        f"rollout server {ep.label} is not reachable after {timeout:g}s ({describe(last)}); start it "
                         f"with `grpokit rollout --model M --host {ep.host} --port {ep.port}` or fix "
-                        "--vllm_server_host/--vllm_server_port (--vllm_server_timeout sets the wait)")
+                        "--vllm_server_host/--vllm_server_port (--vllm_server_timeout sets the wait)"
+                    )
                 time.sleep(0.5)
 
     # -- engine interface ----------------------------------------------------------------------------------
@@ -253,8 +170,9 @@ class RolloutClient(InferEngine):
         body = min(float(info.get("max_body_mb") or 64.0) for info in self._infos)
         return count, int(body * 1024 * 1024)
 
-    async def _infer_positions(self, requests: Sequence[RolloutInferRequest], config: RequestConfig,
-                               only: int | None = None) -> list[tuple[int, RolloutOutput]]:
+    async def _infer_positions(
+        self, requests: Sequence[RolloutInferRequest], config: RequestConfig, only: int | None = None
+    ) -> list[tuple[int, RolloutOutput]]:
         requests = list(requests)
         if not requests:
             return []
@@ -264,22 +182,32 @@ class RolloutClient(InferEngine):
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
-        shares = (split_requests(requests, len(self.endpoints)) if only is None  # else all to server ``only``
-                  else [list(range(len(requests))) if i == only else [] for i in range(len(self.endpoints))])
+        shares = (
+            split_requests(requests, len(self.endpoints))
+            if only is None  # else all to server ``only``
+            else [list(range(len(requests))) if i == only else [] for i in range(len(self.endpoints))]
+        )
         for i, idx in enumerate(shares):
             for part in split_by_size([sizes[j] for j in idx], max_batch, budget):
                 calls.append((i, [idx[k] for k in part]))
         async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
-            answers = await asyncio.gather(*(self._request_async(
-                http, server, "/infer/", {"requests": [dumped[j] for j in idx], "request_config": conf})
-                for server, idx in calls))
+            answers = await asyncio.gather(
+                *(
+                    self._request_async(
+                        http, server, "/infer/", {"requests": [dumped[j] for j in idx], "request_config": conf}
+                    )
+                    for server, idx in calls
+                )
+            )
         tagged: list[tuple[int, RolloutOutput]] = []
         for (server, idx), answer in zip(calls, answers, strict=True):
             try:
                 outputs = [RolloutOutput.model_validate(o) for o in answer]
             except (TypeError, ValueError) as e:
-                raise ServerError(f"rollout server {self.endpoints[server].label} answered /infer/ with outputs "
-                                  f"that are not RolloutOutput ({str(e).splitlines()[0]})") from e
+                raise ServerError(
+                    f"rollout server {self.endpoints[server].label} answered /infer/ with outputs "
+                    f"that are not RolloutOutput ({str(e).splitlines()[0]})"
+                ) from e
             for o in outputs:  # a trajectory's images come back as base64: bytes for the trainer's processor
                 if "images" in o.rollout_infos:
                     o.rollout_infos["images"] = images_from_wire(o.rollout_infos["images"], o.request_id)
@@ -287,14 +215,14 @@ class RolloutClient(InferEngine):
         tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
         return tagged
 
-    async def infer_trajectories_async(self, requests: Sequence[RolloutInferRequest], config: RequestConfig,
-                                       server: int | None = None) -> list[RolloutOutput]:
+    async def infer_trajectories_async(
+        self, requests: Sequence[RolloutInferRequest], config: RequestConfig, server: int | None = None
+    ) -> list[RolloutOutput]:
         """Whole trajectories from the servers' schedulers, in request order (several per request possible); all
         from server number ``server`` where given, else each group to the least-loaded server."""
         return [o for _, o in await self._infer_positions(requests, config, server)]
 
-    def infer_trajectories(self, requests: Sequence[RolloutInferRequest],
-                           config: RequestConfig) -> list[RolloutOutput]:
+    def infer_trajectories(self, requests: Sequence[RolloutInferRequest], config: RequestConfig) -> list[RolloutOutput]:
         """Synchronous ``infer_trajectories_async``."""
         return run_sync(self.infer_trajectories_async(requests, config))
 
@@ -313,8 +241,11 @@ class RolloutClient(InferEngine):
             if any(o is None for o in outs):
                 raise ServerError(f"the rollout server returned no output for request {requests[i].request_id}")
             choices = [o.response.choices[-1].model_copy(update={"index": k}) for k, o in enumerate(outs)]
-            responses.append(ChatCompletionResponse(model=outs[0].response.model, choices=choices,
-                                                    prompt_token_ids=outs[0].response.prompt_token_ids))
+            responses.append(
+                ChatCompletionResponse(
+                    model=outs[0].response.model, choices=choices, prompt_token_ids=outs[0].response.prompt_token_ids
+                )
+            )
         return responses
 
     def probe(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
@@ -347,11 +278,22 @@ class RolloutClient(InferEngine):
         dtypes = {info.get("torch_dtype") for info in infos}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
         t0 = time.perf_counter()
-        sent = self._sender.sync_summed(model, wire_dtype=wire, backend=self._backend(model), sums=sums,
-                                        version=self.policy_version, adapter=self._adapter_update(model, infos))
+        sent = self._sender.sync_summed(
+            model,
+            wire_dtype=wire,
+            backend=self._backend(model),
+            sums=sums,
+            version=self.policy_version,
+            adapter=self._adapter_update(model, infos),
+        )
         self.last_sync_bytes = sum(b.nbytes for b in sent[0])  # bench/bench_lora_sync.py reads it
-        logger.debug("weight sync: %d bytes in %d buckets to %d server(s) in %.2fs", self.last_sync_bytes,
-                     len(sent[0]), len(self.endpoints), time.perf_counter() - t0)
+        logger.debug(
+            "weight sync: %d bytes in %d buckets to %d server(s) in %.2fs",
+            self.last_sync_bytes,
+            len(sent[0]),
+            len(self.endpoints),
+            time.perf_counter() - t0,
+        )
         return sent
 
     def _adapter_update(self, model, infos: list[dict]):

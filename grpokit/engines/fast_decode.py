@@ -15,187 +15,24 @@ The logits processors, stop-string criteria and sampling warpers are HF's own cl
 ``generate`` applies them, so the distribution sampled is ``generate``'s (tests compare logits and sampled
 frequencies). Only the random stream differs.
 
-Building a ``FastDecoder`` raises ``Unsupported`` for anything this file does not reproduce exactly, and the engine
-then uses HF ``generate``: another architecture, sliding-window attention, RoPE tables that depend on the sequence
-length, quantised or sharded weights, adapters other than plain LoRA on linear layers (DoRA, LoRA on the
-embedding, other peft tuners), or a model ``generation_config`` option not implemented here. LoRA adapters are
-not merged into the model: their update is added as the fused weights are built.
+Building a ``FastDecoder`` raises ``Unsupported`` (engines/decode_weights.py) for anything this loop does not
+reproduce exactly, and the engine then uses HF ``generate``: another architecture, sliding-window attention, RoPE
+tables that depend on the sequence length, quantised or sharded weights, adapters other than plain LoRA on linear
+layers (DoRA, LoRA on the embedding, other peft tuners), or a model ``generation_config`` option not implemented
+here. LoRA adapters are not merged into the model: their update is added as the fused weights are built.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from grpokit.engines.decode_weights import Layer, Norm, Unsupported, base_model, check_config, dense, norm, plain_weight
 from grpokit.engines.prefix import shared_prompts
 from grpokit.engines.sampling import check_finite_logits, inverse_cdf
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
-# generation_config fields that make HF generate add a processor or change the search (not implemented here),
-# with the value that does nothing (besides None and empty): many saved configs spell the defaults out.
-HF_ONLY_GENERATION_OPTIONS = {
-    "min_length": 0, "min_new_tokens": 0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "exponential_decay_length_penalty": None, "renormalize_logits": False, "remove_invalid_values": False,
-    "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-    "watermarking_config": None, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
-    "prompt_lookup_num_tokens": None, "max_time": None, "stop_strings": None, "num_return_sequences": 1,
-}
 CACHE_CHUNK = 256  # the KV cache grows by this many positions at a time
-
-
-class Unsupported(Exception):
-    """This model (or its current state) is outside what the lean loop reproduces exactly."""
-
-
-@dataclass
-class _Dense:
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-@dataclass
-class _Norm:
-    weight: torch.Tensor
-    eps: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # As the HF RMSNorm of these models: statistics in float32, weight applied in the input dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-@dataclass
-class _Layer:
-    attn_norm: _Norm
-    qkv: _Dense
-    qk_norm: _Norm | None  # Qwen3: one RMSNorm over the head dim, q's weight on q heads and k's on k heads
-    scaling: float
-    out: _Dense
-    mlp_norm: _Norm
-    gate_up: _Dense
-    act: object
-    down: _Dense
-
-
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps the HF model
-
-
-def _plain(module, kind: type, shape: tuple[int, ...], name: str):
-    """The plain torch layer behind ``module`` (a peft layer gives its base layer) and the LoRA factors its
-    forward adds to the base weight: [(A, B, scale)], empty when none applies."""
-    lora = []
-    if getattr(module, "base_layer", None) is not None:
-        if kind is not torch.nn.Linear:
-            raise Unsupported(f"{name}: adapters on a {kind.__name__} layer")
-        lora = _lora_factors(module, name)
-        module = module.base_layer
-    if type(module) is not kind:
-        raise Unsupported(f"{name}: {type(module).__name__} layers")
-    w = module.weight
-    if tuple(w.shape) != shape or hasattr(w, "ds_id") or type(w.data) is not torch.Tensor:
-        raise Unsupported(f"{name}: sharded or reshaped weights ({tuple(w.shape)}, expected {shape})")
-    return module, lora
-
-
-def _lora_factors(module, name: str) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-    """(A [r, in], B [out, r], scale) of each active adapter of a peft LoRA layer: its forward adds
-    x·(B·A·scale)ᵀ to the base layer's output. Empty when merged (already in the base weight) or disabled."""
-    if not hasattr(module, "lora_A") or not hasattr(module, "scaling"):
-        raise Unsupported(f"{name}: {type(module).__name__} adapters (LoRA only)")
-    if module.disable_adapters:
-        if module.merged:
-            raise Unsupported(f"{name}: LoRA adapters merged but disabled")
-        return []
-    if module.merged:
-        return []
-    if getattr(module, "fan_in_fan_out", False):
-        raise Unsupported(f"{name}: fan_in_fan_out LoRA layers")
-    factors = []
-    for adapter in module.active_adapters:
-        if adapter not in module.lora_A:
-            continue
-        if module.use_dora.get(adapter) or getattr(module, "lora_bias", {}).get(adapter) \
-                or adapter in (getattr(module, "lora_variant", None) or {}):
-            raise Unsupported(f"{name}: DoRA, a LoRA bias or another LoRA variant (adapter {adapter!r})")
-        factors.append((module.lora_A[adapter].weight, module.lora_B[adapter].weight, float(module.scaling[adapter])))
-    return factors
-
-
-def _write_weight(out: torch.Tensor, weight: torch.Tensor, lora: list) -> None:
-    """out = weight + Σ scale·B·A, in one pass over ``out``."""
-    if not lora:
-        out.copy_(weight)
-        return
-    for i, (a, b, scale) in enumerate(lora):
-        base = weight if i == 0 else out
-        if out.device.type == "cpu" and out.dtype in (torch.float16, torch.bfloat16):  # slow half matmuls on CPU
-            out.copy_(base + (b.float() @ a.float() * scale).to(out.dtype))
-        else:
-            torch.addmm(base, b, a, alpha=scale, out=out)
-
-
-def _dense(modules: list, shapes: list[tuple[int, int]], name: str) -> _Dense:
-    """One linear map for several same-input linears (their outputs concatenated), LoRA updates added. The base
-    weights are only read: with LoRA the sum is written to a new tensor, so nothing is merged and unmerged."""
-    parts = [_plain(m, torch.nn.Linear, s, name) for m, s in zip(modules, shapes, strict=True)]
-    first = parts[0][0].weight
-    if len({layer.weight.device for layer, _ in parts}) != 1:
-        raise Unsupported(f"{name}: weights on several devices")
-    if not any(lora for _, lora in parts):
-        if len(parts) == 1:
-            return _Dense(first, parts[0][0].bias)
-        weight = torch.cat([layer.weight for layer, _ in parts])
-    else:
-        weight = first.new_empty((sum(s[0] for s in shapes), shapes[0][1]))
-        row = 0
-        for (layer, lora), (rows, _) in zip(parts, shapes, strict=True):
-            _write_weight(weight[row:row + rows], layer.weight, lora)
-            row += rows
-    biases = [layer.bias for layer, _ in parts]
-    if all(b is None for b in biases):
-        return _Dense(weight, None)
-    bias = torch.cat([b if b is not None else first.new_zeros(rows)
-                      for b, (rows, _) in zip(biases, shapes, strict=True)])
-    return _Dense(weight, bias)
-
-
-def _norm(module, size: int, name: str) -> _Norm:
-    w = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
-    if w is None or eps is None or tuple(w.shape) != (size,) or not type(module).__name__.endswith("RMSNorm"):
-        raise Unsupported(f"{name}: {type(module).__name__} is not the RMSNorm of these models")
-    return _Norm(w, float(eps))
-
-
-def _check_config(model) -> None:
-    cfg = model.config
-    arch = type(model).__name__
-    if arch not in ARCHITECTURES:
-        raise Unsupported(f"architecture {arch} (supported: {', '.join(ARCHITECTURES)})")
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types",
-                                                                                              None) or []):
-        raise Unsupported("sliding-window attention layers")
-    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(devices) > 1:
-        raise Unsupported(f"weights spread over devices {sorted(devices)} (device_map or offloading)")
-    rope = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope not in STATIC_ROPE:
-        raise Unsupported(f"rope type {rope!r} (its tables depend on the sequence length)")
-    gc = getattr(model, "generation_config", None)
-    for key, neutral in HF_ONLY_GENERATION_OPTIONS.items():
-        value = getattr(gc, key, None)
-        if value is not None and value != neutral and not (isinstance(value, (list, tuple, dict)) and not value):
-            raise Unsupported(f"generation_config.{key}={value!r}")
 
 
 class FastDecoder:
@@ -204,8 +41,8 @@ class FastDecoder:
 
     @torch.no_grad()
     def __init__(self, model) -> None:
-        model = _base(model)
-        _check_config(model)
+        model = base_model(model)
+        check_config(model)
         cfg = model.config
         self.hidden = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -213,42 +50,55 @@ class FastDecoder:
         h, hd, nq, nkv = self.hidden, self.head_dim, self.n_heads, self.n_kv
         inner = model.model
         self.rotary = inner.rotary_emb
-        self.embed = _plain(inner.embed_tokens, torch.nn.Embedding, (cfg.vocab_size, h), "embed_tokens")[0].weight
-        self.final_norm = _norm(inner.norm, h, "norm")
-        self.lm_head = _dense([model.lm_head], [(cfg.vocab_size, h)], "lm_head")
+        self.embed = plain_weight(inner.embed_tokens, torch.nn.Embedding, (cfg.vocab_size, h), "embed_tokens")[0].weight
+        self.final_norm = norm(inner.norm, h, "norm")
+        self.lm_head = dense([model.lm_head], [(cfg.vocab_size, h)], "lm_head")
         act = F.silu if cfg.hidden_act in ("silu", "swish") else inner.layers[0].mlp.act_fn
         self.layers = [self._layer(i, layer, h, hd, nq, nkv, act) for i, layer in enumerate(inner.layers)]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         devices = {self.device, self.lm_head.weight.device, self.final_norm.weight.device}
-        devices.update(t.device for x in self.layers for t in (x.attn_norm.weight, x.qkv.weight, x.out.weight,
-                                                               x.mlp_norm.weight, x.gate_up.weight, x.down.weight))
+        devices.update(
+            t.device
+            for x in self.layers
+            for t in (
+                x.attn_norm.weight,
+                x.qkv.weight,
+                x.out.weight,
+                x.mlp_norm.weight,
+                x.gate_up.weight,
+                x.down.weight,
+            )
+        )
         if len(devices) != 1 or self.device.type == "meta":
             raise Unsupported(f"weights on devices {sorted(map(str, devices))} (device_map or offloading)")
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
 
     @staticmethod
-    def _layer(i: int, layer, h: int, hd: int, nq: int, nkv: int, act) -> _Layer:
+    def _layer(i: int, layer, h: int, hd: int, nq: int, nkv: int, act) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
         qk_norm = None
         if hasattr(attn, "q_norm"):
-            qn, kn = _norm(attn.q_norm, hd, f"layers.{i}.q_norm"), _norm(attn.k_norm, hd, f"layers.{i}.k_norm")
+            qn, kn = norm(attn.q_norm, hd, f"layers.{i}.q_norm"), norm(attn.k_norm, hd, f"layers.{i}.k_norm")
             if qn.eps != kn.eps:
                 raise Unsupported(f"layers.{i}: q_norm and k_norm with different eps")
-            qk_norm = _Norm(torch.cat([qn.weight.expand(nq, hd), kn.weight.expand(nkv, hd)]), qn.eps)
+            qk_norm = Norm(torch.cat([qn.weight.expand(nq, hd), kn.weight.expand(nkv, hd)]), qn.eps)
         inter = (getattr(mlp.down_proj, "base_layer", None) or mlp.down_proj).in_features
-        return _Layer(
-            attn_norm=_norm(layer.input_layernorm, h, f"layers.{i}.input_layernorm"),
-            qkv=_dense([attn.q_proj, attn.k_proj, attn.v_proj], [(nq * hd, h), (nkv * hd, h), (nkv * hd, h)],
-                       f"layers.{i}.self_attn"),
+        return Layer(
+            attn_norm=norm(layer.input_layernorm, h, f"layers.{i}.input_layernorm"),
+            qkv=dense(
+                [attn.q_proj, attn.k_proj, attn.v_proj],
+                [(nq * hd, h), (nkv * hd, h), (nkv * hd, h)],
+                f"layers.{i}.self_attn",
+            ),
             qk_norm=qk_norm,
-            scaling=float(getattr(attn, "scaling", hd ** -0.5)),
-            out=_dense([attn.o_proj], [(h, nq * hd)], f"layers.{i}.o_proj"),
-            mlp_norm=_norm(layer.post_attention_layernorm, h, f"layers.{i}.post_attention_layernorm"),
-            gate_up=_dense([mlp.gate_proj, mlp.up_proj], [(inter, h), (inter, h)], f"layers.{i}.mlp"),
+            scaling=float(getattr(attn, "scaling", hd**-0.5)),
+            out=dense([attn.o_proj], [(h, nq * hd)], f"layers.{i}.o_proj"),
+            mlp_norm=norm(layer.post_attention_layernorm, h, f"layers.{i}.post_attention_layernorm"),
+            gate_up=dense([mlp.gate_proj, mlp.up_proj], [(inter, h), (inter, h)], f"layers.{i}.mlp"),
             act=act,
-            down=_dense([mlp.down_proj], [(h, inter)], f"layers.{i}.down_proj"),
+            down=dense([mlp.down_proj], [(h, inter)], f"layers.{i}.down_proj"),
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -275,8 +125,16 @@ class FastDecoder:
                 else:
                     caches.append(new)
 
-    def _forward(self, x: torch.Tensor, start: int, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(
+        self,
+        x: torch.Tensor,
+        start: int,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
         """Hidden states [B, n, H] after the decoder stack, for tokens at cache positions start..start+n-1."""
         b, n, _ = x.shape
         nq, nkv, hd = self.n_heads, self.n_kv, self.head_dim
@@ -289,8 +147,9 @@ class FastDecoder:
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin).transpose(1, 2)
             kc[:, :, start:end] = qk[:, nq:]
             vc[:, :, start:end] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(qk[:, :nq], kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
-                                               scale=layer.scaling, enable_gqa=nq != nkv)
+            o = F.scaled_dot_product_attention(
+                qk[:, :nq], kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=layer.scaling, enable_gqa=nq != nkv
+            )
             x = x + layer.out(o.transpose(1, 2).reshape(b, n, nq * hd))
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, dim=-1)
             x = x + layer.down(layer.act(gate) * up)
@@ -299,8 +158,9 @@ class FastDecoder:
     def _logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_norm(hidden_last)).float()
 
-    def _prefill(self, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor,
-                 total: int) -> torch.Tensor:
+    def _prefill(
+        self, input_ids: torch.Tensor, key_valid: torch.Tensor, positions: torch.Tensor, total: int
+    ) -> torch.Tensor:
         """Run the prompts; fill the cache of every row (none when ``total`` leaves no decode step); logits of each
         row's last prompt token [B, V]. Rows with the same prompt (a group's num_generations copies) run once, and
         their rope tables are built once."""
@@ -329,11 +189,20 @@ class FastDecoder:
         return logits[inverse] if shared else logits
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
-                 eos_token_id: int, pad_token_id: int, greedy: bool,
-                 processors: LogitsProcessorList | None = None, stopping: StoppingCriteriaList | None = None,
-                 want_logprobs: bool = False,
-                 uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        greedy: bool,
+        processors: LogitsProcessorList | None = None,
+        stopping: StoppingCriteriaList | None = None,
+        want_logprobs: bool = False,
+        uniform: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New tokens [B, T'] (pad after a row finishes; T' < max_new_tokens when every row stopped early) and,
         with ``want_logprobs``, each token's log-probability under the processed distribution [B, T'].
         ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers included).
@@ -368,13 +237,20 @@ class FastDecoder:
                 tokens.append(tok)
                 unfinished &= tok != eos_token_id
                 if stopping:
-                    unfinished &= ~stopping(seqs[:, :cur + 1], scores)
+                    unfinished &= ~stopping(seqs[:, : cur + 1], scores)
                 if t == t_max - 1 or not bool(unfinished.any()):
                     break
                 self._reserve(b, cur + 1)
-                cos, sin = self._rope_tables(positions[:, cur:cur + 1])
-                hidden = self._forward(F.embedding(tok[:, None], self.embed), cur,
-                                       key_valid[:, None, None, :cur + 1], cos, sin, self.k_cache, self.v_cache)
+                cos, sin = self._rope_tables(positions[:, cur : cur + 1])
+                hidden = self._forward(
+                    F.embedding(tok[:, None], self.embed),
+                    cur,
+                    key_valid[:, None, None, : cur + 1],
+                    cos,
+                    sin,
+                    self.k_cache,
+                    self.v_cache,
+                )
                 logits = self._logits(hidden[:, -1])
         finally:
             self.k_cache, self.v_cache = [], []

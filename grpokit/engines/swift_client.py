@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import httpx
 import torch
 
-from grpokit.engines.client import BODY_ENVELOPE_BYTES, RolloutClient, _describe
+from grpokit.engines.client import BODY_ENVELOPE_BYTES, RolloutClient
 from grpokit.engines.client_calls import output_positions, split_by_size, split_requests
+from grpokit.engines.client_transport import describe
 from grpokit.engines.media_wire import request_to_wire
 from grpokit.engines.swift_protocol import output_from_swift, swift_config, swift_request
 from grpokit.engines.weight_sender import sends_here
@@ -47,7 +48,7 @@ def speaks_swift(base_url: str, headers: dict, timeout: float) -> bool:
             return False
         answer = http.post(base_url + "/get_engine_type/")
     if answer.status_code != 200:
-        raise ServerError(f"rollout server {base_url}: POST /get_engine_type/ refused ({_describe(answer)})")
+        raise ServerError(f"rollout server {base_url}: POST /get_engine_type/ refused ({describe(answer)})")
     return "engine_type" in answer.json()
 
 

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from grpokit.engines.client import RolloutClient, endpoints_from, split_requests
+from grpokit.engines.client import RolloutClient, split_requests
 from grpokit.engines.client_calls import output_positions
+from grpokit.engines.client_transport import endpoints_from
 from grpokit.errors import ConfigError, ServerError
 from grpokit.protocol import (
     ChatCompletionResponse,
