@@ -21,7 +21,19 @@ from test_vllm_train import _args, _logged_steps, compare  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 CHECK_LOGGER = "grpokit.trainers.sync_check"
-LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--use_vllm", "true", "--vllm_mode", "colocate")
+# --lora_dropout 0: compare() runs the trainer's model as it is (in training mode) against vLLM's logprobs
+LORA = (
+    "--tuner_type",
+    "lora",
+    "--lora_rank",
+    "4",
+    "--lora_dropout",
+    "0",
+    "--use_vllm",
+    "true",
+    "--vllm_mode",
+    "colocate",
+)
 VLLM = ("--vllm_enforce_eager", "true", "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3")
 
 
