@@ -152,7 +152,8 @@ def sync_adapter(engine, model, checked: bool) -> SyncReport | None:
         return None
     report, versions.last_sync_bytes = SyncReport(), 0
     with engine.lock:
-        if versions.needs_base(model):
+        engine._wake(["weights"])  # sleep level 2 dropped the base: it goes again
+        if versions.needs_base(model) or engine._weights_dropped:
             versions.last_sync_bytes = sum(t.numel() * t.element_size() for _, t in base_tensors(model))
             base = base_tensors(model)
             report = engine._checked(base) if checked else SyncReport(len(engine._sync(base)))

@@ -2,11 +2,11 @@
 
 vLLM is imported lazily: grpokit installs and runs without it. The engine runs vLLM in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker) so that new weights go straight from the trainer's tensors into
-vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
-the CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
-merged per layer), never listed whole. Under a launcher each training process has an engine of its own
-(vllm_group.py). Logprobs are vLLM's *processed* ones (after ``allowed_token_ids``, temperature, top-k, top-p),
-the definition every engine shares (docs/algorithms.md); the trainer rebuilds the kept set (algorithms/kept_set.py).
+vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g. the
+CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
+merged per layer or the adapter alone as a version: vllm_adapters.py), never listed whole. Under a launcher each
+training process has an engine of its own (vllm_group.py). Logprobs are vLLM's *processed* ones (after
+``allowed_token_ids``, temperature, top-k, top-p), as on every engine (docs/algorithms.md, kept_set.py).
 
 Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
 accelerator memory between rollouts: the engine sleeps after each generate call and wakes for the next one or for
