@@ -2,11 +2,11 @@
 
 vLLM is imported lazily: grpokit installs and runs without it. The engine runs vLLM in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker) so that new weights go straight from the trainer's tensors into
-vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g.
-the CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
-merged per layer), never listed whole. Under a launcher each training process has an engine of its own
-(vllm_group.py). Logprobs are vLLM's *processed* ones (after ``allowed_token_ids``, temperature, top-k, top-p),
-the definition every engine shares (docs/algorithms.md); the trainer rebuilds the kept set (algorithms/kept_set.py).
+vLLM's model, in place, through the worker's ``reload_weights`` (which re-runs vLLM's post-load processing, e.g. the
+CPU backend's weight packing); the weights stream in as the model yields them (gathered from ZeRO-3/FSDP2, LoRA
+merged per layer or the adapter alone as a version: vllm_adapters.py), never listed whole. Under a launcher each
+training process has an engine of its own (vllm_group.py). Logprobs are vLLM's *processed* ones (after
+``allowed_token_ids``, temperature, top-k, top-p), as on every engine (docs/algorithms.md, kept_set.py).
 
 Sleep mode (``sleep_level`` 1: weights offloaded, 2: weights dropped; the KV cache is freed either way) frees
 accelerator memory between rollouts: the engine sleeps after each generate call and wakes for the next one or for
@@ -28,6 +28,7 @@ import torch
 from grpokit.engines.base import InferEngine
 from grpokit.engines.structured import check_constraint, constraint_from_config
 from grpokit.engines.sync_check.checksums import StreamTap, SyncReport, check_stream
+from grpokit.engines.vllm_adapters import AdapterSync, VllmAdapterVersions, sync_adapter
 from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
 from grpokit.engines.vllm_load import held_in_worker, reload_in_worker
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
@@ -89,7 +90,7 @@ class VllmEngine(InferEngine):
     engine_type = "vllm"
 
     def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None, *, template=None,
-                 infer_on_loop_thread: bool = False) -> None:
+                 infer_on_loop_thread: bool = False, lora: AdapterSync | None = None) -> None:
         """``template``: the run's chat template (the trainer's, so prompts render alike); None: the folder's."""
         super().__init__(infer_on_loop_thread)
         self.settings = s = settings or VllmSettings()
@@ -123,6 +124,7 @@ class VllmEngine(InferEngine):
                       structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
         if s.sleep_level and self.sleep_supported:
             kwargs["enable_sleep_mode"] = True
+        self.adapter_versions = VllmAdapterVersions(lora, parse_dtype(self.dtype_name), kwargs)  # None: merged
         self._joined_launcher = join_launcher_group(self.device)
         if self._joined_launcher:  # one engine per training process, in the launcher's group (vLLM's external DP)
             kwargs.update(distributed_executor_backend="external_launcher", seed=s.seed + launcher_rank())
@@ -149,17 +151,18 @@ class VllmEngine(InferEngine):
 
     @classmethod
     def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0, *,
-                          template=None, infer_on_loop_thread: bool = False):
+                          template=None, infer_on_loop_thread: bool = False, lora: AdapterSync | None = None):
         """The colocate engine from ``grpokit train``'s rollout options (``template``: the trainer's)."""
         r = rollout_args  # combinations of these options were checked with the others (grpokit.config.validate)
+        memory_default = next(f.default for f in dataclasses.fields(r) if f.name == "vllm_gpu_memory_utilization")
         settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                                 max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
                                 enable_prefix_caching=r.vllm_enable_prefix_caching,
                                 enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed,
                                 max_num_seqs=r.vllm_max_num_seqs,
                                 memory_option="--vllm_gpu_memory_utilization",
-                                memory_default=_field_default(r, "vllm_gpu_memory_utilization"))
-        return cls(model_path, settings, template=template, infer_on_loop_thread=infer_on_loop_thread)
+                                memory_default=memory_default)
+        return cls(model_path, settings, template=template, infer_on_loop_thread=infer_on_loop_thread, lora=lora)
 
     # -- sampling --------------------------------------------------------------------------------------------
     def infer(self, requests: list[RolloutInferRequest], config: RequestConfig) -> list[ChatCompletionResponse]:
@@ -179,7 +182,8 @@ class VllmEngine(InferEngine):
         return [self._response(out, p, config) for out, p in zip(outs, prompts, strict=True)]
 
     def _sample(self, inputs: list[dict], params: list) -> list:  # the served engine steps it: partial rollouts
-        return self._run(self.llm.generate, inputs, params, use_tqdm=False)
+        lora = self.adapter_versions.current  # the newest LoRA version (None: merged weights)
+        return self._run(self.llm.generate, inputs, params, use_tqdm=False, lora_request=lora)
 
     def _sampling_params(self, config: RequestConfig, n_requests: int) -> list:
         from vllm import SamplingParams
@@ -223,13 +227,16 @@ class VllmEngine(InferEngine):
         partitions or FSDP2 shards, or merged per LoRA layer, as they come) and holds on to a layer's tensors only
         until that layer is complete, so no second whole model is built on the way. Sharded models gather on every
         rank, in the same order: every rank syncs its own engine at the same step."""
-        # stable: vLLM may keep a tensor until the rest of its layer arrived, after its gather was released
-        self._sync(iter_sync_weights(model, stable=True))
+        if sync_adapter(self, model, checked=False) is None:  # stable: vLLM may keep a layer's first tensors
+            self._sync(iter_sync_weights(model, stable=True))
 
     def sync_weights_checked(self, model) -> SyncReport:
         """``sync_weights``, summing each tensor as it streams in; then vLLM's parameters are read back and
         compared, and every name must have reached the loader (WeightSyncError otherwise; sync_check/checksums.py)."""
-        weights = iter_sync_weights(model, stable=True)
+        report = sync_adapter(self, model, checked=True)  # adapter-only: its folder read back, the base's sums
+        return report if report is not None else self._checked(iter_sync_weights(model, stable=True))
+
+    def _checked(self, weights) -> SyncReport:
         tap = StreamTap(weights, parse_dtype(self.dtype_name))
         with self.lock:  # read back before anything can sleep or load again
             consumed = self._sync(weights, tap)
@@ -317,7 +324,6 @@ class VllmEngine(InferEngine):
 
     def check_weights(self, metas) -> list[str]:
         """Problems with loading these tensors (unknown name, other shape, non-float dtype); [] if none."""
-
         expected = self._hf_shapes()
         problems = []
         for m in metas:
@@ -392,8 +398,3 @@ def _start_error(e: BaseException, model_path: str, s: VllmSettings, device: tor
 
 def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-
-
-def _field_default(options, name: str):
-    """The default of a field of an options dataclass instance (None when it is not a dataclass field)."""
-    return next((f.default for f in dataclasses.fields(options) if f.name == name), None)

@@ -43,7 +43,8 @@ def held_in_worker(worker, shapes: dict[str, list[int]]) -> dict[str, tuple[list
     along dim 0 at tensor parallel size 1) is read back by slices; a parameter the backend left empty or
     reshaped (repacked) is None: it cannot be read back."""
     model = worker.model_runner.model
-    params = dict(model.named_parameters())
+    # LoRA enabled: vLLM wraps each linear layer and the embedding, its weight under ``base_layer``
+    params = {n.replace(".base_layer.", "."): p for n, p in model.named_parameters()}
     packed = getattr(model, "packed_modules_mapping", None) or {}
     numel = {n: int(torch.Size(s).numel()) for n, s in shapes.items()}
     out: dict[str, tuple[list[float], str] | None] = {}

@@ -35,6 +35,7 @@ from grpokit.config.validate import check_registry_names
 from grpokit.data.columns import parse_columns
 from grpokit.data.loading import RowOptions, load_train_val, resolve_system
 from grpokit.data.rows import normalize_rows
+from grpokit.engines.adapters import AdapterSync
 from grpokit.engines.partial.vllm_steps import PausableVllmEngine
 from grpokit.engines.swift_client import connect
 from grpokit.engines.transformers_engine import TransformersEngine
@@ -166,12 +167,12 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
     if r.vllm_mode == "server" and (r.vllm_server_host or r.vllm_server_base_url):
         return connect(r, infer_on_loop_thread=True)  # grpokit's protocol, or ms-swift's (engines/swift_client.py)
     if r.use_vllm:  # colocate: vLLM in this process, loaded from the policy's folder, weights synced in place
-        if r.vllm_enable_lora and cfg.model.tuner_type == "lora":  # engines/adapters.py serves the rollout server
-            logger.warning(
-                "--vllm_enable_lora: vLLM colocate syncs merged weights (adapter-only sync into vLLM is "
-                "not implemented yet)"
-            )
         engine = PausableVllmEngine if r.partial_rollouts else VllmEngine  # a sync pauses and continues its batch
+        lora = None  # adapter-only syncs as LoRA versions (engines/vllm_adapters.py); None: merged
+        if r.vllm_enable_lora and cfg.model.tuner_type == "lora" and r.partial_rollouts:
+            logger.warning("--vllm_enable_lora: vLLM colocate syncs merged weights with --partial_rollouts true")
+        elif r.vllm_enable_lora and cfg.model.tuner_type == "lora":
+            lora = AdapterSync(True, r.vllm_max_lora_rank, "vLLM colocate", keep=1 + (r.max_staleness or 0))
         return engine.from_rollout_args(
             r,
             resolve_model_path(cfg.model),
@@ -179,6 +180,7 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
             seed=cfg.training.seed,
             template=template,  # as the trainer renders
             infer_on_loop_thread=True,
+            lora=lora,
         )
     return None
 
