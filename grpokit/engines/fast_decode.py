@@ -188,6 +188,14 @@ class FastDecoder:
             dst[:, :, :p] = src[inverse] if shared else src
         return logits[inverse] if shared else logits
 
+    def _next_logits(self, tok: torch.Tensor, cur: int, key_valid: torch.Tensor, positions: torch.Tensor):
+        """The logits after token ``tok`` [B] is written at position ``cur`` (its keys and values cached)."""
+        self._reserve(len(tok), cur + 1)
+        cos, sin = self._rope_tables(positions[:, cur : cur + 1])
+        mask = key_valid[:, None, None, : cur + 1]
+        hidden = self._forward(F.embedding(tok[:, None], self.embed), cur, mask, cos, sin, self.k_cache, self.v_cache)
+        return self._logits(hidden[:, -1])
+
     @torch.no_grad()
     def generate(
         self,
@@ -225,11 +233,7 @@ class FastDecoder:
             for t in range(t_max):
                 cur = p + t
                 scores = processors(seqs[:, :cur], logits) if processors else logits
-                if greedy:
-                    top, tok = scores.max(-1)
-                    check_finite_logits(top.float().clamp(min=torch.finfo(torch.float32).min), t)  # -inf: masked
-                else:
-                    tok = inverse_cdf(scores.softmax(-1), uniform[t])  # refuses NaN probabilities
+                tok = _choose(scores, None if greedy else uniform[t], t)
                 if want_logprobs:
                     logprobs.append(scores.log_softmax(-1).gather(1, tok[:, None])[:, 0])
                 tok = torch.where(unfinished, tok, pad_token_id)
@@ -240,19 +244,18 @@ class FastDecoder:
                     unfinished &= ~stopping(seqs[:, : cur + 1], scores)
                 if t == t_max - 1 or not bool(unfinished.any()):
                     break
-                self._reserve(b, cur + 1)
-                cos, sin = self._rope_tables(positions[:, cur : cur + 1])
-                hidden = self._forward(
-                    F.embedding(tok[:, None], self.embed),
-                    cur,
-                    key_valid[:, None, None, : cur + 1],
-                    cos,
-                    sin,
-                    self.k_cache,
-                    self.v_cache,
-                )
-                logits = self._logits(hidden[:, -1])
+                logits = self._next_logits(tok, cur, key_valid, positions)
         finally:
             self.k_cache, self.v_cache = [], []
         new = torch.stack(tokens, dim=1)
         return new, (torch.stack(logprobs, dim=1) if want_logprobs else None)
+
+
+def _choose(scores: torch.Tensor, uniform: torch.Tensor | None, t: int) -> torch.Tensor:
+    """The token of each row: the most likely (``uniform`` None: greedy), else drawn by inverse CDF with ``uniform``
+    [B, 1]. A row whose best score is -inf everywhere (all masked) or whose probabilities are NaN is refused."""
+    if uniform is None:
+        top, tok = scores.max(-1)
+        check_finite_logits(top.float().clamp(min=torch.finfo(torch.float32).min), t)  # -inf: masked
+        return tok
+    return inverse_cdf(scores.softmax(-1), uniform)  # refuses NaN probabilities

