@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import flags
 
 pytestmark = [pytest.mark.agents_env, pytest.mark.slow]
 
@@ -59,41 +60,20 @@ def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cfg = parse_train_args(
-        [
+        flags(
             "--model",
             str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
+            "--tuner_type full",
             "--dataset",
             str(data),
             "--output_dir",
             str(out),
-            "--max_steps",
-            "2",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "12",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--log_completions",
-            "true",
+            "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+            "--max_completion_length 12 --learning_rate 1e-3 --beta 0 --torch_dtype float32",
+            "--seed 0 --disable_tqdm true --plots false --save_final_model false",
+            "--log_completions true",
             *extra,
-        ]
+        )
     )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

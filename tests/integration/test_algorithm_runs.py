@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_losses_combos import CLIP_KEYS, PPO_CLIP_KEYS, reference_loss  # noqa: E402 (the unit tests' formula)
@@ -69,43 +70,23 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    args = [
+    args = flags(
         "--model",
         str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(math_jsonl),
         "--output_dir",
         str(out),
         "--external_plugins",
         str(plugin),
-        "--reward_funcs",
-        "short_is_good",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--seed",
-        "1",
+        "--reward_funcs short_is_good --num_generations 4",
+        "--per_device_train_batch_size 4 --steps_per_generation 2",
+        "--max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
+        "--torch_dtype float32 --disable_tqdm true --plots false",
+        "--save_final_model false --seed 1",
         *extra,
-    ]
+    )
     trainer = run_train(parse_train_args(args))
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, rows
@@ -282,22 +263,10 @@ def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path
         math_jsonl,
         tmp_path / "mu",
         plugin,
-        [
-            "--num_iterations",
-            "2",
-            "--beta",
-            "0.04",
-            "--sync_ref_model",
-            "true",
-            "--ref_model_sync_steps",
-            "1",
-            "--ref_model_mixup_alpha",
-            "0.5",
-            "--epsilon",
-            "0.1",
-            "--max_steps",
-            "4",
-        ],
+        flags(
+            "--num_iterations 2 --beta 0.04 --sync_ref_model true --ref_model_sync_steps 1",
+            "--ref_model_mixup_alpha 0.5 --epsilon 0.1 --max_steps 4",
+        ),
     )
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # with μ = 2 the policy moves inside a window; a large lr pushes some ratios out of the clip range

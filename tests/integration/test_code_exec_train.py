@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -23,35 +24,18 @@ def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
     # a random model writes no valid program: every sample fails in the sandbox (syntax errors and the like)
     run_train(
         parse_train_args(
-            [
+            flags(
                 "--model",
                 str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
+                "--tuner_type full",
                 "--dataset",
                 str(data),
-                "--reward_funcs",
-                "code_exec",
-                "format",
-                "--num_generations",
-                "2",
-                "--per_device_train_batch_size",
-                "4",
-                "--max_completion_length",
-                "8",
-                "--max_steps",
-                "2",
+                "--reward_funcs code_exec format --num_generations 2",
+                "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 2",
                 "--output_dir",
                 str(out),
-                "--code_exec_timeout",
-                "2",
-                "--code_exec_workers",
-                "2",
-                "--disable_tqdm",
-                "true",
-                "--beta",
-                "0",
-            ]
+                "--code_exec_timeout 2 --code_exec_workers 2 --disable_tqdm true --beta 0",
+            )
         )
     )
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
@@ -76,30 +60,18 @@ def test_rows_the_grader_cannot_run_are_refused_before_training(tiny_model_dir, 
     with pytest.raises(ConfigError, match=r"code_exec: dataset row 1: test_cases\[1\]: import of 'subprocess'"):
         run_train(
             parse_train_args(
-                [
+                flags(
                     "--model",
                     str(tiny_model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
+                    "--tuner_type full",
                     "--dataset",
                     str(data),
-                    "--reward_funcs",
-                    "code_exec",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "2",
-                    "--max_completion_length",
-                    "8",
-                    "--max_steps",
-                    "1",
+                    "--reward_funcs code_exec --num_generations 2 --per_device_train_batch_size 2",
+                    "--max_completion_length 8 --max_steps 1",
                     "--output_dir",
                     str(tmp_path / "run"),
-                    "--disable_tqdm",
-                    "true",
-                    "--beta",
-                    "0",
-                ]
+                    "--disable_tqdm true --beta 0",
+                )
             )
         )
     assert not (tmp_path / "run" / "logging.jsonl").exists()

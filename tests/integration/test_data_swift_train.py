@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +39,10 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         return sample
 
     monkeypatch.setattr(ChatTemplate, "encode_output", spy)
-    args = [
+    args = flags(
         "--model",
         str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(data),
         "--output_dir",
@@ -51,33 +51,12 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         '{"q": "question"}',
         "--system",
         str(tmp_path / "system.txt"),
-        "--agent_template",
-        "hermes",
-        "--max_length",
-        "48",
-        "--truncation_strategy",
-        "left",
-        "--dataset_num_proc",
-        "1",
-        "--load_from_cache_file",
-        "false",
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "4",
-        "--max_steps",
-        "2",
-        "--torch_dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-    ]
+        "--agent_template hermes --max_length 48 --truncation_strategy left",
+        "--dataset_num_proc 1 --load_from_cache_file false --num_generations 2",
+        "--per_device_train_batch_size 4 --max_completion_length 4 --max_steps 2",
+        "--torch_dtype float32 --disable_tqdm true --plots false",
+        "--save_final_model false",
+    )
     trainer = run_train(parse_train_args(args))
     assert trainer.state.global_step == 2 and seen
     for messages, n_prompt in seen:

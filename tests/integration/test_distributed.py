@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
+from support import flags
 
 from grpokit.errors import ConfigError
 
@@ -163,43 +164,24 @@ def _one_process(args: list[str], dump: Path) -> None:
 
 
 def _args(model: Path, data: Path, out: Path, plugin: Path, batch: int, *extra: str) -> list[str]:
-    return [
+    return flags(
         "--model",
         str(model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(data),
         "--output_dir",
         str(out),
         "--external_plugins",
         str(plugin),
-        "--reward_funcs",
-        "token_reward",
-        "--num_generations",
-        "4",
+        "--reward_funcs token_reward --num_generations 4",
         "--per_device_train_batch_size",
         str(batch),
-        "--max_completion_length",
-        "16",
-        "--torch_dtype",
-        "float32",
-        "--use_cpu",
-        "true",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "0",
-        "--disable_tqdm",
-        "true",
-        "--dataset_shuffle",
-        "false",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
+        "--max_completion_length 16 --torch_dtype float32 --use_cpu true",
+        "--logging_steps 1 --seed 0 --disable_tqdm true --dataset_shuffle false",
+        "--plots false --save_final_model false",
         *extra,
-    ]
+    )
 
 
 def _dumps(dump: Path, nproc: int) -> list[list[dict]]:

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
+from support import flags
 
 from grpokit.trainers.run_dir import RunLock
 
@@ -94,49 +95,23 @@ def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
-    return [
+    return flags(
         "--model",
         str(s.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(s.data),
         "--output_dir",
         str(out),
         "--external_plugins",
         str(s.plugin),
-        "--reward_funcs",
-        "len_reward",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "6",
-        "--learning_rate",
-        "1e-2",
-        "--torch_dtype",
-        "float32",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "7",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--save_steps",
-        "100",
-        "--log_completions",
-        "true",
+        "--reward_funcs len_reward --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 6",
+        "--learning_rate 1e-2 --torch_dtype float32 --logging_steps 1 --seed 7",
+        "--disable_tqdm true --plots false --save_final_model false --save_steps 100",
+        "--log_completions true",
         *extra,
-    ]
+    )
 
 
 def _env(**extra: str) -> dict:

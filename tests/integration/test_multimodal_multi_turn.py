@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -93,47 +94,25 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
     try:
         return run_train(
             parse_train_args(
-                [
+                flags(
                     "--model",
                     str(model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
+                    "--tuner_type full",
                     "--dataset",
                     str(data),
                     "--output_dir",
                     str(out),
                     "--multi_turn_scheduler",
                     scheduler,
-                    "--max_turns",
-                    "2",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "6",
-                    "--generation_batch_size",
-                    "6",
+                    "--max_turns 2 --num_generations 2 --per_device_train_batch_size 6",
+                    "--generation_batch_size 6",
                     "--max_steps",
                     str(steps),
-                    "--max_completion_length",
-                    "5",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--save_steps",
-                    "100",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                    "--rollout_importance_sampling_mode",
-                    "token_truncate",
-                    "--loss_type",
-                    "grpo",
-                    "--learning_rate",
-                    "1e-3",
+                    "--max_completion_length 5 --beta 0 --torch_dtype float32 --save_steps 100",
+                    "--seed 0 --disable_tqdm true --rollout_importance_sampling_mode token_truncate",
+                    "--loss_type grpo --learning_rate 1e-3",
                     *extra,
-                ]
+                )
             )
         )
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import flags
 
 from grpokit.trainers.packing import ForwardOptions, check_packing, completion_logps, pack_rows
 
@@ -125,38 +126,18 @@ def test_training_with_padding_free(tiny_model_dir, math_jsonl, tmp_path):
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
     try:
         cfg = parse_train_args(
-            [
+            flags(
                 "--model",
                 str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
+                "--tuner_type full",
                 "--dataset",
                 str(math_jsonl),
                 "--output_dir",
                 str(tmp_path / "o"),
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "12",
-                "--torch_dtype",
-                "float32",
-                "--max_steps",
-                "2",
-                "--beta",
-                "0.1",
-                "--padding_free",
-                "true",
-                "--learning_rate",
-                "1e-3",
-                "--disable_tqdm",
-                "true",
-                "--save_steps",
-                "100",
-                "--plots",
-                "false",
-            ]
+                "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12",
+                "--torch_dtype float32 --max_steps 2 --beta 0.1 --padding_free true",
+                "--learning_rate 1e-3 --disable_tqdm true --save_steps 100 --plots false",
+            )
         )
         trainer = run_train(cfg)
     finally:

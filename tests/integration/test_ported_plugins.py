@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import flags
 from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
@@ -70,42 +71,21 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cfg = parse_train_args(
-        [
+        flags(
             "--model",
             str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
+            "--tuner_type full",
             "--dataset",
             str(data),
             "--output_dir",
             str(out),
             *(["--external_plugins", str(plugin)] if plugin else []),
-            "--max_steps",
-            "2",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "12",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--log_completions",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--disable_tqdm",
-            "true",
+            "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+            "--max_completion_length 12 --learning_rate 1e-3 --beta 0 --torch_dtype float32",
+            "--seed 0 --log_completions true --plots false --save_final_model false",
+            "--disable_tqdm true",
             *extra,
-        ]
+        )
     )
     trainer = run_train(cfg)
     assert trainer.state.global_step == 2

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
+from support import flags
 
 from grpokit.errors import ConfigError
 
@@ -84,47 +85,22 @@ def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
     """3 steps of 1 prompt × 4 samples per process; a high learning rate so that every step moves the weights."""
-    return [
+    return flags(
         "--model",
         str(s.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(s.data),
         "--output_dir",
         str(out),
         "--external_plugins",
         str(s.plugin),
-        "--reward_funcs",
-        "len_reward",
-        "--callbacks",
-        "param_digest",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "3",
-        "--learning_rate",
-        "1e-2",
-        "--torch_dtype",
-        "float32",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "7",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--save_steps",
-        "100",
+        "--reward_funcs len_reward --callbacks param_digest --num_generations 4",
+        "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 3",
+        "--learning_rate 1e-2 --torch_dtype float32 --logging_steps 1 --seed 7",
+        "--disable_tqdm true --plots false --save_final_model false --save_steps 100",
         *extra,
-    ]
+    )
 
 
 def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

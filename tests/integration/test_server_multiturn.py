@@ -11,6 +11,7 @@ import textwrap
 
 import httpx
 import pytest
+from support import flags
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
@@ -113,43 +114,23 @@ def _train_args(server, tmp_path, *extra):
     ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
+    return flags(
         "--model",
         str(server.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
+        "--tuner_type full",
         "--dataset",
         str(data),
         "--output_dir",
         str(tmp_path / "out"),
-        "--max_steps",
-        "2",
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "4",
-        "--beta",
-        "0",
-        "--reward_funcs",
-        "format",
-        "--vllm_mode",
-        "server",
-        "--vllm_server_host",
-        "127.0.0.1",
+        "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+        "--max_completion_length 4 --beta 0 --reward_funcs format --vllm_mode server",
+        "--vllm_server_host 127.0.0.1",
         "--vllm_server_port",
         str(server.port),
-        "--vllm_server_timeout",
-        "60",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
+        "--vllm_server_timeout 60 --disable_tqdm true --plots false",
+        "--save_final_model false",
         *extra,
-    ]
+    )
 
 
 def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path, caplog):

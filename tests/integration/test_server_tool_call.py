@@ -7,6 +7,7 @@ import json
 import textwrap
 
 import pytest
+from support import flags
 from test_server_support import rollout_server
 
 from grpokit.trainers.factory import TrainerFactory
@@ -86,44 +87,22 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
         ) as server:
             trainer = run_train(
                 parse_train_args(
-                    [
+                    flags(
                         "--model",
                         str(tiny_model_dir),
-                        "--tuner_type",
-                        "full",  # written for full fine-tuning (the default is lora)
+                        "--tuner_type full",
                         "--dataset",
                         str(data),
                         "--output_dir",
                         str(tmp_path / "out"),
-                        "--max_steps",
-                        "2",
-                        "--num_generations",
-                        "2",
-                        "--per_device_train_batch_size",
-                        "4",
-                        "--max_completion_length",
-                        "16",
-                        "--learning_rate",
-                        "1e-3",
-                        "--beta",
-                        "0",
-                        "--reward_funcs",
-                        "format",
-                        "--vllm_mode",
-                        "server",
-                        "--vllm_server_host",
-                        "127.0.0.1",
+                        "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+                        "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --reward_funcs format",
+                        "--vllm_mode server --vllm_server_host 127.0.0.1",
                         "--vllm_server_port",
                         str(server.port),
-                        "--vllm_server_timeout",
-                        "60",
-                        "--disable_tqdm",
-                        "true",
-                        "--plots",
-                        "false",
-                        "--save_final_model",
-                        "false",
-                    ]
+                        "--vllm_server_timeout 60 --disable_tqdm true --plots false",
+                        "--save_final_model false",
+                    )
                 )
             )
     finally:

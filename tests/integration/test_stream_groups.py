@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import pytest
 from cli_process import run_grpokit
+from support import flags
 from test_server_support import rollout_server
 
 pytestmark = pytest.mark.slow
@@ -72,59 +73,32 @@ def test_a_group_that_is_done_trains_while_another_still_generates(tiny_model_di
         rollout_server(tiny_model_dir, tmp_path, *served, env=env) as second,
     ):
         res = run_grpokit(
-            [
+            flags(
                 "train",
                 "--model",
                 str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
+                "--tuner_type full",
                 "--dataset",
                 str(data),
-                "--dataset_shuffle",
-                "false",
+                "--dataset_shuffle false",
                 "--output_dir",
                 str(out),
                 "--external_plugins",
                 str(plugin),
-                "--reward_funcs",
-                "stream_even_length",
-                "--callbacks",
-                "stream_open_gate",
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "127.0.0.1",
+                "--reward_funcs stream_even_length --callbacks stream_open_gate",
+                "--vllm_mode server --vllm_server_host 127.0.0.1 127.0.0.1",
                 "--vllm_server_port",
                 str(first.port),
                 str(second.port),
-                "--vllm_server_timeout",
-                "60",
-                "--max_staleness",
-                "2",
-                "--stream_groups",
-                "true",
+                "--vllm_server_timeout 60 --max_staleness 2 --stream_groups true",
                 "--num_generations",
                 str(GENERATIONS),
                 "--per_device_train_batch_size",
                 str(PER_STEP * GENERATIONS),
-                "--num_train_epochs",
-                "1",
-                "--max_completion_length",
-                "8",
-                "--torch_dtype",
-                "float32",
-                "--log_completions",
-                "true",
-                "--logging_steps",
-                "1",
-                "--disable_tqdm",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-            ],
+                "--num_train_epochs 1 --max_completion_length 8 --torch_dtype float32",
+                "--log_completions true --logging_steps 1 --disable_tqdm true --plots false",
+                "--save_final_model false",
+            ),
             env=env,
             timeout=180,
         )

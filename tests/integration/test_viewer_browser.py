@@ -19,6 +19,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -137,47 +138,22 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     out = base / "run"
     run_train(
         parse_train_args(
-            [
+            flags(
                 "--model",
                 str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
+                "--tuner_type full",
                 "--dataset",
                 str(data),
                 "--output_dir",
                 str(out),
                 "--external_plugins",
                 str(plugin),
-                "--reward_funcs",
-                "len_reward",
-                "accuracy",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "12",
-                "--learning_rate",
-                "1e-3",
-                "--torch_dtype",
-                "float32",
-                "--logging_steps",
-                "1",
-                "--seed",
-                "0",
-                "--disable_tqdm",
-                "true",
-                "--max_steps",
-                "3",
-                "--log_completions",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-                "--save_steps",
-                "100",
-            ]
+                "--reward_funcs len_reward accuracy --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 12",
+                "--learning_rate 1e-3 --torch_dtype float32 --logging_steps 1 --seed 0",
+                "--disable_tqdm true --max_steps 3 --log_completions true --plots false",
+                "--save_final_model false --save_steps 100",
+            )
         )
     )
     return out

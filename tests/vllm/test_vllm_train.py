@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import QUIET, VLLM_COLOCATE, flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.transformers_engine import TransformersEngine
@@ -42,43 +43,18 @@ if "test_length" not in orms:
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [
+    return flags(
         "--model",
         str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        "builtin:arithmetic",
-        "--reward_funcs",
-        "test_length",
-        "--max_steps",
-        "3",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "12",
-        "--learning_rate",
-        "5e-3",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--temperature",
-        "0.9",
-        "--rollout_importance_sampling_mode",
-        "token_truncate",
+        "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length",
+        "--max_steps 3 --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 12 --learning_rate 5e-3 --beta 0 --torch_dtype float32",
+        "--temperature 0.9 --rollout_importance_sampling_mode token_truncate",
         "--output_dir",
         str(out),
-        "--save_final_model",
-        "false",
-        "--plots",
-        "false",
-        "--disable_tqdm",
-        "true",
+        QUIET,
         *extra,
-    ]
+    )
 
 
 def _greedy(engine, pad: int) -> list[list[int]]:
@@ -133,16 +109,7 @@ def test_colocate_training_keeps_vllm_in_step(tiny128, tmp_path, monkeypatch):
         _args(
             tiny128,
             out,
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
+            *flags(VLLM_COLOCATE),
         )
     )
     trainer = run_train(cfg)
@@ -169,38 +136,17 @@ def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkey
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     out = tmp_path / "defaults"
     cfg = parse_train_args(
-        [
+        flags(
             "--model",
             str(tiny128),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "test_length",
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--max_steps",
-            "1",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length",
+            "--use_vllm true --vllm_mode colocate --max_steps 1 --num_generations 4",
+            "--per_device_train_batch_size 8 --max_completion_length 8 --beta 0",
+            "--torch_dtype float32",
             "--output_dir",
             str(out),
-            "--save_final_model",
-            "false",
-            "--plots",
-            "false",
-        ]
+            "--save_final_model false --plots false",
+        )
     )
     trainer = run_train(cfg)
     try:
@@ -299,22 +245,13 @@ def test_constrained_colocate_run_logs_only_valid_json(tiny128, tmp_path):
         _args(
             tiny128,
             out,
-            "--use_vllm",
-            "true",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
-            "--max_steps",
-            "2",
-            "--max_completion_length",
-            "16",
-            "--structured_outputs_json",
-            json.dumps(schema),
-            "--log_completions",
-            "true",
+            *flags(
+                "--use_vllm true --vllm_enforce_eager true --vllm_max_model_len 512",
+                "--vllm_gpu_memory_utilization 0.3 --max_steps 2 --max_completion_length 16",
+                "--structured_outputs_json",
+                json.dumps(schema),
+                "--log_completions true",
+            ),
         )
     )
     trainer = run_train(cfg)
