@@ -71,20 +71,10 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     from grpokit.pipeline.train import run_train
 
     args = flags(
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs short_is_good --num_generations 4",
-        "--per_device_train_batch_size 4 --steps_per_generation 2",
-        "--max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
-        "--torch_dtype float32 --disable_tqdm true --plots false",
-        "--save_final_model false --seed 1",
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --reward_funcs short_is_good --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
+        "--torch_dtype float32 --disable_tqdm true --plots false --save_final_model false --seed 1",
         *extra,
     )
     trainer = run_train(parse_train_args(args))

@@ -52,16 +52,13 @@ def _train(tiny, out, *extra: str, port: int | None = None):
     )
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny),
-            "--tuner_type full --dataset builtin:arithmetic",
-            "--reward_funcs async_test_even_length",
+            {"--model": tiny},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs async_test_even_length",
             *server,
             "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
-            "--output_dir",
-            str(out),
-            "--save_final_model false --save_steps 100 --torch_dtype float32 --seed 3",
-            "--log_completions true --plots false",
+            {"--output_dir": out},
+            "--save_final_model false --save_steps 100 --torch_dtype float32 --seed 3 --log_completions true",
+            "--plots false",
             *extra,
         )
     )

@@ -43,22 +43,11 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
     plugin = sft.parent / "chord_plugin.py"
     plugin.write_text(PLUGIN)
     args = flags(
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs chord_short_is_good",
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--num_generations 4 --per_device_train_batch_size 4 --steps_per_generation 2",
-        "--max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
-        "--torch_dtype float32 --disable_tqdm true --plots false",
-        "--save_final_model false --seed 1",
-        "--chord_sft_dataset",
-        str(sft),
+        {"--external_plugins": plugin, "--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out},
+        {"--chord_sft_dataset": sft},
+        "--reward_funcs chord_short_is_good --tuner_type full --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
+        "--torch_dtype float32 --disable_tqdm true --plots false --save_final_model false --seed 1",
         "--chord_sft_per_device_train_batch_size 2",
         *extra,
     )
@@ -160,9 +149,8 @@ def test_mu_schedule_phi_and_resume_continue_the_sft_rows(
 ):
     _bind_policy(monkeypatch)
     schedule = flags(
-        "--chord_mu_warmup_steps 1 --chord_mu_decay_steps 2 --chord_mu_peak 0.8",
-        "--chord_mu_valley 0.2 --chord_enable_phi_function true --max_steps 3",
-        "--save_steps 2",
+        "--chord_mu_warmup_steps 1 --chord_mu_decay_steps 2 --chord_mu_peak 0.8 --chord_mu_valley 0.2",
+        "--chord_enable_phi_function true --max_steps 3 --save_steps 2",
     )
     _, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out", schedule)
     # one micro-step per optimizer step; step 0: warm-up 0/1 → mu 0 (no SFT rows drawn); step 1: peak 0.8;
@@ -213,23 +201,12 @@ def test_under_ddp_each_process_trains_on_its_own_sft_rows(tiny_model_dir, math_
     plugin.write_text(DUMP_PLUGIN)
     out, dump = tmp_path / "out", tmp_path / "dump"
     args = flags(
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs chord_short_is_good --num_generations 4",
-        "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 2",
-        "--torch_dtype float32 --use_cpu true --disable_tqdm true --plots false",
-        "--save_final_model false --dataset_shuffle false",
-        "--chord_sft_dataset",
-        str(sft),
-        "--chord_sft_per_device_train_batch_size 1 --chord_mu_peak 0.5",
-        "--chord_mu_valley 0.5",
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        {"--chord_sft_dataset": sft},
+        "--tuner_type full --reward_funcs chord_short_is_good --num_generations 4 --per_device_train_batch_size 4",
+        "--max_completion_length 8 --max_steps 2 --torch_dtype float32 --use_cpu true --disable_tqdm true",
+        "--plots false --save_final_model false --dataset_shuffle false --chord_sft_per_device_train_batch_size 1",
+        "--chord_mu_peak 0.5 --chord_mu_valley 0.5",
     )
     _torchrun(args, dump)
     ranks = [

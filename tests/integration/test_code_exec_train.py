@@ -25,16 +25,10 @@ def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
     run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type full",
-                "--dataset",
-                str(data),
-                "--reward_funcs code_exec format --num_generations 2",
-                "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 2",
-                "--output_dir",
-                str(out),
-                "--code_exec_timeout 2 --code_exec_workers 2 --disable_tqdm true --beta 0",
+                {"--model": tiny_model_dir, "--dataset": data, "--output_dir": out},
+                "--tuner_type full --reward_funcs code_exec format --num_generations 2",
+                "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 2 --code_exec_timeout 2",
+                "--code_exec_workers 2 --disable_tqdm true --beta 0",
             )
         )
     )
@@ -61,16 +55,10 @@ def test_rows_the_grader_cannot_run_are_refused_before_training(tiny_model_dir, 
         run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(tiny_model_dir),
-                    "--tuner_type full",
-                    "--dataset",
-                    str(data),
-                    "--reward_funcs code_exec --num_generations 2 --per_device_train_batch_size 2",
-                    "--max_completion_length 8 --max_steps 1",
-                    "--output_dir",
-                    str(tmp_path / "run"),
-                    "--disable_tqdm true --beta 0",
+                    {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "run"},
+                    "--tuner_type full --reward_funcs code_exec --num_generations 2",
+                    "--per_device_train_batch_size 2 --max_completion_length 8 --max_steps 1 --disable_tqdm true",
+                    "--beta 0",
                 )
             )
         )

@@ -40,21 +40,11 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
 
     monkeypatch.setattr(ChatTemplate, "encode_output", spy)
     args = flags(
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--columns",
-        '{"q": "question"}',
-        "--system",
-        str(tmp_path / "system.txt"),
-        "--agent_template hermes --max_length 48 --truncation_strategy left",
-        "--dataset_num_proc 1 --load_from_cache_file false --num_generations 2",
-        "--per_device_train_batch_size 4 --max_completion_length 4 --max_steps 2",
-        "--torch_dtype float32 --disable_tqdm true --plots false",
+        {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
+        {"--columns": '{"q": "question"}', "--system": tmp_path / "system.txt"},
+        "--tuner_type full --agent_template hermes --max_length 48 --truncation_strategy left --dataset_num_proc 1",
+        "--load_from_cache_file false --num_generations 2 --per_device_train_batch_size 4",
+        "--max_completion_length 4 --max_steps 2 --torch_dtype float32 --disable_tqdm true --plots false",
         "--save_final_model false",
     )
     trainer = run_train(parse_train_args(args))

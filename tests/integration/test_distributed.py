@@ -165,21 +165,11 @@ def _one_process(args: list[str], dump: Path) -> None:
 
 def _args(model: Path, data: Path, out: Path, plugin: Path, batch: int, *extra: str) -> list[str]:
     return flags(
-        "--model",
-        str(model),
-        "--tuner_type full",
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs token_reward --num_generations 4",
-        "--per_device_train_batch_size",
-        str(batch),
-        "--max_completion_length 16 --torch_dtype float32 --use_cpu true",
-        "--logging_steps 1 --seed 0 --disable_tqdm true --dataset_shuffle false",
-        "--plots false --save_final_model false",
+        {"--model": model, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+        {"--per_device_train_batch_size": batch},
+        "--tuner_type full --reward_funcs token_reward --num_generations 4 --max_completion_length 16",
+        "--torch_dtype float32 --use_cpu true --logging_steps 1 --seed 0 --disable_tqdm true",
+        "--dataset_shuffle false --plots false --save_final_model false",
         *extra,
     )
 

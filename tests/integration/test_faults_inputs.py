@@ -173,8 +173,8 @@ def test_a_score_beyond_float32_is_refused(tiny_model_dir, plugin, tmp_path):
 # --- NaN --------------------------------------------------------------------------------------------------------------
 
 DIVERGE = flags(
-    "--reward_funcs spread --num_generations 4 --per_device_train_batch_size 4",
-    "--max_completion_length 8 --learning_rate 1e10 --max_steps 6",
+    "--reward_funcs spread --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 8",
+    "--learning_rate 1e10 --max_steps 6",
 )
 
 

@@ -60,16 +60,8 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
     out = tmp_path / "scores.jsonl"
     res = _infer(
         *flags(
-            "--model",
-            str(tiny_model_dir),
-            "--dataset",
-            str(math_jsonl),
-            "--limit 6 --max_new_tokens 6 --batch_size 4",
-            "--output",
-            str(out),
-            "--torch_dtype float32",
-            "--external_plugins",
-            str(plugin),
+            {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output": out, "--external_plugins": plugin},
+            "--limit 6 --max_new_tokens 6 --batch_size 4 --torch_dtype float32",
             "--reward_funcs solution_value completion_chars",
         ),
     )
@@ -130,16 +122,8 @@ def test_infer_greedy_completions_equal_hf_generate_on_each_prompt_alone(varied_
     out = tmp_path / "completions.jsonl"
     res = _infer(
         *flags(
-            "--model",
-            str(varied_model_dir),
-            "--dataset",
-            str(math_jsonl),
-            "--limit 4 --max_new_tokens 8",
-            "--output",
-            str(out),
-            "--fast_decode",
-            fast,
-            "--torch_dtype float32",
+            {"--model": varied_model_dir, "--dataset": math_jsonl, "--output": out, "--fast_decode": fast},
+            "--limit 4 --max_new_tokens 8 --torch_dtype float32",
         ),
     )
     assert res.returncode == 0, res.stderr[-2000:]
@@ -158,15 +142,9 @@ def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path)
     run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
-                "--dataset",
-                str(math_jsonl),
-                "--tuner_type lora --num_generations 2 --per_device_train_batch_size 4",
-                "--max_completion_length 4 --max_steps 1",
-                "--output_dir",
-                str(run),
-                "--beta 0 --disable_tqdm true",
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": run},
+                "--tuner_type lora --num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
+                "--max_steps 1 --beta 0 --disable_tqdm true",
             )
         )
     )

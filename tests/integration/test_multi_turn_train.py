@@ -78,16 +78,10 @@ def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
     out = tmp_path / "out"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(model_dir),
-            "--tuner_type full",
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
-            "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --torch_dtype float32",
-            "--seed 0 --disable_tqdm true --plots false --save_final_model false",
+            {"--model": model_dir, "--dataset": data, "--output_dir": out},
+            "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+            "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
+            "--disable_tqdm true --plots false --save_final_model false",
             *extra,
         )
     )

@@ -55,18 +55,12 @@ def _train(model_dir, data, out, trainer_cls, extra=()):
         return run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(model_dir),
-                    "--tuner_type full",
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--reward_funcs external_r1v_acc --num_generations 2",
+                    {"--model": model_dir, "--dataset": data, "--output_dir": out},
+                    "--tuner_type full --reward_funcs external_r1v_acc --num_generations 2",
                     "--per_device_train_batch_size 6 --generation_batch_size 6 --max_steps 1",
-                    "--max_completion_length 6 --beta 0 --torch_dtype float32 --save_steps 100",
-                    "--seed 0 --disable_tqdm true --rollout_importance_sampling_mode token_truncate",
-                    "--loss_type grpo --dataset_shuffle false",
+                    "--max_completion_length 6 --beta 0 --torch_dtype float32 --save_steps 100 --seed 0",
+                    "--disable_tqdm true --rollout_importance_sampling_mode token_truncate --loss_type grpo",
+                    "--dataset_shuffle false",
                     *extra,
                 )
             )

@@ -168,19 +168,12 @@ def test_a_left_cut_prompt_trains_and_its_logps_equal_the_engine(vlm_dirs, tmp_p
         run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(vlm_dirs["qwen2_vl"]),
-                    "--tuner_type full",
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(tmp_path / "out"),
-                    "--reward_funcs external_r1v_acc --num_generations 2",
+                    {"--model": vlm_dirs["qwen2_vl"], "--dataset": data, "--output_dir": tmp_path / "out"},
+                    {"--max_length": limit},
+                    "--tuner_type full --reward_funcs external_r1v_acc --num_generations 2",
                     "--per_device_train_batch_size 6 --generation_batch_size 6 --max_steps 1",
-                    "--max_completion_length 4 --beta 0 --torch_dtype float32 --save_steps 100",
-                    "--seed 0 --disable_tqdm true --rollout_importance_sampling_mode token_truncate",
-                    "--max_length",
-                    str(limit),
+                    "--max_completion_length 4 --beta 0 --torch_dtype float32 --save_steps 100 --seed 0",
+                    "--disable_tqdm true --rollout_importance_sampling_mode token_truncate",
                     "--truncation_strategy left",
                 )
             )

@@ -95,22 +95,12 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
         return run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(model_dir),
-                    "--tuner_type full",
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--multi_turn_scheduler",
-                    scheduler,
-                    "--max_turns 2 --num_generations 2 --per_device_train_batch_size 6",
-                    "--generation_batch_size 6",
-                    "--max_steps",
-                    str(steps),
-                    "--max_completion_length 5 --beta 0 --torch_dtype float32 --save_steps 100",
-                    "--seed 0 --disable_tqdm true --rollout_importance_sampling_mode token_truncate",
-                    "--loss_type grpo --learning_rate 1e-3",
+                    {"--model": model_dir, "--dataset": data, "--output_dir": out},
+                    {"--multi_turn_scheduler": scheduler, "--max_steps": steps},
+                    "--tuner_type full --max_turns 2 --num_generations 2 --per_device_train_batch_size 6",
+                    "--generation_batch_size 6 --max_completion_length 5 --beta 0 --torch_dtype float32",
+                    "--save_steps 100 --seed 0 --disable_tqdm true",
+                    "--rollout_importance_sampling_mode token_truncate --loss_type grpo --learning_rate 1e-3",
                     *extra,
                 )
             )

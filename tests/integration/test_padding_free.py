@@ -127,16 +127,10 @@ def test_training_with_padding_free(tiny_model_dir, math_jsonl, tmp_path):
     try:
         cfg = parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type full",
-                "--dataset",
-                str(math_jsonl),
-                "--output_dir",
-                str(tmp_path / "o"),
-                "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12",
-                "--torch_dtype float32 --max_steps 2 --beta 0.1 --padding_free true",
-                "--learning_rate 1e-3 --disable_tqdm true --save_steps 100 --plots false",
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "o"},
+                "--tuner_type full --num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12",
+                "--torch_dtype float32 --max_steps 2 --beta 0.1 --padding_free true --learning_rate 1e-3",
+                "--disable_tqdm true --save_steps 100 --plots false",
             )
         )
         trainer = run_train(cfg)

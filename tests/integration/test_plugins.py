@@ -139,20 +139,11 @@ def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_
     plugin.write_text(_docs_block("vanilla_pg") + "\n" + _docs_block("above_mean") + SIGNAL_PLUGIN)
     out = tmp_path / "run"
     args = flags(
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--loss_type vanilla_pg --advantage_estimator above_mean",
-        "--reward_funcs shorter_is_better --num_generations 4",
-        "--per_device_train_batch_size 8 --max_completion_length 8 --max_steps 2",
-        "--learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0 --plots false",
-        "--save_final_model false",
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --loss_type vanilla_pg --advantage_estimator above_mean",
+        "--reward_funcs shorter_is_better --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 8 --max_steps 2 --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
+        "--plots false --save_final_model false",
     )
     res = run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)  # cli_process.py
     assert res.returncode == 0, res.stderr[-3000:]

@@ -51,17 +51,10 @@ def slow_run(tiny_model_dir, math_jsonl, tmp_path):
     plugin.write_text(PLUGIN)
     args = flags(
         "train",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 6",
-        "--max_steps 2 --beta 0 --torch_dtype float32 --plots false",
-        "--save_final_model false --tuner_type full",
-        "--external_plugins",
-        str(plugin),
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "out"},
+        "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 6 --max_steps 2 --beta 0",
+        "--torch_dtype float32 --plots false --save_final_model false --tuner_type full",
+        {"--external_plugins": plugin},
         "--reward_funcs waits_once accuracy",
     )
     go = tmp_path / "GO"

@@ -130,17 +130,11 @@ def test_a_task_trains_three_steps_with_its_scorer(tiny_model_dir, tmp_path):
     run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type full",
-                "--dataset",
-                SPEC,
-                "--output_dir",
-                str(out),
-                "--reward_funcs reasoning_gym --num_generations 4",
+                {"--model": tiny_model_dir, "--dataset": SPEC, "--output_dir": out},
+                "--tuner_type full --reward_funcs reasoning_gym --num_generations 4",
                 "--per_device_train_batch_size 8 --max_completion_length 8 --learning_rate 1e-3",
-                "--torch_dtype float32 --seed 0 --disable_tqdm true --max_steps 3",
-                "--log_completions true --save_strategy no",
+                "--torch_dtype float32 --seed 0 --disable_tqdm true --max_steps 3 --log_completions true",
+                "--save_strategy no",
             )
         )
     )

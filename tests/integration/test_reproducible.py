@@ -86,19 +86,11 @@ def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
     """3 steps of 1 prompt × 4 samples per process; a high learning rate so that every step moves the weights."""
     return flags(
-        "--model",
-        str(s.model),
-        "--tuner_type full",
-        "--dataset",
-        str(s.data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(s.plugin),
-        "--reward_funcs len_reward --callbacks param_digest --num_generations 4",
-        "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 3",
-        "--learning_rate 1e-2 --torch_dtype float32 --logging_steps 1 --seed 7",
-        "--disable_tqdm true --plots false --save_final_model false --save_steps 100",
+        {"--model": s.model, "--dataset": s.data, "--output_dir": out, "--external_plugins": s.plugin},
+        "--tuner_type full --reward_funcs len_reward --callbacks param_digest --num_generations 4",
+        "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 3 --learning_rate 1e-2",
+        "--torch_dtype float32 --logging_steps 1 --seed 7 --disable_tqdm true --plots false",
+        "--save_final_model false --save_steps 100",
         *extra,
     )
 

@@ -206,20 +206,13 @@ def train(tiny_model_dir, math_jsonl, out, plugin: str, *extra: str):
     return run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out},
                 "--tuner_type full",
-                "--dataset",
-                str(math_jsonl),
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                plugin,
+                {"--external_plugins": plugin},
                 str(signal),
-                "--reward_funcs recipe_shorter --num_generations 4",
-                "--per_device_train_batch_size 4 --max_completion_length 8 --beta 0",
-                "--torch_dtype float32 --logging_steps 1 --seed 0 --disable_tqdm true",
-                "--plots false --save_final_model false --learning_rate 1e-3",
+                "--reward_funcs recipe_shorter --num_generations 4 --per_device_train_batch_size 4",
+                "--max_completion_length 8 --beta 0 --torch_dtype float32 --logging_steps 1 --seed 0",
+                "--disable_tqdm true --plots false --save_final_model false --learning_rate 1e-3",
                 *extra,
             )
         )
@@ -365,8 +358,8 @@ def test_hf_control_should_log_and_should_save_are_honoured(tiny_model_dir, math
         tmp_path / "out",
         plugin,
         *flags(
-            "--max_steps 4 --callbacks ask_at_step_two --logging_steps 100",
-            "--logging_first_step false --save_steps 100",
+            "--max_steps 4 --callbacks ask_at_step_two --logging_steps 100 --logging_first_step false",
+            "--save_steps 100",
         ),
     )
     assert [r["step"] for r in log_rows(tmp_path / "out")] == [2, 4]  # asked for at 2; 4 is the last step
@@ -439,19 +432,10 @@ def test_recipes_under_zero3_in_two_processes(tiny_model_dir, math_jsonl, tmp_pa
     out = tmp_path / "zero3"
     _torchrun(
         flags(
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type full",
-            "--dataset",
-            str(math_jsonl),
-            "--output_dir",
-            str(out),
-            "--external_plugins",
-            plugin,
-            "--reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 4",
-            "--max_completion_length 8 --beta 0 --torch_dtype float32 --use_cpu true",
-            "--logging_steps 1 --seed 0 --disable_tqdm true --plots false",
-            "--save_final_model false --max_steps 2 --deepspeed zero3",
+            {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+            "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 4",
+            "--max_completion_length 8 --beta 0 --torch_dtype float32 --use_cpu true --logging_steps 1 --seed 0",
+            "--disable_tqdm true --plots false --save_final_model false --max_steps 2 --deepspeed zero3",
         ),
         tmp_path / "dump",
     )

@@ -115,20 +115,11 @@ def _train_args(server, tmp_path, *extra):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return flags(
-        "--model",
-        str(server.model),
-        "--tuner_type full",
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
-        "--max_completion_length 4 --beta 0 --reward_funcs format --vllm_mode server",
-        "--vllm_server_host 127.0.0.1",
-        "--vllm_server_port",
-        str(server.port),
-        "--vllm_server_timeout 60 --disable_tqdm true --plots false",
-        "--save_final_model false",
+        {"--model": server.model, "--dataset": data, "--output_dir": tmp_path / "out"},
+        {"--vllm_server_port": server.port},
+        "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+        "--max_completion_length 4 --beta 0 --reward_funcs format --vllm_mode server --vllm_server_host 127.0.0.1",
+        "--vllm_server_timeout 60 --disable_tqdm true --plots false --save_final_model false",
         *extra,
     )
 

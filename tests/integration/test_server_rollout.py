@@ -114,17 +114,10 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path, one_tor
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny),
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
-            "--vllm_mode server --vllm_server_host 127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--max_steps 3 --num_generations 4 --per_device_train_batch_size 8",
-            "--max_completion_length 8",
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--save_final_model false --vllm_server_timeout 60",
+            {"--model": tiny, "--vllm_server_port": server.port, "--output_dir": tmp_path / "out"},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --vllm_mode server",
+            "--vllm_server_host 127.0.0.1 --max_steps 3 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --save_final_model false --vllm_server_timeout 60",
         )
     )
     trainer = run_train(cfg)  # closes its client (and the server's sync group) at the end
@@ -147,17 +140,10 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
     out = tmp_path / "async"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny),
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
-            "--vllm_mode server --vllm_server_host 127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--max_steps 4 --num_generations 4 --per_device_train_batch_size 8",
-            "--max_completion_length 8",
-            "--output_dir",
-            str(out),
-            "--save_final_model false --save_steps 2 --vllm_server_timeout 60",
+            {"--model": tiny, "--vllm_server_port": server.port, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --vllm_mode server",
+            "--vllm_server_host 127.0.0.1 --max_steps 4 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --save_final_model false --save_steps 2 --vllm_server_timeout 60",
             "--async_generate true --log_completions true",
         )
     )
@@ -187,12 +173,9 @@ def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
     with pytest.raises(ConfigError, match="async_generate"):
         parse_train_args(
             flags(
-                "--model",
-                str(tiny),
+                {"--model": tiny, "--output_dir": tmp_path / "o"},
                 "--tuner_type full --dataset builtin:arithmetic --num_generations 4",
                 "--per_device_train_batch_size 8 --max_steps 1 --async_generate true",
-                "--output_dir",
-                str(tmp_path / "o"),
             )
         )
 

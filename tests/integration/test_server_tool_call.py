@@ -88,20 +88,12 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
             trainer = run_train(
                 parse_train_args(
                     flags(
-                        "--model",
-                        str(tiny_model_dir),
-                        "--tuner_type full",
-                        "--dataset",
-                        str(data),
-                        "--output_dir",
-                        str(tmp_path / "out"),
-                        "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+                        {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
+                        {"--vllm_server_port": server.port},
+                        "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
                         "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --reward_funcs format",
-                        "--vllm_mode server --vllm_server_host 127.0.0.1",
-                        "--vllm_server_port",
-                        str(server.port),
-                        "--vllm_server_timeout 60 --disable_tqdm true --plots false",
-                        "--save_final_model false",
+                        "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 60",
+                        "--disable_tqdm true --plots false --save_final_model false",
                     )
                 )
             )

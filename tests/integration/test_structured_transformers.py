@@ -128,16 +128,9 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
     out = tmp_path / "out"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
-            "--max_steps 2 --num_generations 4 --per_device_train_batch_size 8",
-            "--max_completion_length 16",
-            "--structured_outputs_regex",
-            ANSWER,
-            "--log_completions true",
-            "--output_dir",
-            str(out),
+            {"--model": tiny_model_dir, "--structured_outputs_regex": ANSWER, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 2",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 16 --log_completions true",
             QUIET,
         )
     )

@@ -15,16 +15,10 @@ pytestmark = pytest.mark.slow
 
 def _args(model_dir: Path, data: Path, out: Path) -> list[str]:
     return flags(
-        "--model",
-        str(model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 8",
-        "--max_completion_length 8 --learning_rate 1e-3 --torch_dtype float32 --seed 0",
-        "--disable_tqdm true --max_steps 3",
+        {"--model": model_dir, "--dataset": data, "--output_dir": out},
+        "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 8 --learning_rate 1e-3 --torch_dtype float32 --seed 0 --disable_tqdm true",
+        "--max_steps 3",
     )
 
 
@@ -50,20 +44,13 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
         cfg = parse_train_args(
             _args(tiny_model_dir, math_jsonl, out)
             + flags(
-                "--logging_steps 2 --save_strategy no --save_steps 1 --warmup_steps 2",
-                "--optim adamw_torch --adam_epsilon 1e-6 --lr_scheduler_type cosine",
-                "--lr_scheduler_kwargs",
-                '{"num_cycles": 0.25}',
-                "--attn_impl eager --gradient_checkpointing true",
-                "--gradient_checkpointing_kwargs",
-                '{"use_reentrant": false}',
-                "--tuner_type lora --use_rslora true",
-                "--target_regex",
-                r".*\.(q_proj|v_proj)",
-                "--val_dataset",
-                str(val),
-                "--eval_strategy steps --eval_steps 3 --per_device_eval_batch_size 5",
-                "--eval_on_start true --max_new_tokens 6 --use_liger_kernel true",
+                {"--lr_scheduler_kwargs": '{"num_cycles": 0.25}'},
+                {"--gradient_checkpointing_kwargs": '{"use_reentrant": false}'},
+                {"--target_regex": r".*\.(q_proj|v_proj)", "--val_dataset": val},
+                "--logging_steps 2 --save_strategy no --save_steps 1 --warmup_steps 2 --optim adamw_torch",
+                "--adam_epsilon 1e-6 --lr_scheduler_type cosine --attn_impl eager --gradient_checkpointing true",
+                "--tuner_type lora --use_rslora true --eval_strategy steps --eval_steps 3",
+                "--per_device_eval_batch_size 5 --eval_on_start true --max_new_tokens 6 --use_liger_kernel true",
                 "--rlhf_type grpo --dataloader_num_workers 1",
             )
         )

@@ -75,18 +75,11 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
         trainer = run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(dropping_model),
-                    "--tuner_type full",
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
-                    "--max_completion_length 8 --multi_turn_scheduler think_then_observe",
-                    "--max_turns 3 --reward_funcs format --learning_rate 1e-3 --beta 0",
-                    "--torch_dtype float32 --seed 0 --disable_tqdm true --plots false",
-                    "--save_final_model false",
+                    {"--model": dropping_model, "--dataset": data, "--output_dir": out},
+                    "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+                    "--max_completion_length 8 --multi_turn_scheduler think_then_observe --max_turns 3",
+                    "--reward_funcs format --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
+                    "--disable_tqdm true --plots false --save_final_model false",
                 )
             )
         )

@@ -44,18 +44,9 @@ PLUGIN = textwrap.dedent("""
 
 def _base_args(model_dir: Path, data: Path, out: Path, plugin: Path) -> list[str]:
     return flags(
-        "--model",
-        str(model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs len_reward accuracy --num_generations 4",
-        "--per_device_train_batch_size 8 --max_completion_length 12",
-        "--learning_rate 1e-3 --torch_dtype float32 --logging_steps 1 --seed 0",
+        {"--model": model_dir, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --reward_funcs len_reward accuracy --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 12 --learning_rate 1e-3 --torch_dtype float32 --logging_steps 1 --seed 0",
         "--disable_tqdm true",
     )
 
@@ -83,7 +74,7 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
     out = tmp_path / "run"
     cfg = parse_train_args(
         _base_args(tiny_model_dir, math_jsonl, out, plugin_file)
-        + flags("--max_steps 3 --save_steps 2 --save_total_limit 1 --log_completions true", "--beta 0.04")
+        + flags("--max_steps 3 --save_steps 2 --save_total_limit 1 --log_completions true --beta 0.04")
     )
     before = {
         n: p.detach().clone()
@@ -227,9 +218,7 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     try:
         cfg = parse_train_args(
             _base_args(tiny_model_dir, math_jsonl, tmp_path / "w", plugin_file)
-            + flags(
-                "--per_device_train_batch_size 4 --steps_per_generation 4 --max_steps 8", "--save_steps 100 --beta 0"
-            )
+            + flags("--per_device_train_batch_size 4 --steps_per_generation 4 --max_steps 8 --save_steps 100 --beta 0")
         )
         run_train(cfg)
     finally:
@@ -304,14 +293,8 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
 )
 def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, needle):
     args = flags(
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type full",
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(tmp_path / "bad"),
-        "--num_generations 4 --per_device_train_batch_size 8 --max_steps 1",
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "bad"},
+        "--tuner_type full --num_generations 4 --per_device_train_batch_size 8 --max_steps 1",
     )
     for flag, value in zip(extra[::2], extra[1::2]):
         if flag in args:
@@ -330,14 +313,8 @@ def test_dataset_without_prompt_column(tiny_model_dir, tmp_path):
     data.write_text(json.dumps({"text": "hi", "solution": "1"}) + "\n")
     res = _cli(
         flags(
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type full",
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(tmp_path / "o"),
-            "--num_generations 2 --per_device_train_batch_size 2 --max_steps 1",
+            {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "o"},
+            "--tuner_type full --num_generations 2 --per_device_train_batch_size 2 --max_steps 1",
         ),
         timeout=120,
     )

@@ -139,20 +139,11 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type full",
-                "--dataset",
-                str(data),
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                str(plugin),
-                "--reward_funcs len_reward accuracy --num_generations 4",
-                "--per_device_train_batch_size 8 --max_completion_length 12",
-                "--learning_rate 1e-3 --torch_dtype float32 --logging_steps 1 --seed 0",
-                "--disable_tqdm true --max_steps 3 --log_completions true --plots false",
-                "--save_final_model false --save_steps 100",
+                {"--model": tiny_model_dir, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+                "--tuner_type full --reward_funcs len_reward accuracy --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 12 --learning_rate 1e-3",
+                "--torch_dtype float32 --logging_steps 1 --seed 0 --disable_tqdm true --max_steps 3",
+                "--log_completions true --plots false --save_final_model false --save_steps 100",
             )
         )
     )

@@ -156,16 +156,14 @@ def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch, tuner):
     out = tmp_path / "colocate"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(idefics3),
+            {"--model": idefics3},
             "--dataset builtin:colours --reward_funcs test_length_with_images",
             *tuner,
-            "--torch_dtype float32 --beta 0 --num_generations 4",
-            "--per_device_train_batch_size 8 --max_completion_length 8 --temperature 1.0",
-            "--max_steps 2 --rollout_importance_sampling_mode token_truncate",
+            "--torch_dtype float32 --beta 0 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --temperature 1.0 --max_steps 2",
+            "--rollout_importance_sampling_mode token_truncate",
             VLLM_COLOCATE,
-            "--output_dir",
-            str(out),
+            {"--output_dir": out},
             QUIET,
         )
     )

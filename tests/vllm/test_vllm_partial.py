@@ -103,15 +103,12 @@ def test_colocate_training_with_partial_rollouts(tiny128, tmp_path):
     out = tmp_path / "colocate"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny128),
+            {"--model": tiny128, "--output_dir": out},
             "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
             VLLM_COLOCATE,
             "--max_staleness 2 --partial_rollouts true --max_steps 5 --num_generations 4",
-            "--per_device_train_batch_size 8 --max_completion_length 160",
-            "--torch_dtype float32 --beta 0 --log_completions true",
-            "--output_dir",
-            str(out),
+            "--per_device_train_batch_size 8 --max_completion_length 160 --torch_dtype float32 --beta 0",
+            "--log_completions true",
             QUIET,
         )
     )

@@ -98,18 +98,15 @@ def test_server_mode_training_with_images_keeps_the_server_in_step(idefics3, ser
     trainer = run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(idefics3),
+                {"--model": idefics3},
                 "--dataset builtin:colours --reward_funcs test_length_with_images",
                 *tuner,
-                "--torch_dtype float32 --beta 0 --num_generations 4",
-                "--per_device_train_batch_size 8 --max_completion_length 8 --temperature 1.0",
-                "--max_steps 2 --vllm_mode server --vllm_server_host 127.0.0.1",
-                "--vllm_server_port",
-                str(server.port),
+                "--torch_dtype float32 --beta 0 --num_generations 4 --per_device_train_batch_size 8",
+                "--max_completion_length 8 --temperature 1.0 --max_steps 2 --vllm_mode server",
+                "--vllm_server_host 127.0.0.1",
+                {"--vllm_server_port": server.port},
                 "--vllm_server_timeout 300",
-                "--output_dir",
-                str(tmp_path / "out"),
+                {"--output_dir": tmp_path / "out"},
                 QUIET,
             )
         )
@@ -188,17 +185,10 @@ def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_pa
             trainer = run_train(
                 parse_train_args(
                     flags(
-                        "--model",
-                        str(idefics3),
-                        "--dataset builtin:colours --reward_funcs test_two_images --torch_dtype float32",
-                        "--beta 0 --num_generations 2 --per_device_train_batch_size 4",
-                        "--max_completion_length 4 --max_steps 1 --vllm_mode server",
-                        "--vllm_server_host 127.0.0.1",
-                        "--vllm_server_port",
-                        str(server.port),
-                        "--vllm_server_timeout 300",
-                        "--output_dir",
-                        str(tmp_path / "out"),
+                        {"--model": idefics3, "--vllm_server_port": server.port, "--output_dir": tmp_path / "out"},
+                        "--dataset builtin:colours --reward_funcs test_two_images --torch_dtype float32 --beta 0",
+                        "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
+                        "--max_steps 1 --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 300",
                         QUIET,
                     )
                 )

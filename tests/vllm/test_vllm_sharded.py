@@ -114,18 +114,11 @@ def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[lis
     plugin.write_text(PLUGIN)
     dump.mkdir(parents=True)
     args = flags(
-        "--model",
-        str(model),
-        "--dataset builtin:arithmetic --reward_funcs test_length",
-        "--external_plugins",
-        str(plugin),
-        "--max_steps 3 --num_generations 4 --per_device_train_batch_size 4",
-        "--max_completion_length 10 --learning_rate 5e-3 --beta 0 --torch_dtype float32",
-        "--temperature 0.9 --use_vllm true --vllm_mode colocate",
-        "--vllm_enforce_eager true --vllm_max_model_len 256",
-        "--vllm_gpu_memory_utilization 0.3 --vllm_max_num_seqs 8",
-        "--output_dir",
-        str(root / "out"),
+        {"--model": model, "--external_plugins": plugin, "--output_dir": root / "out"},
+        "--dataset builtin:arithmetic --reward_funcs test_length --max_steps 3 --num_generations 4",
+        "--per_device_train_batch_size 4 --max_completion_length 10 --learning_rate 5e-3 --beta 0",
+        "--torch_dtype float32 --temperature 0.9 --use_vllm true --vllm_mode colocate --vllm_enforce_eager true",
+        "--vllm_max_model_len 256 --vllm_gpu_memory_utilization 0.3 --vllm_max_num_seqs 8",
         QUIET,
         *extra,
     )

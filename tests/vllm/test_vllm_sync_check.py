@@ -24,16 +24,11 @@ def _run(model_dir, out, steps: int):
     torch.set_num_threads(1)
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(model_dir),
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
-            "--max_steps",
-            str(steps),
-            "--num_generations 4 --per_device_train_batch_size 4 --max_completion_length 4",
-            "--learning_rate 1e-4 --weight_decay 0.1 --torch_dtype float32",
+            {"--model": model_dir, "--max_steps": steps, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --num_generations 4",
+            "--per_device_train_batch_size 4 --max_completion_length 4 --learning_rate 1e-4 --weight_decay 0.1",
+            "--torch_dtype float32",
             VLLM_COLOCATE,
-            "--output_dir",
-            str(out),
             QUIET,
         )
     )

@@ -52,15 +52,12 @@ def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_
     trainer = run_train(
         parse_train_args(
             flags(
-                "--model",
-                str(model),
-                "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length",
-                "--max_steps 1 --num_generations 2 --per_device_train_batch_size 2",
-                "--max_completion_length 8 --multi_turn_scheduler think_then_observe_vllm",
-                "--max_turns 3 --learning_rate 1e-3 --beta 0 --torch_dtype float32",
+                {"--model": model, "--output_dir": out},
+                "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --max_steps 1",
+                "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 8",
+                "--multi_turn_scheduler think_then_observe_vllm --max_turns 3 --learning_rate 1e-3 --beta 0",
+                "--torch_dtype float32",
                 VLLM_COLOCATE,
-                "--output_dir",
-                str(out),
                 QUIET,
             )
         )

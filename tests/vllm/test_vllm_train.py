@@ -44,14 +44,10 @@ if "test_length" not in orms:
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return flags(
-        "--model",
-        str(model_dir),
-        "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length",
-        "--max_steps 3 --num_generations 4 --per_device_train_batch_size 8",
-        "--max_completion_length 12 --learning_rate 5e-3 --beta 0 --torch_dtype float32",
-        "--temperature 0.9 --rollout_importance_sampling_mode token_truncate",
-        "--output_dir",
-        str(out),
+        {"--model": model_dir, "--output_dir": out},
+        "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --max_steps 3",
+        "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12 --learning_rate 5e-3",
+        "--beta 0 --torch_dtype float32 --temperature 0.9 --rollout_importance_sampling_mode token_truncate",
         QUIET,
         *extra,
     )
@@ -137,15 +133,10 @@ def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkey
     out = tmp_path / "defaults"
     cfg = parse_train_args(
         flags(
-            "--model",
-            str(tiny128),
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length",
-            "--use_vllm true --vllm_mode colocate --max_steps 1 --num_generations 4",
-            "--per_device_train_batch_size 8 --max_completion_length 8 --beta 0",
-            "--torch_dtype float32",
-            "--output_dir",
-            str(out),
-            "--save_final_model false --plots false",
+            {"--model": tiny128, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --use_vllm true",
+            "--vllm_mode colocate --max_steps 1 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --beta 0 --torch_dtype float32 --save_final_model false --plots false",
         )
     )
     trainer = run_train(cfg)
@@ -246,11 +237,9 @@ def test_constrained_colocate_run_logs_only_valid_json(tiny128, tmp_path):
             tiny128,
             out,
             *flags(
+                {"--structured_outputs_json": json.dumps(schema)},
                 "--use_vllm true --vllm_enforce_eager true --vllm_max_model_len 512",
-                "--vllm_gpu_memory_utilization 0.3 --max_steps 2 --max_completion_length 16",
-                "--structured_outputs_json",
-                json.dumps(schema),
-                "--log_completions true",
+                "--vllm_gpu_memory_utilization 0.3 --max_steps 2 --max_completion_length 16 --log_completions true",
             ),
         )
     )

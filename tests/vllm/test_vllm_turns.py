@@ -127,17 +127,12 @@ def test_colocate_training_adds_an_image_in_turn_two(tmp_path):
         trainer = run_train(
             parse_train_args(
                 flags(
-                    "--model",
-                    str(folder),
+                    {"--model": folder, "--output_dir": out},
                     "--tuner_type full --dataset builtin:colours --reward_funcs test_two_images",
-                    "--multi_turn_scheduler test_append_blue --max_turns 2 --torch_dtype float32",
-                    "--beta 0 --num_generations 2 --per_device_train_batch_size 4",
-                    "--max_completion_length 4 --max_steps 1",
-                    "--rollout_importance_sampling_mode token_truncate --use_vllm true",
-                    "--vllm_mode colocate --vllm_enforce_eager true --vllm_max_model_len 1024",
-                    "--vllm_gpu_memory_utilization 0.3",
-                    "--output_dir",
-                    str(out),
+                    "--multi_turn_scheduler test_append_blue --max_turns 2 --torch_dtype float32 --beta 0",
+                    "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4 --max_steps 1",
+                    "--rollout_importance_sampling_mode token_truncate --use_vllm true --vllm_mode colocate",
+                    "--vllm_enforce_eager true --vllm_max_model_len 1024 --vllm_gpu_memory_utilization 0.3",
                     QUIET,
                 )
             )
