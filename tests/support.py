@@ -1,14 +1,31 @@
 """Builders the test files share instead of copying: command lines of `grpokit train`, the blocks of options many
-runs repeat (quiet output, colocated vLLM, a rollout server to train against), datasets and reward plugins written
-to disk, and a run's logged rows. Importable as ``support`` from every test folder (tests/ is on ``sys.path``
-because tests/conftest.py lives there)."""
+runs repeat (quiet output, colocated vLLM, a rollout server to train against), a short in-process run on the tiny
+model, datasets and reward plugins written to disk, and a run's logged rows. Importable as ``support`` from every
+test folder (tests/ is on ``sys.path`` because tests/conftest.py lives there)."""
 
 from __future__ import annotations
 
 import json
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
+# A short in-process run on the tiny model: two optimizer steps of one group of 4, 8 completion tokens, float32,
+# nothing saved or plotted; a test overrides or extends it with its own options (a later option wins).
+TINY_RUN = {
+    "--tuner_type": "full",  # the tests' runs train the whole tiny model (grpokit's default is lora, as ms-swift's)
+    "--num_generations": "4",
+    "--per_device_train_batch_size": "4",
+    "--max_completion_length": "8",
+    "--max_steps": "2",
+    "--learning_rate": "1e-3",
+    "--torch_dtype": "float32",
+    "--beta": "0",
+    "--disable_tqdm": "true",
+    "--plots": "false",
+    "--save_final_model": "false",
+    "--seed": "1",
+}
 # a run that writes only its logs: no final model, no plots, no progress bar
 QUIET = {"--save_final_model": "false", "--plots": "false", "--disable_tqdm": "true"}
 # vLLM in the trainer's process on the CPU, sized for the tiny models
@@ -48,6 +65,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def sum_rows() -> list[dict]:
+    """16 prompts "What is a + b?" (a, b from 1 to 4) with the sum as ``solution``."""
+    return [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
+
+
+def run_inputs(root: Path, model: Path, plugin_source: str, plugin_name: str) -> SimpleNamespace:
+    """What a module's runs share, under ``root``: ``model``, ``sum_rows`` as math.jsonl and the plugin file."""
+    data = write_jsonl(root / "math.jsonl", sum_rows())
+    plugin = write_plugin(root / plugin_name, plugin_source)
+    return SimpleNamespace(root=root, model=model, data=data, plugin=plugin)
+
+
 def write_plugin(path: Path, source: str) -> Path:
     """A plugin module (``--external_plugins``) with ``source``, dedented, at ``path``."""
     path.write_text(textwrap.dedent(source))
@@ -62,3 +91,26 @@ def logged_rows(out: Path) -> list[dict]:
 def logged_steps(out: Path) -> list[dict]:
     """The optimizer steps' rows of a run's logging.jsonl (those with a loss)."""
     return [r for r in logged_rows(out) if "loss" in r]
+
+
+def tiny_run_args(model: Path, data: Path | str, out: Path, *extra) -> list[str]:
+    """``TINY_RUN``'s options for ``model`` on ``data`` into ``out``, then ``extra`` (``flags`` parts; a later option
+    wins)."""
+    return flags({"--model": model, "--dataset": data, "--output_dir": out}, TINY_RUN, *extra)
+
+
+def tiny_run(model: Path, data: Path | str, out: Path, *extra):
+    """(trainer, logged rows of logging.jsonl) of the run ``tiny_run_args`` describes."""
+    from grpokit.config.parse import parse_train_args  # not at the top: collection stays free of torch
+    from grpokit.pipeline.train import run_train
+
+    trainer = run_train(parse_train_args(tiny_run_args(model, data, out, *extra)))
+    return trainer, logged_rows(out)
+
+
+def tiny_run_on_rows(model: Path, rows: list[dict], folder: Path, *extra):
+    """``tiny_run`` on ``rows`` written to ``folder``/data.jsonl, into ``folder``/out: (trainer, optimizer steps' logged
+    rows, the output folder)."""
+    out = folder / "out"
+    trainer, _ = tiny_run(model, write_jsonl(folder / "data.jsonl", rows), out, *extra)
+    return trainer, logged_steps(out), out

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import flags
+from support import tiny_run_on_rows
 
 pytestmark = [pytest.mark.agents_env, pytest.mark.slow]
 
@@ -53,24 +53,8 @@ PLUGIN = textwrap.dedent('''
 
 
 def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
-    from grpokit.config.parse import parse_train_args
-    from grpokit.pipeline.train import run_train
-
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    cfg = parse_train_args(
-        flags(
-            {"--model": model_dir, "--dataset": data, "--output_dir": out},
-            "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
-            "--max_completion_length 12 --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
-            "--disable_tqdm true --plots false --save_final_model false --log_completions true",
-            *extra,
-        )
-    )
-    trainer = run_train(cfg)
-    logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-    return trainer, [r for r in logs if "loss" in r], out
+    mine = "--num_generations 2 --max_completion_length 12 --seed 0 --log_completions true"
+    return tiny_run_on_rows(model_dir, rows, tmp_path, mine, *extra)
 
 
 def test_an_openenv_environment_trains_in_process(tiny_model_dir, tmp_path):

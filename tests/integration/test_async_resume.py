@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_process import run_grpokit
-from support import flags
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 pytestmark = pytest.mark.slow
@@ -148,8 +148,7 @@ TIMES: dict[str, list[float]] = {}
 def setup(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("async_resume")
     rows = [{"query": f"Q{i}: what is {i} + {i % 5}?", "solution": str(i + i % 5)} for i in range(PROMPTS)]
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(root / "prompts.jsonl", rows)
     plugin = root / "resume_plugin.py"
     plugin.write_text(PLUGIN)
     t0 = time.perf_counter()

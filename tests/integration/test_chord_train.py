@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from support import flags
+from support import flags, write_jsonl
 
 from grpokit.algorithms import chord_mu
 
@@ -58,8 +58,7 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
 
 @pytest.fixture
 def sft(tmp_path):
-    path = tmp_path / "expert.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in EXPERT))
+    path = write_jsonl(tmp_path / "expert.jsonl", EXPERT)
     return path
 
 

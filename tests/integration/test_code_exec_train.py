@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support import flags
+from support import flags, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +18,7 @@ def test_training_continues_and_logs_sandbox_failures(tiny_model_dir, tmp_path):
         {"query": f"Write a program that prints {k} + 1.", "test_cases": [{"input": "", "output": str(k + 1)}]}
         for k in range(4)
     ]
-    data = tmp_path / "code.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "code.jsonl", rows)
     out = tmp_path / "run"
     # a random model writes no valid program: every sample fails in the sandbox (syntax errors and the like)
     run_train(
@@ -49,8 +48,7 @@ def test_rows_the_grader_cannot_run_are_refused_before_training(tiny_model_dir, 
         {"query": "Write f.", "test_cases": "assert f(1) == 2"},
         {"query": "Write g.", "test_cases": "import subprocess\nassert g(1) == subprocess.call(['true'])"},
     ]
-    data = tmp_path / "code.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "code.jsonl", rows)
     with pytest.raises(ConfigError, match=r"code_exec: dataset row 1: test_cases\[1\]: import of 'subprocess'"):
         run_train(
             parse_train_args(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support import flags
+from support import flags, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,7 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         for a in range(1, 5)
         for b in range(1, 3)
     ]
-    data = tmp_path / "swift.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "swift.jsonl", rows)
     (tmp_path / "system.txt").write_text("You are a calculator.")
     seen: list[tuple[list[dict], int]] = []
     encode_output = ChatTemplate.encode_output

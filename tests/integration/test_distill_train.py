@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import write_jsonl
 from tiny_runs import tiny_run
 
 from grpokit.modeling import load_causal_lm
@@ -56,8 +57,7 @@ def rows_jsonl(tmp_path_factory) -> Path:
         for a in range(1, 5)
         for b in range(1, 5)
     ]
-    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl", rows)
     return path
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
-from support import flags
+from support import flags, run_inputs
 
 from grpokit.errors import ConfigError
 
@@ -199,16 +199,11 @@ def make_setup(root: Path, plugin_text: str = PLUGIN) -> SimpleNamespace:
     """The tiny model (and its initial weights), a 16-row dataset and the plugin file, under root."""
     from grpokit.testing import build_tiny_model
 
-    model = build_tiny_model(root / "model")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "dist_plugin.py"
-    plugin.write_text(plugin_text)
+    found = run_inputs(root, build_tiny_model(root / "model"), plugin_text, "dist_plugin.py")
     from transformers import AutoModelForCausalLM
 
-    initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters()}
-    return SimpleNamespace(root=root, model=model, data=data, plugin=plugin, initial=initial)
+    found.initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(found.model).named_parameters()}
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
-from support import flags
+from support import flags, run_inputs
 
 from grpokit.trainers.run_dir import RunLock
 
@@ -85,13 +85,7 @@ WALL_CLOCK = ("timing/", "async/")
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
-    root = tmp_path_factory.mktemp("faults")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "faults_plugin.py"
-    plugin.write_text(PLUGIN)
-    return SimpleNamespace(root=root, model=tiny_model_dir, data=data, plugin=plugin)
+    return run_inputs(tmp_path_factory.mktemp("faults"), tiny_model_dir, PLUGIN, "faults_plugin.py")
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import flags
+from support import tiny_run_on_rows
 from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
@@ -64,24 +64,9 @@ def _rows(n: int = 4) -> list[dict]:
 
 
 def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict], extra: list[str]) -> Path:
-    from grpokit.config.parse import parse_train_args
-    from grpokit.pipeline.train import run_train
-
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    cfg = parse_train_args(
-        flags(
-            {"--model": model_dir, "--dataset": data, "--output_dir": out},
-            "--tuner_type full",
-            *(["--external_plugins", str(plugin)] if plugin else []),
-            "--max_steps 2 --num_generations 2 --per_device_train_batch_size 4 --max_completion_length 12",
-            "--learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0 --log_completions true --plots false",
-            "--save_final_model false --disable_tqdm true",
-            *extra,
-        )
-    )
-    trainer = run_train(cfg)
+    mine = "--num_generations 2 --max_completion_length 12 --seed 0 --log_completions true"
+    plugins = ["--external_plugins", str(plugin)] if plugin else []
+    trainer, _, out = tiny_run_on_rows(model_dir, rows, tmp_path, mine, *plugins, *extra)
     assert trainer.state.global_step == 2
     return out
 

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
-from support import flags
+from support import flags, run_inputs
 
 from grpokit.errors import ConfigError
 
@@ -74,13 +74,7 @@ WALL_CLOCK = ("timing/", "async/")  # log keys that measure time, not training
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
-    root = tmp_path_factory.mktemp("repro")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "repro_plugin.py"
-    plugin.write_text(PLUGIN)
-    return SimpleNamespace(root=root, model=tiny_model_dir, data=data, plugin=plugin)
+    return run_inputs(tmp_path_factory.mktemp("repro"), tiny_model_dir, PLUGIN, "repro_plugin.py")
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:

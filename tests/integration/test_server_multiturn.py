@@ -11,7 +11,7 @@ import textwrap
 
 import httpx
 import pytest
-from support import flags
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
@@ -112,8 +112,7 @@ def _train_args(server, tmp_path, *extra):
     rows = [
         {"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}", "think": True} for i in range(4)
     ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     return flags(
         {"--model": server.model, "--dataset": data, "--output_dir": tmp_path / "out"},
         {"--vllm_server_port": server.port},

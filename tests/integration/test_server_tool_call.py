@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
-from support import flags
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.trainers.factory import TrainerFactory
@@ -69,8 +68,7 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
         for a in (2, 3)
         for b in (3, 4)
     ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     saved = TrainerFactory.TRAINER_MAPPING["grpo"]
     TrainerFactory.TRAINER_MAPPING["grpo"] = RecordingTrainer
     RecordingTrainer.windows = []

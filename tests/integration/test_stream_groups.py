@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 from cli_process import run_grpokit
-from support import flags
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,7 @@ def test_a_group_that_is_done_trains_while_another_still_generates(tiny_model_di
     plugin = tmp_path / "gate_plugin.py"
     plugin.write_text(PLUGIN)
     rows = [{"query": f"{'SLOW ' if i == 0 else ''}what is {i} + 1?", "solution": str(i + 1)} for i in range(PROMPTS)]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
     env = {**os.environ, "STREAM_GATE": str(tmp_path / "gate"), "OMP_NUM_THREADS": "1"}
     served = ("--torch_dtype", "float32", "--external_plugins", str(plugin), "--multi_turn_scheduler", "gated")
     out = tmp_path / "run"

@@ -10,7 +10,7 @@ import logging
 import shutil
 
 import pytest
-from support import flags
+from support import flags, write_jsonl
 
 from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
 from grpokit.rollout.tito import RECORD_KEY
@@ -68,8 +68,7 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
     saved, Recording.windows = TrainerFactory.TRAINER_MAPPING["grpo"], []
     TrainerFactory.TRAINER_MAPPING["grpo"] = Recording
     rows = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"}], "solution": str(a + 1)} for a in (1, 2)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "out"
     try:
         trainer = run_train(
