@@ -77,6 +77,21 @@ def run_inputs(root: Path, model: Path, plugin_source: str, plugin_name: str) ->
     return SimpleNamespace(root=root, model=model, data=data, plugin=plugin)
 
 
+def shorter_reward_plugin(name: str) -> str:
+    """Source of a plugin module that registers ``orms[name]``: varied scores from a random model, shorter
+    completions scoring higher (1 / (1 + characters))."""
+    return textwrap.dedent(f"""
+        from grpokit.rewards import ORM, orms
+
+        class ShorterIsBetter(ORM):
+            '''Varied scores from a random model: shorter completions score higher.'''
+            def __call__(self, completions, **kwargs):
+                return [1.0 / (1 + len(c)) for c in completions]
+
+        orms[{name!r}] = ShorterIsBetter
+    """)
+
+
 def write_plugin(path: Path, source: str) -> Path:
     """A plugin module (``--external_plugins``) with ``source``, dedented, at ``path``."""
     path.write_text(textwrap.dedent(source))

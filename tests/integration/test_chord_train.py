@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from support import flags, write_jsonl
+from support import flags, shorter_reward_plugin, write_jsonl
 
 from grpokit.algorithms import chord_mu
 
@@ -25,15 +25,7 @@ EXPERT = [
     for a in range(2, 6)
     for b in range(2, 4)
 ]
-PLUGIN = textwrap.dedent("""
-    from grpokit.rewards import ORM, orms
-
-    class ShortIsGood(ORM):
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['chord_short_is_good'] = ShortIsGood
-""")
+PLUGIN = shorter_reward_plugin("chord_short_is_good")
 
 
 def _train(tiny_model_dir, math_jsonl, sft, out, extra):

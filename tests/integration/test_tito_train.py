@@ -10,31 +10,16 @@ import logging
 import shutil
 
 import pytest
+from fake_schedulers import PREFILL, ThinkThenObserve
 from support import flags, write_jsonl
 
-from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
+from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.tito import RECORD_KEY
 from grpokit.testing import THINK_DROPPING_TEMPLATE
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
-PREFILL = "<think>\nI plan.\n</think>\n\n"
-
-
-class ThinkThenObserve(MultiTurnScheduler):
-    """Every reply of turn 1 continues a prefilled <think> block; each later turn follows a user observation."""
-
-    async def on_trajectory_start(self, requests):
-        for r in requests:
-            r.messages.append({"role": "assistant", "content": PREFILL})
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= self.max_turns
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({"role": "user", "content": f"Observation {current_turn}"})
-        return {"infer_request": infer_request}
 
 
 class Recording(GRPOTrainer):

@@ -13,21 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from cli_process import StartedGrpokit, run_grpokit
-from support import flags
+from support import flags, shorter_reward_plugin
 
 pytestmark = pytest.mark.slow
 
-PLUGIN = textwrap.dedent("""
+PLUGIN = shorter_reward_plugin("len_reward") + textwrap.dedent("""
     import threading
-    from grpokit.rewards import ORM, orms
     from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
-
-    class LengthReward(ORM):
-        '''Varied scores from a random model: shorter completions score higher.'''
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['len_reward'] = LengthReward
 
     class ParkAfterStep2(TrainerCallback):
         '''After step 2 (its checkpoint and log row written) say so in a file and wait to be killed; a run

@@ -13,26 +13,16 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from support import flags
+from support import flags, shorter_reward_plugin
 
 pytestmark = pytest.mark.slow
 
-PLUGIN = textwrap.dedent("""
-    from grpokit.rewards import ORM, orms
-
-    class LengthReward(ORM):
-        '''Varied scores from a random model: shorter completions score higher.'''
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['len_reward'] = LengthReward
-""")
+PLUGIN = shorter_reward_plugin("len_reward")
 
 
 def _chromium() -> str:

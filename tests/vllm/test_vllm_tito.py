@@ -12,26 +12,13 @@ import shutil
 
 import pytest
 import torch
+from fake_schedulers import ThinkThenObserve
 from support import QUIET, VLLM_COLOCATE, flags
 
-from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
+from grpokit.rollout.multi_turn import multi_turns
 from grpokit.testing import THINK_DROPPING_TEMPLATE
 
 pytestmark = pytest.mark.vllm
-PREFILL = "<think>\nI plan.\n</think>\n\n"
-
-
-class ThinkThenObserve(MultiTurnScheduler):
-    async def on_trajectory_start(self, requests):
-        for r in requests:
-            r.messages.append({"role": "assistant", "content": PREFILL})
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= self.max_turns
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({"role": "user", "content": f"Observation {current_turn}"})
-        return {"infer_request": infer_request}
 
 
 def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_path, caplog):
