@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import tiny_run_on_rows
+from support import flags, tiny_run_on_rows
 
 pytestmark = [pytest.mark.agents_env, pytest.mark.slow]
 
@@ -73,18 +73,11 @@ def test_an_openenv_environment_trains_in_process(tiny_model_dir, tmp_path):
         tiny_model_dir,
         tmp_path,
         rows,
-        [
-            "--multi_turn_scheduler",
-            "OpenEnvScheduler",
-            "--openenv_env",
-            "openenv_plugin:LengthEnv",
-            "--max_turns",
-            "3",
-            "--reward_funcs",
-            "format",
-            "--external_plugins",
-            str(plugin),
-        ],
+        flags(
+            {"--external_plugins": plugin},
+            "--multi_turn_scheduler OpenEnvScheduler --openenv_env openenv_plugin:LengthEnv --max_turns 3",
+            "--reward_funcs format",
+        ),
     )
     assert trainer.state.global_step == 2 and len(logs) == 2
     assert trainer.reward_names == ["format", "gym_reward"]

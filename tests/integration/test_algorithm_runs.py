@@ -128,7 +128,7 @@ def test_loss_types_train_on_the_trainers_tensors(
         math_jsonl,
         tmp_path / "run",
         plugin,
-        ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04", "--stop_words", "e"],
+        flags({"--loss_type": loss_type, "--importance_sampling_level": level}, "--beta 0.04 --stop_words e"),
     )
     cfg = trainer.loss_cfg
     assert (cfg.loss_type, cfg.importance_sampling_level, cfg.beta) == (loss_type, level, 0.04)
@@ -172,18 +172,9 @@ def test_dynamic_sampling_resamples_groups_without_signal(
         math_jsonl,
         out,
         plugin,
-        [
-            "--reward_funcs",
-            reward,
-            "--dynamic_sample",
-            "true",
-            "--max_resample_times",
-            "2",
-            "--beta",
-            "0",
-            "--log_completions",
-            "true",
-        ],
+        flags(
+            {"--reward_funcs": reward}, "--dynamic_sample true --max_resample_times 2 --beta 0 --log_completions true"
+        ),
     )
     assert trainer.reward_runner.funcs[0].draws == draws  # one window, then a rollout per resampling round
     assert trainer.state.prompts_consumed == 2 * draws  # each round drew the next window's 2 prompts
@@ -230,7 +221,7 @@ def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_p
         math_jsonl,
         tmp_path / "klr",
         plugin,
-        ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"],
+        flags("--kl_in_reward true --beta 0.1 --steps_per_generation 1"),
     )
     assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1
     assert trainer.ref_model is not None  # kept for the penalty
@@ -321,18 +312,10 @@ def test_off_policy_sequence_mask_in_the_trainer(tiny_model_dir, math_jsonl, tmp
         math_jsonl,
         tmp_path / "run",
         plugin,
-        [
-            "--off_policy_sequence_mask_delta",
-            str(delta),
-            "--beta",
-            "0",
-            "--stop_words",
-            "e",
-            "--steps_per_generation",
-            "1",
-            "--num_iterations",
-            "2",
-        ],
+        flags(
+            {"--off_policy_sequence_mask_delta": delta},
+            "--beta 0 --stop_words e --steps_per_generation 1 --num_iterations 2",
+        ),
     )
     assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
     for row, step in zip(rows, micro_steps, strict=True):
@@ -359,7 +342,7 @@ def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, 
         math_jsonl,
         tmp_path / "run",
         plugin,
-        ["--loss_type", "real", "--beta", "0.04", "--stop_words", "e"],
+        flags("--loss_type real --beta 0.04 --stop_words e"),
     )
     assert (trainer.loss_cfg.num_generations, trainer.loss_cfg.real_tau) == (4, 0.5)
     assert trainer.cfg.algorithm.scale_rewards == "none"

@@ -39,16 +39,9 @@ def _train(tiny, out, *extra: str, port: int | None = None):
     server = (
         []
         if port is None
-        else [
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(port),
-            "--vllm_server_timeout",
-            "60",
-        ]
+        else flags(
+            {"--vllm_server_port": port}, "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 60"
+        )
     )
     cfg = parse_train_args(
         flags(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import write_jsonl
+from support import flags, write_jsonl
 from tiny_runs import tiny_run
 
 from grpokit.modeling import load_causal_lm
@@ -68,16 +68,10 @@ def _metric(rows: list[dict], key: str) -> list[float]:
 CASES = {
     "in_process": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
     "server": lambda t, s, url: ["--teacher_model_server", url, "--reward_funcs", "accuracy"],
-    "two_teachers_by_tag": lambda t, s, url: [
-        "--teacher_model",
-        json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}]),
-        "--reward_funcs",
-        "accuracy",
-        "--per_device_train_batch_size",
-        "8",
-        "--dataset_shuffle",
-        "false",
-    ],
+    "two_teachers_by_tag": lambda t, s, url: flags(
+        {"--teacher_model": json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}])},
+        "--reward_funcs accuracy --per_device_train_batch_size 8 --dataset_shuffle false",
+    ),
     "teacher_prompt": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
     "lora_base_as_teacher": lambda t, s, url: [
         "--tuner_type",

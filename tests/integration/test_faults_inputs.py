@@ -150,16 +150,7 @@ def test_sys_exit_in_a_reward_is_a_reward_error_not_a_clean_exit(tiny_model_dir,
     res = train(
         tiny_model_dir,
         tmp_path / "out",
-        [
-            "--external_plugins",
-            str(plugin),
-            "--reward_funcs",
-            "exits",
-            "--max_steps",
-            "2",
-            "--save_final_model",
-            "true",
-        ],
+        flags({"--external_plugins": plugin}, "--reward_funcs exits --max_steps 2 --save_final_model true"),
     )
     assert_one_error_line(res, "reward 'exits' raised SystemExit: exit status 0; a reward must return scores")
     assert not (tmp_path / "out" / "model.safetensors").exists()

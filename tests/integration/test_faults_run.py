@@ -325,7 +325,7 @@ def test_corrupt_optimizer_file_is_one_line_naming_it(setup, reference):
     out = _copy_reference(reference, setup, "corrupt_optimizer")
     optimizer = out / "checkpoint-6" / "state" / "optimizer.bin"
     optimizer.write_bytes(b"\x00garbage" * (optimizer.stat().st_size // 8) + b"\0" * (optimizer.stat().st_size % 8))
-    res = _cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", "latest", "--max_steps", "8"))
+    res = _cli(_args(setup, out, *flags("--save_steps 3 --resume_from_checkpoint latest --max_steps 8")))
     assert res.returncode == 2
     line = _one_error_line(res.stderr, "optimizer.bin", "unreadable")
     assert "random_states" not in line
@@ -403,14 +403,7 @@ def test_resume_with_other_options_is_refused_or_warned(setup, reference):
         _args(
             setup,
             out,
-            "--save_steps",
-            "3",
-            "--resume_from_checkpoint",
-            "latest",
-            "--seed",
-            "8",
-            "--num_generations",
-            "2",
+            *flags("--save_steps 3 --resume_from_checkpoint latest --seed 8 --num_generations 2"),
         )
     )
     assert res.returncode == 2
@@ -507,14 +500,7 @@ def test_save_total_limit_minus_one_keeps_everything(setup):
             _args(
                 setup,
                 out,
-                "--save_steps",
-                "2",
-                "--save_total_limit",
-                "-1",
-                "--save_final_model",
-                "true",
-                "--learning_rate",
-                "3e-7",
+                *flags("--save_steps 2 --save_total_limit -1 --save_final_model true --learning_rate 3e-7"),
             )
         )
     )

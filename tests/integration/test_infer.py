@@ -149,9 +149,7 @@ def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path)
         )
     )
     assert (run / "final_model" / "adapter_config.json").is_file()
-    res = _infer(
-        "--model", str(run / "final_model"), "--dataset", str(math_jsonl), "--limit", "2", "--max_new_tokens", "4"
-    )
+    res = _infer(*flags({"--model": run / "final_model", "--dataset": math_jsonl}, "--limit 2 --max_new_tokens 4"))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "2 prompts" in res.stdout
 

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import tiny_run_on_rows
+from support import flags, tiny_run_on_rows
 
 from grpokit.engines.base import InferEngine
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
@@ -89,7 +89,7 @@ def test_tool_call_scheduler_masks_tool_results_in_the_batch(tiny_model_dir, tmp
         tiny_model_dir,
         tmp_path,
         _math_rows(),
-        ["--multi_turn_scheduler", "tool_call_scheduler", "--max_turns", "2", "--reward_funcs", "format"],
+        flags("--multi_turn_scheduler tool_call_scheduler --max_turns 2 --reward_funcs format"),
     )
     assert trainer.state.global_step == 2 and len(logs) == 2
     tok = trainer.tokenizer
@@ -117,7 +117,7 @@ def test_math_tip_trick_masks_the_tip_in_the_batch(tiny_model_dir, tmp_path, rec
         tiny_model_dir,
         tmp_path,
         _math_rows()[:1] * 2,  # solution 6: the canned 5 is wrong
-        ["--multi_turn_scheduler", "math_tip_trick", "--max_turns", "2", "--reward_funcs", "accuracy"],
+        flags("--multi_turn_scheduler math_tip_trick --max_turns 2 --reward_funcs accuracy"),
     )
     assert trainer.state.global_step == 2
     tok = trainer.tokenizer
@@ -143,16 +143,10 @@ def test_thinking_tips_last_round_trains_only_the_last_round(tiny_model_dir, tmp
         tiny_model_dir,
         tmp_path,
         _math_rows(),
-        [
-            "--multi_turn_scheduler",
-            "thinking_tips_scheduler",
-            "--max_turns",
-            "2",
-            "--loss_scale",
-            "last_round",
-            "--reward_funcs",
-            "accuracy",
-        ],
+        flags(
+            "--multi_turn_scheduler thinking_tips_scheduler --max_turns 2 --loss_scale last_round",
+            "--reward_funcs accuracy",
+        ),
     )
     assert trainer.state.global_step == 2
     for _, outputs, batch in recording_trainer.windows:
@@ -190,16 +184,9 @@ def test_gym_reward_reaches_the_loss(tiny_model_dir, tmp_path, recording_trainer
         tiny_model_dir,
         tmp_path,
         rows,
-        [
-            "--multi_turn_scheduler",
-            "gym_scheduler",
-            "--max_turns",
-            "2",
-            "--reward_funcs",
-            "format",
-            "--external_plugins",
-            str(plugin),
-        ],
+        flags(
+            {"--external_plugins": plugin}, "--multi_turn_scheduler gym_scheduler --max_turns 2 --reward_funcs format"
+        ),
     )
     assert trainer.reward_names == ["format", "gym_reward"]
     for row in logs:

@@ -255,18 +255,10 @@ def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_pa
     with pytest.raises(ConfigError, match="a text-only model was given a dataset with images") as e:
         run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(tiny_model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(tmp_path / "o"),
-                    "--max_steps",
-                    "1",
-                ]
+                flags(
+                    {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "o"},
+                    "--tuner_type full --max_steps 1",
+                )
             )
         )
     assert "\n" not in str(e.value)  # the CLI prints a ConfigError as this one line

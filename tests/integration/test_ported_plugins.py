@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import tiny_run_on_rows
+from support import flags, tiny_run_on_rows
 from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
@@ -105,16 +105,12 @@ def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_d
         tmp_path,
         swift_plugin_file,
         _rows(),
-        [
-            "--reward_funcs",
-            "external_countdown",
-            "--reward_model",
-            str(tiny_rm_dir),
+        flags(
+            "--reward_funcs external_countdown",
+            {"--reward_model": tiny_rm_dir},
             str(tiny_model_dir),
-            "--reward_model_plugin",
-            "my_rmplugin",
-            "qwenlong",
-        ],
+            "--reward_model_plugin my_rmplugin qwenlong",
+        ),
     )
     logs = _logs(out)
     rm_seq, rm_causal = f"rm_{tiny_rm_dir.name}", f"rm_{tiny_model_dir.name}"
@@ -129,7 +125,7 @@ def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, ti
         tmp_path,
         swift_plugin_file,
         _rows(),
-        ["--reward_funcs", "external_countdown", "--multi_turn_scheduler", "calculator_in_reply", "--max_turns", "2"],
+        flags("--reward_funcs external_countdown --multi_turn_scheduler calculator_in_reply --max_turns 2"),
     )
     assert len(_logs(out)) == 2
     # its step() on grpokit's objects: choice.message.content, token_ids, self.tokenizer, messages[-1] edited
@@ -265,7 +261,7 @@ def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(swift_pl
         tmp_path,
         swift_plugin_file,
         _rows(),
-        ["--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"],
+        flags("--reward_funcs thinking_tips --multi_turn_scheduler thinking_tips_scheduler --max_turns 2"),
     )
     assert len(_logs(out)) == 2
     comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

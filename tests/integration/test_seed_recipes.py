@@ -280,14 +280,7 @@ def test_training_step_zeroing_gradients_leaves_the_weights(tiny_model_dir, math
         math_jsonl,
         tmp_path / "out",
         write_plugin(tmp_path, "recipe_grad", GRAD_ZERO),
-        "--max_steps",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--weight_decay",
-        "0",
-        "--max_grad_norm",
-        "0",
+        *flags("--max_steps 2 --gradient_accumulation_steps 2 --weight_decay 0 --max_grad_norm 0"),
     )
     assert trainer.state.global_step == 2
     after = weights(trainer.policy)
@@ -305,14 +298,7 @@ def test_training_step_without_the_edit_moves_the_weights(tiny_model_dir, math_j
         math_jsonl,
         tmp_path / "out",
         plugin,
-        "--max_steps",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--weight_decay",
-        "0",
-        "--max_grad_norm",
-        "0",
+        *flags("--max_steps 2 --gradient_accumulation_steps 2 --weight_decay 0 --max_grad_norm 0"),
     )
     after = weights(trainer.policy)
     assert max(float((after[n] - before[n]).abs().max()) for n in before) > 0
@@ -325,12 +311,7 @@ def test_optimizer_callback_takes_every_step(tiny_model_dir, math_jsonl, tmp_pat
         math_jsonl,
         tmp_path / "out",
         plugin,
-        "--max_steps",
-        "3",
-        "--optimizer",
-        "counting_sgd",
-        "--gradient_accumulation_steps",
-        "2",
+        *flags("--max_steps 3 --optimizer counting_sgd --gradient_accumulation_steps 2"),
     )
     counting = sys.modules["recipe_opt"].CountingSGD
     assert counting.steps == 3 and trainer.state.global_step == 3

@@ -88,7 +88,7 @@ def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(
     assert before["multimodal"] is True
     out = tmp_path / "out"
     lora = (
-        ["--tuner_type", "lora", "--lora_rank", "8", "--learning_rate", "5e-2"]
+        flags("--tuner_type lora --lora_rank 8 --learning_rate 5e-2")
         if tuner == "lora"
         else ["--tuner_type", "full", "--learning_rate", "3e-2"]
     )

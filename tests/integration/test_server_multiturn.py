@@ -58,14 +58,10 @@ def server(tmp_path_factory):
     with rollout_server(
         tiny,
         root,
-        "--external_plugins",
-        str(plugin),
-        "--multi_turn_scheduler",
-        "label_turns",
-        "--max_turns",
-        "3",
-        "--completion_length_limit_scope",
-        "per_round",
+        *flags(
+            {"--external_plugins": plugin},
+            "--multi_turn_scheduler label_turns --max_turns 3 --completion_length_limit_scope per_round",
+        ),
     ) as s:
         s.model = tiny
         yield s
@@ -140,14 +136,10 @@ def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(serv
                 _train_args(
                     server,
                     tmp_path,
-                    "--multi_turn_scheduler",
-                    "label_turns",
-                    "--max_turns",
-                    "3",
-                    "--loss_scale",
-                    "last_round",
-                    "--vllm_server_pass_dataset",
-                    "true",
+                    *flags(
+                        "--multi_turn_scheduler label_turns --max_turns 3 --loss_scale last_round",
+                        "--vllm_server_pass_dataset true",
+                    ),
                 )
             )
         )

@@ -74,7 +74,7 @@ def test_sharded_training_against_a_server_leaves_the_trained_weights_there(
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     lora = (
-        ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate", "1e-2"]
+        flags("--tuner_type lora --lora_rank 4 --target_modules all-linear --learning_rate 1e-2")
         if tuner == "lora"
         else ["--tuner_type", "full", "--learning_rate", "1e-3"]
     )

@@ -116,14 +116,9 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
 
 def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
     out = tmp_path / "resume"
-    args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "2",
-        "--callbacks",
-        "park_after_step_2",
-    ]
+    args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + flags(
+        "--max_steps 6 --save_steps 2 --callbacks park_after_step_2"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = StartedGrpokit(["train", *args], env=env)  # a forked process of its own group (cli_process.py)
     try:
@@ -147,14 +142,9 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
     assert state["global_step"] == 6
     # a fresh (not resumed) run into the same folder is refused before any model loads: rotation would delete
     # its checkpoints in favour of the earlier run's and 'latest' would resume the earlier run
-    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps",
-        "2",
-        "--save_steps",
-        "9",
-        "--save_total_limit",
-        "1",
-    ]
+    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + flags(
+        "--max_steps 2 --save_steps 9 --save_total_limit 1"
+    )
     res = _cli(fresh)
     assert res.returncode != 0
     assert "checkpoints of an earlier run" in res.stderr and "--overwrite_output_dir true" in res.stderr

@@ -36,18 +36,13 @@ def _chromium() -> str:
 def _browser(url: str, *extra: str) -> subprocess.CompletedProcess:
     # --no-sandbox: the tests run as root in CI containers, where Chromium's own sandbox cannot start; the page is
     # our own file. --virtual-time-budget lets the page's scripts (uPlot, the viewer) finish before the dump.
-    cmd = [
+    cmd = flags(
         _chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        "--virtual-time-budget=4000",
-        "--window-size=1400,1600",
+        "--headless --no-sandbox --disable-gpu --disable-dev-shm-usage --hide-scrollbars",
+        "--virtual-time-budget=4000 --window-size=1400,1600",
         *extra,
         url,
-    ]
+    )
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from support import write_jsonl
+from support import flags, write_jsonl
 
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError, DataError
 
-CHORD = [
-    "--chord_sft_dataset",
-    "expert.jsonl",
-    "--chord_sft_per_device_train_batch_size",
-    "1",
-    "--chord_mu_peak",
-    "0.9",
-    "--chord_mu_valley",
-    "0.05",
-]
+CHORD = flags(
+    "--chord_sft_dataset expert.jsonl --chord_sft_per_device_train_batch_size 1 --chord_mu_peak 0.9",
+    "--chord_mu_valley 0.05",
+)
 
 
 def _args(*extra):

@@ -194,14 +194,10 @@ def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
             _args(
                 tiny128,
                 out,
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "--vllm_server_port",
-                str(server.port),
-                "--vllm_server_timeout",
-                "120",
+                *flags(
+                    {"--vllm_server_port": server.port},
+                    "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 120",
+                ),
             )
         )
         trainer = run_train(cfg)  # closes its client at the end
