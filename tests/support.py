@@ -5,6 +5,7 @@ test folder (tests/ is on ``sys.path`` because tests/conftest.py lives there).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 from pathlib import Path
@@ -129,3 +130,16 @@ def tiny_run_on_rows(model: Path, rows: list[dict], folder: Path, *extra):
     out = folder / "out"
     trainer, _ = tiny_run(model, write_jsonl(folder / "data.jsonl", rows), out, *extra)
     return trainer, logged_steps(out), out
+
+
+@contextlib.contextmanager
+def grpo_trainer_class(cls):
+    """Runs started inside build their trainer from ``cls`` (TrainerFactory's "grpo" entry), put back after."""
+    from grpokit.trainers.factory import TrainerFactory  # not at the top: conftest imports this module
+
+    saved = TrainerFactory.TRAINER_MAPPING["grpo"]
+    TrainerFactory.TRAINER_MAPPING["grpo"] = cls
+    try:
+        yield cls
+    finally:
+        TrainerFactory.TRAINER_MAPPING["grpo"] = saved

@@ -12,11 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support import flags, tiny_run_on_rows
+from support import flags, grpo_trainer_class, tiny_run_on_rows
 
 from grpokit.engines.base import InferEngine
 from grpokit.protocol import ChatCompletionResponse, ChatCompletionResponseChoice
-from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -60,11 +59,9 @@ class RecordingTrainer(GRPOTrainer):
 
 @pytest.fixture
 def recording_trainer():
-    saved = TrainerFactory.TRAINER_MAPPING["grpo"]
-    TrainerFactory.TRAINER_MAPPING["grpo"] = RecordingTrainer
     RecordingTrainer.windows = []
-    yield RecordingTrainer
-    TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+    with grpo_trainer_class(RecordingTrainer):
+        yield RecordingTrainer
     RecordingTrainer.canned = None
 
 
