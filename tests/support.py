@@ -11,6 +11,8 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 # A short in-process run on the tiny model: two optimizer steps of one group of 4, 8 completion tokens, float32,
 # nothing saved or plotted; a test overrides or extends it with its own options (a later option wins).
 TINY_RUN = {
@@ -143,3 +145,17 @@ def grpo_trainer_class(cls):
         yield cls
     finally:
         TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+
+
+def padded_batch(vocab: int = 97) -> tuple[dict, int]:
+    """A logps forward's inputs of 6 rows, random ids from 3 up: two prompts (left-padded, 5 and 3 tokens), three
+    completions each (right-padded, 4, 2, 3 / 4, 1, 3 tokens); and the completion width, 4."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (5,), generator=g), torch.randint(3, vocab, (3,), generator=g)]
+    p, c = 5, 4
+    ids, att = torch.zeros(6, p + c, dtype=torch.long), torch.zeros(6, p + c, dtype=torch.long)
+    for row, n in enumerate((4, 2, 3, 4, 1, 3)):
+        pr = prompts[row // 3]
+        ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
+        ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
+    return {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(-1) - 1).clamp(min=0)}, c
