@@ -339,6 +339,17 @@ def tiny_rm_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_rm") / "rm", seq_cls=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory):
+    """(folder, model, tokenizer) of a tiny reward model of the module's own, loaded by grpokit's loader."""
+    from grpokit.rewards import load_reward_model
+    from grpokit.testing import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("rm"), seq_cls=True)
+    model, tokenizer = load_reward_model(str(path))
+    return path, model, tokenizer
+
+
 @pytest.fixture
 def math_jsonl(tmp_path) -> Path:
     rows = [

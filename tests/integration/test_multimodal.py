@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from support import flags
+from support import flags, grpo_trainer_class
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +47,8 @@ def _image_dataset(tmp_path, rows: int = 6):
 def _train(model_dir, data, out, trainer_cls, extra=()):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers.factory import TrainerFactory
 
-    saved = dict(TrainerFactory.TRAINER_MAPPING)
-    TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
-    try:
+    with grpo_trainer_class(trainer_cls):
         return run_train(
             parse_train_args(
                 flags(
@@ -65,9 +62,6 @@ def _train(model_dir, data, out, trainer_cls, extra=()):
                 )
             )
         )
-    finally:
-        TrainerFactory.TRAINER_MAPPING.clear()
-        TrainerFactory.TRAINER_MAPPING.update(saved)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

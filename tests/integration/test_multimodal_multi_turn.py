@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from support import flags
+from support import flags, grpo_trainer_class
 
 pytestmark = pytest.mark.slow
 
@@ -87,11 +87,8 @@ def _dataset(tmp_path, placeholders: int = 1, env: str = "test_colour_observatio
 def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (), scheduler: str = "gym_scheduler"):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers.factory import TrainerFactory
 
-    saved = dict(TrainerFactory.TRAINER_MAPPING)
-    TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
-    try:
+    with grpo_trainer_class(trainer_cls):
         return run_train(
             parse_train_args(
                 flags(
@@ -105,9 +102,6 @@ def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (),
                 )
             )
         )
-    finally:
-        TrainerFactory.TRAINER_MAPPING.clear()
-        TrainerFactory.TRAINER_MAPPING.update(saved)
 
 
 def _image_count(row) -> int:
