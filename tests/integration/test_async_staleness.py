@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from support import flags
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
@@ -36,13 +36,7 @@ def tiny(tiny_model_dir):
 
 
 def _train(tiny, out, *extra: str, port: int | None = None):
-    server = (
-        []
-        if port is None
-        else flags(
-            {"--vllm_server_port": port}, "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 60"
-        )
-    )
+    server = [] if port is None else flags(server_flags(port, 60))
     cfg = parse_train_args(
         flags(
             {"--model": tiny},

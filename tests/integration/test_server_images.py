@@ -10,7 +10,7 @@ import io
 
 import httpx
 import pytest
-from support import flags
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.protocol import RequestConfig, RolloutInferRequest
@@ -95,12 +95,11 @@ def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(
     trainer = run_train(
         parse_train_args(
             flags(
-                {"--model": vlm, "--vllm_server_port": server.port, "--output_dir": out},
-                "--dataset builtin:colours --reward_funcs external_r1v_acc --vllm_mode server",
-                "--vllm_server_host 127.0.0.1 --max_steps 2 --num_generations 4 --per_device_train_batch_size 8",
-                "--max_completion_length 4 --torch_dtype float32 --beta 0 --save_steps 100",
-                "--vllm_server_timeout 120 --disable_tqdm true --seed 1",
-                "--structured_outputs_regex (red|green|blue)",
+                {"--model": vlm, "--output_dir": out},
+                server_flags(server.port, 120),
+                "--dataset builtin:colours --reward_funcs external_r1v_acc --max_steps 2 --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 4 --torch_dtype float32 --beta 0",
+                "--save_steps 100 --disable_tqdm true --seed 1 --structured_outputs_regex (red|green|blue)",
                 *lora,
             )
         )
@@ -227,12 +226,12 @@ def test_an_image_observation_on_a_multi_turn_server_trains_on_the_servers_token
             run_train(
                 parse_train_args(
                     flags(
-                        {"--model": vlm, "--vllm_server_port": server.port, "--output_dir": tmp_path / "out"},
-                        "--dataset builtin:colours --vllm_mode server --vllm_server_host 127.0.0.1 --max_steps 1",
-                        "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
-                        "--torch_dtype float32 --beta 0 --save_steps 100 --save_final_model false",
-                        "--disable_tqdm true --rollout_importance_sampling_mode token_truncate",
-                        "--vllm_server_timeout 120",
+                        {"--model": vlm, "--output_dir": tmp_path / "out"},
+                        server_flags(server.port, 120),
+                        "--dataset builtin:colours --max_steps 1 --num_generations 2",
+                        "--per_device_train_batch_size 4 --max_completion_length 4 --torch_dtype float32 --beta 0",
+                        "--save_steps 100 --save_final_model false --disable_tqdm true",
+                        "--rollout_importance_sampling_mode token_truncate",
                     )
                 )
             )

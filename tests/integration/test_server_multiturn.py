@@ -11,7 +11,7 @@ import textwrap
 
 import httpx
 import pytest
-from support import flags, write_jsonl
+from support import flags, server_flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
@@ -111,10 +111,10 @@ def _train_args(server, tmp_path, *extra):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     return flags(
         {"--model": server.model, "--dataset": data, "--output_dir": tmp_path / "out"},
-        {"--vllm_server_port": server.port},
+        server_flags(server.port, 60),
         "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
-        "--max_completion_length 4 --beta 0 --reward_funcs format --vllm_mode server --vllm_server_host 127.0.0.1",
-        "--vllm_server_timeout 60 --disable_tqdm true --plots false --save_final_model false",
+        "--max_completion_length 4 --beta 0 --reward_funcs format --disable_tqdm true --plots false",
+        "--save_final_model false",
         *extra,
     )
 

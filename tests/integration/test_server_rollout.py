@@ -9,7 +9,7 @@ import copy
 import httpx
 import pytest
 import torch
-from support import flags
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
@@ -114,10 +114,11 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path, one_tor
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     cfg = parse_train_args(
         flags(
-            {"--model": tiny, "--vllm_server_port": server.port, "--output_dir": tmp_path / "out"},
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --vllm_mode server",
-            "--vllm_server_host 127.0.0.1 --max_steps 3 --num_generations 4 --per_device_train_batch_size 8",
-            "--max_completion_length 8 --save_final_model false --vllm_server_timeout 60",
+            {"--model": tiny, "--output_dir": tmp_path / "out"},
+            server_flags(server.port, 60),
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 3",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
+            "--save_final_model false",
         )
     )
     trainer = run_train(cfg)  # closes its client (and the server's sync group) at the end
@@ -140,11 +141,11 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
     out = tmp_path / "async"
     cfg = parse_train_args(
         flags(
-            {"--model": tiny, "--vllm_server_port": server.port, "--output_dir": out},
-            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --vllm_mode server",
-            "--vllm_server_host 127.0.0.1 --max_steps 4 --num_generations 4 --per_device_train_batch_size 8",
-            "--max_completion_length 8 --save_final_model false --save_steps 2 --vllm_server_timeout 60",
-            "--async_generate true --log_completions true",
+            {"--model": tiny, "--output_dir": out},
+            server_flags(server.port, 60),
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 4",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
+            "--save_final_model false --save_steps 2 --async_generate true --log_completions true",
         )
     )
     trainer = run_train(cfg)

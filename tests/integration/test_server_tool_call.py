@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from support import flags, write_jsonl
+from support import flags, server_flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.trainers.factory import TrainerFactory
@@ -87,10 +87,9 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
                 parse_train_args(
                     flags(
                         {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
-                        {"--vllm_server_port": server.port},
+                        server_flags(server.port, 60),
                         "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
                         "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --reward_funcs format",
-                        "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 60",
                         "--disable_tqdm true --plots false --save_final_model false",
                     )
                 )

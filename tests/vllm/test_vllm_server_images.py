@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import QUIET, flags
+from support import QUIET, flags, server_flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.protocol import RequestConfig, RolloutInferRequest
@@ -185,10 +185,11 @@ def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_pa
             trainer = run_train(
                 parse_train_args(
                     flags(
-                        {"--model": idefics3, "--vllm_server_port": server.port, "--output_dir": tmp_path / "out"},
+                        {"--model": idefics3, "--output_dir": tmp_path / "out"},
+                        server_flags(server.port, 300),
                         "--dataset builtin:colours --reward_funcs test_two_images --torch_dtype float32 --beta 0",
                         "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
-                        "--max_steps 1 --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 300",
+                        "--max_steps 1",
                         QUIET,
                     )
                 )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import QUIET, VLLM_COLOCATE, flags
+from support import QUIET, VLLM_COLOCATE, flags, server_flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.transformers_engine import TransformersEngine
@@ -194,10 +194,7 @@ def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
             _args(
                 tiny128,
                 out,
-                *flags(
-                    {"--vllm_server_port": server.port},
-                    "--vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_timeout 120",
-                ),
+                *flags(server_flags(server.port, 120)),
             )
         )
         trainer = run_train(cfg)  # closes its client at the end
