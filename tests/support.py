@@ -42,13 +42,16 @@ VLLM_COLOCATE = {
 
 
 def flags(*parts) -> list[str]:
-    """A command line from ``parts``, in order: a dict gives option, value pairs; a string that starts with ``--``
-    and holds white space gives its words (``"--max_steps 2 --beta 0"``); anything else (a path, a number, a
-    string with spaces that is one value) is one argument. A later option wins where the parser sees it twice."""
+    """A command line from ``parts``, in order: a dict gives option, value pairs; a list or tuple its items; a string
+    that starts with ``--`` and holds white space gives its words (``"--max_steps 2 --beta 0"``); anything else (a
+    path, a number, a string with spaces that is one value) is one argument. A later option wins where the parser
+    sees it twice."""
     out: list[str] = []
     for part in parts:
         if isinstance(part, dict):
             out += [str(x) for pair in part.items() for x in pair]
+        elif isinstance(part, (list, tuple)):
+            out += [str(x) for x in part]
         elif isinstance(part, str) and part.startswith("--") and part.split() != [part]:
             out += part.split()
         else:

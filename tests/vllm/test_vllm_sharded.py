@@ -93,18 +93,7 @@ PLUGIN = textwrap.dedent('''
 
     TrainerFactory.TRAINER_MAPPING["grpo"] = "vllm_sharded_plugin.SyncCheck"
 ''')
-LORA = (
-    "--tuner_type",
-    "lora",
-    "--lora_rank",
-    "4",
-    "--lora_alpha",
-    "8",
-    "--target_modules",
-    "all-linear",
-    "--learning_rate",
-    "3e-2",
-)
+LORA = flags("--tuner_type lora --lora_rank 4 --lora_alpha 8 --target_modules all-linear --learning_rate 3e-2")
 
 
 def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[list[dict]]:
