@@ -20,6 +20,7 @@ Environment variables for the test run:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -35,7 +36,6 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from support import write_jsonl  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -337,6 +337,13 @@ def tiny_rm_dir(tmp_path_factory) -> Path:
     from grpokit.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_rm") / "rm", seq_cls=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as JSON lines at ``path`` (support.write_jsonl's twin: tests copy this file alone into a folder of
+    their own and run it there, so it imports nothing from tests/)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 @pytest.fixture(scope="module")
