@@ -340,8 +340,21 @@ def tiny_rm_dir(tmp_path_factory) -> Path:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as JSON lines at ``path`` (support.write_jsonl's twin: tests copy this file alone into a folder of
+    their own and run it there, so it imports nothing from tests/)."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory):
+    """(folder, model, tokenizer) of a tiny reward model of the module's own, loaded by grpokit's loader."""
+    from grpokit.rewards import load_reward_model
+    from grpokit.testing import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("rm"), seq_cls=True)
+    model, tokenizer = load_reward_model(str(path))
+    return path, model, tokenizer
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import flags, tiny_run_on_rows
 
 pytestmark = [pytest.mark.agents_env, pytest.mark.slow]
 
@@ -52,52 +53,8 @@ PLUGIN = textwrap.dedent('''
 
 
 def _train(model_dir: Path, tmp_path: Path, rows: list[dict], extra: list[str]):
-    from grpokit.config.parse import parse_train_args
-    from grpokit.pipeline.train import run_train
-
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    cfg = parse_train_args(
-        [
-            "--model",
-            str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "12",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--log_completions",
-            "true",
-            *extra,
-        ]
-    )
-    trainer = run_train(cfg)
-    logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-    return trainer, [r for r in logs if "loss" in r], out
+    mine = "--num_generations 2 --max_completion_length 12 --seed 0 --log_completions true"
+    return tiny_run_on_rows(model_dir, rows, tmp_path, mine, *extra)
 
 
 def test_an_openenv_environment_trains_in_process(tiny_model_dir, tmp_path):
@@ -116,18 +73,11 @@ def test_an_openenv_environment_trains_in_process(tiny_model_dir, tmp_path):
         tiny_model_dir,
         tmp_path,
         rows,
-        [
-            "--multi_turn_scheduler",
-            "OpenEnvScheduler",
-            "--openenv_env",
-            "openenv_plugin:LengthEnv",
-            "--max_turns",
-            "3",
-            "--reward_funcs",
-            "format",
-            "--external_plugins",
-            str(plugin),
-        ],
+        flags(
+            {"--external_plugins": plugin},
+            "--multi_turn_scheduler OpenEnvScheduler --openenv_env openenv_plugin:LengthEnv --max_turns 3",
+            "--reward_funcs format",
+        ),
     )
     assert trainer.state.global_step == 2 and len(logs) == 2
     assert trainer.reward_names == ["format", "gym_reward"]

@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import flags
 
 pytestmark = [pytest.mark.agents_env, pytest.mark.slow]
 
@@ -152,44 +153,13 @@ def _train(model_dir: Path, tmp_path: Path, plugin: Path, spec: str):
 
     out = tmp_path / "out"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--output_dir",
-            str(out),
-            "--max_steps",
-            "2",
-            "--verifiers_env",
-            spec,
-            "--external_plugins",
-            str(plugin),
-            "--reward_funcs",
-            "format",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--log_completions",
-            "true",
-        ]
+        flags(
+            {"--model": model_dir, "--output_dir": out, "--verifiers_env": spec, "--external_plugins": plugin},
+            "--tuner_type full --max_steps 2 --reward_funcs format --num_generations 2",
+            "--per_device_train_batch_size 4 --max_completion_length 8 --learning_rate 1e-3 --beta 0",
+            "--torch_dtype float32 --seed 0 --disable_tqdm true --plots false --save_final_model false",
+            "--log_completions true",
+        )
     )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

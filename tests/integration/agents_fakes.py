@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from support import write_jsonl
 
 from grpokit.agents.engine import CANCEL, PROMPT_IDS
 from grpokit.engines.base import InferEngine
@@ -65,8 +66,7 @@ def agent_run_argv(model_dir: Path, tmp_path: Path, plugin: str, agent: str, ste
         }
         for a, b in ((2, 3), (4, 5), (6, 7), (8, 9))
     ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     path = tmp_path / f"{agent}_plugin.py"
     path.write_text(plugin)
     out = tmp_path / "out"

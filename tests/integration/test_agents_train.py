@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from agents_fakes import agent_run_argv
+from support import grpo_trainer_class
 
-from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -96,11 +96,9 @@ class RecordingTrainer(GRPOTrainer):
 
 @pytest.fixture
 def recording_trainer():
-    saved = TrainerFactory.TRAINER_MAPPING["grpo"]
-    TrainerFactory.TRAINER_MAPPING["grpo"] = RecordingTrainer
     RecordingTrainer.windows = []
-    yield RecordingTrainer
-    TrainerFactory.TRAINER_MAPPING["grpo"] = saved
+    with grpo_trainer_class(RecordingTrainer):
+        yield RecordingTrainer
 
 
 def _train(model_dir: Path, tmp_path: Path, plugin: str, agent: str, steps: int):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_losses_combos import CLIP_KEYS, PPO_CLIP_KEYS, reference_loss  # noqa: E402 (the unit tests' formula)
@@ -69,43 +70,13 @@ def _train(tiny_model_dir, math_jsonl, out, plugin, extra):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
 
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "short_is_good",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--seed",
-        "1",
+    args = flags(
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --reward_funcs short_is_good --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
+        "--torch_dtype float32 --disable_tqdm true --plots false --save_final_model false --seed 1",
         *extra,
-    ]
+    )
     trainer = run_train(parse_train_args(args))
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, rows
@@ -157,7 +128,7 @@ def test_loss_types_train_on_the_trainers_tensors(
         math_jsonl,
         tmp_path / "run",
         plugin,
-        ["--loss_type", loss_type, "--importance_sampling_level", level, "--beta", "0.04", "--stop_words", "e"],
+        flags({"--loss_type": loss_type, "--importance_sampling_level": level}, "--beta 0.04 --stop_words e"),
     )
     cfg = trainer.loss_cfg
     assert (cfg.loss_type, cfg.importance_sampling_level, cfg.beta) == (loss_type, level, 0.04)
@@ -201,18 +172,9 @@ def test_dynamic_sampling_resamples_groups_without_signal(
         math_jsonl,
         out,
         plugin,
-        [
-            "--reward_funcs",
-            reward,
-            "--dynamic_sample",
-            "true",
-            "--max_resample_times",
-            "2",
-            "--beta",
-            "0",
-            "--log_completions",
-            "true",
-        ],
+        flags(
+            {"--reward_funcs": reward}, "--dynamic_sample true --max_resample_times 2 --beta 0 --log_completions true"
+        ),
     )
     assert trainer.reward_runner.funcs[0].draws == draws  # one window, then a rollout per resampling round
     assert trainer.state.prompts_consumed == 2 * draws  # each round drew the next window's 2 prompts
@@ -259,7 +221,7 @@ def test_kl_in_reward_moves_kl_out_of_the_loss(tiny_model_dir, math_jsonl, tmp_p
         math_jsonl,
         tmp_path / "klr",
         plugin,
-        ["--kl_in_reward", "true", "--beta", "0.1", "--steps_per_generation", "1"],
+        flags("--kl_in_reward true --beta 0.1 --steps_per_generation 1"),
     )
     assert trainer.loss_cfg.beta == 0.0 and trainer.cfg.algorithm.beta == 0.1
     assert trainer.ref_model is not None  # kept for the penalty
@@ -282,22 +244,10 @@ def test_off_policy_iterations_and_ref_sync(tiny_model_dir, math_jsonl, tmp_path
         math_jsonl,
         tmp_path / "mu",
         plugin,
-        [
-            "--num_iterations",
-            "2",
-            "--beta",
-            "0.04",
-            "--sync_ref_model",
-            "true",
-            "--ref_model_sync_steps",
-            "1",
-            "--ref_model_mixup_alpha",
-            "0.5",
-            "--epsilon",
-            "0.1",
-            "--max_steps",
-            "4",
-        ],
+        flags(
+            "--num_iterations 2 --beta 0.04 --sync_ref_model true --ref_model_sync_steps 1",
+            "--ref_model_mixup_alpha 0.5 --epsilon 0.1 --max_steps 4",
+        ),
     )
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # with μ = 2 the policy moves inside a window; a large lr pushes some ratios out of the clip range
@@ -362,18 +312,10 @@ def test_off_policy_sequence_mask_in_the_trainer(tiny_model_dir, math_jsonl, tmp
         math_jsonl,
         tmp_path / "run",
         plugin,
-        [
-            "--off_policy_sequence_mask_delta",
-            str(delta),
-            "--beta",
-            "0",
-            "--stop_words",
-            "e",
-            "--steps_per_generation",
-            "1",
-            "--num_iterations",
-            "2",
-        ],
+        flags(
+            {"--off_policy_sequence_mask_delta": delta},
+            "--beta 0 --stop_words e --steps_per_generation 1 --num_iterations 2",
+        ),
     )
     assert [r["step"] for r in rows] == [1, 2] and len(micro_steps) == 2
     for row, step in zip(rows, micro_steps, strict=True):
@@ -400,7 +342,7 @@ def test_real_loss_in_the_trainer(tiny_model_dir, math_jsonl, tmp_path, plugin, 
         math_jsonl,
         tmp_path / "run",
         plugin,
-        ["--loss_type", "real", "--beta", "0.04", "--stop_words", "e"],
+        flags("--loss_type real --beta 0.04 --stop_words e"),
     )
     assert (trainer.loss_cfg.num_generations, trainer.loss_cfg.real_tau) == (4, 0.5)
     assert trainer.cfg.algorithm.scale_rewards == "none"

@@ -39,6 +39,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_process import run_grpokit
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 pytestmark = pytest.mark.slow
@@ -147,8 +148,7 @@ TIMES: dict[str, list[float]] = {}
 def setup(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("async_resume")
     rows = [{"query": f"Q{i}: what is {i} + {i % 5}?", "solution": str(i + i % 5)} for i in range(PROMPTS)]
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(root / "prompts.jsonl", rows)
     plugin = root / "resume_plugin.py"
     plugin.write_text(PLUGIN)
     t0 = time.perf_counter()
@@ -169,63 +169,22 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 
 def _args(s: SimpleNamespace, out: Path, k: int, extra: list[str]) -> list[str]:
-    return [
+    return flags(
         "train",
-        "--model",
-        str(s.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(s.data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(s.plugin),
-        "--reward_funcs",
-        "resume_even_length",
-        "--callbacks",
-        "resume_kill",
-        "resume_kill_mid_step",
-        "--vllm_mode",
-        "server",
-        "--vllm_server_host",
-        "127.0.0.1",
-        "--vllm_server_port",
-        str(s.port),
-        "--vllm_server_timeout",
-        "60",
-        "--max_staleness",
-        str(k),
-        "--num_generations",
-        str(GENERATIONS),
-        "--per_device_train_batch_size",
-        str(PER_STEP * GENERATIONS),
-        "--num_train_epochs",
-        "1",
-        "--max_completion_length",
-        "8",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--seed",
-        "5",
-        "--save_steps",
-        "2",
-        "--log_completions",
-        "true",
-        "--logging_steps",
-        "1",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--resume_from_checkpoint",
-        "latest",
+        {"--model": s.model},
+        "--tuner_type full",
+        {"--dataset": s.data, "--output_dir": out, "--external_plugins": s.plugin},
+        "--reward_funcs resume_even_length --callbacks resume_kill resume_kill_mid_step --vllm_mode server",
+        "--vllm_server_host 127.0.0.1",
+        {"--vllm_server_port": s.port},
+        "--vllm_server_timeout 60",
+        {"--max_staleness": k, "--num_generations": GENERATIONS},
+        {"--per_device_train_batch_size": PER_STEP * GENERATIONS},
+        "--num_train_epochs 1 --max_completion_length 8 --learning_rate 1e-3 --torch_dtype float32 --seed 5",
+        "--save_steps 2 --log_completions true --logging_steps 1 --disable_tqdm true --plots false",
+        "--save_final_model false --resume_from_checkpoint latest",
         *extra,
-    ]
+    )
 
 
 def _launch(s, out: Path, k: int, kill: str, mode: str, extra: list[str]):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
@@ -35,53 +36,18 @@ def tiny(tiny_model_dir):
 
 
 def _train(tiny, out, *extra: str, port: int | None = None):
-    server = (
-        []
-        if port is None
-        else [
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(port),
-            "--vllm_server_timeout",
-            "60",
-        ]
-    )
+    server = [] if port is None else flags(server_flags(port, 60))
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "async_test_even_length",
+        flags(
+            {"--model": tiny},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs async_test_even_length",
             *server,
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--save_steps",
-            "100",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "3",
-            "--log_completions",
-            "true",
-            "--plots",
-            "false",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
+            {"--output_dir": out},
+            "--save_final_model false --save_steps 100 --torch_dtype float32 --seed 3 --log_completions true",
+            "--plots false",
             *extra,
-        ]
+        )
     )
     trainer = run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from support import flags, shorter_reward_plugin, write_jsonl
 
 from grpokit.algorithms import chord_mu
 
@@ -24,15 +25,7 @@ EXPERT = [
     for a in range(2, 6)
     for b in range(2, 4)
 ]
-PLUGIN = textwrap.dedent("""
-    from grpokit.rewards import ORM, orms
-
-    class ShortIsGood(ORM):
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['chord_short_is_good'] = ShortIsGood
-""")
+PLUGIN = shorter_reward_plugin("chord_short_is_good")
 
 
 def _train(tiny_model_dir, math_jsonl, sft, out, extra):
@@ -41,47 +34,15 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
 
     plugin = sft.parent / "chord_plugin.py"
     plugin.write_text(PLUGIN)
-    args = [
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "chord_short_is_good",
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--seed",
-        "1",
-        "--chord_sft_dataset",
-        str(sft),
-        "--chord_sft_per_device_train_batch_size",
-        "2",
+    args = flags(
+        {"--external_plugins": plugin, "--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out},
+        {"--chord_sft_dataset": sft},
+        "--reward_funcs chord_short_is_good --tuner_type full --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 2 --learning_rate 1e-3",
+        "--torch_dtype float32 --disable_tqdm true --plots false --save_final_model false --seed 1",
+        "--chord_sft_per_device_train_batch_size 2",
         *extra,
-    ]
+    )
     trainer = run_train(parse_train_args(args))
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return trainer, [r for r in rows if "loss" in r]
@@ -89,8 +50,7 @@ def _train(tiny_model_dir, math_jsonl, sft, out, extra):
 
 @pytest.fixture
 def sft(tmp_path):
-    path = tmp_path / "expert.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in EXPERT))
+    path = write_jsonl(tmp_path / "expert.jsonl", EXPERT)
     return path
 
 
@@ -179,22 +139,10 @@ def test_mu_schedule_phi_and_resume_continue_the_sft_rows(
     tiny_model_dir, math_jsonl, sft, tmp_path, mixes, monkeypatch
 ):
     _bind_policy(monkeypatch)
-    schedule = [
-        "--chord_mu_warmup_steps",
-        "1",
-        "--chord_mu_decay_steps",
-        "2",
-        "--chord_mu_peak",
-        "0.8",
-        "--chord_mu_valley",
-        "0.2",
-        "--chord_enable_phi_function",
-        "true",
-        "--max_steps",
-        "3",
-        "--save_steps",
-        "2",
-    ]
+    schedule = flags(
+        "--chord_mu_warmup_steps 1 --chord_mu_decay_steps 2 --chord_mu_peak 0.8 --chord_mu_valley 0.2",
+        "--chord_enable_phi_function true --max_steps 3 --save_steps 2",
+    )
     _, logged = _train(tiny_model_dir, math_jsonl, sft, tmp_path / "out", schedule)
     # one micro-step per optimizer step; step 0: warm-up 0/1 → mu 0 (no SFT rows drawn); step 1: peak 0.8;
     # step 2: 0.2 + 0.6 * (1 + cos(pi/2)) / 2 = 0.5
@@ -243,48 +191,14 @@ def test_under_ddp_each_process_trains_on_its_own_sft_rows(tiny_model_dir, math_
     plugin = tmp_path / "chord_dump_plugin.py"
     plugin.write_text(DUMP_PLUGIN)
     out, dump = tmp_path / "out", tmp_path / "dump"
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "chord_short_is_good",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--torch_dtype",
-        "float32",
-        "--use_cpu",
-        "true",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--dataset_shuffle",
-        "false",
-        "--chord_sft_dataset",
-        str(sft),
-        "--chord_sft_per_device_train_batch_size",
-        "1",
-        "--chord_mu_peak",
-        "0.5",
-        "--chord_mu_valley",
-        "0.5",
-    ]
+    args = flags(
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        {"--chord_sft_dataset": sft},
+        "--tuner_type full --reward_funcs chord_short_is_good --num_generations 4 --per_device_train_batch_size 4",
+        "--max_completion_length 8 --max_steps 2 --torch_dtype float32 --use_cpu true --disable_tqdm true",
+        "--plots false --save_final_model false --dataset_shuffle false --chord_sft_per_device_train_batch_size 1",
+        "--chord_mu_peak 0.5 --chord_mu_valley 0.5",
+    )
     _torchrun(args, dump)
     ranks = [
         [json.loads(line)["rows"] for line in (dump / f"chord_rank{r}.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import run_grpokit
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -64,33 +65,17 @@ def visible_lines(stderr: str) -> list[str]:
 
 
 def run_train_cli(model_dir: Path, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
-    args = [
+    args = flags(
         "--model",
         str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        "builtin:countdown#8",
+        "--tuner_type full --dataset builtin:countdown#8",
         "--output_dir",
         str(out),
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "2",
-        "--max_completion_length",
-        "4",
-        "--max_steps",
-        "1",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--save_final_model",
-        "false",
-        "--plots",
-        "false",
+        "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 4",
+        "--max_steps 1 --beta 0 --torch_dtype float32 --save_final_model false",
+        "--plots false",
         *extra,
-    ]
+    )
     return run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import flags, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +27,7 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         for a in range(1, 5)
         for b in range(1, 3)
     ]
-    data = tmp_path / "swift.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "swift.jsonl", rows)
     (tmp_path / "system.txt").write_text("You are a calculator.")
     seen: list[tuple[list[dict], int]] = []
     encode_output = ChatTemplate.encode_output
@@ -38,46 +38,14 @@ def test_swift_dataset_options_train_and_cut_prompts(tiny_model_dir, tmp_path, m
         return sample
 
     monkeypatch.setattr(ChatTemplate, "encode_output", spy)
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--columns",
-        '{"q": "question"}',
-        "--system",
-        str(tmp_path / "system.txt"),
-        "--agent_template",
-        "hermes",
-        "--max_length",
-        "48",
-        "--truncation_strategy",
-        "left",
-        "--dataset_num_proc",
-        "1",
-        "--load_from_cache_file",
-        "false",
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "4",
-        "--max_steps",
-        "2",
-        "--torch_dtype",
-        "float32",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-    ]
+    args = flags(
+        {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
+        {"--columns": '{"q": "question"}', "--system": tmp_path / "system.txt"},
+        "--tuner_type full --agent_template hermes --max_length 48 --truncation_strategy left --dataset_num_proc 1",
+        "--load_from_cache_file false --num_generations 2 --per_device_train_batch_size 4",
+        "--max_completion_length 4 --max_steps 2 --torch_dtype float32 --disable_tqdm true --plots false",
+        "--save_final_model false",
+    )
     trainer = run_train(parse_train_args(args))
     assert trainer.state.global_step == 2 and seen
     for messages, n_prompt in seen:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import flags, write_jsonl
 from tiny_runs import tiny_run
 
 from grpokit.modeling import load_causal_lm
@@ -56,8 +57,7 @@ def rows_jsonl(tmp_path_factory) -> Path:
         for a in range(1, 5)
         for b in range(1, 5)
     ]
-    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl", rows)
     return path
 
 
@@ -68,16 +68,10 @@ def _metric(rows: list[dict], key: str) -> list[float]:
 CASES = {
     "in_process": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
     "server": lambda t, s, url: ["--teacher_model_server", url, "--reward_funcs", "accuracy"],
-    "two_teachers_by_tag": lambda t, s, url: [
-        "--teacher_model",
-        json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}]),
-        "--reward_funcs",
-        "accuracy",
-        "--per_device_train_batch_size",
-        "8",
-        "--dataset_shuffle",
-        "false",
-    ],
+    "two_teachers_by_tag": lambda t, s, url: flags(
+        {"--teacher_model": json.dumps([{"model": str(t), "tags": ["a"]}, {"model": str(s), "tags": ["b"]}])},
+        "--reward_funcs accuracy --per_device_train_batch_size 8 --dataset_shuffle false",
+    ),
     "teacher_prompt": lambda t, s, url: ["--teacher_model", str(t), "--reward_funcs", "accuracy"],
     "lora_base_as_teacher": lambda t, s, url: [
         "--tuner_type",

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
+from support import flags, run_inputs
 
 from grpokit.errors import ConfigError
 
@@ -163,43 +164,14 @@ def _one_process(args: list[str], dump: Path) -> None:
 
 
 def _args(model: Path, data: Path, out: Path, plugin: Path, batch: int, *extra: str) -> list[str]:
-    return [
-        "--model",
-        str(model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "token_reward",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        str(batch),
-        "--max_completion_length",
-        "16",
-        "--torch_dtype",
-        "float32",
-        "--use_cpu",
-        "true",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "0",
-        "--disable_tqdm",
-        "true",
-        "--dataset_shuffle",
-        "false",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
+    return flags(
+        {"--model": model, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+        {"--per_device_train_batch_size": batch},
+        "--tuner_type full --reward_funcs token_reward --num_generations 4 --max_completion_length 16",
+        "--torch_dtype float32 --use_cpu true --logging_steps 1 --seed 0 --disable_tqdm true",
+        "--dataset_shuffle false --plots false --save_final_model false",
         *extra,
-    ]
+    )
 
 
 def _dumps(dump: Path, nproc: int) -> list[list[dict]]:
@@ -227,16 +199,11 @@ def make_setup(root: Path, plugin_text: str = PLUGIN) -> SimpleNamespace:
     """The tiny model (and its initial weights), a 16-row dataset and the plugin file, under root."""
     from grpokit.testing import build_tiny_model
 
-    model = build_tiny_model(root / "model")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "dist_plugin.py"
-    plugin.write_text(plugin_text)
+    found = run_inputs(root, build_tiny_model(root / "model"), plugin_text, "dist_plugin.py")
     from transformers import AutoModelForCausalLM
 
-    initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters()}
-    return SimpleNamespace(root=root, model=model, data=data, plugin=plugin, initial=initial)
+    found.initial = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(found.model).named_parameters()}
+    return found
 
 
 @pytest.fixture(scope="module")

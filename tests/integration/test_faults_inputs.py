@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import run_grpokit
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -75,33 +76,17 @@ def train(
     model: Path, out: Path, extra: list[str], *, prefix: list[str] | None = None, timeout: float = 300,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:  # fmt: skip
-    args = [
+    args = flags(
         "--model",
         str(model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        "builtin:countdown#8",
+        "--tuner_type full --dataset builtin:countdown#8",
         "--output_dir",
         str(out),
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "2",
-        "--max_completion_length",
-        "4",
-        "--max_steps",
-        "1",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--save_final_model",
-        "false",
-        "--plots",
-        "false",
+        "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 4",
+        "--max_steps 1 --beta 0 --torch_dtype float32 --save_final_model false",
+        "--plots false",
         *extra,
-    ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not prefix:  # a process forked from the test process's zygote (cli_process.py): no interpreter start-up
         return run_grpokit(["train", *args], env=env, timeout=timeout, cwd=str(cwd) if cwd else None)
@@ -165,16 +150,7 @@ def test_sys_exit_in_a_reward_is_a_reward_error_not_a_clean_exit(tiny_model_dir,
     res = train(
         tiny_model_dir,
         tmp_path / "out",
-        [
-            "--external_plugins",
-            str(plugin),
-            "--reward_funcs",
-            "exits",
-            "--max_steps",
-            "2",
-            "--save_final_model",
-            "true",
-        ],
+        flags({"--external_plugins": plugin}, "--reward_funcs exits --max_steps 2 --save_final_model true"),
     )
     assert_one_error_line(res, "reward 'exits' raised SystemExit: exit status 0; a reward must return scores")
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -187,20 +163,10 @@ def test_a_score_beyond_float32_is_refused(tiny_model_dir, plugin, tmp_path):
 
 # --- NaN --------------------------------------------------------------------------------------------------------------
 
-DIVERGE = [
-    "--reward_funcs",
-    "spread",
-    "--num_generations",
-    "4",
-    "--per_device_train_batch_size",
-    "4",
-    "--max_completion_length",
-    "8",
-    "--learning_rate",
-    "1e10",
-    "--max_steps",
-    "6",
-]
+DIVERGE = flags(
+    "--reward_funcs spread --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 8",
+    "--learning_rate 1e10 --max_steps 6",
+)
 
 
 def steps_logged(out: Path) -> list[dict]:

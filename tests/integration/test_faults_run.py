@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from cli_process import StartedGrpokit, run_grpokit, run_grpokit_ranks
+from support import flags, run_inputs
 
 from grpokit.runs.run_dir import RunLock
 
@@ -84,59 +85,18 @@ WALL_CLOCK = ("timing/", "async/")
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
-    root = tmp_path_factory.mktemp("faults")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "faults_plugin.py"
-    plugin.write_text(PLUGIN)
-    return SimpleNamespace(root=root, model=tiny_model_dir, data=data, plugin=plugin)
+    return run_inputs(tmp_path_factory.mktemp("faults"), tiny_model_dir, PLUGIN, "faults_plugin.py")
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model",
-        str(s.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(s.data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(s.plugin),
-        "--reward_funcs",
-        "len_reward",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "6",
-        "--learning_rate",
-        "1e-2",
-        "--torch_dtype",
-        "float32",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "7",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--save_steps",
-        "100",
-        "--log_completions",
-        "true",
+    return flags(
+        {"--model": s.model, "--dataset": s.data, "--output_dir": out, "--external_plugins": s.plugin},
+        "--tuner_type full --reward_funcs len_reward --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --max_steps 6 --learning_rate 1e-2",
+        "--torch_dtype float32 --logging_steps 1 --seed 7 --disable_tqdm true --plots false",
+        "--save_final_model false --save_steps 100 --log_completions true",
         *extra,
-    ]
+    )
 
 
 def _env(**extra: str) -> dict:
@@ -365,7 +325,7 @@ def test_corrupt_optimizer_file_is_one_line_naming_it(setup, reference):
     out = _copy_reference(reference, setup, "corrupt_optimizer")
     optimizer = out / "checkpoint-6" / "state" / "optimizer.bin"
     optimizer.write_bytes(b"\x00garbage" * (optimizer.stat().st_size // 8) + b"\0" * (optimizer.stat().st_size % 8))
-    res = _cli(_args(setup, out, "--save_steps", "3", "--resume_from_checkpoint", "latest", "--max_steps", "8"))
+    res = _cli(_args(setup, out, *flags("--save_steps 3 --resume_from_checkpoint latest --max_steps 8")))
     assert res.returncode == 2
     line = _one_error_line(res.stderr, "optimizer.bin", "unreadable")
     assert "random_states" not in line
@@ -443,14 +403,7 @@ def test_resume_with_other_options_is_refused_or_warned(setup, reference):
         _args(
             setup,
             out,
-            "--save_steps",
-            "3",
-            "--resume_from_checkpoint",
-            "latest",
-            "--seed",
-            "8",
-            "--num_generations",
-            "2",
+            *flags("--save_steps 3 --resume_from_checkpoint latest --seed 8 --num_generations 2"),
         )
     )
     assert res.returncode == 2
@@ -547,14 +500,7 @@ def test_save_total_limit_minus_one_keeps_everything(setup):
             _args(
                 setup,
                 out,
-                "--save_steps",
-                "2",
-                "--save_total_limit",
-                "-1",
-                "--save_final_model",
-                "true",
-                "--learning_rate",
-                "3e-7",
+                *flags("--save_steps 2 --save_total_limit -1 --save_final_model true --learning_rate 3e-7"),
             )
         )
     )

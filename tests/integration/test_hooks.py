@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -70,40 +71,12 @@ def test_every_documented_hook_takes_effect(tiny_model_dir, math_jsonl, tmp_path
         # before training; the first trains with the window's own policy and needs none
         trainer = run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(tiny_model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(math_jsonl),
-                    "--output_dir",
-                    str(out),
-                    "--reward_funcs",
-                    "accuracy",
-                    "--num_generations",
-                    "4",
-                    "--per_device_train_batch_size",
-                    "4",
-                    "--steps_per_generation",
-                    "2",
-                    "--max_steps",
-                    "2",
-                    "--max_completion_length",
-                    "8",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--logging_steps",
-                    "1",
-                    "--save_steps",
-                    "100",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                ]
+                flags(
+                    {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out},
+                    "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 4",
+                    "--steps_per_generation 2 --max_steps 2 --max_completion_length 8 --beta 0",
+                    "--torch_dtype float32 --logging_steps 1 --save_steps 100 --seed 0 --disable_tqdm true",
+                )
             )
         )
     finally:

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 from cli_process import run_grpokit
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -58,25 +59,11 @@ def test_infer_scores_a_model_and_writes_completions(tiny_model_dir, math_jsonl,
     plugin.write_text(SCORING_PLUGIN)
     out = tmp_path / "scores.jsonl"
     res = _infer(
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(math_jsonl),
-        "--limit",
-        "6",
-        "--max_new_tokens",
-        "6",
-        "--batch_size",
-        "4",
-        "--output",
-        str(out),
-        "--torch_dtype",
-        "float32",
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "solution_value",
-        "completion_chars",
+        *flags(
+            {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output": out, "--external_plugins": plugin},
+            "--limit 6 --max_new_tokens 6 --batch_size 4 --torch_dtype float32",
+            "--reward_funcs solution_value completion_chars",
+        ),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     summary, *rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -134,20 +121,10 @@ def test_infer_greedy_completions_equal_hf_generate_on_each_prompt_alone(varied_
     the text HF generate gives for that prompt alone with the same greedy settings."""
     out = tmp_path / "completions.jsonl"
     res = _infer(
-        "--model",
-        str(varied_model_dir),
-        "--dataset",
-        str(math_jsonl),
-        "--limit",
-        "4",
-        "--max_new_tokens",
-        "8",
-        "--output",
-        str(out),
-        "--fast_decode",
-        fast,
-        "--torch_dtype",
-        "float32",
+        *flags(
+            {"--model": varied_model_dir, "--dataset": math_jsonl, "--output": out, "--fast_decode": fast},
+            "--limit 4 --max_new_tokens 8 --torch_dtype float32",
+        ),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()][1:]
@@ -164,34 +141,15 @@ def test_infer_loads_a_lora_adapter_folder(tiny_model_dir, math_jsonl, tmp_path)
     run = tmp_path / "lora"
     run_train(
         parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--dataset",
-                str(math_jsonl),
-                "--tuner_type",
-                "lora",
-                "--num_generations",
-                "2",
-                "--per_device_train_batch_size",
-                "4",
-                "--max_completion_length",
-                "4",
-                "--max_steps",
-                "1",
-                "--output_dir",
-                str(run),
-                "--beta",
-                "0",
-                "--disable_tqdm",
-                "true",
-            ]
+            flags(
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": run},
+                "--tuner_type lora --num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
+                "--max_steps 1 --beta 0 --disable_tqdm true",
+            )
         )
     )
     assert (run / "final_model" / "adapter_config.json").is_file()
-    res = _infer(
-        "--model", str(run / "final_model"), "--dataset", str(math_jsonl), "--limit", "2", "--max_new_tokens", "4"
-    )
+    res = _infer(*flags({"--model": run / "final_model", "--dataset": math_jsonl}, "--limit 2 --max_new_tokens 4"))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "2 prompts" in res.stdout
 

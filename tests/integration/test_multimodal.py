@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from support import flags, grpo_trainer_class
 
 pytestmark = pytest.mark.slow
 
@@ -46,57 +47,21 @@ def _image_dataset(tmp_path, rows: int = 6):
 def _train(model_dir, data, out, trainer_cls, extra=()):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers.factory import TrainerFactory
 
-    saved = dict(TrainerFactory.TRAINER_MAPPING)
-    TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
-    try:
+    with grpo_trainer_class(trainer_cls):
         return run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--reward_funcs",
-                    "external_r1v_acc",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "6",
-                    "--generation_batch_size",
-                    "6",
-                    "--max_steps",
-                    "1",
-                    "--max_completion_length",
-                    "6",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--save_steps",
-                    "100",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                    "--rollout_importance_sampling_mode",
-                    "token_truncate",
-                    "--loss_type",
-                    "grpo",
-                    "--dataset_shuffle",
-                    "false",
+                flags(
+                    {"--model": model_dir, "--dataset": data, "--output_dir": out},
+                    "--tuner_type full --reward_funcs external_r1v_acc --num_generations 2",
+                    "--per_device_train_batch_size 6 --generation_batch_size 6 --max_steps 1",
+                    "--max_completion_length 6 --beta 0 --torch_dtype float32 --save_steps 100 --seed 0",
+                    "--disable_tqdm true --rollout_importance_sampling_mode token_truncate --loss_type grpo",
+                    "--dataset_shuffle false",
                     *extra,
-                ]
+                )
             )
         )
-    finally:
-        TrainerFactory.TRAINER_MAPPING.clear()
-        TrainerFactory.TRAINER_MAPPING.update(saved)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -284,18 +249,10 @@ def test_a_text_only_model_given_images_fails_in_one_line(tiny_model_dir, tmp_pa
     with pytest.raises(ConfigError, match="a text-only model was given a dataset with images") as e:
         run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(tiny_model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(tmp_path / "o"),
-                    "--max_steps",
-                    "1",
-                ]
+                flags(
+                    {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "o"},
+                    "--tuner_type full --max_steps 1",
+                )
             )
         )
     assert "\n" not in str(e.value)  # the CLI prints a ConfigError as this one line

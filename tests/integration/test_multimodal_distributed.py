@@ -4,9 +4,8 @@ from test_distributed.py's deterministic plugin, so both layouts train on the sa
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from support import write_jsonl
 from test_distributed import PLUGIN, _args, _close, _dumps, _max_diff, _one_process, _params, _torchrun
 
 pytestmark = pytest.mark.slow
@@ -28,8 +27,7 @@ def test_two_processes_match_one_process_with_images(tmp_path):
             Image.new("RGB", (16, 12 + 4 * k), (40 * i % 256, 80 * k, 200 - 20 * i)).save(path)
             paths.append(str(path))
         rows.append({"query": "<image>" * len(paths) + f"What is {i} + 1?", "images": paths, "solution": str(i + 1)})
-    data = tmp_path / "mm.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "mm.jsonl", rows)
     plugin = tmp_path / "dist_plugin.py"
     plugin.write_text(PLUGIN)
     steps = (

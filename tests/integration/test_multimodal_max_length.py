@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -166,44 +167,15 @@ def test_a_left_cut_prompt_trains_and_its_logps_equal_the_engine(vlm_dirs, tmp_p
     try:
         run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(vlm_dirs["qwen2_vl"]),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(tmp_path / "out"),
-                    "--reward_funcs",
-                    "external_r1v_acc",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "6",
-                    "--generation_batch_size",
-                    "6",
-                    "--max_steps",
-                    "1",
-                    "--max_completion_length",
-                    "4",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--save_steps",
-                    "100",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                    "--rollout_importance_sampling_mode",
-                    "token_truncate",
-                    "--max_length",
-                    str(limit),
-                    "--truncation_strategy",
-                    "left",
-                ]
+                flags(
+                    {"--model": vlm_dirs["qwen2_vl"], "--dataset": data, "--output_dir": tmp_path / "out"},
+                    {"--max_length": limit},
+                    "--tuner_type full --reward_funcs external_r1v_acc --num_generations 2",
+                    "--per_device_train_batch_size 6 --generation_batch_size 6 --max_steps 1",
+                    "--max_completion_length 4 --beta 0 --torch_dtype float32 --save_steps 100 --seed 0",
+                    "--disable_tqdm true --rollout_importance_sampling_mode token_truncate",
+                    "--truncation_strategy left",
+                )
             )
         )
     finally:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from support import flags, grpo_trainer_class
 
 pytestmark = pytest.mark.slow
 
@@ -86,59 +87,21 @@ def _dataset(tmp_path, placeholders: int = 1, env: str = "test_colour_observatio
 def _train(model_dir, data, out, trainer_cls, steps: int = 2, extra: tuple = (), scheduler: str = "gym_scheduler"):
     from grpokit.config.parse import parse_train_args
     from grpokit.pipeline.train import run_train
-    from grpokit.trainers.factory import TrainerFactory
 
-    saved = dict(TrainerFactory.TRAINER_MAPPING)
-    TrainerFactory.TRAINER_MAPPING["grpo"] = trainer_cls
-    try:
+    with grpo_trainer_class(trainer_cls):
         return run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(model_dir),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--multi_turn_scheduler",
-                    scheduler,
-                    "--max_turns",
-                    "2",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "6",
-                    "--generation_batch_size",
-                    "6",
-                    "--max_steps",
-                    str(steps),
-                    "--max_completion_length",
-                    "5",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--save_steps",
-                    "100",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                    "--rollout_importance_sampling_mode",
-                    "token_truncate",
-                    "--loss_type",
-                    "grpo",
-                    "--learning_rate",
-                    "1e-3",
+                flags(
+                    {"--model": model_dir, "--dataset": data, "--output_dir": out},
+                    {"--multi_turn_scheduler": scheduler, "--max_steps": steps},
+                    "--tuner_type full --max_turns 2 --num_generations 2 --per_device_train_batch_size 6",
+                    "--generation_batch_size 6 --max_completion_length 5 --beta 0 --torch_dtype float32",
+                    "--save_steps 100 --seed 0 --disable_tqdm true",
+                    "--rollout_importance_sampling_mode token_truncate --loss_type grpo --learning_rate 1e-3",
                     *extra,
-                ]
+                )
             )
         )
-    finally:
-        TrainerFactory.TRAINER_MAPPING.clear()
-        TrainerFactory.TRAINER_MAPPING.update(saved)
 
 
 def _image_count(row) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import flags, padded_batch
 
 from grpokit.trainers.packing import ForwardOptions, check_packing, completion_logps, pack_rows
 
@@ -14,19 +15,6 @@ pytestmark = pytest.mark.slow
 # A float32 sum in another order (a packed row of 30 tokens instead of 6 rows of 9) moves a gradient entry by
 # about eps times its terms' magnitudes: bounded relative to the tensor's scale, as in test_prefix_sharing.
 GRAD_RTOL = 5e-5
-
-
-def _batch(vocab: int):
-    # 6 rows: prompts of 5 and 3 tokens (left-padded), completions of 4, 2, 3, 4, 1, 3 tokens (right-padded)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (5,), generator=g), torch.randint(3, vocab, (3,), generator=g)]
-    p, c = 5, 4
-    ids, att = torch.zeros(6, p + c, dtype=torch.long), torch.zeros(6, p + c, dtype=torch.long)
-    for row, n in enumerate((4, 2, 3, 4, 1, 3)):
-        pr = prompts[row // 3]
-        ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
-        ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
-    return {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(-1) - 1).clamp(min=0)}, c
 
 
 def _model(model_dir, attn: str):
@@ -38,7 +26,7 @@ def _model(model_dir, attn: str):
 
 
 def test_pack_rows_layout():
-    inputs, c = _batch(50)
+    inputs, c = padded_batch(50)
     packed = pack_rows(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"], c)
     lengths = inputs["attention_mask"].sum(1).tolist()  # [9, 7, 8, 7, 4, 6]
     assert packed.input_ids.shape == (1, sum(lengths))
@@ -59,7 +47,7 @@ def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size, lora):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    inputs, c = _batch(model.config.vocab_size)
+    inputs, c = padded_batch(model.config.vocab_size)
     mask = inputs["attention_mask"][:, -c:].bool()
     results = []
     for padding_free in (False, True):
@@ -81,7 +69,7 @@ def test_packed_logps_equal_padded(tiny_model_dir, attn, chunk_size, lora):
 def test_rows_packed_together_do_not_see_each_other(tiny_model_dir):
     # the second row's logps are the same whether or not the first row is packed in front of it
     model = _model(tiny_model_dir, "sdpa")
-    inputs, c = _batch(model.config.vocab_size)
+    inputs, c = padded_batch(model.config.vocab_size)
     opts = ForwardOptions(temperature=1.0, chunk_size=1024, padding_free=True, share_prompts=False)
     with torch.no_grad():
         both = completion_logps(model, inputs, c, opts)[0]
@@ -92,7 +80,7 @@ def test_rows_packed_together_do_not_see_each_other(tiny_model_dir):
 
 def test_unsupported_attention_and_extra_inputs_are_refused(tiny_model_dir):
     model = _model(tiny_model_dir, "sdpa")
-    inputs, _ = _batch(model.config.vocab_size)
+    inputs, _ = padded_batch(model.config.vocab_size)
     with pytest.raises(ValueError, match=r"padding_free.*pixel_values.*--padding_free false"):
         check_packing(model, {**inputs, "pixel_values": torch.zeros(1)})
     model.config._attn_implementation = "paged|sdpa"
@@ -125,38 +113,12 @@ def test_training_with_padding_free(tiny_model_dir, math_jsonl, tmp_path):
     TrainerFactory.TRAINER_MAPPING["grpo"] = Probe
     try:
         cfg = parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                str(math_jsonl),
-                "--output_dir",
-                str(tmp_path / "o"),
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "12",
-                "--torch_dtype",
-                "float32",
-                "--max_steps",
-                "2",
-                "--beta",
-                "0.1",
-                "--padding_free",
-                "true",
-                "--learning_rate",
-                "1e-3",
-                "--disable_tqdm",
-                "true",
-                "--save_steps",
-                "100",
-                "--plots",
-                "false",
-            ]
+            flags(
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "o"},
+                "--tuner_type full --num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12",
+                "--torch_dtype float32 --max_steps 2 --beta 0.1 --padding_free true --learning_rate 1e-3",
+                "--disable_tqdm true --save_steps 100 --plots false",
+            )
         )
         trainer = run_train(cfg)
     finally:

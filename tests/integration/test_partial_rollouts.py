@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 import torch
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
@@ -127,46 +128,14 @@ def test_training_with_partial_rollouts_logs_mixed_trajectories(tiny, server, tm
 
     out = tmp_path / "partial"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "256",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--save_steps",
-            "100",
-            "--torch_dtype",
-            "float32",
-            "--max_steps",
-            "4",
-            "--max_staleness",
-            "2",
-            "--partial_rollouts",
-            "true",
-            "--log_completions",
-            "true",
-            "--plots",
-            "false",
-        ]
+        flags(
+            {"--model": tiny, "--output_dir": out},
+            server_flags(server.port),
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --num_generations 4",
+            "--per_device_train_batch_size 8 --max_completion_length 256 --save_final_model false --save_steps 100",
+            "--torch_dtype float32 --max_steps 4 --max_staleness 2 --partial_rollouts true --log_completions true",
+            "--plots false",
+        )
     )
     run_train(cfg)
     logs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

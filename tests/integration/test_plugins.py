@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_process import run_grpokit
+from support import flags
 
 from grpokit.rewards import orms, prms, rm_plugins
 from grpokit.rollout.env import envs
@@ -64,61 +65,25 @@ def test_example_plugin_trains_with_its_own_components(tiny_model_dir, tmp_path,
     signal = tmp_path / "signal_plugin.py"
     signal.write_text(SIGNAL_PLUGIN)
     cfg = parse_train_args(
-        [
+        flags(
             "--model",
             str(tiny_model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:countdown#16",
+            "--tuner_type full --dataset builtin:countdown#16",
             "--output_dir",
             str(out),
             "--external_plugins",
             str(EXAMPLE),
             str(signal),
-            "--reward_funcs",
-            "countdown",
-            "countdown_judge",
-            "shorter_is_better",
-            "--reward_weights",
-            "1.0",
-            "0.2",
-            "1.0",
-            "--multi_turn_scheduler",
-            "countdown_retry",
-            "--max_turns",
-            "2",
-            "--optimizer",
-            "lion",
+            "--reward_funcs countdown countdown_judge shorter_is_better",
+            "--reward_weights 1.0 0.2 1.0 --multi_turn_scheduler countdown_retry",
+            "--max_turns 2 --optimizer lion",
             "--learning_rate",
             str(lr),
-            "--lr_scheduler_type",
-            "constant",
-            "--callbacks",
-            "reward_summary",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "12",
-            "--max_steps",
-            "2",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--log_completions",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--disable_tqdm",
-            "true",
-        ]
+            "--lr_scheduler_type constant --callbacks reward_summary --num_generations 4",
+            "--per_device_train_batch_size 8 --max_completion_length 12 --max_steps 2",
+            "--beta 0 --torch_dtype float32 --seed 0 --log_completions true --plots false",
+            "--save_final_model false --disable_tqdm true",
+        )
     )
     before = {n: p.detach().clone() for n, p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters()}
     trainer = run_train(cfg)
@@ -173,44 +138,13 @@ def test_docs_plugin_loss_and_advantage_estimator_train_from_the_cli(tiny_model_
     plugin = tmp_path / "my_algos.py"
     plugin.write_text(_docs_block("vanilla_pg") + "\n" + _docs_block("above_mean") + SIGNAL_PLUGIN)
     out = tmp_path / "run"
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--loss_type",
-        "vanilla_pg",
-        "--advantage_estimator",
-        "above_mean",
-        "--reward_funcs",
-        "shorter_is_better",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "2",
-        "--learning_rate",
-        "1e-3",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--seed",
-        "0",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-    ]
+    args = flags(
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --loss_type vanilla_pg --advantage_estimator above_mean",
+        "--reward_funcs shorter_is_better --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 8 --max_steps 2 --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
+        "--plots false --save_final_model false",
+    )
     res = run_grpokit(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)  # cli_process.py
     assert res.returncode == 0, res.stderr[-3000:]
     saved = json.loads((out / "args.json").read_text())

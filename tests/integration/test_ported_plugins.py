@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import flags, tiny_run_on_rows
 from third_party import swift_plugin, trl_reward_examples, trl_reward_modules
 
 from grpokit.protocol import ChatCompletionResponseChoice, RolloutInferRequest
@@ -63,51 +64,9 @@ def _rows(n: int = 4) -> list[dict]:
 
 
 def _train(model_dir: Path, tmp_path: Path, plugin: Path | None, rows: list[dict], extra: list[str]) -> Path:
-    from grpokit.config.parse import parse_train_args
-    from grpokit.pipeline.train import run_train
-
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out"
-    cfg = parse_train_args(
-        [
-            "--model",
-            str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(out),
-            *(["--external_plugins", str(plugin)] if plugin else []),
-            "--max_steps",
-            "2",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "12",
-            "--learning_rate",
-            "1e-3",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--seed",
-            "0",
-            "--log_completions",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--disable_tqdm",
-            "true",
-            *extra,
-        ]
-    )
-    trainer = run_train(cfg)
+    mine = "--num_generations 2 --max_completion_length 12 --seed 0 --log_completions true"
+    plugins = ["--external_plugins", str(plugin)] if plugin else []
+    trainer, _, out = tiny_run_on_rows(model_dir, rows, tmp_path, mine, *plugins, *extra)
     assert trainer.state.global_step == 2
     return out
 
@@ -146,16 +105,12 @@ def test_swift_plugin_reward_model_plugins_train(swift_plugin_file, tiny_model_d
         tmp_path,
         swift_plugin_file,
         _rows(),
-        [
-            "--reward_funcs",
-            "external_countdown",
-            "--reward_model",
-            str(tiny_rm_dir),
+        flags(
+            "--reward_funcs external_countdown",
+            {"--reward_model": tiny_rm_dir},
             str(tiny_model_dir),
-            "--reward_model_plugin",
-            "my_rmplugin",
-            "qwenlong",
-        ],
+            "--reward_model_plugin my_rmplugin qwenlong",
+        ),
     )
     logs = _logs(out)
     rm_seq, rm_causal = f"rm_{tiny_rm_dir.name}", f"rm_{tiny_model_dir.name}"
@@ -170,7 +125,7 @@ def test_swift_plugin_tool_call_scheduler_trains_and_steps(swift_plugin_file, ti
         tmp_path,
         swift_plugin_file,
         _rows(),
-        ["--reward_funcs", "external_countdown", "--multi_turn_scheduler", "calculator_in_reply", "--max_turns", "2"],
+        flags("--reward_funcs external_countdown --multi_turn_scheduler calculator_in_reply --max_turns 2"),
     )
     assert len(_logs(out)) == 2
     # its step() on grpokit's objects: choice.message.content, token_ids, self.tokenizer, messages[-1] edited
@@ -306,7 +261,7 @@ def test_swift_thinking_tips_reward_with_the_round_per_output_scheduler(swift_pl
         tmp_path,
         swift_plugin_file,
         _rows(),
-        ["--reward_funcs", "thinking_tips", "--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "2"],
+        flags("--reward_funcs thinking_tips --multi_turn_scheduler thinking_tips_scheduler --max_turns 2"),
     )
     assert len(_logs(out)) == 2
     comps = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import StartedGrpokit
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -48,38 +49,14 @@ def slow_run(tiny_model_dir, math_jsonl, tmp_path):
     """`grpokit train` args (2 steps of the tiny model, the waiting reward first) and the environment."""
     plugin = tmp_path / "waits_once.py"
     plugin.write_text(PLUGIN)
-    args = [
+    args = flags(
         "train",
-        "--model",
-        str(tiny_model_dir),
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "6",
-        "--max_steps",
-        "2",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--tuner_type",
-        "full",
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "waits_once",
-        "accuracy",
-    ]
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "out"},
+        "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 6 --max_steps 2 --beta 0",
+        "--torch_dtype float32 --plots false --save_final_model false --tuner_type full",
+        {"--external_plugins": plugin},
+        "--reward_funcs waits_once accuracy",
+    )
     go = tmp_path / "GO"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPOKIT_TEST_GO": str(go)}
     return args, env, go

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import flags
 
 import grpokit
 from grpokit.errors import DataError
@@ -128,38 +129,13 @@ def test_a_task_trains_three_steps_with_its_scorer(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run_train(
         parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                SPEC,
-                "--output_dir",
-                str(out),
-                "--reward_funcs",
-                "reasoning_gym",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "8",
-                "--learning_rate",
-                "1e-3",
-                "--torch_dtype",
-                "float32",
-                "--seed",
-                "0",
-                "--disable_tqdm",
-                "true",
-                "--max_steps",
-                "3",
-                "--log_completions",
-                "true",
-                "--save_strategy",
-                "no",
-            ]
+            flags(
+                {"--model": tiny_model_dir, "--dataset": SPEC, "--output_dir": out},
+                "--tuner_type full --reward_funcs reasoning_gym --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 8 --learning_rate 1e-3",
+                "--torch_dtype float32 --seed 0 --disable_tqdm true --max_steps 3 --log_completions true",
+                "--save_strategy no",
+            )
         )
     )
     log = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from cli_process import run_grpokit_ranks
+from support import flags, run_inputs
 
 from grpokit.errors import ConfigError
 
@@ -73,58 +74,19 @@ WALL_CLOCK = ("timing/", "async/")  # log keys that measure time, not training
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
-    root = tmp_path_factory.mktemp("repro")
-    rows = [{"query": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
-    data = root / "math.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plugin = root / "repro_plugin.py"
-    plugin.write_text(PLUGIN)
-    return SimpleNamespace(root=root, model=tiny_model_dir, data=data, plugin=plugin)
+    return run_inputs(tmp_path_factory.mktemp("repro"), tiny_model_dir, PLUGIN, "repro_plugin.py")
 
 
 def _args(s: SimpleNamespace, out: Path, *extra: str) -> list[str]:
     """3 steps of 1 prompt × 4 samples per process; a high learning rate so that every step moves the weights."""
-    return [
-        "--model",
-        str(s.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(s.data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(s.plugin),
-        "--reward_funcs",
-        "len_reward",
-        "--callbacks",
-        "param_digest",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "8",
-        "--max_steps",
-        "3",
-        "--learning_rate",
-        "1e-2",
-        "--torch_dtype",
-        "float32",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "7",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
-        "--save_steps",
-        "100",
+    return flags(
+        {"--model": s.model, "--dataset": s.data, "--output_dir": out, "--external_plugins": s.plugin},
+        "--tuner_type full --reward_funcs len_reward --callbacks param_digest --num_generations 4",
+        "--per_device_train_batch_size 4 --max_completion_length 8 --max_steps 3 --learning_rate 1e-2",
+        "--torch_dtype float32 --logging_steps 1 --seed 7 --disable_tqdm true --plots false",
+        "--save_final_model false --save_steps 100",
         *extra,
-    ]
+    )
 
 
 def _torchrun(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

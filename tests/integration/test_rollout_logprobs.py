@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError
@@ -14,42 +15,12 @@ from grpokit.trainers.window_producer import WindowProducer
 
 
 def _args(model_dir, data, out) -> list[str]:
-    return [
-        "--model",
-        str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--reward_funcs",
-        "accuracy",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--steps_per_generation",
-        "2",
-        "--max_completion_length",
-        "8",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--beta",
-        "0",
-        "--max_steps",
-        "4",
-        "--save_steps",
-        "100",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "0",
-        "--disable_tqdm",
-        "true",
-    ]
+    return flags(
+        {"--model": model_dir, "--dataset": data, "--output_dir": out},
+        "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 4",
+        "--steps_per_generation 2 --max_completion_length 8 --learning_rate 1e-3 --torch_dtype float32 --beta 0",
+        "--max_steps 4 --save_steps 100 --logging_steps 1 --seed 0 --disable_tqdm true",
+    )
 
 
 def _batch(rollout_logps: torch.Tensor | None) -> RolloutBatch:

@@ -8,6 +8,7 @@ import json
 import textwrap
 
 import pytest
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -44,43 +45,14 @@ def run(tiny_model_dir, tmp_path_factory):
     out = tmp / "run"
     run_train(
         parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                str(data),
-                "--val_dataset",
-                str(val),
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                str(tmp / "plugin.py"),
-                "--reward_funcs",
-                "even_length",
-                "accuracy",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "8",
-                "--learning_rate",
-                "1e-3",
-                "--torch_dtype",
-                "float32",
-                "--seed",
-                "0",
-                "--disable_tqdm",
-                "true",
-                "--max_steps",
-                "3",
-                "--eval_steps",
-                "3",
-                "--num_generations_eval",
-                "4",
-            ]
+            flags(
+                {"--model": tiny_model_dir, "--dataset": data, "--val_dataset": val, "--output_dir": out},
+                {"--external_plugins": tmp / "plugin.py"},
+                "--tuner_type full --reward_funcs even_length accuracy --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 8 --learning_rate 1e-3",
+                "--torch_dtype float32 --seed 0 --disable_tqdm true --max_steps 3 --eval_steps 3",
+                "--num_generations_eval 4",
+            )
         )
     )
     return tmp, out
@@ -111,23 +83,13 @@ def test_grpokit_eval_prints_and_writes_the_table(run, capsys):
     tmp, out = run
     table = tmp / "eval.jsonl"
     main(
-        [
+        flags(
             "eval",
-            "--model",
-            str(out / "final_model"),
-            "--dataset",
-            str(tmp / "val.jsonl"),
-            "--external_plugins",
-            str(tmp / "plugin.py"),
-            "--reward_funcs",
-            "even_length",
-            "--max_new_tokens",
-            "8",
-            "--torch_dtype",
-            "float32",
-            "--output",
-            str(table),
-        ]
+            {"--model": out / "final_model", "--dataset": tmp / "val.jsonl"},
+            {"--external_plugins": tmp / "plugin.py"},
+            "--reward_funcs even_length --max_new_tokens 8 --torch_dtype float32",
+            {"--output": table},
+        )
     )
     printed = capsys.readouterr().out
     summary, *rows = [json.loads(line) for line in table.read_text().splitlines()]
@@ -149,21 +111,11 @@ def test_infer_samples_only_when_asked_and_never_at_temperature_0(run, capsys):
     from grpokit.cli.main import main
 
     tmp, out = run
-    args = [
+    args = flags(
         "infer",
-        "--model",
-        str(out / "final_model"),
-        "--dataset",
-        str(tmp / "val.jsonl"),
-        "--external_plugins",
-        str(tmp / "plugin.py"),
-        "--reward_funcs",
-        "even_length",
-        "--max_new_tokens",
-        "8",
-        "--torch_dtype",
-        "float32",
-    ]
+        {"--model": out / "final_model", "--dataset": tmp / "val.jsonl", "--external_plugins": tmp / "plugin.py"},
+        "--reward_funcs even_length --max_new_tokens 8 --torch_dtype float32",
+    )
     main([*args, "--num_generations_eval", "2", "--temperature", "1.0"])
     assert "pass@2 " in capsys.readouterr().out
     with pytest.raises(SystemExit):

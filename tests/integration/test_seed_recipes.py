@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from support import flags
 
 pytestmark = pytest.mark.slow
 
@@ -204,44 +205,16 @@ def train(tiny_model_dir, math_jsonl, out, plugin: str, *extra: str):
     signal.write_text(SIGNAL)
     return run_train(
         parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                str(math_jsonl),
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                plugin,
+            flags(
+                {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out},
+                "--tuner_type full",
+                {"--external_plugins": plugin},
                 str(signal),
-                "--reward_funcs",
-                "recipe_shorter",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "4",
-                "--max_completion_length",
-                "8",
-                "--beta",
-                "0",
-                "--torch_dtype",
-                "float32",
-                "--logging_steps",
-                "1",
-                "--seed",
-                "0",
-                "--disable_tqdm",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-                "--learning_rate",
-                "1e-3",
+                "--reward_funcs recipe_shorter --num_generations 4 --per_device_train_batch_size 4",
+                "--max_completion_length 8 --beta 0 --torch_dtype float32 --logging_steps 1 --seed 0",
+                "--disable_tqdm true --plots false --save_final_model false --learning_rate 1e-3",
                 *extra,
-            ]
+            )
         )
     )
 
@@ -307,14 +280,7 @@ def test_training_step_zeroing_gradients_leaves_the_weights(tiny_model_dir, math
         math_jsonl,
         tmp_path / "out",
         write_plugin(tmp_path, "recipe_grad", GRAD_ZERO),
-        "--max_steps",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--weight_decay",
-        "0",
-        "--max_grad_norm",
-        "0",
+        *flags("--max_steps 2 --gradient_accumulation_steps 2 --weight_decay 0 --max_grad_norm 0"),
     )
     assert trainer.state.global_step == 2
     after = weights(trainer.policy)
@@ -332,14 +298,7 @@ def test_training_step_without_the_edit_moves_the_weights(tiny_model_dir, math_j
         math_jsonl,
         tmp_path / "out",
         plugin,
-        "--max_steps",
-        "2",
-        "--gradient_accumulation_steps",
-        "2",
-        "--weight_decay",
-        "0",
-        "--max_grad_norm",
-        "0",
+        *flags("--max_steps 2 --gradient_accumulation_steps 2 --weight_decay 0 --max_grad_norm 0"),
     )
     after = weights(trainer.policy)
     assert max(float((after[n] - before[n]).abs().max()) for n in before) > 0
@@ -352,12 +311,7 @@ def test_optimizer_callback_takes_every_step(tiny_model_dir, math_jsonl, tmp_pat
         math_jsonl,
         tmp_path / "out",
         plugin,
-        "--max_steps",
-        "3",
-        "--optimizer",
-        "counting_sgd",
-        "--gradient_accumulation_steps",
-        "2",
+        *flags("--max_steps 3 --optimizer counting_sgd --gradient_accumulation_steps 2"),
     )
     counting = sys.modules["recipe_opt"].CountingSGD
     assert counting.steps == 3 and trainer.state.global_step == 3
@@ -384,16 +338,10 @@ def test_hf_control_should_log_and_should_save_are_honoured(tiny_model_dir, math
         math_jsonl,
         tmp_path / "out",
         plugin,
-        "--max_steps",
-        "4",
-        "--callbacks",
-        "ask_at_step_two",
-        "--logging_steps",
-        "100",
-        "--logging_first_step",
-        "false",
-        "--save_steps",
-        "100",
+        *flags(
+            "--max_steps 4 --callbacks ask_at_step_two --logging_steps 100 --logging_first_step false",
+            "--save_steps 100",
+        ),
     )
     assert [r["step"] for r in log_rows(tmp_path / "out")] == [2, 4]  # asked for at 2; 4 is the last step
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
@@ -464,46 +412,12 @@ def test_recipes_under_zero3_in_two_processes(tiny_model_dir, math_jsonl, tmp_pa
     plugin = write_plugin(tmp_path, "recipe_zero3", body)
     out = tmp_path / "zero3"
     _torchrun(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            str(math_jsonl),
-            "--output_dir",
-            str(out),
-            "--external_plugins",
-            plugin,
-            "--reward_funcs",
-            "accuracy",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--use_cpu",
-            "true",
-            "--logging_steps",
-            "1",
-            "--seed",
-            "0",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-            "--max_steps",
-            "2",
-            "--deepspeed",
-            "zero3",
-        ],
+        flags(
+            {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": out, "--external_plugins": plugin},
+            "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 4",
+            "--max_completion_length 8 --beta 0 --torch_dtype float32 --use_cpu true --logging_steps 1 --seed 0",
+            "--disable_tqdm true --plots false --save_final_model false --max_steps 2 --deepspeed zero3",
+        ),
         tmp_path / "dump",
     )
     rows = log_rows(out)

@@ -10,6 +10,7 @@ import io
 
 import httpx
 import pytest
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.protocol import RequestConfig, RolloutInferRequest
@@ -87,51 +88,20 @@ def test_server_mode_trains_on_images_and_the_server_holds_the_trained_weights(
     assert before["multimodal"] is True
     out = tmp_path / "out"
     lora = (
-        ["--tuner_type", "lora", "--lora_rank", "8", "--learning_rate", "5e-2"]
+        flags("--tuner_type lora --lora_rank 8 --learning_rate 5e-2")
         if tuner == "lora"
         else ["--tuner_type", "full", "--learning_rate", "3e-2"]
     )
     trainer = run_train(
         parse_train_args(
-            [
-                "--model",
-                str(vlm),
-                "--dataset",
-                "builtin:colours",
-                "--reward_funcs",
-                "external_r1v_acc",
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "--vllm_server_port",
-                str(server.port),
-                "--max_steps",
-                "2",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "4",
-                "--torch_dtype",
-                "float32",
-                "--beta",
-                "0",
-                "--output_dir",
-                str(out),
-                "--save_steps",
-                "100",
-                "--vllm_server_timeout",
-                "120",
-                "--disable_tqdm",
-                "true",
-                "--seed",
-                "1",
-                "--structured_outputs_regex",
-                "(red|green|blue)",
+            flags(
+                {"--model": vlm, "--output_dir": out},
+                server_flags(server.port, 120),
+                "--dataset builtin:colours --reward_funcs external_r1v_acc --max_steps 2 --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 4 --torch_dtype float32 --beta 0",
+                "--save_steps 100 --disable_tqdm true --seed 1 --structured_outputs_regex (red|green|blue)",
                 *lora,
-            ]
+            )
         )
     )  # answers at chance: rewards differ
     check = RolloutClient(base_urls=[server.url], timeout=120)
@@ -255,42 +225,14 @@ def test_an_image_observation_on_a_multi_turn_server_trains_on_the_servers_token
         with rollout_server(vlm, tmp_path, *FLOAT32, *turns) as server:
             run_train(
                 parse_train_args(
-                    [
-                        "--model",
-                        str(vlm),
-                        "--dataset",
-                        "builtin:colours",
-                        "--vllm_mode",
-                        "server",
-                        "--vllm_server_host",
-                        "127.0.0.1",
-                        "--vllm_server_port",
-                        str(server.port),
-                        "--max_steps",
-                        "1",
-                        "--num_generations",
-                        "2",
-                        "--per_device_train_batch_size",
-                        "4",
-                        "--max_completion_length",
-                        "4",
-                        "--torch_dtype",
-                        "float32",
-                        "--beta",
-                        "0",
-                        "--output_dir",
-                        str(tmp_path / "out"),
-                        "--save_steps",
-                        "100",
-                        "--save_final_model",
-                        "false",
-                        "--disable_tqdm",
-                        "true",
-                        "--rollout_importance_sampling_mode",
-                        "token_truncate",
-                        "--vllm_server_timeout",
-                        "120",
-                    ]
+                    flags(
+                        {"--model": vlm, "--output_dir": tmp_path / "out"},
+                        server_flags(server.port, 120),
+                        "--dataset builtin:colours --max_steps 1 --num_generations 2",
+                        "--per_device_train_batch_size 4 --max_completion_length 4 --torch_dtype float32 --beta 0",
+                        "--save_steps 100 --save_final_model false --disable_tqdm true",
+                        "--rollout_importance_sampling_mode token_truncate",
+                    )
                 )
             )
     finally:

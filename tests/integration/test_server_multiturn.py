@@ -11,6 +11,7 @@ import textwrap
 
 import httpx
 import pytest
+from support import flags, server_flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.engines.client import RolloutClient
@@ -57,14 +58,10 @@ def server(tmp_path_factory):
     with rollout_server(
         tiny,
         root,
-        "--external_plugins",
-        str(plugin),
-        "--multi_turn_scheduler",
-        "label_turns",
-        "--max_turns",
-        "3",
-        "--completion_length_limit_scope",
-        "per_round",
+        *flags(
+            {"--external_plugins": plugin},
+            "--multi_turn_scheduler label_turns --max_turns 3 --completion_length_limit_scope per_round",
+        ),
     ) as s:
         s.model = tiny
         yield s
@@ -111,45 +108,15 @@ def _train_args(server, tmp_path, *extra):
     rows = [
         {"messages": [{"role": "user", "content": f"question {i}"}], "label": f"L{i}", "think": True} for i in range(4)
     ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
-        "--model",
-        str(server.model),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--max_steps",
-        "2",
-        "--num_generations",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "4",
-        "--beta",
-        "0",
-        "--reward_funcs",
-        "format",
-        "--vllm_mode",
-        "server",
-        "--vllm_server_host",
-        "127.0.0.1",
-        "--vllm_server_port",
-        str(server.port),
-        "--vllm_server_timeout",
-        "60",
-        "--disable_tqdm",
-        "true",
-        "--plots",
-        "false",
-        "--save_final_model",
-        "false",
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    return flags(
+        {"--model": server.model, "--dataset": data, "--output_dir": tmp_path / "out"},
+        server_flags(server.port, 60),
+        "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+        "--max_completion_length 4 --beta 0 --reward_funcs format --disable_tqdm true --plots false",
+        "--save_final_model false",
         *extra,
-    ]
+    )
 
 
 def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(server, tmp_path, caplog):
@@ -169,14 +136,10 @@ def test_trainer_with_ms_swift_multi_turn_options_trains_through_the_server(serv
                 _train_args(
                     server,
                     tmp_path,
-                    "--multi_turn_scheduler",
-                    "label_turns",
-                    "--max_turns",
-                    "3",
-                    "--loss_scale",
-                    "last_round",
-                    "--vllm_server_pass_dataset",
-                    "true",
+                    *flags(
+                        "--multi_turn_scheduler label_turns --max_turns 3 --loss_scale last_round",
+                        "--vllm_server_pass_dataset true",
+                    ),
                 )
             )
         )

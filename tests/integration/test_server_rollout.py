@@ -9,6 +9,7 @@ import copy
 import httpx
 import pytest
 import torch
+from support import flags, server_flags
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
@@ -112,36 +113,13 @@ def test_three_training_steps_against_the_server(tiny, server, tmp_path, one_tor
     # the trainer keeps --torch_dtype auto (bf16 autocast where the CPU has it): the weights it syncs are float32
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--max_steps",
-            "3",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--save_final_model",
-            "false",
-            "--vllm_server_timeout",
-            "60",
-        ]
+        flags(
+            {"--model": tiny, "--output_dir": tmp_path / "out"},
+            server_flags(server.port, 60),
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 3",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
+            "--save_final_model false",
+        )
     )
     trainer = run_train(cfg)  # closes its client (and the server's sync group) at the end
     assert isinstance(trainer.engine, RolloutClient) and isinstance(trainer.scheduler, RemoteScheduler)
@@ -162,42 +140,13 @@ def test_async_generate_trains_one_step_off_policy(tiny, server, tmp_path):
 
     out = tmp_path / "async"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--max_steps",
-            "4",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--save_steps",
-            "2",
-            "--vllm_server_timeout",
-            "60",
-            "--async_generate",
-            "true",
-            "--log_completions",
-            "true",
-        ]
+        flags(
+            {"--model": tiny, "--output_dir": out},
+            server_flags(server.port, 60),
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 4",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 8",
+            "--save_final_model false --save_steps 2 --async_generate true --log_completions true",
+        )
     )
     trainer = run_train(cfg)
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
@@ -224,24 +173,11 @@ def test_async_generate_refuses_the_live_weights_engine(tiny, tmp_path):
 
     with pytest.raises(ConfigError, match="async_generate"):
         parse_train_args(
-            [
-                "--model",
-                str(tiny),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                "builtin:arithmetic",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_steps",
-                "1",
-                "--async_generate",
-                "true",
-                "--output_dir",
-                str(tmp_path / "o"),
-            ]
+            flags(
+                {"--model": tiny, "--output_dir": tmp_path / "o"},
+                "--tuner_type full --dataset builtin:arithmetic --num_generations 4",
+                "--per_device_train_batch_size 8 --max_steps 1 --async_generate true",
+            )
         )
 
 

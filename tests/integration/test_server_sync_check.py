@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from support import flags
 from test_server_support import rollout_server
 
 from grpokit.config.parse import parse_train_args
@@ -50,45 +51,23 @@ def _train(tiny, server, out: Path, steps: int):
     from grpokit.pipeline.train import run_train
 
     cfg = parse_train_args(
-        [
+        flags(
             "--model",
             str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
+            "--vllm_mode server --vllm_server_host 127.0.0.1",
             "--vllm_server_port",
             str(server.port),
             "--max_steps",
             str(steps),
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "4",
-            "--torch_dtype",
-            "float32",
-            "--learning_rate",
-            "1e-4",
+            "--num_generations 4 --per_device_train_batch_size 4 --max_completion_length 4",
+            "--torch_dtype float32 --learning_rate 1e-4",
             "--output_dir",
             str(out),
             # every step moves the weights (AdamW's decay), even when all rewards are equal
-            "--weight_decay",
-            "0.1",
-            "--save_final_model",
-            "false",
-            "--vllm_server_timeout",
-            "60",
-            "--report_to",
-            "none",
-        ]
+            "--weight_decay 0.1 --save_final_model false --vllm_server_timeout 60",
+            "--report_to none",
+        )
     )
     return run_train(cfg)
 

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
+from support import flags, server_flags, write_jsonl
 from test_server_support import rollout_server
 
 from grpokit.trainers.factory import TrainerFactory
@@ -68,8 +68,7 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
         for a in (2, 3)
         for b in (3, 4)
     ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     saved = TrainerFactory.TRAINER_MAPPING["grpo"]
     TrainerFactory.TRAINER_MAPPING["grpo"] = RecordingTrainer
     RecordingTrainer.windows = []
@@ -86,44 +85,13 @@ def test_tool_call_masks_through_the_server_match_colocate(tiny_model_dir, tmp_p
         ) as server:
             trainer = run_train(
                 parse_train_args(
-                    [
-                        "--model",
-                        str(tiny_model_dir),
-                        "--tuner_type",
-                        "full",  # written for full fine-tuning (the default is lora)
-                        "--dataset",
-                        str(data),
-                        "--output_dir",
-                        str(tmp_path / "out"),
-                        "--max_steps",
-                        "2",
-                        "--num_generations",
-                        "2",
-                        "--per_device_train_batch_size",
-                        "4",
-                        "--max_completion_length",
-                        "16",
-                        "--learning_rate",
-                        "1e-3",
-                        "--beta",
-                        "0",
-                        "--reward_funcs",
-                        "format",
-                        "--vllm_mode",
-                        "server",
-                        "--vllm_server_host",
-                        "127.0.0.1",
-                        "--vllm_server_port",
-                        str(server.port),
-                        "--vllm_server_timeout",
-                        "60",
-                        "--disable_tqdm",
-                        "true",
-                        "--plots",
-                        "false",
-                        "--save_final_model",
-                        "false",
-                    ]
+                    flags(
+                        {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
+                        server_flags(server.port, 60),
+                        "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+                        "--max_completion_length 16 --learning_rate 1e-3 --beta 0 --reward_funcs format",
+                        "--disable_tqdm true --plots false --save_final_model false",
+                    )
                 )
             )
     finally:

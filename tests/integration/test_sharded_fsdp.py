@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import flags
 from test_distributed import (
     PLUGIN,
     B,
@@ -53,18 +54,8 @@ ENGINE_CHECK = textwrap.dedent("""
 
 # 3 optimizer steps, one rollout each; a checkpoint after step 2
 STEPS = ("--max_steps", "3", "--learning_rate", "3e-3", "--save_steps", "2")
-LORA = (
-    "--tuner_type",
-    "lora",
-    "--lora_rank",
-    "4",
-    "--lora_alpha",
-    "8",
-    "--target_modules",
-    "all-linear",
-    "--lora_dropout",
-    "0",
-)  # dropout draws differ between process layouts
+# no dropout: its draws differ between process layouts
+LORA = flags("--tuner_type lora --lora_rank 4 --lora_alpha 8 --target_modules all-linear --lora_dropout 0")
 
 
 @pytest.fixture(scope="session")
@@ -178,12 +169,7 @@ def test_fsdp_checkpoint_resumes_in_two_processes(setup, full_runs):
             setup.plugin,
             B,
             *STEPS,
-            "--beta",
-            "0.04",
-            "--fsdp",
-            "true",
-            "--resume_from_checkpoint",
-            str(ckpt),
+            *flags("--beta 0.04 --fsdp true", {"--resume_from_checkpoint": ckpt}),
         ),
         resumed / "dump",
     )

@@ -10,6 +10,7 @@ import importlib.util
 
 import httpx
 import pytest
+from support import flags
 from test_distributed import _torchrun
 from test_server_support import rollout_server
 
@@ -73,53 +74,25 @@ def test_sharded_training_against_a_server_leaves_the_trained_weights_there(
         pytest.skip("needs the deepspeed extra (pip install 'grpokit[deepspeed]')")
     version = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["weight_version"]
     lora = (
-        ["--tuner_type", "lora", "--lora_rank", "4", "--target_modules", "all-linear", "--learning_rate", "1e-2"]
+        flags("--tuner_type lora --lora_rank 4 --target_modules all-linear --learning_rate 1e-2")
         if tuner == "lora"
         else ["--tuner_type", "full", "--learning_rate", "1e-3"]
     )
     out, plugin = tmp_path / "out", tmp_path / "token_sum.py"
     plugin.write_text(REWARD_PLUGIN)
     _torchrun(
-        [
-            "--model",
-            str(tiny),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "token_sum",
-            "--external_plugins",
-            str(plugin),
+        flags(
+            {"--model": tiny, "--external_plugins": plugin},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs token_sum",
             *sharding,
-            "--vllm_mode",
-            "server",
-            "--vllm_server_host",
-            "127.0.0.1",
-            "--vllm_server_port",
-            str(server.port),
-            "--vllm_server_timeout",
-            "60",
-            "--max_steps",
-            "3",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "8",
-            "--torch_dtype",
-            "float32",
-            "--output_dir",
-            str(out),
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_steps",
-            "100",
+            "--vllm_mode server --vllm_server_host 127.0.0.1",
+            {"--vllm_server_port": server.port},
+            "--vllm_server_timeout 60 --max_steps 3 --num_generations 4 --per_device_train_batch_size 4",
+            "--max_completion_length 8 --torch_dtype float32",
+            {"--output_dir": out},
+            "--disable_tqdm true --plots false --save_steps 100",
             *lora,
-        ],
+        ),
         tmp_path / "dump",
     )
     check = RolloutClient(base_urls=[server.url], timeout=60)

@@ -10,6 +10,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+from support import flags
 from test_distributed import B, _args, _dumps, _log_rows, _max_diff, _params, _torchrun
 from test_sharded_fsdp import LORA, STEPS, _check_same, _run, sharded_setup  # noqa: F401 (a fixture)
 
@@ -69,11 +70,7 @@ def test_zero3_final_model_and_resume(setup, full_runs):
             setup.plugin,
             B,
             *STEPS,
-            "--beta",
-            "0.04",
-            *ZERO3,
-            "--resume_from_checkpoint",
-            str(ckpt),
+            *flags("--beta 0.04", ZERO3, {"--resume_from_checkpoint": ckpt}),
         ),
         resumed / "dump",
     )

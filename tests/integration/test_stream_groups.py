@@ -13,6 +13,7 @@ from collections import defaultdict
 
 import pytest
 from cli_process import run_grpokit
+from support import flags, write_jsonl
 from test_server_support import rollout_server
 
 pytestmark = pytest.mark.slow
@@ -62,8 +63,7 @@ def test_a_group_that_is_done_trains_while_another_still_generates(tiny_model_di
     plugin = tmp_path / "gate_plugin.py"
     plugin.write_text(PLUGIN)
     rows = [{"query": f"{'SLOW ' if i == 0 else ''}what is {i} + 1?", "solution": str(i + 1)} for i in range(PROMPTS)]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
     env = {**os.environ, "STREAM_GATE": str(tmp_path / "gate"), "OMP_NUM_THREADS": "1"}
     served = ("--torch_dtype", "float32", "--external_plugins", str(plugin), "--multi_turn_scheduler", "gated")
     out = tmp_path / "run"
@@ -72,59 +72,22 @@ def test_a_group_that_is_done_trains_while_another_still_generates(tiny_model_di
         rollout_server(tiny_model_dir, tmp_path, *served, env=env) as second,
     ):
         res = run_grpokit(
-            [
+            flags(
                 "train",
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                str(data),
-                "--dataset_shuffle",
-                "false",
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                str(plugin),
-                "--reward_funcs",
-                "stream_even_length",
-                "--callbacks",
-                "stream_open_gate",
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "127.0.0.1",
-                "--vllm_server_port",
-                str(first.port),
+                {"--model": tiny_model_dir},
+                "--tuner_type full",
+                {"--dataset": data},
+                "--dataset_shuffle false",
+                {"--output_dir": out, "--external_plugins": plugin},
+                "--reward_funcs stream_even_length --callbacks stream_open_gate --vllm_mode server",
+                "--vllm_server_host 127.0.0.1 127.0.0.1",
+                {"--vllm_server_port": first.port},
                 str(second.port),
-                "--vllm_server_timeout",
-                "60",
-                "--max_staleness",
-                "2",
-                "--stream_groups",
-                "true",
-                "--num_generations",
-                str(GENERATIONS),
-                "--per_device_train_batch_size",
-                str(PER_STEP * GENERATIONS),
-                "--num_train_epochs",
-                "1",
-                "--max_completion_length",
-                "8",
-                "--torch_dtype",
-                "float32",
-                "--log_completions",
-                "true",
-                "--logging_steps",
-                "1",
-                "--disable_tqdm",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-            ],
+                "--vllm_server_timeout 60 --max_staleness 2 --stream_groups true",
+                {"--num_generations": GENERATIONS, "--per_device_train_batch_size": PER_STEP * GENERATIONS},
+                "--num_train_epochs 1 --max_completion_length 8 --torch_dtype float32 --log_completions true",
+                "--logging_steps 1 --disable_tqdm true --plots false --save_final_model false",
+            ),
             env=env,
             timeout=180,
         )

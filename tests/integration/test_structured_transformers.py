@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from support import QUIET, flags
 
 from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.errors import ConfigError
@@ -126,36 +127,12 @@ def test_a_constrained_training_run_logs_only_matching_completions(tiny_model_di
 
     out = tmp_path / "out"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--max_steps",
-            "2",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "16",
-            "--structured_outputs_regex",
-            ANSWER,
-            "--log_completions",
-            "true",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--plots",
-            "false",
-            "--disable_tqdm",
-            "true",
-        ]
+        flags(
+            {"--model": tiny_model_dir, "--structured_outputs_regex": ANSWER, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --max_steps 2",
+            "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 16 --log_completions true",
+            QUIET,
+        )
     )
     run_train(cfg)
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]

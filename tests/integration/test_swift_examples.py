@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import write_jsonl
 from test_server_support import rollout_server
 from third_party import swift_plugin
 
@@ -247,8 +248,7 @@ def servers(models, tmp_path_factory):
 
 def _port_env(name, models, servers, cwd: Path, rows: list[dict], script: str | None = None) -> dict:
     """The variables the port reads, with its dataset written and its server (if any) running."""
-    data = cwd / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(cwd / "data.jsonl", rows)
     text = (EXAMPLES / name).read_text() if script is None else script
     if name in PLUGINS:
         plugin = PLUGINS[name]

@@ -8,39 +8,18 @@ import logging
 from pathlib import Path
 
 import pytest
+from support import flags
 
 pytestmark = pytest.mark.slow
 
 
 def _args(model_dir: Path, data: Path, out: Path) -> list[str]:
-    return [
-        "--model",
-        str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--reward_funcs",
-        "accuracy",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "8",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--seed",
-        "0",
-        "--disable_tqdm",
-        "true",
-        "--max_steps",
-        "3",
-    ]
+    return flags(
+        {"--model": model_dir, "--dataset": data, "--output_dir": out},
+        "--tuner_type full --reward_funcs accuracy --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 8 --learning_rate 1e-3 --torch_dtype float32 --seed 0 --disable_tqdm true",
+        "--max_steps 3",
+    )
 
 
 def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkeypatch, caplog):
@@ -64,54 +43,16 @@ def test_swift_training_options_act(tiny_model_dir, math_jsonl, tmp_path, monkey
     with caplog.at_level(logging.WARNING):
         cfg = parse_train_args(
             _args(tiny_model_dir, math_jsonl, out)
-            + [
-                "--logging_steps",
-                "2",
-                "--save_strategy",
-                "no",
-                "--save_steps",
-                "1",
-                "--warmup_steps",
-                "2",
-                "--optim",
-                "adamw_torch",
-                "--adam_epsilon",
-                "1e-6",
-                "--lr_scheduler_type",
-                "cosine",
-                "--lr_scheduler_kwargs",
-                '{"num_cycles": 0.25}',
-                "--attn_impl",
-                "eager",
-                "--gradient_checkpointing",
-                "true",
-                "--gradient_checkpointing_kwargs",
-                '{"use_reentrant": false}',
-                "--tuner_type",
-                "lora",
-                "--use_rslora",
-                "true",
-                "--target_regex",
-                r".*\.(q_proj|v_proj)",
-                "--val_dataset",
-                str(val),
-                "--eval_strategy",
-                "steps",
-                "--eval_steps",
-                "3",
-                "--per_device_eval_batch_size",
-                "5",
-                "--eval_on_start",
-                "true",
-                "--max_new_tokens",
-                "6",
-                "--use_liger_kernel",
-                "true",
-                "--rlhf_type",
-                "grpo",
-                "--dataloader_num_workers",
-                "1",
-            ]
+            + flags(
+                {"--lr_scheduler_kwargs": '{"num_cycles": 0.25}'},
+                {"--gradient_checkpointing_kwargs": '{"use_reentrant": false}'},
+                {"--target_regex": r".*\.(q_proj|v_proj)", "--val_dataset": val},
+                "--logging_steps 2 --save_strategy no --save_steps 1 --warmup_steps 2 --optim adamw_torch",
+                "--adam_epsilon 1e-6 --lr_scheduler_type cosine --attn_impl eager --gradient_checkpointing true",
+                "--tuner_type lora --use_rslora true --eval_strategy steps --eval_steps 3",
+                "--per_device_eval_batch_size 5 --eval_on_start true --max_new_tokens 6 --use_liger_kernel true",
+                "--rlhf_type grpo --dataloader_num_workers 1",
+            )
         )
     warned = [r.getMessage() for r in caplog.records if "no effect in grpokit" in r.getMessage()]
     assert warned == [warned[0]] and warned[0].startswith("--use_liger_kernel true: no effect in grpokit")

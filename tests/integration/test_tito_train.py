@@ -10,30 +10,16 @@ import logging
 import shutil
 
 import pytest
+from fake_schedulers import PREFILL, ThinkThenObserve
+from support import flags, write_jsonl
 
-from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
+from grpokit.rollout.multi_turn import multi_turns
 from grpokit.rollout.tito import RECORD_KEY
 from grpokit.testing import THINK_DROPPING_TEMPLATE
 from grpokit.trainers.factory import TrainerFactory
 from grpokit.trainers.grpo_trainer import GRPOTrainer
 
 pytestmark = pytest.mark.slow
-PREFILL = "<think>\nI plan.\n</think>\n\n"
-
-
-class ThinkThenObserve(MultiTurnScheduler):
-    """Every reply of turn 1 continues a prefilled <think> block; each later turn follows a user observation."""
-
-    async def on_trajectory_start(self, requests):
-        for r in requests:
-            r.messages.append({"role": "assistant", "content": PREFILL})
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= self.max_turns
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({"role": "user", "content": f"Observation {current_turn}"})
-        return {"infer_request": infer_request}
 
 
 class Recording(GRPOTrainer):
@@ -67,50 +53,18 @@ def test_three_turns_under_a_think_dropping_template_train_on_sampled_ids(droppi
     saved, Recording.windows = TrainerFactory.TRAINER_MAPPING["grpo"], []
     TrainerFactory.TRAINER_MAPPING["grpo"] = Recording
     rows = [{"messages": [{"role": "user", "content": f"What is {a} + 1?"}], "solution": str(a + 1)} for a in (1, 2)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     out = tmp_path / "out"
     try:
         trainer = run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(dropping_model),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    str(data),
-                    "--output_dir",
-                    str(out),
-                    "--max_steps",
-                    "2",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "4",
-                    "--max_completion_length",
-                    "8",
-                    "--multi_turn_scheduler",
-                    "think_then_observe",
-                    "--max_turns",
-                    "3",
-                    "--reward_funcs",
-                    "format",
-                    "--learning_rate",
-                    "1e-3",
-                    "--beta",
-                    "0",
-                    "--torch_dtype",
-                    "float32",
-                    "--seed",
-                    "0",
-                    "--disable_tqdm",
-                    "true",
-                    "--plots",
-                    "false",
-                    "--save_final_model",
-                    "false",
-                ]
+                flags(
+                    {"--model": dropping_model, "--dataset": data, "--output_dir": out},
+                    "--tuner_type full --max_steps 2 --num_generations 2 --per_device_train_batch_size 4",
+                    "--max_completion_length 8 --multi_turn_scheduler think_then_observe --max_turns 3",
+                    "--reward_funcs format --learning_rate 1e-3 --beta 0 --torch_dtype float32 --seed 0",
+                    "--disable_tqdm true --plots false --save_final_model false",
+                )
             )
         )
     finally:

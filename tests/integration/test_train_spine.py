@@ -13,20 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from cli_process import StartedGrpokit, run_grpokit
+from support import flags, shorter_reward_plugin
 
 pytestmark = pytest.mark.slow
 
-PLUGIN = textwrap.dedent("""
+PLUGIN = shorter_reward_plugin("len_reward") + textwrap.dedent("""
     import threading
-    from grpokit.rewards import ORM, orms
     from grpokit.trainers.callbacks import TrainerCallback, callbacks_map
-
-    class LengthReward(ORM):
-        '''Varied scores from a random model: shorter completions score higher.'''
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['len_reward'] = LengthReward
 
     class ParkAfterStep2(TrainerCallback):
         '''After step 2 (its checkpoint and log row written) say so in a file and wait to be killed; a run
@@ -42,37 +35,12 @@ PLUGIN = textwrap.dedent("""
 
 
 def _base_args(model_dir: Path, data: Path, out: Path, plugin: Path) -> list[str]:
-    return [
-        "--model",
-        str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(data),
-        "--output_dir",
-        str(out),
-        "--external_plugins",
-        str(plugin),
-        "--reward_funcs",
-        "len_reward",
-        "accuracy",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "12",
-        "--learning_rate",
-        "1e-3",
-        "--torch_dtype",
-        "float32",
-        "--logging_steps",
-        "1",
-        "--seed",
-        "0",
-        "--disable_tqdm",
-        "true",
-    ]
+    return flags(
+        {"--model": model_dir, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+        "--tuner_type full --reward_funcs len_reward accuracy --num_generations 4 --per_device_train_batch_size 8",
+        "--max_completion_length 12 --learning_rate 1e-3 --torch_dtype float32 --logging_steps 1 --seed 0",
+        "--disable_tqdm true",
+    )
 
 
 @pytest.fixture
@@ -98,18 +66,7 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
     out = tmp_path / "run"
     cfg = parse_train_args(
         _base_args(tiny_model_dir, math_jsonl, out, plugin_file)
-        + [
-            "--max_steps",
-            "3",
-            "--save_steps",
-            "2",
-            "--save_total_limit",
-            "1",
-            "--log_completions",
-            "true",
-            "--beta",
-            "0.04",
-        ]
+        + flags("--max_steps 3 --save_steps 2 --save_total_limit 1 --log_completions true --beta 0.04")
     )
     before = {
         n: p.detach().clone()
@@ -159,14 +116,9 @@ def test_train_writes_every_output_and_updates_every_parameter(tiny_model_dir, m
 
 def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file, tmp_path):
     out = tmp_path / "resume"
-    args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps",
-        "6",
-        "--save_steps",
-        "2",
-        "--callbacks",
-        "park_after_step_2",
-    ]
+    args = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + flags(
+        "--max_steps 6 --save_steps 2 --callbacks park_after_step_2"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = StartedGrpokit(["train", *args], env=env)  # a forked process of its own group (cli_process.py)
     try:
@@ -190,14 +142,9 @@ def test_killed_run_resumes_without_gaps(tiny_model_dir, math_jsonl, plugin_file
     assert state["global_step"] == 6
     # a fresh (not resumed) run into the same folder is refused before any model loads: rotation would delete
     # its checkpoints in favour of the earlier run's and 'latest' would resume the earlier run
-    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + [
-        "--max_steps",
-        "2",
-        "--save_steps",
-        "9",
-        "--save_total_limit",
-        "1",
-    ]
+    fresh = _base_args(tiny_model_dir, math_jsonl, out, plugin_file) + flags(
+        "--max_steps 2 --save_steps 9 --save_total_limit 1"
+    )
     res = _cli(fresh)
     assert res.returncode != 0
     assert "checkpoints of an earlier run" in res.stderr and "--overwrite_output_dir true" in res.stderr
@@ -253,18 +200,7 @@ def test_window_reuses_one_rollout_for_steps_per_generation(tiny_model_dir, math
     try:
         cfg = parse_train_args(
             _base_args(tiny_model_dir, math_jsonl, tmp_path / "w", plugin_file)
-            + [
-                "--per_device_train_batch_size",
-                "4",
-                "--steps_per_generation",
-                "4",
-                "--max_steps",
-                "8",
-                "--save_steps",
-                "100",
-                "--beta",
-                "0",
-            ]
+            + flags("--per_device_train_batch_size 4 --steps_per_generation 4 --max_steps 8 --save_steps 100 --beta 0")
         )
         run_train(cfg)
     finally:
@@ -312,7 +248,7 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
     try:
         cfg = parse_train_args(
             _base_args(tiny_model_dir, math_jsonl, tmp_path / "lora", plugin_file)
-            + ["--tuner_type", "lora", "--lora_rank", "4", "--max_steps", "2", "--beta", "0.1", "--save_steps", "100"]
+            + flags("--tuner_type lora --lora_rank 4 --max_steps 2 --beta 0.1 --save_steps 100")
         )
         trainer = run_train(cfg)
     finally:
@@ -338,22 +274,10 @@ def test_lora_holds_one_copy_and_ref_is_base(tiny_model_dir, math_jsonl, plugin_
     ],
 )
 def test_bad_input_is_one_line(tiny_model_dir, math_jsonl, tmp_path, extra, needle):
-    args = [
-        "--model",
-        str(tiny_model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        str(math_jsonl),
-        "--output_dir",
-        str(tmp_path / "bad"),
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_steps",
-        "1",
-    ]
+    args = flags(
+        {"--model": tiny_model_dir, "--dataset": math_jsonl, "--output_dir": tmp_path / "bad"},
+        "--tuner_type full --num_generations 4 --per_device_train_batch_size 8 --max_steps 1",
+    )
     for flag, value in zip(extra[::2], extra[1::2]):
         if flag in args:
             args[args.index(flag) + 1] = value
@@ -370,22 +294,10 @@ def test_dataset_without_prompt_column(tiny_model_dir, tmp_path):
     data = tmp_path / "noprompt.jsonl"
     data.write_text(json.dumps({"text": "hi", "solution": "1"}) + "\n")
     res = _cli(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(tmp_path / "o"),
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            "--max_steps",
-            "1",
-        ],
+        flags(
+            {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "o"},
+            "--tuner_type full --num_generations 2 --per_device_train_batch_size 2 --max_steps 1",
+        ),
         timeout=120,
     )
     assert res.returncode != 0

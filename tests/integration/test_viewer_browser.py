@@ -13,25 +13,16 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from support import flags, shorter_reward_plugin
 
 pytestmark = pytest.mark.slow
 
-PLUGIN = textwrap.dedent("""
-    from grpokit.rewards import ORM, orms
-
-    class LengthReward(ORM):
-        '''Varied scores from a random model: shorter completions score higher.'''
-        def __call__(self, completions, **kwargs):
-            return [1.0 / (1 + len(c)) for c in completions]
-
-    orms['len_reward'] = LengthReward
-""")
+PLUGIN = shorter_reward_plugin("len_reward")
 
 
 def _chromium() -> str:
@@ -45,18 +36,13 @@ def _chromium() -> str:
 def _browser(url: str, *extra: str) -> subprocess.CompletedProcess:
     # --no-sandbox: the tests run as root in CI containers, where Chromium's own sandbox cannot start; the page is
     # our own file. --virtual-time-budget lets the page's scripts (uPlot, the viewer) finish before the dump.
-    cmd = [
+    cmd = flags(
         _chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        "--virtual-time-budget=4000",
-        "--window-size=1400,1600",
+        "--headless --no-sandbox --disable-gpu --disable-dev-shm-usage --hide-scrollbars",
+        "--virtual-time-budget=4000 --window-size=1400,1600",
         *extra,
         url,
-    ]
+    )
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
@@ -137,47 +123,13 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     out = base / "run"
     run_train(
         parse_train_args(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                str(data),
-                "--output_dir",
-                str(out),
-                "--external_plugins",
-                str(plugin),
-                "--reward_funcs",
-                "len_reward",
-                "accuracy",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "12",
-                "--learning_rate",
-                "1e-3",
-                "--torch_dtype",
-                "float32",
-                "--logging_steps",
-                "1",
-                "--seed",
-                "0",
-                "--disable_tqdm",
-                "true",
-                "--max_steps",
-                "3",
-                "--log_completions",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-                "--save_steps",
-                "100",
-            ]
+            flags(
+                {"--model": tiny_model_dir, "--dataset": data, "--output_dir": out, "--external_plugins": plugin},
+                "--tuner_type full --reward_funcs len_reward accuracy --num_generations 4",
+                "--per_device_train_batch_size 8 --max_completion_length 12 --learning_rate 1e-3",
+                "--torch_dtype float32 --logging_steps 1 --seed 0 --disable_tqdm true --max_steps 3",
+                "--log_completions true --plots false --save_final_model false --save_steps 100",
+            )
         )
     )
     return out

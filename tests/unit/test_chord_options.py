@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from support import flags, write_jsonl
 
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import ConfigError, DataError
 
-CHORD = [
-    "--chord_sft_dataset",
-    "expert.jsonl",
-    "--chord_sft_per_device_train_batch_size",
-    "1",
-    "--chord_mu_peak",
-    "0.9",
-    "--chord_mu_valley",
-    "0.05",
-]
+CHORD = flags(
+    "--chord_sft_dataset expert.jsonl --chord_sft_per_device_train_batch_size 1 --chord_mu_peak 0.9",
+    "--chord_mu_valley 0.05",
+)
 
 
 def _args(*extra):
@@ -76,8 +69,7 @@ def test_a_chord_setting_without_the_sft_dataset_is_an_error(flag):
 def _load(tmp_path, rows, tokenizer):
     from grpokit.trainers.chord_sft import load_chord_sft_dataset
 
-    path = tmp_path / "expert.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = write_jsonl(tmp_path / "expert.jsonl", rows)
     cfg = parse_train_args(_args(*CHORD[2:], "--chord_sft_dataset", str(path)))
     return load_chord_sft_dataset(cfg, tokenizer)
 

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+from support import padded_batch
 from torch import nn
 
 from grpokit.algorithms.chunked_logps import chunked_lm_head_logps
@@ -100,20 +101,6 @@ def _model(tied: bool, lora: str | None = None, dropout: float = 0.0):
     return model
 
 
-def _inputs(vocab: int = 97):
-    # two prompts (left-padded, lengths 5 and 3), three completions each (right-padded, lengths 4, 2, 3 / 4, 1, 3)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (5,), generator=g), torch.randint(3, vocab, (3,), generator=g)]
-    p, c = 5, 4
-    ids, att = torch.zeros(6, p + c, dtype=torch.long), torch.zeros(6, p + c, dtype=torch.long)
-    for row, n in enumerate((4, 2, 3, 4, 1, 3)):
-        pr = prompts[row // 3]
-        ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
-        ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": ids, "attention_mask": att, "position_ids": pos}, c
-
-
 def _run(model, inputs, c, chunk_size, share=False, temperature=0.8, entropy=True):
     """logps, entropies and every parameter's gradient of Σ logps over real completion tokens."""
     model.zero_grad()
@@ -140,7 +127,7 @@ def _assert_same(chunked, plain):
 @pytest.mark.parametrize("share", [False, True])
 def test_model_logps_and_gradients_equal_plain_path(tied, share):
     model = _model(tied)
-    inputs, c = _inputs()
+    inputs, c = padded_batch()
     assert plain_reason(model) is None  # the chunked head really runs
     chunked = _run(model, inputs, c, chunk_size=5, share=share)
     plain = _run(model, inputs, c, chunk_size=0, share=share)
@@ -152,7 +139,7 @@ def test_model_logps_and_gradients_equal_plain_path(tied, share):
 @pytest.mark.parametrize("lora,dropout", [("all-linear", 0.0), ("head", 0.0), ("head", 0.3)])
 def test_lora_logps_and_gradients_equal_plain_path(lora, dropout):
     model = _model(tied=False, lora=lora, dropout=dropout)
-    inputs, c = _inputs()
+    inputs, c = padded_batch()
     assert plain_reason(model) is None
     chunked = _run(model, inputs, c, chunk_size=3)
     plain = _run(model, inputs, c, chunk_size=0)
@@ -173,7 +160,7 @@ def test_ddp_wrapper_goes_through_its_forward(tmp_path):
     try:
         model = _model(tied=True)
         ddp = DistributedDataParallel(model)
-        inputs, c = _inputs()
+        inputs, c = padded_batch()
         calls = []
         ddp.register_forward_pre_hook(lambda *_: calls.append(1))
         chunked = _run(ddp, inputs, c, chunk_size=4)
@@ -192,7 +179,7 @@ def test_models_that_transform_the_head_output_take_the_plain_path():
     model = _model(tied=True)
     model.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping=30.0" in plain_reason(model)
-    inputs, c = _inputs()
+    inputs, c = padded_batch()
     _assert_same(_run(model, inputs, c, chunk_size=4), _run(model, inputs, c, chunk_size=0))
 
 
@@ -214,7 +201,7 @@ class _ScaledLogits(nn.Module):
 
 def test_an_unannounced_output_transform_is_refused():
     model = _ScaledLogits(_model(tied=True))
-    inputs, c = _inputs()
+    inputs, c = padded_batch()
     with pytest.raises(RuntimeError, match="changes what its output head returns.*--logps_chunk_size 0"):
         _run(model, inputs, c, chunk_size=4)
 
@@ -226,7 +213,7 @@ def test_low_precision_matches_plain_path(precision):
     model = _model(tied=False).float()
     if precision == "bf16 weights":
         model = model.to(torch.bfloat16)
-    inputs, c = _inputs()
+    inputs, c = padded_batch()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16 autocast"):
         chunked = _run(model, inputs, c, chunk_size=5)
         plain = _run(model, inputs, c, chunk_size=0)

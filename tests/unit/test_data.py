@@ -10,10 +10,10 @@ import re
 import socket
 import time
 from collections import Counter
-from pathlib import Path
 
 import datasets
 import pytest
+from support import write_jsonl
 
 from grpokit.data import hub
 from grpokit.data.builtin import BUILTIN_TASKS, builtin_rows
@@ -21,11 +21,6 @@ from grpokit.data.loading import load_dataset_spec, load_train_val, normalize_ro
 from grpokit.errors import ConfigError, DataError
 
 USER_HI = [{"role": "user", "content": "hi"}]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def numbered(n: int) -> list[dict]:

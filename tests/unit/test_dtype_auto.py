@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from support import flags
 
 from grpokit.errors import ConfigError
 from grpokit.modeling import cpu_has_fast_bf16, resolve_dtype_name, torch_dtype
@@ -61,34 +62,18 @@ def test_one_training_step_with_auto_takes_the_chosen_path(tiny_model_dir, math_
     out = tmp_path / "out"
     trainer = run_train(
         parse_train_args(
-            [
+            flags(
                 "--model",
                 str(tiny_model_dir),
-                "--tuner_type",
-                "full",  # a reference model of its own, whose dtype is checked
+                "--tuner_type full",  # a reference model of its own, whose dtype is checked
                 "--dataset",
                 str(math_jsonl),
                 "--output_dir",
                 str(out),
-                "--max_steps",
-                "1",
-                "--num_generations",
-                "2",
-                "--per_device_train_batch_size",
-                "4",
-                "--max_completion_length",
-                "8",
-                "--beta",
-                "0.04",
-                "--torch_dtype",
-                "auto",
-                "--disable_tqdm",
-                "true",
-                "--plots",
-                "false",
-                "--save_final_model",
-                "false",
-            ]
+                "--max_steps 1 --num_generations 2 --per_device_train_batch_size 4",
+                "--max_completion_length 8 --beta 0.04 --torch_dtype auto --disable_tqdm true",
+                "--plots false --save_final_model false",
+            )
         )
     )
     assert trainer.accelerator.mixed_precision == ("bf16" if bf16 else "no")

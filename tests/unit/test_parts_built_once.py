@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from support import flags
 
 from grpokit.errors import PluginError
 from grpokit.registry import Registry
@@ -177,48 +178,14 @@ def test_a_built_set_up_shares_one_template_and_one_plan(tiny_model_dir, tmp_pat
     expert = tmp_path / "expert.jsonl"
     expert.write_text(data.read_text())
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--max_steps",
-            "1",
-            "--num_generations",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            "--max_completion_length",
-            "8",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--multi_turn_scheduler",
-            "tool_call_scheduler",
-            "--max_turns",
-            "2",
-            "--reward_funcs",
-            "format",
-            "--fast_decode",
-            "false",
-            "--chord_sft_dataset",
-            str(expert),
-            "--chord_sft_per_device_train_batch_size",
-            "1",
-            "--chord_mu_peak",
-            "0.5",
-            "--chord_mu_valley",
-            "0.5",
-            "--disable_tqdm",
-            "true",
-            "--plots",
-            "false",
-            "--save_final_model",
-            "false",
-        ]
+        flags(
+            {"--model": tiny_model_dir, "--dataset": data, "--output_dir": tmp_path / "out"},
+            {"--chord_sft_dataset": expert},
+            "--max_steps 1 --num_generations 2 --per_device_train_batch_size 2 --max_completion_length 8 --beta 0",
+            "--torch_dtype float32 --multi_turn_scheduler tool_call_scheduler --max_turns 2 --reward_funcs format",
+            "--fast_decode false --chord_sft_per_device_train_batch_size 1 --chord_mu_peak 0.5",
+            "--chord_mu_valley 0.5 --disable_tqdm true --plots false --save_final_model false",
+        )
     )
     calls = {"template": 0, "plan": 0}
     made, plan = PromptOptions.template, pipeline.batch_plan

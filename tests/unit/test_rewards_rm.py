@@ -19,16 +19,8 @@ from grpokit.rewards import (
     rm_plugins,
 )
 from grpokit.rewards.rm_plugin import parse_judge_score, with_completion
-from grpokit.testing import build_tiny_model
 
 PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_rm(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("rm"), seq_cls=True)
-    model, tokenizer = load_reward_model(str(path))
-    return path, model, tokenizer
 
 
 def test_load_reward_model_is_frozen(tiny_rm):

@@ -12,18 +12,11 @@ import pytest
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rewards import DefaultRMPlugin, RewardModelReward, RewardRunner, RMTemplate, load_reward_model
+from grpokit.rewards import DefaultRMPlugin, RewardModelReward, RewardRunner, RMTemplate
 from grpokit.rewards.rm_plugin import make_rm_plugin
 from grpokit.testing import build_tiny_model
 
 PROMPT = [{"role": "user", "content": "What is 7 + 5?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_rm(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("rm"), seq_cls=True)
-    model, tokenizer = load_reward_model(str(path))
-    return path, model, tokenizer
 
 
 def test_every_swift_import_of_the_ported_plugin_resolves(tmp_path):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from support import QUIET, VLLM_COLOCATE, flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.transformers_engine import TransformersEngine
@@ -154,49 +155,17 @@ def test_colocate_training_with_images(idefics3, tmp_path, monkeypatch, tuner):
         orms["test_length_with_images"] = LengthWithImages
     out = tmp_path / "colocate"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(idefics3),
-            "--dataset",
-            "builtin:colours",
-            "--reward_funcs",
-            "test_length_with_images",
+        flags(
+            {"--model": idefics3},
+            "--dataset builtin:colours --reward_funcs test_length_with_images",
             *tuner,
-            "--torch_dtype",
-            "float32",
-            "--beta",
-            "0",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--temperature",
-            "1.0",
-            "--max_steps",
-            "2",
-            "--rollout_importance_sampling_mode",
-            "token_truncate",
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--plots",
-            "false",
-            "--disable_tqdm",
-            "true",
-        ]
+            "--torch_dtype float32 --beta 0 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --temperature 1.0 --max_steps 2",
+            "--rollout_importance_sampling_mode token_truncate",
+            VLLM_COLOCATE,
+            {"--output_dir": out},
+            QUIET,
+        )
     )
     trainer = run_train(cfg)
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import VLLM_COLOCATE, flags
 
 from grpokit.config.parse import parse_train_args
 
@@ -85,22 +86,7 @@ def test_colocate_with_offload_trains_in_step_and_generates_without_the_training
         _args(
             tiny128,
             out,
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
-            "--offload_model",
-            "true",
-            "--offload_optimizer",
-            "true",
-            "--sleep_level",
-            "1",
+            *flags(VLLM_COLOCATE, "--offload_model true --offload_optimizer true --sleep_level 1"),
         )
     )
     trainer = run_train(cfg)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from support import QUIET, VLLM_COLOCATE, flags
 
 from grpokit.modeling import load_causal_lm
 from grpokit.protocol import RequestConfig, RolloutInferRequest
@@ -101,15 +102,16 @@ def test_colocate_training_with_partial_rollouts(tiny128, tmp_path):
 
     out = tmp_path / "colocate"
     cfg = parse_train_args(
-        ["--model", str(tiny128), "--tuner_type", "full", "--dataset", "builtin:arithmetic",
-         "--reward_funcs", "accuracy",
-         "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_enforce_eager", "true",
-         "--vllm_max_model_len", "512", "--vllm_gpu_memory_utilization", "0.3",
-         "--max_staleness", "2", "--partial_rollouts", "true", "--max_steps", "5",
-         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "160",
-         "--torch_dtype", "float32", "--beta", "0", "--log_completions", "true", "--output_dir", str(out),
-         "--save_final_model", "false", "--plots", "false", "--disable_tqdm", "true"]
-    )  # fmt: skip
+        flags(
+            {"--model": tiny128, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy",
+            VLLM_COLOCATE,
+            "--max_staleness 2 --partial_rollouts true --max_steps 5 --num_generations 4",
+            "--per_device_train_batch_size 8 --max_completion_length 160 --torch_dtype float32 --beta 0",
+            "--log_completions true",
+            QUIET,
+        )
+    )
     trainer = run_train(cfg)
     try:
         assert isinstance(trainer.engine, PausableVllmEngine)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import QUIET, flags, server_flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.protocol import RequestConfig, RolloutInferRequest
@@ -96,45 +97,18 @@ def test_server_mode_training_with_images_keeps_the_server_in_step(idefics3, ser
         info.close()
     trainer = run_train(
         parse_train_args(
-            [
-                "--model",
-                str(idefics3),
-                "--dataset",
-                "builtin:colours",
-                "--reward_funcs",
-                "test_length_with_images",
+            flags(
+                {"--model": idefics3},
+                "--dataset builtin:colours --reward_funcs test_length_with_images",
                 *tuner,
-                "--torch_dtype",
-                "float32",
-                "--beta",
-                "0",
-                "--num_generations",
-                "4",
-                "--per_device_train_batch_size",
-                "8",
-                "--max_completion_length",
-                "8",
-                "--temperature",
-                "1.0",
-                "--max_steps",
-                "2",
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "--vllm_server_port",
-                str(server.port),
-                "--vllm_server_timeout",
-                "300",
-                "--output_dir",
-                str(tmp_path / "out"),
-                "--save_final_model",
-                "false",
-                "--plots",
-                "false",
-                "--disable_tqdm",
-                "true",
-            ]
+                "--torch_dtype float32 --beta 0 --num_generations 4 --per_device_train_batch_size 8",
+                "--max_completion_length 8 --temperature 1.0 --max_steps 2 --vllm_mode server",
+                "--vllm_server_host 127.0.0.1",
+                {"--vllm_server_port": server.port},
+                "--vllm_server_timeout 300",
+                {"--output_dir": tmp_path / "out"},
+                QUIET,
+            )
         )
     )
     assert isinstance(trainer.engine, RolloutClient)
@@ -210,42 +184,14 @@ def test_multi_turn_server_adds_an_image_in_turn_two_and_trains(idefics3, tmp_pa
         ) as server:
             trainer = run_train(
                 parse_train_args(
-                    [
-                        "--model",
-                        str(idefics3),
-                        "--dataset",
-                        "builtin:colours",
-                        "--reward_funcs",
-                        "test_two_images",
-                        "--torch_dtype",
-                        "float32",
-                        "--beta",
-                        "0",
-                        "--num_generations",
-                        "2",
-                        "--per_device_train_batch_size",
-                        "4",
-                        "--max_completion_length",
-                        "4",
-                        "--max_steps",
-                        "1",
-                        "--vllm_mode",
-                        "server",
-                        "--vllm_server_host",
-                        "127.0.0.1",
-                        "--vllm_server_port",
-                        str(server.port),
-                        "--vllm_server_timeout",
-                        "300",
-                        "--output_dir",
-                        str(tmp_path / "out"),
-                        "--save_final_model",
-                        "false",
-                        "--plots",
-                        "false",
-                        "--disable_tqdm",
-                        "true",
-                    ]
+                    flags(
+                        {"--model": idefics3, "--output_dir": tmp_path / "out"},
+                        server_flags(server.port, 300),
+                        "--dataset builtin:colours --reward_funcs test_two_images --torch_dtype float32 --beta 0",
+                        "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4",
+                        "--max_steps 1",
+                        QUIET,
+                    )
                 )
             )
             assert server.healthy()

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import QUIET, flags
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from cli_process import run_grpokit, run_grpokit_ranks  # noqa: E402
@@ -92,18 +93,7 @@ PLUGIN = textwrap.dedent('''
 
     TrainerFactory.TRAINER_MAPPING["grpo"] = "vllm_sharded_plugin.SyncCheck"
 ''')
-LORA = (
-    "--tuner_type",
-    "lora",
-    "--lora_rank",
-    "4",
-    "--lora_alpha",
-    "8",
-    "--target_modules",
-    "all-linear",
-    "--learning_rate",
-    "3e-2",
-)
+LORA = flags("--tuner_type lora --lora_rank 4 --lora_alpha 8 --target_modules all-linear --learning_rate 3e-2")
 
 
 def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[list[dict]]:
@@ -112,53 +102,15 @@ def _train(model: Path, root: Path, *extra: str, processes: int = 2) -> list[lis
     plugin, dump = root / "vllm_sharded_plugin.py", root / "dump"
     plugin.write_text(PLUGIN)
     dump.mkdir(parents=True)
-    args = [
-        "--model",
-        str(model),
-        "--dataset",
-        "builtin:arithmetic",
-        "--reward_funcs",
-        "test_length",
-        "--external_plugins",
-        str(plugin),
-        "--max_steps",
-        "3",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "4",
-        "--max_completion_length",
-        "10",
-        "--learning_rate",
-        "5e-3",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--temperature",
-        "0.9",
-        "--use_vllm",
-        "true",
-        "--vllm_mode",
-        "colocate",
-        "--vllm_enforce_eager",
-        "true",
-        "--vllm_max_model_len",
-        "256",
-        "--vllm_gpu_memory_utilization",
-        "0.3",
-        "--vllm_max_num_seqs",
-        "8",
-        "--output_dir",
-        str(root / "out"),
-        "--save_final_model",
-        "false",
-        "--plots",
-        "false",
-        "--disable_tqdm",
-        "true",
+    args = flags(
+        {"--model": model, "--external_plugins": plugin, "--output_dir": root / "out"},
+        "--dataset builtin:arithmetic --reward_funcs test_length --max_steps 3 --num_generations 4",
+        "--per_device_train_batch_size 4 --max_completion_length 10 --learning_rate 5e-3 --beta 0",
+        "--torch_dtype float32 --temperature 0.9 --use_vllm true --vllm_mode colocate --vllm_enforce_eager true",
+        "--vllm_max_model_len 256 --vllm_gpu_memory_utilization 0.3 --vllm_max_num_seqs 8",
+        QUIET,
         *extra,
-    ]
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from support import QUIET, VLLM_COLOCATE, flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.errors import WeightSyncError
@@ -22,48 +23,14 @@ def _run(model_dir, out, steps: int):
 
     torch.set_num_threads(1)
     cfg = parse_train_args(
-        [
-            "--model",
-            str(model_dir),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "accuracy",
-            "--max_steps",
-            str(steps),
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--max_completion_length",
-            "4",
-            "--learning_rate",
-            "1e-4",
-            "--weight_decay",
-            "0.1",
-            "--torch_dtype",
-            "float32",
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--plots",
-            "false",
-            "--disable_tqdm",
-            "true",
-        ]
+        flags(
+            {"--model": model_dir, "--max_steps": steps, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs accuracy --num_generations 4",
+            "--per_device_train_batch_size 4 --max_completion_length 4 --learning_rate 1e-4 --weight_decay 0.1",
+            "--torch_dtype float32",
+            VLLM_COLOCATE,
+            QUIET,
+        )
     )
     return run_train(cfg)
 

@@ -12,25 +12,13 @@ import shutil
 
 import pytest
 import torch
+from fake_schedulers import ThinkThenObserve
+from support import QUIET, VLLM_COLOCATE, flags
 
-from grpokit.rollout.multi_turn import MultiTurnScheduler, multi_turns
+from grpokit.rollout.multi_turn import multi_turns
 from grpokit.testing import THINK_DROPPING_TEMPLATE
 
 pytestmark = pytest.mark.vllm
-PREFILL = "<think>\nI plan.\n</think>\n\n"
-
-
-class ThinkThenObserve(MultiTurnScheduler):
-    async def on_trajectory_start(self, requests):
-        for r in requests:
-            r.messages.append({"role": "assistant", "content": PREFILL})
-
-    def check_finished(self, infer_request, response_choice, current_turn):
-        return current_turn >= self.max_turns
-
-    def step(self, infer_request, response_choice, current_turn):
-        infer_request.messages.append({"role": "user", "content": f"Observation {current_turn}"})
-        return {"infer_request": infer_request}
 
 
 def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_path, caplog):
@@ -50,52 +38,15 @@ def test_vllm_colocate_samples_later_turns_from_the_trajectory_ids(tiny128, tmp_
     out = tmp_path / "out"
     trainer = run_train(
         parse_train_args(
-            [
-                "--model",
-                str(model),
-                "--tuner_type",
-                "full",  # written for full fine-tuning (the default is lora)
-                "--dataset",
-                "builtin:arithmetic",
-                "--reward_funcs",
-                "test_length",
-                "--max_steps",
-                "1",
-                "--num_generations",
-                "2",
-                "--per_device_train_batch_size",
-                "2",
-                "--max_completion_length",
-                "8",
-                "--multi_turn_scheduler",
-                "think_then_observe_vllm",
-                "--max_turns",
-                "3",
-                "--learning_rate",
-                "1e-3",
-                "--beta",
-                "0",
-                "--torch_dtype",
-                "float32",
-                "--use_vllm",
-                "true",
-                "--vllm_mode",
-                "colocate",
-                "--vllm_enforce_eager",
-                "true",
-                "--vllm_max_model_len",
-                "512",
-                "--vllm_gpu_memory_utilization",
-                "0.3",
-                "--output_dir",
-                str(out),
-                "--save_final_model",
-                "false",
-                "--plots",
-                "false",
-                "--disable_tqdm",
-                "true",
-            ]
+            flags(
+                {"--model": model, "--output_dir": out},
+                "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --max_steps 1",
+                "--num_generations 2 --per_device_train_batch_size 2 --max_completion_length 8",
+                "--multi_turn_scheduler think_then_observe_vllm --max_turns 3 --learning_rate 1e-3 --beta 0",
+                "--torch_dtype float32",
+                VLLM_COLOCATE,
+                QUIET,
+            )
         )
     )
     try:

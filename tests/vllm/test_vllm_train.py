@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import QUIET, VLLM_COLOCATE, flags, server_flags
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.transformers_engine import TransformersEngine
@@ -42,43 +43,14 @@ if "test_length" not in orms:
 
 
 def _args(model_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model",
-        str(model_dir),
-        "--tuner_type",
-        "full",  # written for full fine-tuning (the default is lora)
-        "--dataset",
-        "builtin:arithmetic",
-        "--reward_funcs",
-        "test_length",
-        "--max_steps",
-        "3",
-        "--num_generations",
-        "4",
-        "--per_device_train_batch_size",
-        "8",
-        "--max_completion_length",
-        "12",
-        "--learning_rate",
-        "5e-3",
-        "--beta",
-        "0",
-        "--torch_dtype",
-        "float32",
-        "--temperature",
-        "0.9",
-        "--rollout_importance_sampling_mode",
-        "token_truncate",
-        "--output_dir",
-        str(out),
-        "--save_final_model",
-        "false",
-        "--plots",
-        "false",
-        "--disable_tqdm",
-        "true",
+    return flags(
+        {"--model": model_dir, "--output_dir": out},
+        "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --max_steps 3",
+        "--num_generations 4 --per_device_train_batch_size 8 --max_completion_length 12 --learning_rate 5e-3",
+        "--beta 0 --torch_dtype float32 --temperature 0.9 --rollout_importance_sampling_mode token_truncate",
+        QUIET,
         *extra,
-    ]
+    )
 
 
 def _greedy(engine, pad: int) -> list[list[int]]:
@@ -133,16 +105,7 @@ def test_colocate_training_keeps_vllm_in_step(tiny128, tmp_path, monkeypatch):
         _args(
             tiny128,
             out,
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
+            *flags(VLLM_COLOCATE),
         )
     )
     trainer = run_train(cfg)
@@ -169,38 +132,12 @@ def test_colocate_trains_with_the_default_vllm_options(tiny128, tmp_path, monkey
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     out = tmp_path / "defaults"
     cfg = parse_train_args(
-        [
-            "--model",
-            str(tiny128),
-            "--tuner_type",
-            "full",  # written for full fine-tuning (the default is lora)
-            "--dataset",
-            "builtin:arithmetic",
-            "--reward_funcs",
-            "test_length",
-            "--use_vllm",
-            "true",
-            "--vllm_mode",
-            "colocate",
-            "--max_steps",
-            "1",
-            "--num_generations",
-            "4",
-            "--per_device_train_batch_size",
-            "8",
-            "--max_completion_length",
-            "8",
-            "--beta",
-            "0",
-            "--torch_dtype",
-            "float32",
-            "--output_dir",
-            str(out),
-            "--save_final_model",
-            "false",
-            "--plots",
-            "false",
-        ]
+        flags(
+            {"--model": tiny128, "--output_dir": out},
+            "--tuner_type full --dataset builtin:arithmetic --reward_funcs test_length --use_vllm true",
+            "--vllm_mode colocate --max_steps 1 --num_generations 4 --per_device_train_batch_size 8",
+            "--max_completion_length 8 --beta 0 --torch_dtype float32 --save_final_model false --plots false",
+        )
     )
     trainer = run_train(cfg)
     try:
@@ -257,14 +194,7 @@ def test_server_mode_training_with_the_vllm_engine(tiny128, tmp_path):
             _args(
                 tiny128,
                 out,
-                "--vllm_mode",
-                "server",
-                "--vllm_server_host",
-                "127.0.0.1",
-                "--vllm_server_port",
-                str(server.port),
-                "--vllm_server_timeout",
-                "120",
+                *flags(server_flags(server.port, 120)),
             )
         )
         trainer = run_train(cfg)  # closes its client at the end
@@ -299,22 +229,11 @@ def test_constrained_colocate_run_logs_only_valid_json(tiny128, tmp_path):
         _args(
             tiny128,
             out,
-            "--use_vllm",
-            "true",
-            "--vllm_enforce_eager",
-            "true",
-            "--vllm_max_model_len",
-            "512",
-            "--vllm_gpu_memory_utilization",
-            "0.3",
-            "--max_steps",
-            "2",
-            "--max_completion_length",
-            "16",
-            "--structured_outputs_json",
-            json.dumps(schema),
-            "--log_completions",
-            "true",
+            *flags(
+                {"--structured_outputs_json": json.dumps(schema)},
+                "--use_vllm true --vllm_enforce_eager true --vllm_max_model_len 512",
+                "--vllm_gpu_memory_utilization 0.3 --max_steps 2 --max_completion_length 16 --log_completions true",
+            ),
         )
     )
     trainer = run_train(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import QUIET, flags
 
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.rollout.multi_turn import StepResult
@@ -125,52 +126,15 @@ def test_colocate_training_adds_an_image_in_turn_two(tmp_path):
     try:
         trainer = run_train(
             parse_train_args(
-                [
-                    "--model",
-                    str(folder),
-                    "--tuner_type",
-                    "full",  # written for full fine-tuning (the default is lora)
-                    "--dataset",
-                    "builtin:colours",
-                    "--reward_funcs",
-                    "test_two_images",
-                    "--multi_turn_scheduler",
-                    "test_append_blue",
-                    "--max_turns",
-                    "2",
-                    "--torch_dtype",
-                    "float32",
-                    "--beta",
-                    "0",
-                    "--num_generations",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "4",
-                    "--max_completion_length",
-                    "4",
-                    "--max_steps",
-                    "1",
-                    "--rollout_importance_sampling_mode",
-                    "token_truncate",
-                    "--use_vllm",
-                    "true",
-                    "--vllm_mode",
-                    "colocate",
-                    "--vllm_enforce_eager",
-                    "true",
-                    "--vllm_max_model_len",
-                    "1024",
-                    "--vllm_gpu_memory_utilization",
-                    "0.3",
-                    "--output_dir",
-                    str(out),
-                    "--save_final_model",
-                    "false",
-                    "--plots",
-                    "false",
-                    "--disable_tqdm",
-                    "true",
-                ]
+                flags(
+                    {"--model": folder, "--output_dir": out},
+                    "--tuner_type full --dataset builtin:colours --reward_funcs test_two_images",
+                    "--multi_turn_scheduler test_append_blue --max_turns 2 --torch_dtype float32 --beta 0",
+                    "--num_generations 2 --per_device_train_batch_size 4 --max_completion_length 4 --max_steps 1",
+                    "--rollout_importance_sampling_mode token_truncate --use_vllm true --vllm_mode colocate",
+                    "--vllm_enforce_eager true --vllm_max_model_len 1024 --vllm_gpu_memory_utilization 0.3",
+                    QUIET,
+                )
             )
         )
         trainer.engine.close()
