@@ -140,7 +140,7 @@ def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
     import torch.distributed as dist
 
     from grpokit.errors import ConfigError
-    from grpokit.trainers import grpo_trainer
+    from grpokit.trainers import grpo_trainer, trainer_setup
 
     for key in _LAUNCHER_VARS:
         monkeypatch.delenv(key, raising=False)
@@ -151,7 +151,7 @@ def test_runs_in_one_process_leave_no_group_behind(setup, monkeypatch):
 
     for name, where in (("twice0", "setup_rollout"), ("twice1", "GRPOTrainer._train_on_window")):
         with monkeypatch.context() as patch:
-            owner, attr = (grpo_trainer.GRPOTrainer, "_train_on_window") if "." in where else (grpo_trainer, where)
+            owner, attr = (grpo_trainer.GRPOTrainer, "_train_on_window") if "." in where else (trainer_setup, where)
             patch.setattr(owner, attr, broken)
             with pytest.raises(ConfigError, match="broken"):
                 _one_process(
