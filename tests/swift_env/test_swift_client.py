@@ -122,8 +122,9 @@ def test_health_engine_type_caches_and_state_keys(swift, single):
     state, url = single
     client = _client(swift, url)  # its constructor polls GET /health
     assert client.get_engine_type()["engine_type"] == "LLMEngine"
+    # enable_lora: a transformers-engine server takes adapter-only syncs by default (--vllm_enable_lora)
     assert (client.use_async_engine, client.enable_multi_turn, client.use_gym_env, client.enable_lora) == (
-        False, False, False, False,
+        False, False, False, True,
     )  # fmt: skip
     client.reset_prefix_cache()
     client.reset_mm_cache()
