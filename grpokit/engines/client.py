@@ -177,8 +177,7 @@ class RolloutClient(InferEngine):
         if not requests:
             return []
         max_batch, max_bytes = await asyncio.to_thread(self._limits)
-        conf = config.model_dump(mode="json")
-        dumped = [request_to_wire(r) for r in requests]  # images as base64 (engines/media_wire.py)
+        conf, dumped = self._wire(requests, config)
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
         calls = []
@@ -193,27 +192,37 @@ class RolloutClient(InferEngine):
         async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
             answers = await asyncio.gather(
                 *(
-                    self._request_async(
-                        http, server, "/infer/", {"requests": [dumped[j] for j in idx], "request_config": conf}
-                    )
+                    self._request_async(http, server, "/infer/", self._infer_body([dumped[j] for j in idx], conf))
                     for server, idx in calls
                 )
             )
         tagged: list[tuple[int, RolloutOutput]] = []
         for (server, idx), answer in zip(calls, answers, strict=True):
-            try:
-                outputs = [RolloutOutput.model_validate(o) for o in answer]
-            except (TypeError, ValueError) as e:
-                raise ServerError(
-                    f"rollout server {self.endpoints[server].label} answered /infer/ with outputs "
-                    f"that are not RolloutOutput ({str(e).splitlines()[0]})"
-                ) from e
-            for o in outputs:  # a trajectory's images come back as base64: bytes for the trainer's processor
-                if "images" in o.rollout_infos:
-                    o.rollout_infos["images"] = images_from_wire(o.rollout_infos["images"], o.request_id)
+            outputs = self._outputs(answer, requests, idx, f"rollout server {self.endpoints[server].label}")
             tagged.extend(zip(output_positions(requests, idx, outputs), outputs))
         tagged.sort(key=lambda t: t[0])  # stable: a request's outputs keep their order
         return tagged
+
+    # -- the /infer/ wire, which a client of another protocol overrides (engines/swift_client.py) ----------------
+    def _wire(self, requests: list[RolloutInferRequest], config: RequestConfig) -> tuple[dict, list[dict]]:
+        """The request config and each request as sent; images as base64 (engines/media_wire.py)."""
+        return config.model_dump(mode="json"), [request_to_wire(r) for r in requests]
+
+    def _infer_body(self, dumped: list[dict], conf: dict) -> dict:
+        return {"requests": dumped, "request_config": conf}
+
+    def _outputs(self, answer, requests: list[RolloutInferRequest], idx: list[int], where: str) -> list[RolloutOutput]:
+        """One call's answer as outputs (ServerError for an answer of another shape)."""
+        try:
+            outputs = [RolloutOutput.model_validate(o) for o in answer]
+        except (TypeError, ValueError) as e:
+            raise ServerError(
+                f"{where} answered /infer/ with outputs that are not RolloutOutput ({str(e).splitlines()[0]})"
+            ) from e
+        for o in outputs:  # a trajectory's images come back as base64: bytes for the trainer's processor
+            if "images" in o.rollout_infos:
+                o.rollout_infos["images"] = images_from_wire(o.rollout_infos["images"], o.request_id)
+        return outputs
 
     async def infer_trajectories_async(
         self, requests: Sequence[RolloutInferRequest], config: RequestConfig, server: int | None = None

@@ -16,24 +16,20 @@ What ms-swift's server does not report cannot be checked against the trainer's o
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-from collections.abc import Sequence
 
 import httpx
 import torch
 
-from grpokit.engines.client import BODY_ENVELOPE_BYTES, RolloutClient
-from grpokit.engines.client_calls import output_positions, split_by_size, split_requests
+from grpokit.engines.client import RolloutClient
 from grpokit.engines.client_transport import describe
 from grpokit.engines.media_wire import request_to_wire
 from grpokit.engines.swift_protocol import output_from_swift, swift_config, swift_request
 from grpokit.engines.weight_sender import sends_here
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ConfigError, ServerError
-from grpokit.protocol import RequestConfig, RolloutInferRequest, RolloutOutput
+from grpokit.protocol import RolloutInferRequest
 from grpokit.wire.swift_group import broadcast, open_group
 
 logger = logging.getLogger(__name__)
@@ -108,57 +104,27 @@ class SwiftRolloutClient(RolloutClient):
         return info
 
     # -- rollouts ------------------------------------------------------------------------------------------
-    async def _infer_positions(
-        self, requests: Sequence[RolloutInferRequest], config: RequestConfig, only: int | None = None
-    ) -> list[tuple[int, RolloutOutput]]:
-        requests = list(requests)
-        if not requests:
-            return []
-        max_batch, max_bytes = await asyncio.to_thread(self._limits)
-        conf = swift_config(config)
-        dumped = [swift_request(RolloutInferRequest.model_validate(request_to_wire(r))) for r in requests]
-        sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]
-        budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
-        shares = (
-            split_requests(requests, len(self.endpoints))
-            if only is None
-            else [list(range(len(requests))) if i == only else [] for i in range(len(self.endpoints))]
-        )
-        calls = [
-            (i, [idx[k] for k in part])
-            for i, idx in enumerate(shares)
-            for part in split_by_size([sizes[j] for j in idx], max_batch, budget)
+    def _wire(self, requests, config):
+        return swift_config(config), [
+            swift_request(RolloutInferRequest.model_validate(request_to_wire(r))) for r in requests
         ]
-        async with httpx.AsyncClient(headers=self._headers, timeout=self.timeout) as http:
-            answers = await asyncio.gather(
-                *(
-                    self._request_async(
-                        http,
-                        server,
-                        "/infer/",
-                        {
-                            "infer_requests": [dumped[j] for j in idx],
-                            "request_config": conf,
-                            "metrics": None,
-                            "use_tqdm": None,
-                            "adapter_request": None,
-                        },
-                    )
-                    for server, idx in calls
-                )
+
+    def _infer_body(self, dumped, conf):
+        return {
+            "infer_requests": dumped,
+            "request_config": conf,
+            "metrics": None,
+            "use_tqdm": None,
+            "adapter_request": None,
+        }
+
+    def _outputs(self, answer, requests, idx, where):
+        if not isinstance(answer, list) or len(answer) != len(idx):
+            raise ServerError(
+                f"{where} answered {len(idx)} requests with {type(answer).__name__} "
+                f"of {len(answer) if isinstance(answer, list) else '?'} items"
             )
-        tagged: list[tuple[int, RolloutOutput]] = []
-        for (server, idx), answer in zip(calls, answers, strict=True):
-            where = f"rollout server {self.endpoints[server].label}"
-            if not isinstance(answer, list) or len(answer) != len(idx):
-                raise ServerError(
-                    f"{where} answered {len(idx)} requests with {type(answer).__name__} "
-                    f"of {len(answer) if isinstance(answer, list) else '?'} items"
-                )
-            outputs = [output_from_swift(a, requests[j], where) for a, j in zip(answer, idx, strict=True)]
-            tagged.extend(zip(output_positions(requests, idx, outputs), outputs))
-        tagged.sort(key=lambda t: t[0])
-        return tagged
+        return [output_from_swift(a, requests[j], where) for a, j in zip(answer, idx, strict=True)]
 
     def probe(self, request, config):
         raise ConfigError(
