@@ -49,28 +49,25 @@ def row_pieces(
 
 
 def train_in_pieces(trainer, model, inputs: RolloutBatch) -> tuple[torch.Tensor, dict]:
-    """The loss of ``inputs`` (one micro-step) and its backward, in pieces of ``per_device_train_batch_size`` rows
-    (the loss and metrics returned are the whole micro-batch's: the pieces' weighted sums)."""
-    pieces = [(inputs, 1.0)]
-    if not trainer._engine_steps:
-        a = trainer.cfg.algorithm
-        pieces = row_pieces(inputs, trainer.args.per_device_train_batch_size, a.loss_type, a.overlong_filter)
-    backward = model.backward if trainer._engine_steps else trainer.accelerator.backward  # DeepSpeed: its own
+    """The loss of ``inputs`` (one micro-step, more rows than ``per_device_train_batch_size``, not under DeepSpeed:
+    the loop decides) and its backward, in pieces of that many rows (the loss and metrics returned are the whole
+    micro-batch's: the pieces' weighted sums)."""
+    a = trainer.cfg.algorithm
+    pieces = row_pieces(inputs, trainer.args.per_device_train_batch_size, a.loss_type, a.overlong_filter)
     total: torch.Tensor | None = None
     metrics: dict = {}
     for k, (piece, weight) in enumerate(pieces):
-        if piece is not inputs:
-            piece.num_items = inputs.num_items
+        piece.num_items = inputs.num_items
         last = k == len(pieces) - 1  # DDP reduces once, on the last piece of a synchronising micro-step
         quiet = contextlib.nullcontext() if last else trainer.accelerator.no_sync(model)
         with quiet:
             with trainer.accelerator.autocast():
                 loss, piece_metrics = trainer._loss_call(model, piece)
-            backward(loss if weight == 1.0 and len(pieces) == 1 else loss * weight)
+            trainer.accelerator.backward(loss * weight)
         total = loss.detach() * weight if total is None else total + loss.detach() * weight
         share = len(piece) / len(inputs)  # metrics (means over the piece) averaged by rows
         for name, value in piece_metrics.items():
             value = value.detach() if isinstance(value, torch.Tensor) else value
-            numeric = isinstance(value, (int, float, torch.Tensor)) and len(pieces) > 1
+            numeric = isinstance(value, (int, float, torch.Tensor))
             metrics[name] = metrics.get(name, 0.0) + value * share if numeric else value
     return total, metrics
