@@ -23,7 +23,8 @@ import torch
 
 from grpokit.algorithms import SamplerSupport, entropy_from_logits, kept_set_log_softmax, selective_log_softmax
 from grpokit.engines.chunked_head import ChunkedHead, inner_model, plain_reason
-from grpokit.engines.prefix import completion_logits, swapped_head
+from grpokit.engines.prefix import completion_logits, shared_prompts, swapped_head
+from grpokit.trainers.packed_tail import packable, packed_tail_logits
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ def completion_logps(
             log.info("logps take the plain path (full logits) for this model: %s", reason)
     ids = model_inputs["input_ids"]
     if not opts.padding_free:
+        out = _packed_tail(model, model_inputs, logits_to_keep, opts, head)
+        if out is not None:
+            return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy, support)
         out = completion_logits(
             model, logits_to_keep=logits_to_keep, share_prompts=opts.share_prompts, head=head, **model_inputs
         )
@@ -134,6 +138,15 @@ def completion_logps(
     return _unpack(logps_k[0], packed, ids.shape[0], logits_to_keep), (
         _unpack(ent_k[0], packed, ids.shape[0], logits_to_keep) if ent_k is not None else None
     )
+
+
+def _packed_tail(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions, head) -> torch.Tensor | None:
+    """The chunked head's results with shared prompts and packed completions (trainers/packed_tail.py), or None
+    where that path does not apply (the padded path then runs)."""
+    if head is None or not opts.share_prompts or not packable(model, model_inputs, logits_to_keep):
+        return None
+    plan = shared_prompts(model_inputs["input_ids"], logits_to_keep)
+    return None if plan is None else packed_tail_logits(model, model_inputs, logits_to_keep, head, plan)
 
 
 def _split(
