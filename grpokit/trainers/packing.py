@@ -24,7 +24,7 @@ import torch
 from grpokit.algorithms import SamplerSupport, entropy_from_logits, kept_set_log_softmax, selective_log_softmax
 from grpokit.engines.chunked_head import ChunkedHead, inner_model, plain_reason
 from grpokit.engines.prefix import completion_logits, shared_prompts, swapped_head
-from grpokit.trainers.packed_tail import packable, packed_tail_logits
+from grpokit.trainers.packed_groups import packable, packed_group_logits, worth_packing
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def completion_logps(
             log.info("logps take the plain path (full logits) for this model: %s", reason)
     ids = model_inputs["input_ids"]
     if not opts.padding_free:
-        out = _packed_tail(model, model_inputs, logits_to_keep, opts, head)
+        out = _packed_groups(model, model_inputs, logits_to_keep, opts, head)
         if out is not None:
             return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy, support)
         out = completion_logits(
@@ -140,13 +140,16 @@ def completion_logps(
     )
 
 
-def _packed_tail(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions, head) -> torch.Tensor | None:
-    """The chunked head's results with shared prompts and packed completions (trainers/packed_tail.py), or None
+def _packed_groups(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions, head) -> torch.Tensor | None:
+    """The chunked head's results with shared prompts and packed completions (trainers/packed_groups.py), or None
     where that path does not apply (the padded path then runs)."""
     if head is None or not opts.share_prompts or not packable(model, model_inputs, logits_to_keep):
         return None
     plan = shared_prompts(model_inputs["input_ids"], logits_to_keep)
-    return None if plan is None else packed_tail_logits(model, model_inputs, logits_to_keep, head, plan)
+    hidden = model.get_input_embeddings().weight.shape[1]
+    if plan is None or not worth_packing(model_inputs["attention_mask"], logits_to_keep, plan, hidden):
+        return None
+    return packed_group_logits(model, model_inputs, logits_to_keep, head, plan)
 
 
 def _split(

@@ -1,4 +1,4 @@
-"""The packed tail (trainers/packed_tail.py): shared prompts once and the completions without their padding give
+"""The packed row (trainers/packed_groups.py): shared prompts once and the completions without their padding give
 the padded forward's logps, entropies and gradients; batches it cannot pack take the padded path."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_prefix_sharing import _batch, assert_equal_up_to_summation_order
 
-from grpokit.trainers import packed_tail
+from grpokit.trainers import packed_groups
 from grpokit.trainers.packing import ForwardOptions, completion_logps
 
 # numerics: run again by .ci/run under the other dtype choice and torch's default thread count
@@ -42,11 +42,11 @@ def test_packed_tail_equals_the_padded_forward(tiny_model_dir, monkeypatch, lora
     model = _model(tiny_model_dir, lora, attention)
     ids, att, pos, c = _batch(model.get_input_embeddings().weight.shape[0])
     calls = []
-    real = packed_tail.packed_tail_logits
-    monkeypatch.setattr("grpokit.trainers.packing.packed_tail_logits", lambda *a: calls.append(1) or real(*a))
+    real = packed_groups.packed_group_logits
+    monkeypatch.setattr("grpokit.trainers.packing.packed_group_logits", lambda *a: calls.append(1) or real(*a))
     plain = _logps_and_grads(model, ids, att, pos, c, share=False)
     packed = _logps_and_grads(model, ids, att, pos, c, share=True)
-    assert calls == [1]  # the packed tail ran (and only with sharing on)
+    assert calls == [1]  # the packed row ran (and only with sharing on)
     mask = att[:, -c:].bool()
     torch.testing.assert_close(packed[0][mask], plain[0][mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[1][mask], plain[1][mask], atol=1e-5, rtol=1e-5)
@@ -60,8 +60,8 @@ def test_a_completion_with_a_hole_takes_the_padded_path(tiny_model_dir, monkeypa
     model = _model(tiny_model_dir, False, "sdpa")
     ids, att, pos, c = _batch(model.get_input_embeddings().weight.shape[0])
     att[0, -c + 1] = 0  # a masked token inside row 0's completion: not "real tokens, then padding"
-    assert not packed_tail.packable(model, {"input_ids": ids, "attention_mask": att, "position_ids": pos}, c)
-    monkeypatch.setattr("grpokit.trainers.packing.packed_tail_logits", lambda *a: pytest.fail("packed"))
+    assert not packed_groups.packable(model, {"input_ids": ids, "attention_mask": att, "position_ids": pos}, c)
+    monkeypatch.setattr("grpokit.trainers.packing.packed_group_logits", lambda *a: pytest.fail("packed"))
     got = _logps_and_grads(model, ids, att, pos, c, share=True)[0]
     want = _logps_and_grads(model, ids, att, pos, c, share=False)[0]
     mask = att[:, -c:].bool()
@@ -72,7 +72,22 @@ def test_other_attention_or_sliding_window_is_not_packed(tiny_model_dir):
     model = _model(tiny_model_dir, False, "sdpa")
     ids, att, pos, c = _batch(model.get_input_embeddings().weight.shape[0])
     inputs = {"input_ids": ids, "attention_mask": att, "position_ids": pos}
-    assert packed_tail.packable(model, inputs, c)
-    assert not packed_tail.packable(model, {**inputs, "pixel_values": torch.zeros(1)}, c)
+    assert packed_groups.packable(model, inputs, c)
+    assert not packed_groups.packable(model, {**inputs, "pixel_values": torch.zeros(1)}, c)
     model.config.layer_types = ["sliding_attention"] * len(model.config.layer_types)
-    assert not packed_tail.packable(model, inputs, c)
+    assert not packed_groups.packable(model, inputs, c)
+
+
+def test_packing_runs_where_it_costs_less():
+    plan = (torch.tensor([0, 4]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))  # 2 prompts × 4 completions
+    att = torch.zeros(8, 45 + 64, dtype=torch.long)
+    att[:, :45] = 1
+    for row, n in enumerate((64, 40, 30, 20, 64, 30, 20, 10)):  # much padding: packed
+        att[row, 45 : 45 + n] = 1
+    assert packed_groups.worth_packing(att, 64, plan, hidden=576)
+    att[:, 45:] = 1  # no padding: nothing to save, more attention pairs
+    assert not packed_groups.worth_packing(att, 64, plan, hidden=576)
+    long = torch.ones(16, 512 + 1024, dtype=torch.long)  # long completions: the packed row's attention dominates
+    long[:, 512 + 600 :] = 0
+    plan16 = (torch.arange(0, 16, 4), torch.arange(16) // 4)
+    assert not packed_groups.worth_packing(long, 1024, plan16, hidden=896)
