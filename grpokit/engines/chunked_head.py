@@ -122,9 +122,10 @@ class ChunkedHead:
         return base.weight, base.bias, (torch.cat(us, dim=-1), torch.cat(bs, dim=1))
 
     @contextmanager
-    def swap(self, targets: torch.Tensor, rows: torch.Tensor | None = None):
-        """Within the block, the head returns per-token results [len(targets), n, k] for ``targets`` [_, n]
-        (hidden rows picked by ``rows`` first, when given). Yields ``take(out)`` → the checked result."""
+    def swap(self, targets: torch.Tensor, rows: torch.Tensor | tuple | None = None):
+        """Within the block, the head returns per-token results [*targets.shape, k] for ``targets`` (the hidden
+        states indexed by ``rows`` first, when given: batch rows, or a (rows, positions) pair of index tensors).
+        Yields ``take(out)`` → the checked result."""
         produced: list[torch.Tensor] = []
 
         def forward(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:

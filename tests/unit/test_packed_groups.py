@@ -37,10 +37,14 @@ def _logps_and_grads(model, ids, att, pos, c, share: bool):
     return logps.detach(), ent, grads
 
 
-@pytest.mark.parametrize(("lora", "attention"), [(False, "sdpa"), (True, "sdpa"), (False, "eager")])
-def test_packed_tail_equals_the_padded_forward(tiny_model_dir, monkeypatch, lora, attention):
+@pytest.mark.parametrize(
+    ("lora", "attention", "interleaved"), [(False, "sdpa", False), (True, "sdpa", False), (False, "eager", True)]
+)
+def test_packed_rows_equal_the_padded_forward(tiny_model_dir, monkeypatch, lora, attention, interleaved):
     model = _model(tiny_model_dir, lora, attention)
     ids, att, pos, c = _batch(model.get_input_embeddings().weight.shape[0])
+    if interleaved:  # a group's rows need not be next to each other
+        ids, att, pos = (x[[0, 3, 1, 4, 5, 2]] for x in (ids, att, pos))
     calls = []
     real = packed_groups.packed_group_logits
     monkeypatch.setattr("grpokit.trainers.packing.packed_group_logits", lambda *a: calls.append(1) or real(*a))
@@ -87,7 +91,10 @@ def test_packing_runs_where_it_costs_less():
     assert packed_groups.worth_packing(att, 64, plan, hidden=576)
     att[:, 45:] = 1  # no padding: nothing to save, more attention pairs
     assert not packed_groups.worth_packing(att, 64, plan, hidden=576)
-    long = torch.ones(16, 512 + 1024, dtype=torch.long)  # long completions: the packed row's attention dominates
-    long[:, 512 + 600 :] = 0
-    plan16 = (torch.arange(0, 16, 4), torch.arange(16) // 4)
+    plan16 = (torch.arange(0, 16, 4), torch.arange(16) // 4)  # 4 groups of 4 long completions
+    long = torch.ones(16, 512 + 1024, dtype=torch.long)
+    long[:, 512 + 600 :] = 0  # much padding: packed, a row per group keeps the attention pairs bounded
+    assert packed_groups.worth_packing(long, 1024, plan16, hidden=896)
+    long[:, 512:] = 1
+    long[:, 512 + 1000 :] = 0  # little padding in long rows: a group's attention would cost more than it saves
     assert not packed_groups.worth_packing(long, 1024, plan16, hidden=896)
