@@ -124,6 +124,13 @@ def _group_mask(row_grid: torch.Tensor, model) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
+def hidden_size(model) -> int:
+    """The model's hidden size, from its config (a ZeRO-3 partitioned weight has no shape to read it from)."""
+    config = _base(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
 def _base(model):
     inner = inner_model(model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner

@@ -5,6 +5,10 @@ logits at a time (engines/chunked_head.py, algorithms/chunked_logps.py); 0 keeps
 [B, C, V] logits, then ``selective_log_softmax``). Models whose head the chunked path does not understand take
 the plain path, logged once.
 
+With the chunked head, rows that share a prompt (a group's completions) are packed into one row per group, each
+distinct prompt once and no padding, where that costs less than the padded rows (trainers/packed_groups.py); the
+values are the padded path's.
+
 ``--padding_free true`` (ms-swift's option): the micro-batch's rows, without their padding, become one row whose
 ``position_ids`` restart at 0 for each original row, with no attention mask. transformers 5 reads such
 position_ids as packed sequences: its mask builders (``masking_utils``, which eager, sdpa and flex attention use)
@@ -24,7 +28,7 @@ import torch
 from grpokit.algorithms import SamplerSupport, entropy_from_logits, kept_set_log_softmax, selective_log_softmax
 from grpokit.engines.chunked_head import ChunkedHead, inner_model, plain_reason
 from grpokit.engines.prefix import completion_logits, shared_prompts, swapped_head
-from grpokit.trainers.packed_groups import packable, packed_group_logits, worth_packing
+from grpokit.trainers.packed_groups import hidden_size, packable, packed_group_logits, worth_packing
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ def completion_logps(
             log.info("logps take the plain path (full logits) for this model: %s", reason)
     ids = model_inputs["input_ids"]
     if not opts.padding_free:
-        out = _packed_groups(model, model_inputs, logits_to_keep, opts, head)
+        out = _packed_groups(model, model_inputs, logits_to_keep, head)
         if out is not None:
             return _split(out, ids[:, -logits_to_keep:], head, opts.temperature, compute_entropy, support)
         out = completion_logits(
@@ -140,14 +144,14 @@ def completion_logps(
     )
 
 
-def _packed_groups(model, model_inputs: dict, logits_to_keep: int, opts: ForwardOptions, head) -> torch.Tensor | None:
-    """The chunked head's results with shared prompts and packed completions (trainers/packed_groups.py), or None
-    where that path does not apply (the padded path then runs)."""
-    if head is None or not opts.share_prompts or not packable(model, model_inputs, logits_to_keep):
+def _packed_groups(model, model_inputs: dict, logits_to_keep: int, head) -> torch.Tensor | None:
+    """The chunked head's results with each group packed into one row (trainers/packed_groups.py), or None where
+    that does not apply or would not pay (the padded path then runs). One forward per call, so it runs under
+    DDP/FSDP/DeepSpeed wrappers and gradient checkpointing too, unlike the cached prompt sharing."""
+    if head is None or not packable(model, model_inputs, logits_to_keep):
         return None
     plan = shared_prompts(model_inputs["input_ids"], logits_to_keep)
-    hidden = model.get_input_embeddings().weight.shape[1]
-    if plan is None or not worth_packing(model_inputs["attention_mask"], logits_to_keep, plan, hidden):
+    if plan is None or not worth_packing(model_inputs["attention_mask"], logits_to_keep, plan, hidden_size(model)):
         return None
     return packed_group_logits(model, model_inputs, logits_to_keep, head, plan)
 

@@ -1,4 +1,4 @@
-"""The packed row (trainers/packed_groups.py): shared prompts once and the completions without their padding give
+"""The packed rows (trainers/packed_groups.py): each distinct prompt once and the completions without their padding give
 the padded forward's logps, entropies and gradients; batches it cannot pack take the padded path."""
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def test_packed_rows_equal_the_padded_forward(tiny_model_dir, monkeypatch, lora,
     calls = []
     real = packed_groups.packed_group_logits
     monkeypatch.setattr("grpokit.trainers.packing.packed_group_logits", lambda *a: calls.append(1) or real(*a))
+    packed = _logps_and_grads(model, ids, att, pos, c, share=False)  # one forward: packs without prompt sharing
+    assert calls == [1]
+    monkeypatch.setattr("grpokit.trainers.packing._packed_groups", lambda *a: None)
     plain = _logps_and_grads(model, ids, att, pos, c, share=False)
-    packed = _logps_and_grads(model, ids, att, pos, c, share=True)
-    assert calls == [1]  # the packed row ran (and only with sharing on)
     mask = att[:, -c:].bool()
     torch.testing.assert_close(packed[0][mask], plain[0][mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed[1][mask], plain[1][mask], atol=1e-5, rtol=1e-5)
@@ -66,7 +67,7 @@ def test_a_completion_with_a_hole_takes_the_padded_path(tiny_model_dir, monkeypa
     att[0, -c + 1] = 0  # a masked token inside row 0's completion: not "real tokens, then padding"
     assert not packed_groups.packable(model, {"input_ids": ids, "attention_mask": att, "position_ids": pos}, c)
     monkeypatch.setattr("grpokit.trainers.packing.packed_group_logits", lambda *a: pytest.fail("packed"))
-    got = _logps_and_grads(model, ids, att, pos, c, share=True)[0]
+    got = _logps_and_grads(model, ids, att, pos, c, share=True)[0]  # the cached prompt and the padded tail
     want = _logps_and_grads(model, ids, att, pos, c, share=False)[0]
     mask = att[:, -c:].bool()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
