@@ -6,7 +6,8 @@ Here the batch is driven step by step through vLLM's public ``LLMEngine`` API (`
 a waiting update sets (``PauseGate``). When it is set, the unfinished requests are aborted, each keeps the tokens
 and logprobs it has, the lock goes to the update, and once the new weights are in each request is added again as
 its prompt plus its tokens, with the tokens it has left: the continuation samples from the new weights (prefix
-caching makes its prefill cheap), and every token carries the weight version that sampled it. The rollout
+caching makes its prefill cheap), and every token carries the weight version that sampled it (with LoRA versions:
+the one the call asked for, then after a pause the newest, each step naming that version's LoRARequest). The rollout
 server's update pauses when the trainer asks it to (``interrupt``); in colocate mode the trainer's own sync does,
 while the background producer of --max_staleness generates.
 
