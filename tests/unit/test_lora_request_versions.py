@@ -9,12 +9,11 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from support import lora_policy, shake_lora, token_logps
 from test_swift_adapter_route import _client
 
 from grpokit.engines.adapters import AdapterSpec, adapter_tensors, base_tensors
 from grpokit.engines.client import RolloutClient
-from grpokit.modeling import load_causal_lm
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.testing import build_tiny_model
 
@@ -24,17 +23,6 @@ SPEC = AdapterSpec(r=4, lora_alpha=8, use_rslora=False)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-def _policy(tiny, seed: int):
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    model = get_peft_model(load_causal_lm(str(tiny), torch.float32), config)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # B starts at zero: every factor gets a value, so that the adapter changes the model
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
-    return model
 
 
 def _load_version(engine, policy, version: int, base: bool) -> None:
@@ -47,22 +35,13 @@ def _load_version(engine, policy, version: int, base: bool) -> None:
     engine.set_policy_version(version)
 
 
-def _logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 @pytest.fixture(scope="module")
 def served(tiny):
     """A server holding versions 1 and 2 (different adapters over one base), and the two policies."""
     client, state = _client(tiny)
-    old = _policy(tiny, 1)
+    old = lora_policy(tiny, 1)
     new = copy.deepcopy(old)
-    with torch.no_grad():
-        for name, p in new.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
+    shake_lora(new)
     _load_version(state.engine, old, 1, base=True)
     _load_version(state.engine, new, 2, base=False)
     assert state.engine.adapters.loaded == [1, 2]
@@ -84,9 +63,9 @@ def test_a_request_samples_the_version_it_names(served, asked, monkeypatch):
     version = asked if asked is not None else 2  # none named: the newest
     assert choice["weight_versions"] == [version] * len(choice["token_ids"])
     engine = torch.tensor([x["logprob"] for x in choice["logprobs"]["content"]])
-    want = _logps(policies[version], response["prompt_token_ids"], choice["token_ids"])
+    want = token_logps(policies[version], response["prompt_token_ids"], choice["token_ids"])
     torch.testing.assert_close(engine, want, atol=1e-4, rtol=1e-4)
-    other = _logps(policies[3 - version], response["prompt_token_ids"], choice["token_ids"])
+    other = token_logps(policies[3 - version], response["prompt_token_ids"], choice["token_ids"])
     assert not torch.allclose(engine, other, atol=1e-3)  # the two versions do differ on these tokens
 
 

@@ -9,39 +9,28 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from support import flags, server_flags
+from support import flags, lora_policy, server_flags, shake_lora, token_logps, while_generating
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.adapters import AdapterSync, adapter_tensors
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import GrpokitError, ServerError
-from grpokit.modeling import load_causal_lm
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from test_server_support import rollout_server  # noqa: E402
+from test_server_sync_check import PLUGIN  # noqa: E402 - breaks the sync the fault file names
 from test_vllm_train import _args, _logged_steps  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-PLUGIN = Path(__file__).parents[1] / "integration" / "sync_fault_plugin.py"  # breaks the sync it is told to
 LORA = ("--tuner_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--logging_steps", "1")
-
-
-@pytest.fixture(scope="module")
-def fault_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fault") / "fault.txt"
-    path.write_text("none")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -75,39 +64,18 @@ def test_adapter_versions_in_the_vllm_server_keep_the_is_weight_at_one(tiny128, 
     assert server.healthy()
 
 
-def _policy(tiny128):
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
-    model = get_peft_model(load_causal_lm(str(tiny128), torch.float32), config)
-    _shake(model)
-    return model
-
-
-def _shake(model) -> None:
-    """Every LoRA factor gets a large random value: the adapter changes the model's tokens."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
-
-
-def _logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 def test_a_request_samples_the_vllm_version_it_names(tiny128, server, fault_file):
     """Two adapter versions loaded: a request naming the older samples its logprobs, one naming none the newest
     (the one the client synced last), one naming a version not loaded is refused naming the loaded ones."""
     fault_file.write_text("none")
     torch.set_num_threads(1)
-    new = _policy(tiny128)
+    new = lora_policy(tiny128)
     old = copy.deepcopy(new)
     client = RolloutClient(base_urls=[server.url], timeout=120, lora=AdapterSync(True, 16, "the server", keep=2))
     try:
         for version, model in ((1, old), (2, new)):
             if version == 2:
-                _shake(new)
+                shake_lora(new)
             client.set_policy_version(version)
             client.sync_weights_checked(model)  # the factors read back from the version's folder
         requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"What is {i} + 3?"}]) for i in range(3)]
@@ -116,9 +84,9 @@ def test_a_request_samples_the_vllm_version_it_names(tiny128, server, fault_file
             for response in client.infer(requests, config):
                 choice = response.choices[0]
                 engine = torch.tensor([x["logprob"] for x in choice.logprobs["content"]])
-                want = _logps(model, response.prompt_token_ids, choice.token_ids)
+                want = token_logps(model, response.prompt_token_ids, choice.token_ids)
                 assert (engine - want).abs().max() < 1e-3, (asked, engine, want)
-                other = _logps(old if model is new else new, response.prompt_token_ids, choice.token_ids)
+                other = token_logps(old if model is new else new, response.prompt_token_ids, choice.token_ids)
                 assert (engine - other).abs().max() > 1e-2  # the versions differ: the adapter is what is served
         with pytest.raises(ServerError) as info:
             client.infer(requests[:1], RequestConfig(max_tokens=4, weight_version=9))
@@ -132,7 +100,7 @@ def test_a_vllm_rollout_spanning_an_adapter_sync(tiny128, server, fault_file):
     with the version that sampled it and its logprob that version's over the whole prefix (no prefix reused)."""
     fault_file.write_text("none")
     torch.set_num_threads(1)
-    new = _policy(tiny128)
+    new = lora_policy(tiny128)
     old = copy.deepcopy(new)
     lora = AdapterSync(True, 16, "the server", keep=2)
     client = RolloutClient(base_urls=[server.url], timeout=120, partial_rollouts=True, lora=lora)
@@ -142,17 +110,13 @@ def test_a_vllm_rollout_spanning_an_adapter_sync(tiny128, server, fault_file):
         client.sync_weights(old)
         requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"count {i}"}]) for i in range(4)]
         config = RequestConfig(max_tokens=400, temperature=1.0, logprobs=True)
-        worker = threading.Thread(target=lambda: got.extend(client.infer(requests, config)))
-        worker.start()
-        deadline = time.monotonic() + 60
-        while httpx.get(server.url + "/get_engine_type/", timeout=5).json()["inflight_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.05)
-        _shake(new)
-        client.set_policy_version(8)
-        client.sync_weights(new)
-        worker.join(120)
+
+        def sync_again() -> None:
+            shake_lora(new)
+            client.set_policy_version(8)
+            client.sync_weights(new)
+
+        while_generating(server.url, lambda: got.extend(client.infer(requests, config)), sync_again)
     finally:
         client.close()
     spans = 0
@@ -164,7 +128,7 @@ def test_a_vllm_rollout_spanning_an_adapter_sync(tiny128, server, fault_file):
         for version, model in ((7, old), (8, new)):
             idx = [i for i, v in enumerate(versions) if v == version]
             if idx:
-                want = _logps(model, response.prompt_token_ids, tokens)[idx]
+                want = token_logps(model, response.prompt_token_ids, tokens)[idx]
                 assert (engine[idx] - want).abs().max() < 1e-3, version
         spans += len(set(versions)) == 2
     assert len(got) == 4 and spans >= 1
