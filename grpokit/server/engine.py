@@ -238,6 +238,7 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "max_lora_rank": lora,  # None: adapter-only syncs refused (--vllm_enable_lora false)
+            "lora_versions": None if self.adapters is None else self.adapters.loaded,  # what weight_version may name
         }
 
 

@@ -142,4 +142,5 @@ class ServedVllmEngine(CancellableRequests, VllmPartialRollouts, VllmEngine):
 
     def info(self) -> dict:
         lora = None if self.adapters is None else self.adapters.max_rank  # None: adapter-only syncs refused
-        return {**super().info(), "max_model_len": self.max_model_len, "max_lora_rank": lora}
+        versions = None if self.adapters is None else self.adapters.loaded
+        return {**super().info(), "max_model_len": self.max_model_len, "max_lora_rank": lora, "lora_versions": versions}

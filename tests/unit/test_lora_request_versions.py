@@ -77,6 +77,7 @@ def test_a_version_not_loaded_is_refused_naming_the_loaded_ones(served, monkeypa
     assert answer.status_code == 400, answer.text
     message = answer.json()["error"]
     assert "weight_version 5: not loaded on this server (loaded: [1, 2])" in message and "\n" not in message
+    assert client.get("/get_engine_type/").json()["lora_versions"] == [1, 2]  # what a request may name
 
 
 def test_an_unset_version_stays_off_the_wire():

@@ -61,6 +61,8 @@ def test_adapter_versions_in_the_vllm_server_keep_the_is_weight_at_one(tiny128, 
         assert abs(row["rollout_correction/is_weight_mean"] - 1) <= 0.01, row
     adapter = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trainer.policy))
     assert trainer.engine.last_sync_bytes == adapter  # the last sync carried the adapter alone
+    loaded = httpx.get(server.url + "/get_engine_type/", timeout=10).json()["lora_versions"]
+    assert len(loaded) == 3 and loaded == sorted(loaded), loaded  # --max_staleness 2 + 1, the older ones removed
     assert server.healthy()
 
 
