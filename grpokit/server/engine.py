@@ -42,7 +42,8 @@ class CancellableRequests:
 
     async def infer_async(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
         # a request naming its weight version holds it from now: no sync unloads it while the request waits
-        held = self._hold(config.weight_version) if config.weight_version is not None else None
+        asked = (request.request_config or config).weight_version  # its own config wins, as in the batching
+        held = self._hold(asked) if asked is not None else None
         event = CANCEL.get()
         if event is not None:
             self._cancel[id(request)] = (request, event)  # the request is kept alive: its id stays unique
