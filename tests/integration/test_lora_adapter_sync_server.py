@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import lora_policy, shake_lora, token_logps, while_generating
+from support import clients_closed, lora_policy, shake_lora, token_logps, while_generating
 from test_server_support import rollout_server
 from test_server_sync_check import PLUGIN
 from tiny_runs import tiny_run_args
@@ -119,9 +119,9 @@ def test_adapter_sync_trains_as_the_merged_sync(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop"])
-def test_a_broken_adapter_bucket_stops_the_run(tiny, server, fault_file, tmp_path, fault):
+def test_a_broken_adapter_bucket_stops_the_run(tiny, server, fault_file, tmp_path, fault, monkeypatch):
     fault_file.write_text(f"{fault}:0:2")  # the group's 2nd sync: the first adapter-only one (one bucket)
-    with pytest.raises(GrpokitError) as info:
+    with pytest.raises(GrpokitError) as info, clients_closed(monkeypatch):
         _run(tiny, server, tmp_path / fault, "--max_steps", "3")
     message = str(info.value)
     assert "\n" not in message and "lora_" in message, message
