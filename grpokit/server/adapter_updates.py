@@ -1,7 +1,9 @@
 """The rollout server's adapter-only updates (``UpdateWeightsBody.adapter``), around the receive of the buckets:
-``begin`` stages a new LoRA version in the engine's ``AdapterVersions`` (engines/adapter_store.py), ``end``
-commits it (or puts the version in service back when the receive failed). A merged update makes the engine forget
-its versions: the parameters then hold what came.
+``begin`` stages a new LoRA version in the engine's ``adapters`` (an ``AdapterStaging``: the transformers
+engine's ``AdapterVersions``, engines/adapter_store.py, or the vLLM engine's ``ServedVllmAdapters``,
+engines/vllm_adapters.py), ``end`` commits it (or puts the version in service back when the receive failed);
+``refusal`` says, with the dry run, why an update cannot be served at all. A merged update makes the engine forget
+its versions: the weights then hold what came.
 """
 
 from __future__ import annotations
