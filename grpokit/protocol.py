@@ -97,6 +97,13 @@ class RequestConfig(BaseModel):
         description="completion must be JSON valid against this schema: a JSON object, or its JSON text "
         "(a file path is read only from grpokit train's --structured_outputs_json)",
     )
+    weight_version: int | None = Field(
+        None,
+        ge=0,
+        le=2**62,
+        description="the LoRA weight version to sample (a rollout server serving adapter-only syncs keeps several); "
+        "None: the newest",
+    )
 
     @field_validator("temperature")
     @classmethod

@@ -325,6 +325,15 @@ def one_torch_thread():
 # ---------------------------------------------------------------------------------------------------------------
 # tiny models and data
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fault_file(tmp_path_factory) -> Path:
+    """The file that tells tests/integration/sync_fault_plugin.py (loaded into a module's rollout server) which
+    weight sync to break; each test writes its own ("none", "corrupt:B:N", "drop:B:N")."""
+    path = tmp_path_factory.mktemp("fault") / "fault.txt"
+    path.write_text("none")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from grpokit.testing import build_tiny_model

@@ -8,9 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import textwrap
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import torch
 
 # A short in-process run on the tiny model: two optimizer steps of one group of 4, 8 completion tokens, float32,
@@ -162,3 +165,68 @@ def padded_batch(vocab: int = 97) -> tuple[dict, int]:
         ids[row, p - len(pr) : p], att[row, p - len(pr) : p + n] = pr, 1
         ids[row, p : p + n] = torch.randint(3, vocab, (n,), generator=g)
     return {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(-1) - 1).clamp(min=0)}, c
+
+
+# -- LoRA policies for the adapter-only sync tests (tests/unit, tests/integration, tests/vllm) --------------------
+def lora_policy(model_dir: Path, seed: int | None = None):
+    """``model_dir``'s model in float32 with a LoRA adapter (r 4, alpha 8, every linear layer, no dropout) whose
+    factors are all random (``shake_lora``): an adapter that changes the model's tokens."""
+    from peft import LoraConfig, get_peft_model  # not at the top: only the LoRA tests need peft
+
+    from grpokit.modeling import load_causal_lm
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(load_causal_lm(str(model_dir), torch.float32), config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    shake_lora(model)
+    return model
+
+
+def shake_lora(model) -> None:
+    """Every LoRA factor of ``model`` gets new random values (B starts at zero in peft: the delta would be nothing)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.1)
+
+
+def token_logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """``model``'s logprob of each of ``tokens`` after ``prompt`` and the tokens before it."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def while_generating(server_url: str, generate, then, timeout_s: float = 60) -> None:
+    """Run ``generate`` in a thread, and ``then`` once the server at ``server_url`` has requests in flight (a weight
+    update landing mid-rollout); wait for ``generate`` to end."""
+    worker = threading.Thread(target=generate)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(server_url + "/get_engine_type/", timeout=5).json()["inflight_requests"] == 0:
+        assert time.monotonic() < deadline, "the rollout never reached the server"
+        time.sleep(0.01)
+    time.sleep(0.05)
+    then()
+    worker.join(120)
+
+
+@contextlib.contextmanager
+def clients_closed(monkeypatch):
+    """Every ``RolloutClient`` made inside the block is closed at its end, also when the run in it fails: a failed
+    run's trainer outlives it in the traceback, and with it the claim on the server that the next test needs."""
+    from grpokit.engines.client import RolloutClient  # not at the top: collection stays free of the client
+
+    made, init = [], RolloutClient.__init__
+
+    def recording(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(RolloutClient, "__init__", recording)
+    try:
+        yield
+    finally:
+        for client in made:
+            client.close()

@@ -68,6 +68,7 @@ class RolloutClient(InferEngine):
     ) -> None:
         super().__init__(infer_on_loop_thread)
         self._adapters = lora  # adapter-only weight sync (--vllm_enable_lora, engines/adapters.py); None: merged
+        self._synced_version: int | None = None  # the LoRA version the last sync loaded (None: merged weights)
         self.endpoints = endpoints_from(base_urls, hosts, ports)
         self.timeout, self.max_retries, self.backoff_s = float(timeout), max_retries, backoff_s
         api_key = api_key or os.environ.get("GRPOKIT_API_KEY") or None
@@ -177,6 +178,8 @@ class RolloutClient(InferEngine):
         if not requests:
             return []
         max_batch, max_bytes = await asyncio.to_thread(self._limits)
+        if config.weight_version is None and self._synced_version is not None:  # sample the version synced last
+            config = config.model_copy(update={"weight_version": self._synced_version})
         conf, dumped = self._wire(requests, config)
         sizes = [len(json.dumps(d, ensure_ascii=False).encode()) + 1 for d in dumped]  # + the comma
         budget = max_bytes - len(json.dumps(conf).encode()) - BODY_ENVELOPE_BYTES
@@ -206,7 +209,10 @@ class RolloutClient(InferEngine):
     # -- the /infer/ wire, which a client of another protocol overrides (engines/swift_client.py) ----------------
     def _wire(self, requests: list[RolloutInferRequest], config: RequestConfig) -> tuple[dict, list[dict]]:
         """The request config and each request as sent; images as base64 (engines/media_wire.py)."""
-        return config.model_dump(mode="json"), [request_to_wire(r) for r in requests]
+        conf = config.model_dump(mode="json")
+        if conf["weight_version"] is None:  # unset: the newest, and a server without the field takes the body
+            del conf["weight_version"]
+        return conf, [request_to_wire(r) for r in requests]
 
     def _infer_body(self, dumped: list[dict], conf: dict) -> dict:
         return {"requests": dumped, "request_config": conf}
@@ -287,14 +293,18 @@ class RolloutClient(InferEngine):
         dtypes = {info.get("torch_dtype") for info in infos}
         wire = parse_dtype(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None
         t0 = time.perf_counter()
+        adapter = self._adapter_update(model, infos)
+        self._synced_version = None  # until the sync is in: a request naming the version being replaced may fail
         sent = self._sender.sync_summed(
             model,
             wire_dtype=wire,
             backend=self._backend(model),
             sums=sums,
             version=self.policy_version,
-            adapter=self._adapter_update(model, infos),
+            adapter=adapter,
         )
+        # the servers keep this LoRA version under the trainer's number: rollouts from now on ask for it
+        self._synced_version = self.policy_version if adapter is not None else None
         self.last_sync_bytes = sum(b.nbytes for b in sent[0])  # bench/bench_lora_sync.py reads it
         logger.debug(
             "weight sync: %d bytes in %d buckets to %d server(s) in %.2fs",

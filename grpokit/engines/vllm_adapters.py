@@ -1,4 +1,5 @@
-"""Adapter-only weight sync into vLLM colocate (``--vllm_enable_lora``, engines/adapters.py for what is sent).
+"""Adapter-only weight sync into vLLM (``--vllm_enable_lora``, engines/adapters.py for what is sent): colocate
+(``VllmAdapterVersions``) and the rollout server (``ServedVllmAdapters``).
 
 vLLM starts with LoRA enabled (``enable_lora``, ``max_lora_rank`` = ``--vllm_max_lora_rank``, ``max_loras`` = the
 versions kept). The frozen base goes through the engine's ordinary in-place load once (and again when it changed);
@@ -9,6 +10,12 @@ one version is reused under another. Every generate call names the newest versio
 (``--max_staleness`` + 1) are removed, oldest first (colocate generate calls finish before a sync begins, so no
 rollout still samples them). The weight check reads the written folder back (every factor there, with the sums the
 trainer sent) and the logprob probe then samples the new version.
+
+The rollout server's vLLM engine takes the same versions from the weight group (``ServedVllmAdapters``, staged and
+checked as the transformers engine's, engines/adapter_store.py): vLLM starts with ``max_loras`` =
+``--vllm_max_loras``, an update asking to keep more versions is refused before any bytes move, each committed
+version is written and loaded under a name and id never used before, a request samples the version it names (the
+newest where it names none), and a version beyond ``keep`` is removed once no request holds it.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ import json
 import shutil
 import tempfile
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
 
+from grpokit.engines.adapter_store import AdapterStaging
 from grpokit.engines.adapters import (
     AdapterSpec,
     AdapterSync,
@@ -31,9 +39,9 @@ from grpokit.engines.adapters import (
     base_tensors,
 )
 from grpokit.engines.sync_check.checksums import StreamTap, SyncReport, check_stream
-from grpokit.errors import RolloutError
+from grpokit.errors import ConfigError, RolloutError, ServerError
 from grpokit.wire.checksum import tensor_sums
-from grpokit.wire.weights import dtype_name
+from grpokit.wire.weights import dtype_name, parse_dtype
 
 ADAPTER_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -135,6 +143,103 @@ class VllmAdapterVersions:
             old = self.loaded.popleft()
             llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
+
+
+class ServedVllmAdapters(AdapterStaging):
+    """The rollout server's LoRA versions in vLLM (``engine``: its ``ServedVllmEngine``, started with LoRA): each
+    committed version a PEFT folder loaded as a ``LoRARequest`` of a name and id of its own."""
+
+    def __init__(self, engine, max_rank: int, max_loras: int) -> None:
+        super().__init__(max_rank)
+        self.engine, self.max_loras = engine, max_loras
+        self.requests: OrderedDict[int, object] = OrderedDict()  # version -> LoRARequest, oldest first
+        self._replaced: list[tuple[int, object]] = []  # a version synced again: its old request, until released
+        self._serial = 0  # every LoRARequest's id and name: never reused
+        self._root = Path(tempfile.mkdtemp(prefix="grpokit-vllm-lora-"))
+        weakref.finalize(self, shutil.rmtree, self._root, True)
+
+    @property
+    def loaded(self) -> list[int]:
+        return list(self.requests)
+
+    def layer_shape(self, module: str) -> tuple[int, ...] | None:
+        known = self.engine._hf_shapes().get(module + ".weight")
+        return None if known is None else tuple(known[0])
+
+    def factor_place(self, name: str) -> tuple[torch.device, torch.dtype]:
+        return torch.device("cpu"), self.engine.dtype  # written to the version's folder in the engine's dtype
+
+    def refusal(self, keep: int) -> str | None:
+        if keep <= self.max_loras:
+            return None
+        return (
+            f"the trainer keeps {keep} LoRA versions loaded (--max_staleness {keep - 1}) and this server loads at "
+            f"most {self.max_loras}: start grpokit rollout with --vllm_max_loras {keep} or more"
+        )
+
+    def request(self, version: int | None):
+        """The LoRARequest of ``version`` (None: the newest; None where no version is loaded)."""
+        if version is None:
+            return self.requests[self.latest] if self.requests else None
+        request = self.requests.get(version)
+        if request is None:
+            raise ConfigError(f"weight_version {version}: not loaded on this server (loaded: {self.loaded or 'none'})")
+        return request
+
+    def _store(self, staged: dict, factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        from vllm.lora.request import LoRARequest  # vLLM is imported only where it serves
+
+        version, self._serial = staged["version"], self._serial + 1
+        folder = self._root / f"v{version}-{self._serial}"
+        tensors = {f"{m}.lora_{x}.weight": t for m, pair in factors.items() for x, t in zip("AB", pair, strict=True)}
+        write_adapter(folder, staged["spec"], tensors)
+        request = LoRARequest(f"grpokit-v{version}-{self._serial}", self._serial, str(folder))
+        try:
+            self.engine._run(self.engine.llm.llm_engine.add_lora, request)
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ServerError(f"vLLM could not load LoRA version {version}: {str(e).splitlines()[0][:200]}") from e
+        with self._held_lock:
+            old = self.requests.pop(version, None)
+            self.requests[version] = request
+            if old is not None:
+                self._replaced.append((version, old))
+
+    def _unload(self, versions: list[int]) -> list:
+        dropped = [self.requests.pop(v) for v in versions]
+        done = [r for v, r in self._replaced if not self._in_use(v)]
+        self._replaced = [(v, r) for v, r in self._replaced if self._in_use(v)]
+        return dropped + done
+
+    def _cleanup(self, dropped: list) -> None:
+        """Remove the requests from vLLM and their folders, on the vLLM thread once it is free (not waited for:
+        a release on the server's event loop must not wait for a batch)."""
+
+        def remove() -> None:
+            for request in dropped:
+                self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
+                shutil.rmtree(request.lora_path, ignore_errors=True)
+
+        if dropped:
+            self.engine._executor.submit(remove)
+
+    def forget(self) -> None:
+        """A merged update replaced the weights: no version is served any more, nor is the base known."""
+        self._staged = None
+        with self._held_lock:
+            dropped = list(self.requests.values()) + [r for _, r in self._replaced]
+            self.requests.clear()
+            self._replaced = []
+            self.base_id = None
+        self._cleanup(dropped)
+
+    def held_sums(self, names: list[str]) -> dict:
+        """The weight check's adapter part: name -> (sums, dtype) of each factor of the newest version, read back
+        from the folder vLLM loaded it from; names it does not hold are left out."""
+        if not self.requests:
+            return {}
+        _, held = read_back(Path(self.requests[self.latest].lora_path))
+        return {n: (held[n][0], parse_dtype(held[n][1])) for n in names if n in held}
 
 
 def sync_adapter(engine, model, checked: bool) -> SyncReport | None:

@@ -161,8 +161,12 @@ class VllmEngine(InferEngine):
         return [self._response(out, p, config) for out, p in zip(outs, prompts, strict=True)]
 
     def _sample(self, inputs: list[dict], params: list) -> list:  # the served engine steps it: partial rollouts
-        lora = self.adapter_versions.current  # the newest LoRA version (None: merged weights)
-        return self._run(self.llm.generate, inputs, params, use_tqdm=False, lora_request=lora)
+        return self._run(self.llm.generate, inputs, params, use_tqdm=False, lora_request=self._sampling()[0])
+
+    def _sampling(self, resumed: bool = False) -> tuple:
+        """The LoRARequest a generate call names (None: merged weights) and the weight version its tokens are
+        tagged with; ``resumed``: a call continuing after a weight update. Here: the newest version."""
+        return self.adapter_versions.current, self.policy_version
 
     def _sampling_params(self, config: RequestConfig, n_requests: int) -> list:
         from vllm import SamplingParams

@@ -263,7 +263,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
                 422, f"cannot load the weights: {len(metas)} tensors announced, the served model has {count()}"
             )
         problems = check_bucket_sizes(body, int(opts.max_weight_bucket_mb * 1024 * 1024))
-        problems += state.engine.check_weights(metas)
+        problems += state.engine.check_weights(metas) + adapter_updates.refusal(state.engine, body)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise HTTPException(422, f"cannot load the weights: {problems[0]}{more}")

@@ -121,6 +121,7 @@ def _vllm_options(a: argparse.Namespace) -> dict:
             "vllm_tensor_parallel_size",
             "vllm_data_parallel_size",
             "vllm_max_lora_rank",
+            "vllm_max_loras",
         )
     }
     out.update(

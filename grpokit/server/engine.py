@@ -26,6 +26,8 @@ from grpokit.wire.weights import dtype_name, parse_dtype
 
 # The event of the HTTP call being served (set when its client disconnects); the app sets it around each call.
 CANCEL: ContextVar[threading.Event | None] = ContextVar("grpokit_cancel", default=None)
+# The weight version the engine call under way asked for (RequestConfig.weight_version; None: the newest)
+ASKED: ContextVar[int | None] = ContextVar("grpokit_weight_version", default=None)
 
 
 class CancellableRequests:
@@ -39,6 +41,9 @@ class CancellableRequests:
         self._failed: dict[int, tuple[RolloutInferRequest, str]] = {}  # id -> (request kept alive, why it ended)
 
     async def infer_async(self, request: RolloutInferRequest, config: RequestConfig) -> ChatCompletionResponse:
+        # a request naming its weight version holds it from now: no sync unloads it while the request waits
+        asked = (request.request_config or config).weight_version  # its own config wins, as in the batching
+        held = self._hold(asked) if asked is not None else None
         event = CANCEL.get()
         if event is not None:
             self._cancel[id(request)] = (request, event)  # the request is kept alive: its id stays unique
@@ -46,10 +51,33 @@ class CancellableRequests:
             response = await super().infer_async(request, config)
         finally:
             self._cancel.pop(id(request), None)
+            self._release(held)
         failed = self._failed.pop(id(request), None)
         if failed is not None:
             raise ConfigError(failed[1])
         return response
+
+    def _hold(self, version: int | None) -> int | None:
+        """Hold the LoRA version a call samples (engines/adapter_store.py): the one it names (ConfigError, answered
+        400, naming it and the loaded ones where it is not loaded), else the newest; the version held."""
+        adapters = getattr(self, "adapters", None)
+        if adapters is None:
+            if version is not None:
+                raise ConfigError(
+                    f"weight_version {version}: this server holds no LoRA versions (--vllm_enable_lora false); "
+                    "leave it unset"
+                )
+            return None
+        if version is None:
+            version = adapters.latest
+            adapters.hold(version)
+        else:
+            adapters.hold_loaded(version)
+        return version
+
+    def _release(self, version: int | None) -> None:
+        if version is not None:
+            self.adapters.release(version)
 
     def cancel_events(self, requests: list[RolloutInferRequest]) -> list | None:
         events = [self._cancel.get(id(r), (None, None))[1] for r in requests]
@@ -103,17 +131,18 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             if getattr(self.template, "multimodal", False):  # the text path checks the context as it encodes
                 self._check_mm_context(requests, config.max_tokens)
             with self.lock:
+                held = self._hold(config.weight_version)  # stays loaded until the call ends
                 inner = self.logits_processor_factory
                 recorder = self.logits_processor_factory = _Recorder(inner) if inner is not None else None
-                held = self.adapters.active if self.adapters is not None else None
-                if self.adapters is not None:  # the version this call began on stays loaded until it ends
-                    self.adapters.hold(held)
+                token = ASKED.set(config.weight_version)
                 try:
+                    if self.adapters is not None:  # the version asked for, else the newest, is the one served
+                        self.adapters.activate(held)
                     out = super().infer(requests, config)
                 finally:
+                    ASKED.reset(token)
                     self.logits_processor_factory = inner
-                    if self.adapters is not None:
-                        self.adapters.release(held)
+                    self._release(held)
             if recorder is not None:
                 events = self.cancel_events(requests) or [None] * len(requests)
                 for i, message in recorder.failed_rows(config.n).items():
@@ -122,6 +151,14 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             return out
         finally:
             self._forget(requests)
+
+    def _sampled_version(self, resumed: bool = False) -> int | None:
+        """The tag of the tokens sampled now: the version the call asked for, or the newest (``resumed``: after a
+        weight update paused the call, which continues on the newest version, made the one served)."""
+        if resumed and self.adapters is not None:
+            self.adapters.activate(self.adapters.latest)
+        asked = None if resumed else ASKED.get()
+        return asked if asked is not None and self.policy_version is not None else self.policy_version
 
     def _check_mm_context(self, requests: list[RolloutInferRequest], max_tokens: int) -> None:
         """ConfigError (answered 400) when a prompt, image tokens included, plus ``max_tokens`` does not fit.
@@ -178,8 +215,7 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
         """Copy tensors into the model's parameters in place (casting dtype, moving device); during an adapter-only
         update, into the version being staged. Caller holds ``lock``."""
         if self.adapters is not None and self.adapters.staging:
-            self.adapters.load(named)
-            return
+            named = self.adapters.load(named)  # the factors staged, the base copied in place
         for name, tensor in named:
             self._params[name].data.copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
@@ -203,6 +239,7 @@ class ServedTransformersEngine(CancellableRequests, PartialRollouts, Transformer
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "max_lora_rank": lora,  # None: adapter-only syncs refused (--vllm_enable_lora false)
+            "lora_versions": None if self.adapters is None else self.adapters.loaded,  # what weight_version may name
         }
 
 

@@ -12,6 +12,7 @@ from grpokit.server.media import DEFAULT_FORMATS, KNOWN_FORMATS, ImageLimits
 from grpokit.wire.bodies import MAX_SYNC_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
+DEFAULT_MAX_LORAS = 4  # LoRA versions a vLLM server loads at once: enough for a trainer's --max_staleness 3
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ServerOptions:
     vllm_data_parallel_size: int = 1
     vllm_enable_lora: bool | None = None  # adapter-only syncs accepted (engines/adapter_store.py); None: transformers
     vllm_max_lora_rank: int = 16
+    vllm_max_loras: int | None = None  # vllm with LoRA: versions loaded at once (None: 4, for --max_staleness <= 3)
     vllm_use_async_engine: bool = False
     # swift rollout's template option: the default enable_thinking of the server's chat template (prompts that carry
     # the trainer's chat-template kwargs keep theirs); None: the template's own default
@@ -198,13 +200,17 @@ class ServerOptions:
             )
         if self.vllm_enable_lora is None:
             self.vllm_enable_lora = self.engine == "transformers"
-        if self.vllm_enable_lora and self.engine == "vllm":
-            raise ConfigError(
-                f"--vllm_enable_lora true: LoRA adapters in a vLLM rollout server {later}; use --engine "
-                "transformers, or --vllm_enable_lora false (the trainer then sends merged weights)"
-            )
         if self.vllm_max_lora_rank < 1:
             raise ConfigError(f"--vllm_max_lora_rank {self.vllm_max_lora_rank}: must be at least 1")
+        if self.vllm_max_loras is not None and not (self.engine == "vllm" and self.vllm_enable_lora):
+            raise ConfigError(
+                f"--vllm_max_loras {self.vllm_max_loras} applies to --engine vllm --vllm_enable_lora true only "
+                "(the transformers engine keeps the versions the trainer asks for)"
+            )
+        if self.engine == "vllm" and self.vllm_enable_lora:
+            self.vllm_max_loras = DEFAULT_MAX_LORAS if self.vllm_max_loras is None else self.vllm_max_loras
+            if self.vllm_max_loras < 1:
+                raise ConfigError(f"--vllm_max_loras {self.vllm_max_loras}: must be at least 1")
         if self.vllm_use_async_engine:  # swift rollout needs it for multi-turn; here trajectories always overlap
             logger.warning(
                 "--vllm_use_async_engine true: no effect in grpokit rollout; its trajectories always run "
@@ -237,6 +243,12 @@ class ServerOptions:
         if self.vllm_gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = self.vllm_gpu_memory_utilization
         return extra
+
+    def vllm_lora(self) -> tuple[int, int] | None:
+        """(max rank, max versions loaded) vLLM starts with; None: without LoRA."""
+        if self.engine != "vllm" or not self.vllm_enable_lora:
+            return None
+        return self.vllm_max_lora_rank, self.vllm_max_loras
 
     def chat_template_kwargs(self) -> dict:
         """The server's chat-template kwargs (under those a prompt carries from the trainer)."""

@@ -242,6 +242,13 @@ def _add_vllm_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--vllm_max_lora_rank", type=int, default=16, help="largest LoRA rank served unmerged")
     p.add_argument(
+        "--vllm_max_loras",
+        type=int,
+        default=None,
+        help="vllm with --vllm_enable_lora true: LoRA versions loaded at once (default 4: a trainer's "
+        "--max_staleness up to 3); an update asking to keep more is refused",
+    )
+    p.add_argument(
         "--vllm_use_async_engine",
         default="false",
         **flag,

@@ -79,11 +79,14 @@ def build_served_engine(
     max_model_len: int | None = None,
     vllm: dict | None = None,
     max_prefill_mb: float = 128.0,
+    vllm_lora: tuple[int, int] | None = None,
 ):
     """Load ``model_path`` and wrap it in the engine named ``engine`` (``fast_decode``, ``max_prefill_mb``:
-    transformers only; ``vllm``: further ``VllmSettings`` fields)."""
+    transformers only; ``vllm``: further ``VllmSettings`` fields; ``vllm_lora``: vLLM's LoRA rank and versions)."""
     if engine == "vllm":  # vLLM in this process; weights from the sync group are loaded into it in place
-        return ServedVllmEngine.build(model_path, torch_dtype_name, max_batch_size, max_model_len, vllm or {})
+        return ServedVllmEngine.build(
+            model_path, torch_dtype_name, max_batch_size, max_model_len, vllm or {}, lora=vllm_lora
+        )
     if engine != "transformers":
         raise ConfigError(f"--engine {engine}: unknown engine; use transformers or vllm")
     tokenizer = load_tokenizer(model_path)
@@ -153,6 +156,7 @@ def build_state(options: ServerOptions) -> ServerState:
         options.vllm_max_model_len,
         options.vllm_settings(),
         options.max_prefill_mb,
+        options.vllm_lora(),
     )
     engine.template.chat_template_kwargs.update(options.chat_template_kwargs())  # --enable_thinking
     if options.vllm_enable_lora and hasattr(engine, "serve_adapters"):  # adapter-only weight syncs accepted

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from support import clients_closed, lora_policy, shake_lora, token_logps, while_generating
 from test_server_support import rollout_server
 from test_server_sync_check import PLUGIN
 from tiny_runs import tiny_run_args
@@ -22,7 +19,7 @@ from tiny_runs import tiny_run_args
 from grpokit.engines.adapters import AdapterSync, adapter_tensors
 from grpokit.engines.client import RolloutClient
 from grpokit.errors import GrpokitError
-from grpokit.modeling import load_causal_lm, load_tokenizer
+from grpokit.modeling import load_tokenizer
 from grpokit.protocol import RequestConfig, RolloutInferRequest
 from grpokit.template.encode import ChatTemplate
 
@@ -35,13 +32,6 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def fault_file(tmp_path_factory) -> Path:  # what sync_fault_plugin.py breaks, set by each test
-    path = tmp_path_factory.mktemp("fault") / "fault.txt"
-    path.write_text("none")
-    return path
-
-
-@pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory, fault_file):
     env = {"GRPOKIT_TEST_SYNC_FAULT_FILE": str(fault_file)}
     args = ("--torch_dtype", "float32", "--external_plugins", str(PLUGIN))
@@ -49,25 +39,9 @@ def server(tiny, tmp_path_factory, fault_file):
         yield s
 
 
-def _lora(tiny, seed: int):
-    model = get_peft_model(load_causal_lm(str(tiny), torch.float32), LoraConfig(r=4, target_modules="all-linear"))
-    torch.manual_seed(seed)
-    with torch.no_grad():  # B starts at zero: every factor gets a value, so that the adapter changes the model
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.1)
-    return model
-
-
-def _logps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 def test_a_rollout_spanning_an_adapter_sync(tiny, server, one_torch_thread, fault_file):
     fault_file.write_text("none")
-    new = _lora(tiny, 1)  # the policy: its adapter changes in place, its base stays (sent once)
+    new = lora_policy(tiny, 1)  # the policy: its adapter changes in place, its base stays (sent once)
     old = copy.deepcopy(new)
     lora = AdapterSync(True, 16, "the rollout server", keep=2)
     client = RolloutClient(base_urls=[server.url], timeout=60, partial_rollouts=True, lora=lora)
@@ -78,20 +52,13 @@ def test_a_rollout_spanning_an_adapter_sync(tiny, server, one_torch_thread, faul
         requests = [RolloutInferRequest(messages=[{"role": "user", "content": f"count {i}"}]) for i in range(6)]
         got: list = []
         config = RequestConfig(max_tokens=600, temperature=1.0, logprobs=True)
-        worker = threading.Thread(target=lambda: got.extend(client.infer_trajectories(requests, config)))
-        worker.start()
-        deadline = time.monotonic() + 30
-        while httpx.get(server.url + "/get_engine_type/", timeout=5).json()["inflight_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.05)
-        with torch.no_grad():
-            for name, p in new.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.1)
-        client.set_policy_version(8)
-        client.sync_weights(new)  # adapter only: the base is held
-        worker.join(120)
+
+        def sync_again() -> None:
+            shake_lora(new)
+            client.set_policy_version(8)
+            client.sync_weights(new)  # adapter only: the base is held
+
+        while_generating(server.url, lambda: got.extend(client.infer_trajectories(requests, config)), sync_again)
         assert client.last_sync_bytes * 10 < first  # the first sync carried the base
     finally:
         client.close()
@@ -106,7 +73,7 @@ def test_a_rollout_spanning_an_adapter_sync(tiny, server, one_torch_thread, faul
         for version, model in ((7, old), (8, new)):
             idx = [i for i, v in enumerate(versions) if v == version]
             if idx:  # each token under its own version's weights over the whole prefix: no prefix reused
-                torch.testing.assert_close(engine[idx], _logps(model, prompt, tokens)[idx], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(engine[idx], token_logps(model, prompt, tokens)[idx], atol=1e-4, rtol=1e-4)
         spans += len(set(versions)) == 2
     assert spans >= 1
 
@@ -152,9 +119,9 @@ def test_adapter_sync_trains_as_the_merged_sync(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop"])
-def test_a_broken_adapter_bucket_stops_the_run(tiny, server, fault_file, tmp_path, fault):
+def test_a_broken_adapter_bucket_stops_the_run(tiny, server, fault_file, tmp_path, fault, monkeypatch):
     fault_file.write_text(f"{fault}:0:2")  # the group's 2nd sync: the first adapter-only one (one bucket)
-    with pytest.raises(GrpokitError) as info:
+    with pytest.raises(GrpokitError) as info, clients_closed(monkeypatch):
         _run(tiny, server, tmp_path / fault, "--max_steps", "3")
     message = str(info.value)
     assert "\n" not in message and "lora_" in message, message

@@ -27,13 +27,6 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fault_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fault") / "fault.txt"
-    path.write_text("none")
-    return path
-
-
-@pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory, fault_file):
     with rollout_server(
         tiny,

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from grpokit.engines.adapter_store import AdapterVersions
-from grpokit.engines.adapters import AdapterSync, adapter_tensors, base_tensors, unmerged_reason
+from grpokit.engines.adapters import AdapterSpec, AdapterSync, adapter_tensors, base_tensors, unmerged_reason
 from grpokit.engines.weights import iter_sync_weights
 from grpokit.errors import ServerError
 from grpokit.testing import build_tiny_model
@@ -48,7 +48,7 @@ def _served(path, max_rank=16):
 def _sync(store, policy, version, base=True, keep=3, drop=()):
     named = list(base_tensors(policy)) if base else []
     named += list(adapter_tensors(policy))
-    store.begin(version, 2.0, "base-0", keep, [n for n, _ in named])
+    store.begin(version, AdapterSpec(r=4, lora_alpha=8, use_rslora=False), "base-0", keep, [n for n, _ in named])
     store.load([(n, t) for n, t in named if n not in drop])
     return store.commit()
 

@@ -19,6 +19,7 @@ from grpokit.protocol import (
     RolloutOutput,
 )
 from grpokit.server.cli import options_from_argv
+from grpokit.server.options import ServerOptions
 
 
 def _req(prompt_id: str, request_id: str) -> RolloutInferRequest:
@@ -158,6 +159,10 @@ def test_rollout_options_refuse_an_open_unauthenticated_server(monkeypatch):
         ),
         (["--model", "m", "--vllm_max_lora_rank", "0"], "--vllm_max_lora_rank 0: must be at least 1"),
         (
+            ["--model", "m", "--engine", "transformers", "--vllm_max_loras", "8"],
+            "--vllm_max_loras 8 applies to --engine vllm --vllm_enable_lora true only",
+        ),
+        (
             ["--model", "m", "--engine", "transformers", "--vllm_gpu_memory_utilization", "0.5"],
             "applies to --engine vllm only",
         ),
@@ -218,3 +223,12 @@ def test_a_folder_named_vllm_is_not_an_installed_vllm(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert not vllm_installed()
     assert options_from_argv(["--model", "m"]).engine == "transformers"
+
+
+def test_a_vllm_server_with_lora_loads_four_versions_unless_told():
+    """vLLM's max_loras: 4 (a trainer's --max_staleness up to 3), else --vllm_max_loras; vLLM without LoRA: none."""
+    assert ServerOptions(model="m", engine="vllm", vllm_enable_lora=True).vllm_lora() == (16, 4)
+    assert ServerOptions(model="m", engine="vllm", vllm_enable_lora=True, vllm_max_loras=6).vllm_lora() == (16, 6)
+    assert ServerOptions(model="m", engine="vllm").vllm_lora() is None
+    with pytest.raises(ConfigError, match="--vllm_max_loras 0: must be at least 1"):
+        ServerOptions(model="m", engine="vllm", vllm_enable_lora=True, vllm_max_loras=0)

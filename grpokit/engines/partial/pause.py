@@ -25,6 +25,11 @@ class PauseGate:
         self._pausable = True  # False while a call that cannot resume runs (it runs to its end)
         self.partial_resumes = 0
 
+    def _sampled_version(self, resumed: bool = False) -> int | None:
+        """The weight version the tokens sampled now are tagged with (``resumed``: after a weight update paused
+        the call); an engine serving several versions says which one the call samples."""
+        return self.policy_version
+
     def pause_for_update(self) -> None:
         self._pause.set()
 

@@ -47,7 +47,7 @@ class PartialRollouts(PauseGate):
         call with the rest of its random stream (a pause that loads no weights, the sync check's, leaves its
         samples as they would have been, see ``_continue_seeded``); rows paused by an update that failed halfway
         stop where they are (the weights they would continue on are no version at all)."""
-        version = self.policy_version
+        version = self._sampled_version()
         pausable = not (config.structured_outputs_regex or config.structured_outputs_json or PROBING.get())
         seeded = config.seed is not None and config.temperature != 0
         self._pausable = pausable
@@ -65,7 +65,7 @@ class PartialRollouts(PauseGate):
             self._wait_for_update()
             if getattr(self, "weights_incomplete", False):
                 return choices
-            version = self.policy_version
+            version = self._sampled_version(resumed=True)
             done = len(choices[paused[0]].token_ids)  # rows paused together have the same count of new tokens
             rest = config.model_copy(update={"max_tokens": config.max_tokens - done, "seed": None})
             rows = list(range(len(prompts))) if seeded else paused  # seeded: the whole batch draws again

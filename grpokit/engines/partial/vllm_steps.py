@@ -6,7 +6,8 @@ Here the batch is driven step by step through vLLM's public ``LLMEngine`` API (`
 a waiting update sets (``PauseGate``). When it is set, the unfinished requests are aborted, each keeps the tokens
 and logprobs it has, the lock goes to the update, and once the new weights are in each request is added again as
 its prompt plus its tokens, with the tokens it has left: the continuation samples from the new weights (prefix
-caching makes its prefill cheap), and every token carries the weight version that sampled it. The rollout
+caching makes its prefill cheap), and every token carries the weight version that sampled it (with LoRA versions:
+the one the call asked for, then after a pause the newest, each step naming that version's LoRARequest). The rollout
 server's update pauses when the trainer asks it to (``interrupt``); in colocate mode the trainer's own sync does,
 while the background producer of --max_staleness generates.
 
@@ -56,15 +57,16 @@ class VllmPartialRollouts(PauseGate):
         plain = PROBING.get() or any("multi_modal_data" in i for i in inputs)  # the probe runs on, paused or not
         if plain or any(p.n != 1 or p.structured_outputs for p in params):
             outs = super()._sample(inputs, params)
+            version = self._sampling()[1]
             for out in outs:  # run to their end on the weights they began with
                 for c in out.outputs:
-                    c.versions = [self.policy_version] * len(c.token_ids)
+                    c.versions = [version] * len(c.token_ids)
             return outs
         from vllm.sampling_params import RequestOutputKind  # not at the top: vLLM is imported only when served
 
         prompts = [list(i["prompt_token_ids"]) for i in inputs]
         pieces = [_Piece(logprobs=[] if p.logprobs is not None else None) for p in params]
-        todo = list(range(len(inputs)))
+        todo, resumed = list(range(len(inputs))), False
         while todo:
             steps = []
             for i in todo:
@@ -72,24 +74,27 @@ class VllmPartialRollouts(PauseGate):
                 p.max_tokens = params[i].max_tokens - len(pieces[i].token_ids)
                 p.output_kind = RequestOutputKind.DELTA  # each step's new tokens: kept when a pause aborts it
                 steps.append((pieces[i], prompts[i] + pieces[i].token_ids, p))
-            self._run(self._step_until_paused, steps, self.policy_version)
+            lora, version = self._sampling(resumed)  # after a pause: the newest version
+            self._run(self._step_until_paused, steps, version, lora)
             todo = [i for i in todo if pieces[i].finish_reason is None]
             if todo:  # paused: the update loads the new weights, then these continue on them
                 self.partial_resumes += sum(bool(pieces[i].token_ids) for i in todo)
                 self._wait_for_update()
+                resumed = True
         for piece in pieces:
             piece.text = self.tokenizer.decode(piece.token_ids, skip_special_tokens=True)
         return [_Output(prompt, [piece]) for prompt, piece in zip(prompts, pieces, strict=True)]
 
-    def _step_until_paused(self, steps: list[tuple[_Piece, list[int], object]], version) -> None:
+    def _step_until_paused(self, steps: list[tuple[_Piece, list[int], object]], version, lora=None) -> None:
         """On the vLLM thread: step the engine until every request has ended or the pause is set (those still
-        open are then aborted), adding each step's new tokens to the request's piece, tagged ``version``."""
+        open are then aborted), adding each step's new tokens to the request's piece, tagged ``version``;
+        ``lora``: the LoRARequest sampled (None: the weights alone)."""
         engine = self.llm.llm_engine
         by_id = {}
         for piece, prompt, p in steps:
             request_id = f"grpokit-{uuid.uuid4().hex}"
             by_id[request_id] = piece
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, p)
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, p, lora_request=lora)
         try:
             while engine.has_unfinished_requests() and not self._pause.is_set():
                 for out in engine.step():
