@@ -11,6 +11,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from functools import partial
@@ -111,6 +112,16 @@ class GRPOTrainer(TrainerSetup, TrainerCheckpoints):
 
     # -- the loop ------------------------------------------------------------------------------------------------------
     def train(self) -> TrainerState:
+        """Windows until max_steps, then the final save. A run that raises gives its engine back at once (a rollout
+        server's claim and weight group), not at the process's exit: in a notebook the trainer lives on."""
+        try:
+            return self._train()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the run's own error is the one to see
+                self.engine.close()
+            raise
+
+    def _train(self) -> TrainerState:
         step_metrics = MetricsAccumulator()  # the micro-steps' metrics until the next logging step
         resumed = self._resume(step_metrics)  # the rest of a window a checkpoint was taken inside, if any
         if getattr(self.engine, "engine_type", "") == "server":  # the server may hold other weights than --model
