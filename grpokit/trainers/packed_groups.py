@@ -29,7 +29,7 @@ def packable(model, model_inputs: dict, logits_to_keep: int) -> bool:
     """Whether the packed row computes what the padded prompt-sharing path computes for this batch."""
     if set(model_inputs) - {"input_ids", "attention_mask", "position_ids"} or model_inputs["position_ids"] is None:
         return False
-    config = _base(model).config
+    config = getattr(_base(model), "config", None)  # None: a wrapper of the caller's own, not a transformers model
     if getattr(config, "_attn_implementation", None) not in MASK_ATTENTION:
         return False
     layer_types = getattr(config, "layer_types", None)

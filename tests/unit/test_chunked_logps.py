@@ -5,6 +5,7 @@ head), temperature != 1, entropies, prompt sharing and a DDP wrapper."""
 from __future__ import annotations
 
 import gc
+from unittest import mock
 
 import pytest
 import torch
@@ -106,7 +107,8 @@ def _run(model, inputs, c, chunk_size, share=False, temperature=0.8, entropy=Tru
     model.zero_grad()
     torch.manual_seed(1)  # the same dropout masks in both paths
     opts = ForwardOptions(temperature=temperature, chunk_size=chunk_size, padding_free=False, share_prompts=share)
-    logps, ent = completion_logps(model, inputs, c, opts, compute_entropy=entropy)
+    with mock.patch("grpokit.trainers.packing._packed_groups", lambda *a: None):  # both heads on padded rows
+        logps, ent = completion_logps(model, inputs, c, opts, compute_entropy=entropy)
     mask = inputs["attention_mask"][:, -c:].bool()
     (logps * mask).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -147,9 +149,10 @@ def test_lora_logps_and_gradients_equal_plain_path(lora, dropout):
     if lora == "head":
         assert any("lm_head.lora_B" in n for n in plain[2])
         opts = [ForwardOptions(0.8, size, padding_free=False, share_prompts=False) for size in (3, 0)]
-        with model.disable_adapter(), torch.no_grad():  # the reference forward: base head only
-            ref_chunked, ref_plain = (completion_logps(model, inputs, c, o)[0] for o in opts)
-        assert torch.allclose(ref_chunked, ref_plain, atol=TOL, rtol=0)
+        with model.disable_adapter(), torch.no_grad():  # the reference forward: base head only (the chunked head
+            ref_chunked, ref_plain = (completion_logps(model, inputs, c, o)[0] for o in opts)  # on packed rows)
+        mask = inputs["attention_mask"][:, -c:].bool()
+        assert torch.allclose(ref_chunked[mask], ref_plain[mask], atol=TOL, rtol=0)
 
 
 def test_ddp_wrapper_goes_through_its_forward(tmp_path):

@@ -14,7 +14,7 @@ from grpokit.trainers.packing import ForwardOptions, completion_logps
 pytestmark = pytest.mark.numerics
 
 
-def _model(tiny_model_dir, lora: bool, attention: str):
+def _model(tiny_model_dir, lora: bool | str, attention: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -22,7 +22,8 @@ def _model(tiny_model_dir, lora: bool, attention: str):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        targets = ["q_proj", "v_proj", "lm_head"] if lora == "head" else "all-linear"  # "head": the chunked head's
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))  # LoRA term
     return model.train()
 
 
@@ -38,7 +39,8 @@ def _logps_and_grads(model, ids, att, pos, c, share: bool):
 
 
 @pytest.mark.parametrize(
-    ("lora", "attention", "interleaved"), [(False, "sdpa", False), (True, "sdpa", False), (False, "eager", True)]
+    ("lora", "attention", "interleaved"),
+    [(False, "sdpa", False), (True, "sdpa", False), ("head", "sdpa", True), (False, "eager", True)],
 )
 def test_packed_rows_equal_the_padded_forward(tiny_model_dir, monkeypatch, lora, attention, interleaved):
     model = _model(tiny_model_dir, lora, attention)
