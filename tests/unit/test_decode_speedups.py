@@ -1,15 +1,18 @@
-"""The decode loop stops running finished rows (engines/fast_decode.py ``_Rows``) without changing what it returns:
-tokens and logprobs equal those of the loop that runs every row to the end, processors and stopping criteria
-still see the whole batch in its order, and the paused-row draws (``uniform``) index batch rows."""
+"""The decode loop's speed-ups change nothing it returns. It stops running finished rows (engines/fast_decode.py
+``_Rows``): tokens and logprobs equal those of the loop that runs every row to the end, processors and stopping
+criteria still see the whole batch in its order, and the paused-row draws (``uniform``) index batch rows. Its
+dense layers at a few rows (engines/decode_matmul.py) equal ``F.linear``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_fast_decode import _model, _prompts
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import grpokit.engines.fast_decode as fd
+from grpokit.engines.decode_matmul import linear
 from grpokit.engines.fast_decode import FastDecoder
 from grpokit.engines.sampling import inverse_cdf
 from grpokit.errors import RolloutError
@@ -163,3 +166,18 @@ def test_a_non_finite_row_is_named_by_its_batch_row():
     probs = torch.tensor([[0.5, 0.5], [float("nan"), 0.5]])
     with pytest.raises(RolloutError, match="batch row 6"):
         inverse_cdf(probs, torch.full((2, 1), 0.3, dtype=torch.float64), rows=torch.tensor([4, 6]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("shape", [(40, 24), (24, 40)], ids=["wide", "narrow"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_linear_equals_f_linear(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(*shape, generator=g)
+    b = torch.randn(shape[0], generator=g) if bias else None
+    x = torch.randn(rows, 1, shape[1], generator=g)
+    out = linear(x, weight, b)
+    assert out.shape == (rows, 1, shape[0]) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+    half = x.to(torch.bfloat16)  # other dtypes keep F.linear itself
+    assert torch.equal(linear(half, weight.to(half.dtype), None), F.linear(half, weight.to(half.dtype)))
