@@ -1,0 +1,106 @@
+"""Seconds of grpokit's decode loop (engines/fast_decode.py) on one GRPO rollout batch, against the loop as of a
+git revision, alternating in one process (a shared machine's slow spells hit both) with the same seeds.
+
+The batch is P prompts × G samples of the builtin arithmetic prompts, sampled at temperature 1. Both loops get
+the same uniform draws, so they must return the same tokens (checked); the report gives each loop's median
+seconds, its milliseconds per decode step, and the ratio new / baseline.
+
+    python bench/bench_decode.py --model smollm --threads 1 --baseline e8211f5 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import resolve_model  # noqa: E402  (bench/ is no package)
+
+
+def baseline_module(rev: str):
+    """engines/fast_decode.py as of ``rev``, imported under another name (its imports resolve to today's tree)."""
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(
+        ["git", "-C", str(root), "show", f"{rev}:grpokit/engines/fast_decode.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "fast_decode_baseline.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("fast_decode_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm", help="tiny, smollm, or a model folder")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline", default="e8211f5", help="git revision of the loop to compare with")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from grpokit.data.loading import load_dataset_spec, normalize_rows
+    from grpokit.engines import fast_decode
+    from grpokit.modeling import load_causal_lm, load_tokenizer
+    from grpokit.template.encode import ChatTemplate
+
+    path = resolve_model(a.model, Path(tempfile.mkdtemp()))
+    model = load_causal_lm(path, torch.float32).eval()
+    template = ChatTemplate(load_tokenizer(path))
+    rows = normalize_rows(load_dataset_spec("builtin:arithmetic", seed=0), None)
+    prompts = [template.encode_prompt(rows[i]["messages"]) for i in range(a.prompts) for _ in range(a.generations)]
+    width = max(map(len, prompts))
+    pad = template.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+    att = torch.arange(width) >= width - torch.tensor([len(x) for x in prompts])[:, None]  # left padding
+    loops = {"baseline": baseline_module(a.baseline).FastDecoder, "new": fast_decode.FastDecoder}
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    steps = []
+    for r in range(a.repeats):
+        uniform = torch.rand(
+            a.max_new_tokens, len(prompts), 1, dtype=torch.float64, generator=torch.Generator().manual_seed(r)
+        )
+        out = {}
+        for name, cls in loops.items():
+            t0 = time.perf_counter()
+            out[name], _ = cls(model).generate(
+                ids,
+                att.long(),
+                a.max_new_tokens,
+                eos_token_id=template.eos_token_id,
+                pad_token_id=pad,
+                greedy=False,
+                uniform=uniform,
+            )
+            times[name].append(time.perf_counter() - t0)
+        assert torch.equal(out["baseline"], out["new"]), "the loops sampled different tokens"
+        lengths = [(row != pad).sum().item() for row in out["new"]]
+        steps.append(out["new"].shape[1])
+        print(f"repeat {r}: " + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()) + f"  lengths {lengths}")
+    print(
+        f"model {a.model}: {len(prompts)} rows, {a.max_new_tokens} new tokens, {a.threads} threads, "
+        f"median of {a.repeats}"
+    )
+    base = statistics.median(times["baseline"])
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"  {name:9s} {med:6.2f} s  {1000 * med / statistics.mean(steps):6.1f} ms/step  {med / base:.3f}×")
+
+
+if __name__ == "__main__":
+    main()
