@@ -111,11 +111,12 @@ class FastDecoder:
         return cos[:, :, None], sin[:, :, None]
 
     def _reserve(self, rows: int, length: int) -> None:
-        """KV cache room for ``length`` positions (grown in CACHE_CHUNK steps, keeping what is written)."""
+        """KV cache room for ``length`` positions (first exactly, then grown in CACHE_CHUNK steps, keeping what is
+        written)."""
         have = self.k_cache[0].shape[2] if self.k_cache else 0
         if have >= length:
             return
-        size = max(length, have + CACHE_CHUNK)
+        size = max(length, have + CACHE_CHUNK) if have else length
         shape = (rows, self.n_kv, size, self.head_dim)
         for caches in (self.k_cache, self.v_cache):
             for i in range(len(self.layers)):
