@@ -42,6 +42,23 @@ def baseline_module(rev: str):
     return module
 
 
+def batch(a: argparse.Namespace):
+    """The model, its template, and the left-padded prompt ids and mask [P·G, width]."""
+    from grpokit.data.loading import load_dataset_spec, normalize_rows
+    from grpokit.modeling import load_causal_lm, load_tokenizer
+    from grpokit.template.encode import ChatTemplate
+
+    path = resolve_model(a.model, Path(tempfile.mkdtemp()))
+    model = load_causal_lm(path, torch.float32).eval()
+    template = ChatTemplate(load_tokenizer(path))
+    rows = normalize_rows(load_dataset_spec("builtin:arithmetic", seed=0), None)
+    prompts = [template.encode_prompt(rows[i]["messages"]) for i in range(a.prompts) for _ in range(a.generations)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[template.pad_token_id] * (width - len(x)) + x for x in prompts])
+    att = torch.arange(width) >= width - torch.tensor([len(x) for x in prompts])[:, None]  # left padding
+    return model, template, ids, att.long()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm", help="tiny, smollm, or a model folder")
@@ -53,56 +70,42 @@ def main() -> None:
     p.add_argument("--baseline", default="e8211f5", help="git revision of the loop to compare with")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-
-    from grpokit.data.loading import load_dataset_spec, normalize_rows
     from grpokit.engines import fast_decode
-    from grpokit.modeling import load_causal_lm, load_tokenizer
-    from grpokit.template.encode import ChatTemplate
 
-    path = resolve_model(a.model, Path(tempfile.mkdtemp()))
-    model = load_causal_lm(path, torch.float32).eval()
-    template = ChatTemplate(load_tokenizer(path))
-    rows = normalize_rows(load_dataset_spec("builtin:arithmetic", seed=0), None)
-    prompts = [template.encode_prompt(rows[i]["messages"]) for i in range(a.prompts) for _ in range(a.generations)]
-    width = max(map(len, prompts))
+    model, template, ids, att = batch(a)
     pad = template.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
-    att = torch.arange(width) >= width - torch.tensor([len(x) for x in prompts])[:, None]  # left padding
     loops = {"baseline": baseline_module(a.baseline).FastDecoder, "new": fast_decode.FastDecoder}
-    times: dict[str, list[float]] = {k: [] for k in loops}
-    steps = []
+    wall: dict[str, list[float]] = {k: [] for k in loops}
+    cpu: dict[str, list[float]] = {k: [] for k in loops}
     for r in range(a.repeats):
         uniform = torch.rand(
-            a.max_new_tokens, len(prompts), 1, dtype=torch.float64, generator=torch.Generator().manual_seed(r)
+            a.max_new_tokens, len(ids), 1, dtype=torch.float64, generator=torch.Generator().manual_seed(r)
         )
         out = {}
         for name, cls in sorted(loops.items(), reverse=r % 2 == 1):  # each goes first in every other repeat
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out[name], _ = cls(model).generate(
                 ids,
-                att.long(),
+                att,
                 a.max_new_tokens,
                 eos_token_id=template.eos_token_id,
                 pad_token_id=pad,
                 greedy=False,
                 uniform=uniform,
             )
-            times[name].append(time.perf_counter() - t0)
-        assert torch.equal(out["baseline"], out["new"]), "the loops sampled different tokens"
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+        assert torch.equal(out["baseline"], out["new"]), "the loops sampled different tokens: times do not compare"
         lengths = [(row != pad).sum().item() for row in out["new"]]
-        steps.append(out["new"].shape[1])
-        print(f"repeat {r}: " + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()) + f"  lengths {lengths}")
-    print(
-        f"model {a.model}: {len(prompts)} rows, {a.max_new_tokens} new tokens, {a.threads} threads, "
-        f"median of {a.repeats}"
-    )
-    for name, t in times.items():
-        med = statistics.median(t)
-        print(f"  {name:9s} {med:6.2f} s  {1000 * med / statistics.mean(steps):6.1f} ms/step")
-    ratios = [n / b for n, b in zip(times["new"], times["baseline"], strict=True)]
-    print(
-        f"  new / baseline per repeat: {' '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}"
-    )
+        print(f"repeat {r}: " + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in wall.items()) + f"  lengths {lengths}")
+    print(f"model {a.model}: {len(ids)} rows, {a.max_new_tokens} new tokens, {a.threads} threads, {a.repeats} repeats")
+    for label, seconds in (("wall", wall), ("CPU", cpu)):
+        ratios = [n / b for n, b in zip(seconds["new"], seconds["baseline"], strict=True)]
+        print(
+            f"  {label:4s} s: baseline {statistics.median(seconds['baseline']):.2f}, new "
+            f"{statistics.median(seconds['new']):.2f} (medians); new / baseline per repeat "
+            f"{' '.join(f'{x:.3f}' for x in ratios)}, median {statistics.median(ratios):.3f}"
+        )
 
 
 if __name__ == "__main__":
