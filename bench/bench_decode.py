@@ -1,9 +1,10 @@
 """Seconds of grpokit's decode loop (engines/fast_decode.py) on one GRPO rollout batch, against the loop as of a
-git revision, alternating in one process (a shared machine's slow spells hit both) with the same seeds.
+git revision (its loop modules: the weights, the dense products, sampling), alternating in one process (a shared
+machine's slow spells hit both) with the same seeds.
 
 The batch is P prompts × G samples of the builtin arithmetic prompts, sampled at temperature 1. Both loops get
-the same uniform draws, so they must return the same tokens (checked); the report gives each loop's median
-seconds, its milliseconds per decode step, and the ratio new / baseline.
+the same uniform draws, so they must return the same tokens (checked); the report gives each loop's median wall
+and CPU seconds and the ratios new / baseline per repeat (on a shared machine the CPU seconds are the steadier).
 
     python bench/bench_decode.py --model smollm --threads 1 --baseline e8211f5 --repeats 3
 """
@@ -24,21 +25,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import resolve_model  # noqa: E402  (bench/ is no package)
 
+LOOP_MODULES = ("decode_matmul", "decode_weights", "sampling", "fast_decode")  # the loop's own, in import order
+
 
 def baseline_module(rev: str):
-    """engines/fast_decode.py as of ``rev``, imported under another name (its imports resolve to today's tree)."""
+    """engines/fast_decode.py as of ``rev`` with the loop's modules of that revision (LOOP_MODULES, those it has),
+    imported under other names; its other imports (prefix.py, errors) resolve to today's tree."""
     root = Path(__file__).resolve().parent.parent
-    text = subprocess.run(
-        ["git", "-C", str(root), "show", f"{rev}:grpokit/engines/fast_decode.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "fast_decode_baseline.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("fast_decode_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    folder = Path(tempfile.mkdtemp())
+    module = None
+    for name in LOOP_MODULES:
+        show = subprocess.run(
+            ["git", "-C", str(root), "show", f"{rev}:grpokit/engines/{name}.py"], capture_output=True, text=True
+        )
+        if show.returncode:  # not in that revision
+            continue
+        text = show.stdout
+        for other in LOOP_MODULES:
+            text = text.replace(f"from grpokit.engines.{other} import", f"from baseline_{other} import")
+        path = folder / f"baseline_{name}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
     return module
 
 
