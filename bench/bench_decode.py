@@ -3,8 +3,10 @@ git revision (its loop modules: the weights, the dense products, sampling), alte
 machine's slow spells hit both) with the same seeds.
 
 The batch is P prompts × G samples of the builtin arithmetic prompts, sampled at temperature 1. Both loops get
-the same uniform draws, so they must return the same tokens (checked); the report gives each loop's median wall
-and CPU seconds and the ratios new / baseline per repeat (on a shared machine the CPU seconds are the steadier).
+the same uniform draws, so they return the same tokens unless the float rounding of their products differs enough
+to move a draw across a token boundary (said, and a repeat whose lengths then differ is left out). Reported: each
+loop's median wall and CPU seconds and the ratios new / baseline per repeat (on a shared machine the CPU seconds
+are the steadier).
 
     python bench/bench_decode.py --model smollm --threads 1 --baseline e8211f5 --repeats 3
 """
@@ -105,9 +107,16 @@ def main() -> None:
             )
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-        assert torch.equal(out["baseline"], out["new"]), "the loops sampled different tokens: times do not compare"
-        lengths = [(row != pad).sum().item() for row in out["new"]]
-        print(f"repeat {r}: " + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in wall.items()) + f"  lengths {lengths}")
+        lengths = {k: [(row != pad).sum().item() for row in v] for k, v in out.items()}
+        print(
+            f"repeat {r}: " + "  ".join(f"{k} {v[-1]:.2f} s" for k, v in wall.items()) + f"  lengths {lengths['new']}"
+        )
+        if not torch.equal(out["baseline"], out["new"]):  # the products' float rounding differs; so may a draw
+            first = (out["baseline"] != out["new"]).any(0).nonzero()[0, 0].item()
+            print(f"  tokens differ from new token {first} on; baseline lengths {lengths['baseline']}")
+            if lengths["baseline"] != lengths["new"]:  # not the same work: left out of the ratios
+                for seconds in (wall, cpu):
+                    seconds["baseline"].pop(), seconds["new"].pop()
     print(f"model {a.model}: {len(ids)} rows, {a.max_new_tokens} new tokens, {a.threads} threads, {a.repeats} repeats")
     for label, seconds in (("wall", wall), ("CPU", cpu)):
         ratios = [n / b for n, b in zip(seconds["new"], seconds["baseline"], strict=True)]
