@@ -80,10 +80,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline", default="e8211f5", help="git revision of the loop to compare with")
+    p.add_argument("--keep_finished_rows", action="store_true", help="the new loop runs every row to the end")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     from grpokit.engines import fast_decode
 
+    if a.keep_finished_rows:
+        fast_decode.DROP_SHARE = float("inf")
     model, template, ids, att = batch(a)
     pad = template.pad_token_id
     loops = {"baseline": baseline_module(a.baseline).FastDecoder, "new": fast_decode.FastDecoder}
