@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from grpokit.engines.decode_matmul import linear
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -59,7 +60,7 @@ class Dense:
     bias: torch.Tensor | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 @dataclass

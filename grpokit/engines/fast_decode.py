@@ -33,6 +33,9 @@ from grpokit.engines.prefix import shared_prompts
 from grpokit.engines.sampling import check_finite_logits, inverse_cdf
 
 CACHE_CHUNK = 256  # the KV cache grows by this many positions at a time
+# finished rows are dropped from the KV cache once they are this share of its rows: with 8 rows or fewer, each
+# finished row at once; with many, a drop every few finishes (not one whole-cache copy per finished row)
+DROP_SHARE = 0.125
 
 
 class FastDecoder:
@@ -110,11 +113,12 @@ class FastDecoder:
         return cos[:, :, None], sin[:, :, None]
 
     def _reserve(self, rows: int, length: int) -> None:
-        """KV cache room for ``length`` positions (grown in CACHE_CHUNK steps, keeping what is written)."""
+        """KV cache room for ``length`` positions (first exactly, then grown in CACHE_CHUNK steps, keeping what is
+        written)."""
         have = self.k_cache[0].shape[2] if self.k_cache else 0
         if have >= length:
             return
-        size = max(length, have + CACHE_CHUNK)
+        size = max(length, have + CACHE_CHUNK) if have else length
         shape = (rows, self.n_kv, size, self.head_dim)
         for caches in (self.k_cache, self.v_cache):
             for i in range(len(self.layers)):
@@ -212,9 +216,10 @@ class FastDecoder:
         uniform: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New tokens [B, T'] (pad after a row finishes; T' < max_new_tokens when every row stopped early) and,
-        with ``want_logprobs``, each token's log-probability under the processed distribution [B, T'].
-        ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers included).
-        ``uniform`` [T, B, 1] float64: the draws to sample with (a paused row's rest of its stream), else new."""
+        with ``want_logprobs``, each token's log-probability under the processed distribution [B, T'] (0 after a
+        row finishes). ``input_ids`` are left-padded prompts; ``processors`` act as in HF ``generate`` (warpers
+        included). ``uniform`` [T, B, 1] float64: the draws to sample with (a paused row's rest of its stream),
+        else new."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         b, p = input_ids.shape
@@ -228,15 +233,19 @@ class FastDecoder:
             uniform = torch.rand(t_max, b, 1, device=dev, dtype=torch.float64)
         try:
             logits = self._prefill(input_ids, key_valid[:, :p], positions[:, :p], p + t_max)
+            live = _Rows(key_valid, positions)
             unfinished = torch.ones(b, dtype=torch.bool, device=dev)
             tokens, logprobs = [], []
             for t in range(t_max):
                 cur = p + t
-                scores = processors(seqs[:, :cur], logits) if processors else logits
-                tok = _choose(scores, None if greedy else uniform[t], t)
+                scores = live.whole(logits)
+                scores = processors(seqs[:, :cur], scores) if processors else scores
+                tok, lp = _choose(
+                    live.take(scores), None if greedy else live.take(uniform[t]), t, live.index, want_logprobs
+                )
+                tok = torch.where(unfinished, live.spread(tok, pad_token_id), pad_token_id)
                 if want_logprobs:
-                    logprobs.append(scores.log_softmax(-1).gather(1, tok[:, None])[:, 0])
-                tok = torch.where(unfinished, tok, pad_token_id)
+                    logprobs.append(torch.where(unfinished, live.spread(lp, 0.0), 0.0))
                 seqs[:, cur] = tok
                 tokens.append(tok)
                 unfinished &= tok != eos_token_id
@@ -244,18 +253,75 @@ class FastDecoder:
                     unfinished &= ~stopping(seqs[:, : cur + 1], scores)
                 if t == t_max - 1 or not bool(unfinished.any()):
                     break
-                logits = self._next_logits(tok, cur, key_valid, positions)
+                if live.worth_dropping(unfinished):
+                    self.k_cache, self.v_cache = live.drop_finished(unfinished, logits, self.k_cache, self.v_cache)
+                logits = self._next_logits(live.take(tok), cur, live.key_valid, live.positions)
         finally:
             self.k_cache, self.v_cache = [], []
         new = torch.stack(tokens, dim=1)
         return new, (torch.stack(logprobs, dim=1) if want_logprobs else None)
 
 
-def _choose(scores: torch.Tensor, uniform: torch.Tensor | None, t: int) -> torch.Tensor:
-    """The token of each row: the most likely (``uniform`` None: greedy), else drawn by inverse CDF with ``uniform``
-    [B, 1]. A row whose best score is -inf everywhere (all masked) or whose probabilities are NaN is refused."""
+class _Rows:
+    """The batch rows the decode loop still runs the model for, once finished rows are dropped from the KV cache.
+
+    A finished row's tokens are pad and its draws are discarded, so computing it is waste; once at least
+    ``DROP_SHARE`` of the rows in the cache have finished, the cache (every layer's K and V, an index copy) and the
+    rows' key mask and positions keep only the running rows. Everything outside the model keeps the whole batch in
+    its order: the uniform draws are indexed by batch row, and processors and stopping criteria see [B, ...]
+    tensors, a dropped row's scores being its last computed logits (finite, and its token is discarded as
+    before). ``index``: the batch row of each cache row, None while the cache holds every row."""
+
+    def __init__(self, key_valid: torch.Tensor, positions: torch.Tensor) -> None:
+        self.index: torch.Tensor | None = None
+        self.batch = len(key_valid)
+        self.key_valid, self.positions = key_valid, positions
+        self.scores: torch.Tensor | None = None  # [B, V]: the running rows' logits written in each step
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The running rows of a [B, ...] tensor."""
+        return x if self.index is None else x.index_select(0, self.index)
+
+    def spread(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """[B] from the running rows' values, ``fill`` for the dropped rows."""
+        if self.index is None:
+            return x
+        return x.new_full((self.batch,), fill).index_copy_(0, self.index, x)
+
+    def whole(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits from the running rows' ``logits``."""
+        if self.index is None:
+            return logits
+        return self.scores.index_copy_(0, self.index, logits)
+
+    def worth_dropping(self, unfinished: torch.Tensor) -> bool:
+        """Whether DROP_SHARE of the rows run have finished (copying the caches then costs less than running them:
+        on CPU a row's cache copy is under a millisecond, a row's share of a SmolLM2 step several)."""
+        running = self.take(unfinished)
+        done = len(running) - int(running.sum())
+        return done > 0 and done >= DROP_SHARE * len(running)
+
+    def drop_finished(self, unfinished: torch.Tensor, logits: torch.Tensor, *caches: list[torch.Tensor]):
+        """Keep only the unfinished rows; returns ``caches`` (lists of per-layer [rows, ...] tensors) cut to them.
+        ``logits``: this step's, of the rows run (the first drop keeps them as the dropped rows' scores)."""
+        keep = self.take(unfinished).nonzero()[:, 0]
+        if self.index is None:
+            self.scores = logits.clone()
+        self.index = keep if self.index is None else self.index[keep]
+        self.key_valid, self.positions = self.key_valid[keep], self.positions[keep]
+        return tuple([c.index_select(0, keep) for c in cache] for cache in caches)
+
+
+def _choose(
+    scores: torch.Tensor, uniform: torch.Tensor | None, t: int, rows: torch.Tensor | None, want_logprobs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token of each row and, with ``want_logprobs``, its log-probability: the most likely (``uniform`` None:
+    greedy), else drawn by inverse CDF with ``uniform`` [B, 1]. A row whose best score is -inf everywhere (all
+    masked) or whose probabilities are NaN is refused (``rows``: the batch row of each row, for the error)."""
     if uniform is None:
         top, tok = scores.max(-1)
-        check_finite_logits(top.float().clamp(min=torch.finfo(torch.float32).min), t)  # -inf: masked
-        return tok
-    return inverse_cdf(scores.softmax(-1), uniform)  # refuses NaN probabilities
+        check_finite_logits(top.float().clamp(min=torch.finfo(torch.float32).min), t, rows)  # -inf: masked
+    else:
+        tok = inverse_cdf(scores.softmax(-1), uniform, rows)  # refuses NaN probabilities
+    lp = scores.log_softmax(-1).gather(1, tok[:, None])[:, 0] if want_logprobs else None
+    return tok, lp

@@ -19,13 +19,15 @@ from transformers.generation import (
 from grpokit.errors import RolloutError
 
 
-def check_finite_logits(row_values: torch.Tensor, step: int | None = None) -> None:
+def check_finite_logits(row_values: torch.Tensor, step: int | None = None, rows: torch.Tensor | None = None) -> None:
     """RolloutError when a row's ``row_values`` [B] (the rows' largest logit, or their total probability) is
-    NaN or infinite: the model's logits are not finite (at generated token ``step``, when given)."""
+    NaN or infinite: the model's logits are not finite (at generated token ``step``, when given). ``rows``: the
+    batch row of each value, when they are some rows of the batch (the decode loop's rows still running)."""
     bad = ~torch.isfinite(row_values)
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        value = float(row_values[row])
+        i = int(bad.nonzero()[0, 0])
+        value = float(row_values[i])
+        row = i if rows is None else int(rows[i])
         at = "" if step is None else f"at generated token {step} "
         raise RolloutError(
             f"sampling: the model's logits are not finite ({'nan' if math.isnan(value) else value}) "
@@ -47,15 +49,15 @@ class FiniteLogitsCheck(LogitsProcessor):
         return scores
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from ``probs`` [B, V] given uniforms ``u`` [B, 1] in [0, 1): the first index whose
     cumulative probability exceeds u·total. Zero-probability entries add nothing to the running sum, so they are
     never the first to exceed it; u·total is kept strictly below the total against float rounding. The running
     sum is in float64: in float32, once it passes 0.5 a token of probability below ~3e-8 would add nothing and
-    never be drawn."""
+    never be drawn. ``rows``: the batch row of each row of ``probs``, for the error naming a row."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    check_finite_logits(total[:, 0])  # NaN/inf logits give NaN probabilities: no valid index to draw
+    check_finite_logits(total[:, 0], rows=rows)  # NaN/inf logits give NaN probabilities: no valid index to draw
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
