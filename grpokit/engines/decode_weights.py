@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from grpokit.engines.decode_matmul import linear
+from grpokit.engines.decode_matmul import linear, weight_first
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -59,8 +60,12 @@ class Dense:
     weight: torch.Tensor
     bias: torch.Tensor | None
 
+    def __post_init__(self) -> None:
+        # decided once: a per-call check costs a small model's loop more than the product it would pick saves
+        self.product = linear if weight_first(self.weight) else F.linear
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from test_fast_decode import _model, _prompts
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import grpokit.engines.fast_decode as fd
-from grpokit.engines.decode_matmul import linear
+from grpokit.engines.decode_matmul import linear, weight_first
 from grpokit.engines.fast_decode import FastDecoder
 from grpokit.engines.sampling import inverse_cdf
 from grpokit.errors import RolloutError
@@ -176,6 +176,8 @@ def test_few_rows_linear_equals_f_linear(rows, shape, bias):
     weight = torch.randn(*shape, generator=g)
     b = torch.randn(shape[0], generator=g) if bias else None
     x = torch.randn(rows, 1, shape[1], generator=g)
+    assert not weight_first(weight)  # a small weight: its layer calls F.linear
+    assert weight_first(torch.zeros(512, 512)) and not weight_first(torch.zeros(512, 512, dtype=torch.bfloat16))
     out = linear(x, weight, b)
     assert out.shape == (rows, 1, shape[0]) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
