@@ -3,7 +3,7 @@
 A decode step multiplies a handful of rows (one per running sequence) by each weight matrix. On the CPU, torch's
 float32 ``x @ W.T`` for 2 to 8 rows takes a slow BLAS path, and a single row goes to a matrix-vector routine that
 is slower still; the same product written ``(W @ x.T).T`` (the weight as the tall left operand) is a well-tuned
-case. Measured with one thread on a 2-core AVX2 machine (torch 2.13's MKL), the products of one decode step
+case. Measured with one thread on a 2-core AMD EPYC (AVX512; torch 2.13), the products of one decode step
 through SmolLM2-135M's shapes (30 layers and the head), best of 3:
 
     rows                1     2     3     4     5     6     7     8
