@@ -210,23 +210,3 @@ def while_generating(server_url: str, generate, then, timeout_s: float = 60) -> 
     time.sleep(0.05)
     then()
     worker.join(120)
-
-
-@contextlib.contextmanager
-def clients_closed(monkeypatch):
-    """Every ``RolloutClient`` made inside the block is closed at its end, also when the run in it fails: a failed
-    run's trainer outlives it in the traceback, and with it the claim on the server that the next test needs."""
-    from grpokit.engines.client import RolloutClient  # not at the top: collection stays free of the client
-
-    made, init = [], RolloutClient.__init__
-
-    def recording(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(RolloutClient, "__init__", recording)
-    try:
-        yield
-    finally:
-        for client in made:
-            client.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from support import clients_closed, flags, lora_policy, server_flags, shake_lora, token_logps, while_generating
+from support import flags, lora_policy, server_flags, shake_lora, token_logps, while_generating
 
 from grpokit.config.parse import parse_train_args
 from grpokit.engines.adapters import AdapterSync, adapter_tensors
@@ -137,11 +137,9 @@ def test_a_vllm_rollout_spanning_an_adapter_sync(tiny128, server, fault_file):
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "drop"])
-def test_a_broken_adapter_bucket_stops_the_run_naming_the_tensor(
-    tiny128, server, fault_file, tmp_path, fault, monkeypatch
-):
+def test_a_broken_adapter_bucket_stops_the_run_naming_the_tensor(tiny128, server, fault_file, tmp_path, fault):
     fault_file.write_text(f"{fault}:0:2")  # the group's 2nd sync: the first adapter-only one (one bucket)
-    with pytest.raises(GrpokitError) as info, clients_closed(monkeypatch):
+    with pytest.raises(GrpokitError) as info:  # the failed run gives the server back for the next test
         _train(tiny128, server, tmp_path / fault, "--max_steps", "3")
     message = str(info.value)
     assert "\n" not in message and "lora_" in message, message
@@ -151,9 +149,9 @@ def test_a_broken_adapter_bucket_stops_the_run_naming_the_tensor(
         assert "did not arrive" in message, message
 
 
-def test_keeping_more_versions_than_the_server_loads_is_refused(tiny128, server, fault_file, tmp_path, monkeypatch):
+def test_keeping_more_versions_than_the_server_loads_is_refused(tiny128, server, fault_file, tmp_path):
     fault_file.write_text("none")
-    with pytest.raises(GrpokitError) as info, clients_closed(monkeypatch):  # keeps 5 versions; the server loads 4
+    with pytest.raises(GrpokitError) as info:  # keeps 5 versions; the server loads 4
         _train(tiny128, server, tmp_path / "many", "--max_steps", "1", "--max_staleness", "4")
     message = str(info.value)
     assert "\n" not in message and "--vllm_max_loras 5 or more" in message, message
