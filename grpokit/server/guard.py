@@ -9,8 +9,10 @@ page of another site, which sends no ``Origin`` with a GET) 403; a compressed bo
 a missing or wrong API key 401; a body over ``max_body_bytes`` 413; a body whose JSON would parse into more items
 than its endpoint's budget, hold a longer string than ``max_json_string``, or nest deeper than ``MAX_BODY_DEPTH``,
 413/400 (server/json_bounds.py). Bodies are read
-here (up to the limit) and replayed to the application. An answer given before the whole body was read closes the
-connection, so the rest of the body is never waited for.
+here (up to the limit) and replayed to the application. A refused body is read and dropped before the answer when
+that is cheap (up to 64 KiB when refused from its headers, up to 16 MiB past the size limit, within 5 s), since a
+socket closed with bytes unread is reset and the reset can beat the answer to the client; beyond that the
+connection is closed with the rest unread.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ ONCE = (  # refused twice
     b"authorization",
     b"content-encoding",
 )
+# a body refused from its headers is read before the answer when this small, and one past the size limit up to
+# LINGER_BYTES more, each within DRAIN_S: the connection then ends clean; beyond those it is closed unread
+DRAIN_BYTES, LINGER_BYTES, DRAIN_S = 64 << 10, 16 << 20, 5.0
 SCAN_OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are measured in a thread, off the event loop
 
 
@@ -59,6 +64,37 @@ def _has_body(scope) -> bool:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
             return True
     return False
+
+
+async def _drained(scope, receive) -> bool:
+    """Read and drop a refused request's body when it is small and plainly framed (one Content-Length, at most
+    DRAIN_BYTES, no Transfer-Encoding); whether all of it was read."""
+    lengths = [v for n, v in scope.get("headers") or [] if n == b"content-length"]
+    chunked = any(n == b"transfer-encoding" for n, _ in scope.get("headers") or [])
+    if chunked or len(lengths) != 1 or not lengths[0].strip().isdigit() or int(lengths[0]) > DRAIN_BYTES:
+        return False
+    return await _discard(receive, DRAIN_BYTES)
+
+
+async def _discard(receive, budget: int) -> bool:
+    """Read and drop what is left of a request's body, at most ``budget`` bytes within DRAIN_S; whether it ended.
+    A socket closed with unread bytes is reset, and the reset can reach the client before the answer does."""
+
+    async def read_rest() -> bool:
+        left = budget
+        while left >= 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            if not message.get("more_body", False):
+                return True
+            left -= len(message.get("body", b""))
+        return False
+
+    try:
+        return await asyncio.wait_for(read_rest(), DRAIN_S)
+    except TimeoutError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -112,7 +148,10 @@ class GuardMiddleware:
         refusal = self._refuse_headers(scope)
         if refusal is not None:
             status, message, headers = refusal
-            if CLOSE in headers and status != 400 and not _has_body(scope):
+            # a small body is read first: closing a socket with unread bytes resets it, and the reset can reach
+            # the client before the answer does
+            unread = _has_body(scope) and not await _drained(scope, receive)
+            if CLOSE in headers and status != 400 and not unread:
                 headers = [h for h in headers if h != CLOSE]  # nothing unread: the connection can serve on
             await _send_error(send, status, message, headers)
             return
@@ -193,6 +232,8 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.policy.max_body_bytes:
+                if message.get("more_body", False):  # the rest is read and dropped, within bounds, so that the
+                    await _discard(receive, LINGER_BYTES)  # client gets the answer; past them it is closed on
                 await _send_error(send, 413, self._too_big_message(size, at_least=True), [CLOSE])
                 return None
             chunks.append(chunk)
