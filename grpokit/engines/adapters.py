@@ -150,6 +150,13 @@ class AdapterSync:
         self._said: set[str] = set()
         self._session = uuid.uuid4().hex  # told apart from another trainer's base with the same fingerprint
 
+    @classmethod
+    def for_run(cls, rollout, engine: str) -> AdapterSync:
+        """A training run's, from its rollout options: ``--vllm_enable_lora``, ``--vllm_max_lora_rank``, and the
+        versions the engine keeps loaded (``--max_staleness K``: K + 1, the oldest a window may sample)."""
+        keep = 1 + (rollout.max_staleness or 0)
+        return cls(rollout.vllm_enable_lora, rollout.vllm_max_lora_rank, engine, keep=keep)
+
     def plan(self, model, engine_reason: str | None = None) -> AdapterSpec | None:
         """The adapter to send alone, or None for a merged sync (why, logged once). ``engine_reason``: why the
         engine cannot serve LoRA (None: it can)."""

@@ -101,9 +101,7 @@ class RolloutClient(InferEngine):
             infer_on_loop_thread=infer_on_loop_thread,
             partial_rollouts=r.partial_rollouts,
             claim=True,
-            lora=AdapterSync(
-                r.vllm_enable_lora, r.vllm_max_lora_rank, "the rollout server", keep=1 + (r.max_staleness or 0)
-            ),
+            lora=AdapterSync.for_run(r, "the rollout server"),
         )
 
     # -- HTTP ----------------------------------------------------------------------------------------------

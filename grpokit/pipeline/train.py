@@ -172,7 +172,7 @@ def build_engine(cfg: TrainConfig, template: ChatTemplate):
         if r.vllm_enable_lora and cfg.model.tuner_type == "lora" and r.partial_rollouts:
             logger.warning("--vllm_enable_lora: vLLM colocate syncs merged weights with --partial_rollouts true")
         elif r.vllm_enable_lora and cfg.model.tuner_type == "lora":
-            lora = AdapterSync(True, r.vllm_max_lora_rank, "vLLM colocate", keep=1 + (r.max_staleness or 0))
+            lora = AdapterSync.for_run(r, "vLLM colocate")
         return engine.from_rollout_args(
             r,
             resolve_model_path(cfg.model),
