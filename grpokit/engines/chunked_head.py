@@ -37,6 +37,12 @@ def inner_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside the wrappers above and peft's (its ``config``, its input embeddings)."""
+    inner = inner_model(model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def _output_transform(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

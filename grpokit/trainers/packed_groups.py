@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.engines.chunked_head import inner_model
+from grpokit.engines.chunked_head import hf_model
 from grpokit.engines.prefix import swapped_head
 
 MASK_ATTENTION = ("sdpa", "eager")  # attention implementations that read a 4D mask as given
@@ -29,7 +29,7 @@ def packable(model, model_inputs: dict, logits_to_keep: int) -> bool:
     """Whether the packed row computes what the padded prompt-sharing path computes for this batch."""
     if set(model_inputs) - {"input_ids", "attention_mask", "position_ids"} or model_inputs["position_ids"] is None:
         return False
-    config = getattr(_base(model), "config", None)  # None: a wrapper of the caller's own, not a transformers model
+    config = getattr(hf_model(model), "config", None)  # None: a wrapper of the caller's own, not a transformers model
     if getattr(config, "_attn_implementation", None) not in MASK_ATTENTION:
         return False
     layer_types = getattr(config, "layer_types", None)
@@ -117,7 +117,7 @@ def _group_mask(row_grid: torch.Tensor, model) -> torch.Tensor:
     keys, queries = row_grid[:, None, :], row_grid[:, :, None]
     mask = (idx[None, None] <= idx[None, :, None]) & (keys != -2) & ((keys == -1) | (keys == queries))
     mask = (mask | torch.eye(length, dtype=torch.bool, device=mask.device))[:, None]
-    base = _base(model)
+    base = hf_model(model)
     if base.config._attn_implementation == "sdpa":
         return mask
     dtype = base.get_input_embeddings().weight.dtype
@@ -126,11 +126,6 @@ def _group_mask(row_grid: torch.Tensor, model) -> torch.Tensor:
 
 def hidden_size(model) -> int:
     """The model's hidden size, from its config (a ZeRO-3 partitioned weight has no shape to read it from)."""
-    config = _base(model).config
+    config = hf_model(model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.hidden_size)
-
-
-def _base(model):
-    inner = inner_model(model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from grpokit.algorithms import SamplerSupport, entropy_from_logits, kept_set_log_softmax, selective_log_softmax
-from grpokit.engines.chunked_head import ChunkedHead, inner_model, plain_reason
+from grpokit.engines.chunked_head import ChunkedHead, hf_model, plain_reason
 from grpokit.engines.prefix import completion_logits, shared_prompts, swapped_head
 from grpokit.trainers.packed_groups import hidden_size, packable, packed_group_logits, worth_packing
 
@@ -77,8 +77,7 @@ def check_packing(model, model_inputs: dict) -> None:
             f"--padding_free true packs input_ids, attention_mask and position_ids only; the model "
             f"inputs also have {extra}: use --padding_free false"
         )
-    inner = inner_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    base = hf_model(model)
     impl = getattr(base.config, "_attn_implementation", None)
     if impl not in PACKING_ATTENTION:
         raise ValueError(
